@@ -1,0 +1,16 @@
+"""fastce_torch: fused cross-entropy for PyTorch (Triton kernels behind torch.library custom ops)."""
+
+import os
+import sys
+
+import torch
+
+# Without a GPU the Triton kernels can only run in Triton's interpreter, and that must be chosen before triton is
+# first imported (its standard library is decorated at import). Compiled kernels could not run here anyway.
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from .cross_entropy import CrossEntropyLoss, cross_entropy, cross_entropy_reference  # noqa: E402
+
+__all__ = ["cross_entropy", "cross_entropy_reference", "CrossEntropyLoss"]
+__version__ = "0.1.0"

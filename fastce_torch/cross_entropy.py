@@ -1,0 +1,288 @@
+"""Fused cross-entropy for PyTorch: launchers, torch.library custom ops with autograd, the functional
+`cross_entropy`, the `CrossEntropyLoss` module, and `cross_entropy_reference` (the same contract in plain torch).
+
+The custom ops only compute per-token losses and their gradient; the reduction over tokens is ordinary torch
+arithmetic on a vector of N floats (deterministic, no host synchronisation), and autograd turns it into the
+per-token upstream gradient that the backward kernel reads (stride 0 when it is one broadcast scalar).
+"""
+
+import math
+
+import torch
+import triton
+
+from . import kernels as _kernels
+
+REDUCTIONS = ("none", "mean", "sum")
+BACKENDS = ("auto", "kernel", "reference")
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Block sizes and warps, tuned on the H200 (bench/tune.py): forward tiles of 4096 with 8 warps keep enough loads
+# in flight on a long row; backward tiles of 2048 with 4 warps give many small programs that stream read+write.
+# Chunks of at most 65536 columns split long rows so that even a few rows give the GPU ~1024 programs.
+FORWARD_BLOCK, FORWARD_WARPS = 4096, 8
+BACKWARD_BLOCK, BACKWARD_WARPS = 2048, 4
+MAX_CHUNK, TARGET_PROGRAMS = 65536, 1024
+
+
+def _kernels_for(tensor):
+    if not tensor.is_cuda and not _kernels.INTERPRETED:
+        raise RuntimeError("the Triton kernels need CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 before "
+                           "triton is first imported, or use backend='reference'")
+    return _kernels
+
+
+def launch_config(n_rows, vocab):
+    """(forward tile, chunk width, number of chunks) for an N x V problem."""
+    block = min(FORWARD_BLOCK, triton.next_power_of_2(vocab))
+    chunk = max(block, min(MAX_CHUNK, triton.next_power_of_2(vocab)))
+    while chunk > block and n_rows * triton.cdiv(vocab, chunk) < TARGET_PROGRAMS:
+        chunk //= 2
+    return block, chunk, triton.cdiv(vocab, chunk)
+
+
+def _flags(logit_scaling, logit_softcapping, label_smoothing, z_loss):
+    return dict(HAS_SCALING=logit_scaling != 0.0, HAS_SOFTCAP=logit_softcapping > 0.0,
+                HAS_SMOOTHING=label_smoothing > 0.0, HAS_Z_LOSS=z_loss != 0.0)
+
+
+def forward_kernels(logits, labels, ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss):
+    """Per-token float32 (loss, lse) of a 2-D logits (rows may be strided) and 1-D labels."""
+    n_rows, vocab = logits.shape
+    kernels = _kernels_for(logits)
+    flags = _flags(logit_scaling, logit_softcapping, label_smoothing, z_loss)
+    block, chunk, n_chunks = launch_config(n_rows, vocab)
+    partial_max = torch.empty((n_rows, n_chunks), dtype=torch.float32, device=logits.device)
+    partial_sum = torch.empty_like(partial_max)
+    partial_sumz = torch.empty_like(partial_max) if flags["HAS_SMOOTHING"] else partial_max
+    loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty_like(loss)
+    if n_rows == 0:
+        return loss, lse
+    kernels._forward_chunk_kernel[(n_rows, n_chunks)](
+        logits, logits.stride(0), labels, partial_max, partial_sum, partial_sumz,
+        vocab, chunk, n_chunks, ignore_index, logit_scaling, logit_softcapping,
+        BLOCK=block, HAS_SCALING=flags["HAS_SCALING"], HAS_SOFTCAP=flags["HAS_SOFTCAP"],
+        NEED_SUM_Z=flags["HAS_SMOOTHING"], num_warps=FORWARD_WARPS if block >= 4096 else 4,
+    )
+    kernels._forward_finish_kernel[(n_rows,)](
+        logits, logits.stride(0), labels, partial_max, partial_sum, partial_sumz, loss, lse,
+        vocab, n_chunks, ignore_index, logit_scaling, logit_softcapping, label_smoothing, z_loss,
+        CHUNKS_BLOCK=triton.next_power_of_2(n_chunks), num_warps=1, **flags,
+    )
+    return loss, lse
+
+
+def backward_kernels(grad_loss, logits, labels, lse, grad, ignore_index, logit_softcapping, logit_scaling,
+                     label_smoothing, z_loss):
+    """Writes d(sum_t grad_loss_t * loss_t)/d logits into `grad`, which may be `logits` itself."""
+    n_rows, vocab = logits.shape
+    if n_rows == 0:
+        return grad
+    block = min(BACKWARD_BLOCK, triton.next_power_of_2(vocab))
+    _kernels_for(logits)._backward_kernel[(n_rows, triton.cdiv(vocab, block))](
+        logits, logits.stride(0), grad, grad.stride(0), labels, lse, grad_loss, grad_loss.stride(0),
+        vocab, ignore_index, logit_scaling, logit_softcapping, label_smoothing, z_loss,
+        BLOCK=block, num_warps=BACKWARD_WARPS, **_flags(logit_scaling, logit_softcapping, label_smoothing, z_loss),
+    )
+    return grad
+
+
+# --- custom ops: torch.compile sees opaque ops with fake implementations and no graph break -------------------
+
+@torch.library.custom_op("fastce::cross_entropy_forward", mutates_args=())
+def _forward_op(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, logit_softcapping: float,
+                logit_scaling: float, label_smoothing: float, z_loss: float,
+                inplace_backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return forward_kernels(logits, labels, ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss)
+
+
+@_forward_op.register_fake
+def _(logits, labels, ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss, inplace_backward):
+    n_rows = logits.shape[0]
+    return logits.new_empty(n_rows, dtype=torch.float32), logits.new_empty(n_rows, dtype=torch.float32)
+
+
+@torch.library.custom_op("fastce::cross_entropy_backward", mutates_args=())
+def _backward_op(grad_loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                 ignore_index: int, logit_softcapping: float, logit_scaling: float, label_smoothing: float,
+                 z_loss: float) -> torch.Tensor:
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    return backward_kernels(grad_loss, logits, labels, lse, grad, ignore_index, logit_softcapping, logit_scaling,
+                            label_smoothing, z_loss)
+
+
+@_backward_op.register_fake
+def _(grad_loss, logits, labels, lse, ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+@torch.library.custom_op("fastce::cross_entropy_backward_", mutates_args=("logits",))
+def _backward_inplace_op(grad_loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                         ignore_index: int, logit_softcapping: float, logit_scaling: float, label_smoothing: float,
+                         z_loss: float) -> None:
+    # Declared as mutating `logits`, so autograd bumps its version: any other op that saved these logits for its
+    # own backward then fails loudly instead of reading gradients as if they were logits.
+    backward_kernels(grad_loss, logits, labels, lse, logits, ignore_index, logit_softcapping, logit_scaling,
+                     label_smoothing, z_loss)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, labels, *options, inplace_backward = inputs
+    ctx.save_for_backward(logits, labels, output[1])
+    ctx.options = options
+    ctx.inplace_backward = inplace_backward
+
+
+def _backward(ctx, grad_loss, grad_lse):
+    logits, labels, lse = ctx.saved_tensors
+    if ctx.inplace_backward and not torch.compiler.is_compiling():
+        _backward_inplace_op(grad_loss, logits, labels, lse, *ctx.options)
+        grad = logits
+    else:
+        grad = _backward_op(grad_loss, logits, labels, lse, *ctx.options)
+    return grad, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("fastce::cross_entropy_forward", _backward, setup_context=_setup_context)
+
+
+# --- the contract ----------------------------------------------------------------------------------------------
+
+def _check_arguments(logits, labels, ignore_index, reduction, n_items, logit_softcapping, logit_scaling,
+                     label_smoothing, z_loss, backend):
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating-point tensor, got {getattr(logits, 'dtype', type(logits))}")
+    if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"labels must be an int32 or int64 tensor, got {getattr(labels, 'dtype', type(labels))}")
+    if logits.dim() < 1 or tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"labels must have the leading shape of logits: logits {tuple(logits.shape)}, "
+                         f"labels {tuple(labels.shape)}")
+    if logits.shape[-1] < 1:
+        raise ValueError("logits must have a vocabulary dimension of at least 1")
+    if labels.device != logits.device:
+        raise ValueError(f"labels are on {labels.device} but logits on {logits.device}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if isinstance(n_items, (int, float)) and not isinstance(n_items, bool) and n_items <= 0:
+        raise ValueError(f"n_items must be positive, got {n_items}")
+    if not math.isfinite(logit_softcapping) or logit_softcapping < 0:
+        raise ValueError(f"logit_softcapping must be >= 0 (0 disables it), got {logit_softcapping}")
+    if not math.isfinite(logit_scaling):
+        raise ValueError(f"logit_scaling must be finite (0 disables it), got {logit_scaling}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not math.isfinite(z_loss):
+        raise ValueError(f"z_loss must be finite, got {z_loss}")
+
+
+def _validate_labels(labels, vocab, ignore_index):
+    """Eager, opt-in (it synchronises): raise on the first label outside [0, V) that is not ignore_index."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if bool(bad.any()):
+        position = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"labels{list(position)} = {int(labels[position])} is outside [0, {vocab}) "
+                         f"and is not ignore_index ({ignore_index})")
+
+
+def _is_intermediate(tensor):
+    """True when the tensor's storage belongs to the autograd graph alone (not a leaf, not a view of one)."""
+    base = tensor if tensor._base is None else tensor._base
+    return tensor.requires_grad and not tensor.is_leaf and not base.is_leaf
+
+
+def _reduce(token_losses, labels, reduction, n_items, ignore_index):
+    if reduction == "none":
+        return token_losses
+    total = token_losses.sum()
+    if reduction == "sum" and n_items is None:
+        return total
+    if n_items is None:
+        # Mean over the tokens that count; an all-ignored batch gives 0/1 = 0 and a zero gradient.
+        n_items = (labels != ignore_index).sum().clamp_min(1)
+    if isinstance(n_items, torch.Tensor):
+        n_items = n_items.to(device=total.device, dtype=torch.float32)
+    return total / n_items
+
+
+def cross_entropy_reference(logits, labels, *, ignore_index=-100, logit_softcapping=0.0, logit_scaling=0.0,
+                            label_smoothing=0.0, z_loss=0.0):
+    """Per-token float32 losses of the contract in plain torch (differentiable; used by backend='reference')."""
+    ignored = labels == ignore_index
+    in_range = (labels >= 0) & (labels < logits.shape[-1])
+    # Ignored rows are zeroed before any arithmetic, so NaN there cannot leak into their (zero) gradient.
+    z = torch.where(ignored.unsqueeze(-1), 0.0, logits.float())
+    if logit_scaling != 0.0:
+        z = z * logit_scaling
+    if logit_softcapping > 0.0:
+        z = logit_softcapping * torch.tanh(z / logit_softcapping)
+    lse = torch.logsumexp(z, dim=-1)
+    z_label = z.gather(-1, torch.where(in_range, labels, 0).long().unsqueeze(-1)).squeeze(-1)
+    loss = lse - z_label
+    if label_smoothing > 0.0:
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - z.mean(dim=-1))
+    if z_loss != 0.0:
+        loss = loss + z_loss * lse * lse
+    loss = torch.where(in_range, loss, float("nan"))
+    return torch.where(ignored, 0.0, loss)
+
+
+def cross_entropy(logits, labels, *, ignore_index=-100, reduction="mean", n_items=None, logit_softcapping=0.0,
+                  logit_scaling=0.0, label_smoothing=0.0, z_loss=0.0, backend="auto", inplace_backward=True,
+                  validate_labels=False):
+    """Cross-entropy of logits (..., V) against integer labels (...), fused on the GPU.
+
+    Returns a float32 scalar ("mean", "sum") or per-token losses shaped like labels ("none"). See CONTRACT.md.
+    With inplace_backward=True (the default) the backward writes the gradient into the logits' own buffer when
+    logits is an intermediate (non-leaf) tensor, so the loss costs no gradient-sized allocation: the logits are
+    consumed by backward. Leaf tensors are never overwritten.
+    """
+    _check_arguments(logits, labels, ignore_index, reduction, n_items, logit_softcapping, logit_scaling,
+                     label_smoothing, z_loss, backend)
+    vocab = logits.shape[-1]
+    if validate_labels:
+        _validate_labels(labels, vocab, ignore_index)
+    options = dict(ignore_index=ignore_index, logit_softcapping=float(logit_softcapping),
+                   logit_scaling=float(logit_scaling), label_smoothing=float(label_smoothing), z_loss=float(z_loss))
+    use_kernel = backend == "kernel" or (backend == "auto" and logits.is_cuda)
+    if use_kernel:
+        if logits.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"logits must be float32, bfloat16 or float16 for the kernels, got {logits.dtype}")
+        logits_2d = logits.reshape(-1, vocab)
+        if logits_2d.stride(-1) != 1:
+            logits_2d = logits_2d.contiguous()
+        labels_1d = labels.reshape(-1).contiguous()
+        inplace = bool(inplace_backward) and _is_intermediate(logits)
+        token_losses, _ = _forward_op(logits_2d, labels_1d, *options.values(), inplace)
+        token_losses = token_losses.view(labels.shape)
+    else:
+        token_losses = cross_entropy_reference(logits, labels, **options)
+    return _reduce(token_losses, labels, reduction, n_items, ignore_index)
+
+
+class CrossEntropyLoss(torch.nn.Module):
+    """torch.nn.CrossEntropyLoss's arguments plus fastce's options; classes are on the LAST dimension."""
+
+    def __init__(self, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
+                 logit_softcapping=0.0, logit_scaling=0.0, z_loss=0.0, backend="auto", inplace_backward=True,
+                 validate_labels=False):
+        super().__init__()
+        if weight is not None:
+            raise NotImplementedError("class weights are not supported by fastce")
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.options = dict(label_smoothing=label_smoothing, logit_softcapping=logit_softcapping,
+                            logit_scaling=logit_scaling, z_loss=z_loss, backend=backend,
+                            inplace_backward=inplace_backward, validate_labels=validate_labels)
+
+    def forward(self, input, target, n_items=None):
+        return cross_entropy(input, target, ignore_index=self.ignore_index, reduction=self.reduction,
+                             n_items=n_items, **self.options)
+
+    def extra_repr(self):
+        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, " + ", ".join(
+            f"{k}={v!r}" for k, v in self.options.items())

@@ -1,0 +1,163 @@
+"""Triton kernels for the fused cross-entropy (see CONTRACT.md for the math).
+
+Three kernels, each reading the logits at most once:
+  _forward_chunk_kernel   grid (N, C): one program walks one chunk of one row, one exp per element,
+                          and leaves that chunk's running max, sum of exp and sum of z in float32 partials.
+  _forward_finish_kernel  grid (N,): combines a row's C partials into its logsumexp, reads the label logit
+                          with one masked scalar load, writes the per-token loss and lse.
+  _backward_kernel        grid (N, cdiv(V, BLOCK)): recomputes z, writes the gradient in one pass, in place
+                          when the caller passes the logits buffer as the gradient buffer.
+Rows whose label is ignore_index are never read: their partials are empty and their gradient is written as zeros.
+Row offsets are 64-bit, so N*V beyond 2**31 elements is fine.
+"""
+
+import triton
+import triton.language as tl
+from triton import knobs
+
+INTERPRETED = bool(knobs.runtime.interpret)
+
+
+@triton.jit
+def _tanh(x):
+    # libdevice's tanh is not available in Triton's interpreter; this form is exact enough and never overflows.
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
+def _transform(x, scaling, softcap, HAS_SCALING: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """x -> z in float32: optional scaling (Cohere), then optional soft-capping (Gemma 2)."""
+    z = x.to(tl.float32)
+    if HAS_SCALING:
+        z = z * scaling
+    if HAS_SOFTCAP:
+        z = softcap * _tanh(z / softcap)
+    return z
+
+
+@triton.jit
+def _forward_chunk_kernel(
+    logits_ptr, logits_row_stride, labels_ptr,
+    max_ptr, sumexp_ptr, sumz_ptr,
+    V, chunk_width, n_chunks, ignore_index, scaling, softcap,
+    BLOCK: tl.constexpr, HAS_SCALING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUM_Z: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    row_ptr = logits_ptr + row * logits_row_stride
+    label = tl.load(labels_ptr + row).to(tl.int64)
+
+    start = chunk * chunk_width
+    end = tl.minimum(start + chunk_width, V)
+    end = tl.where(label == ignore_index, start, end)  # an ignored row's logits are never read
+
+    # Scalar running max and sum: the tile's max is taken first, so each element costs one exp.
+    run_max = -float("inf")
+    run_sum = 0.0
+    run_sumz = 0.0
+    for tile_start in tl.range(start, end, BLOCK):
+        cols = tile_start + tl.arange(0, BLOCK)
+        in_row = cols < end
+        x = tl.load(row_ptr + cols, mask=in_row, other=-float("inf"))
+        z = _transform(x, scaling, softcap, HAS_SCALING, HAS_SOFTCAP)
+        z = tl.where(in_row, z, -float("inf"))  # soft-capping maps -inf to -softcap; masked lanes stay -inf
+        new_max = tl.maximum(run_max, tl.max(z, 0))
+        # While everything seen is -inf, shift by 0 instead (-inf - -inf would be NaN).
+        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+        run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(z - shift), 0)
+        run_max = new_max
+        if NEED_SUM_Z:
+            run_sumz += tl.sum(tl.where(in_row, z, 0.0), 0)
+
+    out = row * n_chunks + chunk
+    tl.store(max_ptr + out, run_max)
+    tl.store(sumexp_ptr + out, run_sum)
+    if NEED_SUM_Z:
+        tl.store(sumz_ptr + out, run_sumz)
+
+
+@triton.jit
+def _forward_finish_kernel(
+    logits_ptr, logits_row_stride, labels_ptr,
+    max_ptr, sumexp_ptr, sumz_ptr, loss_ptr, lse_ptr,
+    V, n_chunks, ignore_index, scaling, softcap, label_smoothing, z_loss,
+    CHUNKS_BLOCK: tl.constexpr, HAS_SCALING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunks = tl.arange(0, CHUNKS_BLOCK)
+    chunk_mask = chunks < n_chunks
+    part_max = tl.load(max_ptr + row * n_chunks + chunks, mask=chunk_mask, other=-float("inf"))
+    part_sum = tl.load(sumexp_ptr + row * n_chunks + chunks, mask=chunk_mask, other=0.0)
+    row_max = tl.max(part_max, 0)
+    shift = tl.where(row_max == -float("inf"), 0.0, row_max)
+    lse = shift + tl.log(tl.sum(part_sum * tl.exp(part_max - shift), 0))
+
+    label = tl.load(labels_ptr + row).to(tl.int64)
+    ignored = label == ignore_index
+    in_range = (label >= 0) & (label < V)
+    # The only data-dependent address in the forward: loaded only for a label inside [0, V).
+    x_label = tl.load(logits_ptr + row * logits_row_stride + label, mask=in_range & ~ignored, other=0.0)
+    z_label = _transform(x_label, scaling, softcap, HAS_SCALING, HAS_SOFTCAP)
+
+    loss = lse - z_label
+    if HAS_SMOOTHING:
+        part_sumz = tl.load(sumz_ptr + row * n_chunks + chunks, mask=chunk_mask, other=0.0)
+        mean_z = tl.sum(part_sumz, 0) / V
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - mean_z)
+    if HAS_Z_LOSS:
+        loss += z_loss * lse * lse
+    loss = tl.where(in_range, loss, float("nan"))  # a bad label shows as NaN, never as a plausible number
+    loss = tl.where(ignored, 0.0, loss)
+    tl.store(loss_ptr + row, loss)
+    tl.store(lse_ptr + row, lse)
+
+
+@triton.jit
+def _backward_kernel(
+    logits_ptr, logits_row_stride, grad_ptr, grad_row_stride, labels_ptr, lse_ptr,
+    grad_loss_ptr, grad_loss_stride,
+    V, ignore_index, scaling, softcap, label_smoothing, z_loss,
+    BLOCK: tl.constexpr, HAS_SCALING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_row = cols < V
+
+    label = tl.load(labels_ptr + row).to(tl.int64)
+    ignored = label == ignore_index
+    in_range = (label >= 0) & (label < V)
+    lse = tl.load(lse_ptr + row)
+    # Upstream gradient of this token's loss; stride 0 when it is one scalar broadcast over the rows.
+    grad_loss = tl.load(grad_loss_ptr + row * grad_loss_stride).to(tl.float32)
+    grad_loss = tl.where(in_range, grad_loss, float("nan"))
+
+    x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=in_row & ~ignored, other=0.0).to(tl.float32)
+    a = x
+    if HAS_SCALING:
+        a = a * scaling
+    if HAS_SOFTCAP:
+        t = _tanh(a / softcap)
+        z = softcap * t
+    else:
+        z = a
+    p = tl.exp(z - lse)
+    # dL/dz_j = p_j (1 + 2 z_loss lse) - (1 - eps) [j == y] - eps / V
+    if HAS_Z_LOSS:
+        dz = p * (1.0 + 2.0 * z_loss * lse)
+    else:
+        dz = p
+    if HAS_SMOOTHING:
+        dz = dz - label_smoothing / V
+        dz = tl.where(cols == label, dz - (1.0 - label_smoothing), dz)
+    else:
+        dz = tl.where(cols == label, dz - 1.0, dz)
+    if HAS_SOFTCAP:
+        dz = dz * (1.0 - t * t)
+    if HAS_SCALING:
+        dz = dz * scaling
+    dx = tl.where(ignored, 0.0, dz * grad_loss)
+    tl.store(grad_ptr + row * grad_row_stride + cols, dx.to(grad_ptr.dtype.element_ty), mask=in_row)
