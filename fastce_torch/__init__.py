@@ -11,6 +11,7 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from .cross_entropy import CrossEntropyLoss, cross_entropy, cross_entropy_reference  # noqa: E402
+from .transformers import patch_transformers, unpatch_transformers  # noqa: E402
 
-__all__ = ["cross_entropy", "cross_entropy_reference", "CrossEntropyLoss"]
+__all__ = ["cross_entropy", "cross_entropy_reference", "CrossEntropyLoss", "patch_transformers", "unpatch_transformers"]
 __version__ = "0.1.0"

@@ -1,0 +1,66 @@
+"""Compile every kernel variant for the H200 (sm_90) without a GPU: `python -m fastce_torch.compile_check`.
+
+Triton's interpreter checks none of the GPU's rules (power-of-two blocks, supported ops, layouts); the real
+compiler down to PTX and SASS does. Run with TRITON_INTERPRET=0 (fastce_torch turns the interpreter on by default on machines without a GPU).
+"""
+
+import itertools
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from .cross_entropy import BACKWARD_BLOCK, BACKWARD_WARPS, FORWARD_BLOCK, FORWARD_WARPS
+from . import kernels
+
+H200 = GPUTarget("cuda", 90, 32)
+POINTER = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16"}
+
+
+def compile_for_h200(fn, signature, constexprs, num_warps):
+    signature = dict(signature, **{name: "constexpr" for name in constexprs})
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=H200, options={"num_warps": num_warps})
+
+
+FLAG_SETS = [(False,) * 4, (True,) * 4] + [tuple(i == j for j in range(4)) for i in range(4)]
+
+
+def variants():
+    # Every dtype with no option, each option alone and all of them; 64-bit strides (huge tensors) on one set.
+    for dtype, flags in itertools.product(POINTER, FLAG_SETS):
+        scaling, softcap, smoothing, z_loss = flags
+        index = "i64" if flags == FLAG_SETS[1] else "i32"
+        logits = POINTER[dtype]
+        for block, warps in ((FORWARD_BLOCK, FORWARD_WARPS), (1024, 4)):
+            yield kernels._forward_chunk_kernel, dict(
+                logits_ptr=logits, logits_row_stride=index, labels_ptr="*i64", max_ptr="*fp32", sumexp_ptr="*fp32",
+                sumz_ptr="*fp32", V="i32", chunk_width="i32", n_chunks="i32", ignore_index="i32", scaling="fp32",
+                softcap="fp32",
+            ), dict(BLOCK=block, HAS_SCALING=scaling, HAS_SOFTCAP=softcap, NEED_SUM_Z=smoothing), warps
+        finish_flags = dict(HAS_SCALING=scaling, HAS_SOFTCAP=softcap, HAS_SMOOTHING=smoothing, HAS_Z_LOSS=z_loss)
+        yield kernels._forward_finish_kernel, dict(
+            logits_ptr=logits, logits_row_stride=index, labels_ptr="*i32", max_ptr="*fp32", sumexp_ptr="*fp32",
+            sumz_ptr="*fp32", loss_ptr="*fp32", lse_ptr="*fp32", V="i32", n_chunks="i32", ignore_index="i32",
+            scaling="fp32", softcap="fp32", label_smoothing="fp32", z_loss="fp32",
+        ), dict(CHUNKS_BLOCK=8, **finish_flags), 1
+        yield kernels._backward_kernel, dict(
+            logits_ptr=logits, logits_row_stride=index, grad_ptr=logits, grad_row_stride=index, labels_ptr="*i64",
+            lse_ptr="*fp32", grad_loss_ptr="*fp32", grad_loss_stride="i32", V="i32", ignore_index="i32",
+            scaling="fp32", softcap="fp32", label_smoothing="fp32", z_loss="fp32",
+        ), dict(BLOCK=BACKWARD_BLOCK, **finish_flags), BACKWARD_WARPS
+
+
+def main():
+    if kernels.INTERPRETED:
+        raise SystemExit("Triton is in interpreter mode: run with TRITON_INTERPRET=0 to compile for the GPU")
+    count = 0
+    for fn, signature, constexprs, num_warps in variants():
+        compiled = compile_for_h200(fn, signature, constexprs, num_warps)
+        assert "sm_90" in compiled.asm["ptx"] or ".target sm_90" in compiled.asm["ptx"], fn.__name__
+        count += 1
+    print(f"compiled {count} kernel variants for sm_90")
+
+
+if __name__ == "__main__":
+    main()

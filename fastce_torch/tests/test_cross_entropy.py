@@ -1,0 +1,309 @@
+"""fastce_torch's kernels against a float64 reference (CPU: Triton's interpreter; --gpu: the H200)."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastce_torch
+from fastce_torch import cross_entropy
+
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore::DeprecationWarning",
+                                        "ignore:invalid value:RuntimeWarning")
+
+# Relative tolerance on the gradient per dtype: the gradient is accumulated in float32 and rounded once to the
+# logits' dtype (8 / 11 / 24 significant bits), so a few units of the last place.
+GRAD_RTOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+VOCABS = [1000, 32000, 50257, 70000, 128256, 256000, 262147]
+ALL_OPTIONS = dict(logit_softcapping=30.0, logit_scaling=0.5, label_smoothing=0.1, z_loss=1e-3)
+
+
+def reference_float64(logits, labels, ignore_index=-100, logit_softcapping=0.0, logit_scaling=0.0,
+                      label_smoothing=0.0, z_loss=0.0):
+    """Per-token losses and d(sum of losses)/d logits of the contract, in float64 on the CPU, written from the
+    formula alone (independent of the package's own reference)."""
+    x = logits.detach().to("cpu", torch.float64).requires_grad_()
+    labels = labels.to("cpu").long()
+    vocab = x.shape[-1]
+    z = x * logit_scaling if logit_scaling else x
+    if logit_softcapping:
+        z = logit_softcapping * torch.tanh(z / logit_softcapping)
+    ignored = labels == ignore_index
+    valid = ~ignored & (labels >= 0) & (labels < vocab)
+    lse = torch.logsumexp(z, -1)
+    z_label = z.gather(-1, labels.clamp(0, vocab - 1).unsqueeze(-1)).squeeze(-1)
+    loss = (1 - label_smoothing) * (lse - z_label) + z_loss * lse**2
+    if label_smoothing:
+        loss = loss + label_smoothing * (lse - z.mean(-1))
+    keep = valid.to(torch.float64)
+    (loss * keep).sum().backward()  # gradient of the kept tokens only: ignored rows have zero gradient
+    loss = torch.where(valid, loss, torch.where(ignored, 0.0, float("nan")))
+    return loss.detach(), x.grad
+
+
+def random_problem(shape, vocab, dtype, device, seed, ignore_every=5, ignore_index=-100):
+    generator = torch.Generator().manual_seed(seed)
+    logits = (torch.randn((*shape, vocab), generator=generator, dtype=torch.float64) * 2.0).to(dtype)
+    labels = torch.randint(0, vocab, shape, generator=generator)
+    labels.view(-1)[::ignore_every] = ignore_index
+    return logits.to(device), labels.to(device)
+
+
+def assert_close_loss(actual, expected, rtol=2e-5):
+    actual = actual.detach().to("cpu", torch.float64)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert torch.equal(torch.isnan(actual), torch.isnan(expected)), (actual, expected)
+    finite = ~torch.isnan(expected)
+    err = (actual[finite] - expected[finite]).abs()
+    assert bool((err <= rtol * (1 + expected[finite].abs())).all()), f"max loss error {err.max().item():.3g}"
+
+
+def assert_close_grad(actual, expected, dtype):
+    actual = actual.detach().to("cpu", torch.float64)
+    assert actual.shape == expected.shape
+    assert not torch.isnan(actual).any() and not torch.isnan(expected).any()
+    scale = expected.abs().amax().clamp_min(1e-30)
+    err = (actual - expected).abs()
+    bound = GRAD_RTOL[dtype] * expected.abs() + 1e-6 * scale
+    assert bool((err <= bound).all()), f"max grad error {(err - bound).max().item():.3g} over bound"
+
+
+def run_kernel(logits, labels, reduction="none", inplace=False, **options):
+    """Loss and gradient from the kernels; with inplace, logits are a non-leaf whose buffer backward may reuse."""
+    leaf = logits.detach().clone().requires_grad_()
+    x = leaf.clone() if inplace else leaf
+    loss = cross_entropy(x, labels, reduction=reduction, backend="kernel", **options)
+    (loss.sum() if reduction == "none" else loss).backward()
+    return loss, leaf.grad
+
+
+def check(shape, vocab, dtype, device, seed=0, **options):
+    logits, labels = random_problem(shape, vocab, dtype, device, seed, ignore_index=options.get("ignore_index", -100))
+    loss, grad = run_kernel(logits, labels, **options)
+    ref_loss, ref_grad = reference_float64(logits, labels, **options)
+    assert loss.dtype == torch.float32 and grad.dtype == dtype
+    assert_close_loss(loss, ref_loss)
+    assert_close_grad(grad, ref_grad, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_vocab_sizes_and_dtypes(vocab, dtype, device, poisoned):
+    check((3,), vocab, dtype, device, seed=vocab)
+
+
+@pytest.mark.parametrize("options", [
+    dict(logit_softcapping=30.0), dict(logit_softcapping=3.0), dict(logit_scaling=0.125), dict(logit_scaling=-2.0),
+    dict(label_smoothing=0.1), dict(label_smoothing=1.0), dict(z_loss=1e-4), dict(z_loss=0.5), ALL_OPTIONS,
+    dict(ignore_index=7),
+], ids=str)
+@pytest.mark.parametrize("vocab", [1000, 128256])
+def test_options(options, vocab, device, poisoned):
+    for dtype in (torch.float32, torch.bfloat16):
+        check((4,), vocab, dtype, device, seed=11, **options)
+
+
+def test_inplace_backward_writes_into_logits(device, poisoned):
+    logits, labels = random_problem((6,), 70000, torch.bfloat16, device, seed=3)
+    leaf = logits.clone().requires_grad_()
+    intermediate = leaf.clone()
+    seen = []
+    intermediate.register_hook(seen.append)
+    cross_entropy(intermediate, labels, backend="kernel", **ALL_OPTIONS).backward()
+    assert seen[0].data_ptr() == intermediate.data_ptr()  # the gradient lives in the logits' buffer
+    ref_loss, ref_grad = reference_float64(logits, labels, **ALL_OPTIONS)
+    n_valid = int((labels != -100).sum())
+    assert_close_grad(leaf.grad, ref_grad / n_valid, torch.bfloat16)
+
+
+def test_leaf_logits_are_never_overwritten(device):
+    logits, labels = random_problem((4,), 1000, torch.float32, device, seed=4)
+    leaf = logits.clone().requires_grad_()
+    view_of_leaf = leaf[:, :1000]
+    cross_entropy(view_of_leaf, labels, backend="kernel").backward()
+    assert torch.equal(leaf.detach(), logits) and leaf.grad.data_ptr() != leaf.data_ptr()
+
+
+def test_overwriting_saved_logits_fails_loudly(device):
+    """exp saves its output for backward; the in-place gradient must not silently corrupt it."""
+    logits, labels = random_problem((4,), 1000, torch.float32, device, seed=5)
+    leaf = (logits / 4).requires_grad_()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        cross_entropy(torch.exp(leaf), labels, backend="kernel").backward()
+
+
+def test_three_dims_strided_rows_and_int32_labels(device, poisoned):
+    logits, labels = random_problem((2, 3), 50257, torch.bfloat16, device, seed=6)
+    wide = torch.randn(2, 3, 50257 + 61, device=device).to(torch.bfloat16)
+    wide[..., :50257] = logits
+    strided = wide[..., :50257]
+    assert not strided.is_contiguous()
+    loss, grad = run_kernel(strided, labels.to(torch.int32), **ALL_OPTIONS)
+    ref_loss, ref_grad = reference_float64(logits, labels, **ALL_OPTIONS)
+    assert loss.shape == (2, 3)
+    assert_close_loss(loss, ref_loss)
+    assert_close_grad(grad, ref_grad, torch.bfloat16)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("n_items", [None, 37, "tensor"])
+def test_reductions(reduction, n_items, device, poisoned):
+    logits, labels = random_problem((5, 4), 1000, torch.float32, device, seed=8)
+    if n_items == "tensor":
+        n_items = torch.tensor(23, device=device)
+    loss, grad = run_kernel(logits, labels, reduction=reduction, n_items=n_items, inplace=True)
+    token_loss, token_grad = reference_float64(logits, labels)
+    if n_items is not None:
+        denominator = float(n_items)
+    elif reduction == "mean":
+        denominator = float((labels != -100).sum())
+    else:
+        denominator = 1.0
+    assert loss.shape == () and loss.dtype == torch.float32
+    assert_close_loss(loss, token_loss.sum() / denominator)
+    assert_close_grad(grad, token_grad / denominator, torch.float32)
+
+
+def test_all_ignored_mean_is_zero_with_zero_gradient(device, poisoned):
+    logits, labels = random_problem((8,), 32000, torch.bfloat16, device, seed=9)
+    labels.fill_(-100)
+    loss, grad = run_kernel(logits, labels, reduction="mean", inplace=True)
+    assert loss.item() == 0.0 and not torch.isnan(grad).any() and bool((grad == 0).all())
+
+
+def test_out_of_range_labels_are_nan_and_isolated(device, poisoned):
+    logits, labels = random_problem((6,), 1000, torch.float32, device, seed=10)
+    labels[1], labels[4] = 1000, -5
+    loss, grad = run_kernel(logits, labels)
+    ref_loss, ref_grad = reference_float64(logits, labels)
+    assert torch.isnan(loss[[1, 4]]).all()
+    assert_close_loss(loss, ref_loss)
+    keep = [0, 2, 3, 5]
+    assert_close_grad(grad[keep], ref_grad[keep], torch.float32)
+    assert torch.isnan(cross_entropy(logits, labels, backend="kernel")).item()
+    with pytest.raises(ValueError, match=r"labels\[1\] = 1000 is outside \[0, 1000\)"):
+        cross_entropy(logits, labels, backend="kernel", validate_labels=True)
+
+
+@pytest.mark.parametrize("options", [{}, dict(logit_softcapping=20.0, z_loss=1e-3)], ids=str)
+def test_minus_inf_padding_is_finite_with_zero_gradient(options, device, poisoned):
+    logits, labels = random_problem((4,), 32000, torch.bfloat16, device, seed=12)
+    logits[:, 31000:] = float("-inf")  # a vocabulary padded to a multiple
+    labels = labels % 31000
+    loss, grad = run_kernel(logits, labels, **options)
+    assert torch.isfinite(loss).all() and torch.isfinite(grad).all()
+    assert bool((grad[:, 31000:] == 0).all())
+    ref_loss, ref_grad = reference_float64(logits, labels, **options)
+    assert_close_loss(loss, ref_loss)
+    assert_close_grad(grad, ref_grad, torch.bfloat16)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_inf_row_is_nan_and_others_untouched(bad, device, poisoned):
+    logits, labels = random_problem((5,), 70000, torch.float32, device, seed=13)
+    labels[2] = 17
+    logits[2, 69999] = bad
+    loss, grad = run_kernel(logits, labels)
+    assert torch.isnan(loss[2]) and torch.isnan(grad[2]).any()
+    others = [0, 1, 3, 4]
+    ref_loss, ref_grad = reference_float64(logits[others], labels[others])
+    assert_close_loss(loss[others], ref_loss)
+    assert_close_grad(grad[others], ref_grad, torch.float32)
+
+
+def test_empty_batch_and_single_class(device):
+    logits = torch.randn(0, 1000, device=device)
+    labels = torch.zeros(0, dtype=torch.long, device=device)
+    assert cross_entropy(logits, labels, backend="kernel", reduction="sum").item() == 0.0
+    assert cross_entropy(logits, labels, backend="kernel", reduction="mean").item() == 0.0
+    assert cross_entropy(logits, labels, backend="kernel", reduction="none").shape == (0,)
+    check((3,), 1, torch.float32, device, seed=14)
+
+
+def test_module_matches_functional(device):
+    logits, labels = random_problem((4,), 1000, torch.float32, device, seed=15)
+    module = fastce_torch.CrossEntropyLoss(reduction="sum", label_smoothing=0.1, z_loss=1e-3, backend="kernel")
+    expected = cross_entropy(logits, labels, reduction="sum", label_smoothing=0.1, z_loss=1e-3, backend="kernel")
+    assert torch.equal(module(logits, labels), expected)
+    assert "z_loss=0.001" in repr(module)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda x, y: cross_entropy(x.long(), y), TypeError, "logits"),
+    (lambda x, y: cross_entropy(x, y.float()), TypeError, "labels"),
+    (lambda x, y: cross_entropy(x, y[:2]), ValueError, "leading shape"),
+    (lambda x, y: cross_entropy(x, y, reduction="avg"), ValueError, "reduction"),
+    (lambda x, y: cross_entropy(x, y, backend="cuda"), ValueError, "backend"),
+    (lambda x, y: cross_entropy(x, y, n_items=0), ValueError, "n_items"),
+    (lambda x, y: cross_entropy(x, y, logit_softcapping=-1.0), ValueError, "logit_softcapping"),
+    (lambda x, y: cross_entropy(x, y, label_smoothing=1.5), ValueError, "label_smoothing"),
+    (lambda x, y: cross_entropy(x.double(), y, backend="kernel"), TypeError, "logits"),
+    (lambda x, y: cross_entropy(x[:, :0], y), ValueError, "vocabulary"),
+])
+def test_bad_arguments_are_named(call, error, match, device):
+    logits, labels = random_problem((4,), 100, torch.float32, device, seed=16)
+    with pytest.raises(error, match=match):
+        call(logits, labels)
+
+
+def test_reference_backend_matches_float64(device):
+    logits, labels = random_problem((2, 3), 1000, torch.bfloat16, device, seed=17)
+    labels[0, 1] = 5000
+    leaf = logits.clone().requires_grad_()
+    loss = cross_entropy(leaf, labels, reduction="none", backend="reference", **ALL_OPTIONS)
+    loss.nan_to_num().sum().backward()
+    ref_loss, ref_grad = reference_float64(logits, labels, **ALL_OPTIONS)
+    assert_close_loss(loss, ref_loss)
+    ref_grad[0, 1] = 0.0  # the reference backend leaves a bad label's row at zero gradient after nan_to_num
+    assert_close_grad(leaf.grad, ref_grad, torch.bfloat16)
+
+
+def test_kernels_compile_for_h200():
+    """Every kernel variant compiles for sm_90 with the real compiler (no GPU needed): catches what the
+    interpreter does not check (non-power-of-two blocks, unsupported ops)."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    result = subprocess.run([sys.executable, "-m", "fastce_torch.compile_check"], env=env, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "compiled" in result.stdout
+
+
+# --- GPU only ------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_more_than_2_31_elements(device):
+    n_rows, vocab = 9000, 256000  # 2.3e9 elements: 64-bit row offsets
+    generator = torch.Generator(device=device).manual_seed(18)
+    logits = torch.randn(n_rows, vocab, device=device, dtype=torch.bfloat16, generator=generator)
+    labels = torch.randint(0, vocab, (n_rows,), device=device, generator=generator)
+    labels[::7] = -100
+    x = logits.requires_grad_()
+    loss = cross_entropy(x, labels, reduction="none", backend="kernel")
+    loss.sum().backward()
+    rows = torch.tensor([0, 1, 4095, 8388, 8999])  # 8388 * 256000 > 2**31
+    ref_loss, ref_grad = reference_float64(logits.detach()[rows], labels[rows])
+    assert_close_loss(loss[rows], ref_loss)
+    assert_close_grad(x.grad[rows], ref_grad, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_peak_extra_memory_is_near_zero(device):
+    n_rows, vocab = 8192, 128256
+    labels = torch.randint(0, vocab, (n_rows,), device=device)
+    hidden = torch.randn(n_rows, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    projection = torch.randn(64, vocab, device=device, dtype=torch.bfloat16)
+    logits = hidden @ projection  # an intermediate, as from lm_head
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = cross_entropy(logits, labels, backend="kernel")
+    loss.backward(inputs=[hidden])
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    logits_bytes = n_rows * vocab * 2
+    # hidden's gradient (8192x64 bf16 = 1 MiB) is the only sizeable allocation; the loss itself adds ~100 KiB
+    assert extra < 0.01 * logits_bytes, f"peak extra {extra / 2**20:.1f} MiB"
+    assert math.isfinite(loss.item())
