@@ -63,7 +63,7 @@ def forward_kernels(logits, labels, ignore_index, logit_softcapping, logit_scali
         logits, logits.stride(0), labels, partial_max, partial_sum, partial_sumz,
         vocab, chunk, n_chunks, ignore_index, logit_scaling, logit_softcapping,
         BLOCK=block, HAS_SCALING=flags["HAS_SCALING"], HAS_SOFTCAP=flags["HAS_SOFTCAP"],
-        NEED_SUM_Z=flags["HAS_SMOOTHING"], num_warps=FORWARD_WARPS if block >= 4096 else 4,
+        NEED_SUM_Z=flags["HAS_SMOOTHING"], num_warps=FORWARD_WARPS if block == FORWARD_BLOCK else 4,
     )
     kernels._forward_finish_kernel[(n_rows,)](
         logits, logits.stride(0), labels, partial_max, partial_sum, partial_sumz, loss, lse,
