@@ -10,7 +10,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from .cross_entropy import BACKWARD_BLOCK, BACKWARD_WARPS, FORWARD_BLOCK, FORWARD_WARPS
+from .cross_entropy import BACKWARD_BLOCK, BACKWARD_WARPS, FORWARD_BLOCK, FORWARD_WARPS_FEW_PROGRAMS
 from . import kernels
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -32,7 +32,7 @@ def variants():
         scaling, softcap, smoothing, z_loss = flags
         index = "i64" if flags == FLAG_SETS[1] else "i32"
         logits = POINTER[dtype]
-        for block, warps in ((FORWARD_BLOCK, FORWARD_WARPS), (1024, 4)):
+        for block, warps in ((FORWARD_BLOCK, 4), (FORWARD_BLOCK, FORWARD_WARPS_FEW_PROGRAMS), (1024, 4)):
             yield kernels._forward_chunk_kernel, dict(
                 logits_ptr=logits, logits_row_stride=index, labels_ptr="*i64", max_ptr="*fp32", sumexp_ptr="*fp32",
                 sumz_ptr="*fp32", V="i32", chunk_width="i32", n_chunks="i32", ignore_index="i32", scaling="fp32",

@@ -17,12 +17,13 @@ REDUCTIONS = ("none", "mean", "sum")
 BACKENDS = ("auto", "kernel", "reference")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# Block sizes and warps, tuned on the H200 (bench/tune.py): forward tiles of 4096 with 8 warps keep enough loads
-# in flight on a long row; backward tiles of 2048 with 4 warps give many small programs that stream read+write.
-# Chunks of at most 65536 columns split long rows so that even a few rows give the GPU ~1024 programs.
-FORWARD_BLOCK, FORWARD_WARPS = 4096, 8
+# Tiles and warps from bench/tune_kernels.py on the H200 (2026-11-30): forward tiles of 4096 with 4 warps reached
+# 0.93-1.11x the one-read floor at N=8192 (8 warps only pay when under 4096 programs, e.g. N=512); backward tiles of
+# 2048 with 4 warps 1.01-1.05x the read+write floor. Chunks of at most 65536 columns split long rows so that even
+# a few rows give the GPU ~1024 programs.
+FORWARD_BLOCK, FORWARD_WARPS, FORWARD_WARPS_FEW_PROGRAMS = 4096, 4, 8
 BACKWARD_BLOCK, BACKWARD_WARPS = 2048, 4
-MAX_CHUNK, TARGET_PROGRAMS = 65536, 1024
+MAX_CHUNK, TARGET_PROGRAMS, FEW_PROGRAMS = 65536, 1024, 4096
 
 
 def _kernels_for(tensor):
@@ -33,12 +34,14 @@ def _kernels_for(tensor):
 
 
 def launch_config(n_rows, vocab):
-    """(forward tile, chunk width, number of chunks) for an N x V problem."""
+    """(forward tile, warps, chunk width, number of chunks) for an N x V problem."""
     block = min(FORWARD_BLOCK, triton.next_power_of_2(vocab))
     chunk = max(block, min(MAX_CHUNK, triton.next_power_of_2(vocab)))
     while chunk > block and n_rows * triton.cdiv(vocab, chunk) < TARGET_PROGRAMS:
         chunk //= 2
-    return block, chunk, triton.cdiv(vocab, chunk)
+    n_chunks = triton.cdiv(vocab, chunk)
+    warps = FORWARD_WARPS_FEW_PROGRAMS if n_rows * n_chunks < FEW_PROGRAMS and block == FORWARD_BLOCK else 4
+    return block, warps, chunk, n_chunks
 
 
 def _flags(logit_scaling, logit_softcapping, label_smoothing, z_loss):
@@ -51,7 +54,7 @@ def forward_kernels(logits, labels, ignore_index, logit_softcapping, logit_scali
     n_rows, vocab = logits.shape
     kernels = _kernels_for(logits)
     flags = _flags(logit_scaling, logit_softcapping, label_smoothing, z_loss)
-    block, chunk, n_chunks = launch_config(n_rows, vocab)
+    block, warps, chunk, n_chunks = launch_config(n_rows, vocab)
     partial_max = torch.empty((n_rows, n_chunks), dtype=torch.float32, device=logits.device)
     partial_sum = torch.empty_like(partial_max)
     partial_sumz = torch.empty_like(partial_max) if flags["HAS_SMOOTHING"] else partial_max
@@ -63,7 +66,7 @@ def forward_kernels(logits, labels, ignore_index, logit_softcapping, logit_scali
         logits, logits.stride(0), labels, partial_max, partial_sum, partial_sumz,
         vocab, chunk, n_chunks, ignore_index, logit_scaling, logit_softcapping,
         BLOCK=block, HAS_SCALING=flags["HAS_SCALING"], HAS_SOFTCAP=flags["HAS_SOFTCAP"],
-        NEED_SUM_Z=flags["HAS_SMOOTHING"], num_warps=FORWARD_WARPS if block == FORWARD_BLOCK else 4,
+        NEED_SUM_Z=flags["HAS_SMOOTHING"], num_warps=warps,
     )
     kernels._forward_finish_kernel[(n_rows,)](
         logits, logits.stride(0), labels, partial_max, partial_sum, partial_sumz, loss, lse,

@@ -247,3 +247,19 @@ def test_models_look_the_loss_up_on_each_call(device):
     assert model.loss_function is fastce_for_causal_lm_loss
     fastce_torch.unpatch_transformers()
     assert model.loss_function is ORIGINAL
+
+
+def test_patched_llama_compiles_without_graph_break(device):
+    """torch.compile(fullgraph=True) over the whole patched model: the fused loss is custom ops in the graph."""
+    model = tiny_llama(device)
+    ids, labels = batch(device)
+    expected_loss, expected_grads = loss_and_grads(model, ids, labels)
+    fastce_torch.patch_transformers(backend="kernel")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    compiled.zero_grad(set_to_none=True)
+    out = compiled(input_ids=ids, labels=labels)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss.detach(), expected_loss, rtol=1e-6, atol=1e-6)
+    assert_grads_close({name: p.grad for name, p in model.named_parameters()}, expected_grads, rtol=1e-4, atol=1e-6)
+    torch._dynamo.reset()
