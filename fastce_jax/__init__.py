@@ -1,0 +1,13 @@
+"""fastce_jax: fused cross-entropy for JAX (Pallas kernels on the Triton backend).
+
+    from fastce_jax import cross_entropy
+    loss = cross_entropy(logits, labels)            # mean over non-ignored tokens
+    loss, grads = jax.value_and_grad(lambda x: cross_entropy(x, labels))(logits)
+
+The loss contract is CONTRACT.md; the kernels are in fastce_jax/kernels.py.
+"""
+
+from fastce_jax.cross_entropy import cross_entropy, cross_entropy_reference
+
+__all__ = ["cross_entropy", "cross_entropy_reference"]
+__version__ = "0.1.0"

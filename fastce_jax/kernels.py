@@ -1,0 +1,310 @@
+"""Pallas (Triton backend) kernels for fused cross-entropy, and their launchers.
+
+Three kernels, as in CONTRACT.md "Kernel design":
+
+* ``_forward_kernel``, grid (N rows, C chunks): walks one chunk of one row in
+  BLOCK-wide tiles and writes the chunk's partial (max m, sum exp(z - m), sum z).
+* ``_finish_kernel``, grid (N,): combines a row's C partials into lse, reads the
+  label logit with one masked scalar load, writes the token's loss and lse.
+* ``_backward_kernel``, grid (N, cdiv(V, BLOCK)): recomputes z and p = exp(z - lse)
+  and writes dL/dx in one pass, optionally into the logits' own buffer.
+
+All launchers take 2-D logits (N, V) and 1-D labels (N,); reshaping, argument
+checks, reductions and the custom_vjp live in ``cross_entropy.py``.
+
+64-bit offsets.  The Triton lowering (jax/_src/pallas/triton/lowering.py,
+``_compute_offsets_from_indices``) computes every load/store offset in int64
+whenever the *whole* operand is larger than 2**32 bytes, and it casts the block
+start indices (our row index from the index_map, an int32 program id) to that
+type *before* multiplying by the row stride.  So a squeezed row dim
+``(None, W)`` with index_map ``(i, j)`` gives the 64-bit product ``i * V`` for
+N*V > 2**31 elements (in bf16/f16 that is > 2**32 bytes; in f32 the switch
+already happens at 2**30 elements).  Below the threshold every offset is < 2**31
+and int32 is exact.  The in-row parts (``j * W`` from a Blocked dim, our
+``pl.ds`` starts and the label) are < V + W, far below 2**31.  Hence the logits
+are passed as a plain (N, V) array; no flat view or manual int64 product is
+needed.  ``tests/test_lowering.py`` checks the emitted Triton IR for i64
+offsets on a >2**31-element abstract input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# jax 0.11 deprecates the Pallas Triton backend and warns each time a Triton
+# pallas_call is *lowered*.  See ``_quiet_triton`` for how it is filtered.
+TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
+
+MAX_CHUNK = 65536          # widest chunk one forward program walks
+TARGET_PROGRAMS = 1024     # shrink chunks until N * C reaches this (fill the GPU)
+FWD_MAX_BLOCK = 4096
+BWD_MAX_BLOCK = 2048
+
+
+@functools.cache
+def _ignore_triton_deprecation_globally() -> None:
+  # The deprecation is raised while the *enclosing* jit lowers, which happens
+  # after our launcher has returned, with no fastce_jax frame on the stack: a
+  # catch_warnings around the pallas_call cannot see it.  So the first compiled
+  # (non-interpret) launch also installs a process filter for exactly this
+  # message and category.  Interpret mode (CPU) never lowers to Triton and
+  # never installs it.
+  warnings.filterwarnings("ignore", message=TRITON_DEPRECATION,
+                          category=DeprecationWarning)
+
+
+@contextlib.contextmanager
+def _quiet_triton(interpret: bool):
+  """Silences the Triton deprecation around our own pallas_call sites.
+
+  Eager calls lower inside this block, so the scoped filter catches them; under
+  an outer jit see ``_ignore_triton_deprecation_globally``.
+  """
+  if not interpret:
+    _ignore_triton_deprecation_globally()
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION,
+                            category=DeprecationWarning)
+    yield
+
+
+# ----------------------------------------------------------------------------
+# Heuristics (the lead tunes these on the H200).
+# ----------------------------------------------------------------------------
+
+def forward_config(n_rows: int, vocab: int) -> tuple[int, int, int]:
+  """(block, chunk, num_warps) of the forward kernel."""
+  block = min(FWD_MAX_BLOCK, pl.next_power_of_2(vocab))
+  chunk = max(block, min(MAX_CHUNK, pl.next_power_of_2(vocab)))
+  while chunk > block and n_rows * pl.cdiv(vocab, chunk) < TARGET_PROGRAMS:
+    chunk //= 2
+  return block, chunk, 8 if block >= 4096 else 4
+
+
+def backward_config(vocab: int) -> tuple[int, int]:
+  """(block, num_warps) of the backward kernel."""
+  return min(BWD_MAX_BLOCK, pl.next_power_of_2(vocab)), 4
+
+
+# ----------------------------------------------------------------------------
+# Kernels.  Static options arrive through functools.partial; a zero option
+# removes its code entirely (also avoiding 0 * inf = NaN with -inf logits).
+# ----------------------------------------------------------------------------
+
+def _transform(x, scaling: float, softcap: float):
+  """z(x) in float32: Cohere scaling, then Gemma-2 softcapping."""
+  z = x
+  if scaling != 0.0:
+    z = z * scaling
+  if softcap > 0.0:
+    # jnp.tanh lowers to libdevice __nv_tanhf on Triton and maps -inf to -1,
+    # so -inf padding becomes -softcap with a zero derivative.
+    z = softcap * jnp.tanh(z * (1.0 / softcap))
+  return z
+
+
+def _dz_dx(z, scaling: float, softcap: float):
+  """dz/dx written with z only, so the backward needs no second tanh."""
+  d = None
+  if softcap > 0.0:
+    t = z * (1.0 / softcap)
+    d = 1.0 - t * t
+  if scaling != 0.0:
+    d = scaling if d is None else d * scaling
+  return d
+
+
+def _forward_kernel(x_ref, m_ref, s_ref, sz_ref, *, vocab: int, chunk: int,
+                    block: int, scaling: float, softcap: float,
+                    need_sum_z: bool):
+  # x_ref: this row's chunk, shape (chunk,); the last chunk may run past V.
+  base = pl.program_id(1) * chunk
+  # Python ints stay int32 here even with jax_enable_x64 (explicit int32).
+  n_tiles = pl.cdiv(jnp.minimum(vocab - base, chunk), jnp.int32(block))
+  neg_inf = jnp.float32(-jnp.inf)
+
+  def body(k, carry):
+    m, s, sz = carry
+    start = k * block
+    cols = base + start + jnp.arange(block, dtype=jnp.int32)
+    mask = cols < vocab
+    x = plgpu.load(x_ref.at[pl.ds(start, block)], mask=mask,
+                   other=-jnp.inf).astype(jnp.float32)
+    # Re-mask after the transform: softcap maps the -inf filler to -softcap.
+    z = jnp.where(mask, _transform(x, scaling, softcap), neg_inf)
+    # One exp per element: take the tile max first, rescale the scalar sum.
+    m_new = jnp.maximum(m, jnp.max(z))
+    # A tile (and everything so far) at -inf: shift by 0, not by -inf, so
+    # exp(-inf - -inf) = NaN never appears; +inf/NaN rows still give NaN.
+    m_safe = jnp.where(m_new == neg_inf, 0.0, m_new)
+    s = s * jnp.exp(m - m_safe) + jnp.sum(jnp.exp(z - m_safe))
+    if need_sum_z:
+      sz = sz + jnp.sum(jnp.where(mask, z, 0.0))
+    return m_new, s, sz
+
+  zero = jnp.float32(0.0)
+  m, s, sz = jax.lax.fori_loop(0, n_tiles, body, (neg_inf, zero, zero))
+  # 0-d blocks: one scalar per (row, chunk) in the [N, C] partial buffers.
+  plgpu.store(m_ref, m)
+  plgpu.store(s_ref, s)
+  plgpu.store(sz_ref, sz)
+
+
+def _finish_kernel(m_ref, s_ref, sz_ref, y_ref, x_ref, loss_ref, lse_ref, *,
+                   vocab: int, n_chunks: int, ignore_index: int | None,
+                   scaling: float, softcap: float, smoothing: float,
+                   z_loss: float):
+  c_pad = pl.next_power_of_2(n_chunks)
+  cmask = jnp.arange(c_pad) < n_chunks
+  m = plgpu.load(m_ref.at[pl.ds(0, c_pad)], mask=cmask, other=-jnp.inf)
+  s = plgpu.load(s_ref.at[pl.ds(0, c_pad)], mask=cmask, other=0.0)
+  big_m = jnp.max(m)
+  m_safe = jnp.where(big_m == -jnp.inf, 0.0, big_m)
+  lse = m_safe + jnp.log(jnp.sum(s * jnp.exp(m - m_safe)))
+
+  y = y_ref[...]
+  in_range = (y >= 0) & (y < vocab)
+  # The one read of the label logit: a masked scalar load whose address is
+  # clamped as well, so a bad label never touches memory.
+  y_safe = jnp.where(in_range, y, 0)
+  x_y = plgpu.load(x_ref.at[y_safe], mask=in_range, other=0.0)
+  z_y = _transform(x_y.astype(jnp.float32), scaling, softcap)
+
+  loss = jnp.float32(0.0)
+  if smoothing != 1.0:
+    loss = loss + (1.0 - smoothing) * (lse - z_y)
+  if smoothing != 0.0:
+    sum_z = jnp.sum(plgpu.load(sz_ref.at[pl.ds(0, c_pad)], mask=cmask,
+                               other=0.0))
+    loss = loss + smoothing * (lse - sum_z * (1.0 / vocab))
+  if z_loss != 0.0:
+    loss = loss + z_loss * lse * lse
+  loss = jnp.where(in_range, loss, jnp.nan)
+  if ignore_index is not None:
+    loss = jnp.where(y == ignore_index, 0.0, loss)
+  plgpu.store(loss_ref, loss)
+  plgpu.store(lse_ref, lse)
+
+
+def _backward_kernel(x_ref, y_ref, lse_ref, g_ref, dx_ref, *, vocab: int,
+                     block: int, ignore_index: int | None, scaling: float,
+                     softcap: float, smoothing: float, z_loss: float):
+  cols = pl.program_id(1) * block + jnp.arange(block, dtype=jnp.int32)
+  mask = cols < vocab
+  x = plgpu.load(x_ref.at[pl.ds(0, block)], mask=mask,
+                 other=0.0).astype(jnp.float32)
+  lse = lse_ref[...]
+  y = y_ref[...]
+  z = _transform(x, scaling, softcap)
+  p = jnp.exp(z - lse)
+  if z_loss != 0.0:
+    p = p * (1.0 + 2.0 * z_loss * lse)
+  d = p - jnp.where(cols == y, 1.0 - smoothing, 0.0)
+  if smoothing != 0.0:
+    d = d - smoothing / vocab
+  dz = _dz_dx(z, scaling, softcap)
+  if dz is not None:
+    d = d * dz
+  d = d * g_ref[...]
+  # Out-of-range label: the whole gradient row is NaN, like its loss.
+  d = jnp.where((y >= 0) & (y < vocab), d, jnp.nan)
+  if ignore_index is not None:
+    d = jnp.where(y == ignore_index, 0.0, d)
+  plgpu.store(dx_ref.at[pl.ds(0, block)], d.astype(dx_ref.dtype), mask=mask)
+
+
+# ----------------------------------------------------------------------------
+# Launchers.
+# ----------------------------------------------------------------------------
+
+def _ignore_index_for(labels, ignore_index: int) -> int | None:
+  """ignore_index, or None when no label of this dtype can equal it."""
+  info = jnp.iinfo(labels.dtype)
+  return ignore_index if info.min <= ignore_index <= info.max else None
+
+
+def forward(logits, labels, *, ignore_index: int, scaling: float,
+            softcap: float, smoothing: float, z_loss: float,
+            interpret: bool):
+  """Per-token loss and lse, both float32 (N,), of logits (N, V)."""
+  n, vocab = logits.shape
+  block, chunk, warps = forward_config(n, vocab)
+  n_chunks = pl.cdiv(vocab, chunk)
+  f32 = jnp.float32
+  part = jax.ShapeDtypeStruct((n, n_chunks), f32)
+  part_spec = pl.BlockSpec((None, None), lambda i, j: (i, j))
+  fwd = pl.pallas_call(
+      functools.partial(_forward_kernel, vocab=vocab, chunk=chunk,
+                        block=block, scaling=scaling, softcap=softcap,
+                        need_sum_z=smoothing != 0.0),
+      grid=(n, n_chunks),
+      in_specs=[pl.BlockSpec((None, chunk), lambda i, j: (i, j))],
+      out_specs=[part_spec] * 3,
+      out_shape=[part] * 3,
+      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=2),
+      interpret=interpret,
+      name="fastce_forward",
+  )
+  row_spec = pl.BlockSpec((None,), lambda i: (i,))
+  parts_spec = pl.BlockSpec((None, n_chunks), lambda i: (i, 0))
+  finish = pl.pallas_call(
+      functools.partial(_finish_kernel, vocab=vocab, n_chunks=n_chunks,
+                        ignore_index=_ignore_index_for(labels, ignore_index),
+                        scaling=scaling, softcap=softcap, smoothing=smoothing,
+                        z_loss=z_loss),
+      grid=(n,),
+      in_specs=[parts_spec] * 3 + [
+          row_spec, pl.BlockSpec((None, vocab), lambda i: (i, 0))],
+      out_specs=[row_spec, row_spec],
+      out_shape=[jax.ShapeDtypeStruct((n,), f32)] * 2,
+      compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+      interpret=interpret,
+      name="fastce_finish",
+  )
+  with _quiet_triton(interpret):
+    m, s, sz = fwd(logits)
+    loss, lse = finish(m, s, sz, labels, logits)
+  return loss, lse
+
+
+def backward(logits, labels, lse, g, *, ignore_index: int, scaling: float,
+             softcap: float, smoothing: float, z_loss: float, inplace: bool,
+             interpret: bool):
+  """dL/dlogits (N, V) in logits' dtype; g is the per-token upstream (N,)."""
+  n, vocab = logits.shape
+  block, warps = backward_config(vocab)
+  row_spec = pl.BlockSpec((None,), lambda i, j: (i,))
+  tile_spec = pl.BlockSpec((None, block), lambda i, j: (i, j))
+  bwd = pl.pallas_call(
+      functools.partial(_backward_kernel, vocab=vocab, block=block,
+                        ignore_index=_ignore_index_for(labels, ignore_index),
+                        scaling=scaling, softcap=softcap, smoothing=smoothing,
+                        z_loss=z_loss),
+      grid=(n, pl.cdiv(vocab, block)),
+      in_specs=[tile_spec, row_spec, row_spec, row_spec],
+      out_specs=tile_spec,
+      out_shape=jax.ShapeDtypeStruct(logits.shape, logits.dtype),
+      # Each program reads its tile before writing the same tile, so the
+      # gradient may overwrite the logits residual (XLA copies when it can't).
+      input_output_aliases={0: 0} if inplace else {},
+      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
+      interpret=interpret,
+      name="fastce_backward",
+  )
+  with _quiet_triton(interpret):
+    return bwd(logits, labels, lse, g.astype(jnp.float32))
+
+
+def uses_int64_offsets(n_rows: int, vocab: int, dtype) -> bool:
+  """Whether Pallas-Triton emits 64-bit offsets for an (n_rows, vocab) operand
+  (mirrors the lowering's rule; documented for the 64-bit-offset test)."""
+  return n_rows * vocab * jnp.dtype(dtype).itemsize > 2**32
+
+
