@@ -1,0 +1,9 @@
+"""Environment JAX must see before its first import (kept apart so importing it has no side effects)."""
+import os
+
+
+def configure(interpret_only=False):
+    # Allocate on demand instead of grabbing 75% of the GPU up front: torch runs in the same process.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if interpret_only:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")

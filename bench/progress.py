@@ -1,0 +1,27 @@
+"""Progress lines on stderr (stdout keeps only the table), and failure records."""
+import sys
+import time
+
+_START = time.perf_counter()
+
+
+def say(message: str) -> None:
+    print(f"[bench {time.perf_counter() - _START:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def error_text(exc: BaseException) -> str:
+    """One line: the exception type and the first line of its message (OOM messages run to paragraphs)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}"[:300]
+
+
+class Unavailable(ImportError):
+    """The implementation's package is not installed (or not written yet): a note, not a failure."""
+
+
+def failure(impl, shape, stage, exc) -> dict:
+    stage = "unavailable" if isinstance(exc, Unavailable) else stage
+    record = {"impl": impl, "stage": stage, "error": error_text(exc)}
+    if shape is not None:
+        record.update(N=shape.N, V=shape.V, dtype=shape.dtype)
+    return record

@@ -1,0 +1,78 @@
+"""The PyTorch implementations under test, each a function (logits, labels) -> mean loss, and their inputs.
+
+A loader raises ImportError (with a readable message) when its package is missing; the runner records that and
+moves on.
+"""
+import torch
+import torch.nn.functional as F
+
+from .progress import Unavailable
+
+IGNORE_INDEX = -100
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def make_inputs(shape, device, seed=0):
+    """Fresh random logits as a *non-leaf* tensor with its own storage, and labels with every 7th token ignored.
+
+    Non-leaf on purpose: in training the logits come out of the lm_head matmul, and that is the case where
+    fastce_torch writes its gradient in place into the logits buffer. The graph above the logits is one
+    expand+copy of a 0-d anchor (it saves nothing); the values are then filled in under no_grad. Callers take
+    gradients with torch.autograd.grad(loss, logits), so that graph is never run and no .grad is accumulated.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dtype = TORCH_DTYPES[shape.dtype]
+    anchor = torch.zeros((), dtype=dtype, device=device, requires_grad=True)
+    logits = anchor.expand(shape.N, shape.V).contiguous()
+    with torch.no_grad():
+        logits.normal_(generator=gen)
+    labels = torch.randint(0, shape.V, (shape.N,), generator=gen, device=device, dtype=torch.int64)
+    labels[::7] = IGNORE_INDEX
+    assert not logits.is_leaf and logits.requires_grad
+    return logits, labels
+
+
+def fastce_torch_loss(backend="auto"):
+    try:
+        import fastce_torch
+        cross_entropy = fastce_torch.cross_entropy
+    except ModuleNotFoundError as exc:
+        if exc.name != "fastce_torch":
+            raise  # the package is there but broken: a real failure
+        raise Unavailable("fastce_torch is not installed") from exc
+    except AttributeError as exc:  # an empty namespace package: not written yet
+        raise Unavailable("fastce_torch has no cross_entropy yet") from exc
+    return lambda logits, labels: cross_entropy(logits, labels, backend=backend)
+
+
+def torch_eager_fp32_loss():
+    """What transformers' ForCausalLMLoss does: upcast the whole logits to float32 first."""
+    return lambda logits, labels: F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX)
+
+
+def torch_eager_loss():
+    """F.cross_entropy straight on the bf16 logits (log_softmax in bf16 storage)."""
+    return lambda logits, labels: F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
+
+
+def torch_compile_loss():
+    """torch.compile of the upcast version; dynamic=False so each shape gets its own specialised kernels."""
+    return torch.compile(torch_eager_fp32_loss(), dynamic=False)
+
+
+def liger_loss():
+    try:
+        # The cross_entropy module directly: it needs neither transformers nor peft.
+        from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
+    except ModuleNotFoundError as exc:
+        raise Unavailable(f"liger-kernel is not installed ({exc})") from exc
+    return LigerCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="mean")
+
+
+LOADERS = {
+    "fastce_torch": fastce_torch_loss,
+    "torch_eager_fp32": torch_eager_fp32_loss,
+    "torch_eager": torch_eager_loss,
+    "torch_compile": torch_compile_loss,
+    "liger": liger_loss,
+}

@@ -1,0 +1,67 @@
+"""Timing and memory of one PyTorch implementation on one shape, and the device copy bandwidth.
+
+Timed closures (nothing else runs inside them; inputs are made once, outside):
+  fwd    = loss_fn(logits, labels)                                   (grad mode on: the training forward,
+                                                                      including whatever it saves for backward)
+  fwdbwd = torch.autograd.grad(loss_fn(logits, labels), logits)      (gradient w.r.t. the non-leaf logits)
+Implementations that write the gradient into the logits buffer (fastce_torch, Liger) leave gradient values
+there; those are finite, so the next iteration's work is unchanged and the buffer is not refilled.
+Times are triton.testing.do_bench medians (CUDA events; do_bench zeroes a 256 MB buffer between iterations
+to flush the L2, outside the timed region). The logits are >= 256 MiB, far above the 60 MB L2.
+"""
+import torch
+import triton.testing
+
+from .torch_impls import make_inputs
+
+
+def bench_ms(fn, warmup_ms, rep_ms) -> float:
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def peak_extra_bytes(fn) -> int:
+    """torch.cuda.max_memory_allocated during one call, above what was allocated before it (the inputs)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del result
+    return int(peak)
+
+
+def measure(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda") -> dict:
+    """device is "cuda" in real runs; the tests run it on the CPU with bench_ms and peak_extra_bytes stubbed."""
+    logits, labels = make_inputs(shape, device)
+
+    def fwd():
+        return loss_fn(logits, labels)
+
+    def fwdbwd():
+        return torch.autograd.grad(loss_fn(logits, labels), logits)
+
+    try:
+        # On the pristine values (the same seed for every implementation, so the losses must agree).
+        loss = float(fwd().detach())
+        # Untimed calls: torch.compile compiles, Triton kernels JIT and autotune here.
+        for _ in range(2):
+            fwdbwd()
+        peak = peak_extra_bytes(fwdbwd)
+        row = {"fwd_ms": bench_ms(fwd, warmup_ms, rep_ms), "fwdbwd_ms": bench_ms(fwdbwd, warmup_ms, rep_ms),
+               "peak_extra_bytes": peak, "loss": loss}
+    finally:
+        del logits, labels
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def copy_bandwidth_TBps(nbytes=2 << 30) -> float:
+    """Device-to-device copy of `nbytes`; bandwidth counts bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), 100, 500)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (ms * 1e-3) / 1e12
