@@ -79,6 +79,52 @@ def _forward_chunk_kernel(
 
 
 @triton.jit
+def _combine_partials(part_max, part_sum):
+    """logsumexp of a row from its chunks' (max, sum of exp(z - max)) pairs."""
+    row_max = tl.max(part_max, 0)
+    shift = tl.where(row_max == -float("inf"), 0.0, row_max)
+    return shift + tl.log(tl.sum(part_sum * tl.exp(part_max - shift), 0))
+
+
+@triton.jit
+def _token_loss(logits_row_ptr, label, lse, sum_z, V, ignore_index, scaling, softcap, label_smoothing, z_loss,
+                HAS_SCALING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                HAS_Z_LOSS: tl.constexpr):
+    ignored = label == ignore_index
+    in_range = (label >= 0) & (label < V)
+    # The only data-dependent address: loaded only for a label inside [0, V).
+    x_label = tl.load(logits_row_ptr + label, mask=in_range & ~ignored, other=0.0)
+    loss = lse - _transform(x_label, scaling, softcap, HAS_SCALING, HAS_SOFTCAP)
+    if HAS_SMOOTHING:
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - sum_z / V)
+    if HAS_Z_LOSS:
+        loss += z_loss * lse * lse
+    loss = tl.where(in_range, loss, float("nan"))  # a bad label shows as NaN, never as a plausible number
+    return tl.where(ignored, 0.0, loss)
+
+
+@triton.jit
+def _dloss_dlogits(p, tanh_z, cols, label, lse, V, scaling, label_smoothing, z_loss,
+                   HAS_SCALING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                   HAS_Z_LOSS: tl.constexpr):
+    """d loss / d x for a tile, from p = softmax(z) and (with soft-capping) tanh of the capped argument:
+    dL/dz_j = p_j (1 + 2 z_loss lse) - (1 - eps) [j == y] - eps / V, then the chain rule back to x."""
+    if HAS_Z_LOSS:
+        dz = p * (1.0 + 2.0 * z_loss * lse)
+    else:
+        dz = p
+    if HAS_SMOOTHING:
+        dz = tl.where(cols == label, dz - (1.0 - label_smoothing), dz) - label_smoothing / V
+    else:
+        dz = tl.where(cols == label, dz - 1.0, dz)
+    if HAS_SOFTCAP:
+        dz = dz * (1.0 - tanh_z * tanh_z)
+    if HAS_SCALING:
+        dz = dz * scaling
+    return dz
+
+
+@triton.jit
 def _forward_finish_kernel(
     logits_ptr, logits_row_stride, labels_ptr,
     max_ptr, sumexp_ptr, sumz_ptr, loss_ptr, lse_ptr,
@@ -87,30 +133,16 @@ def _forward_finish_kernel(
     HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    chunks = tl.arange(0, CHUNKS_BLOCK)
-    chunk_mask = chunks < n_chunks
-    part_max = tl.load(max_ptr + row * n_chunks + chunks, mask=chunk_mask, other=-float("inf"))
-    part_sum = tl.load(sumexp_ptr + row * n_chunks + chunks, mask=chunk_mask, other=0.0)
-    row_max = tl.max(part_max, 0)
-    shift = tl.where(row_max == -float("inf"), 0.0, row_max)
-    lse = shift + tl.log(tl.sum(part_sum * tl.exp(part_max - shift), 0))
-
-    label = tl.load(labels_ptr + row).to(tl.int64)
-    ignored = label == ignore_index
-    in_range = (label >= 0) & (label < V)
-    # The only data-dependent address in the forward: loaded only for a label inside [0, V).
-    x_label = tl.load(logits_ptr + row * logits_row_stride + label, mask=in_range & ~ignored, other=0.0)
-    z_label = _transform(x_label, scaling, softcap, HAS_SCALING, HAS_SOFTCAP)
-
-    loss = lse - z_label
+    chunks = row * n_chunks + tl.arange(0, CHUNKS_BLOCK)
+    chunk_mask = tl.arange(0, CHUNKS_BLOCK) < n_chunks
+    lse = _combine_partials(tl.load(max_ptr + chunks, mask=chunk_mask, other=-float("inf")),
+                            tl.load(sumexp_ptr + chunks, mask=chunk_mask, other=0.0))
+    sum_z = 0.0
     if HAS_SMOOTHING:
-        part_sumz = tl.load(sumz_ptr + row * n_chunks + chunks, mask=chunk_mask, other=0.0)
-        mean_z = tl.sum(part_sumz, 0) / V
-        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - mean_z)
-    if HAS_Z_LOSS:
-        loss += z_loss * lse * lse
-    loss = tl.where(in_range, loss, float("nan"))  # a bad label shows as NaN, never as a plausible number
-    loss = tl.where(ignored, 0.0, loss)
+        sum_z = tl.sum(tl.load(sumz_ptr + chunks, mask=chunk_mask, other=0.0), 0)
+    label = tl.load(labels_ptr + row).to(tl.int64)
+    loss = _token_loss(logits_ptr + row * logits_row_stride, label, lse, sum_z, V, ignore_index, scaling, softcap,
+                       label_smoothing, z_loss, HAS_SCALING, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS)
     tl.store(loss_ptr + row, loss)
     tl.store(lse_ptr + row, lse)
 
@@ -129,35 +161,19 @@ def _backward_kernel(
 
     label = tl.load(labels_ptr + row).to(tl.int64)
     ignored = label == ignore_index
-    in_range = (label >= 0) & (label < V)
     lse = tl.load(lse_ptr + row)
     # Upstream gradient of this token's loss; stride 0 when it is one scalar broadcast over the rows.
     grad_loss = tl.load(grad_loss_ptr + row * grad_loss_stride).to(tl.float32)
-    grad_loss = tl.where(in_range, grad_loss, float("nan"))
+    grad_loss = tl.where((label >= 0) & (label < V), grad_loss, float("nan"))
 
     x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=in_row & ~ignored, other=0.0).to(tl.float32)
-    a = x
     if HAS_SCALING:
-        a = a * scaling
+        x = x * scaling
+    tanh_z = x  # unused without soft-capping
     if HAS_SOFTCAP:
-        t = _tanh(a / softcap)
-        z = softcap * t
-    else:
-        z = a
-    p = tl.exp(z - lse)
-    # dL/dz_j = p_j (1 + 2 z_loss lse) - (1 - eps) [j == y] - eps / V
-    if HAS_Z_LOSS:
-        dz = p * (1.0 + 2.0 * z_loss * lse)
-    else:
-        dz = p
-    if HAS_SMOOTHING:
-        dz = dz - label_smoothing / V
-        dz = tl.where(cols == label, dz - (1.0 - label_smoothing), dz)
-    else:
-        dz = tl.where(cols == label, dz - 1.0, dz)
-    if HAS_SOFTCAP:
-        dz = dz * (1.0 - t * t)
-    if HAS_SCALING:
-        dz = dz * scaling
-    dx = tl.where(ignored, 0.0, dz * grad_loss)
+        tanh_z = _tanh(x / softcap)
+        x = softcap * tanh_z
+    dx = _dloss_dlogits(tl.exp(x - lse), tanh_z, cols, label, lse, V, scaling, label_smoothing, z_loss,
+                        HAS_SCALING, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS)
+    dx = tl.where(ignored, 0.0, dx * grad_loss)
     tl.store(grad_ptr + row * grad_row_stride + cols, dx.to(grad_ptr.dtype.element_ty), mask=in_row)
