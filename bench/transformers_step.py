@@ -1,0 +1,212 @@
+"""Training-step time and peak memory of a Hugging Face Llama with transformers' own loss and with
+fastce_torch.patch_transformers(): same weights, same batches, same optimizer.
+
+    python bench/transformers_step.py --json bench/results/transformers-step-h200.json
+
+Defaults: Llama-3.2-1B's shape cut to 2 layers (hidden 2048, 16 heads / 8 KV heads, MLP 8192, vocab 128256), bf16
+weights, AdamW, batch 8 x 1024 tokens. With 2 layers the (8192 x 128256) logits dominate the step, which is where
+the loss matters: transformers upcasts them to float32 (4.2 GB) and keeps float32 log-probabilities and their
+gradient, fastce reads the bf16 logits and writes the gradient into them.
+
+Step time: median over --steps of CUDA-event timings around forward + backward + optimizer step, after --warmup
+steps. Peak memory: torch.cuda.max_memory_allocated over the timed steps; "resident" is what was allocated before
+them (weights, optimizer state), so peak - resident is the step's own working memory.
+`--device cpu` runs a tiny smoke version (wall-clock timing, no memory numbers).
+"""
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)  # fastce_torch and bench from this checkout when run as a script
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import fastce_torch  # noqa: E402
+
+MODES = {
+    "transformers": None,  # transformers' ForCausalLMLoss (float32 upcast, F.cross_entropy)
+    "fastce": dict(inplace_backward=True),
+    "fastce-no-inplace": dict(inplace_backward=False),
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--intermediate", type=int, default=8192)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--precision", choices=["bf16", "autocast"], default="bf16",
+                        help="bf16: bf16 weights; autocast: float32 weights under bf16 autocast (Trainer's bf16=True)")
+    parser.add_argument("--tie-embeddings", action="store_true", help="tie lm_head to the embedding (Llama 3.2)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--modes", default="transformers,fastce",
+                        help=f"comma-separated, from {', '.join(MODES)}")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    args.modes = args.modes.split(",")
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+    return args
+
+
+def build_model(args):
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(args.seq_len, 128), tie_word_embeddings=args.tie_embeddings)
+    torch.manual_seed(args.seed)  # every mode starts from the same weights
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    model = transformers.LlamaForCausalLM(config).to(device=args.device, dtype=dtype)
+    model.config.use_cache = False
+    model.train()
+    return model
+
+
+def make_batches(args, count):
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    batches = []
+    for _ in range(count):
+        ids = torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=generator)
+        labels = ids.clone()
+        labels[:, : args.seq_len // 8] = -100  # a masked prompt, as in instruction tuning
+        batches.append((ids.to(args.device), labels.to(args.device)))
+    return batches
+
+
+class Timer:
+    """CUDA events on the GPU (device time of the whole step); perf_counter elsewhere."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            self.ms = self.start.elapsed_time(self.end)
+        else:
+            self.ms = (time.perf_counter() - self.t0) * 1e3
+
+
+def run_mode(mode, args, batches):
+    fastce_torch.unpatch_transformers()
+    if MODES[mode] is not None:
+        fastce_torch.patch_transformers(**MODES[mode])
+    model = build_model(args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    cuda = torch.device(args.device).type == "cuda"
+    autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16,
+                              enabled=args.precision == "autocast")
+
+    def step(ids, labels):
+        with autocast:
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    losses, times = [], []
+    for i, (ids, labels) in enumerate(batches):
+        if i == args.warmup and cuda:
+            torch.cuda.synchronize()
+            resident = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        with Timer(args.device) as timer:
+            loss = step(ids, labels)
+        losses.append(loss.item())
+        if i >= args.warmup:
+            times.append(timer.ms)
+    result = {
+        "median_ms": statistics.median(times), "mean_ms": statistics.fmean(times), "min_ms": min(times),
+        "times_ms": times, "losses": losses,
+        "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "resident_bytes": resident if cuda else None,
+    }
+    if cuda:
+        result["step_working_bytes"] = result["peak_bytes"] - resident
+    fastce_torch.unpatch_transformers()
+    del model, optimizer
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def environment(args):
+    info = {"device": torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else "cpu",
+            "torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        from bench import envinfo
+        info.update(commit=envinfo.git_commit(), versions=envinfo.versions({"transformers": transformers.__version__}))
+    except Exception as error:  # the shared helpers are optional here; the numbers do not depend on them
+        info["envinfo_error"] = repr(error)
+    return info
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device: use --device cpu (with small sizes) for a smoke run")
+    batches = make_batches(args, args.warmup + args.steps)
+    results = {mode: run_mode(mode, args, batches) for mode in args.modes}
+
+    gib = 2.0**-30
+    print(f"Llama {args.layers} layers, hidden {args.hidden}, V={args.vocab}, {args.batch}x{args.seq_len} tokens, "
+          f"{args.precision}, AdamW; {args.steps} timed steps")
+    print(f"{'mode':<20}{'median ms':>11}{'min ms':>9}{'peak GiB':>10}{'step GiB':>10}  first/last loss")
+    for mode, r in results.items():
+        peak = f"{r['peak_bytes'] * gib:10.2f}" if r["peak_bytes"] is not None else f"{'-':>10}"
+        work = f"{r['step_working_bytes'] * gib:10.2f}" if r["peak_bytes"] is not None else f"{'-':>10}"
+        print(f"{mode:<20}{r['median_ms']:11.2f}{r['min_ms']:9.2f}{peak}{work}  "
+              f"{r['losses'][0]:.5f} / {r['losses'][-1]:.5f}")
+    summary = {}
+    if "transformers" in results:
+        base = results["transformers"]
+        for mode, r in results.items():
+            if mode == "transformers":
+                continue
+            summary[mode] = {
+                "speedup": base["median_ms"] / r["median_ms"],
+                "first_loss_rel_diff": abs(r["losses"][0] - base["losses"][0]) / abs(base["losses"][0]),
+            }
+            if r["peak_bytes"] is not None:
+                summary[mode]["peak_saved_gib"] = (base["peak_bytes"] - r["peak_bytes"]) * gib
+            print(f"{mode}: {summary[mode]['speedup']:.3f}x step speed"
+                  + (f", {summary[mode]['peak_saved_gib']:.2f} GiB less peak" if "peak_saved_gib" in summary[mode]
+                     else "")
+                  + f", first-step loss differs by {summary[mode]['first_loss_rel_diff']:.1e} (relative)")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "transformers_step", "args": vars(args), "environment": environment(args),
+                       "results": results, "vs_transformers": summary}, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
