@@ -20,6 +20,10 @@ FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
                 jnp.dtype(jnp.float16))
 REDUCTIONS = ("none", "sum", "mean")
 BACKENDS = ("auto", "kernel", "reference")
+# What a tracer raises when asked for its values or devices (public jax.errors,
+# rather than isinstance checks on jax.core.Tracer, whose jax.core is shrinking).
+_TRACED = (jax.errors.ConcretizationTypeError,
+           jax.errors.TracerArrayConversionError)
 
 
 class _Options(NamedTuple):
@@ -89,8 +93,8 @@ def _check_args(logits, labels, *, ignore_index, reduction, n_items,
                      f"{tuple(logits.shape)}")
   if not jnp.issubdtype(labels.dtype, jnp.integer):
     raise TypeError(f"labels must be int32 or int64, got {labels.dtype}")
-  if jnp.dtype(labels.dtype).itemsize > 4 and not jnp.issubdtype(
-      labels.dtype, jnp.signedinteger):
+  if jnp.dtype(labels.dtype).itemsize >= 4 and not jnp.issubdtype(
+      labels.dtype, jnp.signedinteger):  # uint32/uint64 do not fit int32
     raise TypeError(f"labels must be int32 or int64, got {labels.dtype}")
   if tuple(labels.shape) != tuple(logits.shape[:-1]):
     raise ValueError(f"labels shape {tuple(labels.shape)} must equal logits' "
@@ -125,12 +129,13 @@ def _check_args(logits, labels, *, ignore_index, reduction, n_items,
 
 
 def _validate_labels_eagerly(labels, vocab: int, ignore_index: int):
-  if isinstance(labels, jax.core.Tracer):
+  try:
+    y = np.asarray(labels)
+  except _TRACED as e:
     raise ValueError(
         "validate_labels=True needs concrete labels, but labels is traced "
         "(jit/vmap/scan); validate outside the transformation or pass "
-        "validate_labels=False (bad labels then give a NaN loss).")
-  y = np.asarray(labels)
+        "validate_labels=False (bad labels then give a NaN loss).") from e
   bad = (y != ignore_index) & ((y < 0) | (y >= vocab))
   if bad.any():
     pos = tuple(int(i) for i in np.argwhere(bad)[0])
@@ -139,8 +144,11 @@ def _validate_labels_eagerly(labels, vocab: int, ignore_index: int):
 
 
 def _on_gpu(x) -> bool:
-  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-    return all(d.platform == "gpu" for d in x.devices())
+  if isinstance(x, jax.Array):
+    try:
+      return all(d.platform == "gpu" for d in x.devices())
+    except _TRACED:
+      pass
   # Traced (or a NumPy array): it will run on the default backend.
   return jax.default_backend() == "gpu"
 

@@ -23,7 +23,7 @@ already happens at 2**30 elements).  Below the threshold every offset is < 2**31
 and int32 is exact.  The in-row parts (``j * W`` from a Blocked dim, our
 ``pl.ds`` starts and the label) are < V + W, far below 2**31.  Hence the logits
 are passed as a plain (N, V) array; no flat view or manual int64 product is
-needed.  ``tests/test_lowering.py`` checks the emitted Triton IR for i64
+needed.  ``tests/test_jax_lowering.py`` checks the emitted Triton IR for i64
 offsets on a >2**31-element abstract input.
 """
 
@@ -44,8 +44,12 @@ TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
 
 MAX_CHUNK = 65536          # widest chunk one forward program walks
 TARGET_PROGRAMS = 1024     # shrink chunks until N * C reaches this (fill the GPU)
-FWD_MAX_BLOCK = 4096
-BWD_MAX_BLOCK = 2048
+FWD_MAX_BLOCK = 4096       # forward tile width (warps: 8 at >= 4096, else 4)
+FWD_NUM_STAGES = 2         # the forward loop streams tiles: let Triton pipeline
+FINISH_NUM_WARPS = 1       # the finish kernel touches C + 2 scalars per row
+BWD_MAX_BLOCK = 2048       # backward tile width, one tile per program
+BWD_NUM_WARPS = 4
+BWD_NUM_STAGES = 1         # no loop in the backward: nothing to pipeline
 
 
 @functools.cache
@@ -75,22 +79,32 @@ def _quiet_triton(interpret: bool):
     yield
 
 
+def _next_pow2(n: int) -> int:
+  return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _cdiv(a, b):
+  """Ceiling division of ints or int32 scalars (traced inside kernels)."""
+  return (a + b - 1) // b
+
+
 # ----------------------------------------------------------------------------
-# Heuristics (the lead tunes these on the H200).
+# Heuristics (module constants so that bench/tune.py can sweep them; they are
+# read when a jit traces).
 # ----------------------------------------------------------------------------
 
 def forward_config(n_rows: int, vocab: int) -> tuple[int, int, int]:
   """(block, chunk, num_warps) of the forward kernel."""
-  block = min(FWD_MAX_BLOCK, pl.next_power_of_2(vocab))
-  chunk = max(block, min(MAX_CHUNK, pl.next_power_of_2(vocab)))
-  while chunk > block and n_rows * pl.cdiv(vocab, chunk) < TARGET_PROGRAMS:
+  block = min(FWD_MAX_BLOCK, _next_pow2(vocab))
+  chunk = max(block, min(MAX_CHUNK, _next_pow2(vocab)))
+  while chunk > block and n_rows * _cdiv(vocab, chunk) < TARGET_PROGRAMS:
     chunk //= 2
   return block, chunk, 8 if block >= 4096 else 4
 
 
 def backward_config(vocab: int) -> tuple[int, int]:
   """(block, num_warps) of the backward kernel."""
-  return min(BWD_MAX_BLOCK, pl.next_power_of_2(vocab)), 4
+  return min(BWD_MAX_BLOCK, _next_pow2(vocab)), BWD_NUM_WARPS
 
 
 # ----------------------------------------------------------------------------
@@ -127,7 +141,7 @@ def _forward_kernel(x_ref, m_ref, s_ref, sz_ref, *, vocab: int, chunk: int,
   # x_ref: this row's chunk, shape (chunk,); the last chunk may run past V.
   base = pl.program_id(1) * chunk
   # Python ints stay int32 here even with jax_enable_x64 (explicit int32).
-  n_tiles = pl.cdiv(jnp.minimum(vocab - base, chunk), jnp.int32(block))
+  n_tiles = _cdiv(jnp.minimum(vocab - base, chunk), jnp.int32(block))
   neg_inf = jnp.float32(-jnp.inf)
 
   def body(k, carry):
@@ -161,7 +175,7 @@ def _finish_kernel(m_ref, s_ref, sz_ref, y_ref, x_ref, loss_ref, lse_ref, *,
                    vocab: int, n_chunks: int, ignore_index: int | None,
                    scaling: float, softcap: float, smoothing: float,
                    z_loss: float):
-  c_pad = pl.next_power_of_2(n_chunks)
+  c_pad = _next_pow2(n_chunks)
   cmask = jnp.arange(c_pad) < n_chunks
   m = plgpu.load(m_ref.at[pl.ds(0, c_pad)], mask=cmask, other=-jnp.inf)
   s = plgpu.load(s_ref.at[pl.ds(0, c_pad)], mask=cmask, other=0.0)
@@ -236,7 +250,7 @@ def forward(logits, labels, *, ignore_index: int, scaling: float,
   """Per-token loss and lse, both float32 (N,), of logits (N, V)."""
   n, vocab = logits.shape
   block, chunk, warps = forward_config(n, vocab)
-  n_chunks = pl.cdiv(vocab, chunk)
+  n_chunks = _cdiv(vocab, chunk)
   f32 = jnp.float32
   part = jax.ShapeDtypeStruct((n, n_chunks), f32)
   part_spec = pl.BlockSpec((None, None), lambda i, j: (i, j))
@@ -248,7 +262,8 @@ def forward(logits, labels, *, ignore_index: int, scaling: float,
       in_specs=[pl.BlockSpec((None, chunk), lambda i, j: (i, j))],
       out_specs=[part_spec] * 3,
       out_shape=[part] * 3,
-      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=2),
+      compiler_params=plgpu.CompilerParams(num_warps=warps,
+                                           num_stages=FWD_NUM_STAGES),
       interpret=interpret,
       name="fastce_forward",
   )
@@ -264,7 +279,8 @@ def forward(logits, labels, *, ignore_index: int, scaling: float,
           row_spec, pl.BlockSpec((None, vocab), lambda i: (i, 0))],
       out_specs=[row_spec, row_spec],
       out_shape=[jax.ShapeDtypeStruct((n,), f32)] * 2,
-      compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=FINISH_NUM_WARPS,
+                                           num_stages=1),
       interpret=interpret,
       name="fastce_finish",
   )
@@ -287,14 +303,15 @@ def backward(logits, labels, lse, g, *, ignore_index: int, scaling: float,
                         ignore_index=_ignore_index_for(labels, ignore_index),
                         scaling=scaling, softcap=softcap, smoothing=smoothing,
                         z_loss=z_loss),
-      grid=(n, pl.cdiv(vocab, block)),
+      grid=(n, _cdiv(vocab, block)),
       in_specs=[tile_spec, row_spec, row_spec, row_spec],
       out_specs=tile_spec,
       out_shape=jax.ShapeDtypeStruct(logits.shape, logits.dtype),
       # Each program reads its tile before writing the same tile, so the
       # gradient may overwrite the logits residual (XLA copies when it can't).
       input_output_aliases={0: 0} if inplace else {},
-      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=warps,
+                                           num_stages=BWD_NUM_STAGES),
       interpret=interpret,
       name="fastce_backward",
   )

@@ -310,3 +310,31 @@ def test_auto_backend(put, use_gpu):
   jaxpr = str(jax.make_jaxpr(
       lambda a: cross_entropy(a, labels, backend="reference"))(x))
   assert "pallas_call" not in jaxpr
+
+
+
+try:
+  from hypothesis import given, settings, strategies as st
+except ImportError:  # hypothesis is in the test extra; keep the rest running
+  given = None
+
+if given is not None:
+
+  @settings(max_examples=12, deadline=None, derandomize=True)
+  @given(v=st.sampled_from([3, 100, 1000, 4100]),
+         dtype=st.sampled_from(list(DTYPES)),
+         smoothing=st.sampled_from([0.0, 0.3, 1.0]),
+         z_loss=st.sampled_from([0.0, 1e-2]),
+         softcap=st.sampled_from([0.0, 2.5]),
+         scaling=st.sampled_from([0.0, -0.7, 2.0]),
+         seed=st.integers(0, 2**16))
+  def test_random_option_combinations(device, v, dtype, smoothing, z_loss,
+                                      softcap, scaling, seed):
+    # `device` is session-scoped, which @given accepts.
+    def put(a, d=None):
+      return jax.device_put(np.asarray(a) if d is None else jnp.asarray(a, d),
+                            device)
+    opts = dict(label_smoothing=smoothing, z_loss=z_loss,
+                logit_softcapping=softcap, logit_scaling=scaling)
+    x, y = make_inputs(put, 4, v, dtype, seed=seed, n_ignored=1)
+    check_vjp(put, x, y, dtype, opts, seed=seed)
