@@ -52,18 +52,8 @@ def main():
                 lambda: ce.backward_kernels(grad_loss, logits, labels, lse, logits, *options), return_mode="median")
             rows.append(dict(kernel="backward", N=n_rows, V=vocab, block=block, warps=warps, chunk=0, ms=ms,
                              ratio=ms / (2 * one_pass_ms)))
-        scale = torch.ones((), device="cuda")
-        for chunk, warps in itertools.product([4096, 8192, 16384], [4, 8, 16]):
-            ce.FUSED_CHUNK, ce.FUSED_WARPS = chunk, warps
-            if not ce.fits_forward_with_grad(logits):
-                continue
-            ms = triton.testing.do_bench(lambda: ce.scale_in_place(
-                logits, scale) if ce.forward_with_grad_kernels(logits, labels, logits, scale, *options) is not None
-                else None, return_mode="median")
-            rows.append(dict(kernel="forward_with_grad", N=n_rows, V=vocab, block=chunk, warps=warps, chunk=chunk,
-                             ms=ms, ratio=ms / (2 * one_pass_ms)))
         del logits
-        for kernel in ("forward", "backward", "forward_with_grad"):
+        for kernel in ("forward", "backward"):
             best = sorted((r for r in rows if r["kernel"] == kernel and r["V"] == vocab and r["N"] == n_rows),
                           key=lambda r: r["ms"])[:4]
             for r in best:

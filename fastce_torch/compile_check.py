@@ -10,8 +10,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from .cross_entropy import (BACKWARD_BLOCK, BACKWARD_WARPS, FORWARD_BLOCK, FORWARD_WARPS_FEW_PROGRAMS, FUSED_CHUNK,
-                            FUSED_WARPS)
+from .cross_entropy import BACKWARD_BLOCK, BACKWARD_WARPS, FORWARD_BLOCK, FORWARD_WARPS_FEW_PROGRAMS
 from . import kernels
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -50,14 +49,6 @@ def variants():
             lse_ptr="*fp32", grad_loss_ptr="*fp32", grad_loss_stride="i32", V="i32", ignore_index="i32",
             scaling="fp32", softcap="fp32", label_smoothing="fp32", z_loss="fp32",
         ), dict(BLOCK=BACKWARD_BLOCK, **finish_flags), BACKWARD_WARPS
-        yield kernels._forward_with_grad_kernel, dict(
-            logits_ptr=logits, logits_row_stride=index, grad_ptr=logits, grad_row_stride=index, labels_ptr="*i64",
-            loss_ptr="*fp32", grad_scale_ptr="*fp32", sync_ptr="*i32", max_ptr="*fp32", sumexp_ptr="*fp32",
-            sumz_ptr="*fp32", V="i32", n_chunks="i32", ignore_index="i32", scaling="fp32", softcap="fp32",
-            label_smoothing="fp32", z_loss="fp32",
-        ), dict(CHUNK=FUSED_CHUNK, CHUNKS_BLOCK=32, **finish_flags), FUSED_WARPS
-        yield kernels._scale_kernel, dict(grad_ptr=logits, grad_row_stride=index, scale_ptr="*fp32", n_rows="i32",
-                                          V="i32"), dict(BLOCK=BACKWARD_BLOCK), BACKWARD_WARPS
 
 
 def main():

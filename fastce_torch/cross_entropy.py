@@ -23,7 +23,6 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # a few rows give the GPU ~1024 programs.
 FORWARD_BLOCK, FORWARD_WARPS, FORWARD_WARPS_FEW_PROGRAMS = 4096, 4, 8
 BACKWARD_BLOCK, BACKWARD_WARPS = 2048, 4
-FUSED_CHUNK, FUSED_WARPS = 8192, 8
 MAX_CHUNK, TARGET_PROGRAMS, FEW_PROGRAMS = 65536, 1024, 4096
 
 
@@ -90,68 +89,6 @@ def backward_kernels(grad_loss, logits, labels, lse, grad, ignore_index, logit_s
         BLOCK=block, num_warps=BACKWARD_WARPS, **_flags(logit_scaling, logit_softcapping, label_smoothing, z_loss),
     )
     return grad
-
-
-def forward_with_grad_kernels(logits, labels, grad, grad_scale, ignore_index, logit_softcapping, logit_scaling,
-                              label_smoothing, z_loss):
-    """Per-token float32 losses, and the gradient of sum_t loss_t * grad_scale written into `grad` (which may be
-    `logits`), reading the logits once. The caller checks `fits_forward_with_grad` first."""
-    n_rows, vocab = logits.shape
-    loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-    if n_rows == 0:
-        return loss
-    n_chunks = triton.cdiv(vocab, FUSED_CHUNK)
-    sync = torch.zeros(1 + n_rows, dtype=torch.int32, device=logits.device)
-    partials = torch.empty((3, n_rows * n_chunks if n_chunks > 1 else 1), dtype=torch.float32, device=logits.device)
-    _kernels_for(logits)._forward_with_grad_kernel[(n_rows * n_chunks,)](
-        logits, logits.stride(0), grad, grad.stride(0), labels, loss, grad_scale, sync, *partials,
-        vocab, n_chunks, ignore_index, logit_scaling, logit_softcapping, label_smoothing, z_loss,
-        CHUNK=min(FUSED_CHUNK, triton.next_power_of_2(vocab)), CHUNKS_BLOCK=triton.next_power_of_2(n_chunks),
-        num_warps=FUSED_WARPS, **_flags(logit_scaling, logit_softcapping, label_smoothing, z_loss),
-    )
-    return loss
-
-
-def fits_forward_with_grad(logits):
-    """The one-read kernel needs all chunks of a row running at once: few chunks per row on a GPU (far below the
-    number of multiprocessors), exactly one in the interpreter, which runs programs one after another."""
-    n_chunks = triton.cdiv(logits.shape[-1], FUSED_CHUNK)
-    if not logits.is_cuda:
-        return n_chunks == 1
-    return n_chunks <= torch.cuda.get_device_properties(logits.device).multi_processor_count // 2
-
-
-def scale_in_place(grad, scale):
-    """grad *= scale (a 0-d tensor) on the device, skipping the pass when scale == 1, without synchronising."""
-    if grad.numel() == 0:
-        return grad
-    n_rows, vocab = grad.shape
-    block = min(BACKWARD_BLOCK, triton.next_power_of_2(vocab))
-    n_programs = min(n_rows * triton.cdiv(vocab, block), 8 * 132)
-    _kernels_for(grad)._scale_kernel[(n_programs,)](grad, grad.stride(0), scale, n_rows, vocab, BLOCK=block,
-                                                    num_warps=BACKWARD_WARPS)
-    return grad
-
-
-class _CrossEntropyGradInForward(torch.autograd.Function):
-    """Scalar-reduced loss whose gradient is computed by the forward (logits read once); backward only scales
-    it by the upstream gradient, which costs nothing when that is 1."""
-
-    @staticmethod
-    def forward(ctx, logits, labels, denominator, inplace, options):
-        grad = logits if inplace else torch.empty_like(logits)
-        scale = (1.0 / denominator).to(device=logits.device, dtype=torch.float32)
-        token_losses = forward_with_grad_kernels(logits, labels, grad, scale, *options)
-        if inplace:
-            # The logits now hold the gradient: any other op that saved them for backward must fail loudly.
-            torch.autograd.graph.increment_version(logits)
-        ctx.grad = grad
-        return token_losses.sum() * scale
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad, ctx.grad = ctx.grad, None
-        return scale_in_place(grad, grad_loss.to(torch.float32)), None, None, None, None
 
 
 # --- custom ops: torch.compile sees opaque ops with fake implementations and no graph break -------------------
@@ -261,23 +198,18 @@ def _is_intermediate(tensor):
     return tensor.requires_grad and not tensor.is_leaf and not base.is_leaf
 
 
-def _denominator(labels, reduction, n_items, ignore_index):
-    """What the summed loss is divided by: n_items, else the non-ignored token count for "mean" (at least 1, so
-    an all-ignored batch gives 0 with a zero gradient), else 1. A tensor stays on the device: no synchronisation."""
-    if n_items is not None:
-        return n_items.to(torch.float32) if isinstance(n_items, torch.Tensor) else float(n_items)
-    if reduction == "mean":
-        return (labels != ignore_index).sum().clamp_min(1).to(torch.float32)
-    return 1.0
-
-
 def _reduce(token_losses, labels, reduction, n_items, ignore_index):
     if reduction == "none":
         return token_losses
-    denominator = _denominator(labels, reduction, n_items, ignore_index)
-    if isinstance(denominator, torch.Tensor):
-        denominator = denominator.to(token_losses.device)
-    return token_losses.sum() / denominator
+    total = token_losses.sum()
+    if reduction == "sum" and n_items is None:
+        return total
+    if n_items is None:
+        # Mean over the tokens that count; an all-ignored batch gives 0/1 = 0 and a zero gradient.
+        n_items = (labels != ignore_index).sum().clamp_min(1)
+    if isinstance(n_items, torch.Tensor):
+        n_items = n_items.to(device=total.device, dtype=torch.float32)
+    return total / n_items
 
 
 def cross_entropy_reference(logits, labels, *, ignore_index=-100, logit_softcapping=0.0, logit_scaling=0.0,
@@ -304,16 +236,13 @@ def cross_entropy_reference(logits, labels, *, ignore_index=-100, logit_softcapp
 
 def cross_entropy(logits, labels, *, ignore_index=-100, reduction="mean", n_items=None, logit_softcapping=0.0,
                   logit_scaling=0.0, label_smoothing=0.0, z_loss=0.0, backend="auto", inplace_backward=True,
-                  grad_in_forward=False, validate_labels=False):
+                  validate_labels=False):
     """Cross-entropy of logits (..., V) against integer labels (...), fused on the GPU.
 
     Returns a float32 scalar ("mean", "sum") or per-token losses shaped like labels ("none"). See CONTRACT.md.
     With inplace_backward=True (the default) the backward writes the gradient into the logits' own buffer when
     logits is an intermediate (non-leaf) tensor, so the loss costs no gradient-sized allocation: the logits are
     consumed by backward. Leaf tensors are never overwritten.
-    grad_in_forward=True (opt-in; "mean"/"sum" with grad enabled) computes the gradient during the forward,
-    reading the logits once instead of twice; with inplace_backward the logits then hold the gradient as soon as
-    the forward returns, so nothing may read them between the loss and its backward.
     """
     _check_arguments(logits, labels, ignore_index, reduction, n_items, logit_softcapping, logit_scaling,
                      label_smoothing, z_loss, backend)
@@ -331,13 +260,6 @@ def cross_entropy(logits, labels, *, ignore_index=-100, reduction="mean", n_item
             logits_2d = logits_2d.contiguous()
         labels_1d = labels.reshape(-1).contiguous()
         inplace = bool(inplace_backward) and _is_intermediate(logits)
-        if (grad_in_forward and reduction != "none" and torch.is_grad_enabled() and logits.requires_grad
-                and not torch.compiler.is_compiling() and fits_forward_with_grad(logits_2d)):
-            denominator = _denominator(labels_1d, reduction, n_items, ignore_index)
-            if not isinstance(denominator, torch.Tensor):
-                denominator = torch.full((), denominator, dtype=torch.float32, device=logits.device)
-            return _CrossEntropyGradInForward.apply(logits_2d, labels_1d, denominator, inplace,
-                                                    tuple(options.values()))
         token_losses, _ = _forward_op(logits_2d, labels_1d, *options.values(), inplace)
         token_losses = token_losses.view(labels.shape)
     else:
@@ -350,7 +272,7 @@ class CrossEntropyLoss(torch.nn.Module):
 
     def __init__(self, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
                  logit_softcapping=0.0, logit_scaling=0.0, z_loss=0.0, backend="auto", inplace_backward=True,
-                 grad_in_forward=False, validate_labels=False):
+                 validate_labels=False):
         super().__init__()
         if weight is not None:
             raise NotImplementedError("class weights are not supported by fastce")
@@ -358,8 +280,7 @@ class CrossEntropyLoss(torch.nn.Module):
         self.reduction = reduction
         self.options = dict(label_smoothing=label_smoothing, logit_softcapping=logit_softcapping,
                             logit_scaling=logit_scaling, z_loss=z_loss, backend=backend,
-                            inplace_backward=inplace_backward, grad_in_forward=grad_in_forward,
-                            validate_labels=validate_labels)
+                            inplace_backward=inplace_backward, validate_labels=validate_labels)
 
     def forward(self, input, target, n_items=None):
         return cross_entropy(input, target, ignore_index=self.ignore_index, reduction=self.reduction,

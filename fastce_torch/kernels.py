@@ -87,11 +87,14 @@ def _combine_partials(part_max, part_sum):
 
 
 @triton.jit
-def _token_loss(z_label, label, lse, sum_z, V, ignore_index, label_smoothing, z_loss,
-                HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr):
+def _token_loss(logits_row_ptr, label, lse, sum_z, V, ignore_index, scaling, softcap, label_smoothing, z_loss,
+                HAS_SCALING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                HAS_Z_LOSS: tl.constexpr):
     ignored = label == ignore_index
     in_range = (label >= 0) & (label < V)
-    loss = lse - z_label
+    # The only data-dependent address: loaded only for a label inside [0, V).
+    x_label = tl.load(logits_row_ptr + label, mask=in_range & ~ignored, other=0.0)
+    loss = lse - _transform(x_label, scaling, softcap, HAS_SCALING, HAS_SOFTCAP)
     if HAS_SMOOTHING:
         loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - sum_z / V)
     if HAS_Z_LOSS:
@@ -138,12 +141,8 @@ def _forward_finish_kernel(
     if HAS_SMOOTHING:
         sum_z = tl.sum(tl.load(sumz_ptr + chunks, mask=chunk_mask, other=0.0), 0)
     label = tl.load(labels_ptr + row).to(tl.int64)
-    # The only data-dependent address: loaded only for a label inside [0, V).
-    load_label = (label >= 0) & (label < V) & (label != ignore_index)
-    x_label = tl.load(logits_ptr + row * logits_row_stride + label, mask=load_label, other=0.0)
-    z_label = _transform(x_label, scaling, softcap, HAS_SCALING, HAS_SOFTCAP)
-    loss = _token_loss(z_label, label, lse, sum_z, V, ignore_index, label_smoothing, z_loss, HAS_SMOOTHING,
-                       HAS_Z_LOSS)
+    loss = _token_loss(logits_ptr + row * logits_row_stride, label, lse, sum_z, V, ignore_index, scaling, softcap,
+                       label_smoothing, z_loss, HAS_SCALING, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS)
     tl.store(loss_ptr + row, loss)
     tl.store(lse_ptr + row, lse)
 
@@ -178,96 +177,3 @@ def _backward_kernel(
                         HAS_SCALING, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS)
     dx = tl.where(ignored, 0.0, dx * grad_loss)
     tl.store(grad_ptr + row * grad_row_stride + cols, dx.to(grad_ptr.dtype.element_ty), mask=in_row)
-
-
-@triton.jit
-def _forward_with_grad_kernel(
-    logits_ptr, logits_row_stride, grad_ptr, grad_row_stride, labels_ptr, loss_ptr, grad_scale_ptr,
-    sync_ptr, max_ptr, sumexp_ptr, sumz_ptr,
-    V, n_chunks, ignore_index, scaling, softcap, label_smoothing, z_loss,
-    CHUNK: tl.constexpr, CHUNKS_BLOCK: tl.constexpr, HAS_SCALING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-):
-    """Loss and gradient with the logits read once: each program holds one CHUNK of a row in registers,
-    publishes that chunk's (max, sum of exp, sum of z), waits until every chunk of its row has, then writes its
-    part of the gradient (scaled by *grad_scale_ptr) from registers. grid = (N * n_chunks,).
-
-    Waiting on other programs needs them to be running. Programs take tickets (sync_ptr[0]) in the order they
-    actually start, and a ticket's row and chunk follow from it, so a program only waits for siblings with nearby
-    tickets: every lower ticket has started, and a higher one starts as soon as any slot frees, which holds while
-    n_chunks is far below what the GPU runs at once (the launcher checks). sync_ptr[1 + row] counts arrivals.
-    """
-    ticket = tl.atomic_add(sync_ptr, 1)
-    row = (ticket // n_chunks).to(tl.int64)
-    chunk = ticket % n_chunks
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    in_row = cols < V
-    label = tl.load(labels_ptr + row).to(tl.int64)
-    ignored = label == ignore_index
-
-    x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=in_row & ~ignored, other=0.0).to(tl.float32)
-    if HAS_SCALING:
-        x = x * scaling
-    tanh_z = x  # unused without soft-capping
-    if HAS_SOFTCAP:
-        tanh_z = _tanh(x / softcap)
-        x = softcap * tanh_z
-    z = tl.where(in_row, x, -float("inf"))
-    z_label = tl.sum(tl.where(cols == label, z, 0.0), 0)  # from registers: the label's column may be overwritten
-    chunk_max = tl.max(z, 0)
-    shift = tl.where(chunk_max == -float("inf"), 0.0, chunk_max)
-    exp_z = tl.exp(z - shift)
-    chunk_sum = tl.sum(exp_z, 0)
-    chunk_sumz = 0.0
-    if HAS_SMOOTHING:
-        chunk_sumz = tl.sum(tl.where(in_row, z, 0.0), 0)
-
-    lse = shift + tl.log(chunk_sum)
-    sum_z = chunk_sumz
-    if (n_chunks > 1) & (label != ignore_index):
-        slot = row * n_chunks + chunk
-        tl.store(max_ptr + slot, chunk_max)
-        tl.store(sumexp_ptr + slot, chunk_sum)
-        tl.store(sumz_ptr + slot, chunk_sumz)
-        tl.debug_barrier()  # every thread's stores precede the release below
-        arrived = tl.atomic_add(sync_ptr + 1 + row, 1, sem="release") + 1
-        while arrived < n_chunks:
-            arrived = tl.atomic_add(sync_ptr + 1 + row, 0, sem="acquire")
-        tl.debug_barrier()
-        slots = row * n_chunks + tl.arange(0, CHUNKS_BLOCK)
-        slot_mask = tl.arange(0, CHUNKS_BLOCK) < n_chunks
-        lse = _combine_partials(tl.load(max_ptr + slots, mask=slot_mask, other=-float("inf"), volatile=True),
-                                tl.load(sumexp_ptr + slots, mask=slot_mask, other=0.0, volatile=True))
-        if HAS_SMOOTHING:
-            sum_z = tl.sum(tl.load(sumz_ptr + slots, mask=slot_mask, other=0.0, volatile=True), 0)
-
-    grad_scale = tl.load(grad_scale_ptr).to(tl.float32)
-    grad_scale = tl.where((label >= 0) & (label < V), grad_scale, float("nan"))
-    dx = _dloss_dlogits(exp_z * tl.exp(shift - lse), tanh_z, cols, label, lse, V, scaling, label_smoothing, z_loss,
-                        HAS_SCALING, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS)
-    dx = tl.where(ignored, 0.0, dx * grad_scale)
-    tl.store(grad_ptr + row * grad_row_stride + cols, dx.to(grad_ptr.dtype.element_ty), mask=in_row)
-
-    # The chunk holding the label writes the token's loss (chunk 0 when the label is ignored or out of range).
-    label_chunk = tl.where((label >= 0) & (label < V), label // CHUNK, 0)
-    if chunk == label_chunk:
-        loss = _token_loss(z_label, label, lse, sum_z, V, ignore_index, label_smoothing, z_loss, HAS_SMOOTHING,
-                           HAS_Z_LOSS)
-        tl.store(loss_ptr + row, loss)
-
-
-@triton.jit
-def _scale_kernel(grad_ptr, grad_row_stride, scale_ptr, n_rows, V, BLOCK: tl.constexpr):
-    """grad *= *scale_ptr, in place, unless the scale is exactly 1 (the usual loss.backward()): then every program
-    returns after one scalar load, so the common case costs one tiny launch and no pass over the gradient.
-    A persistent grid walks the (row, tile) pairs."""
-    scale = tl.load(scale_ptr).to(tl.float32)
-    tiles_per_row = tl.cdiv(V, BLOCK)
-    n_tiles = n_rows * tiles_per_row
-    if scale != 1.0:
-        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-            row = (tile // tiles_per_row).to(tl.int64)
-            cols = (tile % tiles_per_row) * BLOCK + tl.arange(0, BLOCK)
-            ptrs = grad_ptr + row * grad_row_stride + cols
-            g = tl.load(ptrs, mask=cols < V, other=0.0).to(tl.float32)
-            tl.store(ptrs, (g * scale).to(grad_ptr.dtype.element_ty), mask=cols < V)

@@ -10,7 +10,6 @@ import torch
 
 import fastce_torch
 from fastce_torch import cross_entropy
-from fastce_torch.cross_entropy import FUSED_CHUNK
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore::DeprecationWarning",
                                         "ignore:invalid value:RuntimeWarning")
@@ -118,31 +117,6 @@ def test_inplace_backward_writes_into_logits(device, poisoned):
     ref_loss, ref_grad = reference_float64(logits, labels, **ALL_OPTIONS)
     n_valid = int((labels != -100).sum())
     assert_close_grad(leaf.grad, ref_grad / n_valid, torch.bfloat16)
-
-
-@pytest.mark.parametrize("vocab", [1000, 8192, 50257, 256000, 262147])
-@pytest.mark.parametrize("reduction, upstream", [("mean", 1.0), ("sum", 3.0)])
-def test_grad_in_forward(vocab, reduction, upstream, device, poisoned):
-    if device.type != "cuda" and vocab > FUSED_CHUNK:
-        pytest.skip("the interpreter runs one program at a time: one chunk per row only (covered with --gpu)")
-    for dtype, options in ((torch.float32, {}), (torch.bfloat16, ALL_OPTIONS)):
-        logits, labels = random_problem((7,), vocab, dtype, device, seed=vocab + 1)
-        leaf = logits.clone().requires_grad_()
-        loss = cross_entropy(leaf.clone(), labels, reduction=reduction, grad_in_forward=True, backend="kernel",
-                             **options)
-        assert "GradInForward" in type(loss.grad_fn).__name__
-        (loss * upstream).backward()
-        ref_loss, ref_grad = reference_float64(logits, labels, **options)
-        denominator = float((labels != -100).sum()) if reduction == "mean" else 1.0
-        assert_close_loss(loss, ref_loss.sum() / denominator)
-        assert_close_grad(leaf.grad, ref_grad * upstream / denominator, dtype)
-
-
-def test_grad_in_forward_protects_saved_logits(device):
-    logits, labels = random_problem((4,), 1000, torch.float32, device, seed=19)
-    leaf = (logits / 4).requires_grad_()
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        cross_entropy(torch.exp(leaf), labels, backend="kernel", grad_in_forward=True).backward()
 
 
 def test_leaf_logits_are_never_overwritten(device):
