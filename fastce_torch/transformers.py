@@ -26,6 +26,7 @@ safe thing for a loss patch to do; call `fastce_torch.cross_entropy(raw_logits, 
 from your own training step to fuse it.
 """
 
+import inspect
 import sys
 
 import torch
@@ -33,6 +34,7 @@ import torch
 from .cross_entropy import BACKENDS, cross_entropy
 
 _LOSS_NAME = "ForCausalLMLoss"
+_NOT_OPTIONS = {"logits", "labels", "ignore_index", "reduction", "n_items", "logit_softcapping"}
 _state = {"original": None, "options": {"backend": "auto", "inplace_backward": True}}
 
 
@@ -43,7 +45,8 @@ def fastce_for_causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=Non
         # Position t predicts token t + 1: append one ignored label and drop the first, as transformers does.
         labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
         shift_labels = labels[..., 1:]
-    # reshape (not transformers' view): the kernels take strided rows, so non-contiguous logits need no copy.
+    # reshape, not transformers' view: it is still a view wherever view works (the kernels take strided rows), and
+    # it accepts logits that view refuses (transformers' .float() copy made those contiguous; we make no copy).
     logits = logits.reshape(-1, vocab_size)
     shift_labels = shift_labels.reshape(-1).to(logits.device)
     options = _state["options"]
@@ -69,14 +72,23 @@ def _modules_holding(function):
     return found
 
 
-def patch_transformers(*, backend="auto", inplace_backward=True):
+def patch_transformers(*, backend="auto", inplace_backward=True, **options):
     """Make transformers' causal-LM loss (every LOSS_MAPPING entry that is ForCausalLMLoss) use fastce.
 
-    Idempotent: calling it again only updates `backend` / `inplace_backward`. backend="auto" runs the kernels for
-    CUDA logits and fastce's torch reference otherwise.
+    Idempotent: calling it again only replaces the options. backend="auto" runs the kernels for CUDA logits and
+    fastce's torch reference otherwise. Other keywords of fastce_torch.cross_entropy (grad_in_forward, z_loss,
+    label_smoothing, logit_scaling, validate_labels) are passed on; those transformers decides (ignore_index,
+    reduction, n_items) and logit_softcapping (the models cap their own logits, see above) are refused.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    refused = sorted(set(options) & _NOT_OPTIONS)
+    if refused:
+        raise TypeError(f"patch_transformers() does not take {refused}: ignore_index, the reduction and "
+                        "num_items_in_batch come from transformers' call, softcapping from the model")
+    unknown = sorted(set(options) - set(inspect.signature(cross_entropy).parameters))
+    if unknown:
+        raise TypeError(f"patch_transformers() got unexpected keywords {unknown}")
     from transformers.loss import loss_utils
 
     if _state["original"] is None:
@@ -84,7 +96,7 @@ def patch_transformers(*, backend="auto", inplace_backward=True):
         if original is fastce_for_causal_lm_loss:  # pragma: no cover - our state was lost (module reloaded)
             raise RuntimeError("transformers is patched by an earlier copy of fastce_torch.transformers")
         _state["original"] = original
-    _state["options"] = {"backend": backend, "inplace_backward": bool(inplace_backward)}
+    _state["options"] = {"backend": backend, "inplace_backward": bool(inplace_backward), **options}
     original = _state["original"]
     # Every alias (ForConditionalGeneration, CsmForConditionalGeneration, ...) that points at the same function.
     for key, function in list(loss_utils.LOSS_MAPPING.items()):

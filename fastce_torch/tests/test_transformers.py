@@ -17,6 +17,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning",
 
 VOCAB = 1000  # not a power of two: the kernels' last tile is partial
 BACKENDS = ["reference", "kernel"]
+# What patch_transformers() is given: fastce's torch reference, and the kernels (Triton's interpreter on the CPU).
+PATCHES = [dict(backend="reference"), dict(backend="kernel")]
+PATCH_IDS = ["reference", "kernel"]
 ORIGINAL = loss_utils.ForCausalLMLoss
 
 
@@ -57,12 +60,12 @@ def assert_grads_close(grads, expected, rtol, atol):
         torch.testing.assert_close(grads[name], expected[name], rtol=rtol, atol=atol, msg=name)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_loss_and_gradients_match_transformers(device, backend):
+@pytest.mark.parametrize("patch", PATCHES, ids=PATCH_IDS)
+def test_loss_and_gradients_match_transformers(device, patch):
     model = tiny_llama(device)
     ids, labels = batch(device)
     expected_loss, expected_grads = loss_and_grads(model, ids, labels)
-    fastce_torch.patch_transformers(backend=backend)
+    fastce_torch.patch_transformers(**patch)
     assert model.loss_function is fastce_for_causal_lm_loss
     loss, grads = loss_and_grads(model, ids, labels)
     assert loss.dtype == torch.float32
@@ -71,15 +74,15 @@ def test_loss_and_gradients_match_transformers(device, backend):
 
 
 @pytest.mark.parametrize("num_items", [7, "tensor", "float tensor"])
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_num_items_in_batch(device, backend, num_items):
+@pytest.mark.parametrize("patch", PATCHES, ids=PATCH_IDS)
+def test_num_items_in_batch(device, patch, num_items):
     """transformers divides the summed loss by num_items_in_batch (gradient accumulation across micro-batches)."""
     num_items = {"tensor": torch.tensor(7), "float tensor": torch.tensor(3.5)}.get(num_items, num_items)
     model = tiny_llama(device)
     ids, labels = batch(device)
     expected_loss, expected_grads = loss_and_grads(model, ids, labels, num_items_in_batch=num_items)
     mean_loss, _ = loss_and_grads(model, ids, labels)
-    fastce_torch.patch_transformers(backend=backend)
+    fastce_torch.patch_transformers(**patch)
     loss, grads = loss_and_grads(model, ids, labels, num_items_in_batch=num_items)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
     assert_grads_close(grads, expected_grads, rtol=1e-4, atol=1e-6)
@@ -150,11 +153,11 @@ def test_bf16_logits_are_not_upcast_and_backward_is_in_place(device):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_training_steps_reach_the_same_parameters(device, backend, optimizer):
+@pytest.mark.parametrize("patch", PATCHES, ids=PATCH_IDS)
+def test_training_steps_reach_the_same_parameters(device, patch, optimizer):
     def train(patched):
         if patched:
-            fastce_torch.patch_transformers(backend=backend)
+            fastce_torch.patch_transformers(**patch)
         model = tiny_llama(device)
         make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9),
                 "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01)}[optimizer]
@@ -234,9 +237,27 @@ def test_unpatch_reaches_modules_imported_while_patched():
         del sys.modules[late.__name__]
 
 
-def test_bad_backend_is_rejected():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_extra_options_reach_the_loss(device, backend):
+    """patch_transformers(label_smoothing=...) is passed on: torch's smoothed cross-entropy of the shifted labels."""
+    fastce_torch.patch_transformers(backend=backend, label_smoothing=0.1)
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 7, VOCAB, generator=generator).to(device)
+    labels = torch.randint(0, VOCAB, (2, 7), generator=generator).to(device)
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    expected = torch.nn.functional.cross_entropy(logits.view(-1, VOCAB), shifted.reshape(-1), label_smoothing=0.1)
+    torch.testing.assert_close(fastce_for_causal_lm_loss(logits, labels, VOCAB), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_options_are_rejected():
     with pytest.raises(ValueError, match="backend"):
         fastce_torch.patch_transformers(backend="cuda")
+    with pytest.raises(TypeError, match="logit_softcapping"):  # the model caps its logits itself
+        fastce_torch.patch_transformers(logit_softcapping=30.0)
+    with pytest.raises(TypeError, match="reduction"):
+        fastce_torch.patch_transformers(reduction="sum")
+    with pytest.raises(TypeError, match="unexpected"):
+        fastce_torch.patch_transformers(inplace=True)
     assert loss_utils.LOSS_MAPPING["ForCausalLM"] is ORIGINAL
 
 
