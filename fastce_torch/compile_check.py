@@ -28,27 +28,23 @@ FLAG_SETS = [(False,) * 4, (True,) * 4] + [tuple(i == j for j in range(4)) for i
 
 def variants():
     # Every dtype with no option, each option alone and all of them; 64-bit strides (huge tensors) on one set.
-    for dtype, flags in itertools.product(POINTER, FLAG_SETS):
-        scaling, softcap, smoothing, z_loss = flags
-        index = "i64" if flags == FLAG_SETS[1] else "i32"
+    for dtype, flag_set in itertools.product(POINTER, FLAG_SETS):
+        scaling, softcap, smoothing, z_loss = flag_set
+        index = "i64" if flag_set == FLAG_SETS[1] else "i32"
         logits = POINTER[dtype]
+        flags = dict(HAS_SCALING=scaling, HAS_SOFTCAP=softcap, HAS_SMOOTHING=smoothing, HAS_Z_LOSS=z_loss)
         for block, warps in ((FORWARD_BLOCK, 4), (FORWARD_BLOCK, FORWARD_WARPS_FEW_PROGRAMS), (1024, 4)):
-            yield kernels._forward_chunk_kernel, dict(
-                logits_ptr=logits, logits_row_stride=index, labels_ptr="*i64", max_ptr="*fp32", sumexp_ptr="*fp32",
-                sumz_ptr="*fp32", V="i32", chunk_width="i32", n_chunks="i32", ignore_index="i32", scaling="fp32",
-                softcap="fp32",
-            ), dict(BLOCK=block, HAS_SCALING=scaling, HAS_SOFTCAP=softcap, NEED_SUM_Z=smoothing), warps
-        finish_flags = dict(HAS_SCALING=scaling, HAS_SOFTCAP=softcap, HAS_SMOOTHING=smoothing, HAS_Z_LOSS=z_loss)
-        yield kernels._forward_finish_kernel, dict(
-            logits_ptr=logits, logits_row_stride=index, labels_ptr="*i32", max_ptr="*fp32", sumexp_ptr="*fp32",
-            sumz_ptr="*fp32", loss_ptr="*fp32", lse_ptr="*fp32", V="i32", n_chunks="i32", ignore_index="i32",
-            scaling="fp32", softcap="fp32", label_smoothing="fp32", z_loss="fp32",
-        ), dict(CHUNKS_BLOCK=8, **finish_flags), 1
+            yield kernels._forward_kernel, dict(
+                logits_ptr=logits, logits_row_stride=index, labels_ptr="*i64", loss_ptr="*fp32", lse_ptr="*fp32",
+                max_ptr="*fp32", sumexp_ptr="*fp32", sumz_ptr="*fp32", arrivals_ptr="*i32", V="i32",
+                chunk_width="i32", n_chunks="i32", ignore_index="i32", scaling="fp32", softcap="fp32",
+                label_smoothing="fp32", z_loss="fp32",
+            ), dict(BLOCK=block, CHUNKS_BLOCK=4, **flags), warps
         yield kernels._backward_kernel, dict(
             logits_ptr=logits, logits_row_stride=index, grad_ptr=logits, grad_row_stride=index, labels_ptr="*i64",
             lse_ptr="*fp32", grad_loss_ptr="*fp32", grad_loss_stride="i32", V="i32", ignore_index="i32",
             scaling="fp32", softcap="fp32", label_smoothing="fp32", z_loss="fp32",
-        ), dict(BLOCK=BACKWARD_BLOCK, **finish_flags), BACKWARD_WARPS
+        ), dict(BLOCK=BACKWARD_BLOCK, **flags), BACKWARD_WARPS
 
 
 def main():

@@ -50,28 +50,21 @@ def _flags(logit_scaling, logit_softcapping, label_smoothing, z_loss):
 
 
 def forward_kernels(logits, labels, ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss):
-    """Per-token float32 (loss, lse) of a 2-D logits (rows may be strided) and 1-D labels."""
+    """Per-token float32 (loss, lse) of a 2-D logits (rows may be strided) and 1-D labels: one launch."""
     n_rows, vocab = logits.shape
-    kernels = _kernels_for(logits)
-    flags = _flags(logit_scaling, logit_softcapping, label_smoothing, z_loss)
-    block, warps, chunk, n_chunks = launch_config(n_rows, vocab)
-    partial_max = torch.empty((n_rows, n_chunks), dtype=torch.float32, device=logits.device)
-    partial_sum = torch.empty_like(partial_max)
-    partial_sumz = torch.empty_like(partial_max) if flags["HAS_SMOOTHING"] else partial_max
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty_like(loss)
     if n_rows == 0:
         return loss, lse
-    kernels._forward_chunk_kernel[(n_rows, n_chunks)](
-        logits, logits.stride(0), labels, partial_max, partial_sum, partial_sumz,
-        vocab, chunk, n_chunks, ignore_index, logit_scaling, logit_softcapping,
-        BLOCK=block, HAS_SCALING=flags["HAS_SCALING"], HAS_SOFTCAP=flags["HAS_SOFTCAP"],
-        NEED_SUM_Z=flags["HAS_SMOOTHING"], num_warps=warps,
-    )
-    kernels._forward_finish_kernel[(n_rows,)](
-        logits, logits.stride(0), labels, partial_max, partial_sum, partial_sumz, loss, lse,
-        vocab, n_chunks, ignore_index, logit_scaling, logit_softcapping, label_smoothing, z_loss,
-        CHUNKS_BLOCK=triton.next_power_of_2(n_chunks), num_warps=1, **flags,
+    block, warps, chunk, n_chunks = launch_config(n_rows, vocab)
+    # Chunked rows exchange (max, sum exp, sum z) through `partials`; `arrivals` counts finished chunks per row.
+    partials = torch.empty((3, n_rows * n_chunks if n_chunks > 1 else 1), dtype=torch.float32, device=logits.device)
+    arrivals = torch.zeros(n_rows if n_chunks > 1 else 1, dtype=torch.int32, device=logits.device)
+    _kernels_for(logits)._forward_kernel[(n_rows, n_chunks)](
+        logits, logits.stride(0), labels, loss, lse, *partials, arrivals,
+        vocab, chunk, n_chunks, ignore_index, logit_scaling, logit_softcapping, label_smoothing, z_loss,
+        BLOCK=block, CHUNKS_BLOCK=triton.next_power_of_2(n_chunks), num_warps=warps,
+        **_flags(logit_scaling, logit_softcapping, label_smoothing, z_loss),
     )
     return loss, lse
 
@@ -91,17 +84,39 @@ def backward_kernels(grad_loss, logits, labels, lse, grad, ignore_index, logit_s
     return grad
 
 
-# --- custom ops: torch.compile sees opaque ops with fake implementations and no graph break -------------------
+class _CrossEntropyFunction(torch.autograd.Function):
+    """The eager path: per-token losses with the fewest host-side steps (one launch forward, one backward)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, inplace_backward, options):
+        loss, lse = forward_kernels(logits, labels, *options)
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.inplace_backward, ctx.options = inplace_backward, options
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, labels, lse = ctx.saved_tensors
+        if ctx.inplace_backward:
+            grad = logits
+            # The logits are about to hold the gradient: any other op that saved them for its own backward then
+            # fails loudly ("modified by an inplace operation") instead of reading gradients as logits.
+            torch.autograd.graph.increment_version(logits)
+        else:
+            grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        return backward_kernels(grad_loss, logits, labels, lse, grad, *ctx.options), None, None, None
+
+
+# --- custom ops for torch.compile: opaque to the compiler, fake implementations for tracing, no graph break ------
 
 @torch.library.custom_op("fastce::cross_entropy_forward", mutates_args=())
 def _forward_op(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, logit_softcapping: float,
-                logit_scaling: float, label_smoothing: float, z_loss: float,
-                inplace_backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                logit_scaling: float, label_smoothing: float, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
     return forward_kernels(logits, labels, ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss)
 
 
 @_forward_op.register_fake
-def _(logits, labels, ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss, inplace_backward):
+def _(logits, labels, ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss):
     n_rows = logits.shape[0]
     return logits.new_empty(n_rows, dtype=torch.float32), logits.new_empty(n_rows, dtype=torch.float32)
 
@@ -120,31 +135,16 @@ def _(grad_loss, logits, labels, lse, ignore_index, logit_softcapping, logit_sca
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
-@torch.library.custom_op("fastce::cross_entropy_backward_", mutates_args=("logits",))
-def _backward_inplace_op(grad_loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
-                         ignore_index: int, logit_softcapping: float, logit_scaling: float, label_smoothing: float,
-                         z_loss: float) -> None:
-    # Declared as mutating `logits`, so autograd bumps its version: any other op that saved these logits for its
-    # own backward then fails loudly instead of reading gradients as if they were logits.
-    backward_kernels(grad_loss, logits, labels, lse, logits, ignore_index, logit_softcapping, logit_scaling,
-                     label_smoothing, z_loss)
-
-
 def _setup_context(ctx, inputs, output):
-    logits, labels, *options, inplace_backward = inputs
+    logits, labels, *options = inputs
     ctx.save_for_backward(logits, labels, output[1])
     ctx.options = options
-    ctx.inplace_backward = inplace_backward
 
 
 def _backward(ctx, grad_loss, grad_lse):
+    # Under the compiler the gradient is a fresh tensor; the compiler plans that memory itself.
     logits, labels, lse = ctx.saved_tensors
-    if ctx.inplace_backward and not torch.compiler.is_compiling():
-        _backward_inplace_op(grad_loss, logits, labels, lse, *ctx.options)
-        grad = logits
-    else:
-        grad = _backward_op(grad_loss, logits, labels, lse, *ctx.options)
-    return grad, None, None, None, None, None, None, None
+    return _backward_op(grad_loss, logits, labels, lse, *ctx.options), None, None, None, None, None, None
 
 
 torch.library.register_autograd("fastce::cross_entropy_forward", _backward, setup_context=_setup_context)
@@ -259,8 +259,11 @@ def cross_entropy(logits, labels, *, ignore_index=-100, reduction="mean", n_item
         if logits_2d.stride(-1) != 1:
             logits_2d = logits_2d.contiguous()
         labels_1d = labels.reshape(-1).contiguous()
-        inplace = bool(inplace_backward) and _is_intermediate(logits)
-        token_losses, _ = _forward_op(logits_2d, labels_1d, *options.values(), inplace)
+        if torch.compiler.is_compiling():
+            token_losses, _ = _forward_op(logits_2d, labels_1d, *options.values())
+        else:
+            inplace = bool(inplace_backward) and _is_intermediate(logits)
+            token_losses = _CrossEntropyFunction.apply(logits_2d, labels_1d, inplace, tuple(options.values()))
         token_losses = token_losses.view(labels.shape)
     else:
         token_losses = cross_entropy_reference(logits, labels, **options)

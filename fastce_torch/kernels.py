@@ -1,12 +1,12 @@
 """Triton kernels for the fused cross-entropy (see CONTRACT.md for the math).
 
-Three kernels, each reading the logits at most once:
-  _forward_chunk_kernel   grid (N, C): one program walks one chunk of one row, one exp per element,
-                          and leaves that chunk's running max, sum of exp and sum of z in float32 partials.
-  _forward_finish_kernel  grid (N,): combines a row's C partials into its logsumexp, reads the label logit
-                          with one masked scalar load, writes the per-token loss and lse.
-  _backward_kernel        grid (N, cdiv(V, BLOCK)): recomputes z, writes the gradient in one pass, in place
-                          when the caller passes the logits buffer as the gradient buffer.
+Two kernels, each reading the logits once:
+  _forward_kernel   grid (N, C): one program walks one chunk of one row, one exp per element, keeping the running
+                    max, sum of exp and sum of z. With C > 1 each chunk publishes these partials and the row's last
+                    chunk to finish combines them; then one masked scalar load reads the label logit, and the
+                    per-token loss and logsumexp are written.
+  _backward_kernel  grid (N, cdiv(V, BLOCK)): recomputes z, writes the gradient in one pass, in place when the
+                    caller passes the logits buffer as the gradient buffer.
 Rows whose label is ignore_index are never read: their partials are empty and their gradient is written as zeros.
 Row offsets are 64-bit, so N*V beyond 2**31 elements is fine.
 """
@@ -38,47 +38,6 @@ def _transform(x, scaling, softcap, HAS_SCALING: tl.constexpr, HAS_SOFTCAP: tl.c
 
 
 @triton.jit
-def _forward_chunk_kernel(
-    logits_ptr, logits_row_stride, labels_ptr,
-    max_ptr, sumexp_ptr, sumz_ptr,
-    V, chunk_width, n_chunks, ignore_index, scaling, softcap,
-    BLOCK: tl.constexpr, HAS_SCALING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUM_Z: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    row_ptr = logits_ptr + row * logits_row_stride
-    label = tl.load(labels_ptr + row).to(tl.int64)
-
-    start = chunk * chunk_width
-    end = tl.minimum(start + chunk_width, V)
-    end = tl.where(label == ignore_index, start, end)  # an ignored row's logits are never read
-
-    # Scalar running max and sum: the tile's max is taken first, so each element costs one exp.
-    run_max = -float("inf")
-    run_sum = 0.0
-    run_sumz = 0.0
-    for tile_start in tl.range(start, end, BLOCK):
-        cols = tile_start + tl.arange(0, BLOCK)
-        in_row = cols < end
-        x = tl.load(row_ptr + cols, mask=in_row, other=-float("inf"))
-        z = _transform(x, scaling, softcap, HAS_SCALING, HAS_SOFTCAP)
-        z = tl.where(in_row, z, -float("inf"))  # soft-capping maps -inf to -softcap; masked lanes stay -inf
-        new_max = tl.maximum(run_max, tl.max(z, 0))
-        # While everything seen is -inf, shift by 0 instead (-inf - -inf would be NaN).
-        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
-        run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(z - shift), 0)
-        run_max = new_max
-        if NEED_SUM_Z:
-            run_sumz += tl.sum(tl.where(in_row, z, 0.0), 0)
-
-    out = row * n_chunks + chunk
-    tl.store(max_ptr + out, run_max)
-    tl.store(sumexp_ptr + out, run_sum)
-    if NEED_SUM_Z:
-        tl.store(sumz_ptr + out, run_sumz)
-
-
-@triton.jit
 def _combine_partials(part_max, part_sum):
     """logsumexp of a row from its chunks' (max, sum of exp(z - max)) pairs."""
     row_max = tl.max(part_max, 0)
@@ -87,14 +46,11 @@ def _combine_partials(part_max, part_sum):
 
 
 @triton.jit
-def _token_loss(logits_row_ptr, label, lse, sum_z, V, ignore_index, scaling, softcap, label_smoothing, z_loss,
-                HAS_SCALING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-                HAS_Z_LOSS: tl.constexpr):
+def _token_loss(z_label, label, lse, sum_z, V, ignore_index, label_smoothing, z_loss,
+                HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr):
     ignored = label == ignore_index
     in_range = (label >= 0) & (label < V)
-    # The only data-dependent address: loaded only for a label inside [0, V).
-    x_label = tl.load(logits_row_ptr + label, mask=in_range & ~ignored, other=0.0)
-    loss = lse - _transform(x_label, scaling, softcap, HAS_SCALING, HAS_SOFTCAP)
+    loss = lse - z_label
     if HAS_SMOOTHING:
         loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - sum_z / V)
     if HAS_Z_LOSS:
@@ -125,26 +81,68 @@ def _dloss_dlogits(p, tanh_z, cols, label, lse, V, scaling, label_smoothing, z_l
 
 
 @triton.jit
-def _forward_finish_kernel(
-    logits_ptr, logits_row_stride, labels_ptr,
-    max_ptr, sumexp_ptr, sumz_ptr, loss_ptr, lse_ptr,
-    V, n_chunks, ignore_index, scaling, softcap, label_smoothing, z_loss,
-    CHUNKS_BLOCK: tl.constexpr, HAS_SCALING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+def _forward_kernel(
+    logits_ptr, logits_row_stride, labels_ptr, loss_ptr, lse_ptr,
+    max_ptr, sumexp_ptr, sumz_ptr, arrivals_ptr,
+    V, chunk_width, n_chunks, ignore_index, scaling, softcap, label_smoothing, z_loss,
+    BLOCK: tl.constexpr, CHUNKS_BLOCK: tl.constexpr, HAS_SCALING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    chunks = row * n_chunks + tl.arange(0, CHUNKS_BLOCK)
-    chunk_mask = tl.arange(0, CHUNKS_BLOCK) < n_chunks
-    lse = _combine_partials(tl.load(max_ptr + chunks, mask=chunk_mask, other=-float("inf")),
-                            tl.load(sumexp_ptr + chunks, mask=chunk_mask, other=0.0))
-    sum_z = 0.0
-    if HAS_SMOOTHING:
-        sum_z = tl.sum(tl.load(sumz_ptr + chunks, mask=chunk_mask, other=0.0), 0)
+    chunk = tl.program_id(1)
+    row_ptr = logits_ptr + row * logits_row_stride
     label = tl.load(labels_ptr + row).to(tl.int64)
-    loss = _token_loss(logits_ptr + row * logits_row_stride, label, lse, sum_z, V, ignore_index, scaling, softcap,
-                       label_smoothing, z_loss, HAS_SCALING, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS)
-    tl.store(loss_ptr + row, loss)
-    tl.store(lse_ptr + row, lse)
+
+    start = chunk * chunk_width
+    end = tl.minimum(start + chunk_width, V)
+    end = tl.where(label == ignore_index, start, end)  # an ignored row's logits are never read
+
+    # Scalar running max and sum: the tile's max is taken first, so each element costs one exp.
+    run_max = -float("inf")
+    run_sum = 0.0
+    run_sumz = 0.0
+    for tile_start in tl.range(start, end, BLOCK):
+        cols = tile_start + tl.arange(0, BLOCK)
+        in_row = cols < end
+        x = tl.load(row_ptr + cols, mask=in_row, other=-float("inf"))
+        z = _transform(x, scaling, softcap, HAS_SCALING, HAS_SOFTCAP)
+        z = tl.where(in_row, z, -float("inf"))  # soft-capping maps -inf to -softcap; masked lanes stay -inf
+        new_max = tl.maximum(run_max, tl.max(z, 0))
+        # While everything seen is -inf, shift by 0 instead (-inf - -inf would be NaN).
+        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+        run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(z - shift), 0)
+        run_max = new_max
+        if HAS_SMOOTHING:
+            run_sumz += tl.sum(tl.where(in_row, z, 0.0), 0)
+
+    shift = tl.where(run_max == -float("inf"), 0.0, run_max)
+    lse = shift + tl.log(run_sum)
+    sum_z = run_sumz
+    is_last = True
+    if n_chunks > 1:
+        # Publish this chunk; the row's last chunk to arrive combines all of them in chunk order, so the result
+        # does not depend on which program came last.
+        slot = row * n_chunks + chunk
+        tl.store(max_ptr + slot, run_max)
+        tl.store(sumexp_ptr + slot, run_sum)
+        tl.store(sumz_ptr + slot, run_sumz)
+        tl.debug_barrier()  # every thread's stores precede the release below
+        is_last = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel") == n_chunks - 1
+        if is_last:
+            slots = row * n_chunks + tl.arange(0, CHUNKS_BLOCK)
+            slot_mask = tl.arange(0, CHUNKS_BLOCK) < n_chunks
+            lse = _combine_partials(tl.load(max_ptr + slots, mask=slot_mask, other=-float("inf"), volatile=True),
+                                    tl.load(sumexp_ptr + slots, mask=slot_mask, other=0.0, volatile=True))
+            sum_z = tl.sum(tl.load(sumz_ptr + slots, mask=slot_mask, other=0.0, volatile=True), 0)
+    if is_last:
+        # The only data-dependent address: loaded only for a label inside [0, V).
+        load_label = (label >= 0) & (label < V) & (label != ignore_index)
+        z_label = _transform(tl.load(row_ptr + label, mask=load_label, other=0.0), scaling, softcap, HAS_SCALING,
+                             HAS_SOFTCAP)
+        loss = _token_loss(z_label, label, lse, sum_z, V, ignore_index, label_smoothing, z_loss, HAS_SMOOTHING,
+                           HAS_Z_LOSS)
+        tl.store(loss_ptr + row, loss)
+        tl.store(lse_ptr + row, lse)
 
 
 @triton.jit

@@ -35,7 +35,7 @@ def test_more_than_2_31_elements(device):
   assert n * v > 2**31
   kx, ky = jax.random.split(jax.random.key(0))
   x = jax.device_put(jax.random.normal(kx, (n, v), jnp.bfloat16), device)
-  y = np.asarray(jax.random.randint(ky, (n,), 0, v, jnp.int32))
+  y = np.array(jax.random.randint(ky, (n,), 0, v, jnp.int32))  # writable copy
   y[-1] = v - 1  # the very last element of the array
   y[-2] = -100
   labels = jax.device_put(y, device)
