@@ -85,18 +85,26 @@ def backward_kernels(grad_loss, logits, labels, lse, grad, ignore_index, logit_s
 
 
 class _CrossEntropyFunction(torch.autograd.Function):
-    """The eager path: per-token losses with the fewest host-side steps (one launch forward, one backward)."""
+    """The eager path, reduction included, with the fewest host-side steps: one launch and a few tiny torch ops
+    forward, one launch backward, and no autograd nodes besides this one (each costs host time per step)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, inplace_backward, options):
-        loss, lse = forward_kernels(logits, labels, *options)
+    def forward(ctx, logits, labels, reduction, n_items, inplace_backward, options):
+        token_losses, lse = forward_kernels(logits, labels, *options)
         ctx.save_for_backward(logits, labels, lse)
         ctx.inplace_backward, ctx.options = inplace_backward, options
-        return loss
+        ctx.denominator = None
+        if reduction == "none":
+            return token_losses
+        ctx.denominator = _denominator(labels, reduction, n_items, options[0])
+        return token_losses.sum() / ctx.denominator
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_output):
         logits, labels, lse = ctx.saved_tensors
+        grad_loss = grad_output
+        if ctx.denominator is not None:  # one upstream scalar for every token: a stride-0 vector
+            grad_loss = (grad_output / ctx.denominator).expand(logits.shape[0])
         if ctx.inplace_backward:
             grad = logits
             # The logits are about to hold the gradient: any other op that saved them for its own backward then
@@ -104,7 +112,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
             torch.autograd.graph.increment_version(logits)
         else:
             grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        return backward_kernels(grad_loss, logits, labels, lse, grad, *ctx.options), None, None, None
+        return backward_kernels(grad_loss, logits, labels, lse, grad, *ctx.options), None, None, None, None, None
 
 
 # --- custom ops for torch.compile: opaque to the compiler, fake implementations for tracing, no graph break ------
@@ -198,18 +206,22 @@ def _is_intermediate(tensor):
     return tensor.requires_grad and not tensor.is_leaf and not base.is_leaf
 
 
+def _denominator(labels, reduction, n_items, ignore_index):
+    """What the summed loss is divided by: n_items, else the non-ignored token count for "mean" (at least 1, so
+    an all-ignored batch gives 0 with a zero gradient), else 1. A tensor stays on the device: no synchronisation."""
+    if n_items is not None:
+        if isinstance(n_items, torch.Tensor):
+            return n_items.to(device=labels.device, dtype=torch.float32)
+        return float(n_items)
+    if reduction == "mean":
+        return (labels != ignore_index).sum().clamp_min(1).to(torch.float32)
+    return 1.0
+
+
 def _reduce(token_losses, labels, reduction, n_items, ignore_index):
     if reduction == "none":
         return token_losses
-    total = token_losses.sum()
-    if reduction == "sum" and n_items is None:
-        return total
-    if n_items is None:
-        # Mean over the tokens that count; an all-ignored batch gives 0/1 = 0 and a zero gradient.
-        n_items = (labels != ignore_index).sum().clamp_min(1)
-    if isinstance(n_items, torch.Tensor):
-        n_items = n_items.to(device=total.device, dtype=torch.float32)
-    return total / n_items
+    return token_losses.sum() / _denominator(labels, reduction, n_items, ignore_index)
 
 
 def cross_entropy_reference(logits, labels, *, ignore_index=-100, logit_softcapping=0.0, logit_scaling=0.0,
@@ -259,12 +271,12 @@ def cross_entropy(logits, labels, *, ignore_index=-100, reduction="mean", n_item
         if logits_2d.stride(-1) != 1:
             logits_2d = logits_2d.contiguous()
         labels_1d = labels.reshape(-1).contiguous()
-        if torch.compiler.is_compiling():
-            token_losses, _ = _forward_op(logits_2d, labels_1d, *options.values())
-        else:
+        if not torch.compiler.is_compiling():
             inplace = bool(inplace_backward) and _is_intermediate(logits)
-            token_losses = _CrossEntropyFunction.apply(logits_2d, labels_1d, inplace, tuple(options.values()))
-        token_losses = token_losses.view(labels.shape)
+            loss = _CrossEntropyFunction.apply(logits_2d, labels_1d, reduction, n_items, inplace,
+                                               tuple(options.values()))
+            return loss.view(labels.shape) if reduction == "none" else loss
+        token_losses = _forward_op(logits_2d, labels_1d, *options.values())[0].view(labels.shape)
     else:
         token_losses = cross_entropy_reference(logits, labels, **options)
     return _reduce(token_losses, labels, reduction, n_items, ignore_index)
