@@ -76,7 +76,7 @@ def patch_transformers(*, backend="auto", inplace_backward=True, **options):
     """Make transformers' causal-LM loss (every LOSS_MAPPING entry that is ForCausalLMLoss) use fastce.
 
     Idempotent: calling it again only replaces the options. backend="auto" runs the kernels for CUDA logits and
-    fastce's torch reference otherwise. Other keywords of fastce_torch.cross_entropy (grad_in_forward, z_loss,
+    fastce's torch reference otherwise. Other keywords of fastce_torch.cross_entropy (z_loss,
     label_smoothing, logit_scaling, validate_labels) are passed on; those transformers decides (ignore_index,
     reduction, n_items) and logit_softcapping (the models cap their own logits, see above) are refused.
     """
