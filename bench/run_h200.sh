@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Everything the H200 checks in one go (device time is scarce): the GPU test suites, the side-by-side benchmark and
-# the transformers training-step comparison. Logs and results land in ${OUT:-/tmp/fastce-h200}.
-# Usage (repo root, liger wheel in .whl/): BENCH_COMMIT=$(git rev-parse HEAD) bash bench/run_h200.sh
+# The H200 checks, by stage, so each fits one device call: `tests` (GPU suites + transformers step comparison),
+# `bench` (the side-by-side benchmark), `sanitizer` (compute-sanitizer memcheck over GPU tests).
+# Logs and results land in ${OUT:-/tmp/fastce-h200}. Usage from the repo root, liger wheel in .whl/:
+#   BENCH_COMMIT=$(git rev-parse HEAD) bash bench/run_h200.sh tests bench
 set -uo pipefail
 OUT=${OUT:-/tmp/fastce-h200}
 mkdir -p "$OUT"
@@ -11,10 +12,20 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=.
 fi
-timeout 300 python3 -m pytest fastce_torch fastce_jax examples --gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
-  >"$OUT/gpu-tests.log" 2>&1; tail -3 "$OUT/gpu-tests.log"
-FASTCE_SHARED_SUMMARY="$OUT/shared-summary.json" timeout 200 python3 -m pytest shared_tests --gpu -q -p no:cacheprovider \
-  -W ignore::DeprecationWarning >"$OUT/shared-tests.log" 2>&1; tail -12 "$OUT/shared-tests.log"
-timeout 420 python3 -m bench --results-md 2>"$OUT/bench-progress.log" | tail -20
-cp bench/results/*.json bench/results/*.png bench/RESULTS.md "$OUT/" 2>/dev/null
-timeout 200 python3 bench/transformers_step.py --json "$OUT/transformers-step.json" 2>&1 | tail -12
+PYTEST="python3 -m pytest --gpu -q -p no:cacheprovider -W ignore::DeprecationWarning"
+for stage in "$@"; do
+  case "$stage" in
+    tests)
+      timeout 240 $PYTEST fastce_torch fastce_jax examples >"$OUT/gpu-tests.log" 2>&1; tail -3 "$OUT/gpu-tests.log"
+      FASTCE_SHARED_SUMMARY="$OUT/shared-summary.json" timeout 150 $PYTEST shared_tests >"$OUT/shared-tests.log" 2>&1
+      tail -15 "$OUT/shared-tests.log"
+      timeout 150 python3 bench/transformers_step.py --json "$OUT/transformers-step.json" 2>&1 | tail -12 ;;
+    bench)
+      timeout 560 python3 -m bench --results-md 2>"$OUT/bench-progress.log" | tail -22
+      cp bench/results/*.json bench/results/*.png bench/RESULTS.md "$OUT/" 2>/dev/null ;;
+    sanitizer)
+      timeout 400 compute-sanitizer --tool memcheck --print-limit 20 $PYTEST fastce_torch/tests/test_cross_entropy.py \
+        -k "vocab_sizes or out_of_range or minus_inf or nan_or_inf or strided or options" >"$OUT/memcheck.log" 2>&1
+      grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -4 ;;
+  esac
+done
