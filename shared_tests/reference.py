@@ -1,0 +1,163 @@
+"""Float64 NumPy reference of the loss contract (CONTRACT.md), loss AND analytic gradient.
+
+Written from the contract's formula only: it imports neither fastce_torch nor fastce_jax, and the gradient is the
+closed form dL/dz_j = p_j (1 + 2 z_loss lse) - (1 - eps) [j == y] - eps / V, chained through softcapping and
+scaling, not autodiff (test_reference.py checks it against central finite differences).
+
+Besides the values it returns the magnitudes that bound a float32 implementation's rounding error (see
+`error_scales`), so the tests can use tolerances derived from the arithmetic instead of magic numbers.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Options:
+    ignore_index: int = -100
+    logit_softcapping: float = 0.0
+    logit_scaling: float = 0.0
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+
+    def as_kwargs(self):
+        return dict(ignore_index=self.ignore_index, logit_softcapping=self.logit_softcapping,
+                    logit_scaling=self.logit_scaling, label_smoothing=self.label_smoothing, z_loss=self.z_loss)
+
+
+@dataclass
+class Result:
+    token_loss: np.ndarray   # (N,) per-token loss: 0 where ignored, NaN for bad labels / NaN or +inf rows
+    loss: np.ndarray         # the reduced loss (0-d), or token_loss reshaped like labels for "none"
+    grad: np.ndarray         # (..., V) d loss / d logits, upstream included
+    lse: np.ndarray          # (N,)
+    upstream: np.ndarray     # (N,) d loss / d token_loss_t (1/denominator, 1, or the caller's cotangent)
+    loss_scale: np.ndarray   # (N,) per-token magnitude that bounds the float32 loss error (see error_scales)
+    grad_scale: np.ndarray   # (N, V) per-element magnitude that bounds the float32 gradient error
+
+
+def transform(x, opts):
+    """z(x): Cohere scaling (when != 0), then Gemma-2 softcapping (when > 0)."""
+    z = x * opts.logit_scaling if opts.logit_scaling != 0.0 else x
+    if opts.logit_softcapping > 0.0:
+        z = opts.logit_softcapping * np.tanh(z / opts.logit_softcapping)
+    return z
+
+
+def dz_dx(x, opts):
+    s = opts.logit_scaling if opts.logit_scaling != 0.0 else 1.0
+    d = np.full_like(x, s)
+    if opts.logit_softcapping > 0.0:
+        t = np.tanh(x * s / opts.logit_softcapping)
+        d = d * (1.0 - t * t)   # tanh(+-inf) = +-1: padding at -inf has derivative exactly 0
+    return d
+
+
+def logsumexp_rows(z):
+    """lse per row with the contract's conventions: a row containing NaN or +inf gives NaN; a row whose every
+    entry is -inf would give -inf (the max-shift is 0 there instead of -inf, which would make -inf - -inf = NaN)."""
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        m = np.max(z, axis=-1, keepdims=True) if z.shape[-1] else np.zeros(z.shape[:-1] + (1,))
+        shift = np.where(np.isfinite(m), m, 0.0)
+        lse = shift[:, 0] + np.log(np.sum(np.exp(z - shift), axis=-1))
+    bad = np.isnan(z).any(axis=-1) | (z == np.inf).any(axis=-1)
+    return np.where(bad, np.nan, lse)
+
+
+def denominator(labels, reduction, n_items, ignore_index):
+    """What the summed loss is divided by. n_items (a number) wins; "mean" otherwise divides by the number of
+    non-ignored tokens (out-of-range labels count: they are not ignored), at least 1 so that an all-ignored batch
+    gives 0 with a zero gradient; "sum" divides by nothing."""
+    if n_items is not None and reduction == "mean":
+        return float(n_items)
+    if reduction == "mean":
+        return float(max(1, int(np.sum(labels != ignore_index))))
+    return 1.0
+
+
+def cross_entropy(logits, labels, *, reduction="mean", n_items=None, upstream=None, opts=Options()):
+    """The contract in float64.
+
+    logits (..., V) any float array (converted to float64: pass the values the kernels see, i.e. already rounded
+    to the kernel's dtype); labels (...) integers (any width: no wrapping); upstream: for reduction="none", the
+    cotangent of the per-token losses (shape of labels), default ones.
+    """
+    x = np.asarray(logits, dtype=np.float64)
+    y_full = np.asarray(labels).astype(np.int64)   # int64 holds every label either package accepts
+    lead, vocab = x.shape[:-1], x.shape[-1]
+    x = x.reshape(-1, vocab)
+    y = y_full.reshape(-1)
+    eps, zl = opts.label_smoothing, opts.z_loss
+
+    ignored = y == opts.ignore_index
+    in_range = (y >= 0) & (y < vocab)
+    # Ignored rows take no part in any arithmetic (their loss and gradient are exactly 0 even if they hold NaN).
+    x = np.where(ignored[:, None], 0.0, x)
+    z = transform(x, opts)
+    lse = logsumexp_rows(z)
+    y_safe = np.where(in_range, y, 0)
+    z_y = np.take_along_axis(z, y_safe[:, None], axis=-1)[:, 0] if x.shape[0] else np.zeros(0)
+
+    with np.errstate(invalid="ignore", over="ignore"):
+        # Terms with a zero coefficient are left out rather than multiplied by 0: with -inf padding, mean(z) is
+        # -inf and 0 * inf would turn a finite loss into NaN. The same reading as both packages' kernels.
+        token = np.zeros_like(lse)
+        if eps != 1.0:
+            token = token + (1.0 - eps) * (lse - z_y)
+        if eps != 0.0:
+            token = token + eps * (lse - np.mean(z, axis=-1))
+        if zl != 0.0:
+            token = token + zl * lse * lse
+    token = np.where(in_range, token, np.nan)
+    token = np.where(ignored, 0.0, token)
+
+    # Per-token upstream factor d loss / d token_t.
+    if reduction == "none":
+        g = np.ones(y.shape) if upstream is None else np.asarray(upstream, np.float64).reshape(-1)
+        loss = token.reshape(lead)
+    else:
+        den = denominator(y, reduction, n_items, opts.ignore_index)
+        g = np.full(y.shape, 1.0 / den)
+        loss = np.asarray(np.sum(token) / den)
+
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.exp(z - lse[:, None])
+        onehot = (np.arange(vocab)[None, :] == y_safe[:, None]) & in_range[:, None]
+        dl_dz = p * (1.0 + 2.0 * zl * lse[:, None]) - (1.0 - eps) * onehot
+        if eps != 0.0:
+            dl_dz = dl_dz - eps / vocab
+        grad = dl_dz * dz_dx(x, opts) * g[:, None]
+    grad = np.where(in_range[:, None], grad, np.nan)   # a bad label's whole gradient row is NaN, like its loss
+    grad = np.where(ignored[:, None], 0.0, grad)
+
+    loss_scale, grad_scale = error_scales(z, lse, p, onehot, g, opts)
+    return Result(token_loss=token, loss=loss, grad=grad.reshape((*lead, vocab)), lse=lse,
+                  upstream=g, loss_scale=loss_scale, grad_scale=grad_scale.reshape((*lead, vocab)))
+
+
+def error_scales(z, lse, p, onehot, g, opts):
+    """Magnitudes that bound the rounding error of a float32 implementation (up to a constant times eps32).
+
+    M_t = 1 + |lse_t| + max_j |z_tj| (+ softcap t): the absolute error of z_j - lse_t in float32 is ~ eps32 * M_t
+    (z itself is computed with absolute error ~ eps32 * max(|z|, t) and lse with ~ eps32 * (|lse| + log-sum
+    accumulation)), and p_j = exp(z_j - lse) inherits that as a relative error.
+      loss:  error ~ eps32 * M_t * (1 + 2 |z_loss| |lse_t|)   (the z-loss term doubles lse's relative error)
+      grad:  error ~ eps32 * M_t * T_tj * |s| * |g_t|, with T_tj = p_j (1 + 2 |z_loss| |lse|) + (1 - eps)[j == y]
+             + eps / V, the sum of the absolute values of dL/dz's terms: no cancellation credit, so the label
+             column with p_y ~ 1 (dL/dz ~ 0, but p_y still carries its error) is covered. |s| bounds dz/dx; the
+             softcap factor 1 - t^2 <= 1 is computed with absolute (not relative) error, so it gets no credit.
+    """
+    with np.errstate(invalid="ignore", over="ignore"):
+        finite_z = np.where(np.isfinite(z), np.abs(z), 0.0)
+        zmax = finite_z.max(axis=-1) if z.shape[-1] and z.shape[0] else np.zeros(z.shape[0])
+        lse_abs = np.where(np.isfinite(lse), np.abs(lse), 0.0)
+        m = 1.0 + lse_abs + zmax + opts.logit_softcapping
+        zl = abs(opts.z_loss)
+        loss_scale = m * (1.0 + 2.0 * zl * lse_abs)
+        s = abs(opts.logit_scaling) if opts.logit_scaling != 0.0 else 1.0
+        vocab = z.shape[-1]
+        t = (np.where(np.isfinite(p), p, 0.0) * (1.0 + 2.0 * zl * lse_abs[:, None])
+             + (1.0 - opts.label_smoothing) * onehot + opts.label_smoothing / max(vocab, 1))
+        grad_scale = m[:, None] * t * s * np.abs(np.where(np.isfinite(g), g, 0.0))[:, None]
+    return loss_scale, grad_scale
