@@ -34,17 +34,21 @@ def variants():
         logits = POINTER[dtype]
         flags = dict(HAS_SCALING=scaling, HAS_SOFTCAP=softcap, HAS_SMOOTHING=smoothing, HAS_Z_LOSS=z_loss)
         for block, warps in ((FORWARD_BLOCK, 4), (FORWARD_BLOCK, FORWARD_WARPS_FEW_PROGRAMS), (1024, 4)):
-            yield kernels._forward_kernel, dict(
-                logits_ptr=logits, logits_row_stride=index, labels_ptr="*i64", loss_ptr="*fp32", lse_ptr="*fp32",
-                max_ptr="*fp32", sumexp_ptr="*fp32", sumz_ptr="*fp32", arrivals_ptr="*i32", V="i32",
-                chunk_width="i32", n_chunks="i32", ignore_index="i32", scaling="fp32", softcap="fp32",
-                label_smoothing="fp32", z_loss="fp32",
-            ), dict(BLOCK=block, CHUNKS_BLOCK=4, **flags), warps
+            reductions = ((False, 0), (True, 0), (True, 1), (True, 2)) if flag_set == FLAG_SETS[0] else ((True, 0),)
+            for reduce, denominator in reductions:
+                yield kernels._forward_kernel, dict(
+                    logits_ptr=logits, logits_row_stride=index, labels_ptr="*i64", loss_ptr="*fp32",
+                    lse_ptr="*fp32", max_ptr="*fp32", sumexp_ptr="*fp32", sumz_ptr="*fp32", arrivals_ptr="*i32",
+                    reduced_ptr="*fp32", denominator_ptr="*fp32", n_rows="i32", V="i32", chunk_width="i32",
+                    n_chunks="i32", ignore_index="i32", scaling="fp32", softcap="fp32", label_smoothing="fp32",
+                    z_loss="fp32", denominator_value="fp32",
+                ), dict(BLOCK=block, CHUNKS_BLOCK=4, REDUCE=reduce, DENOMINATOR=denominator, ROWS_BLOCK=1024,
+                        **flags), warps
         yield kernels._backward_kernel, dict(
             logits_ptr=logits, logits_row_stride=index, grad_ptr=logits, grad_row_stride=index, labels_ptr="*i64",
-            lse_ptr="*fp32", grad_loss_ptr="*fp32", grad_loss_stride="i32", V="i32", ignore_index="i32",
-            scaling="fp32", softcap="fp32", label_smoothing="fp32", z_loss="fp32",
-        ), dict(BLOCK=BACKWARD_BLOCK, **flags), BACKWARD_WARPS
+            lse_ptr="*fp32", grad_loss_ptr="*fp32", grad_loss_stride="i32", denominator_ptr="*fp32", V="i32",
+            ignore_index="i32", scaling="fp32", softcap="fp32", label_smoothing="fp32", z_loss="fp32",
+        ), dict(BLOCK=BACKWARD_BLOCK, HAS_DENOMINATOR=flag_set == FLAG_SETS[0], **flags), BACKWARD_WARPS
 
 
 def main():

@@ -49,62 +49,71 @@ def _flags(logit_scaling, logit_softcapping, label_smoothing, z_loss):
                 HAS_SMOOTHING=label_smoothing > 0.0, HAS_Z_LOSS=z_loss != 0.0)
 
 
-def forward_kernels(logits, labels, ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss):
-    """Per-token float32 (loss, lse) of a 2-D logits (rows may be strided) and 1-D labels: one launch."""
+def forward_kernels(logits, labels, ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss,
+                    reduction="none", n_items=None):
+    """Per-token float32 (loss, lse) of a 2-D logits (rows may be strided) and 1-D labels, and for "mean"/"sum"
+    `reduced` = [loss, denominator] (else None); one launch."""
     n_rows, vocab = logits.shape
-    loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-    lse = torch.empty_like(loss)
-    if n_rows == 0:
-        return loss, lse
     block, warps, chunk, n_chunks = launch_config(n_rows, vocab)
-    # Chunked rows exchange (max, sum exp, sum z) through `partials`; `arrivals` counts finished chunks per row.
-    partials = torch.empty((3, n_rows * n_chunks if n_chunks > 1 else 1), dtype=torch.float32, device=logits.device)
-    arrivals = torch.zeros(n_rows if n_chunks > 1 else 1, dtype=torch.int32, device=logits.device)
+    reduce = reduction != "none"
+    # One allocation for every float output: losses, lse, [loss, denominator], chunk partials.
+    n_partials = n_rows * n_chunks if n_chunks > 1 else 1
+    buffer = torch.empty(2 * n_rows + 2 + 3 * n_partials, dtype=torch.float32, device=logits.device)
+    loss, lse, reduced = buffer[:n_rows], buffer[n_rows:2 * n_rows], buffer[2 * n_rows:2 * n_rows + 2]
+    partials = buffer[2 * n_rows + 2:].view(3, n_partials)
+    if n_rows == 0:
+        return loss, lse, (reduced.copy_(torch.tensor([0.0, 1.0])) if reduce else None)
+    # arrivals[row] counts a row's finished chunks, arrivals[N] the finished rows.
+    arrivals = torch.zeros(n_rows + 1 if n_chunks > 1 or reduce else 1, dtype=torch.int32, device=logits.device)
+    denominator_value, denominator_ptr = 1.0, reduced
+    if n_items is None:
+        denominator_mode = 0 if reduction == "mean" else 1
+    elif isinstance(n_items, torch.Tensor):
+        denominator_mode, denominator_ptr = 2, n_items.to(device=logits.device, dtype=torch.float32)
+    else:
+        denominator_mode, denominator_value = 1, float(n_items)
     _kernels_for(logits)._forward_kernel[(n_rows, n_chunks)](
-        logits, logits.stride(0), labels, loss, lse, *partials, arrivals,
-        vocab, chunk, n_chunks, ignore_index, logit_scaling, logit_softcapping, label_smoothing, z_loss,
-        BLOCK=block, CHUNKS_BLOCK=triton.next_power_of_2(n_chunks), num_warps=warps,
+        logits, logits.stride(0), labels, loss, lse, *partials, arrivals, reduced, denominator_ptr,
+        n_rows, vocab, chunk, n_chunks, ignore_index, logit_scaling, logit_softcapping, label_smoothing, z_loss,
+        denominator_value, BLOCK=block, CHUNKS_BLOCK=triton.next_power_of_2(n_chunks), REDUCE=reduce,
+        DENOMINATOR=denominator_mode, ROWS_BLOCK=1024, num_warps=warps,
         **_flags(logit_scaling, logit_softcapping, label_smoothing, z_loss),
     )
-    return loss, lse
+    return loss, lse, (reduced if reduce else None)
 
 
 def backward_kernels(grad_loss, logits, labels, lse, grad, ignore_index, logit_softcapping, logit_scaling,
-                     label_smoothing, z_loss):
-    """Writes d(sum_t grad_loss_t * loss_t)/d logits into `grad`, which may be `logits` itself."""
+                     label_smoothing, z_loss, denominator=None):
+    """Writes d(sum_t grad_loss_t * loss_t / denominator)/d logits into `grad`, which may be `logits` itself.
+    grad_loss is per token, or 0-d (one upstream scalar for all tokens); denominator a 1-element tensor or None."""
     n_rows, vocab = logits.shape
     if n_rows == 0:
         return grad
     block = min(BACKWARD_BLOCK, triton.next_power_of_2(vocab))
     _kernels_for(logits)._backward_kernel[(n_rows, triton.cdiv(vocab, block))](
-        logits, logits.stride(0), grad, grad.stride(0), labels, lse, grad_loss, grad_loss.stride(0),
+        logits, logits.stride(0), grad, grad.stride(0), labels, lse, grad_loss,
+        grad_loss.stride(0) if grad_loss.dim() else 0, lse if denominator is None else denominator,
         vocab, ignore_index, logit_scaling, logit_softcapping, label_smoothing, z_loss,
-        BLOCK=block, num_warps=BACKWARD_WARPS, **_flags(logit_scaling, logit_softcapping, label_smoothing, z_loss),
+        BLOCK=block, HAS_DENOMINATOR=denominator is not None, num_warps=BACKWARD_WARPS,
+        **_flags(logit_scaling, logit_softcapping, label_smoothing, z_loss),
     )
     return grad
 
 
 class _CrossEntropyFunction(torch.autograd.Function):
-    """The eager path, reduction included, with the fewest host-side steps: one launch and a few tiny torch ops
+    """The eager path, reduction included, with the fewest host-side steps: two allocations and one launch
     forward, one launch backward, and no autograd nodes besides this one (each costs host time per step)."""
 
     @staticmethod
     def forward(ctx, logits, labels, reduction, n_items, inplace_backward, options):
-        token_losses, lse = forward_kernels(logits, labels, *options)
-        ctx.save_for_backward(logits, labels, lse)
+        token_losses, lse, reduced = forward_kernels(logits, labels, *options, reduction=reduction, n_items=n_items)
+        ctx.save_for_backward(logits, labels, lse, reduced)
         ctx.inplace_backward, ctx.options = inplace_backward, options
-        ctx.denominator = None
-        if reduction == "none":
-            return token_losses
-        ctx.denominator = _denominator(labels, reduction, n_items, options[0])
-        return token_losses.sum() / ctx.denominator
+        return token_losses if reduced is None else reduced[0]
 
     @staticmethod
     def backward(ctx, grad_output):
-        logits, labels, lse = ctx.saved_tensors
-        grad_loss = grad_output
-        if ctx.denominator is not None:  # one upstream scalar for every token: a stride-0 vector
-            grad_loss = (grad_output / ctx.denominator).expand(logits.shape[0])
+        logits, labels, lse, reduced = ctx.saved_tensors
         if ctx.inplace_backward:
             grad = logits
             # The logits are about to hold the gradient: any other op that saved them for its own backward then
@@ -112,7 +121,9 @@ class _CrossEntropyFunction(torch.autograd.Function):
             torch.autograd.graph.increment_version(logits)
         else:
             grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        return backward_kernels(grad_loss, logits, labels, lse, grad, *ctx.options), None, None, None, None, None
+        denominator = None if reduced is None else reduced[1:]
+        grad = backward_kernels(grad_output, logits, labels, lse, grad, *ctx.options, denominator=denominator)
+        return grad, None, None, None, None, None
 
 
 # --- custom ops for torch.compile: opaque to the compiler, fake implementations for tracing, no graph break ------
@@ -120,7 +131,9 @@ class _CrossEntropyFunction(torch.autograd.Function):
 @torch.library.custom_op("fastce::cross_entropy_forward", mutates_args=())
 def _forward_op(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, logit_softcapping: float,
                 logit_scaling: float, label_smoothing: float, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return forward_kernels(logits, labels, ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss)
+    loss, lse, _ = forward_kernels(logits, labels, ignore_index, logit_softcapping, logit_scaling, label_smoothing,
+                                   z_loss)
+    return loss, lse.clone()  # the two share one buffer; a custom op's outputs must not alias each other
 
 
 @_forward_op.register_fake
@@ -177,9 +190,13 @@ def _check_arguments(logits, labels, ignore_index, reduction, n_items, logit_sof
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if not isinstance(ignore_index, int):
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    if isinstance(n_items, (int, float)) and not isinstance(n_items, bool) and n_items <= 0:
+    if isinstance(n_items, bool) or not (n_items is None or isinstance(n_items, (int, float, torch.Tensor))):
+        raise TypeError(f"n_items must be a number or a 0-d tensor, got {n_items!r}")
+    if isinstance(n_items, torch.Tensor) and n_items.dim() != 0:
+        raise ValueError(f"n_items must be 0-d, got shape {tuple(n_items.shape)}")
+    if isinstance(n_items, (int, float)) and not n_items > 0:
         raise ValueError(f"n_items must be positive, got {n_items}")
     if not math.isfinite(logit_softcapping) or logit_softcapping < 0:
         raise ValueError(f"logit_softcapping must be >= 0 (0 disables it), got {logit_softcapping}")
@@ -206,22 +223,18 @@ def _is_intermediate(tensor):
     return tensor.requires_grad and not tensor.is_leaf and not base.is_leaf
 
 
-def _denominator(labels, reduction, n_items, ignore_index):
-    """What the summed loss is divided by: n_items, else the non-ignored token count for "mean" (at least 1, so
-    an all-ignored batch gives 0 with a zero gradient), else 1. A tensor stays on the device: no synchronisation."""
-    if n_items is not None:
-        if isinstance(n_items, torch.Tensor):
-            return n_items.to(device=labels.device, dtype=torch.float32)
-        return float(n_items)
-    if reduction == "mean":
-        return (labels != ignore_index).sum().clamp_min(1).to(torch.float32)
-    return 1.0
-
-
 def _reduce(token_losses, labels, reduction, n_items, ignore_index):
+    """The reduction in plain torch (reference and torch.compile paths; the eager kernels reduce in-kernel)."""
     if reduction == "none":
         return token_losses
-    return token_losses.sum() / _denominator(labels, reduction, n_items, ignore_index)
+    if n_items is not None:
+        denominator = n_items.to(token_losses.device, torch.float32) if torch.is_tensor(n_items) else float(n_items)
+    elif reduction == "mean":
+        # At least 1: an all-ignored batch gives 0 with a zero gradient.
+        denominator = (labels != ignore_index).sum().clamp_min(1).to(torch.float32)
+    else:
+        denominator = 1.0
+    return token_losses.sum() / denominator
 
 
 def cross_entropy_reference(logits, labels, *, ignore_index=-100, logit_softcapping=0.0, logit_scaling=0.0,

@@ -4,7 +4,8 @@ Two kernels, each reading the logits once:
   _forward_kernel   grid (N, C): one program walks one chunk of one row, one exp per element, keeping the running
                     max, sum of exp and sum of z. With C > 1 each chunk publishes these partials and the row's last
                     chunk to finish combines them; then one masked scalar load reads the label logit, and the
-                    per-token loss and logsumexp are written.
+                    per-token loss and logsumexp are written. For "mean"/"sum" the batch's last row to finish
+                    also reduces the losses, so a reduced loss costs one launch and no framework ops.
   _backward_kernel  grid (N, cdiv(V, BLOCK)): recomputes z, writes the gradient in one pass, in place when the
                     caller passes the logits buffer as the gradient buffer.
 Rows whose label is ignore_index are never read: their partials are empty and their gradient is written as zeros.
@@ -83,10 +84,11 @@ def _dloss_dlogits(p, tanh_z, cols, label, lse, V, scaling, label_smoothing, z_l
 @triton.jit
 def _forward_kernel(
     logits_ptr, logits_row_stride, labels_ptr, loss_ptr, lse_ptr,
-    max_ptr, sumexp_ptr, sumz_ptr, arrivals_ptr,
-    V, chunk_width, n_chunks, ignore_index, scaling, softcap, label_smoothing, z_loss,
+    max_ptr, sumexp_ptr, sumz_ptr, arrivals_ptr, reduced_ptr, denominator_ptr,
+    n_rows, V, chunk_width, n_chunks, ignore_index, scaling, softcap, label_smoothing, z_loss, denominator_value,
     BLOCK: tl.constexpr, CHUNKS_BLOCK: tl.constexpr, HAS_SCALING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, REDUCE: tl.constexpr, DENOMINATOR: tl.constexpr,
+    ROWS_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -143,15 +145,45 @@ def _forward_kernel(
                            HAS_Z_LOSS)
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, lse)
+        if REDUCE:
+            # The batch's last finished row reduces all losses (in row order: deterministic) in this same launch.
+            tl.debug_barrier()
+            if tl.atomic_add(arrivals_ptr + n_rows, 1, sem="acq_rel") == n_rows - 1:
+                _reduce_losses(loss_ptr, labels_ptr, reduced_ptr, denominator_ptr, n_rows, ignore_index,
+                               denominator_value, DENOMINATOR, ROWS_BLOCK)
+
+
+@triton.jit
+def _reduce_losses(loss_ptr, labels_ptr, reduced_ptr, denominator_ptr, n_rows, ignore_index, denominator_value,
+                   DENOMINATOR: tl.constexpr, ROWS_BLOCK: tl.constexpr):
+    """reduced = [sum of losses / denominator, denominator]. DENOMINATOR: 0 = the non-ignored token count (at
+    least 1, so an all-ignored batch gives 0), 1 = denominator_value, 2 = *denominator_ptr (a device scalar)."""
+    total = 0.0
+    count = 0.0
+    for start in tl.range(0, n_rows, ROWS_BLOCK):
+        rows = start + tl.arange(0, ROWS_BLOCK)
+        in_batch = rows < n_rows
+        total += tl.sum(tl.load(loss_ptr + rows, mask=in_batch, other=0.0, volatile=True), 0)
+        if DENOMINATOR == 0:
+            labels = tl.load(labels_ptr + rows, mask=in_batch, other=ignore_index)
+            count += tl.sum((labels != ignore_index).to(tl.float32), 0)
+    if DENOMINATOR == 0:
+        denominator = tl.maximum(count, 1.0)
+    elif DENOMINATOR == 1:
+        denominator = denominator_value
+    else:
+        denominator = tl.load(denominator_ptr).to(tl.float32)
+    tl.store(reduced_ptr, total / denominator)
+    tl.store(reduced_ptr + 1, denominator)
 
 
 @triton.jit
 def _backward_kernel(
     logits_ptr, logits_row_stride, grad_ptr, grad_row_stride, labels_ptr, lse_ptr,
-    grad_loss_ptr, grad_loss_stride,
+    grad_loss_ptr, grad_loss_stride, denominator_ptr,
     V, ignore_index, scaling, softcap, label_smoothing, z_loss,
     BLOCK: tl.constexpr, HAS_SCALING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_DENOMINATOR: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -162,6 +194,8 @@ def _backward_kernel(
     lse = tl.load(lse_ptr + row)
     # Upstream gradient of this token's loss; stride 0 when it is one scalar broadcast over the rows.
     grad_loss = tl.load(grad_loss_ptr + row * grad_loss_stride).to(tl.float32)
+    if HAS_DENOMINATOR:  # a reduced loss: d loss / d token loss = 1 / denominator
+        grad_loss = grad_loss / tl.load(denominator_ptr)
     grad_loss = tl.where((label >= 0) & (label < V), grad_loss, float("nan"))
 
     x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=in_row & ~ignored, other=0.0).to(tl.float32)

@@ -167,6 +167,17 @@ def test_reductions(reduction, n_items, device, poisoned):
     assert_close_grad(grad, token_grad / denominator, torch.float32)
 
 
+def test_reduction_over_many_rows_and_chunks(device, poisoned):
+    """The in-kernel reduction walks the batch in tiles of rows; chunked rows finish in any order."""
+    for shape, vocab, reduction in (((2, 550), 8, "mean"), ((12,), 300000, "sum")):
+        logits, labels = random_problem(shape, vocab, torch.float32, device, seed=vocab, ignore_every=3)
+        loss, grad = run_kernel(logits, labels, reduction=reduction, inplace=True)
+        token_loss, token_grad = reference_float64(logits, labels)
+        denominator = float((labels != -100).sum()) if reduction == "mean" else 1.0
+        assert_close_loss(loss, token_loss.sum() / denominator)
+        assert_close_grad(grad, token_grad / denominator, torch.float32)
+
+
 def test_all_ignored_mean_is_zero_with_zero_gradient(device, poisoned):
     logits, labels = random_problem((8,), 32000, torch.bfloat16, device, seed=9)
     labels.fill_(-100)
