@@ -124,8 +124,23 @@ def _check_args(logits, labels, *, ignore_index, reduction, n_items,
   # an int64 label beyond 2**31 is never wrapped into the vocabulary.
   if jnp.dtype(labels.dtype).itemsize < 4:
     labels = labels.astype(jnp.int32)
+  labels = _narrow_host_int64(labels, int(ignore_index))
   return logits, labels, n_items, int(ignore_index), scaling, softcap, \
       smoothing, z_loss
+
+
+def _narrow_host_int64(labels, ignore_index: int):
+  """Without x64, JAX would cut a NumPy int64 array to int32, silently moving
+  a label like 2**32 + 3 into the vocabulary as class 3. Such a label is out
+  of range for every vocabulary, so it becomes INT32_MIN (or INT32_MAX when
+  that is the ignore_index): still out of range, so still a NaN loss."""
+  if (not isinstance(labels, np.ndarray) or labels.dtype.itemsize <= 4
+      or jax.config.jax_enable_x64):
+    return labels
+  info = np.iinfo(np.int32)
+  wide = (labels < info.min) | (labels > info.max)
+  sentinel = info.min if ignore_index != info.min else info.max
+  return np.where(wide, sentinel, labels).astype(np.int32)
 
 
 def _validate_labels_eagerly(labels, vocab: int, ignore_index: int):
@@ -233,10 +248,10 @@ def _reduce(losses, labels, reduction: str, n_items, ignore_index: int):
   if reduction == "none":
     return losses.reshape(labels.shape)
   total = jnp.sum(losses)
+  if n_items is not None:  # overrides the denominator of "mean" and "sum" alike
+    return total / jnp.asarray(n_items).astype(jnp.float32)
   if reduction == "sum":
     return total
-  if n_items is not None:
-    return total / jnp.asarray(n_items).astype(jnp.float32)
   ign = kernels._ignore_index_for(labels, ignore_index)
   count = labels.size if ign is None else jnp.sum(labels != ign)
   # Every token ignored: 0 / 1 = 0, and the kernels zero those rows' gradient.
@@ -282,7 +297,7 @@ def cross_entropy(logits, labels, *, ignore_index=-100, reduction="mean",
     ignore_index: label value whose tokens get loss 0 and gradient 0.
     reduction: "mean" (over non-ignored tokens, or over ``n_items``), "sum"
       or "none" (float32 per-token losses shaped like ``labels``).
-    n_items: optional denominator for "mean": a Python number > 0 or a 0-d
+    n_items: optional denominator for "mean" and "sum": a Python number > 0 or a 0-d
       (possibly traced) array, e.g. transformers' ``num_items_in_batch``.
     logit_softcapping: t > 0 applies ``z = t * tanh(z / t)`` (Gemma 2).
     logit_scaling: s != 0 applies ``z = s * z`` first (Cohere).
