@@ -1,15 +1,16 @@
-"""Fused cross-entropy for PyTorch: launchers, torch.library custom ops with autograd, the functional
-`cross_entropy`, the `CrossEntropyLoss` module, and `cross_entropy_reference` (the same contract in plain torch).
+"""Fused cross-entropy for PyTorch: launchers, the eager autograd.Function, torch.library custom ops for
+torch.compile, the functional `cross_entropy`, the `CrossEntropyLoss` module, and `cross_entropy_reference` (the
+same contract in plain torch).
 
-The custom ops only compute per-token losses and their gradient; the reduction over tokens is ordinary torch
-arithmetic on a vector of N floats (deterministic, no host synchronisation), and autograd turns it into the
-per-token upstream gradient that the backward kernel reads (stride 0 when it is one broadcast scalar).
+Eager calls go through `_CrossEntropyFunction`: one forward launch that also reduces "mean"/"sum" in-kernel
+(deterministic row order, no host synchronisation), one backward launch, nothing else on the host's hot path, since
+at N=8192, V=32000 the kernels take ~0.4 ms and host-side framework steps would otherwise dominate. Under
+torch.compile the custom ops give the compiler opaque per-token ops and the reduction is plain torch arithmetic.
 """
 
 import math
 
 import torch
-import triton
 
 from . import kernels as _kernels
 
@@ -33,13 +34,22 @@ def _kernels_for(tensor):
     return _kernels
 
 
+# Plain integer helpers: triton.cdiv / next_power_of_2 go through Triton's jit dispatch (~10 us each on the host).
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _next_power_of_2(n):
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def launch_config(n_rows, vocab):
     """(forward tile, warps, chunk width, number of chunks) for an N x V problem."""
-    block = min(FORWARD_BLOCK, triton.next_power_of_2(vocab))
-    chunk = max(block, min(MAX_CHUNK, triton.next_power_of_2(vocab)))
-    while chunk > block and n_rows * triton.cdiv(vocab, chunk) < TARGET_PROGRAMS:
+    block = min(FORWARD_BLOCK, _next_power_of_2(vocab))
+    chunk = max(block, min(MAX_CHUNK, _next_power_of_2(vocab)))
+    while chunk > block and n_rows * _cdiv(vocab, chunk) < TARGET_PROGRAMS:
         chunk //= 2
-    n_chunks = triton.cdiv(vocab, chunk)
+    n_chunks = _cdiv(vocab, chunk)
     warps = FORWARD_WARPS_FEW_PROGRAMS if n_rows * n_chunks < FEW_PROGRAMS and block == FORWARD_BLOCK else 4
     return block, warps, chunk, n_chunks
 
@@ -60,7 +70,8 @@ def forward_kernels(logits, labels, ignore_index, logit_softcapping, logit_scali
     n_partials = n_rows * n_chunks if n_chunks > 1 else 1
     buffer = torch.empty(2 * n_rows + 2 + 3 * n_partials, dtype=torch.float32, device=logits.device)
     loss, lse, reduced = buffer[:n_rows], buffer[n_rows:2 * n_rows], buffer[2 * n_rows:2 * n_rows + 2]
-    partials = buffer[2 * n_rows + 2:].view(3, n_partials)
+    partials_start = 2 * n_rows + 2
+    partials = [buffer[partials_start + i * n_partials:partials_start + (i + 1) * n_partials] for i in range(3)]
     if n_rows == 0:
         return loss, lse, (reduced.copy_(torch.tensor([0.0, 1.0])) if reduce else None)
     # arrivals[row] counts a row's finished chunks, arrivals[N] the finished rows.
@@ -75,7 +86,7 @@ def forward_kernels(logits, labels, ignore_index, logit_softcapping, logit_scali
     _kernels_for(logits)._forward_kernel[(n_rows, n_chunks)](
         logits, logits.stride(0), labels, loss, lse, *partials, arrivals, reduced, denominator_ptr,
         n_rows, vocab, chunk, n_chunks, ignore_index, logit_scaling, logit_softcapping, label_smoothing, z_loss,
-        denominator_value, BLOCK=block, CHUNKS_BLOCK=triton.next_power_of_2(n_chunks), REDUCE=reduce,
+        denominator_value, BLOCK=block, CHUNKS_BLOCK=_next_power_of_2(n_chunks), REDUCE=reduce,
         DENOMINATOR=denominator_mode, ROWS_BLOCK=1024, num_warps=warps,
         **_flags(logit_scaling, logit_softcapping, label_smoothing, z_loss),
     )
@@ -89,8 +100,8 @@ def backward_kernels(grad_loss, logits, labels, lse, grad, ignore_index, logit_s
     n_rows, vocab = logits.shape
     if n_rows == 0:
         return grad
-    block = min(BACKWARD_BLOCK, triton.next_power_of_2(vocab))
-    _kernels_for(logits)._backward_kernel[(n_rows, triton.cdiv(vocab, block))](
+    block = min(BACKWARD_BLOCK, _next_power_of_2(vocab))
+    _kernels_for(logits)._backward_kernel[(n_rows, _cdiv(vocab, block))](
         logits, logits.stride(0), grad, grad.stride(0), labels, lse, grad_loss,
         grad_loss.stride(0) if grad_loss.dim() else 0, lse if denominator is None else denominator,
         vocab, ignore_index, logit_scaling, logit_softcapping, label_smoothing, z_loss,
