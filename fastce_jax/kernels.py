@@ -44,8 +44,9 @@ TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
 
 MAX_CHUNK = 65536          # widest chunk one forward program walks
 TARGET_PROGRAMS = 1024     # shrink chunks until N * C reaches this (fill the GPU)
-FWD_MAX_BLOCK = 4096       # forward tile width (warps: 8 at >= 4096, else 4)
-FWD_NUM_STAGES = 2         # the forward loop streams tiles: let Triton pipeline
+FWD_MAX_BLOCK = 4096       # forward tile width (4 warps; 8 when few programs)
+FWD_NUM_STAGES = 3         # the forward loop streams tiles: let Triton pipeline
+FEW_PROGRAMS = 4096        # under this many forward programs, 8 warps per program
 FINISH_NUM_WARPS = 1       # the finish kernel touches C + 2 scalars per row
 BWD_MAX_BLOCK = 2048       # backward tile width, one tile per program
 BWD_NUM_WARPS = 4
@@ -94,12 +95,15 @@ def _cdiv(a, b):
 # ----------------------------------------------------------------------------
 
 def forward_config(n_rows: int, vocab: int) -> tuple[int, int, int]:
-  """(block, chunk, num_warps) of the forward kernel."""
+  """(block, chunk, num_warps) of the forward kernel. The same loop as
+  fastce_torch's forward, whose H200 sweep (bench/NOTES.md) found 4 warps best
+  at N=8192 (8 warps 9% slower) and 8 warps best with few programs (N=512)."""
   block = min(FWD_MAX_BLOCK, _next_pow2(vocab))
   chunk = max(block, min(MAX_CHUNK, _next_pow2(vocab)))
   while chunk > block and n_rows * _cdiv(vocab, chunk) < TARGET_PROGRAMS:
     chunk //= 2
-  return block, chunk, 8 if block >= 4096 else 4
+  few = n_rows * _cdiv(vocab, chunk) < FEW_PROGRAMS and block >= 4096
+  return block, chunk, 8 if few else 4
 
 
 def backward_config(vocab: int) -> tuple[int, int]:
