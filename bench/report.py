@@ -119,7 +119,29 @@ def results_markdown(result, plot_name=None) -> str:
     if plot_name:
         parts += [f"![forward and forward+backward time vs V]({plot_name})", ""]
     parts += [NOTES]
+    for step_json in sorted(RESULTS_DIR.glob("*transformers-step*.json")):
+        parts += ["", transformers_step_markdown(read_json(step_json), _link(step_json, RESULTS_MD.parent.parent))]
     return "\n".join(parts)
+
+
+def transformers_step_markdown(step, source) -> str:
+    """The training-step comparison written by bench/transformers_step.py, as a table."""
+    args, env = step["args"], step["environment"]
+    lines = [
+        f"## Training step with and without `patch_transformers()` (from `{source}`)",
+        "",
+        f"{env['device']}, commit {env['commit']}, transformers {env['transformers']}, torch {env['torch']}: "
+        f"Llama, {args['layers']} layers, hidden {args['hidden']}, V={args['vocab']}, "
+        f"{args['batch']}x{args['seq_len']} tokens, {args['precision']}, AdamW; median of {args['steps']} steps "
+        f"after {args['warmup']} warm-up (CUDA events).",
+        "",
+        "| mode | median step ms | peak GiB | per-step working GiB | first-step loss |",
+        "|---|---|---|---|---|",
+    ]
+    for mode, r in step["results"].items():
+        lines.append(f"| {mode} | {r['median_ms']:.2f} | {r['peak_bytes'] / 2**30:.2f} | "
+                     f"{r['step_working_bytes'] / 2**30:.2f} | {r['losses'][0]:.5f} |")
+    return "\n".join(lines) + "\n"
 
 
 def _link(path, start) -> str:
