@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .progress import Unavailable
+from .progress import fastce_loss
 
 IGNORE_INDEX = -100
 JAX_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
@@ -36,16 +36,7 @@ def make_inputs(shape, seed=0):
 
 
 def fastce_jax_loss(backend="auto"):
-    try:
-        import fastce_jax
-        cross_entropy = fastce_jax.cross_entropy
-    except ModuleNotFoundError as exc:
-        if exc.name != "fastce_jax":
-            raise  # the package is there but broken: a real failure
-        raise Unavailable("fastce_jax is not installed") from exc
-    except AttributeError as exc:  # an empty namespace package: not written yet
-        raise Unavailable("fastce_jax has no cross_entropy yet") from exc
-    return lambda logits, labels: cross_entropy(logits, labels, backend=backend)
+    return fastce_loss("fastce_jax", backend)
 
 
 def xla_loss():

@@ -1,4 +1,5 @@
 """Progress lines on stderr (stdout keeps only the table), and failure records."""
+import importlib
 import sys
 import time
 
@@ -16,7 +17,18 @@ def error_text(exc: BaseException) -> str:
 
 
 class Unavailable(ImportError):
-    """The implementation's package is not installed (or not written yet): a note, not a failure."""
+    """The implementation's package is not installed: a note, not a failure."""
+
+
+def fastce_loss(package_name, backend="auto"):
+    """(logits, labels) -> loss with fastce_torch's or fastce_jax's cross_entropy."""
+    try:
+        cross_entropy = importlib.import_module(package_name).cross_entropy
+    except ModuleNotFoundError as exc:
+        if exc.name != package_name:
+            raise  # the package is there but broken: a real failure
+        raise Unavailable(f"{package_name} is not installed") from exc
+    return lambda logits, labels: cross_entropy(logits, labels, backend=backend)
 
 
 def failure(impl, shape, stage, exc) -> dict:

@@ -6,7 +6,7 @@ moves on.
 import torch
 import torch.nn.functional as F
 
-from .progress import Unavailable
+from .progress import Unavailable, fastce_loss
 
 IGNORE_INDEX = -100
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -33,16 +33,7 @@ def make_inputs(shape, device, seed=0):
 
 
 def fastce_torch_loss(backend="auto"):
-    try:
-        import fastce_torch
-        cross_entropy = fastce_torch.cross_entropy
-    except ModuleNotFoundError as exc:
-        if exc.name != "fastce_torch":
-            raise  # the package is there but broken: a real failure
-        raise Unavailable("fastce_torch is not installed") from exc
-    except AttributeError as exc:  # an empty namespace package: not written yet
-        raise Unavailable("fastce_torch has no cross_entropy yet") from exc
-    return lambda logits, labels: cross_entropy(logits, labels, backend=backend)
+    return fastce_loss("fastce_torch", backend)
 
 
 def torch_eager_fp32_loss():

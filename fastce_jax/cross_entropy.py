@@ -258,13 +258,13 @@ def _reduce(losses, labels, reduction: str, n_items, ignore_index: int):
   return total / jnp.maximum(count, 1).astype(jnp.float32)
 
 
-def _cross_entropy(logits, labels, kwargs, force_backend=None):
+def _cross_entropy(logits, labels, kwargs):
   (logits, labels, n_items, ignore_index, scaling, softcap, smoothing,
    z_loss) = _check_args(logits, labels, **kwargs)
   vocab = logits.shape[-1]
   if kwargs["validate_labels"]:
     _validate_labels_eagerly(labels, vocab, ignore_index)
-  backend = force_backend or kwargs["backend"]
+  backend = kwargs["backend"]
   if backend == "auto":
     backend = "kernel" if _on_gpu(logits) else "reference"
   opts = _Options(ignore_index, scaling, softcap, smoothing, z_loss,
@@ -326,17 +326,8 @@ def cross_entropy(logits, labels, *, ignore_index=-100, reduction="mean",
   return _cross_entropy(logits, labels, kwargs)
 
 
-def cross_entropy_reference(logits, labels, *, ignore_index=-100,
-                            reduction="mean", n_items=None,
-                            logit_softcapping=0.0, logit_scaling=0.0,
-                            label_smoothing=0.0, z_loss=0.0, backend="auto",
-                            inplace_backward=True, validate_labels=False):
-  """Pure-jnp ``cross_entropy`` (``backend`` is ignored), differentiable by
-  plain autodiff; float32 math, so it materialises (N, V) float32 values."""
-  kwargs = dict(ignore_index=ignore_index, reduction=reduction,
-                n_items=n_items, logit_softcapping=logit_softcapping,
-                logit_scaling=logit_scaling, label_smoothing=label_smoothing,
-                z_loss=z_loss, backend=backend,
-                inplace_backward=inplace_backward,
-                validate_labels=validate_labels)
-  return _cross_entropy(logits, labels, kwargs, force_backend="reference")
+def cross_entropy_reference(logits, labels, **options):
+  """Pure-jnp ``cross_entropy``: the same keywords (``backend`` is ignored),
+  differentiable by plain autodiff; float32 math, so it materialises (N, V)
+  float32 values."""
+  return cross_entropy(logits, labels, **dict(options, backend="reference"))
