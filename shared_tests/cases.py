@@ -25,11 +25,12 @@ _BASE = [
     Case("z-loss", opts=Options(z_loss=1e-2), offset=20.0, seed=8),         # lse ~ 25: z-loss term dominates
     Case("all-options", opts=ALL, reduction="none", seed=9),
     Case("all-options-3d", shape=(2, 3), opts=ALL, seed=10),
-    # n_items overrides the denominator of "mean"
+    # n_items overrides the denominator of "mean" and "sum"
     Case("n-items-int", n_items=7, seed=11),
     Case("n-items-float", n_items=2.5, opts=Options(label_smoothing=0.2), seed=12),
     Case("n-items-tensor", n_items=("tensor", 23), seed=13),
     Case("n-items-float-tensor", n_items=("tensor", 9.5), seed=14),
+    Case("n-items-sum", reduction="sum", n_items=("tensor", 6), opts=Options(z_loss=1e-3), seed=45),
     # ignore patterns
     Case("all-ignored", ignore="all", seed=15),   # mean: 0 with a zero gradient
     Case("all-ignored-sum", ignore="all", reduction="sum", opts=ALL, seed=16),
@@ -58,6 +59,9 @@ _BASE = [
     # label dtypes, non-inplace
     Case("int32-labels", label_dtype="int32", seed=33),
     Case("not-inplace", inplace=False, opts=ALL, seed=34),
+    # jax under jit (n_items as an array constant, the custom_vjp's backward inside a jitted transpose)
+    Case("jit-mean", jit=True, n_items=("tensor", 5), opts=Options(label_smoothing=0.1), seed=43),
+    Case("jit-none", jit=True, reduction="none", opts=ALL, bad_labels=(1000,), seed=44),
     # edge shapes
     Case("n0", shape=(0,), seed=35),
     Case("n0-3d-none", shape=(2, 0), reduction="none", seed=36),

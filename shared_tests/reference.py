@@ -34,7 +34,8 @@ class Result:
     lse: np.ndarray          # (N,)
     upstream: np.ndarray     # (N,) d loss / d token_loss_t (1/denominator, 1, or the caller's cotangent)
     loss_scale: np.ndarray   # (N,) per-token magnitude that bounds the float32 loss error (see error_scales)
-    grad_scale: np.ndarray   # (N, V) per-element magnitude that bounds the float32 gradient error
+    grad_scale: np.ndarray   # (..., V) per-element magnitude that bounds the float32 gradient error
+    grad_terms: np.ndarray   # (..., V) T * |s| * |g|: the gradient's size before the softcap factor 1 - t^2
 
 
 def transform(x, opts):
@@ -66,10 +67,11 @@ def logsumexp_rows(z):
 
 
 def denominator(labels, reduction, n_items, ignore_index):
-    """What the summed loss is divided by. n_items (a number) wins; "mean" otherwise divides by the number of
-    non-ignored tokens (out-of-range labels count: they are not ignored), at least 1 so that an all-ignored batch
-    gives 0 with a zero gradient; "sum" divides by nothing."""
-    if n_items is not None and reduction == "mean":
+    """What the summed loss is divided by. n_items (a number) wins, for "mean" and "sum" alike (both packages
+    since b30c21e / fastce_torch before it); "mean" otherwise divides by the number of non-ignored tokens
+    (out-of-range labels count: they are not ignored), at least 1 so that an all-ignored batch gives 0 with a zero
+    gradient; "sum" divides by nothing."""
+    if n_items is not None:
         return float(n_items)
     if reduction == "mean":
         return float(max(1, int(np.sum(labels != ignore_index))))
@@ -131,9 +133,10 @@ def cross_entropy(logits, labels, *, reduction="mean", n_items=None, upstream=No
     grad = np.where(in_range[:, None], grad, np.nan)   # a bad label's whole gradient row is NaN, like its loss
     grad = np.where(ignored[:, None], 0.0, grad)
 
-    loss_scale, grad_scale = error_scales(z, lse, p, onehot, g, opts)
-    return Result(token_loss=token, loss=loss, grad=grad.reshape((*lead, vocab)), lse=lse,
-                  upstream=g, loss_scale=loss_scale, grad_scale=grad_scale.reshape((*lead, vocab)))
+    loss_scale, grad_scale, grad_terms = error_scales(z, lse, p, onehot, g, opts)
+    return Result(token_loss=token, loss=loss, grad=grad.reshape((*lead, vocab)), lse=lse, upstream=g,
+                  loss_scale=loss_scale, grad_scale=grad_scale.reshape((*lead, vocab)),
+                  grad_terms=grad_terms.reshape((*lead, vocab)))
 
 
 def error_scales(z, lse, p, onehot, g, opts):
@@ -159,5 +162,6 @@ def error_scales(z, lse, p, onehot, g, opts):
         vocab = z.shape[-1]
         t = (np.where(np.isfinite(p), p, 0.0) * (1.0 + 2.0 * zl * lse_abs[:, None])
              + (1.0 - opts.label_smoothing) * onehot + opts.label_smoothing / max(vocab, 1))
-        grad_scale = m[:, None] * t * s * np.abs(np.where(np.isfinite(g), g, 0.0))[:, None]
-    return loss_scale, grad_scale
+        grad_terms = t * s * np.abs(np.where(np.isfinite(g), g, 0.0))[:, None]
+        grad_scale = m[:, None] * grad_terms
+    return loss_scale, grad_scale, grad_terms

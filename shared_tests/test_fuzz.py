@@ -48,12 +48,15 @@ def cases(draw):
         ignore_index=draw(st.sampled_from([-100, -1, 0, vocab - 1])),
         logit_softcapping=_option(draw, st.floats(0.5, 50.0), 0.0),
         logit_scaling=_option(draw, st.floats(-3.0, 3.0).filter(lambda s: abs(s) > 1e-3), 0.0),
-        label_smoothing=_option(draw, st.one_of(st.floats(0.0, 1.0), st.just(1.0)), 0.0),
-        z_loss=_option(draw, st.floats(-1e-2, 1e-2), 0.0),
+        # Nonzero options stay inside float32's normal range (|v| >= 1e-6 > 2**-126): Triton's interpreter types a
+        # Python float below it as float64 and then garbles the float64 -> bfloat16 store (see
+        # test_shared_cases.py::test_option_below_float32_normal_range); hypothesis would find that every run.
+        label_smoothing=_option(draw, st.one_of(st.floats(1e-6, 1.0), st.just(1.0)), 0.0),
+        z_loss=_option(draw, st.floats(1e-6, 1e-2).flatmap(lambda v: st.sampled_from([v, -v])), 0.0),
     )
     reduction = draw(st.sampled_from(["mean", "sum", "none"]))
     n_items = None
-    if reduction == "mean":   # n_items with "sum" is where the packages disagree: see test_n_items_with_sum
+    if reduction != "none":
         n_items = draw(st.one_of(st.none(), st.integers(1, 50), st.floats(0.5, 50.0),
                                  st.tuples(st.just("tensor"), st.integers(1, 50))))
     bad_values = [v for v in (-1, -7, vocab, vocab + 3, 2**31 - 1, -(2**31)) if v != opts.ignore_index]
@@ -76,6 +79,7 @@ def cases(draw):
         std=draw(st.floats(0.1, 8.0)),
         offset=draw(st.sampled_from([0.0, 0.0, 30.0, -50.0])),
         inplace=row_pad == 0 and draw(st.booleans()),
+        jit=draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 

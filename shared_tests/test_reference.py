@@ -120,6 +120,9 @@ def test_mean_denominators():
     items = cross_entropy(x, np.array([1, -100, 0, 2, -100]), n_items=2.5)
     plain = cross_entropy(x, np.array([1, -100, 0, 2, -100]), reduction="sum")
     assert items.loss == pytest.approx(plain.loss / 2.5, rel=1e-15)
+    summed = cross_entropy(x, np.array([1, -100, 0, 2, -100]), reduction="sum", n_items=4)
+    assert summed.loss == pytest.approx(plain.loss / 4, rel=1e-15)
+    np.testing.assert_allclose(summed.grad, plain.grad / 4, rtol=1e-15)
     assert ref.loss.shape == (5,)
 
 

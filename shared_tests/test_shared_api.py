@@ -27,21 +27,23 @@ def both(device, logits=None, labels=None, **kwargs):
     x, y = inputs(device)
     x = x if logits is None else logits
     y = y if labels is None else labels
+    jax_kwargs = {k: (exchange.to_jax(v) if v.is_floating_point() else exchange.labels_to_jax(v))
+                  if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     out = []
-    for call, a, b in ((fastce_torch.cross_entropy, x, y),
-                       (fastce_jax.cross_entropy, exchange.to_jax(x), exchange.labels_to_jax(y)
-                        if y.dtype in (torch.int32, torch.int64) else exchange.to_jax(y))):
+    for call, a, b, options in (
+            (fastce_torch.cross_entropy, x, y, kwargs),
+            (fastce_jax.cross_entropy, exchange.to_jax(x), exchange.labels_to_jax(y)
+             if y.dtype in (torch.int32, torch.int64) else exchange.to_jax(y), jax_kwargs)):
         try:
-            out.append((None, call(a, b, **{"backend": "kernel", **kwargs})))
+            out.append((None, call(a, b, **{"backend": "kernel", **options})))
         except Exception as error:  # noqa: BLE001 - the exception is the result under test
             out.append((error, None))
     return out
 
 
-def bad(kwargs, error, name, xfail=None):
-    marks = [pytest.mark.xfail(strict=True, reason=xfail)] if xfail else []
+def bad(kwargs, error, name):
     key, value = next(iter(kwargs.items()))
-    return pytest.param(kwargs, error, name, marks=marks, id=f"{key}={value!r}")
+    return pytest.param(kwargs, error, name, id=f"{key}={value!r}")
 
 
 BAD_ARGUMENTS = [
@@ -56,11 +58,8 @@ BAD_ARGUMENTS = [
     bad(dict(n_items=0), ValueError, "n_items"),
     bad(dict(n_items=-2), ValueError, "n_items"),
     bad(dict(ignore_index=1.5), TypeError, "ignore_index"),
-    bad(dict(ignore_index=True), TypeError, "ignore_index",
-        xfail="fastce_torch accepts a bool ignore_index (isinstance(True, int)); the Triton interpreter then fails "
-              "with an unrelated numpy error, and on the GPU True would ignore class 1"),
-    bad(dict(n_items=True), TypeError, "n_items",
-        xfail="fastce_torch accepts n_items=True as 1; fastce_jax raises TypeError"),
+    bad(dict(ignore_index=True), TypeError, "ignore_index"),   # a bool is an int to Python: must be refused
+    bad(dict(n_items=True), TypeError, "n_items"),
 ]
 
 
@@ -100,11 +99,15 @@ def test_validate_labels_accepts_ignore_index_and_the_range_edges(device):
     assert np.isfinite(t_loss.item()) and abs(t_loss.item() - float(j_loss)) <= 1e-6 * abs(t_loss.item())
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the packages disagree on reduction='sum' with n_items: fastce_torch divides the sum by n_items, fastce_jax "
-    "ignores n_items and returns the plain sum. CONTRACT.md says n_items 'overrides the denominator: sum / "
-    "n_items' next to 'mean'; settle it there and in one of the packages (then add 'sum' to the fuzz's n_items)"))
-def test_n_items_with_sum_agrees(device):
-    (t_err, t_loss), (j_err, j_loss) = both(device, reduction="sum", n_items=4)
-    assert t_err is None and j_err is None
-    assert abs(t_loss.item() - float(j_loss)) <= 1e-6 * abs(t_loss.item()), (t_loss.item(), float(j_loss))
+@pytest.mark.parametrize("n_items", [4, ("tensor", 2.5)], ids=["int", "tensor"])
+def test_n_items_overrides_the_sum_denominator_in_both(n_items, device):
+    """Both packages: reduction="sum" with n_items is sum / n_items, like "mean" with n_items (the packages
+    disagreed here until b30c21e; the table and the fuzz check the values against the reference too)."""
+    if isinstance(n_items, tuple):
+        n_items = torch.tensor(n_items[1], device=device)
+    (t_err, t_sum), (j_err, j_sum) = both(device, reduction="sum")
+    (t_err2, t_loss), (j_err2, j_loss) = both(device, reduction="sum", n_items=n_items)
+    assert t_err is t_err2 is j_err is j_err2 is None
+    divisor = float(n_items)
+    for plain, divided in ((t_sum.item(), t_loss.item()), (float(j_sum), float(j_loss))):
+        assert abs(divided - plain / divisor) <= 1e-6 * abs(plain)
