@@ -51,12 +51,18 @@ def _as_array(x, name: str):
     raise TypeError(f"{name} must be an array, got {type(x).__name__}") from e
 
 
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # 2**-126
+
+
 def _real(value, name: str) -> float:
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
     raise TypeError(f"{name} must be a Python float, got {value!r}")
   value = float(value)
   if not np.isfinite(value):
     raise ValueError(f"{name} must be finite, got {value}")
+  if value != 0.0 and abs(value) < FLOAT32_TINY:
+    raise ValueError(f"{name}={value} is below float32's normal range (the "
+                     "kernels compute in float32); use 0 to disable it")
   return value
 
 

@@ -17,6 +17,7 @@ from . import kernels as _kernels
 REDUCTIONS = ("none", "mean", "sum")
 BACKENDS = ("auto", "kernel", "reference")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLOAT32_TINY = torch.finfo(torch.float32).tiny  # 2**-126: options between 0 and this are refused
 
 # Tiles and warps from bench/tune_kernels.py on the H200 (2026-11-30): forward tiles of 4096 with 4 warps reached
 # 0.93-1.11x the one-read floor at N=8192 (8 warps only pay when under 4096 programs, e.g. N=512); backward tiles of
@@ -217,6 +218,11 @@ def _check_arguments(logits, labels, ignore_index, reduction, n_items, logit_sof
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if not math.isfinite(z_loss):
         raise ValueError(f"z_loss must be finite, got {z_loss}")
+    for name, value in (("logit_softcapping", logit_softcapping), ("logit_scaling", logit_scaling),
+                        ("label_smoothing", label_smoothing), ("z_loss", z_loss)):
+        if value != 0.0 and abs(value) < FLOAT32_TINY:
+            raise ValueError(f"{name}={value} is below float32's normal range (the kernels compute in float32); "
+                             "use 0 to disable it")
 
 
 def _validate_labels(labels, vocab, ignore_index):

@@ -54,6 +54,9 @@ BAD_ARGUMENTS = [
     bad(dict(logit_scaling=float("nan")), ValueError, "logit_scaling"),
     bad(dict(label_smoothing=1.5), ValueError, "label_smoothing"),
     bad(dict(label_smoothing=-0.1), ValueError, "label_smoothing"),
+    # below float32's normal range the kernels cannot represent the option (the interpreter would even go float64)
+    bad(dict(label_smoothing=1e-40), ValueError, "label_smoothing"),
+    bad(dict(logit_scaling=-1e-39), ValueError, "logit_scaling"),
     bad(dict(z_loss=float("inf")), ValueError, "z_loss"),
     bad(dict(n_items=0), ValueError, "n_items"),
     bad(dict(n_items=-2), ValueError, "n_items"),
