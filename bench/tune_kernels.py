@@ -45,7 +45,7 @@ def main():
             ms = triton.testing.do_bench(lambda: ce.forward_kernels(logits, labels, *options), return_mode="median")
             rows.append(dict(kernel="forward", N=n_rows, V=vocab, block=block, warps=warps, chunk=chunk, ms=ms,
                              ratio=ms / one_pass_ms))
-        _, lse = ce.forward_kernels(logits, labels, *options)
+        _, lse, _ = ce.forward_kernels(logits, labels, *options)
         for block, warps in itertools.product([1024, 2048, 4096, 8192], [4, 8]):
             ce.BACKWARD_BLOCK, ce.BACKWARD_WARPS = block, warps
             ms = triton.testing.do_bench(
