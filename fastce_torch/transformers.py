@@ -52,9 +52,13 @@ def fastce_for_causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=Non
     options = _state["options"]
     if num_items_in_batch is None:
         return cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="mean", **options)
-    # Sum, then divide exactly as transformers' fixed_cross_entropy does: num_items_in_batch may be an int, a 0-d
-    # tensor, a float tensor (Trainer divides it by the TP/CP size) or a 1-element tensor (DataParallel), and the
-    # plain division gives each of these the same result and shape as transformers.
+    if num_items_in_batch.dim() == 0 if torch.is_tensor(num_items_in_batch) else num_items_in_batch > 0:
+        # A positive number or a 0-d tensor (int, or float after Trainer divides by the TP/CP size): the kernel
+        # divides the sum by it in its own launch, with no extra ops per step.
+        return cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="sum",
+                             n_items=num_items_in_batch, **options)
+    # A 1-element tensor (DataParallel), or a number <= 0: sum, then divide exactly as transformers'
+    # fixed_cross_entropy does, so shape and value (inf/NaN for 0) stay transformers'.
     loss = cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="sum", **options)
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(loss.device)
