@@ -39,12 +39,13 @@ def main():
         grad_loss = torch.ones((), device="cuda").expand(n_rows)
         one_pass_ms = logits.numel() * 2 / bandwidth / 1e9
         options = (-100, 0.0, 0.0, 0.0, 0.0)
-        for block, warps, chunk in itertools.product([1024, 2048, 4096, 8192], [4, 8, 16], [16384, 65536]):
-            ce.FORWARD_BLOCK, ce.MAX_CHUNK = block, max(chunk, block)
+        for block, warps, chunk, stages in itertools.product([2048, 4096, 8192], [2, 4, 8], [8192, 16384, 65536],
+                                                             [1, 3]):
+            ce.FORWARD_BLOCK, ce.MAX_CHUNK, ce.FORWARD_STAGES = block, max(chunk, block), stages
             ce.FORWARD_WARPS = ce.FORWARD_WARPS_FEW_PROGRAMS = warps
             ms = triton.testing.do_bench(lambda: ce.forward_kernels(logits, labels, *options), return_mode="median")
-            rows.append(dict(kernel="forward", N=n_rows, V=vocab, block=block, warps=warps, chunk=chunk, ms=ms,
-                             ratio=ms / one_pass_ms))
+            rows.append(dict(kernel="forward", N=n_rows, V=vocab, block=block, warps=warps, chunk=chunk,
+                             stages=stages, ms=ms, ratio=ms / one_pass_ms))
         _, lse, _ = ce.forward_kernels(logits, labels, *options)
         for block, warps in itertools.product([1024, 2048, 4096, 8192], [4, 8]):
             ce.BACKWARD_BLOCK, ce.BACKWARD_WARPS = block, warps
@@ -57,7 +58,8 @@ def main():
             best = sorted((r for r in rows if r["kernel"] == kernel and r["V"] == vocab and r["N"] == n_rows),
                           key=lambda r: r["ms"])[:4]
             for r in best:
-                print(f"{kernel:8s} N={n_rows} V={vocab} block={r['block']} warps={r['warps']} chunk={r['chunk']}: "
+                print(f"{kernel:8s} N={n_rows} V={vocab} block={r['block']} warps={r['warps']} chunk={r['chunk']} "
+                      f"stages={r.get('stages', '-')}: "
                       f"{r['ms']:.3f} ms = {r['ratio']:.2f}x floor")
     if args.json:
         with open(args.json, "w") as f:

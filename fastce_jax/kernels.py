@@ -4,10 +4,12 @@ Three kernels, as in CONTRACT.md "Kernel design":
 
 * ``_forward_kernel``, grid (N rows, C chunks): walks one chunk of one row in
   BLOCK-wide tiles and writes the chunk's partial (max m, sum exp(z - m), sum z).
+  A row whose label is ignore_index walks no tiles (its logits are never read).
 * ``_finish_kernel``, grid (N,): combines a row's C partials into lse, reads the
   label logit with one masked scalar load, writes the token's loss and lse.
 * ``_backward_kernel``, grid (N, cdiv(V, BLOCK)): recomputes z and p = exp(z - lse)
-  and writes dL/dx in one pass, optionally into the logits' own buffer.
+  and writes dL/dx in one pass, optionally into the logits' own buffer.  An
+  ignored row's load is fully masked (no memory traffic); it writes zeros.
 
 All launchers take 2-D logits (N, V) and 1-D labels (N,); reshaping, argument
 checks, reductions and the custom_vjp live in ``cross_entropy.py``.
@@ -44,9 +46,11 @@ TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
 
 MAX_CHUNK = 65536          # widest chunk one forward program walks
 TARGET_PROGRAMS = 1024     # shrink chunks until N * C reaches this (fill the GPU)
-FWD_MAX_BLOCK = 4096       # forward tile width (4 warps; 8 when few programs)
-FWD_NUM_STAGES = 3         # the forward loop streams tiles: let Triton pipeline
-FEW_PROGRAMS = 4096        # under this many forward programs, 8 warps per program
+FWD_MAX_BLOCK = 4096       # forward tile width
+FWD_NUM_STAGES = 1         # H200 sweep: 3 stages no faster (the loop has no dot)
+FWD_NUM_WARPS = 2          # H200 sweep: 2 warps 3-4% faster than 4, 8 warps 10%+ slower
+FWD_NUM_WARPS_FEW = 8      # under FEW_PROGRAMS forward programs (short batches)
+FEW_PROGRAMS = 4096
 FINISH_NUM_WARPS = 1       # the finish kernel touches C + 2 scalars per row
 BWD_MAX_BLOCK = 2048       # backward tile width, one tile per program
 BWD_NUM_WARPS = 4
@@ -95,15 +99,15 @@ def _cdiv(a, b):
 # ----------------------------------------------------------------------------
 
 def forward_config(n_rows: int, vocab: int) -> tuple[int, int, int]:
-  """(block, chunk, num_warps) of the forward kernel. The same loop as
-  fastce_torch's forward, whose H200 sweep (bench/NOTES.md) found 4 warps best
-  at N=8192 (8 warps 9% slower) and 8 warps best with few programs (N=512)."""
+  """(block, chunk, num_warps) of the forward kernel.  H200 sweeps (bench/NOTES.md):
+  tiles of 4096 beat 2048 and 8192; 2 warps best at N=8192, 8 warps with few
+  programs (N=512); chunk width and program count within noise."""
   block = min(FWD_MAX_BLOCK, _next_pow2(vocab))
   chunk = max(block, min(MAX_CHUNK, _next_pow2(vocab)))
   while chunk > block and n_rows * _cdiv(vocab, chunk) < TARGET_PROGRAMS:
     chunk //= 2
   few = n_rows * _cdiv(vocab, chunk) < FEW_PROGRAMS and block >= 4096
-  return block, chunk, 8 if few else 4
+  return block, chunk, FWD_NUM_WARPS_FEW if few else FWD_NUM_WARPS
 
 
 def backward_config(vocab: int) -> tuple[int, int]:
@@ -139,13 +143,17 @@ def _dz_dx(z, scaling: float, softcap: float):
   return d
 
 
-def _forward_kernel(x_ref, m_ref, s_ref, sz_ref, *, vocab: int, chunk: int,
-                    block: int, scaling: float, softcap: float,
-                    need_sum_z: bool):
+def _forward_kernel(x_ref, y_ref, m_ref, s_ref, sz_ref, *, vocab: int,
+                    chunk: int, block: int, ignore_index: int | None,
+                    scaling: float, softcap: float, need_sum_z: bool):
   # x_ref: this row's chunk, shape (chunk,); the last chunk may run past V.
   base = pl.program_id(1) * chunk
   # Python ints stay int32 here even with jax_enable_x64 (explicit int32).
   n_tiles = _cdiv(jnp.minimum(vocab - base, chunk), jnp.int32(block))
+  if ignore_index is not None:
+    # An ignored row reads nothing: its partial stays (-inf, 0, 0), so its lse
+    # is -inf, which finish and backward never use (they write 0 there).
+    n_tiles = jnp.where(y_ref[...] == ignore_index, 0, n_tiles)
   neg_inf = jnp.float32(-jnp.inf)
 
   def body(k, carry):
@@ -216,10 +224,12 @@ def _backward_kernel(x_ref, y_ref, lse_ref, g_ref, dx_ref, *, vocab: int,
                      softcap: float, smoothing: float, z_loss: float):
   cols = pl.program_id(1) * block + jnp.arange(block, dtype=jnp.int32)
   mask = cols < vocab
-  x = plgpu.load(x_ref.at[pl.ds(0, block)], mask=mask,
+  y = y_ref[...]
+  # An ignored row loads nothing (all lanes masked); its gradient is 0 below.
+  read = mask if ignore_index is None else mask & (y != ignore_index)
+  x = plgpu.load(x_ref.at[pl.ds(0, block)], mask=read,
                  other=0.0).astype(jnp.float32)
   lse = lse_ref[...]
-  y = y_ref[...]
   z = _transform(x, scaling, softcap)
   p = jnp.exp(z - lse)
   if z_loss != 0.0:
@@ -255,15 +265,17 @@ def forward(logits, labels, *, ignore_index: int, scaling: float,
   n, vocab = logits.shape
   block, chunk, warps = forward_config(n, vocab)
   n_chunks = _cdiv(vocab, chunk)
+  ignore = _ignore_index_for(labels, ignore_index)
   f32 = jnp.float32
   part = jax.ShapeDtypeStruct((n, n_chunks), f32)
   part_spec = pl.BlockSpec((None, None), lambda i, j: (i, j))
   fwd = pl.pallas_call(
       functools.partial(_forward_kernel, vocab=vocab, chunk=chunk,
-                        block=block, scaling=scaling, softcap=softcap,
-                        need_sum_z=smoothing != 0.0),
+                        block=block, ignore_index=ignore, scaling=scaling,
+                        softcap=softcap, need_sum_z=smoothing != 0.0),
       grid=(n, n_chunks),
-      in_specs=[pl.BlockSpec((None, chunk), lambda i, j: (i, j))],
+      in_specs=[pl.BlockSpec((None, chunk), lambda i, j: (i, j)),
+                pl.BlockSpec((None,), lambda i, j: (i,))],
       out_specs=[part_spec] * 3,
       out_shape=[part] * 3,
       compiler_params=plgpu.CompilerParams(num_warps=warps,
@@ -275,9 +287,8 @@ def forward(logits, labels, *, ignore_index: int, scaling: float,
   parts_spec = pl.BlockSpec((None, n_chunks), lambda i: (i, 0))
   finish = pl.pallas_call(
       functools.partial(_finish_kernel, vocab=vocab, n_chunks=n_chunks,
-                        ignore_index=_ignore_index_for(labels, ignore_index),
-                        scaling=scaling, softcap=softcap, smoothing=smoothing,
-                        z_loss=z_loss),
+                        ignore_index=ignore, scaling=scaling, softcap=softcap,
+                        smoothing=smoothing, z_loss=z_loss),
       grid=(n,),
       in_specs=[parts_spec] * 3 + [
           row_spec, pl.BlockSpec((None, vocab), lambda i: (i, 0))],
@@ -289,7 +300,7 @@ def forward(logits, labels, *, ignore_index: int, scaling: float,
       name="fastce_finish",
   )
   with _quiet_triton(interpret):
-    m, s, sz = fwd(logits)
+    m, s, sz = fwd(logits, labels)
     loss, lse = finish(m, s, sz, labels, logits)
   return loss, lse
 

@@ -23,7 +23,7 @@ FLOAT32_TINY = torch.finfo(torch.float32).tiny  # 2**-126: options between 0 and
 # 0.93-1.11x the one-read floor at N=8192 (8 warps only pay when under 4096 programs, e.g. N=512); backward tiles of
 # 2048 with 4 warps 1.01-1.05x the read+write floor. Chunks of at most 65536 columns split long rows so that even
 # a few rows give the GPU ~1024 programs.
-FORWARD_BLOCK, FORWARD_WARPS, FORWARD_WARPS_FEW_PROGRAMS = 4096, 4, 8
+FORWARD_BLOCK, FORWARD_WARPS, FORWARD_WARPS_FEW_PROGRAMS, FORWARD_STAGES = 4096, 4, 8, 3
 BACKWARD_BLOCK, BACKWARD_WARPS = 2048, 4
 MAX_CHUNK, TARGET_PROGRAMS, FEW_PROGRAMS = 65536, 1024, 4096
 
@@ -51,7 +51,7 @@ def launch_config(n_rows, vocab):
     while chunk > block and n_rows * _cdiv(vocab, chunk) < TARGET_PROGRAMS:
         chunk //= 2
     n_chunks = _cdiv(vocab, chunk)
-    warps = FORWARD_WARPS_FEW_PROGRAMS if n_rows * n_chunks < FEW_PROGRAMS and block == FORWARD_BLOCK else 4
+    warps = FORWARD_WARPS_FEW_PROGRAMS if n_rows * n_chunks < FEW_PROGRAMS and block == FORWARD_BLOCK else FORWARD_WARPS
     return block, warps, chunk, n_chunks
 
 
@@ -88,7 +88,7 @@ def forward_kernels(logits, labels, ignore_index, logit_softcapping, logit_scali
         logits, logits.stride(0), labels, loss, lse, *partials, arrivals, reduced, denominator_ptr,
         n_rows, vocab, chunk, n_chunks, ignore_index, logit_scaling, logit_softcapping, label_smoothing, z_loss,
         denominator_value, BLOCK=block, CHUNKS_BLOCK=_next_power_of_2(n_chunks), REDUCE=reduce,
-        DENOMINATOR=denominator_mode, ROWS_BLOCK=1024, num_warps=warps,
+        DENOMINATOR=denominator_mode, ROWS_BLOCK=1024, num_warps=warps, num_stages=FORWARD_STAGES,
         **_flags(logit_scaling, logit_softcapping, label_smoothing, z_loss),
     )
     return loss, lse, (reduced if reduce else None)

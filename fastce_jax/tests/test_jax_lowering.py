@@ -128,7 +128,7 @@ def test_forward_config():
     for value in (block, chunk):
       assert value & (value - 1) == 0
     assert block <= chunk <= kernels.MAX_CHUNK and block <= 4096
-    assert warps in (4, 8)
+    assert warps in (kernels.FWD_NUM_WARPS, kernels.FWD_NUM_WARPS_FEW)
   assert kernels.forward_config(8192, 256000)[1] == 65536
   block, warps = kernels.backward_config(262147)
   assert block == 2048 and warps == 4
