@@ -10,7 +10,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from .cross_entropy import BACKWARD_BLOCK, BACKWARD_WARPS, FORWARD_BLOCK, FORWARD_WARPS_FEW_PROGRAMS
+from .cross_entropy import (BACKWARD_BLOCK, BACKWARD_WARPS, FORWARD_BLOCK, FORWARD_WARPS_FEW_PROGRAMS,
+                            ROWS_PER_GROUP)
 from . import kernels
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -39,10 +40,12 @@ def variants():
                 yield kernels._forward_kernel, dict(
                     logits_ptr=logits, logits_row_stride=index, labels_ptr="*i64", loss_ptr="*fp32",
                     lse_ptr="*fp32", max_ptr="*fp32", sumexp_ptr="*fp32", sumz_ptr="*fp32", arrivals_ptr="*i32",
-                    reduced_ptr="*fp32", denominator_ptr="*fp32", n_rows="i32", V="i32", chunk_width="i32",
+                    group_partials_ptr="*fp32", reduced_ptr="*fp32", denominator_ptr="*fp32", n_rows="i32", V="i32",
+                    chunk_width="i32",
                     n_chunks="i32", ignore_index="i32", scaling="fp32", softcap="fp32", label_smoothing="fp32",
                     z_loss="fp32", denominator_value="fp32",
                 ), dict(BLOCK=block, CHUNKS_BLOCK=4, REDUCE=reduce, DENOMINATOR=denominator, ROWS_BLOCK=1024,
+                        ROWS_PER_GROUP=ROWS_PER_GROUP,
                         **flags), warps
         yield kernels._backward_kernel, dict(
             logits_ptr=logits, logits_row_stride=index, grad_ptr=logits, grad_row_stride=index, labels_ptr="*i64",

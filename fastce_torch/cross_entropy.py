@@ -19,13 +19,14 @@ BACKENDS = ("auto", "kernel", "reference")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FLOAT32_TINY = torch.finfo(torch.float32).tiny  # 2**-126: options between 0 and this are refused
 
-# Tiles and warps from bench/tune_kernels.py on the H200 (2026-11-30): forward tiles of 4096 with 4 warps reached
-# 0.93-1.11x the one-read floor at N=8192 (8 warps only pay when under 4096 programs, e.g. N=512); backward tiles of
-# 2048 with 4 warps 1.01-1.05x the read+write floor. Chunks of at most 65536 columns split long rows so that even
-# a few rows give the GPU ~1024 programs.
+# Tiles and warps from bench/tune_kernels.py on the H200 (2026-11-30, bench/NOTES.md): forward tiles of 4096 with
+# 4 warps reached 0.95-1.08x the one-read floor at N=8192 (stages 1 or 3 alike); backward tiles of 2048 with 4 warps
+# 1.01-1.05x the read+write floor. Chunks of at most 65536 columns, halved while the grid has under 8192 programs:
+# at N=512, V=256000 chunks of 16384 (8192 programs) took 75 us against 90 us for 65536 (2048 programs, 8 warps).
 FORWARD_BLOCK, FORWARD_WARPS, FORWARD_WARPS_FEW_PROGRAMS, FORWARD_STAGES = 4096, 4, 8, 3
 BACKWARD_BLOCK, BACKWARD_WARPS = 2048, 4
-MAX_CHUNK, TARGET_PROGRAMS, FEW_PROGRAMS = 65536, 1024, 4096
+MAX_CHUNK, TARGET_PROGRAMS, FEW_PROGRAMS = 65536, 8192, 4096
+ROWS_PER_GROUP = 64  # rows counted per group before the batch-level count (in-kernel "mean"/"sum")
 
 
 def _kernels_for(tensor):
@@ -67,16 +68,21 @@ def forward_kernels(logits, labels, ignore_index, logit_softcapping, logit_scali
     n_rows, vocab = logits.shape
     block, warps, chunk, n_chunks = launch_config(n_rows, vocab)
     reduce = reduction != "none"
-    # One allocation for every float output: losses, lse, [loss, denominator], chunk partials.
+    # One allocation for every float output: losses, lse, [loss, denominator], the row groups' [loss sums, kept
+    # counts] (for "mean"/"sum"), chunk partials.
     n_partials = n_rows * n_chunks if n_chunks > 1 else 1
-    buffer = torch.empty(2 * n_rows + 2 + 3 * n_partials, dtype=torch.float32, device=logits.device)
+    n_groups = _cdiv(n_rows, ROWS_PER_GROUP) if reduce else 0
+    buffer = torch.empty(2 * n_rows + 2 + 2 * n_groups + 3 * n_partials, dtype=torch.float32, device=logits.device)
     loss, lse, reduced = buffer[:n_rows], buffer[n_rows:2 * n_rows], buffer[2 * n_rows:2 * n_rows + 2]
-    partials_start = 2 * n_rows + 2
+    group_partials = buffer[2 * n_rows + 2:]  # the kernel uses its first 2 * n_groups floats
+    partials_start = 2 * n_rows + 2 + 2 * n_groups
     partials = [buffer[partials_start + i * n_partials:partials_start + (i + 1) * n_partials] for i in range(3)]
     if n_rows == 0:
         return loss, lse, (reduced.copy_(torch.tensor([0.0, 1.0])) if reduce else None)
-    # arrivals[row] counts a row's finished chunks, arrivals[N] the finished rows.
-    arrivals = torch.zeros(n_rows + 1 if n_chunks > 1 or reduce else 1, dtype=torch.int32, device=logits.device)
+    # arrivals[row] counts a row's finished chunks, arrivals[N] the finished groups of ROWS_PER_GROUP rows and
+    # arrivals[N + 1 + g] the finished rows of group g.
+    n_counters = n_rows + 1 + n_groups if n_chunks > 1 or reduce else 1
+    arrivals = torch.zeros(n_counters, dtype=torch.int32, device=logits.device)
     denominator_value, denominator_ptr = 1.0, reduced
     if n_items is None:
         denominator_mode = 0 if reduction == "mean" else 1
@@ -85,10 +91,11 @@ def forward_kernels(logits, labels, ignore_index, logit_softcapping, logit_scali
     else:
         denominator_mode, denominator_value = 1, float(n_items)
     _kernels_for(logits)._forward_kernel[(n_rows, n_chunks)](
-        logits, logits.stride(0), labels, loss, lse, *partials, arrivals, reduced, denominator_ptr,
+        logits, logits.stride(0), labels, loss, lse, *partials, arrivals, group_partials, reduced, denominator_ptr,
         n_rows, vocab, chunk, n_chunks, ignore_index, logit_scaling, logit_softcapping, label_smoothing, z_loss,
         denominator_value, BLOCK=block, CHUNKS_BLOCK=_next_power_of_2(n_chunks), REDUCE=reduce,
-        DENOMINATOR=denominator_mode, ROWS_BLOCK=1024, num_warps=warps, num_stages=FORWARD_STAGES,
+        DENOMINATOR=denominator_mode, ROWS_BLOCK=1024, ROWS_PER_GROUP=ROWS_PER_GROUP, num_warps=warps,
+        num_stages=FORWARD_STAGES,
         **_flags(logit_scaling, logit_softcapping, label_smoothing, z_loss),
     )
     return loss, lse, (reduced if reduce else None)
