@@ -90,6 +90,9 @@ How it was measured (bench/torch_measure.py and bench/jax_impls.py say it in ful
 - Labels uniform with every 7th token = -100, mean reduction, random normal logits.
 - Floors: bytes of the logits moved 1, 2 or 3 times at the device-to-device copy bandwidth measured in the
   same run (copy bandwidth counts bytes read + written).
+- Where a time is host-bound (short kernels: the loss's Python, launches and the autograd engine's round trip
+  take longer than the GPU work), it varies with the machine's host from run to run. bench/NOTES.md holds
+  the evidence per gap: kernel-only times, Nsight Compute counters, host costs measured beside them.
 """
 
 

@@ -3,7 +3,7 @@ torch.compile, the functional `cross_entropy`, the `CrossEntropyLoss` module, an
 same contract in plain torch).
 
 Eager calls go through `_CrossEntropyFunction`: one forward launch that also reduces "mean"/"sum" in-kernel
-(deterministic row order, no host synchronisation), one backward launch, nothing else on the host's hot path, since
+(a fixed summation order, no host synchronisation), one backward launch, nothing else on the host's hot path, since
 at N=8192, V=32000 the kernels take ~0.4 ms and host-side framework steps would otherwise dominate. Under
 torch.compile the custom ops give the compiler opaque per-token ops and the reduction is plain torch arithmetic.
 """
