@@ -5,31 +5,25 @@ so the constants at the top of fastce_torch/cross_entropy.py can be chosen from 
 """
 
 import argparse
+import importlib
 import itertools
 import json
 
 import torch
 import triton.testing
 
-import importlib
+from .torch_measure import copy_bandwidth_TBps
 
 ce = importlib.import_module("fastce_torch.cross_entropy")  # the module, not the function of the same name
 
 SHAPES = [(8192, 32000), (8192, 128256), (8192, 256000), (512, 256000)]
 
 
-def copy_bandwidth():
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    return 2 * src.numel() / (ms * 1e-3) / 1e12
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
     args = parser.parse_args()
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth_TBps()
     print(f"copy bandwidth {bandwidth:.2f} TB/s")
     rows = []
     for n_rows, vocab in SHAPES:

@@ -168,8 +168,8 @@ def test_reductions(reduction, n_items, device, poisoned):
 
 
 def test_reduction_over_many_rows_and_chunks(device, poisoned):
-    """The in-kernel reduction counts rows in groups of 64 (a partial last group; whole groups only) and walks the
-    batch in tiles of rows; chunked rows finish in any order."""
+    """The in-kernel reduction sums rows in groups of 64 (a partial last group; whole groups only), then the group
+    sums; chunked rows finish in any order."""
     for shape, vocab, reduction in (((2, 550), 8, "mean"), ((4, 32), 1000, "mean"), ((12,), 300000, "sum")):
         logits, labels = random_problem(shape, vocab, torch.float32, device, seed=vocab, ignore_every=3)
         loss, grad = run_kernel(logits, labels, reduction=reduction, inplace=True)
