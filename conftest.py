@@ -5,8 +5,12 @@ import pytest
 
 
 def pytest_addoption(parser):
-    parser.addoption("--gpu", action="store_true", default=False,
-                     help="run the kernels on the GPU (CUDA tensors / JAX GPU arrays) and the GPU-only tests")
+    parser.addoption(
+        "--gpu",
+        action="store_true",
+        default=False,
+        help="run the kernels on the GPU (CUDA tensors / JAX GPU arrays) and the GPU-only tests",
+    )
 
 
 def pytest_collection_modifyitems(config, items):

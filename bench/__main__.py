@@ -3,6 +3,7 @@
 Exit status 1 when a fastce implementation failed or gave a wrong result (other implementations failing,
 e.g. a missing Liger or an OOM of the eager float32 loss, are reported and do not change it).
 """
+
 import argparse
 import sys
 from pathlib import Path
@@ -13,18 +14,33 @@ from .shapes import CPU_DEMO_SHAPES, CPU_DEMO_SHAPES_QUICK, QUICK_GPU_SHAPES, ST
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", type=parse_shapes, help="comma-separated NxV[:dtype], e.g. "
-                        "'8192x32000,512x256000,8192x128256:float32' (dtype defaults to bfloat16)")
-    parser.add_argument("--impls", default=",".join(ALL_IMPLS),
-                        help=f"comma-separated subset of {','.join(ALL_IMPLS)}")
-    parser.add_argument("--quick", action="store_true",
-                        help="GPU: one small shape, shorter timing; CPU: the tiny interpreted demo (CI smoke test)")
-    parser.add_argument("--json", type=Path, help="where to write the results JSON (GPU default: "
-                        "bench/results/<date>-<device>.json; --quick and the CPU demo write one only when asked)")
+    parser.add_argument(
+        "--shapes",
+        type=parse_shapes,
+        help="comma-separated NxV[:dtype], e.g. "
+        "'8192x32000,512x256000,8192x128256:float32' (dtype defaults to bfloat16)",
+    )
+    parser.add_argument("--impls", default=",".join(ALL_IMPLS), help=f"comma-separated subset of {','.join(ALL_IMPLS)}")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="GPU: one small shape, shorter timing; CPU: the tiny interpreted demo (CI smoke test)",
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        help="where to write the results JSON (GPU default: "
+        "bench/results/<date>-<device>.json; --quick and the CPU demo write one only when asked)",
+    )
     parser.add_argument("--plot", type=Path, help="PNG of time vs V with the memory floors (needs matplotlib)")
-    parser.add_argument("--results-md", nargs="?", const="", metavar="JSON",
-                        help="(re)write bench/RESULTS.md: from the given JSON without measuring anything, or "
-                        "with no value from this run's JSON (a plot is made next to the JSON when none is given)")
+    parser.add_argument(
+        "--results-md",
+        nargs="?",
+        const="",
+        metavar="JSON",
+        help="(re)write bench/RESULTS.md: from the given JSON without measuring anything, or "
+        "with no value from this run's JSON (a plot is made next to the JSON when none is given)",
+    )
     args = parser.parse_args(argv)
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
     unknown = sorted(set(impls) - set(ALL_IMPLS))
@@ -37,6 +53,7 @@ def parse_args(argv):
 def render(json_path, plot_path=None):
     """RESULTS.md (and its plot) from a results JSON."""
     from . import plot, report
+
     result = report.read_json(json_path)
     plot_path = plot_path or Path(json_path).with_suffix(".png")
     plotted = plot.write_plot(result, plot_path)
@@ -46,14 +63,21 @@ def render(json_path, plot_path=None):
 
 def gpu_available() -> bool:
     import torch
+
     return torch.cuda.is_available()
 
 
 def failed_fastce(result) -> list:
-    bad = [f"{f['impl']}: {f['error']}" for f in result.get("failures", [])
-           if f["impl"].startswith("fastce") and f["stage"] != "unavailable"]
-    bad += [f"{r['impl']}[{r['backend']}] {r['N']}x{r['V']} {r['dtype']}: wrong result"
-            for r in result["rows"] if r.get("ok") is False and r["impl"].startswith("fastce")]
+    bad = [
+        f"{f['impl']}: {f['error']}"
+        for f in result.get("failures", [])
+        if f["impl"].startswith("fastce") and f["stage"] != "unavailable"
+    ]
+    bad += [
+        f"{r['impl']}[{r['backend']}] {r['N']}x{r['V']} {r['dtype']}: wrong result"
+        for r in result["rows"]
+        if r.get("ok") is False and r["impl"].startswith("fastce")
+    ]
     return bad
 
 
@@ -68,15 +92,22 @@ def main(argv=None) -> int:
 
     if gpu_available():
         from .runner import run_gpu
+
         shapes = args.shapes or (QUICK_GPU_SHAPES if args.quick else STANDARD_SHAPES)
         result = run_gpu(shapes, args.impls, quick=args.quick)
-        print(f"\n{result['device']}, copy bandwidth {result['copy_bandwidth_TBps']:.2f} TB/s, "
-              f"commit {result['commit']}\n")
+        print(
+            f"\n{result['device']}, copy bandwidth {result['copy_bandwidth_TBps']:.2f} TB/s, "
+            f"commit {result['commit']}\n"
+        )
         print(report.text_table(report.sort_rows(result["rows"])))
-        json_path = args.json or (None if args.quick and args.results_md is None else
-                                  report.default_json_path(result["date"], envinfo.device_slug(result["device"])))
+        json_path = args.json or (
+            None
+            if args.quick and args.results_md is None
+            else report.default_json_path(result["date"], envinfo.device_slug(result["device"]))
+        )
     else:
         from . import cpu_demo
+
         shapes = args.shapes or (CPU_DEMO_SHAPES_QUICK if args.quick else CPU_DEMO_SHAPES)
         result = cpu_demo.run_cpu_demo(shapes, args.impls)
         print("\n" + cpu_demo.BANNER + "\n")
@@ -93,6 +124,7 @@ def main(argv=None) -> int:
         render(json_path, args.plot)  # RESULTS.md holds GPU results only
     elif args.plot:
         from .plot import write_plot
+
         print(f"wrote {args.plot}" if write_plot(result, args.plot) else "no plot (no matplotlib or no rows)")
 
     bad = failed_fastce(result)

@@ -3,6 +3,7 @@
 package's pure-framework reference and the plain framework loss, all checked against a float64 NumPy truth.
 The times are interpreter times: they say nothing about GPU performance.
 """
+
 import os
 import statistics
 import time
@@ -13,8 +14,10 @@ import numpy as np
 from . import envinfo, jax_setup
 from .progress import failure, say
 
-BANNER = ("CPU-only machine: no GPU benchmark was run. This is the interpreted correctness-and-timing demo "
-          "(Triton interpreter / Pallas interpret mode); its times are not GPU performance.")
+BANNER = (
+    "CPU-only machine: no GPU benchmark was run. This is the interpreted correctness-and-timing demo "
+    "(Triton interpreter / Pallas interpret mode); its times are not GPU performance."
+)
 # (impl, backend) pairs; backend None = the plain framework loss.
 TORCH_CASES = (("fastce_torch", "kernel"), ("fastce_torch", "reference"), ("torch_eager_fp32", None))
 JAX_CASES = (("fastce_jax", "kernel"), ("fastce_jax", "reference"), ("xla", None))
@@ -54,11 +57,23 @@ def _check(impl, backend, shape, loss, grad, truth_loss, truth_grad, fwd_ms, fwd
     loss_err = abs(loss - truth_loss) / max(1.0, abs(truth_loss))
     grad_err = float(np.max(np.abs(grad - truth_grad)) / np.max(np.abs(truth_grad)))
     ok = loss_err <= LOSS_RTOL and grad_err <= GRAD_RTOL[shape.dtype]
-    say(f"{impl:16s} {backend or '':9s} {shape}: loss rel err {loss_err:.1e}, grad rel err {grad_err:.1e} "
-        f"{'ok' if ok else 'MISMATCH'}; fwd {fwd_ms:.1f} ms, fwd+bwd {fwdbwd_ms:.1f} ms (interpreted/CPU)")
-    row = {"impl": impl, "N": shape.N, "V": shape.V, "dtype": shape.dtype, "fwd_ms": fwd_ms,
-           "fwdbwd_ms": fwdbwd_ms, "peak_extra_bytes": 0, "backend": backend or "framework",
-           "loss_rel_err": loss_err, "grad_rel_err": grad_err, "ok": ok}
+    say(
+        f"{impl:16s} {backend or '':9s} {shape}: loss rel err {loss_err:.1e}, grad rel err {grad_err:.1e} "
+        f"{'ok' if ok else 'MISMATCH'}; fwd {fwd_ms:.1f} ms, fwd+bwd {fwdbwd_ms:.1f} ms (interpreted/CPU)"
+    )
+    row = {
+        "impl": impl,
+        "N": shape.N,
+        "V": shape.V,
+        "dtype": shape.dtype,
+        "fwd_ms": fwd_ms,
+        "fwdbwd_ms": fwdbwd_ms,
+        "peak_extra_bytes": 0,
+        "backend": backend or "framework",
+        "loss_rel_err": loss_err,
+        "grad_rel_err": grad_err,
+        "ok": ok,
+    }
     return row
 
 
@@ -71,15 +86,16 @@ def _torch_cases(shapes, impls, runs, rows, failures):
         if impl not in impls:
             continue
         try:
-            loss_fn = torch_impls.fastce_torch_loss(backend) if impl == "fastce_torch" else \
-                torch_impls.LOADERS[impl]()
+            loss_fn = torch_impls.fastce_torch_loss(backend) if impl == "fastce_torch" else torch_impls.LOADERS[impl]()
         except Exception as exc:  # noqa: BLE001
             failures.append(failure(f"{impl}[{backend}]", None, "load", exc))
             say(f"{impl}[{backend}]: skipped ({failures[-1]['error']})")
             continue
         for shape in shapes:
+
             def fresh():  # the same seeded values every time: the in-place backward overwrites them
                 return torch_impls.make_inputs(shape, "cpu")
+
             try:
                 logits, labels = fresh()
                 truth_loss, truth_grad = _truth(logits.detach().float().numpy(), labels.numpy())
@@ -88,9 +104,19 @@ def _torch_cases(shapes, impls, runs, rows, failures):
                 fwd_ms = _median_ms(loss_fn, fresh, runs)
                 fwdbwd_ms = _median_ms(lambda x, y: torch.autograd.grad(loss_fn(x, y), x), fresh, runs)
                 # detach: with the in-place backward the gradient *is* the logits tensor
-                rows.append(_check(impl, backend, shape, float(loss.detach()), grad.detach().float().numpy(),
-                                   truth_loss,
-                                   truth_grad, fwd_ms, fwdbwd_ms))
+                rows.append(
+                    _check(
+                        impl,
+                        backend,
+                        shape,
+                        float(loss.detach()),
+                        grad.detach().float().numpy(),
+                        truth_loss,
+                        truth_grad,
+                        fwd_ms,
+                        fwdbwd_ms,
+                    )
+                )
             except Exception as exc:  # noqa: BLE001
                 failures.append(failure(f"{impl}[{backend}]", shape, "measure", exc))
                 say(f"{impl}[{backend}] {shape}: FAILED {failures[-1]['error']}")
@@ -121,8 +147,20 @@ def _jax_cases(shapes, impls, runs, rows, failures):
 
                 def timed(fn):
                     return _median_ms(lambda: jax.block_until_ready(fn(logits, labels)), tuple, runs)
-                rows.append(_check(impl, backend, shape, float(loss), np.asarray(grad.astype("float32")),
-                                   truth_loss, truth_grad, timed(fwd), timed(fwdbwd)))
+
+                rows.append(
+                    _check(
+                        impl,
+                        backend,
+                        shape,
+                        float(loss),
+                        np.asarray(grad.astype("float32")),
+                        truth_loss,
+                        truth_grad,
+                        timed(fwd),
+                        timed(fwdbwd),
+                    )
+                )
             except Exception as exc:  # noqa: BLE001
                 failures.append(failure(f"{impl}[{backend}]", shape, "measure", exc))
                 say(f"{impl}[{backend}] {shape}: FAILED {failures[-1]['error']}")
@@ -137,8 +175,15 @@ def run_cpu_demo(shapes, impls, runs=3) -> dict:
     rows, failures = [], []
     _torch_cases(shapes, impls, runs, rows, failures)
     _jax_cases(shapes, impls, runs, rows, failures)
-    result = {"device": "cpu (interpreted demo)", "date": envinfo.today(), "commit": envinfo.git_commit(),
-              "versions": envinfo.versions(), "copy_bandwidth_TBps": 0.0, "rows": rows, "mode": "cpu-demo"}
+    result = {
+        "device": "cpu (interpreted demo)",
+        "date": envinfo.today(),
+        "commit": envinfo.git_commit(),
+        "versions": envinfo.versions(),
+        "copy_bandwidth_TBps": 0.0,
+        "rows": rows,
+        "mode": "cpu-demo",
+    }
     if failures:
         result["failures"] = failures
     return result
@@ -146,8 +191,20 @@ def run_cpu_demo(shapes, impls, runs=3) -> dict:
 
 def demo_table(rows) -> str:
     header = ("impl", "backend", "N", "V", "dtype", "fwd_ms", "fwdbwd_ms", "loss rel err", "grad rel err", "check")
-    cells = [header] + [(r["impl"], r["backend"], str(r["N"]), str(r["V"]), r["dtype"], f"{r['fwd_ms']:.1f}",
-                         f"{r['fwdbwd_ms']:.1f}", f"{r['loss_rel_err']:.1e}", f"{r['grad_rel_err']:.1e}",
-                         "ok" if r["ok"] else "MISMATCH") for r in rows]
+    cells = [header] + [
+        (
+            r["impl"],
+            r["backend"],
+            str(r["N"]),
+            str(r["V"]),
+            r["dtype"],
+            f"{r['fwd_ms']:.1f}",
+            f"{r['fwdbwd_ms']:.1f}",
+            f"{r['loss_rel_err']:.1e}",
+            f"{r['grad_rel_err']:.1e}",
+            "ok" if r["ok"] else "MISMATCH",
+        )
+        for r in rows
+    ]
     widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in cells)

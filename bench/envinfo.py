@@ -1,4 +1,5 @@
 """Where and with what a run happened: date, device, commit, package versions."""
+
 import datetime
 import importlib.metadata
 import os
@@ -9,8 +10,18 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Distribution names whose versions go into the JSON (absent ones are recorded as "absent").
-DISTRIBUTIONS = ("torch", "triton", "jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "liger-kernel",
-                 "numpy", "matplotlib", "fastce")
+DISTRIBUTIONS = (
+    "torch",
+    "triton",
+    "jax",
+    "jaxlib",
+    "jax-cuda12-plugin",
+    "jax-cuda13-plugin",
+    "liger-kernel",
+    "numpy",
+    "matplotlib",
+    "fastce",
+)
 
 
 def today() -> str:
@@ -23,10 +34,16 @@ def git_commit() -> str:
     if os.environ.get("BENCH_COMMIT"):
         return os.environ["BENCH_COMMIT"]
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -42,6 +59,7 @@ def versions(extra: dict | None = None) -> dict:
                 found[dist] = "absent"
     try:
         import torch
+
         found["torch_cuda"] = torch.version.cuda or "none"
     except ImportError:
         pass

@@ -14,6 +14,7 @@ several such batches. Dispatch overlaps the GPU work, but small shapes are still
 with torch's CUDA-event times.
 Peak extra memory = temp_size_in_bytes of the compiled fwdbwd (XLA's scratch; excludes inputs and outputs).
 """
+
 import statistics
 import time
 
@@ -41,6 +42,7 @@ def fastce_jax_loss(backend="auto"):
 
 def xla_loss():
     """XLA's own: float32 upcast, logsumexp and take_along_axis (optax's formula), mean over kept tokens."""
+
     def loss(logits, labels):
         z = logits.astype(jnp.float32)
         keep = labels != IGNORE_INDEX
@@ -49,6 +51,7 @@ def xla_loss():
         z_label = jnp.take_along_axis(z, safe[:, None], axis=-1)[:, 0]
         per_token = jnp.where(keep, lse - z_label, 0.0)
         return per_token.sum() / jnp.maximum(keep.sum(), 1)
+
     return loss
 
 
@@ -95,8 +98,13 @@ def measure(loss_fn, shape, batch_target_ms=50.0) -> dict:
     if not np.isfinite(np.asarray(state["logits"][0, :8], dtype=np.float32)).all():
         raise FloatingPointError("gradient fed back as logits became non-finite")
     del state
-    return {"fwd_ms": fwd_ms, "fwdbwd_ms": fwdbwd_ms, "peak_extra_bytes": int(memory.temp_size_in_bytes),
-            "peak_extra_kind": "xla_temp_size", "loss": loss}
+    return {
+        "fwd_ms": fwd_ms,
+        "fwdbwd_ms": fwdbwd_ms,
+        "peak_extra_bytes": int(memory.temp_size_in_bytes),
+        "peak_extra_kind": "xla_temp_size",
+        "loss": loss,
+    }
 
 
 def has_gpu() -> bool:

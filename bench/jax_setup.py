@@ -1,4 +1,5 @@
 """Environment JAX must see before its first import (kept apart so importing it has no side effects)."""
+
 import os
 
 

@@ -48,22 +48,29 @@ def host_costs():
     leaf = logits.detach().requires_grad_()
     rows = {
         "forward_kernels (1 launch)": lambda: ce.forward_kernels(logits.detach(), labels, -100, 0.0, 0.0, 0.0, 0.0),
-        "backward_kernels (1 launch)": lambda: ce.backward_kernels(grad_loss, logits.detach(), labels, lse,
-                                                                   torch.empty_like(logits), -100, 0.0, 0.0, 0.0, 0.0),
+        "backward_kernels (1 launch)": lambda: ce.backward_kernels(
+            grad_loss, logits.detach(), labels, lse, torch.empty_like(logits), -100, 0.0, 0.0, 0.0, 0.0
+        ),
         "cross_entropy forward": lambda: fastce_torch.cross_entropy(logits, labels),
-        "cross_entropy forward+backward": lambda: torch.autograd.grad(fastce_torch.cross_entropy(logits, labels),
-                                                                      logits),
+        "cross_entropy forward+backward": lambda: torch.autograd.grad(
+            fastce_torch.cross_entropy(logits, labels), logits
+        ),
         "F.cross_entropy forward+backward": lambda: torch.autograd.grad(
-            torch.nn.functional.cross_entropy(logits, labels), logits),
-        "do-nothing autograd.Function fwd+bwd": lambda: torch.autograd.grad(_DoNothing.apply(leaf), leaf,
-                                                                            allow_unused=True),
+            torch.nn.functional.cross_entropy(logits, labels), logits
+        ),
+        "do-nothing autograd.Function fwd+bwd": lambda: torch.autograd.grad(
+            _DoNothing.apply(leaf), leaf, allow_unused=True
+        ),
     }
     for name, fn in rows.items():
         print(f"{name:44s} {per_call_us(fn):8.1f} us per call")
     torch.autograd.set_multithreading_enabled(False)  # backward on the calling thread: no hand-off
     try:
-        for name in ("cross_entropy forward+backward", "F.cross_entropy forward+backward",
-                     "do-nothing autograd.Function fwd+bwd"):
+        for name in (
+            "cross_entropy forward+backward",
+            "F.cross_entropy forward+backward",
+            "do-nothing autograd.Function fwd+bwd",
+        ):
             print(f"{name + ', engine threads off':44s} {per_call_us(rows[name]):8.1f} us per call")
     finally:
         torch.autograd.set_multithreading_enabled(True)
@@ -77,8 +84,10 @@ def device_times(shapes=((512, 256000), (8192, 32000))):
         logits_nonleaf = logits * 1  # an intermediate: the backward writes in place, as in training
 
         def step():
-            return torch.autograd.grad(fastce_torch.cross_entropy(logits_nonleaf, labels), logits_nonleaf,
-                                       retain_graph=True)
+            return torch.autograd.grad(
+                fastce_torch.cross_entropy(logits_nonleaf, labels), logits_nonleaf, retain_graph=True
+            )
+
         eager = triton.testing.do_bench(step, return_mode="median")
         raw = logits_nonleaf.detach()
         grad_loss = torch.ones((), device="cuda")
@@ -86,9 +95,12 @@ def device_times(shapes=((512, 256000), (8192, 32000))):
         def kernels_only():
             _, lse, reduced = ce.forward_kernels(raw, labels, -100, 0.0, 0.0, 0.0, 0.0, reduction="mean")
             ce.backward_kernels(grad_loss, raw, labels, lse, raw, -100, 0.0, 0.0, 0.0, 0.0, denominator=reduced[1:])
+
         launched = triton.testing.do_bench(kernels_only, return_mode="median")
-        print(f"N={n_rows} V={vocab} bf16 forward+backward: eager {eager:.3f} ms, kernels launched back to back "
-              f"{launched:.3f} ms")
+        print(
+            f"N={n_rows} V={vocab} bf16 forward+backward: eager {eager:.3f} ms, kernels launched back to back "
+            f"{launched:.3f} ms"
+        )
 
 
 def main():

@@ -1,4 +1,5 @@
 """Progress lines on stderr (stdout keeps only the table), and failure records."""
+
 import importlib
 import sys
 import time

@@ -4,6 +4,7 @@ Times fastce_torch's forward launch alone (do_bench medians, best of two) with r
 benchmark's shapes, after checking the reduced loss against F.cross_entropy. TAG labels the printed lines, e.g.
 to compare two checkouts run with different PYTHONPATHs.
 """
+
 import importlib
 import sys
 
@@ -17,8 +18,15 @@ OPTIONS = (-100, 0.0, 0.0, 0.0, 0.0)  # ignore_index, softcapping, scaling, smoo
 
 
 def forward_us(logits, labels, reduction):
-    return 1e3 * min(triton.testing.do_bench(lambda: ce.forward_kernels(logits, labels, *OPTIONS, reduction=reduction),
-                                             warmup=50, rep=300, return_mode="median") for _ in range(2))
+    return 1e3 * min(
+        triton.testing.do_bench(
+            lambda: ce.forward_kernels(logits, labels, *OPTIONS, reduction=reduction),
+            warmup=50,
+            rep=300,
+            return_mode="median",
+        )
+        for _ in range(2)
+    )
 
 
 def main():
@@ -30,8 +38,10 @@ def main():
         expected = torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100)
         got = ce.forward_kernels(logits, labels, *OPTIONS, reduction="mean")[2][0]
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-        print(f"{tag} N={n_rows} V={vocab}: none {forward_us(logits, labels, 'none'):.1f} us, "
-              f"mean {forward_us(logits, labels, 'mean'):.1f} us")
+        print(
+            f"{tag} N={n_rows} V={vocab}: none {forward_us(logits, labels, 'none'):.1f} us, "
+            f"mean {forward_us(logits, labels, 'mean'):.1f} us"
+        )
 
 
 if __name__ == "__main__":

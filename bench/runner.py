@@ -4,6 +4,7 @@ Torch goes first and empties its cache before JAX starts, so the two allocators 
 same time (JAX allocates on demand: bench.jax_setup). One implementation failing (missing package, OOM, a
 kernel error) is recorded and the run goes on.
 """
+
 import gc
 import sys
 
@@ -32,9 +33,11 @@ def _run_framework(impls, loaders, measure, shapes, bandwidth, rows, failures, c
                 measured = measure(loss_fn, shape, **measure_kwargs)
                 rows.append(_row(impl, shape, measured, bandwidth))
                 r = rows[-1]
-                say(f"[{counter[0]}/{counter[1]}] {impl:16s} {shape}: fwd {r['fwd_ms']:.3f} ms, fwd+bwd "
+                say(
+                    f"[{counter[0]}/{counter[1]}] {impl:16s} {shape}: fwd {r['fwd_ms']:.3f} ms, fwd+bwd "
                     f"{r['fwdbwd_ms']:.3f} ms ({r.get('fwdbwd_over_2pass', 0):.2f}x 2-pass floor), "
-                    f"peak extra {r['peak_extra_bytes'] / 2**20:.1f} MiB, loss {r['loss']:.4f}")
+                    f"peak extra {r['peak_extra_bytes'] / 2**20:.1f} MiB, loss {r['loss']:.4f}"
+                )
             except Exception as exc:  # noqa: BLE001 - OOM and kernel errors are results too
                 failures.append(failure(impl, shape, "measure", exc))
                 say(f"[{counter[0]}/{counter[1]}] {impl:16s} {shape}: FAILED {failures[-1]['error']}")
@@ -55,8 +58,9 @@ def run_gpu(shapes, impls, quick=False) -> dict:
     timing = {"warmup_ms": 25, "rep_ms": 100} if quick else {"warmup_ms": 100, "rep_ms": 500}
 
     torch_selected = [i for i in impls if i in TORCH_IMPLS]
-    _run_framework(torch_selected, torch_impls.LOADERS, torch_measure.measure, shapes, bandwidth, rows,
-                   failures, counter, timing)
+    _run_framework(
+        torch_selected, torch_impls.LOADERS, torch_measure.measure, shapes, bandwidth, rows, failures, counter, timing
+    )
     torch.cuda.empty_cache()
 
     jax_selected = [i for i in impls if i in JAX_IMPLS]
@@ -74,16 +78,31 @@ def run_gpu(shapes, impls, quick=False) -> dict:
             say(f"JAX implementations skipped: {failures[-1]['error']}")
             counter[0] += len(shapes) * len(jax_selected)
         else:
-            _run_framework(jax_selected, jax_impls.LOADERS, jax_impls.measure, shapes, bandwidth, rows,
-                           failures, counter, {"batch_target_ms": 20.0 if quick else 50.0})
+            _run_framework(
+                jax_selected,
+                jax_impls.LOADERS,
+                jax_impls.measure,
+                shapes,
+                bandwidth,
+                rows,
+                failures,
+                counter,
+                {"batch_target_ms": 20.0 if quick else 50.0},
+            )
 
     fastce_versions = {}
     for name in ("fastce_torch", "fastce_jax"):
         module = sys.modules.get(name)
         if module is not None and hasattr(module, "__version__"):
             fastce_versions[name] = module.__version__
-    result = {"device": device, "date": envinfo.today(), "commit": envinfo.git_commit(),
-              "versions": envinfo.versions(fastce_versions), "copy_bandwidth_TBps": bandwidth, "rows": rows}
+    result = {
+        "device": device,
+        "date": envinfo.today(),
+        "commit": envinfo.git_commit(),
+        "versions": envinfo.versions(fastce_versions),
+        "copy_bandwidth_TBps": bandwidth,
+        "rows": rows,
+    }
     if failures:  # only when something failed, so a clean run has exactly the documented keys
         result["failures"] = failures
     return result

@@ -1,4 +1,5 @@
 """Benchmark shapes: (N tokens, V vocabulary, logits dtype)."""
+
 from dataclasses import dataclass
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -21,8 +22,11 @@ class Shape:
 
 # The standard set (issue 5): a vocabulary sweep at N=8192 bf16, a short batch with a huge vocabulary, and float32.
 STANDARD_SHAPES = (
-    Shape(8192, 32000), Shape(8192, 128256), Shape(8192, 256000),
-    Shape(512, 256000), Shape(8192, 128256, "float32"),
+    Shape(8192, 32000),
+    Shape(8192, 128256),
+    Shape(8192, 256000),
+    Shape(512, 256000),
+    Shape(8192, 128256, "float32"),
 )
 # --quick on a GPU: one shape whose logits (256 MiB) are still far larger than the 60 MB L2.
 QUICK_GPU_SHAPES = (Shape(4096, 32000),)

@@ -3,6 +3,7 @@
 A loader raises ImportError (with a readable message) when its package is missing; the runner records that and
 moves on.
 """
+
 import torch
 import torch.nn.functional as F
 

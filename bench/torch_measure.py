@@ -9,6 +9,7 @@ there; those are finite, so the next iteration's work is unchanged and the buffe
 Times are triton.testing.do_bench medians (CUDA events; do_bench zeroes a 256 MB buffer between iterations
 to flush the L2, outside the timed region). The logits are >= 256 MiB, far above the 60 MB L2.
 """
+
 import torch
 import triton.testing
 
@@ -48,8 +49,12 @@ def measure(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda") -> dict:
         for _ in range(2):
             fwdbwd()
         peak = peak_extra_bytes(fwdbwd)
-        row = {"fwd_ms": bench_ms(fwd, warmup_ms, rep_ms), "fwdbwd_ms": bench_ms(fwdbwd, warmup_ms, rep_ms),
-               "peak_extra_bytes": peak, "loss": loss}
+        row = {
+            "fwd_ms": bench_ms(fwd, warmup_ms, rep_ms),
+            "fwdbwd_ms": bench_ms(fwdbwd, warmup_ms, rep_ms),
+            "peak_extra_bytes": peak,
+            "loss": loss,
+        }
     finally:
         del logits, labels
         if device == "cuda":

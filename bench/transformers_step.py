@@ -47,13 +47,16 @@ def parse_args(argv=None):
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--precision", choices=["bf16", "autocast"], default="bf16",
-                        help="bf16: bf16 weights; autocast: float32 weights under bf16 autocast (Trainer's bf16=True)")
+    parser.add_argument(
+        "--precision",
+        choices=["bf16", "autocast"],
+        default="bf16",
+        help="bf16: bf16 weights; autocast: float32 weights under bf16 autocast (Trainer's bf16=True)",
+    )
     parser.add_argument("--tie-embeddings", action="store_true", help="tie lm_head to the embedding (Llama 3.2)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--modes", default="transformers,fastce",
-                        help=f"comma-separated, from {', '.join(MODES)}")
+    parser.add_argument("--modes", default="transformers,fastce", help=f"comma-separated, from {', '.join(MODES)}")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the results here")
@@ -67,9 +70,15 @@ def parse_args(argv=None):
 
 def build_model(args):
     config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(args.seq_len, 128), tie_word_embeddings=args.tie_embeddings)
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(args.seq_len, 128),
+        tie_word_embeddings=args.tie_embeddings,
+    )
     torch.manual_seed(args.seed)  # every mode starts from the same weights
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     model = transformers.LlamaForCausalLM(config).to(device=args.device, dtype=dtype)
@@ -119,8 +128,9 @@ def run_mode(mode, args, batches):
     model = build_model(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     cuda = torch.device(args.device).type == "cuda"
-    autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16,
-                              enabled=args.precision == "autocast")
+    autocast = torch.autocast(
+        torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.precision == "autocast"
+    )
 
     def step(ids, labels):
         with autocast:
@@ -142,8 +152,11 @@ def run_mode(mode, args, batches):
         if i >= args.warmup:
             times.append(timer.ms)
     result = {
-        "median_ms": statistics.median(times), "mean_ms": statistics.fmean(times), "min_ms": min(times),
-        "times_ms": times, "losses": losses,
+        "median_ms": statistics.median(times),
+        "mean_ms": statistics.fmean(times),
+        "min_ms": min(times),
+        "times_ms": times,
+        "losses": losses,
         "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "resident_bytes": resident if cuda else None,
     }
@@ -158,10 +171,14 @@ def run_mode(mode, args, batches):
 
 
 def environment(args):
-    info = {"device": torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else "cpu",
-            "torch": torch.__version__, "transformers": transformers.__version__}
+    info = {
+        "device": torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
     try:
         from bench import envinfo
+
         info.update(commit=envinfo.git_commit(), versions=envinfo.versions({"transformers": transformers.__version__}))
     except Exception as error:  # the shared helpers are optional here; the numbers do not depend on them
         info["envinfo_error"] = repr(error)
@@ -176,14 +193,18 @@ def main(argv=None):
     results = {mode: run_mode(mode, args, batches) for mode in args.modes}
 
     gib = 2.0**-30
-    print(f"Llama {args.layers} layers, hidden {args.hidden}, V={args.vocab}, {args.batch}x{args.seq_len} tokens, "
-          f"{args.precision}, AdamW; {args.steps} timed steps")
+    print(
+        f"Llama {args.layers} layers, hidden {args.hidden}, V={args.vocab}, {args.batch}x{args.seq_len} tokens, "
+        f"{args.precision}, AdamW; {args.steps} timed steps"
+    )
     print(f"{'mode':<20}{'median ms':>11}{'min ms':>9}{'peak GiB':>10}{'step GiB':>10}  first/last loss")
     for mode, r in results.items():
         peak = f"{r['peak_bytes'] * gib:10.2f}" if r["peak_bytes"] is not None else f"{'-':>10}"
         work = f"{r['step_working_bytes'] * gib:10.2f}" if r["peak_bytes"] is not None else f"{'-':>10}"
-        print(f"{mode:<20}{r['median_ms']:11.2f}{r['min_ms']:9.2f}{peak}{work}  "
-              f"{r['losses'][0]:.5f} / {r['losses'][-1]:.5f}")
+        print(
+            f"{mode:<20}{r['median_ms']:11.2f}{r['min_ms']:9.2f}{peak}{work}  "
+            f"{r['losses'][0]:.5f} / {r['losses'][-1]:.5f}"
+        )
     summary = {}
     if "transformers" in results:
         base = results["transformers"]
@@ -196,15 +217,29 @@ def main(argv=None):
             }
             if r["peak_bytes"] is not None:
                 summary[mode]["peak_saved_gib"] = (base["peak_bytes"] - r["peak_bytes"]) * gib
-            print(f"{mode}: {summary[mode]['speedup']:.3f}x step speed"
-                  + (f", {summary[mode]['peak_saved_gib']:.2f} GiB less peak" if "peak_saved_gib" in summary[mode]
-                     else "")
-                  + f", first-step loss differs by {summary[mode]['first_loss_rel_diff']:.1e} (relative)")
+            print(
+                f"{mode}: {summary[mode]['speedup']:.3f}x step speed"
+                + (
+                    f", {summary[mode]['peak_saved_gib']:.2f} GiB less peak"
+                    if "peak_saved_gib" in summary[mode]
+                    else ""
+                )
+                + f", first-step loss differs by {summary[mode]['first_loss_rel_diff']:.1e} (relative)"
+            )
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "transformers_step", "args": vars(args), "environment": environment(args),
-                       "results": results, "vs_transformers": summary}, f, indent=1)
+            json.dump(
+                {
+                    "benchmark": "transformers_step",
+                    "args": vars(args),
+                    "environment": environment(args),
+                    "results": results,
+                    "vs_transformers": summary,
+                },
+                f,
+                indent=1,
+            )
         print(f"wrote {args.json}")
 
 

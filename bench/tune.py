@@ -6,6 +6,7 @@ this sets each candidate, re-traces, times the stage it affects (host timing as 
 fwd+bwd minus the default fwd), restores the defaults and prints the best per shape. Knobs the package does not
 have are reported and skipped; edit SEARCH to change the candidates.
 """
+
 import argparse
 import itertools
 import sys
@@ -24,16 +25,20 @@ SEARCH = [  # (stage timed, {knob: candidates})
 
 def _jax_timer(shape):
     import jax
+
     import fastce_jax
 
     from .jax_impls import host_time_ms, make_inputs
+
     logits, labels = make_inputs(shape)
 
     def time_stage(stage):
         def loss(x, y):  # a new function each time, so jit traces again and reads the current constants
             return fastce_jax.cross_entropy(x, y)
+
         fn = jax.jit(loss) if stage == "fwd" else jax.jit(jax.value_and_grad(loss))
         return host_time_ms(lambda: fn(logits, labels), 30.0, 5)
+
     return time_stage
 
 
@@ -60,6 +65,7 @@ def _sweep(module, stage, knobs, time_stage, base_fwd):
 
 def tune_fastce_jax(shapes):
     import importlib
+
     module = importlib.import_module(JAX_KNOBS_MODULE)
     for shape in shapes:
         time_stage = _jax_timer(shape)
@@ -84,10 +90,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     jax_setup.configure()
     import torch
+
     if not torch.cuda.is_available():
         raise SystemExit("bench.tune needs a GPU (interpreted kernel times mean nothing)")
     if args.package == "fastce_torch":
         from . import tune_kernels
+
         sys.argv = ["python -m bench.tune_kernels"] + (["--json", args.json] if args.json else [])
         tune_kernels.main()
     else:

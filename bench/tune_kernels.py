@@ -33,28 +33,55 @@ def main():
         grad_loss = torch.ones((), device="cuda").expand(n_rows)
         one_pass_ms = logits.numel() * 2 / bandwidth / 1e9
         options = (-100, 0.0, 0.0, 0.0, 0.0)
-        for block, warps, chunk, stages in itertools.product([2048, 4096, 8192], [2, 4, 8], [8192, 16384, 65536],
-                                                             [1, 3]):
+        for block, warps, chunk, stages in itertools.product(
+            [2048, 4096, 8192], [2, 4, 8], [8192, 16384, 65536], [1, 3]
+        ):
             ce.FORWARD_BLOCK, ce.MAX_CHUNK, ce.FORWARD_STAGES = block, max(chunk, block), stages
             ce.FORWARD_WARPS = ce.FORWARD_WARPS_FEW_PROGRAMS = warps
             ms = triton.testing.do_bench(lambda: ce.forward_kernels(logits, labels, *options), return_mode="median")
-            rows.append(dict(kernel="forward", N=n_rows, V=vocab, block=block, warps=warps, chunk=chunk,
-                             stages=stages, ms=ms, ratio=ms / one_pass_ms))
+            rows.append(
+                dict(
+                    kernel="forward",
+                    N=n_rows,
+                    V=vocab,
+                    block=block,
+                    warps=warps,
+                    chunk=chunk,
+                    stages=stages,
+                    ms=ms,
+                    ratio=ms / one_pass_ms,
+                )
+            )
         _, lse, _ = ce.forward_kernels(logits, labels, *options)
         for block, warps in itertools.product([1024, 2048, 4096, 8192], [4, 8]):
             ce.BACKWARD_BLOCK, ce.BACKWARD_WARPS = block, warps
             ms = triton.testing.do_bench(
-                lambda: ce.backward_kernels(grad_loss, logits, labels, lse, logits, *options), return_mode="median")
-            rows.append(dict(kernel="backward", N=n_rows, V=vocab, block=block, warps=warps, chunk=0, ms=ms,
-                             ratio=ms / (2 * one_pass_ms)))
+                lambda: ce.backward_kernels(grad_loss, logits, labels, lse, logits, *options), return_mode="median"
+            )
+            rows.append(
+                dict(
+                    kernel="backward",
+                    N=n_rows,
+                    V=vocab,
+                    block=block,
+                    warps=warps,
+                    chunk=0,
+                    ms=ms,
+                    ratio=ms / (2 * one_pass_ms),
+                )
+            )
         del logits
         for kernel in ("forward", "backward"):
-            best = sorted((r for r in rows if r["kernel"] == kernel and r["V"] == vocab and r["N"] == n_rows),
-                          key=lambda r: r["ms"])[:4]
+            best = sorted(
+                (r for r in rows if r["kernel"] == kernel and r["V"] == vocab and r["N"] == n_rows),
+                key=lambda r: r["ms"],
+            )[:4]
             for r in best:
-                print(f"{kernel:8s} N={n_rows} V={vocab} block={r['block']} warps={r['warps']} chunk={r['chunk']} "
-                      f"stages={r.get('stages', '-')}: "
-                      f"{r['ms']:.3f} ms = {r['ratio']:.2f}x floor")
+                print(
+                    f"{kernel:8s} N={n_rows} V={vocab} block={r['block']} warps={r['warps']} chunk={r['chunk']} "
+                    f"stages={r.get('stages', '-')}: "
+                    f"{r['ms']:.3f} ms = {r['ratio']:.2f}x floor"
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(copy_bandwidth_TBps=bandwidth, rows=rows), f, indent=1)

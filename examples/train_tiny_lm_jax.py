@@ -29,6 +29,7 @@ IGNORE = -100
 
 # --- model: pre-norm transformer decoder, plain jax ------------------------------------------------------------
 
+
 def init_params(key, vocab, dim, layers, seq_len):
     keys = iter(jax.random.split(key, 4 + 4 * layers))
 
@@ -38,9 +39,17 @@ def init_params(key, vocab, dim, layers, seq_len):
     return {
         "embed": jax.random.normal(next(keys), (vocab, dim), jnp.float32) * 0.02,
         "pos": jax.random.normal(next(keys), (seq_len, dim), jnp.float32) * 0.02,
-        "blocks": [{"norm1": jnp.ones(dim), "qkv": dense((dim, 3 * dim)), "out": dense((dim, dim)),
-                    "norm2": jnp.ones(dim), "up": dense((dim, 4 * dim)), "down": dense((4 * dim, dim))}
-                   for _ in range(layers)],
+        "blocks": [
+            {
+                "norm1": jnp.ones(dim),
+                "qkv": dense((dim, 3 * dim)),
+                "out": dense((dim, dim)),
+                "norm2": jnp.ones(dim),
+                "up": dense((dim, 4 * dim)),
+                "down": dense((4 * dim, dim)),
+            }
+            for _ in range(layers)
+        ],
         "norm": jnp.ones(dim),
         "unembed": dense((dim, vocab)) * 0.1,  # near-uniform predictions at the start: loss ~ log(V)
     }
@@ -70,10 +79,10 @@ def forward(params, tokens, heads, dtype):
 
 # --- the three losses ------------------------------------------------------------------------------------------
 
+
 def xla_loss(logits, labels):
     mask = labels != IGNORE
-    per_token = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
-                                                                jnp.where(mask, labels, 0))
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), jnp.where(mask, labels, 0))
     return jnp.sum(jnp.where(mask, per_token, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
 
 
@@ -90,6 +99,7 @@ def per_token_loss(logits, labels, backend):
 
 
 # --- data: a fixed random bigram language, so the model has something to learn ---------------------------------
+
 
 def make_batches(seed, steps, batch, seq_len, vocab):
     rng = np.random.default_rng(seed)
@@ -113,9 +123,11 @@ def make_batches(seed, steps, batch, seq_len, vocab):
 
 def train(loss_name, args, batches):
     backend = args.backend
-    loss_fn = {"xla": xla_loss,
-               "fastce": lambda x, y: fastce_loss(x, y, backend),
-               "per_token": lambda x, y: per_token_loss(x, y, backend)}[loss_name]
+    loss_fn = {
+        "xla": xla_loss,
+        "fastce": lambda x, y: fastce_loss(x, y, backend),
+        "per_token": lambda x, y: per_token_loss(x, y, backend),
+    }[loss_name]
     dtype = jnp.dtype(args.dtype)
     params = init_params(jax.random.PRNGKey(args.seed), args.vocab, args.dim, args.layers, args.seq_len)
     optimizer = optax.adamw(args.lr, weight_decay=0.01)
@@ -144,13 +156,25 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="dtype of the logits (the loss is float32 either way)")
-    parser.add_argument("--backend", default="kernel", choices=["auto", "kernel", "reference"],
-                        help="fastce_jax backend; 'kernel' off a GPU runs Pallas in interpret mode")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="dtype of the logits (the loss is float32 either way)",
+    )
+    parser.add_argument(
+        "--backend",
+        default="kernel",
+        choices=["auto", "kernel", "reference"],
+        help="fastce_jax backend; 'kernel' off a GPU runs Pallas in interpret mode",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rtol", type=float, default=None,
-                        help="allowed relative gap between curves (default: 1e-4 float32, 5e-3 bfloat16)")
+    parser.add_argument(
+        "--rtol",
+        type=float,
+        default=None,
+        help="allowed relative gap between curves (default: 1e-4 float32, 5e-3 bfloat16)",
+    )
     parser.add_argument("--json", help="write the curves here")
     return parser.parse_args(argv)
 
@@ -167,8 +191,14 @@ def main(argv=None):
         if i % max(1, args.steps // 10) == 0 or i == args.steps - 1:
             print(f"{i:5d} " + " ".join(f"{curves[name][i]:10.5f}" for name in curves))
     print("max relative gap to xla: " + ", ".join(f"{name} {gap:.2e}" for name, gap in gaps.items()))
-    result = {"args": vars(args), "curves": curves, "max_relative_gap": gaps, "rtol": rtol,
-              "devices": [str(d) for d in jax.devices()], "match": all(g <= rtol for g in gaps.values())}
+    result = {
+        "args": vars(args),
+        "curves": curves,
+        "max_relative_gap": gaps,
+        "rtol": rtol,
+        "devices": [str(d) for d in jax.devices()],
+        "match": all(g <= rtol for g in gaps.values()),
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

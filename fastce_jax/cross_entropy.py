@@ -16,25 +16,24 @@ import numpy as np
 
 from fastce_jax import kernels
 
-FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
-                jnp.dtype(jnp.float16))
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 REDUCTIONS = ("none", "sum", "mean")
 BACKENDS = ("auto", "kernel", "reference")
 # What a tracer raises when asked for its values or devices (public jax.errors,
 # rather than isinstance checks on jax.core.Tracer, whose jax.core is shrinking).
-_TRACED = (jax.errors.ConcretizationTypeError,
-           jax.errors.TracerArrayConversionError)
+_TRACED = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError)
 
 
 class _Options(NamedTuple):
-  """Static (hashable) options; a custom_vjp nondiff argument."""
-  ignore_index: int
-  scaling: float
-  softcap: float
-  smoothing: float
-  z_loss: float
-  inplace: bool
-  interpret: bool
+    """Static (hashable) options; a custom_vjp nondiff argument."""
+
+    ignore_index: int
+    scaling: float
+    softcap: float
+    smoothing: float
+    z_loss: float
+    inplace: bool
+    interpret: bool
 
 
 # ----------------------------------------------------------------------------
@@ -42,205 +41,220 @@ class _Options(NamedTuple):
 # Python values).
 # ----------------------------------------------------------------------------
 
+
 def _as_array(x, name: str):
-  if isinstance(x, (jax.Array, np.ndarray)):
-    return x
-  try:
-    return jnp.asarray(x)
-  except (TypeError, ValueError) as e:
-    raise TypeError(f"{name} must be an array, got {type(x).__name__}") from e
+    if isinstance(x, (jax.Array, np.ndarray)):
+        return x
+    try:
+        return jnp.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}") from e
 
 
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # 2**-126
 
 
 def _real(value, name: str) -> float:
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise TypeError(f"{name} must be a Python float, got {value!r}")
-  value = float(value)
-  if not np.isfinite(value):
-    raise ValueError(f"{name} must be finite, got {value}")
-  if value != 0.0 and abs(value) < FLOAT32_TINY:
-    raise ValueError(f"{name}={value} is below float32's normal range (the "
-                     "kernels compute in float32); use 0 to disable it")
-  return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a Python float, got {value!r}")
+    value = float(value)
+    if not np.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if value != 0.0 and abs(value) < FLOAT32_TINY:
+        raise ValueError(
+            f"{name}={value} is below float32's normal range (the kernels compute in float32); use 0 to disable it"
+        )
+    return value
 
 
 def _check_n_items(n_items):
-  if n_items is None:
-    return None
-  if isinstance(n_items, bool):
-    raise TypeError(f"n_items must be an int or a 0-d array, got {n_items!r}")
-  if isinstance(n_items, numbers.Real):
-    if not n_items > 0:
-      raise ValueError(f"n_items must be > 0, got {n_items}")
+    if n_items is None:
+        return None
+    if isinstance(n_items, bool):
+        raise TypeError(f"n_items must be an int or a 0-d array, got {n_items!r}")
+    if isinstance(n_items, numbers.Real):
+        if not n_items > 0:
+            raise ValueError(f"n_items must be > 0, got {n_items}")
+        return n_items
+    if not hasattr(n_items, "shape") or not hasattr(n_items, "dtype"):
+        raise TypeError(f"n_items must be an int or a 0-d array, got {type(n_items).__name__}")
+    if tuple(n_items.shape) != ():
+        raise ValueError(f"n_items must be 0-d, got shape {tuple(n_items.shape)}")
+    if not (jnp.issubdtype(n_items.dtype, jnp.integer) or jnp.issubdtype(n_items.dtype, jnp.floating)):
+        raise TypeError(f"n_items must be numeric, got dtype {n_items.dtype}")
     return n_items
-  if not hasattr(n_items, "shape") or not hasattr(n_items, "dtype"):
-    raise TypeError(f"n_items must be an int or a 0-d array, got "
-                    f"{type(n_items).__name__}")
-  if tuple(n_items.shape) != ():
-    raise ValueError(f"n_items must be 0-d, got shape {tuple(n_items.shape)}")
-  if not (jnp.issubdtype(n_items.dtype, jnp.integer)
-          or jnp.issubdtype(n_items.dtype, jnp.floating)):
-    raise TypeError(f"n_items must be numeric, got dtype {n_items.dtype}")
-  return n_items
 
 
-def _check_args(logits, labels, *, ignore_index, reduction, n_items,
-                logit_softcapping, logit_scaling, label_smoothing, z_loss,
-                backend, inplace_backward, validate_labels):
-  logits = _as_array(logits, "logits")
-  labels = _as_array(labels, "labels")
-  if jnp.dtype(logits.dtype) not in FLOAT_DTYPES:
-    raise TypeError("logits must be float32, bfloat16 or float16, got "
-                    f"{logits.dtype}")
-  if logits.ndim < 1 or logits.shape[-1] < 1:
-    raise ValueError("logits must have shape (..., V) with V >= 1, got "
-                     f"{tuple(logits.shape)}")
-  if not jnp.issubdtype(labels.dtype, jnp.integer):
-    raise TypeError(f"labels must be int32 or int64, got {labels.dtype}")
-  if jnp.dtype(labels.dtype).itemsize >= 4 and not jnp.issubdtype(
-      labels.dtype, jnp.signedinteger):  # uint32/uint64 do not fit int32
-    raise TypeError(f"labels must be int32 or int64, got {labels.dtype}")
-  if tuple(labels.shape) != tuple(logits.shape[:-1]):
-    raise ValueError(f"labels shape {tuple(labels.shape)} must equal logits' "
-                     f"leading shape {tuple(logits.shape[:-1])}")
-  if isinstance(ignore_index, bool) or not isinstance(
-      ignore_index, numbers.Integral):
-    raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-  if reduction not in REDUCTIONS:
-    raise ValueError(f"reduction must be one of {REDUCTIONS}, got "
-                     f"{reduction!r}")
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-  softcap = _real(logit_softcapping, "logit_softcapping")
-  if softcap < 0:
-    raise ValueError(f"logit_softcapping must be >= 0, got {softcap}")
-  smoothing = _real(label_smoothing, "label_smoothing")
-  if not 0.0 <= smoothing <= 1.0:
-    raise ValueError(f"label_smoothing must be in [0, 1], got {smoothing}")
-  scaling = _real(logit_scaling, "logit_scaling")
-  z_loss = _real(z_loss, "z_loss")
-  for name, flag in (("inplace_backward", inplace_backward),
-                     ("validate_labels", validate_labels)):
-    if not isinstance(flag, (bool, np.bool_)):
-      raise TypeError(f"{name} must be a bool, got {flag!r}")
-  n_items = _check_n_items(n_items)
-  # Narrow integer labels widen losslessly; int32/int64 pass through so that
-  # an int64 label beyond 2**31 is never wrapped into the vocabulary.
-  if jnp.dtype(labels.dtype).itemsize < 4:
-    labels = labels.astype(jnp.int32)
-  labels = _narrow_host_int64(labels, int(ignore_index))
-  return logits, labels, n_items, int(ignore_index), scaling, softcap, \
-      smoothing, z_loss
+def _check_args(
+    logits,
+    labels,
+    *,
+    ignore_index,
+    reduction,
+    n_items,
+    logit_softcapping,
+    logit_scaling,
+    label_smoothing,
+    z_loss,
+    backend,
+    inplace_backward,
+    validate_labels,
+):
+    logits = _as_array(logits, "logits")
+    labels = _as_array(labels, "labels")
+    if jnp.dtype(logits.dtype) not in FLOAT_DTYPES:
+        raise TypeError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
+    if logits.ndim < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must have shape (..., V) with V >= 1, got {tuple(logits.shape)}")
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(f"labels must be int32 or int64, got {labels.dtype}")
+    if jnp.dtype(labels.dtype).itemsize >= 4 and not jnp.issubdtype(
+        labels.dtype, jnp.signedinteger
+    ):  # uint32/uint64 do not fit int32
+        raise TypeError(f"labels must be int32 or int64, got {labels.dtype}")
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} must equal logits' leading shape {tuple(logits.shape[:-1])}"
+        )
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    softcap = _real(logit_softcapping, "logit_softcapping")
+    if softcap < 0:
+        raise ValueError(f"logit_softcapping must be >= 0, got {softcap}")
+    smoothing = _real(label_smoothing, "label_smoothing")
+    if not 0.0 <= smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {smoothing}")
+    scaling = _real(logit_scaling, "logit_scaling")
+    z_loss = _real(z_loss, "z_loss")
+    for name, flag in (("inplace_backward", inplace_backward), ("validate_labels", validate_labels)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    n_items = _check_n_items(n_items)
+    # Narrow integer labels widen losslessly; int32/int64 pass through so that
+    # an int64 label beyond 2**31 is never wrapped into the vocabulary.
+    if jnp.dtype(labels.dtype).itemsize < 4:
+        labels = labels.astype(jnp.int32)
+    labels = _narrow_host_int64(labels, int(ignore_index))
+    return logits, labels, n_items, int(ignore_index), scaling, softcap, smoothing, z_loss
 
 
 def _narrow_host_int64(labels, ignore_index: int):
-  """Without x64, JAX would cut a NumPy int64 array to int32, silently moving
-  a label like 2**32 + 3 into the vocabulary as class 3. Such a label is out
-  of range for every vocabulary, so it becomes INT32_MIN (or INT32_MAX when
-  that is the ignore_index): still out of range, so still a NaN loss."""
-  if (not isinstance(labels, np.ndarray) or labels.dtype.itemsize <= 4
-      or jax.config.jax_enable_x64):
-    return labels
-  info = np.iinfo(np.int32)
-  wide = (labels < info.min) | (labels > info.max)
-  sentinel = info.min if ignore_index != info.min else info.max
-  return np.where(wide, sentinel, labels).astype(np.int32)
+    """Without x64, JAX would cut a NumPy int64 array to int32, silently moving
+    a label like 2**32 + 3 into the vocabulary as class 3. Such a label is out
+    of range for every vocabulary, so it becomes INT32_MIN (or INT32_MAX when
+    that is the ignore_index): still out of range, so still a NaN loss."""
+    if not isinstance(labels, np.ndarray) or labels.dtype.itemsize <= 4 or jax.config.jax_enable_x64:
+        return labels
+    info = np.iinfo(np.int32)
+    wide = (labels < info.min) | (labels > info.max)
+    sentinel = info.min if ignore_index != info.min else info.max
+    return np.where(wide, sentinel, labels).astype(np.int32)
 
 
 def _validate_labels_eagerly(labels, vocab: int, ignore_index: int):
-  try:
-    y = np.asarray(labels)
-  except _TRACED as e:
-    raise ValueError(
-        "validate_labels=True needs concrete labels, but labels is traced "
-        "(jit/vmap/scan); validate outside the transformation or pass "
-        "validate_labels=False (bad labels then give a NaN loss).") from e
-  bad = (y != ignore_index) & ((y < 0) | (y >= vocab))
-  if bad.any():
-    pos = tuple(int(i) for i in np.argwhere(bad)[0])
-    raise ValueError(f"labels{list(pos)} = {int(y[pos])} is outside [0, "
-                     f"{vocab}) and is not ignore_index={ignore_index}")
+    try:
+        y = np.asarray(labels)
+    except _TRACED as e:
+        raise ValueError(
+            "validate_labels=True needs concrete labels, but labels is traced "
+            "(jit/vmap/scan); validate outside the transformation or pass "
+            "validate_labels=False (bad labels then give a NaN loss)."
+        ) from e
+    bad = (y != ignore_index) & ((y < 0) | (y >= vocab))
+    if bad.any():
+        pos = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"labels{list(pos)} = {int(y[pos])} is outside [0, {vocab}) and is not ignore_index={ignore_index}"
+        )
 
 
 def _on_gpu(x) -> bool:
-  if isinstance(x, jax.Array):
-    try:
-      return all(d.platform == "gpu" for d in x.devices())
-    except _TRACED:
-      pass
-  # Traced (or a NumPy array): it will run on the default backend.
-  return jax.default_backend() == "gpu"
+    if isinstance(x, jax.Array):
+        try:
+            return all(d.platform == "gpu" for d in x.devices())
+        except _TRACED:
+            pass
+    # Traced (or a NumPy array): it will run on the default backend.
+    return jax.default_backend() == "gpu"
 
 
 def _interpret(x) -> bool:
-  """Pallas interpret mode wherever the arrays are not on a GPU.  (The CUDA
-  lowering test monkeypatches this to lower the compiled kernels on CPU.)"""
-  return not _on_gpu(x)
+    """Pallas interpret mode wherever the arrays are not on a GPU.  (The CUDA
+    lowering test monkeypatches this to lower the compiled kernels on CPU.)"""
+    return not _on_gpu(x)
 
 
 # ----------------------------------------------------------------------------
 # Pure-jnp reference (differentiable by plain autodiff).
 # ----------------------------------------------------------------------------
 
+
 def _reference_token_losses(logits, labels, opts: _Options):
-  """Per-token float32 losses of logits (N, V), labels (N,)."""
-  vocab = logits.shape[-1]
-  in_range = (labels >= 0) & (labels < vocab)
-  ign = kernels._ignore_index_for(labels, opts.ignore_index)
-  ignored = (labels == ign) if ign is not None else jnp.zeros_like(in_range)
-  # Zero ignored rows *before* any math, so their gradient is exactly 0 even
-  # when the row holds NaN/inf (0 * NaN would otherwise leak through).
-  x = jnp.where(ignored[:, None], jnp.zeros((), logits.dtype), logits)
-  z = kernels._transform(x.astype(jnp.float32), opts.scaling, opts.softcap)
-  m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
-  # Same convention as the kernels: shift an all -inf row by 0; +inf gives NaN.
-  m = jnp.where(m == -jnp.inf, 0.0, m)
-  lse = m[:, 0] + jnp.log(jnp.sum(jnp.exp(z - m), axis=-1))
-  loss = jnp.zeros_like(lse)
-  if opts.smoothing != 1.0:
-    y_safe = jnp.where(in_range, labels, 0).astype(jnp.int32)
-    z_y = jnp.take_along_axis(z, y_safe[:, None], axis=-1)[:, 0]
-    loss = loss + (1.0 - opts.smoothing) * (lse - z_y)
-  if opts.smoothing != 0.0:
-    loss = loss + opts.smoothing * (lse - jnp.mean(z, axis=-1))
-  if opts.z_loss != 0.0:
-    loss = loss + opts.z_loss * lse * lse
-  # Multiply (not where) so an out-of-range row's gradient is NaN too.
-  loss = loss * jnp.where(in_range, 1.0, jnp.nan)
-  return jnp.where(ignored, 0.0, loss)
+    """Per-token float32 losses of logits (N, V), labels (N,)."""
+    vocab = logits.shape[-1]
+    in_range = (labels >= 0) & (labels < vocab)
+    ign = kernels._ignore_index_for(labels, opts.ignore_index)
+    ignored = (labels == ign) if ign is not None else jnp.zeros_like(in_range)
+    # Zero ignored rows *before* any math, so their gradient is exactly 0 even
+    # when the row holds NaN/inf (0 * NaN would otherwise leak through).
+    x = jnp.where(ignored[:, None], jnp.zeros((), logits.dtype), logits)
+    z = kernels._transform(x.astype(jnp.float32), opts.scaling, opts.softcap)
+    m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+    # Same convention as the kernels: shift an all -inf row by 0; +inf gives NaN.
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    lse = m[:, 0] + jnp.log(jnp.sum(jnp.exp(z - m), axis=-1))
+    loss = jnp.zeros_like(lse)
+    if opts.smoothing != 1.0:
+        y_safe = jnp.where(in_range, labels, 0).astype(jnp.int32)
+        z_y = jnp.take_along_axis(z, y_safe[:, None], axis=-1)[:, 0]
+        loss = loss + (1.0 - opts.smoothing) * (lse - z_y)
+    if opts.smoothing != 0.0:
+        loss = loss + opts.smoothing * (lse - jnp.mean(z, axis=-1))
+    if opts.z_loss != 0.0:
+        loss = loss + opts.z_loss * lse * lse
+    # Multiply (not where) so an out-of-range row's gradient is NaN too.
+    loss = loss * jnp.where(in_range, 1.0, jnp.nan)
+    return jnp.where(ignored, 0.0, loss)
 
 
 # ----------------------------------------------------------------------------
 # custom_vjp around the kernels.
 # ----------------------------------------------------------------------------
 
+
 def _kernel_options(opts: _Options) -> dict:
-  return dict(ignore_index=opts.ignore_index, scaling=opts.scaling,
-              softcap=opts.softcap, smoothing=opts.smoothing,
-              z_loss=opts.z_loss, interpret=opts.interpret)
+    return dict(
+        ignore_index=opts.ignore_index,
+        scaling=opts.scaling,
+        softcap=opts.softcap,
+        smoothing=opts.smoothing,
+        z_loss=opts.z_loss,
+        interpret=opts.interpret,
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _kernel_token_losses(logits, labels, opts: _Options):
-  return _kernel_fwd(logits, labels, opts)[0]
+    return _kernel_fwd(logits, labels, opts)[0]
 
 
 def _kernel_fwd(logits, labels, opts: _Options):
-  loss, lse = kernels.forward(logits, labels, **_kernel_options(opts))
-  # Residuals: only what the backward reads.  logits stays in its own dtype
-  # (no float32 copy); lse is N floats.
-  return loss, (logits, labels, lse)
+    loss, lse = kernels.forward(logits, labels, **_kernel_options(opts))
+    # Residuals: only what the backward reads.  logits stays in its own dtype
+    # (no float32 copy); lse is N floats.
+    return loss, (logits, labels, lse)
 
 
 def _kernel_bwd(opts: _Options, residuals, g):
-  logits, labels, lse = residuals
-  # g is the per-token upstream factor: 1/denominator (broadcast) for
-  # "mean", 1 for "sum", the caller's cotangent for "none".
-  dlogits = kernels.backward(logits, labels, lse, g, inplace=opts.inplace,
-                             **_kernel_options(opts))
-  return dlogits, None
+    logits, labels, lse = residuals
+    # g is the per-token upstream factor: 1/denominator (broadcast) for
+    # "mean", 1 for "sum", the caller's cotangent for "none".
+    dlogits = kernels.backward(logits, labels, lse, g, inplace=opts.inplace, **_kernel_options(opts))
+    return dlogits, None
 
 
 _kernel_token_losses.defvjp(_kernel_fwd, _kernel_bwd)
@@ -250,90 +264,112 @@ _kernel_token_losses.defvjp(_kernel_fwd, _kernel_bwd)
 # Public API.
 # ----------------------------------------------------------------------------
 
+
 def _reduce(losses, labels, reduction: str, n_items, ignore_index: int):
-  if reduction == "none":
-    return losses.reshape(labels.shape)
-  total = jnp.sum(losses)
-  if n_items is not None:  # overrides the denominator of "mean" and "sum" alike
-    return total / jnp.asarray(n_items).astype(jnp.float32)
-  if reduction == "sum":
-    return total
-  ign = kernels._ignore_index_for(labels, ignore_index)
-  count = labels.size if ign is None else jnp.sum(labels != ign)
-  # Every token ignored: 0 / 1 = 0, and the kernels zero those rows' gradient.
-  return total / jnp.maximum(count, 1).astype(jnp.float32)
+    if reduction == "none":
+        return losses.reshape(labels.shape)
+    total = jnp.sum(losses)
+    if n_items is not None:  # overrides the denominator of "mean" and "sum" alike
+        return total / jnp.asarray(n_items).astype(jnp.float32)
+    if reduction == "sum":
+        return total
+    ign = kernels._ignore_index_for(labels, ignore_index)
+    count = labels.size if ign is None else jnp.sum(labels != ign)
+    # Every token ignored: 0 / 1 = 0, and the kernels zero those rows' gradient.
+    return total / jnp.maximum(count, 1).astype(jnp.float32)
 
 
 def _cross_entropy(logits, labels, kwargs):
-  (logits, labels, n_items, ignore_index, scaling, softcap, smoothing,
-   z_loss) = _check_args(logits, labels, **kwargs)
-  vocab = logits.shape[-1]
-  if kwargs["validate_labels"]:
-    _validate_labels_eagerly(labels, vocab, ignore_index)
-  backend = kwargs["backend"]
-  if backend == "auto":
-    backend = "kernel" if _on_gpu(logits) else "reference"
-  opts = _Options(ignore_index, scaling, softcap, smoothing, z_loss,
-                  bool(kwargs["inplace_backward"]),
-                  _interpret(logits) if backend == "kernel" else True)
-  x2 = jnp.asarray(logits).reshape(-1, vocab)
-  y1 = jnp.asarray(labels).reshape(-1)
-  if backend == "kernel" and x2.shape[0] > 0:
-    losses = _kernel_token_losses(x2, y1, opts)
-  else:  # "reference", or no tokens at all (an empty grid has no kernel)
-    losses = _reference_token_losses(x2, y1, opts)
-  return _reduce(losses, jnp.asarray(labels), kwargs["reduction"], n_items,
-                 ignore_index)
+    (logits, labels, n_items, ignore_index, scaling, softcap, smoothing, z_loss) = _check_args(logits, labels, **kwargs)
+    vocab = logits.shape[-1]
+    if kwargs["validate_labels"]:
+        _validate_labels_eagerly(labels, vocab, ignore_index)
+    backend = kwargs["backend"]
+    if backend == "auto":
+        backend = "kernel" if _on_gpu(logits) else "reference"
+    opts = _Options(
+        ignore_index,
+        scaling,
+        softcap,
+        smoothing,
+        z_loss,
+        bool(kwargs["inplace_backward"]),
+        _interpret(logits) if backend == "kernel" else True,
+    )
+    x2 = jnp.asarray(logits).reshape(-1, vocab)
+    y1 = jnp.asarray(labels).reshape(-1)
+    if backend == "kernel" and x2.shape[0] > 0:
+        losses = _kernel_token_losses(x2, y1, opts)
+    else:  # "reference", or no tokens at all (an empty grid has no kernel)
+        losses = _reference_token_losses(x2, y1, opts)
+    return _reduce(losses, jnp.asarray(labels), kwargs["reduction"], n_items, ignore_index)
 
 
-def cross_entropy(logits, labels, *, ignore_index=-100, reduction="mean",
-                  n_items=None, logit_softcapping=0.0, logit_scaling=0.0,
-                  label_smoothing=0.0, z_loss=0.0, backend="auto",
-                  inplace_backward=True, validate_labels=False):
-  """Cross-entropy of ``logits`` (..., V) against integer ``labels`` (...).
+def cross_entropy(
+    logits,
+    labels,
+    *,
+    ignore_index=-100,
+    reduction="mean",
+    n_items=None,
+    logit_softcapping=0.0,
+    logit_scaling=0.0,
+    label_smoothing=0.0,
+    z_loss=0.0,
+    backend="auto",
+    inplace_backward=True,
+    validate_labels=False,
+):
+    """Cross-entropy of ``logits`` (..., V) against integer ``labels`` (...).
 
-  Per token, with z the (scaled, softcapped) logits and lse = logsumexp(z):
-  ``(1 - eps)(lse - z_y) + eps (lse - mean(z)) + z_loss * lse**2``; see
-  CONTRACT.md for every rule (ignore_index, NaN for out-of-range labels,
-  -inf logits, reductions, n_items).
+    Per token, with z the (scaled, softcapped) logits and lse = logsumexp(z):
+    ``(1 - eps)(lse - z_y) + eps (lse - mean(z)) + z_loss * lse**2``; see
+    CONTRACT.md for every rule (ignore_index, NaN for out-of-range labels,
+    -inf logits, reductions, n_items).
 
-  Args:
-    logits: float32/bfloat16/float16 array (..., V).
-    labels: int32/int64 array shaped like ``logits.shape[:-1]``.
-    ignore_index: label value whose tokens get loss 0 and gradient 0.
-    reduction: "mean" (over non-ignored tokens, or over ``n_items``), "sum"
-      or "none" (float32 per-token losses shaped like ``labels``).
-    n_items: optional denominator for "mean" and "sum": a Python number > 0 or a 0-d
-      (possibly traced) array, e.g. transformers' ``num_items_in_batch``.
-    logit_softcapping: t > 0 applies ``z = t * tanh(z / t)`` (Gemma 2).
-    logit_scaling: s != 0 applies ``z = s * z`` first (Cohere).
-    label_smoothing: eps in [0, 1].
-    z_loss: coefficient of ``lse**2``.
-    backend: "auto" (kernels for GPU arrays, the jnp reference elsewhere),
-      "kernel" (Pallas kernels always; interpret mode off GPU) or "reference".
-    inplace_backward: let the backward kernel's output alias the logits
-      residual (``input_output_aliases``); XLA reuses that buffer when the
-      logits are dead after the backward (e.g. computed inside the same jit),
-      and otherwise inserts a copy.  False never aliases.
-    validate_labels: eagerly raise ValueError naming the first label that is
-      neither in [0, V) nor ``ignore_index``.  Needs concrete labels: under
-      jit/vmap it raises ValueError instead of validating.
+    Args:
+      logits: float32/bfloat16/float16 array (..., V).
+      labels: int32/int64 array shaped like ``logits.shape[:-1]``.
+      ignore_index: label value whose tokens get loss 0 and gradient 0.
+      reduction: "mean" (over non-ignored tokens, or over ``n_items``), "sum"
+        or "none" (float32 per-token losses shaped like ``labels``).
+      n_items: optional denominator for "mean" and "sum": a Python number > 0 or a 0-d
+        (possibly traced) array, e.g. transformers' ``num_items_in_batch``.
+      logit_softcapping: t > 0 applies ``z = t * tanh(z / t)`` (Gemma 2).
+      logit_scaling: s != 0 applies ``z = s * z`` first (Cohere).
+      label_smoothing: eps in [0, 1].
+      z_loss: coefficient of ``lse**2``.
+      backend: "auto" (kernels for GPU arrays, the jnp reference elsewhere),
+        "kernel" (Pallas kernels always; interpret mode off GPU) or "reference".
+      inplace_backward: let the backward kernel's output alias the logits
+        residual (``input_output_aliases``); XLA reuses that buffer when the
+        logits are dead after the backward (e.g. computed inside the same jit),
+        and otherwise inserts a copy.  False never aliases.
+      validate_labels: eagerly raise ValueError naming the first label that is
+        neither in [0, V) nor ``ignore_index``.  Needs concrete labels: under
+        jit/vmap it raises ValueError instead of validating.
 
-  Returns:
-    float32 loss (scalar, or shaped like ``labels`` for reduction="none").
-    Its gradient w.r.t. logits has logits' dtype.
-  """
-  kwargs = dict(ignore_index=ignore_index, reduction=reduction,
-                n_items=n_items, logit_softcapping=logit_softcapping,
-                logit_scaling=logit_scaling, label_smoothing=label_smoothing,
-                z_loss=z_loss, backend=backend,
-                inplace_backward=inplace_backward,
-                validate_labels=validate_labels)
-  return _cross_entropy(logits, labels, kwargs)
+    Returns:
+      float32 loss (scalar, or shaped like ``labels`` for reduction="none").
+      Its gradient w.r.t. logits has logits' dtype.
+    """
+    kwargs = dict(
+        ignore_index=ignore_index,
+        reduction=reduction,
+        n_items=n_items,
+        logit_softcapping=logit_softcapping,
+        logit_scaling=logit_scaling,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        backend=backend,
+        inplace_backward=inplace_backward,
+        validate_labels=validate_labels,
+    )
+    return _cross_entropy(logits, labels, kwargs)
 
 
 def cross_entropy_reference(logits, labels, **options):
-  """Pure-jnp ``cross_entropy``: the same keywords (``backend`` is ignored),
-  differentiable by plain autodiff; float32 math, so it materialises (N, V)
-  float32 values."""
-  return cross_entropy(logits, labels, **dict(options, backend="reference"))
+    """Pure-jnp ``cross_entropy``: the same keywords (``backend`` is ignored),
+    differentiable by plain autodiff; float32 math, so it materialises (N, V)
+    float32 values."""
+    return cross_entropy(logits, labels, **dict(options, backend="reference"))

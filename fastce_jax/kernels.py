@@ -44,53 +44,51 @@ from jax.experimental.pallas import triton as plgpu
 # pallas_call is *lowered*.  See ``_quiet_triton`` for how it is filtered.
 TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
 
-MAX_CHUNK = 65536          # widest chunk one forward program walks
-TARGET_PROGRAMS = 8192     # halve chunks until N * C reaches this (fill the GPU)
-FWD_MAX_BLOCK = 4096       # forward tile width
-FWD_NUM_STAGES = 1         # H200 sweep: 3 stages no faster (the loop has no dot)
-FWD_NUM_WARPS = 2          # H200 sweep: 2 warps 3-4% faster than 4, 8 warps 10%+ slower
-FWD_NUM_WARPS_FEW = 8      # under FEW_PROGRAMS forward programs (short batches)
+MAX_CHUNK = 65536  # widest chunk one forward program walks
+TARGET_PROGRAMS = 8192  # halve chunks until N * C reaches this (fill the GPU)
+FWD_MAX_BLOCK = 4096  # forward tile width
+FWD_NUM_STAGES = 1  # H200 sweep: 3 stages no faster (the loop has no dot)
+FWD_NUM_WARPS = 2  # H200 sweep: 2 warps 3-4% faster than 4, 8 warps 10%+ slower
+FWD_NUM_WARPS_FEW = 8  # under FEW_PROGRAMS forward programs (short batches)
 FEW_PROGRAMS = 4096
-FINISH_NUM_WARPS = 1       # the finish kernel touches C + 2 scalars per row
-BWD_MAX_BLOCK = 2048       # backward tile width, one tile per program
+FINISH_NUM_WARPS = 1  # the finish kernel touches C + 2 scalars per row
+BWD_MAX_BLOCK = 2048  # backward tile width, one tile per program
 BWD_NUM_WARPS = 4
-BWD_NUM_STAGES = 1         # no loop in the backward: nothing to pipeline
+BWD_NUM_STAGES = 1  # no loop in the backward: nothing to pipeline
 
 
 @functools.cache
 def _ignore_triton_deprecation_globally() -> None:
-  # The deprecation is raised while the *enclosing* jit lowers, which happens
-  # after our launcher has returned, with no fastce_jax frame on the stack: a
-  # catch_warnings around the pallas_call cannot see it.  So the first compiled
-  # (non-interpret) launch also installs a process filter for exactly this
-  # message and category.  Interpret mode (CPU) never lowers to Triton and
-  # never installs it.
-  warnings.filterwarnings("ignore", message=TRITON_DEPRECATION,
-                          category=DeprecationWarning)
+    # The deprecation is raised while the *enclosing* jit lowers, which happens
+    # after our launcher has returned, with no fastce_jax frame on the stack: a
+    # catch_warnings around the pallas_call cannot see it.  So the first compiled
+    # (non-interpret) launch also installs a process filter for exactly this
+    # message and category.  Interpret mode (CPU) never lowers to Triton and
+    # never installs it.
+    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
 
 
 @contextlib.contextmanager
 def _quiet_triton(interpret: bool):
-  """Silences the Triton deprecation around our own pallas_call sites.
+    """Silences the Triton deprecation around our own pallas_call sites.
 
-  Eager calls lower inside this block, so the scoped filter catches them; under
-  an outer jit see ``_ignore_triton_deprecation_globally``.
-  """
-  if not interpret:
-    _ignore_triton_deprecation_globally()
-  with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION,
-                            category=DeprecationWarning)
-    yield
+    Eager calls lower inside this block, so the scoped filter catches them; under
+    an outer jit see ``_ignore_triton_deprecation_globally``.
+    """
+    if not interpret:
+        _ignore_triton_deprecation_globally()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+        yield
 
 
 def _next_pow2(n: int) -> int:
-  return 1 << max(int(n) - 1, 0).bit_length()
+    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def _cdiv(a, b):
-  """Ceiling division of ints or int32 scalars (traced inside kernels)."""
-  return (a + b - 1) // b
+    """Ceiling division of ints or int32 scalars (traced inside kernels)."""
+    return (a + b - 1) // b
 
 
 # ----------------------------------------------------------------------------
@@ -98,21 +96,22 @@ def _cdiv(a, b):
 # read when a jit traces).
 # ----------------------------------------------------------------------------
 
+
 def forward_config(n_rows: int, vocab: int) -> tuple[int, int, int]:
-  """(block, chunk, num_warps) of the forward kernel.  H200 sweeps (bench/NOTES.md):
-  tiles of 4096 beat 2048 and 8192; 2 warps best at N=8192, 8 warps with few
-  programs (N=512); chunk width and program count within noise."""
-  block = min(FWD_MAX_BLOCK, _next_pow2(vocab))
-  chunk = max(block, min(MAX_CHUNK, _next_pow2(vocab)))
-  while chunk > block and n_rows * _cdiv(vocab, chunk) < TARGET_PROGRAMS:
-    chunk //= 2
-  few = n_rows * _cdiv(vocab, chunk) < FEW_PROGRAMS and block >= 4096
-  return block, chunk, FWD_NUM_WARPS_FEW if few else FWD_NUM_WARPS
+    """(block, chunk, num_warps) of the forward kernel.  H200 sweeps (bench/NOTES.md):
+    tiles of 4096 beat 2048 and 8192; 2 warps best at N=8192, 8 warps with few
+    programs (N=512); chunk width and program count within noise."""
+    block = min(FWD_MAX_BLOCK, _next_pow2(vocab))
+    chunk = max(block, min(MAX_CHUNK, _next_pow2(vocab)))
+    while chunk > block and n_rows * _cdiv(vocab, chunk) < TARGET_PROGRAMS:
+        chunk //= 2
+    few = n_rows * _cdiv(vocab, chunk) < FEW_PROGRAMS and block >= 4096
+    return block, chunk, FWD_NUM_WARPS_FEW if few else FWD_NUM_WARPS
 
 
 def backward_config(vocab: int) -> tuple[int, int]:
-  """(block, num_warps) of the backward kernel."""
-  return min(BWD_MAX_BLOCK, _next_pow2(vocab)), BWD_NUM_WARPS
+    """(block, num_warps) of the backward kernel."""
+    return min(BWD_MAX_BLOCK, _next_pow2(vocab)), BWD_NUM_WARPS
 
 
 # ----------------------------------------------------------------------------
@@ -120,223 +119,291 @@ def backward_config(vocab: int) -> tuple[int, int]:
 # removes its code entirely (also avoiding 0 * inf = NaN with -inf logits).
 # ----------------------------------------------------------------------------
 
+
 def _transform(x, scaling: float, softcap: float):
-  """z(x) in float32: Cohere scaling, then Gemma-2 softcapping."""
-  z = x
-  if scaling != 0.0:
-    z = z * scaling
-  if softcap > 0.0:
-    # jnp.tanh lowers to libdevice __nv_tanhf on Triton and maps -inf to -1,
-    # so -inf padding becomes -softcap with a zero derivative.
-    z = softcap * jnp.tanh(z * (1.0 / softcap))
-  return z
+    """z(x) in float32: Cohere scaling, then Gemma-2 softcapping."""
+    z = x
+    if scaling != 0.0:
+        z = z * scaling
+    if softcap > 0.0:
+        # jnp.tanh lowers to libdevice __nv_tanhf on Triton and maps -inf to -1,
+        # so -inf padding becomes -softcap with a zero derivative.
+        z = softcap * jnp.tanh(z * (1.0 / softcap))
+    return z
 
 
 def _dz_dx(z, scaling: float, softcap: float):
-  """dz/dx written with z only, so the backward needs no second tanh."""
-  d = None
-  if softcap > 0.0:
-    t = z * (1.0 / softcap)
-    d = 1.0 - t * t
-  if scaling != 0.0:
-    d = scaling if d is None else d * scaling
-  return d
+    """dz/dx written with z only, so the backward needs no second tanh."""
+    d = None
+    if softcap > 0.0:
+        t = z * (1.0 / softcap)
+        d = 1.0 - t * t
+    if scaling != 0.0:
+        d = scaling if d is None else d * scaling
+    return d
 
 
-def _forward_kernel(x_ref, y_ref, m_ref, s_ref, sz_ref, *, vocab: int,
-                    chunk: int, block: int, ignore_index: int | None,
-                    scaling: float, softcap: float, need_sum_z: bool):
-  # x_ref: this row's chunk, shape (chunk,); the last chunk may run past V.
-  base = pl.program_id(1) * chunk
-  # Python ints stay int32 here even with jax_enable_x64 (explicit int32).
-  n_tiles = _cdiv(jnp.minimum(vocab - base, chunk), jnp.int32(block))
-  if ignore_index is not None:
-    # An ignored row reads nothing: its partial stays (-inf, 0, 0), so its lse
-    # is -inf, which finish and backward never use (they write 0 there).
-    n_tiles = jnp.where(y_ref[...] == ignore_index, 0, n_tiles)
-  neg_inf = jnp.float32(-jnp.inf)
+def _forward_kernel(
+    x_ref,
+    y_ref,
+    m_ref,
+    s_ref,
+    sz_ref,
+    *,
+    vocab: int,
+    chunk: int,
+    block: int,
+    ignore_index: int | None,
+    scaling: float,
+    softcap: float,
+    need_sum_z: bool,
+):
+    # x_ref: this row's chunk, shape (chunk,); the last chunk may run past V.
+    base = pl.program_id(1) * chunk
+    # Python ints stay int32 here even with jax_enable_x64 (explicit int32).
+    n_tiles = _cdiv(jnp.minimum(vocab - base, chunk), jnp.int32(block))
+    if ignore_index is not None:
+        # An ignored row reads nothing: its partial stays (-inf, 0, 0), so its lse
+        # is -inf, which finish and backward never use (they write 0 there).
+        n_tiles = jnp.where(y_ref[...] == ignore_index, 0, n_tiles)
+    neg_inf = jnp.float32(-jnp.inf)
 
-  def body(k, carry):
-    m, s, sz = carry
-    start = k * block
-    cols = base + start + jnp.arange(block, dtype=jnp.int32)
+    def body(k, carry):
+        m, s, sz = carry
+        start = k * block
+        cols = base + start + jnp.arange(block, dtype=jnp.int32)
+        mask = cols < vocab
+        x = plgpu.load(x_ref.at[pl.ds(start, block)], mask=mask, other=-jnp.inf).astype(jnp.float32)
+        # Re-mask after the transform: softcap maps the -inf filler to -softcap.
+        z = jnp.where(mask, _transform(x, scaling, softcap), neg_inf)
+        # One exp per element: take the tile max first, rescale the scalar sum.
+        m_new = jnp.maximum(m, jnp.max(z))
+        # A tile (and everything so far) at -inf: shift by 0, not by -inf, so
+        # exp(-inf - -inf) = NaN never appears; +inf/NaN rows still give NaN.
+        m_safe = jnp.where(m_new == neg_inf, 0.0, m_new)
+        s = s * jnp.exp(m - m_safe) + jnp.sum(jnp.exp(z - m_safe))
+        if need_sum_z:
+            sz = sz + jnp.sum(jnp.where(mask, z, 0.0))
+        return m_new, s, sz
+
+    zero = jnp.float32(0.0)
+    m, s, sz = jax.lax.fori_loop(0, n_tiles, body, (neg_inf, zero, zero))
+    # 0-d blocks: one scalar per (row, chunk) in the [N, C] partial buffers.
+    plgpu.store(m_ref, m)
+    plgpu.store(s_ref, s)
+    plgpu.store(sz_ref, sz)
+
+
+def _finish_kernel(
+    m_ref,
+    s_ref,
+    sz_ref,
+    y_ref,
+    x_ref,
+    loss_ref,
+    lse_ref,
+    *,
+    vocab: int,
+    n_chunks: int,
+    ignore_index: int | None,
+    scaling: float,
+    softcap: float,
+    smoothing: float,
+    z_loss: float,
+):
+    c_pad = _next_pow2(n_chunks)
+    cmask = jnp.arange(c_pad) < n_chunks
+    m = plgpu.load(m_ref.at[pl.ds(0, c_pad)], mask=cmask, other=-jnp.inf)
+    s = plgpu.load(s_ref.at[pl.ds(0, c_pad)], mask=cmask, other=0.0)
+    big_m = jnp.max(m)
+    m_safe = jnp.where(big_m == -jnp.inf, 0.0, big_m)
+    lse = m_safe + jnp.log(jnp.sum(s * jnp.exp(m - m_safe)))
+
+    y = y_ref[...]
+    in_range = (y >= 0) & (y < vocab)
+    # The one read of the label logit: a masked scalar load whose address is
+    # clamped as well, so a bad label never touches memory.
+    y_safe = jnp.where(in_range, y, 0)
+    x_y = plgpu.load(x_ref.at[y_safe], mask=in_range, other=0.0)
+    z_y = _transform(x_y.astype(jnp.float32), scaling, softcap)
+
+    loss = jnp.float32(0.0)
+    if smoothing != 1.0:
+        loss = loss + (1.0 - smoothing) * (lse - z_y)
+    if smoothing != 0.0:
+        sum_z = jnp.sum(plgpu.load(sz_ref.at[pl.ds(0, c_pad)], mask=cmask, other=0.0))
+        loss = loss + smoothing * (lse - sum_z * (1.0 / vocab))
+    if z_loss != 0.0:
+        loss = loss + z_loss * lse * lse
+    loss = jnp.where(in_range, loss, jnp.nan)
+    if ignore_index is not None:
+        loss = jnp.where(y == ignore_index, 0.0, loss)
+    plgpu.store(loss_ref, loss)
+    plgpu.store(lse_ref, lse)
+
+
+def _backward_kernel(
+    x_ref,
+    y_ref,
+    lse_ref,
+    g_ref,
+    dx_ref,
+    *,
+    vocab: int,
+    block: int,
+    ignore_index: int | None,
+    scaling: float,
+    softcap: float,
+    smoothing: float,
+    z_loss: float,
+):
+    cols = pl.program_id(1) * block + jnp.arange(block, dtype=jnp.int32)
     mask = cols < vocab
-    x = plgpu.load(x_ref.at[pl.ds(start, block)], mask=mask,
-                   other=-jnp.inf).astype(jnp.float32)
-    # Re-mask after the transform: softcap maps the -inf filler to -softcap.
-    z = jnp.where(mask, _transform(x, scaling, softcap), neg_inf)
-    # One exp per element: take the tile max first, rescale the scalar sum.
-    m_new = jnp.maximum(m, jnp.max(z))
-    # A tile (and everything so far) at -inf: shift by 0, not by -inf, so
-    # exp(-inf - -inf) = NaN never appears; +inf/NaN rows still give NaN.
-    m_safe = jnp.where(m_new == neg_inf, 0.0, m_new)
-    s = s * jnp.exp(m - m_safe) + jnp.sum(jnp.exp(z - m_safe))
-    if need_sum_z:
-      sz = sz + jnp.sum(jnp.where(mask, z, 0.0))
-    return m_new, s, sz
-
-  zero = jnp.float32(0.0)
-  m, s, sz = jax.lax.fori_loop(0, n_tiles, body, (neg_inf, zero, zero))
-  # 0-d blocks: one scalar per (row, chunk) in the [N, C] partial buffers.
-  plgpu.store(m_ref, m)
-  plgpu.store(s_ref, s)
-  plgpu.store(sz_ref, sz)
-
-
-def _finish_kernel(m_ref, s_ref, sz_ref, y_ref, x_ref, loss_ref, lse_ref, *,
-                   vocab: int, n_chunks: int, ignore_index: int | None,
-                   scaling: float, softcap: float, smoothing: float,
-                   z_loss: float):
-  c_pad = _next_pow2(n_chunks)
-  cmask = jnp.arange(c_pad) < n_chunks
-  m = plgpu.load(m_ref.at[pl.ds(0, c_pad)], mask=cmask, other=-jnp.inf)
-  s = plgpu.load(s_ref.at[pl.ds(0, c_pad)], mask=cmask, other=0.0)
-  big_m = jnp.max(m)
-  m_safe = jnp.where(big_m == -jnp.inf, 0.0, big_m)
-  lse = m_safe + jnp.log(jnp.sum(s * jnp.exp(m - m_safe)))
-
-  y = y_ref[...]
-  in_range = (y >= 0) & (y < vocab)
-  # The one read of the label logit: a masked scalar load whose address is
-  # clamped as well, so a bad label never touches memory.
-  y_safe = jnp.where(in_range, y, 0)
-  x_y = plgpu.load(x_ref.at[y_safe], mask=in_range, other=0.0)
-  z_y = _transform(x_y.astype(jnp.float32), scaling, softcap)
-
-  loss = jnp.float32(0.0)
-  if smoothing != 1.0:
-    loss = loss + (1.0 - smoothing) * (lse - z_y)
-  if smoothing != 0.0:
-    sum_z = jnp.sum(plgpu.load(sz_ref.at[pl.ds(0, c_pad)], mask=cmask,
-                               other=0.0))
-    loss = loss + smoothing * (lse - sum_z * (1.0 / vocab))
-  if z_loss != 0.0:
-    loss = loss + z_loss * lse * lse
-  loss = jnp.where(in_range, loss, jnp.nan)
-  if ignore_index is not None:
-    loss = jnp.where(y == ignore_index, 0.0, loss)
-  plgpu.store(loss_ref, loss)
-  plgpu.store(lse_ref, lse)
-
-
-def _backward_kernel(x_ref, y_ref, lse_ref, g_ref, dx_ref, *, vocab: int,
-                     block: int, ignore_index: int | None, scaling: float,
-                     softcap: float, smoothing: float, z_loss: float):
-  cols = pl.program_id(1) * block + jnp.arange(block, dtype=jnp.int32)
-  mask = cols < vocab
-  y = y_ref[...]
-  # An ignored row loads nothing (all lanes masked); its gradient is 0 below.
-  read = mask if ignore_index is None else mask & (y != ignore_index)
-  x = plgpu.load(x_ref.at[pl.ds(0, block)], mask=read,
-                 other=0.0).astype(jnp.float32)
-  lse = lse_ref[...]
-  z = _transform(x, scaling, softcap)
-  p = jnp.exp(z - lse)
-  if z_loss != 0.0:
-    p = p * (1.0 + 2.0 * z_loss * lse)
-  d = p - jnp.where(cols == y, 1.0 - smoothing, 0.0)
-  if smoothing != 0.0:
-    d = d - smoothing / vocab
-  dz = _dz_dx(z, scaling, softcap)
-  if dz is not None:
-    d = d * dz
-  d = d * g_ref[...]
-  # Out-of-range label: the whole gradient row is NaN, like its loss.
-  d = jnp.where((y >= 0) & (y < vocab), d, jnp.nan)
-  if ignore_index is not None:
-    d = jnp.where(y == ignore_index, 0.0, d)
-  plgpu.store(dx_ref.at[pl.ds(0, block)], d.astype(dx_ref.dtype), mask=mask)
+    y = y_ref[...]
+    # An ignored row loads nothing (all lanes masked); its gradient is 0 below.
+    read = mask if ignore_index is None else mask & (y != ignore_index)
+    x = plgpu.load(x_ref.at[pl.ds(0, block)], mask=read, other=0.0).astype(jnp.float32)
+    lse = lse_ref[...]
+    z = _transform(x, scaling, softcap)
+    p = jnp.exp(z - lse)
+    if z_loss != 0.0:
+        p = p * (1.0 + 2.0 * z_loss * lse)
+    d = p - jnp.where(cols == y, 1.0 - smoothing, 0.0)
+    if smoothing != 0.0:
+        d = d - smoothing / vocab
+    dz = _dz_dx(z, scaling, softcap)
+    if dz is not None:
+        d = d * dz
+    d = d * g_ref[...]
+    # Out-of-range label: the whole gradient row is NaN, like its loss.
+    d = jnp.where((y >= 0) & (y < vocab), d, jnp.nan)
+    if ignore_index is not None:
+        d = jnp.where(y == ignore_index, 0.0, d)
+    plgpu.store(dx_ref.at[pl.ds(0, block)], d.astype(dx_ref.dtype), mask=mask)
 
 
 # ----------------------------------------------------------------------------
 # Launchers.
 # ----------------------------------------------------------------------------
 
+
 def _ignore_index_for(labels, ignore_index: int) -> int | None:
-  """ignore_index, or None when no label of this dtype can equal it."""
-  info = jnp.iinfo(labels.dtype)
-  return ignore_index if info.min <= ignore_index <= info.max else None
+    """ignore_index, or None when no label of this dtype can equal it."""
+    info = jnp.iinfo(labels.dtype)
+    return ignore_index if info.min <= ignore_index <= info.max else None
 
 
-def forward(logits, labels, *, ignore_index: int, scaling: float,
-            softcap: float, smoothing: float, z_loss: float,
-            interpret: bool):
-  """Per-token loss and lse, both float32 (N,), of logits (N, V)."""
-  n, vocab = logits.shape
-  block, chunk, warps = forward_config(n, vocab)
-  n_chunks = _cdiv(vocab, chunk)
-  ignore = _ignore_index_for(labels, ignore_index)
-  f32 = jnp.float32
-  part = jax.ShapeDtypeStruct((n, n_chunks), f32)
-  part_spec = pl.BlockSpec((None, None), lambda i, j: (i, j))
-  fwd = pl.pallas_call(
-      functools.partial(_forward_kernel, vocab=vocab, chunk=chunk,
-                        block=block, ignore_index=ignore, scaling=scaling,
-                        softcap=softcap, need_sum_z=smoothing != 0.0),
-      grid=(n, n_chunks),
-      in_specs=[pl.BlockSpec((None, chunk), lambda i, j: (i, j)),
-                pl.BlockSpec((None,), lambda i, j: (i,))],
-      out_specs=[part_spec] * 3,
-      out_shape=[part] * 3,
-      compiler_params=plgpu.CompilerParams(num_warps=warps,
-                                           num_stages=FWD_NUM_STAGES),
-      interpret=interpret,
-      name="fastce_forward",
-  )
-  row_spec = pl.BlockSpec((None,), lambda i: (i,))
-  parts_spec = pl.BlockSpec((None, n_chunks), lambda i: (i, 0))
-  finish = pl.pallas_call(
-      functools.partial(_finish_kernel, vocab=vocab, n_chunks=n_chunks,
-                        ignore_index=ignore, scaling=scaling, softcap=softcap,
-                        smoothing=smoothing, z_loss=z_loss),
-      grid=(n,),
-      in_specs=[parts_spec] * 3 + [
-          row_spec, pl.BlockSpec((None, vocab), lambda i: (i, 0))],
-      out_specs=[row_spec, row_spec],
-      out_shape=[jax.ShapeDtypeStruct((n,), f32)] * 2,
-      compiler_params=plgpu.CompilerParams(num_warps=FINISH_NUM_WARPS,
-                                           num_stages=1),
-      interpret=interpret,
-      name="fastce_finish",
-  )
-  with _quiet_triton(interpret):
-    m, s, sz = fwd(logits, labels)
-    loss, lse = finish(m, s, sz, labels, logits)
-  return loss, lse
+def forward(
+    logits,
+    labels,
+    *,
+    ignore_index: int,
+    scaling: float,
+    softcap: float,
+    smoothing: float,
+    z_loss: float,
+    interpret: bool,
+):
+    """Per-token loss and lse, both float32 (N,), of logits (N, V)."""
+    n, vocab = logits.shape
+    block, chunk, warps = forward_config(n, vocab)
+    n_chunks = _cdiv(vocab, chunk)
+    ignore = _ignore_index_for(labels, ignore_index)
+    f32 = jnp.float32
+    part = jax.ShapeDtypeStruct((n, n_chunks), f32)
+    part_spec = pl.BlockSpec((None, None), lambda i, j: (i, j))
+    fwd = pl.pallas_call(
+        functools.partial(
+            _forward_kernel,
+            vocab=vocab,
+            chunk=chunk,
+            block=block,
+            ignore_index=ignore,
+            scaling=scaling,
+            softcap=softcap,
+            need_sum_z=smoothing != 0.0,
+        ),
+        grid=(n, n_chunks),
+        in_specs=[pl.BlockSpec((None, chunk), lambda i, j: (i, j)), pl.BlockSpec((None,), lambda i, j: (i,))],
+        out_specs=[part_spec] * 3,
+        out_shape=[part] * 3,
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=FWD_NUM_STAGES),
+        interpret=interpret,
+        name="fastce_forward",
+    )
+    row_spec = pl.BlockSpec((None,), lambda i: (i,))
+    parts_spec = pl.BlockSpec((None, n_chunks), lambda i: (i, 0))
+    finish = pl.pallas_call(
+        functools.partial(
+            _finish_kernel,
+            vocab=vocab,
+            n_chunks=n_chunks,
+            ignore_index=ignore,
+            scaling=scaling,
+            softcap=softcap,
+            smoothing=smoothing,
+            z_loss=z_loss,
+        ),
+        grid=(n,),
+        in_specs=[parts_spec] * 3 + [row_spec, pl.BlockSpec((None, vocab), lambda i: (i, 0))],
+        out_specs=[row_spec, row_spec],
+        out_shape=[jax.ShapeDtypeStruct((n,), f32)] * 2,
+        compiler_params=plgpu.CompilerParams(num_warps=FINISH_NUM_WARPS, num_stages=1),
+        interpret=interpret,
+        name="fastce_finish",
+    )
+    with _quiet_triton(interpret):
+        m, s, sz = fwd(logits, labels)
+        loss, lse = finish(m, s, sz, labels, logits)
+    return loss, lse
 
 
-def backward(logits, labels, lse, g, *, ignore_index: int, scaling: float,
-             softcap: float, smoothing: float, z_loss: float, inplace: bool,
-             interpret: bool):
-  """dL/dlogits (N, V) in logits' dtype; g is the per-token upstream (N,)."""
-  n, vocab = logits.shape
-  block, warps = backward_config(vocab)
-  row_spec = pl.BlockSpec((None,), lambda i, j: (i,))
-  tile_spec = pl.BlockSpec((None, block), lambda i, j: (i, j))
-  bwd = pl.pallas_call(
-      functools.partial(_backward_kernel, vocab=vocab, block=block,
-                        ignore_index=_ignore_index_for(labels, ignore_index),
-                        scaling=scaling, softcap=softcap, smoothing=smoothing,
-                        z_loss=z_loss),
-      grid=(n, _cdiv(vocab, block)),
-      in_specs=[tile_spec, row_spec, row_spec, row_spec],
-      out_specs=tile_spec,
-      out_shape=jax.ShapeDtypeStruct(logits.shape, logits.dtype),
-      # Each program reads its tile before writing the same tile, so the
-      # gradient may overwrite the logits residual (XLA copies when it can't).
-      input_output_aliases={0: 0} if inplace else {},
-      compiler_params=plgpu.CompilerParams(num_warps=warps,
-                                           num_stages=BWD_NUM_STAGES),
-      interpret=interpret,
-      name="fastce_backward",
-  )
-  with _quiet_triton(interpret):
-    return bwd(logits, labels, lse, g.astype(jnp.float32))
+def backward(
+    logits,
+    labels,
+    lse,
+    g,
+    *,
+    ignore_index: int,
+    scaling: float,
+    softcap: float,
+    smoothing: float,
+    z_loss: float,
+    inplace: bool,
+    interpret: bool,
+):
+    """dL/dlogits (N, V) in logits' dtype; g is the per-token upstream (N,)."""
+    n, vocab = logits.shape
+    block, warps = backward_config(vocab)
+    row_spec = pl.BlockSpec((None,), lambda i, j: (i,))
+    tile_spec = pl.BlockSpec((None, block), lambda i, j: (i, j))
+    bwd = pl.pallas_call(
+        functools.partial(
+            _backward_kernel,
+            vocab=vocab,
+            block=block,
+            ignore_index=_ignore_index_for(labels, ignore_index),
+            scaling=scaling,
+            softcap=softcap,
+            smoothing=smoothing,
+            z_loss=z_loss,
+        ),
+        grid=(n, _cdiv(vocab, block)),
+        in_specs=[tile_spec, row_spec, row_spec, row_spec],
+        out_specs=tile_spec,
+        out_shape=jax.ShapeDtypeStruct(logits.shape, logits.dtype),
+        # Each program reads its tile before writing the same tile, so the
+        # gradient may overwrite the logits residual (XLA copies when it can't).
+        input_output_aliases={0: 0} if inplace else {},
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=BWD_NUM_STAGES),
+        interpret=interpret,
+        name="fastce_backward",
+    )
+    with _quiet_triton(interpret):
+        return bwd(logits, labels, lse, g.astype(jnp.float32))
 
 
 def uses_int64_offsets(n_rows: int, vocab: int, dtype) -> bool:
-  """Whether Pallas-Triton emits 64-bit offsets for an (n_rows, vocab) operand
-  (mirrors the lowering's rule; documented for the 64-bit-offset test)."""
-  return n_rows * vocab * jnp.dtype(dtype).itemsize > 2**32
-
-
+    """Whether Pallas-Triton emits 64-bit offsets for an (n_rows, vocab) operand
+    (mirrors the lowering's rule; documented for the 64-bit-offset test)."""
+    return n_rows * vocab * jnp.dtype(dtype).itemsize > 2**32

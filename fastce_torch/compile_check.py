@@ -1,7 +1,8 @@
 """Compile every kernel variant for the H200 (sm_90) without a GPU: `python -m fastce_torch.compile_check`.
 
 Triton's interpreter checks none of the GPU's rules (power-of-two blocks, supported ops, layouts); the real
-compiler down to PTX and SASS does. Run with TRITON_INTERPRET=0 (fastce_torch turns the interpreter on by default on machines without a GPU).
+compiler down to PTX and SASS does. Run with TRITON_INTERPRET=0 (fastce_torch turns the interpreter on by default
+on machines without a GPU).
 """
 
 import itertools
@@ -10,9 +11,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from .cross_entropy import (BACKWARD_BLOCK, BACKWARD_WARPS, FORWARD_BLOCK, FORWARD_WARPS_FEW_PROGRAMS,
-                            ROWS_PER_GROUP)
 from . import kernels
+from .cross_entropy import BACKWARD_BLOCK, BACKWARD_WARPS, FORWARD_BLOCK, FORWARD_WARPS_FEW_PROGRAMS, ROWS_PER_GROUP
 
 H200 = GPUTarget("cuda", 90, 32)
 POINTER = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16"}
@@ -37,21 +37,65 @@ def variants():
         for block, warps in ((FORWARD_BLOCK, 4), (FORWARD_BLOCK, FORWARD_WARPS_FEW_PROGRAMS), (1024, 4)):
             reductions = ((False, 0), (True, 0), (True, 1), (True, 2)) if flag_set == FLAG_SETS[0] else ((True, 0),)
             for reduce, denominator in reductions:
-                yield kernels._forward_kernel, dict(
-                    logits_ptr=logits, logits_row_stride=index, labels_ptr="*i64", loss_ptr="*fp32",
-                    lse_ptr="*fp32", max_ptr="*fp32", sumexp_ptr="*fp32", sumz_ptr="*fp32", arrivals_ptr="*i32",
-                    group_partials_ptr="*fp32", reduced_ptr="*fp32", denominator_ptr="*fp32", n_rows="i32", V="i32",
-                    chunk_width="i32",
-                    n_chunks="i32", ignore_index="i32", scaling="fp32", softcap="fp32", label_smoothing="fp32",
-                    z_loss="fp32", denominator_value="fp32",
-                ), dict(BLOCK=block, CHUNKS_BLOCK=4, REDUCE=reduce, DENOMINATOR=denominator, ROWS_BLOCK=1024,
+                yield (
+                    kernels._forward_kernel,
+                    dict(
+                        logits_ptr=logits,
+                        logits_row_stride=index,
+                        labels_ptr="*i64",
+                        loss_ptr="*fp32",
+                        lse_ptr="*fp32",
+                        max_ptr="*fp32",
+                        sumexp_ptr="*fp32",
+                        sumz_ptr="*fp32",
+                        arrivals_ptr="*i32",
+                        group_partials_ptr="*fp32",
+                        reduced_ptr="*fp32",
+                        denominator_ptr="*fp32",
+                        n_rows="i32",
+                        V="i32",
+                        chunk_width="i32",
+                        n_chunks="i32",
+                        ignore_index="i32",
+                        scaling="fp32",
+                        softcap="fp32",
+                        label_smoothing="fp32",
+                        z_loss="fp32",
+                        denominator_value="fp32",
+                    ),
+                    dict(
+                        BLOCK=block,
+                        CHUNKS_BLOCK=4,
+                        REDUCE=reduce,
+                        DENOMINATOR=denominator,
+                        ROWS_BLOCK=1024,
                         ROWS_PER_GROUP=ROWS_PER_GROUP,
-                        **flags), warps
-        yield kernels._backward_kernel, dict(
-            logits_ptr=logits, logits_row_stride=index, grad_ptr=logits, grad_row_stride=index, labels_ptr="*i64",
-            lse_ptr="*fp32", grad_loss_ptr="*fp32", grad_loss_stride="i32", denominator_ptr="*fp32", V="i32",
-            ignore_index="i32", scaling="fp32", softcap="fp32", label_smoothing="fp32", z_loss="fp32",
-        ), dict(BLOCK=BACKWARD_BLOCK, HAS_DENOMINATOR=flag_set == FLAG_SETS[0], **flags), BACKWARD_WARPS
+                        **flags,
+                    ),
+                    warps,
+                )
+        yield (
+            kernels._backward_kernel,
+            dict(
+                logits_ptr=logits,
+                logits_row_stride=index,
+                grad_ptr=logits,
+                grad_row_stride=index,
+                labels_ptr="*i64",
+                lse_ptr="*fp32",
+                grad_loss_ptr="*fp32",
+                grad_loss_stride="i32",
+                denominator_ptr="*fp32",
+                V="i32",
+                ignore_index="i32",
+                scaling="fp32",
+                softcap="fp32",
+                label_smoothing="fp32",
+                z_loss="fp32",
+            ),
+            dict(BLOCK=BACKWARD_BLOCK, HAS_DENOMINATOR=flag_set == FLAG_SETS[0], **flags),
+            BACKWARD_WARPS,
+        )
 
 
 def main():

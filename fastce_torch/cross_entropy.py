@@ -31,8 +31,10 @@ ROWS_PER_GROUP = 64  # rows counted per group before the batch-level count (in-k
 
 def _kernels_for(tensor):
     if not tensor.is_cuda and not _kernels.INTERPRETED:
-        raise RuntimeError("the Triton kernels need CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 before "
-                           "triton is first imported, or use backend='reference'")
+        raise RuntimeError(
+            "the Triton kernels need CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 before "
+            "triton is first imported, or use backend='reference'"
+        )
     return _kernels
 
 
@@ -57,12 +59,25 @@ def launch_config(n_rows, vocab):
 
 
 def _flags(logit_scaling, logit_softcapping, label_smoothing, z_loss):
-    return dict(HAS_SCALING=logit_scaling != 0.0, HAS_SOFTCAP=logit_softcapping > 0.0,
-                HAS_SMOOTHING=label_smoothing > 0.0, HAS_Z_LOSS=z_loss != 0.0)
+    return dict(
+        HAS_SCALING=logit_scaling != 0.0,
+        HAS_SOFTCAP=logit_softcapping > 0.0,
+        HAS_SMOOTHING=label_smoothing > 0.0,
+        HAS_Z_LOSS=z_loss != 0.0,
+    )
 
 
-def forward_kernels(logits, labels, ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss,
-                    reduction="none", n_items=None):
+def forward_kernels(
+    logits,
+    labels,
+    ignore_index,
+    logit_softcapping,
+    logit_scaling,
+    label_smoothing,
+    z_loss,
+    reduction="none",
+    n_items=None,
+):
     """Per-token float32 (loss, lse) of a 2-D logits (rows may be strided) and 1-D labels, and for "mean"/"sum"
     `reduced` = [loss, denominator] (else None); one launch."""
     n_rows, vocab = logits.shape
@@ -73,10 +88,10 @@ def forward_kernels(logits, labels, ignore_index, logit_softcapping, logit_scali
     n_partials = n_rows * n_chunks if n_chunks > 1 else 1
     n_groups = _cdiv(n_rows, ROWS_PER_GROUP) if reduce else 0
     buffer = torch.empty(2 * n_rows + 2 + 2 * n_groups + 3 * n_partials, dtype=torch.float32, device=logits.device)
-    loss, lse, reduced = buffer[:n_rows], buffer[n_rows:2 * n_rows], buffer[2 * n_rows:2 * n_rows + 2]
-    group_partials = buffer[2 * n_rows + 2:]  # the kernel uses its first 2 * n_groups floats
+    loss, lse, reduced = buffer[:n_rows], buffer[n_rows : 2 * n_rows], buffer[2 * n_rows : 2 * n_rows + 2]
+    group_partials = buffer[2 * n_rows + 2 :]  # the kernel uses its first 2 * n_groups floats
     partials_start = 2 * n_rows + 2 + 2 * n_groups
-    partials = [buffer[partials_start + i * n_partials:partials_start + (i + 1) * n_partials] for i in range(3)]
+    partials = [buffer[partials_start + i * n_partials : partials_start + (i + 1) * n_partials] for i in range(3)]
     if n_rows == 0:
         return loss, lse, (reduced.copy_(torch.tensor([0.0, 1.0])) if reduce else None)
     # arrivals[row] counts a row's finished chunks, arrivals[N] the finished groups of ROWS_PER_GROUP rows and
@@ -91,18 +106,52 @@ def forward_kernels(logits, labels, ignore_index, logit_softcapping, logit_scali
     else:
         denominator_mode, denominator_value = 1, float(n_items)
     _kernels_for(logits)._forward_kernel[(n_rows, n_chunks)](
-        logits, logits.stride(0), labels, loss, lse, *partials, arrivals, group_partials, reduced, denominator_ptr,
-        n_rows, vocab, chunk, n_chunks, ignore_index, logit_scaling, logit_softcapping, label_smoothing, z_loss,
-        denominator_value, BLOCK=block, CHUNKS_BLOCK=_next_power_of_2(n_chunks), REDUCE=reduce,
-        DENOMINATOR=denominator_mode, ROWS_BLOCK=1024, ROWS_PER_GROUP=ROWS_PER_GROUP, num_warps=warps,
+        logits,
+        logits.stride(0),
+        labels,
+        loss,
+        lse,
+        *partials,
+        arrivals,
+        group_partials,
+        reduced,
+        denominator_ptr,
+        n_rows,
+        vocab,
+        chunk,
+        n_chunks,
+        ignore_index,
+        logit_scaling,
+        logit_softcapping,
+        label_smoothing,
+        z_loss,
+        denominator_value,
+        BLOCK=block,
+        CHUNKS_BLOCK=_next_power_of_2(n_chunks),
+        REDUCE=reduce,
+        DENOMINATOR=denominator_mode,
+        ROWS_BLOCK=1024,
+        ROWS_PER_GROUP=ROWS_PER_GROUP,
+        num_warps=warps,
         num_stages=FORWARD_STAGES,
         **_flags(logit_scaling, logit_softcapping, label_smoothing, z_loss),
     )
     return loss, lse, (reduced if reduce else None)
 
 
-def backward_kernels(grad_loss, logits, labels, lse, grad, ignore_index, logit_softcapping, logit_scaling,
-                     label_smoothing, z_loss, denominator=None):
+def backward_kernels(
+    grad_loss,
+    logits,
+    labels,
+    lse,
+    grad,
+    ignore_index,
+    logit_softcapping,
+    logit_scaling,
+    label_smoothing,
+    z_loss,
+    denominator=None,
+):
     """Writes d(sum_t grad_loss_t * loss_t / denominator)/d logits into `grad`, which may be `logits` itself.
     grad_loss is per token, or 0-d (one upstream scalar for all tokens); denominator a 1-element tensor or None."""
     n_rows, vocab = logits.shape
@@ -110,10 +159,24 @@ def backward_kernels(grad_loss, logits, labels, lse, grad, ignore_index, logit_s
         return grad
     block = min(BACKWARD_BLOCK, _next_power_of_2(vocab))
     _kernels_for(logits)._backward_kernel[(n_rows, _cdiv(vocab, block))](
-        logits, logits.stride(0), grad, grad.stride(0), labels, lse, grad_loss,
-        grad_loss.stride(0) if grad_loss.dim() else 0, lse if denominator is None else denominator,
-        vocab, ignore_index, logit_scaling, logit_softcapping, label_smoothing, z_loss,
-        BLOCK=block, HAS_DENOMINATOR=denominator is not None, num_warps=BACKWARD_WARPS,
+        logits,
+        logits.stride(0),
+        grad,
+        grad.stride(0),
+        labels,
+        lse,
+        grad_loss,
+        grad_loss.stride(0) if grad_loss.dim() else 0,
+        lse if denominator is None else denominator,
+        vocab,
+        ignore_index,
+        logit_scaling,
+        logit_softcapping,
+        label_smoothing,
+        z_loss,
+        BLOCK=block,
+        HAS_DENOMINATOR=denominator is not None,
+        num_warps=BACKWARD_WARPS,
         **_flags(logit_scaling, logit_softcapping, label_smoothing, z_loss),
     )
     return grad
@@ -147,11 +210,20 @@ class _CrossEntropyFunction(torch.autograd.Function):
 
 # --- custom ops for torch.compile: opaque to the compiler, fake implementations for tracing, no graph break ------
 
+
 @torch.library.custom_op("fastce::cross_entropy_forward", mutates_args=())
-def _forward_op(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, logit_softcapping: float,
-                logit_scaling: float, label_smoothing: float, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
-    loss, lse, _ = forward_kernels(logits, labels, ignore_index, logit_softcapping, logit_scaling, label_smoothing,
-                                   z_loss)
+def _forward_op(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    logit_softcapping: float,
+    logit_scaling: float,
+    label_smoothing: float,
+    z_loss: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    loss, lse, _ = forward_kernels(
+        logits, labels, ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss
+    )
     return loss, lse.clone()  # the two share one buffer; a custom op's outputs must not alias each other
 
 
@@ -162,12 +234,21 @@ def _(logits, labels, ignore_index, logit_softcapping, logit_scaling, label_smoo
 
 
 @torch.library.custom_op("fastce::cross_entropy_backward", mutates_args=())
-def _backward_op(grad_loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
-                 ignore_index: int, logit_softcapping: float, logit_scaling: float, label_smoothing: float,
-                 z_loss: float) -> torch.Tensor:
+def _backward_op(
+    grad_loss: torch.Tensor,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int,
+    logit_softcapping: float,
+    logit_scaling: float,
+    label_smoothing: float,
+    z_loss: float,
+) -> torch.Tensor:
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    return backward_kernels(grad_loss, logits, labels, lse, grad, ignore_index, logit_softcapping, logit_scaling,
-                            label_smoothing, z_loss)
+    return backward_kernels(
+        grad_loss, logits, labels, lse, grad, ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss
+    )
 
 
 @_backward_op.register_fake
@@ -192,15 +273,18 @@ torch.library.register_autograd("fastce::cross_entropy_forward", _backward, setu
 
 # --- the contract ----------------------------------------------------------------------------------------------
 
-def _check_arguments(logits, labels, ignore_index, reduction, n_items, logit_softcapping, logit_scaling,
-                     label_smoothing, z_loss, backend):
+
+def _check_arguments(
+    logits, labels, ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
+):
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise TypeError(f"logits must be a floating-point tensor, got {getattr(logits, 'dtype', type(logits))}")
     if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"labels must be an int32 or int64 tensor, got {getattr(labels, 'dtype', type(labels))}")
     if logits.dim() < 1 or tuple(labels.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"labels must have the leading shape of logits: logits {tuple(logits.shape)}, "
-                         f"labels {tuple(labels.shape)}")
+        raise ValueError(
+            f"labels must have the leading shape of logits: logits {tuple(logits.shape)}, labels {tuple(labels.shape)}"
+        )
     if logits.shape[-1] < 1:
         raise ValueError("logits must have a vocabulary dimension of at least 1")
     if labels.device != logits.device:
@@ -225,11 +309,16 @@ def _check_arguments(logits, labels, ignore_index, reduction, n_items, logit_sof
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if not math.isfinite(z_loss):
         raise ValueError(f"z_loss must be finite, got {z_loss}")
-    for name, value in (("logit_softcapping", logit_softcapping), ("logit_scaling", logit_scaling),
-                        ("label_smoothing", label_smoothing), ("z_loss", z_loss)):
+    for name, value in (
+        ("logit_softcapping", logit_softcapping),
+        ("logit_scaling", logit_scaling),
+        ("label_smoothing", label_smoothing),
+        ("z_loss", z_loss),
+    ):
         if value != 0.0 and abs(value) < FLOAT32_TINY:
-            raise ValueError(f"{name}={value} is below float32's normal range (the kernels compute in float32); "
-                             "use 0 to disable it")
+            raise ValueError(
+                f"{name}={value} is below float32's normal range (the kernels compute in float32); use 0 to disable it"
+            )
 
 
 def _validate_labels(labels, vocab, ignore_index):
@@ -237,8 +326,10 @@ def _validate_labels(labels, vocab, ignore_index):
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
     if bool(bad.any()):
         position = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"labels{list(position)} = {int(labels[position])} is outside [0, {vocab}) "
-                         f"and is not ignore_index ({ignore_index})")
+        raise ValueError(
+            f"labels{list(position)} = {int(labels[position])} is outside [0, {vocab}) "
+            f"and is not ignore_index ({ignore_index})"
+        )
 
 
 def _is_intermediate(tensor):
@@ -261,8 +352,9 @@ def _reduce(token_losses, labels, reduction, n_items, ignore_index):
     return token_losses.sum() / denominator
 
 
-def cross_entropy_reference(logits, labels, *, ignore_index=-100, logit_softcapping=0.0, logit_scaling=0.0,
-                            label_smoothing=0.0, z_loss=0.0):
+def cross_entropy_reference(
+    logits, labels, *, ignore_index=-100, logit_softcapping=0.0, logit_scaling=0.0, label_smoothing=0.0, z_loss=0.0
+):
     """Per-token float32 losses of the contract in plain torch (differentiable; used by backend='reference')."""
     ignored = labels == ignore_index
     in_range = (labels >= 0) & (labels < logits.shape[-1])
@@ -283,9 +375,21 @@ def cross_entropy_reference(logits, labels, *, ignore_index=-100, logit_softcapp
     return torch.where(ignored, 0.0, loss)
 
 
-def cross_entropy(logits, labels, *, ignore_index=-100, reduction="mean", n_items=None, logit_softcapping=0.0,
-                  logit_scaling=0.0, label_smoothing=0.0, z_loss=0.0, backend="auto", inplace_backward=True,
-                  validate_labels=False):
+def cross_entropy(
+    logits,
+    labels,
+    *,
+    ignore_index=-100,
+    reduction="mean",
+    n_items=None,
+    logit_softcapping=0.0,
+    logit_scaling=0.0,
+    label_smoothing=0.0,
+    z_loss=0.0,
+    backend="auto",
+    inplace_backward=True,
+    validate_labels=False,
+):
     """Cross-entropy of logits (..., V) against integer labels (...), fused on the GPU.
 
     Returns a float32 scalar ("mean", "sum") or per-token losses shaped like labels ("none"). See CONTRACT.md.
@@ -293,13 +397,28 @@ def cross_entropy(logits, labels, *, ignore_index=-100, reduction="mean", n_item
     logits is an intermediate (non-leaf) tensor, so the loss costs no gradient-sized allocation: the logits are
     consumed by backward. Leaf tensors are never overwritten.
     """
-    _check_arguments(logits, labels, ignore_index, reduction, n_items, logit_softcapping, logit_scaling,
-                     label_smoothing, z_loss, backend)
+    _check_arguments(
+        logits,
+        labels,
+        ignore_index,
+        reduction,
+        n_items,
+        logit_softcapping,
+        logit_scaling,
+        label_smoothing,
+        z_loss,
+        backend,
+    )
     vocab = logits.shape[-1]
     if validate_labels:
         _validate_labels(labels, vocab, ignore_index)
-    options = dict(ignore_index=ignore_index, logit_softcapping=float(logit_softcapping),
-                   logit_scaling=float(logit_scaling), label_smoothing=float(label_smoothing), z_loss=float(z_loss))
+    options = dict(
+        ignore_index=ignore_index,
+        logit_softcapping=float(logit_softcapping),
+        logit_scaling=float(logit_scaling),
+        label_smoothing=float(label_smoothing),
+        z_loss=float(z_loss),
+    )
     use_kernel = backend == "kernel" or (backend == "auto" and logits.is_cuda)
     if use_kernel:
         if logits.dtype not in KERNEL_DTYPES:
@@ -310,8 +429,9 @@ def cross_entropy(logits, labels, *, ignore_index=-100, reduction="mean", n_item
         labels_1d = labels.reshape(-1).contiguous()
         if not torch.compiler.is_compiling():
             inplace = bool(inplace_backward) and _is_intermediate(logits)
-            loss = _CrossEntropyFunction.apply(logits_2d, labels_1d, reduction, n_items, inplace,
-                                               tuple(options.values()))
+            loss = _CrossEntropyFunction.apply(
+                logits_2d, labels_1d, reduction, n_items, inplace, tuple(options.values())
+            )
             return loss.view(labels.shape) if reduction == "none" else loss
         token_losses = _forward_op(logits_2d, labels_1d, *options.values())[0].view(labels.shape)
     else:
@@ -322,22 +442,41 @@ def cross_entropy(logits, labels, *, ignore_index=-100, reduction="mean", n_item
 class CrossEntropyLoss(torch.nn.Module):
     """torch.nn.CrossEntropyLoss's arguments plus fastce's options; classes are on the LAST dimension."""
 
-    def __init__(self, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
-                 logit_softcapping=0.0, logit_scaling=0.0, z_loss=0.0, backend="auto", inplace_backward=True,
-                 validate_labels=False):
+    def __init__(
+        self,
+        weight=None,
+        ignore_index=-100,
+        reduction="mean",
+        label_smoothing=0.0,
+        *,
+        logit_softcapping=0.0,
+        logit_scaling=0.0,
+        z_loss=0.0,
+        backend="auto",
+        inplace_backward=True,
+        validate_labels=False,
+    ):
         super().__init__()
         if weight is not None:
             raise NotImplementedError("class weights are not supported by fastce")
         self.ignore_index = ignore_index
         self.reduction = reduction
-        self.options = dict(label_smoothing=label_smoothing, logit_softcapping=logit_softcapping,
-                            logit_scaling=logit_scaling, z_loss=z_loss, backend=backend,
-                            inplace_backward=inplace_backward, validate_labels=validate_labels)
+        self.options = dict(
+            label_smoothing=label_smoothing,
+            logit_softcapping=logit_softcapping,
+            logit_scaling=logit_scaling,
+            z_loss=z_loss,
+            backend=backend,
+            inplace_backward=inplace_backward,
+            validate_labels=validate_labels,
+        )
 
     def forward(self, input, target, n_items=None):
-        return cross_entropy(input, target, ignore_index=self.ignore_index, reduction=self.reduction,
-                             n_items=n_items, **self.options)
+        return cross_entropy(
+            input, target, ignore_index=self.ignore_index, reduction=self.reduction, n_items=n_items, **self.options
+        )
 
     def extra_repr(self):
         return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, " + ", ".join(
-            f"{k}={v!r}" for k, v in self.options.items())
+            f"{k}={v!r}" for k, v in self.options.items()
+        )

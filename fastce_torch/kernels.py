@@ -48,8 +48,18 @@ def _combine_partials(part_max, part_sum):
 
 
 @triton.jit
-def _token_loss(z_label, label, lse, sum_z, V, ignore_index, label_smoothing, z_loss,
-                HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr):
+def _token_loss(
+    z_label,
+    label,
+    lse,
+    sum_z,
+    V,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+):
     ignored = label == ignore_index
     in_range = (label >= 0) & (label < V)
     loss = lse - z_label
@@ -62,9 +72,21 @@ def _token_loss(z_label, label, lse, sum_z, V, ignore_index, label_smoothing, z_
 
 
 @triton.jit
-def _dloss_dlogits(p, tanh_z, cols, label, lse, V, scaling, label_smoothing, z_loss,
-                   HAS_SCALING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-                   HAS_Z_LOSS: tl.constexpr):
+def _dloss_dlogits(
+    p,
+    tanh_z,
+    cols,
+    label,
+    lse,
+    V,
+    scaling,
+    label_smoothing,
+    z_loss,
+    HAS_SCALING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+):
     """d loss / d x for a tile, from p = softmax(z) and (with soft-capping) tanh of the capped argument:
     dL/dz_j = p_j (1 + 2 z_loss lse) - (1 - eps) [j == y] - eps / V, then the chain rule back to x."""
     if HAS_Z_LOSS:
@@ -84,12 +106,38 @@ def _dloss_dlogits(p, tanh_z, cols, label, lse, V, scaling, label_smoothing, z_l
 
 @triton.jit
 def _forward_kernel(
-    logits_ptr, logits_row_stride, labels_ptr, loss_ptr, lse_ptr,
-    max_ptr, sumexp_ptr, sumz_ptr, arrivals_ptr, group_partials_ptr, reduced_ptr, denominator_ptr,
-    n_rows, V, chunk_width, n_chunks, ignore_index, scaling, softcap, label_smoothing, z_loss, denominator_value,
-    BLOCK: tl.constexpr, CHUNKS_BLOCK: tl.constexpr, HAS_SCALING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, REDUCE: tl.constexpr, DENOMINATOR: tl.constexpr,
-    ROWS_BLOCK: tl.constexpr, ROWS_PER_GROUP: tl.constexpr,
+    logits_ptr,
+    logits_row_stride,
+    labels_ptr,
+    loss_ptr,
+    lse_ptr,
+    max_ptr,
+    sumexp_ptr,
+    sumz_ptr,
+    arrivals_ptr,
+    group_partials_ptr,
+    reduced_ptr,
+    denominator_ptr,
+    n_rows,
+    V,
+    chunk_width,
+    n_chunks,
+    ignore_index,
+    scaling,
+    softcap,
+    label_smoothing,
+    z_loss,
+    denominator_value,
+    BLOCK: tl.constexpr,
+    CHUNKS_BLOCK: tl.constexpr,
+    HAS_SCALING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    REDUCE: tl.constexpr,
+    DENOMINATOR: tl.constexpr,
+    ROWS_BLOCK: tl.constexpr,
+    ROWS_PER_GROUP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -134,16 +182,20 @@ def _forward_kernel(
         if is_last:
             slots = row * n_chunks + tl.arange(0, CHUNKS_BLOCK)
             slot_mask = tl.arange(0, CHUNKS_BLOCK) < n_chunks
-            lse = _combine_partials(tl.load(max_ptr + slots, mask=slot_mask, other=-float("inf"), volatile=True),
-                                    tl.load(sumexp_ptr + slots, mask=slot_mask, other=0.0, volatile=True))
+            lse = _combine_partials(
+                tl.load(max_ptr + slots, mask=slot_mask, other=-float("inf"), volatile=True),
+                tl.load(sumexp_ptr + slots, mask=slot_mask, other=0.0, volatile=True),
+            )
             sum_z = tl.sum(tl.load(sumz_ptr + slots, mask=slot_mask, other=0.0, volatile=True), 0)
     if is_last:
         # The only data-dependent address: loaded only for a label inside [0, V).
         load_label = (label >= 0) & (label < V) & (label != ignore_index)
-        z_label = _transform(tl.load(row_ptr + label, mask=load_label, other=0.0), scaling, softcap, HAS_SCALING,
-                             HAS_SOFTCAP)
-        loss = _token_loss(z_label, label, lse, sum_z, V, ignore_index, label_smoothing, z_loss, HAS_SMOOTHING,
-                           HAS_Z_LOSS)
+        z_label = _transform(
+            tl.load(row_ptr + label, mask=load_label, other=0.0), scaling, softcap, HAS_SCALING, HAS_SOFTCAP
+        )
+        loss = _token_loss(
+            z_label, label, lse, sum_z, V, ignore_index, label_smoothing, z_loss, HAS_SMOOTHING, HAS_Z_LOSS
+        )
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, lse)
         if REDUCE:
@@ -159,21 +211,36 @@ def _forward_kernel(
                 members = tl.arange(0, ROWS_PER_GROUP)
                 rows = group * ROWS_PER_GROUP + members
                 in_group = members < group_size
-                tl.store(group_partials_ptr + group,
-                         tl.sum(tl.load(loss_ptr + rows, mask=in_group, other=0.0, volatile=True), 0))
+                tl.store(
+                    group_partials_ptr + group,
+                    tl.sum(tl.load(loss_ptr + rows, mask=in_group, other=0.0, volatile=True), 0),
+                )
                 if DENOMINATOR == 0:
                     labels = tl.load(labels_ptr + rows, mask=in_group, other=ignore_index)
-                    tl.store(group_partials_ptr + n_groups + group,
-                             tl.sum((labels != ignore_index).to(tl.float32), 0))
+                    tl.store(group_partials_ptr + n_groups + group, tl.sum((labels != ignore_index).to(tl.float32), 0))
                 tl.debug_barrier()
                 if tl.atomic_add(arrivals_ptr + n_rows, 1, sem="acq_rel") == n_groups - 1:
-                    _reduce_losses(group_partials_ptr, reduced_ptr, denominator_ptr, n_groups, denominator_value,
-                                   DENOMINATOR, ROWS_BLOCK)
+                    _reduce_losses(
+                        group_partials_ptr,
+                        reduced_ptr,
+                        denominator_ptr,
+                        n_groups,
+                        denominator_value,
+                        DENOMINATOR,
+                        ROWS_BLOCK,
+                    )
 
 
 @triton.jit
-def _reduce_losses(group_partials_ptr, reduced_ptr, denominator_ptr, n_groups, denominator_value,
-                   DENOMINATOR: tl.constexpr, ROWS_BLOCK: tl.constexpr):
+def _reduce_losses(
+    group_partials_ptr,
+    reduced_ptr,
+    denominator_ptr,
+    n_groups,
+    denominator_value,
+    DENOMINATOR: tl.constexpr,
+    ROWS_BLOCK: tl.constexpr,
+):
     """reduced = [sum of losses / denominator, denominator] from the groups' [loss sums..., kept counts...].
     DENOMINATOR: 0 = the kept-token count (at least 1, so an all-ignored batch gives 0), 1 = denominator_value,
     2 = *denominator_ptr (a device scalar)."""
@@ -184,8 +251,7 @@ def _reduce_losses(group_partials_ptr, reduced_ptr, denominator_ptr, n_groups, d
         in_batch = groups < n_groups
         total += tl.sum(tl.load(group_partials_ptr + groups, mask=in_batch, other=0.0, volatile=True), 0)
         if DENOMINATOR == 0:
-            count += tl.sum(tl.load(group_partials_ptr + n_groups + groups, mask=in_batch, other=0.0,
-                                    volatile=True), 0)
+            count += tl.sum(tl.load(group_partials_ptr + n_groups + groups, mask=in_batch, other=0.0, volatile=True), 0)
     if DENOMINATOR == 0:
         denominator = tl.maximum(count, 1.0)
     elif DENOMINATOR == 1:
@@ -198,11 +264,27 @@ def _reduce_losses(group_partials_ptr, reduced_ptr, denominator_ptr, n_groups, d
 
 @triton.jit
 def _backward_kernel(
-    logits_ptr, logits_row_stride, grad_ptr, grad_row_stride, labels_ptr, lse_ptr,
-    grad_loss_ptr, grad_loss_stride, denominator_ptr,
-    V, ignore_index, scaling, softcap, label_smoothing, z_loss,
-    BLOCK: tl.constexpr, HAS_SCALING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_DENOMINATOR: tl.constexpr,
+    logits_ptr,
+    logits_row_stride,
+    grad_ptr,
+    grad_row_stride,
+    labels_ptr,
+    lse_ptr,
+    grad_loss_ptr,
+    grad_loss_stride,
+    denominator_ptr,
+    V,
+    ignore_index,
+    scaling,
+    softcap,
+    label_smoothing,
+    z_loss,
+    BLOCK: tl.constexpr,
+    HAS_SCALING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_DENOMINATOR: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -224,7 +306,20 @@ def _backward_kernel(
     if HAS_SOFTCAP:
         tanh_z = _tanh(x / softcap)
         x = softcap * tanh_z
-    dx = _dloss_dlogits(tl.exp(x - lse), tanh_z, cols, label, lse, V, scaling, label_smoothing, z_loss,
-                        HAS_SCALING, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS)
+    dx = _dloss_dlogits(
+        tl.exp(x - lse),
+        tanh_z,
+        cols,
+        label,
+        lse,
+        V,
+        scaling,
+        label_smoothing,
+        z_loss,
+        HAS_SCALING,
+        HAS_SOFTCAP,
+        HAS_SMOOTHING,
+        HAS_Z_LOSS,
+    )
     dx = tl.where(ignored, 0.0, dx * grad_loss)
     tl.store(grad_ptr + row * grad_row_stride + cols, dx.to(grad_ptr.dtype.element_ty), mask=in_row)

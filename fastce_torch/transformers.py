@@ -38,8 +38,9 @@ _NOT_OPTIONS = {"logits", "labels", "ignore_index", "reduction", "n_items", "log
 _state = {"original": None, "options": {"backend": "auto", "inplace_backward": True}}
 
 
-def fastce_for_causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
-                              shift_labels=None, **kwargs):
+def fastce_for_causal_lm_loss(
+    logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
+):
     """transformers' ForCausalLMLoss (same signature and semantics) computed by fastce, without upcasting."""
     if shift_labels is None:
         # Position t predicts token t + 1: append one ignored label and drop the first, as transformers does.
@@ -55,8 +56,9 @@ def fastce_for_causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=Non
     if num_items_in_batch.dim() == 0 if torch.is_tensor(num_items_in_batch) else num_items_in_batch > 0:
         # A positive number or a 0-d tensor (int, or float after Trainer divides by the TP/CP size): the kernel
         # divides the sum by it in its own launch, with no extra ops per step.
-        return cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="sum",
-                             n_items=num_items_in_batch, **options)
+        return cross_entropy(
+            logits, shift_labels, ignore_index=ignore_index, reduction="sum", n_items=num_items_in_batch, **options
+        )
     # A 1-element tensor (DataParallel), or a number <= 0: sum, then divide exactly as transformers'
     # fixed_cross_entropy does, so shape and value (inf/NaN for 0) stay transformers'.
     loss = cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="sum", **options)
@@ -88,8 +90,10 @@ def patch_transformers(*, backend="auto", inplace_backward=True, **options):
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     refused = sorted(set(options) & _NOT_OPTIONS)
     if refused:
-        raise TypeError(f"patch_transformers() does not take {refused}: ignore_index, the reduction and "
-                        "num_items_in_batch come from transformers' call, softcapping from the model")
+        raise TypeError(
+            f"patch_transformers() does not take {refused}: ignore_index, the reduction and "
+            "num_items_in_batch come from transformers' call, softcapping from the model"
+        )
     unknown = sorted(set(options) - set(inspect.signature(cross_entropy).parameters))
     if unknown:
         raise TypeError(f"patch_transformers() got unexpected keywords {unknown}")

@@ -1,1 +1,2 @@
-"""Shared numerical suite: fastce_torch and fastce_jax against one float64 reference, tensors exchanged through DLPack."""
+"""Shared numerical suite: fastce_torch and fastce_jax against one float64 reference, tensors exchanged
+through DLPack."""

@@ -36,14 +36,21 @@ def device(request):
             pytest.fail("--gpu given but JAX sees no GPU (is jax[cuda] installed?)")
         return torch.device("cuda")
     if not _torch_kernels.INTERPRETED:
-        pytest.skip("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before triton is imported); "
-                    "on a CUDA machine run with --gpu")
+        pytest.skip(
+            "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before triton is imported); "
+            "on a CUDA machine run with --gpu"
+        )
     return torch.device("cpu")
 
 
-COLUMNS = [("max|loss diff|", "loss_abs_diff", ".3e"), ("max|grad diff|", "grad_abs_diff", ".3e"),
-           ("grad ulps", "grad_diff_ulps", ".1f"), ("pair tol used", "pair_tol_used", ".2f"),
-           ("torch-ref used", "torch_ref_tol_used", ".2f"), ("jax-ref used", "jax_ref_tol_used", ".2f")]
+COLUMNS = [
+    ("max|loss diff|", "loss_abs_diff", ".3e"),
+    ("max|grad diff|", "grad_abs_diff", ".3e"),
+    ("grad ulps", "grad_diff_ulps", ".1f"),
+    ("pair tol used", "pair_tol_used", ".2f"),
+    ("torch-ref used", "torch_ref_tol_used", ".2f"),
+    ("jax-ref used", "jax_ref_tol_used", ".2f"),
+]
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -56,8 +63,10 @@ def pytest_terminal_summary(terminalreporter):
         r = dict(summary.RESULTS[dtype])
         for what in ("pair", "torch_ref", "jax_ref"):
             r[f"{what}_tol_used"] = max(r.get(f"{what}_loss_tol_used", 0.0), r.get(f"{what}_grad_tol_used", 0.0))
-        write(f"{dtype:<10}{r['device']:<7}{r['cases']:>6}"
-              + "".join(f"{r.get(key, float('nan')):>16{fmt}}" for _, key, fmt in COLUMNS))
+        write(
+            f"{dtype:<10}{r['device']:<7}{r['cases']:>6}"
+            + "".join(f"{r.get(key, float('nan')):>16{fmt}}" for _, key, fmt in COLUMNS)
+        )
     write("(absolute differences; 'tol used' = largest |difference| / tolerance, 1.00 = at the limit)")
     path = os.environ.get("FASTCE_SHARED_SUMMARY")
     if path:

@@ -72,7 +72,8 @@ def labels_to_jax(labels):
             raise OverflowError(
                 f"labels{[int(i) for i in position]} = {int(flat[bad])} does not fit int32, and jax without x64 "
                 f"would silently wrap it (to {int(flat[bad].to(torch.int32))}); run under jax.enable_x64(True) "
-                f"or map such labels to ignore_index / an out-of-range int32 value first")
+                f"or map such labels to ignore_index / an out-of-range int32 value first"
+            )
     return to_jax(labels.to(torch.int32))
 
 

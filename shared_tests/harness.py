@@ -43,22 +43,22 @@ class Case:
     """One problem. Labels are drawn in [0, V) and then edited by `ignore` and `bad_labels`."""
 
     name: str
-    shape: tuple = (8,)                # leading shape of logits; labels have this shape
+    shape: tuple = (8,)  # leading shape of logits; labels have this shape
     vocab: int = 1000
     dtype: str = "float32"
     label_dtype: str = "int64"
     reduction: str = "mean"
-    n_items: object = None             # None, a Python number, or ("tensor", value): a 0-d torch tensor
+    n_items: object = None  # None, a Python number, or ("tensor", value): a 0-d torch tensor
     opts: reference.Options = field(default_factory=reference.Options)
-    ignore: str = "some"               # "none", "some" (~1 in 4), "all", "class" (ignore_index = a real class)
-    bad_labels: tuple = ()             # values placed in the first rows: out-of-range labels (NaN by contract)
-    neg_inf: str = ""                  # "tail": last V/8 columns -inf (vocab padding), "scatter": ~10% at random
-    nonfinite_rows: bool = False       # row 0 holds a NaN, row 1 a +inf, row 2 (ignored) a NaN
-    row_pad: int = 0                   # > 0: rows are a view of a (.., V + row_pad) buffer (strided rows)
-    std: float = 2.0                   # logit scale
-    offset: float = 0.0                # added to every logit (lse far from 0)
-    inplace: bool = True               # torch: logits are a non-leaf (in-place backward); jax: inplace_backward
-    jit: bool = False                  # jax: the loss under jax.jit (the backward then runs as a jitted transpose)
+    ignore: str = "some"  # "none", "some" (~1 in 4), "all", "class" (ignore_index = a real class)
+    bad_labels: tuple = ()  # values placed in the first rows: out-of-range labels (NaN by contract)
+    neg_inf: str = ""  # "tail": last V/8 columns -inf (vocab padding), "scatter": ~10% at random
+    nonfinite_rows: bool = False  # row 0 holds a NaN, row 1 a +inf, row 2 (ignored) a NaN
+    row_pad: int = 0  # > 0: rows are a view of a (.., V + row_pad) buffer (strided rows)
+    std: float = 2.0  # logit scale
+    offset: float = 0.0  # added to every logit (lse far from 0)
+    inplace: bool = True  # torch: logits are a non-leaf (in-place backward); jax: inplace_backward
+    jit: bool = False  # jax: the loss under jax.jit (the backward then runs as a jitted transpose)
     seed: int = 0
 
     @property
@@ -68,10 +68,10 @@ class Case:
 
 @dataclass
 class Inputs:
-    logits: torch.Tensor       # (..., V) in the case's dtype, on the device; maybe a strided view
-    labels: torch.Tensor       # (...) int32 / int64
-    upstream: torch.Tensor     # (...) float32 cotangent for reduction "none"
-    n_items: object            # None, a number or a 0-d tensor
+    logits: torch.Tensor  # (..., V) in the case's dtype, on the device; maybe a strided view
+    labels: torch.Tensor  # (...) int32 / int64
+    upstream: torch.Tensor  # (...) float32 cotangent for reduction "none"
+    n_items: object  # None, a number or a 0-d tensor
 
 
 def make_inputs(case, device):
@@ -103,14 +103,14 @@ def make_inputs(case, device):
     ignore_index = case.opts.ignore_index
     if case.ignore == "some" and n:
         mask = torch.rand(n, generator=gen) < 0.25
-        mask[0] = n > 1            # at least one ignored and one counted token whenever there are two
+        mask[0] = n > 1  # at least one ignored and one counted token whenever there are two
         mask[-1] = False
         labels[mask] = ignore_index
     elif case.ignore == "all":
         labels[:] = ignore_index
     elif case.ignore == "class":
         # ignore_index is a real class here: force a few labels onto it, they must be ignored, not scored
-        labels[:: 3] = ignore_index
+        labels[::3] = ignore_index
     for i, value in enumerate(case.bad_labels if n else ()):
         labels[i % n] = value
     if case.nonfinite_rows:
@@ -120,7 +120,7 @@ def make_inputs(case, device):
         x[2, vocab // 4] = float("nan")
         labels[0] = 0 if ignore_index != 0 else 1
         labels[1] = 0 if ignore_index != 0 else 1
-        labels[2] = ignore_index     # an ignored row's NaN must not leak anywhere
+        labels[2] = ignore_index  # an ignored row's NaN must not leak anywhere
 
     label_dtype = {"int64": torch.int64, "int32": torch.int32}[case.label_dtype]
     dtype = TORCH_DTYPES[case.dtype]
@@ -137,13 +137,14 @@ def make_inputs(case, device):
 
 
 def run_reference(case, inputs):
-    x = inputs.logits.detach().to("cpu", torch.float64).numpy()   # exactly the values the kernels read
+    x = inputs.logits.detach().to("cpu", torch.float64).numpy()  # exactly the values the kernels read
     y = inputs.labels.cpu().numpy()
     n_items = inputs.n_items
     if isinstance(n_items, torch.Tensor):
         n_items = n_items.item()
-    return reference.cross_entropy(x, y, reduction=case.reduction, n_items=n_items,
-                                   upstream=inputs.upstream.cpu().numpy(), opts=case.opts)
+    return reference.cross_entropy(
+        x, y, reduction=case.reduction, n_items=n_items, upstream=inputs.upstream.cpu().numpy(), opts=case.opts
+    )
 
 
 def run_torch(case, inputs, **extra):
@@ -154,16 +155,23 @@ def run_torch(case, inputs, **extra):
     # With in-place backward the kernels write the gradient into a non-leaf's buffer (here a copy); the leaf's
     # .grad then arrives through clone's backward.
     x = leaf.clone() if case.inplace else leaf
-    loss = fastce_torch.cross_entropy(x, inputs.labels, reduction=case.reduction, n_items=inputs.n_items,
-                                      backend="kernel", inplace_backward=case.inplace, **case.opts.as_kwargs(),
-                                      **extra)
+    loss = fastce_torch.cross_entropy(
+        x,
+        inputs.labels,
+        reduction=case.reduction,
+        n_items=inputs.n_items,
+        backend="kernel",
+        inplace_backward=case.inplace,
+        **case.opts.as_kwargs(),
+        **extra,
+    )
     assert loss.dtype == torch.float32
     if case.reduction == "none":
         loss.backward(inputs.upstream)
     else:
         loss.backward()
     grad = leaf.grad
-    if grad is None:   # no element reached the loss (zero tokens): the gradient is zero by definition
+    if grad is None:  # no element reached the loss (zero tokens): the gradient is zero by definition
         grad = torch.zeros_like(leaf)
     return loss.detach(), grad
 
@@ -172,6 +180,7 @@ def run_jax(case, inputs):
     """fastce_jax on the very same buffer (zero-copy through DLPack where the layout allows), gradient back to
     torch through DLPack."""
     import jax
+
     import fastce_jax
 
     x = exchange.to_jax(inputs.logits)
@@ -184,8 +193,15 @@ def run_jax(case, inputs):
         n_items = exchange.labels_to_jax(n_items) if not n_items.is_floating_point() else exchange.to_jax(n_items)
 
     def loss_fn(a):
-        return fastce_jax.cross_entropy(a, y, reduction=case.reduction, n_items=n_items, backend="kernel",
-                                        inplace_backward=case.inplace, **case.opts.as_kwargs())
+        return fastce_jax.cross_entropy(
+            a,
+            y,
+            reduction=case.reduction,
+            n_items=n_items,
+            backend="kernel",
+            inplace_backward=case.inplace,
+            **case.opts.as_kwargs(),
+        )
 
     loss, vjp = jax.vjp(jax.jit(loss_fn) if case.jit else loss_fn, x)
     cotangent = exchange.to_jax(inputs.upstream) if case.reduction == "none" else jax.numpy.ones_like(loss)
@@ -204,8 +220,12 @@ def ulp(values, dtype):
 
 
 def as_f64(tensor):
-    return tensor.detach().to("cpu", torch.float32 if tensor.dtype == torch.bfloat16 else tensor.dtype).numpy() \
+    return (
+        tensor.detach()
+        .to("cpu", torch.float32 if tensor.dtype == torch.bfloat16 else tensor.dtype)
+        .numpy()
         .astype(np.float64)
+    )
 
 
 def check(actual, expected, bound, what):
@@ -216,19 +236,23 @@ def check(actual, expected, bound, what):
     nan_a, nan_e = np.isnan(actual), np.isnan(expected)
     assert np.array_equal(nan_a, nan_e), (
         f"{what}: NaN at {np.argwhere(nan_a != nan_e)[:5].tolist()} (actual NaN count {nan_a.sum()}, "
-        f"expected {nan_e.sum()})")
+        f"expected {nan_e.sum()})"
+    )
     inf_e = np.isinf(expected)
     assert np.array_equal(np.isinf(actual), inf_e) and np.array_equal(actual[inf_e], expected[inf_e]), (
-        f"{what}: infinities differ")
+        f"{what}: infinities differ"
+    )
     finite = np.isfinite(expected)
     err = np.where(finite, np.abs(actual - np.where(finite, expected, 0.0)), 0.0)
     bound = np.broadcast_to(bound, err.shape)
     over = err > bound
     if over.any():
         i = np.unravel_index(np.argmax(np.where(over, err / np.maximum(bound, 1e-300), 0.0)), err.shape)
-        raise AssertionError(f"{what}: {int(over.sum())} of {err.size} elements out of tolerance; worst at {i}: "
-                             f"actual {actual[i]!r} expected {expected[i]!r} |diff| {err[i]:.3g} bound "
-                             f"{bound[i]:.3g}")
+        raise AssertionError(
+            f"{what}: {int(over.sum())} of {err.size} elements out of tolerance; worst at {i}: "
+            f"actual {actual[i]!r} expected {expected[i]!r} |diff| {err[i]:.3g} bound "
+            f"{bound[i]:.3g}"
+        )
     if not err.size:
         return 0.0, 0.0
     return float(err.max()), float((err / np.maximum(bound, 1e-300)).max())
@@ -255,6 +279,7 @@ def torch_ulps_reference(inputs, case):
     GPU does: on the CPU a torch bfloat16 gradient is within 1 ulp of the exact value, not half of one. Still within
     1 ulp of JAX's correctly rounded value, so the pair tolerance is unchanged."""
     from fastce_torch import kernels
+
     if case.dtype == "bfloat16" and kernels.INTERPRETED and not inputs.logits.is_cuda:
         return 1.0
     return ULPS_REFERENCE
@@ -265,34 +290,41 @@ def compare(case, inputs, torch_out, jax_out, ref):
     t_loss, t_grad = as_f64(torch_out[0]), as_f64(torch_out[1])
     assert torch_out[1].dtype == inputs.logits.dtype and torch_out[1].shape == inputs.logits.shape
     stats = {}
-    _, stats["torch_ref_loss_tol_used"] = check(t_loss, ref.loss, loss_bound(case, ref, RTOL_REFERENCE),
-                                                "torch loss vs reference")
+    _, stats["torch_ref_loss_tol_used"] = check(
+        t_loss, ref.loss, loss_bound(case, ref, RTOL_REFERENCE), "torch loss vs reference"
+    )
     _, stats["torch_ref_grad_tol_used"] = check(
-        t_grad, ref.grad, grad_bound(case, ref, t_grad, RTOL_REFERENCE, torch_ulps_reference(inputs, case)),
-        "torch grad vs reference")
+        t_grad,
+        ref.grad,
+        grad_bound(case, ref, t_grad, RTOL_REFERENCE, torch_ulps_reference(inputs, case)),
+        "torch grad vs reference",
+    )
     if jax_out is None:
         return
     j_loss, j_grad = as_f64(jax_out[0]), as_f64(jax_out[1])
     assert jax_out[1].dtype == inputs.logits.dtype and jax_out[1].shape == inputs.logits.shape
-    _, stats["jax_ref_loss_tol_used"] = check(j_loss, ref.loss, loss_bound(case, ref, RTOL_REFERENCE),
-                                              "jax loss vs reference")
-    _, stats["jax_ref_grad_tol_used"] = check(j_grad, ref.grad,
-                                              grad_bound(case, ref, j_grad, RTOL_REFERENCE, ULPS_REFERENCE),
-                                              "jax grad vs reference")
+    _, stats["jax_ref_loss_tol_used"] = check(
+        j_loss, ref.loss, loss_bound(case, ref, RTOL_REFERENCE), "jax loss vs reference"
+    )
+    _, stats["jax_ref_grad_tol_used"] = check(
+        j_grad, ref.grad, grad_bound(case, ref, j_grad, RTOL_REFERENCE, ULPS_REFERENCE), "jax grad vs reference"
+    )
     # torch vs jax: the scales still come from the reference (they are magnitudes, not values).
-    stats["loss_abs_diff"], stats["pair_loss_tol_used"] = check(t_loss, j_loss, loss_bound(case, ref, RTOL_PAIR),
-                                                                "torch loss vs jax loss")
+    stats["loss_abs_diff"], stats["pair_loss_tol_used"] = check(
+        t_loss, j_loss, loss_bound(case, ref, RTOL_PAIR), "torch loss vs jax loss"
+    )
     both = np.maximum(np.abs(np.nan_to_num(t_grad)), np.abs(np.nan_to_num(j_grad)))
     stats["grad_abs_diff"], stats["pair_grad_tol_used"] = check(
-        t_grad, j_grad, grad_bound(case, ref, both, RTOL_PAIR, ULPS_PAIR), "torch grad vs jax grad")
+        t_grad, j_grad, grad_bound(case, ref, both, RTOL_PAIR, ULPS_PAIR), "torch grad vs jax grad"
+    )
     # In ulps of the dtype, over the elements that matter: |gradient| >= 1% of the row's largest gradient term
     # (before the softcap factor). Elsewhere cancellation (p_j - eps/V, or 1 - tanh^2 where softcapping
     # saturates) makes an ulp count meaningless although the absolute difference is tiny.
     row_max = np.max(ref.grad_terms, axis=-1, keepdims=True) if ref.grad.size else ref.grad_terms
-    big = np.isfinite(t_grad) & np.isfinite(j_grad) & (np.abs(np.nan_to_num(ref.grad)) >= 0.01 * row_max) & (
-        both > 0)
-    stats["grad_diff_ulps"] = float((np.abs(t_grad - j_grad)[big] / ulp(both[big], case.dtype)).max()) \
-        if big.any() else 0.0
+    big = np.isfinite(t_grad) & np.isfinite(j_grad) & (np.abs(np.nan_to_num(ref.grad)) >= 0.01 * row_max) & (both > 0)
+    stats["grad_diff_ulps"] = (
+        float((np.abs(t_grad - j_grad)[big] / ulp(both[big], case.dtype)).max()) if big.any() else 0.0
+    )
     summary.record(case.dtype, "cuda" if inputs.logits.is_cuda else "cpu", stats)
 
 

@@ -22,20 +22,25 @@ class Options:
     z_loss: float = 0.0
 
     def as_kwargs(self):
-        return dict(ignore_index=self.ignore_index, logit_softcapping=self.logit_softcapping,
-                    logit_scaling=self.logit_scaling, label_smoothing=self.label_smoothing, z_loss=self.z_loss)
+        return dict(
+            ignore_index=self.ignore_index,
+            logit_softcapping=self.logit_softcapping,
+            logit_scaling=self.logit_scaling,
+            label_smoothing=self.label_smoothing,
+            z_loss=self.z_loss,
+        )
 
 
 @dataclass
 class Result:
-    token_loss: np.ndarray   # (N,) per-token loss: 0 where ignored, NaN for bad labels / NaN or +inf rows
-    loss: np.ndarray         # the reduced loss (0-d), or token_loss reshaped like labels for "none"
-    grad: np.ndarray         # (..., V) d loss / d logits, upstream included
-    lse: np.ndarray          # (N,)
-    upstream: np.ndarray     # (N,) d loss / d token_loss_t (1/denominator, 1, or the caller's cotangent)
-    loss_scale: np.ndarray   # (N,) per-token magnitude that bounds the float32 loss error (see error_scales)
-    grad_scale: np.ndarray   # (..., V) per-element magnitude that bounds the float32 gradient error
-    grad_terms: np.ndarray   # (..., V) T * |s| * |g|: the gradient's size before the softcap factor 1 - t^2
+    token_loss: np.ndarray  # (N,) per-token loss: 0 where ignored, NaN for bad labels / NaN or +inf rows
+    loss: np.ndarray  # the reduced loss (0-d), or token_loss reshaped like labels for "none"
+    grad: np.ndarray  # (..., V) d loss / d logits, upstream included
+    lse: np.ndarray  # (N,)
+    upstream: np.ndarray  # (N,) d loss / d token_loss_t (1/denominator, 1, or the caller's cotangent)
+    loss_scale: np.ndarray  # (N,) per-token magnitude that bounds the float32 loss error (see error_scales)
+    grad_scale: np.ndarray  # (..., V) per-element magnitude that bounds the float32 gradient error
+    grad_terms: np.ndarray  # (..., V) T * |s| * |g|: the gradient's size before the softcap factor 1 - t^2
 
 
 def transform(x, opts):
@@ -51,7 +56,7 @@ def dz_dx(x, opts):
     d = np.full_like(x, s)
     if opts.logit_softcapping > 0.0:
         t = np.tanh(x * s / opts.logit_softcapping)
-        d = d * (1.0 - t * t)   # tanh(+-inf) = +-1: padding at -inf has derivative exactly 0
+        d = d * (1.0 - t * t)  # tanh(+-inf) = +-1: padding at -inf has derivative exactly 0
     return d
 
 
@@ -86,7 +91,7 @@ def cross_entropy(logits, labels, *, reduction="mean", n_items=None, upstream=No
     cotangent of the per-token losses (shape of labels), default ones.
     """
     x = np.asarray(logits, dtype=np.float64)
-    y_full = np.asarray(labels).astype(np.int64)   # int64 holds every label either package accepts
+    y_full = np.asarray(labels).astype(np.int64)  # int64 holds every label either package accepts
     lead, vocab = x.shape[:-1], x.shape[-1]
     x = x.reshape(-1, vocab)
     y = y_full.reshape(-1)
@@ -130,13 +135,20 @@ def cross_entropy(logits, labels, *, reduction="mean", n_items=None, upstream=No
         if eps != 0.0:
             dl_dz = dl_dz - eps / vocab
         grad = dl_dz * dz_dx(x, opts) * g[:, None]
-    grad = np.where(in_range[:, None], grad, np.nan)   # a bad label's whole gradient row is NaN, like its loss
+    grad = np.where(in_range[:, None], grad, np.nan)  # a bad label's whole gradient row is NaN, like its loss
     grad = np.where(ignored[:, None], 0.0, grad)
 
     loss_scale, grad_scale, grad_terms = error_scales(z, lse, p, onehot, g, opts)
-    return Result(token_loss=token, loss=loss, grad=grad.reshape((*lead, vocab)), lse=lse, upstream=g,
-                  loss_scale=loss_scale, grad_scale=grad_scale.reshape((*lead, vocab)),
-                  grad_terms=grad_terms.reshape((*lead, vocab)))
+    return Result(
+        token_loss=token,
+        loss=loss,
+        grad=grad.reshape((*lead, vocab)),
+        lse=lse,
+        upstream=g,
+        loss_scale=loss_scale,
+        grad_scale=grad_scale.reshape((*lead, vocab)),
+        grad_terms=grad_terms.reshape((*lead, vocab)),
+    )
 
 
 def error_scales(z, lse, p, onehot, g, opts):
@@ -160,8 +172,11 @@ def error_scales(z, lse, p, onehot, g, opts):
         loss_scale = m * (1.0 + 2.0 * zl * lse_abs)
         s = abs(opts.logit_scaling) if opts.logit_scaling != 0.0 else 1.0
         vocab = z.shape[-1]
-        t = (np.where(np.isfinite(p), p, 0.0) * (1.0 + 2.0 * zl * lse_abs[:, None])
-             + (1.0 - opts.label_smoothing) * onehot + opts.label_smoothing / max(vocab, 1))
+        t = (
+            np.where(np.isfinite(p), p, 0.0) * (1.0 + 2.0 * zl * lse_abs[:, None])
+            + (1.0 - opts.label_smoothing) * onehot
+            + opts.label_smoothing / max(vocab, 1)
+        )
         grad_terms = t * s * np.abs(np.where(np.isfinite(g), g, 0.0))[:, None]
         grad_scale = m[:, None] * grad_terms
     return loss_scale, grad_scale, grad_terms

@@ -38,12 +38,13 @@ def test_round_trip_is_bit_exact_including_special_values(dtype, device):
     """Through a real JAX copy (a new buffer) and back: every bit survives, signed zeros, infinities, subnormals
     and NaN payloads included."""
     info = torch.finfo(dtype)
-    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), info.tiny, info.tiny / 4, -info.max, info.max],
-                           dtype=dtype)
+    special = torch.tensor(
+        [0.0, -0.0, float("inf"), float("-inf"), info.tiny, info.tiny / 4, -info.max, info.max], dtype=dtype
+    )
     values = torch.cat([fresh((64,), dtype, "cpu", seed=1), special]).to(device)
     ints = harness.bits(values).clone()
     nan_payload = {2: 0x7F81 if dtype == torch.bfloat16 else 0x7E01, 4: 0x7FC00123}[values.element_size()]
-    ints[:3] = nan_payload   # quiet NaNs with a payload
+    ints[:3] = nan_payload  # quiet NaNs with a payload
     values = ints.view(dtype)
     copied = jnp.array(exchange.to_jax(values), copy=True)
     back = exchange.to_torch(copied)
@@ -55,14 +56,14 @@ def test_requires_grad_must_be_detached_before_export(device):
     t = fresh((4, 9), torch.float32, device).requires_grad_()
     with pytest.raises(BufferError, match="require"):
         jax.dlpack.from_dlpack(t)
-    a = exchange.to_jax(t)   # detaches: shares the storage, copies nothing
+    a = exchange.to_jax(t)  # detaches: shares the storage, copies nothing
     assert exchange.same_buffer(a, t)
     assert np.array_equal(np.asarray(a), t.detach().cpu().numpy())
 
 
 def test_strided_rows_are_refused_by_jax_and_copied_by_the_helper(device):
     wide = fresh((6, 40), torch.float32, device)
-    rows = wide[:, :33]           # row stride 40 > V = 33: what fastce_torch reads in place
+    rows = wide[:, :33]  # row stride 40 > V = 33: what fastce_torch reads in place
     assert not rows.is_contiguous()
     with pytest.raises(Exception, match="compact"):
         jax.dlpack.from_dlpack(rows)
@@ -104,7 +105,7 @@ def test_int64_is_silently_wrapped_by_jax_without_x64(device):
     try:
         wrapped = np.asarray(jax.dlpack.from_dlpack(labels))
     except Exception:
-        if not labels.is_cuda:   # pinned on the CPU; on the GPU refusing int64 would be fine too
+        if not labels.is_cuda:  # pinned on the CPU; on the GPU refusing int64 would be fine too
             raise
     else:
         assert wrapped.dtype == np.int32 and wrapped.tolist() == [3, 5]
@@ -130,7 +131,7 @@ def test_labels_to_jax_keeps_int64_under_scoped_x64(device):
         a = exchange.labels_to_jax(labels)
         assert a.dtype == jnp.int64 and np.asarray(a).tolist() == [2**40 + 3, -100, 5]
         assert exchange.same_buffer(a, labels)
-    assert not exchange.x64_enabled()   # the scope ended
+    assert not exchange.x64_enabled()  # the scope ended
 
 
 def test_int64_label_beyond_int32_is_nan_in_both_packages(device):
@@ -139,7 +140,7 @@ def test_int64_label_beyond_int32_is_nan_in_both_packages(device):
     fastce_torch = pytest.importorskip("fastce_torch")
     fastce_jax = pytest.importorskip("fastce_jax")
     logits = fresh((3, 50), torch.float32, device, seed=3)
-    labels = torch.tensor([2**40 + 3, 5, -100], device=device)   # wrapped, 2**40 + 3 would be class 3
+    labels = torch.tensor([2**40 + 3, 5, -100], device=device)  # wrapped, 2**40 + 3 would be class 3
     leaf = logits.clone().requires_grad_()
     t_loss = fastce_torch.cross_entropy(leaf, labels, reduction="none", backend="kernel")
     t_loss.backward(torch.ones_like(t_loss))

@@ -39,7 +39,7 @@ def cases(draw):
     shape = list(draw(st.lists(st.integers(1, 4), min_size=ndim, max_size=ndim)))
     if math.prod(shape) > MAX_TOKENS:
         shape = [draw(st.integers(1, MAX_TOKENS))]
-    if draw(st.sampled_from([False] * 7 + [True])):   # no tokens at all, now and then (hypothesis favours 0)
+    if draw(st.sampled_from([False] * 7 + [True])):  # no tokens at all, now and then (hypothesis favours 0)
         shape[draw(st.integers(0, ndim - 1)) % len(shape)] = 0
     shape = tuple(shape)
     n = math.prod(shape)
@@ -56,8 +56,11 @@ def cases(draw):
     reduction = draw(st.sampled_from(["mean", "sum", "none"]))
     n_items = None
     if reduction != "none":
-        n_items = draw(st.one_of(st.none(), st.integers(1, 50), st.floats(0.5, 50.0),
-                                 st.tuples(st.just("tensor"), st.integers(1, 50))))
+        n_items = draw(
+            st.one_of(
+                st.none(), st.integers(1, 50), st.floats(0.5, 50.0), st.tuples(st.just("tensor"), st.integers(1, 50))
+            )
+        )
     bad_values = [v for v in (-1, -7, vocab, vocab + 3, 2**31 - 1, -(2**31)) if v != opts.ignore_index]
     bad_labels = tuple(draw(st.lists(st.sampled_from(bad_values), max_size=2))) if n else ()
     row_pad = draw(st.sampled_from([0, 0, 1, 7]))
@@ -83,8 +86,14 @@ def cases(draw):
     )
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=not RANDOM, database=None, print_blob=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=not RANDOM,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(case=cases())
 def test_fuzz_against_reference(case, device):
     harness.run_case(case, device)

@@ -48,7 +48,7 @@ def test_gradient_matches_finite_differences(opts, reduction):
         plus[idx] += h
         minus[idx] -= h
         numeric[idx] = (scalar(plus) - scalar(minus)) / (2 * h)
-    assert np.all(grad[1] == 0)   # the ignored row
+    assert np.all(grad[1] == 0)  # the ignored row
     np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-8)
 
 
@@ -64,8 +64,9 @@ def test_matches_torch_functional_in_float64(opts, reduction):
     if opts.logit_softcapping:
         z = opts.logit_softcapping * torch.tanh(z / opts.logit_softcapping)
     yt = torch.tensor(y)
-    tokens = torch.nn.functional.cross_entropy(z, yt, ignore_index=opts.ignore_index, reduction="none",
-                                               label_smoothing=opts.label_smoothing)
+    tokens = torch.nn.functional.cross_entropy(
+        z, yt, ignore_index=opts.ignore_index, reduction="none", label_smoothing=opts.label_smoothing
+    )
     kept = (yt != opts.ignore_index).double()
     tokens = tokens + opts.z_loss * torch.logsumexp(z, -1) ** 2 * kept
     expected = tokens.sum() / (kept.sum() if reduction == "mean" else 1.0)
@@ -91,11 +92,11 @@ def test_closed_form_for_equal_logits():
 def test_special_cases():
     vocab = 6
     x, _ = problem(6, vocab, seed=RNG_SEED + 3)
-    x[0, 4:] = -np.inf                 # -inf padding: finite loss, zero gradient there
-    x[1, 2] = np.nan                   # NaN: row 1 NaN
-    x[2, 3] = np.inf                   # +inf: row 2 NaN
-    x[3, 1] = np.nan                   # ignored row holding NaN: 0
-    y = np.array([1, 0, 0, -100, vocab, -3])   # rows 4 and 5: out of range
+    x[0, 4:] = -np.inf  # -inf padding: finite loss, zero gradient there
+    x[1, 2] = np.nan  # NaN: row 1 NaN
+    x[2, 3] = np.inf  # +inf: row 2 NaN
+    x[3, 1] = np.nan  # ignored row holding NaN: 0
+    y = np.array([1, 0, 0, -100, vocab, -3])  # rows 4 and 5: out of range
     ref = cross_entropy(x, y, reduction="none")
     assert np.isfinite(ref.loss[0]) and np.all(ref.grad[0, 4:] == 0) and np.all(np.isfinite(ref.grad[0]))
     assert np.isnan(ref.loss[[1, 2, 4, 5]]).all() and np.isnan(ref.grad[[1, 2, 4, 5]]).all()
@@ -112,8 +113,8 @@ def test_mean_denominators():
     x, y = problem(5, 4, seed=RNG_SEED + 4)
     y[:] = -100
     ref = cross_entropy(x, y)
-    assert ref.loss == 0 and np.all(ref.grad == 0)        # all ignored: 0 / max(1, 0)
-    y = np.array([1, -100, 9, 2, -100])                     # the out-of-range label counts: 3 tokens
+    assert ref.loss == 0 and np.all(ref.grad == 0)  # all ignored: 0 / max(1, 0)
+    y = np.array([1, -100, 9, 2, -100])  # the out-of-range label counts: 3 tokens
     ref = cross_entropy(x, y, reduction="none")
     mean = cross_entropy(x, y)
     assert np.isnan(mean.loss) and mean.upstream[0] == pytest.approx(1 / 3)

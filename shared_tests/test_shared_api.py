@@ -27,13 +27,22 @@ def both(device, logits=None, labels=None, **kwargs):
     x, y = inputs(device)
     x = x if logits is None else logits
     y = y if labels is None else labels
-    jax_kwargs = {k: (exchange.to_jax(v) if v.is_floating_point() else exchange.labels_to_jax(v))
-                  if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    jax_kwargs = {
+        k: (exchange.to_jax(v) if v.is_floating_point() else exchange.labels_to_jax(v))
+        if isinstance(v, torch.Tensor)
+        else v
+        for k, v in kwargs.items()
+    }
     out = []
     for call, a, b, options in (
-            (fastce_torch.cross_entropy, x, y, kwargs),
-            (fastce_jax.cross_entropy, exchange.to_jax(x), exchange.labels_to_jax(y)
-             if y.dtype in (torch.int32, torch.int64) else exchange.to_jax(y), jax_kwargs)):
+        (fastce_torch.cross_entropy, x, y, kwargs),
+        (
+            fastce_jax.cross_entropy,
+            exchange.to_jax(x),
+            exchange.labels_to_jax(y) if y.dtype in (torch.int32, torch.int64) else exchange.to_jax(y),
+            jax_kwargs,
+        ),
+    ):
         try:
             out.append((None, call(a, b, **{"backend": "kernel", **options})))
         except Exception as error:  # noqa: BLE001 - the exception is the result under test
@@ -61,7 +70,7 @@ BAD_ARGUMENTS = [
     bad(dict(n_items=0), ValueError, "n_items"),
     bad(dict(n_items=-2), ValueError, "n_items"),
     bad(dict(ignore_index=1.5), TypeError, "ignore_index"),
-    bad(dict(ignore_index=True), TypeError, "ignore_index"),   # a bool is an int to Python: must be refused
+    bad(dict(ignore_index=True), TypeError, "ignore_index"),  # a bool is an int to Python: must be refused
     bad(dict(n_items=True), TypeError, "n_items"),
 ]
 
@@ -76,8 +85,11 @@ def test_bad_arguments_raise_the_same_error_in_both(kwargs, error, name, device)
 @pytest.mark.parametrize("what", ["int logits", "float labels", "shape mismatch"])
 def test_bad_inputs_raise_the_same_error_in_both(what, device):
     x, y = inputs(device)
-    bad = {"int logits": dict(logits=x.to(torch.int32)), "float labels": dict(labels=y.to(torch.float32)),
-           "shape mismatch": dict(labels=y[:3])}[what]
+    bad = {
+        "int logits": dict(logits=x.to(torch.int32)),
+        "float labels": dict(labels=y.to(torch.float32)),
+        "shape mismatch": dict(labels=y[:3]),
+    }[what]
     error = ValueError if what == "shape mismatch" else TypeError
     results = both(device, **bad)
     for package, (raised, _) in zip(("torch", "jax"), results):
@@ -87,7 +99,7 @@ def test_bad_inputs_raise_the_same_error_in_both(what, device):
 
 def test_validate_labels_names_the_same_first_bad_position(device):
     x, _ = inputs(device, n=6, vocab=10)
-    y = torch.tensor([[1, -100, 3], [4, 2000, -5]], device=device)   # first bad: [1, 1] (2000), then -5
+    y = torch.tensor([[1, -100, 3], [4, 2000, -5]], device=device)  # first bad: [1, 1] (2000), then -5
     results = both(device, logits=x.reshape(2, 3, 10), labels=y, validate_labels=True)
     for package, (raised, _) in zip(("torch", "jax"), results):
         assert isinstance(raised, ValueError), f"{package}: {raised!r}"

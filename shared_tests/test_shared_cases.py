@@ -23,4 +23,3 @@ def test_chunked_vocabulary(case, device):
 @pytest.mark.parametrize("case", GPU_BIG, ids=lambda c: c.id)
 def test_chunked_vocabulary_many_rows(case, device):
     harness.run_case(case, device)
-

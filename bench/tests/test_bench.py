@@ -1,5 +1,6 @@
 """CPU tests of the benchmark's own logic: shapes, floors, the GPU run's orchestration (with the CUDA-only
 timers stubbed, the implementations real), the JSON schema and RESULTS.md. Run: pytest bench/tests"""
+
 import json
 
 import pytest

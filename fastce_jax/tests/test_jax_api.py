@@ -1,4 +1,5 @@
 """Argument checks, validate_labels, and the scoped Triton-deprecation filter."""
+
 import inspect
 import warnings
 
@@ -12,17 +13,23 @@ from fastce_jax import cross_entropy, kernels
 
 
 def test_signature_is_the_contract():
-  params = inspect.signature(cross_entropy).parameters
-  expected = dict(ignore_index=-100, reduction="mean", n_items=None,
-                  logit_softcapping=0.0, logit_scaling=0.0,
-                  label_smoothing=0.0, z_loss=0.0, backend="auto",
-                  inplace_backward=True, validate_labels=False)
-  assert list(params)[:2] == ["logits", "labels"]
-  assert {k: p.default for k, p in params.items()
-          if k not in ("logits", "labels")} == expected
-  assert all(params[k].kind is inspect.Parameter.KEYWORD_ONLY
-             for k in expected)
-  assert fastce_jax.cross_entropy is cross_entropy
+    params = inspect.signature(cross_entropy).parameters
+    expected = dict(
+        ignore_index=-100,
+        reduction="mean",
+        n_items=None,
+        logit_softcapping=0.0,
+        logit_scaling=0.0,
+        label_smoothing=0.0,
+        z_loss=0.0,
+        backend="auto",
+        inplace_backward=True,
+        validate_labels=False,
+    )
+    assert list(params)[:2] == ["logits", "labels"]
+    assert {k: p.default for k, p in params.items() if k not in ("logits", "labels")} == expected
+    assert all(params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in expected)
+    assert fastce_jax.cross_entropy is cross_entropy
 
 
 X = np.random.default_rng(0).standard_normal((4, 10)).astype(np.float32)
@@ -38,8 +45,7 @@ BAD = [
     (dict(reduction="avg"), ValueError, "reduction"),
     (dict(backend="triton"), ValueError, "backend"),
     (dict(logit_softcapping=-1.0), ValueError, "logit_softcapping"),
-    (dict(logit_softcapping=jnp.float32(3.0)), TypeError,
-     "logit_softcapping"),
+    (dict(logit_softcapping=jnp.float32(3.0)), TypeError, "logit_softcapping"),
     (dict(label_smoothing=1.5), ValueError, "label_smoothing"),
     (dict(label_smoothing=-0.1), ValueError, "label_smoothing"),
     (dict(z_loss=float("nan")), ValueError, "z_loss"),
@@ -54,65 +60,63 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("change,error,name", BAD,
-                         ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD)])
+@pytest.mark.parametrize("change,error,name", BAD, ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD)])
 def test_bad_arguments_raise_naming_the_argument(change, error, name):
-  kwargs = dict(logits=X, labels=Y)
-  kwargs.update(change)
-  logits, labels = kwargs.pop("logits"), kwargs.pop("labels")
-  with pytest.raises(error, match=name):
-    cross_entropy(logits, labels, **kwargs)
-  # Also at trace time, under jit, before any kernel runs.
-  # (float64 would become float32 on entering jit without jax_enable_x64.)
-  if logits.ndim != 2 or logits.dtype == np.float64:
-    return
-  with pytest.raises(error, match=name):
-    jax.jit(lambda a, b: cross_entropy(a, b, **kwargs)).trace(logits, labels)
+    kwargs = dict(logits=X, labels=Y)
+    kwargs.update(change)
+    logits, labels = kwargs.pop("logits"), kwargs.pop("labels")
+    with pytest.raises(error, match=name):
+        cross_entropy(logits, labels, **kwargs)
+    # Also at trace time, under jit, before any kernel runs.
+    # (float64 would become float32 on entering jit without jax_enable_x64.)
+    if logits.ndim != 2 or logits.dtype == np.float64:
+        return
+    with pytest.raises(error, match=name):
+        jax.jit(lambda a, b: cross_entropy(a, b, **kwargs)).trace(logits, labels)
 
 
 def test_validate_labels():
-  y = np.array([[1, 2], [-100, 10]], np.int32)
-  x = np.zeros((2, 2, 10), np.float32) + 0.5
-  with pytest.raises(ValueError, match=r"labels\[1, 1\] = 10"):
-    cross_entropy(x, y, validate_labels=True)
-  y[1, 1] = 9
-  loss = cross_entropy(x, y, validate_labels=True, backend="kernel")
-  assert np.isfinite(float(loss))
-  # Traced labels cannot be checked: a clear error, not a silent skip.
-  with pytest.raises(ValueError, match="traced"):
-    jax.jit(lambda a, b: cross_entropy(a, b, validate_labels=True))(x, y)
-  # Only logits are traced under grad: labels still get checked.
-  y[0, 0] = -5
-  with pytest.raises(ValueError, match=r"labels\[0, 0\] = -5"):
-    jax.grad(lambda a: cross_entropy(a, y, validate_labels=True))(x)
+    y = np.array([[1, 2], [-100, 10]], np.int32)
+    x = np.zeros((2, 2, 10), np.float32) + 0.5
+    with pytest.raises(ValueError, match=r"labels\[1, 1\] = 10"):
+        cross_entropy(x, y, validate_labels=True)
+    y[1, 1] = 9
+    loss = cross_entropy(x, y, validate_labels=True, backend="kernel")
+    assert np.isfinite(float(loss))
+    # Traced labels cannot be checked: a clear error, not a silent skip.
+    with pytest.raises(ValueError, match="traced"):
+        jax.jit(lambda a, b: cross_entropy(a, b, validate_labels=True))(x, y)
+    # Only logits are traced under grad: labels still get checked.
+    y[0, 0] = -5
+    with pytest.raises(ValueError, match=r"labels\[0, 0\] = -5"):
+        jax.grad(lambda a: cross_entropy(a, y, validate_labels=True))(x)
 
 
 def test_empty_batch():
-  x = jnp.zeros((0, 10), jnp.bfloat16)
-  y = jnp.zeros((0,), jnp.int32)
-  assert float(cross_entropy(x, y, backend="kernel")) == 0.0
-  assert cross_entropy(x, y, reduction="none", backend="kernel").shape == (0,)
-  g = jax.grad(lambda a: cross_entropy(a, y, backend="kernel"))(x)
-  assert g.shape == (0, 10) and g.dtype == jnp.bfloat16
+    x = jnp.zeros((0, 10), jnp.bfloat16)
+    y = jnp.zeros((0,), jnp.int32)
+    assert float(cross_entropy(x, y, backend="kernel")) == 0.0
+    assert cross_entropy(x, y, reduction="none", backend="kernel").shape == (0,)
+    g = jax.grad(lambda a: cross_entropy(a, y, backend="kernel"))(x)
+    assert g.shape == (0, 10) and g.dtype == jnp.bfloat16
 
 
-MESSAGE = ("The Pallas Triton backend is deprecated and will be removed in a "
-           "future JAX version.")
+MESSAGE = "The Pallas Triton backend is deprecated and will be removed in a future JAX version."
 
 
 def test_triton_deprecation_filter_is_scoped():
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    with kernels._quiet_triton(interpret=True):
-      warnings.warn(MESSAGE, DeprecationWarning)
-      warnings.warn("some other deprecation", DeprecationWarning)
-    warnings.warn(MESSAGE, DeprecationWarning)
-  texts = [str(w.message) for w in caught]
-  assert texts == ["some other deprecation", MESSAGE]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with kernels._quiet_triton(interpret=True):
+            warnings.warn(MESSAGE, DeprecationWarning, stacklevel=1)
+            warnings.warn("some other deprecation", DeprecationWarning, stacklevel=1)
+        warnings.warn(MESSAGE, DeprecationWarning, stacklevel=1)
+    texts = [str(w.message) for w in caught]
+    assert texts == ["some other deprecation", MESSAGE]
 
 
 def test_no_warnings_from_kernels_on_cpu():
-  x = jnp.asarray(X, jnp.bfloat16)
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    jax.value_and_grad(lambda a: cross_entropy(a, Y, backend="kernel"))(x)
+    x = jnp.asarray(X, jnp.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.value_and_grad(lambda a: cross_entropy(a, Y, backend="kernel"))(x)

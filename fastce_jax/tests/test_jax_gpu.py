@@ -1,4 +1,5 @@
 """GPU-only checks (run with --gpu): compiled memory and N*V > 2**31."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,45 +14,43 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("donate", [False, True])
 def test_value_and_grad_temp_memory(device, record_property, capsys, donate):
-  n, v = 8192, 256000
-  x = jax.ShapeDtypeStruct((n, v), jnp.bfloat16)
-  y = jax.ShapeDtypeStruct((n,), jnp.int32)
-  step = jax.jit(jax.value_and_grad(lambda a, b: cross_entropy(a, b)),
-                 donate_argnums=(0,) if donate else ())
-  lowered = step.trace(x, y).lower()
-  assert "__gpu$xla.gpu.triton" in lowered.as_text()  # auto picked the kernels
-  temp = lowered.compile().memory_analysis().temp_size_in_bytes
-  grad_bytes = n * v * 2
-  record_property("temp_size_in_bytes", temp)
-  with capsys.disabled():
-    print(f"\n[fastce_jax] value_and_grad {n}x{v} bf16 donate={donate}: "
-          f"temp {temp / 2**20:.1f} MiB vs gradient {grad_bytes / 2**20:.1f} "
-          "MiB")
-  assert temp <= grad_bytes
+    n, v = 8192, 256000
+    x = jax.ShapeDtypeStruct((n, v), jnp.bfloat16)
+    y = jax.ShapeDtypeStruct((n,), jnp.int32)
+    step = jax.jit(jax.value_and_grad(lambda a, b: cross_entropy(a, b)), donate_argnums=(0,) if donate else ())
+    lowered = step.trace(x, y).lower()
+    assert "__gpu$xla.gpu.triton" in lowered.as_text()  # auto picked the kernels
+    temp = lowered.compile().memory_analysis().temp_size_in_bytes
+    grad_bytes = n * v * 2
+    record_property("temp_size_in_bytes", temp)
+    with capsys.disabled():
+        print(
+            f"\n[fastce_jax] value_and_grad {n}x{v} bf16 donate={donate}: "
+            f"temp {temp / 2**20:.1f} MiB vs gradient {grad_bytes / 2**20:.1f} "
+            "MiB"
+        )
+    assert temp <= grad_bytes
 
 
 def test_more_than_2_31_elements(device):
-  n, v = 8192, 262147
-  assert n * v > 2**31
-  kx, ky = jax.random.split(jax.random.key(0))
-  x = jax.device_put(jax.random.normal(kx, (n, v), jnp.bfloat16), device)
-  y = np.array(jax.random.randint(ky, (n,), 0, v, jnp.int32))  # writable copy
-  y[-1] = v - 1  # the very last element of the array
-  y[-2] = -100
-  labels = jax.device_put(y, device)
+    n, v = 8192, 262147
+    assert n * v > 2**31
+    kx, ky = jax.random.split(jax.random.key(0))
+    x = jax.device_put(jax.random.normal(kx, (n, v), jnp.bfloat16), device)
+    y = np.array(jax.random.randint(ky, (n,), 0, v, jnp.int32))  # writable copy
+    y[-1] = v - 1  # the very last element of the array
+    y[-2] = -100
+    labels = jax.device_put(y, device)
 
-  @jax.jit
-  def run(logits, labels):
-    loss, vjp = jax.vjp(
-        lambda a: cross_entropy(a, labels, reduction="none"), logits)
-    return loss, vjp(jnp.ones_like(loss))[0]
+    @jax.jit
+    def run(logits, labels):
+        loss, vjp = jax.vjp(lambda a: cross_entropy(a, labels, reduction="none"), logits)
+        return loss, vjp(jnp.ones_like(loss))[0]
 
-  loss, g = run(x, labels)
-  rows = np.array([0, 1, n // 2, n - 3, n - 2, n - 1])
-  x_rows = np.asarray(x[rows].astype(jnp.float32), np.float64)
-  ref_loss, ref_g = np_cross_entropy(x_rows, y[rows])
-  assert_close(np.asarray(loss)[rows], ref_loss, rtol=2e-5, atol=2e-5,
-               what="loss")
-  scale = np.abs(ref_g).max()
-  assert_close(np.asarray(g[rows].astype(jnp.float32)), ref_g, rtol=1.6e-2,
-               atol=1.6e-4 * scale, what="grad")
+    loss, g = run(x, labels)
+    rows = np.array([0, 1, n // 2, n - 3, n - 2, n - 1])
+    x_rows = np.asarray(x[rows].astype(jnp.float32), np.float64)
+    ref_loss, ref_g = np_cross_entropy(x_rows, y[rows])
+    assert_close(np.asarray(loss)[rows], ref_loss, rtol=2e-5, atol=2e-5, what="loss")
+    scale = np.abs(ref_g).max()
+    assert_close(np.asarray(g[rows].astype(jnp.float32)), ref_g, rtol=1.6e-2, atol=1.6e-4 * scale, what="grad")

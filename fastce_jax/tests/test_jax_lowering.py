@@ -5,6 +5,7 @@ Pallas-Triton lowering on a CPU-only jaxlib; it rejects what the interpreter
 accepts (non-power-of-two load shapes, unsupported primitives).  The inputs are
 abstract (ShapeDtypeStruct), so even N*V > 2**31 costs nothing.
 """
+
 import importlib
 import re
 
@@ -17,121 +18,120 @@ from fastce_jax import cross_entropy, kernels
 
 # The package's `cross_entropy` attribute is the function; get the module.
 ce_module = importlib.import_module("fastce_jax.cross_entropy")
-ALL = dict(label_smoothing=0.1, z_loss=1e-4, logit_softcapping=30.0,
-           logit_scaling=0.5)
+ALL = dict(label_smoothing=0.1, z_loss=1e-4, logit_softcapping=30.0, logit_scaling=0.5)
 TRITON = "__gpu$xla.gpu.triton"
 
 
 @pytest.fixture
 def compiled(monkeypatch):
-  """Make backend="kernel" pick the compiled (non-interpret) kernels."""
-  monkeypatch.setattr(ce_module, "_interpret", lambda x: False)
+    """Make backend="kernel" pick the compiled (non-interpret) kernels."""
+    monkeypatch.setattr(ce_module, "_interpret", lambda x: False)
 
 
 def lower_value_and_grad(shape, dtype, label_dtype=jnp.int32, **opts):
-  x = jax.ShapeDtypeStruct(shape, dtype)
-  y = jax.ShapeDtypeStruct(shape[:-1], label_dtype)
-  f = jax.value_and_grad(
-      lambda a, b: cross_entropy(a, b, backend="kernel", **opts))
-  return jax.jit(f).trace(x, y).lower(lowering_platforms=("cuda",))
+    x = jax.ShapeDtypeStruct(shape, dtype)
+    y = jax.ShapeDtypeStruct(shape[:-1], label_dtype)
+    f = jax.value_and_grad(lambda a, b: cross_entropy(a, b, backend="kernel", **opts))
+    return jax.jit(f).trace(x, y).lower(lowering_platforms=("cuda",))
 
 
 def triton_modules(lowered):
-  """{kernel name: Triton IR text} of every pallas_call in a lowering."""
-  from jax._src.lib.mlir import ir
-  from jax._src.pallas.triton import lowering as triton_lowering
-  found = []
+    """{kernel name: Triton IR text} of every pallas_call in a lowering."""
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton import lowering as triton_lowering
 
-  def walk(op):
-    for region in op.regions:
-      for block in region:
-        for inner in block:
-          if inner.name == "stablehlo.custom_call":
-            cfg = inner.attributes["mhlo.backend_config"]
-            found.append(ir.StringAttr(cfg["ir"]).value_bytes)
-          walk(inner.operation)
+    found = []
 
-  walk(lowered.compiler_ir().operation)
-  modules = {}
-  for blob in found:
-    with triton_lowering._new_ir_context():
-      text = str(ir.Module.parse(blob))
-    modules[re.search(r"tt\.func public @(\w+)", text).group(1)] = text
-  return modules
+    def walk(op):
+        for region in op.regions:
+            for block in region:
+                for inner in block:
+                    if inner.name == "stablehlo.custom_call":
+                        cfg = inner.attributes["mhlo.backend_config"]
+                        found.append(ir.StringAttr(cfg["ir"]).value_bytes)
+                    walk(inner.operation)
+
+    walk(lowered.compiler_ir().operation)
+    modules = {}
+    for blob in found:
+        with triton_lowering._new_ir_context():
+            text = str(ir.Module.parse(blob))
+        modules[re.search(r"tt\.func public @(\w+)", text).group(1)] = text
+    return modules
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("v", [1000, 50257, 262147])
 @pytest.mark.parametrize("opts", [{}, ALL], ids=["plain", "all"])
 def test_lowers_to_triton(compiled, dtype, v, opts):
-  text = lower_value_and_grad((8, v), dtype, **opts).as_text()
-  assert text.count(TRITON) == 3  # forward, finish, backward
+    text = lower_value_and_grad((8, v), dtype, **opts).as_text()
+    assert text.count(TRITON) == 3  # forward, finish, backward
 
 
 @pytest.mark.parametrize("inplace", [True, False])
 def test_backward_aliases_logits(compiled, inplace):
-  text = lower_value_and_grad((16, 1000), jnp.bfloat16,
-                              inplace_backward=inplace).as_text()
-  calls = [line for line in text.splitlines() if TRITON in line]
-  aliased = ["output_operand_aliases" in line for line in calls]
-  assert aliased == [False, False, inplace]
+    text = lower_value_and_grad((16, 1000), jnp.bfloat16, inplace_backward=inplace).as_text()
+    calls = [line for line in text.splitlines() if TRITON in line]
+    aliased = ["output_operand_aliases" in line for line in calls]
+    assert aliased == [False, False, inplace]
 
 
 def test_lowers_under_vmap_and_3d(compiled):
-  x = jax.ShapeDtypeStruct((3, 2, 5, 4000), jnp.bfloat16)
-  y = jax.ShapeDtypeStruct((3, 2, 5), jnp.int32)
-  f = jax.vmap(jax.value_and_grad(
-      lambda a, b: cross_entropy(a, b, backend="kernel", z_loss=1e-4)))
-  text = jax.jit(f).trace(x, y).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count(TRITON) == 3
+    x = jax.ShapeDtypeStruct((3, 2, 5, 4000), jnp.bfloat16)
+    y = jax.ShapeDtypeStruct((3, 2, 5), jnp.int32)
+    f = jax.vmap(jax.value_and_grad(lambda a, b: cross_entropy(a, b, backend="kernel", z_loss=1e-4)))
+    text = jax.jit(f).trace(x, y).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(TRITON) == 3
 
 
 def test_lowers_with_int64_labels(compiled):
-  with jax.enable_x64(True):
-    text = lower_value_and_grad((4, 1000), jnp.bfloat16, jnp.int64,
-                                **ALL).as_text()
-  assert text.count(TRITON) == 3
+    with jax.enable_x64(True):
+        text = lower_value_and_grad((4, 1000), jnp.bfloat16, jnp.int64, **ALL).as_text()
+    assert text.count(TRITON) == 3
 
 
 def test_64bit_row_offsets(compiled):
-  """N*V > 2**31 elements: every logits access is an int64 offset whose row
-  part is the zero-extended program id times V in int64."""
-  n, v = 8192, 262147
-  assert n * v > 2**31 and kernels.uses_int64_offsets(n, v, jnp.bfloat16)
-  try:
-    modules = triton_modules(lower_value_and_grad((n, v), jnp.bfloat16))
-  except (ImportError, AttributeError) as e:  # private jax API moved
-    pytest.skip(f"cannot parse Triton IR with this jax: {e}")
-  assert set(modules) == {"fastce_forward", "fastce_finish", "fastce_backward"}
-  for name, text in modules.items():
-    # the logits pointer (bf16) is only ever offset by i64 values
-    ptrs = re.findall(r"tt\.addptr %\w+, %\w+ : (?:tensor<\d+x)?!tt\.ptr<bf16>"
-                      r">?, (\S+)", text)
-    assert ptrs and all("i64" in p for p in ptrs), (name, ptrs)
-    assert re.search(r"arith\.extui %\w+ : i32 to i64", text), name
-    assert f"{v} : i64" in text, name  # the row stride, as an i64 constant
+    """N*V > 2**31 elements: every logits access is an int64 offset whose row
+    part is the zero-extended program id times V in int64."""
+    n, v = 8192, 262147
+    assert n * v > 2**31 and kernels.uses_int64_offsets(n, v, jnp.bfloat16)
+    try:
+        modules = triton_modules(lower_value_and_grad((n, v), jnp.bfloat16))
+    except (ImportError, AttributeError) as e:  # private jax API moved
+        pytest.skip(f"cannot parse Triton IR with this jax: {e}")
+    assert set(modules) == {"fastce_forward", "fastce_finish", "fastce_backward"}
+    for name, text in modules.items():
+        # the logits pointer (bf16) is only ever offset by i64 values
+        ptrs = re.findall(
+            r"tt\.addptr %\w+, %\w+ : (?:tensor<\d+x)?!tt\.ptr<bf16>"
+            r">?, (\S+)",
+            text,
+        )
+        assert ptrs and all("i64" in p for p in ptrs), (name, ptrs)
+        assert re.search(r"arith\.extui %\w+ : i32 to i64", text), name
+        assert f"{v} : i64" in text, name  # the row stride, as an i64 constant
 
 
 def test_small_arrays_keep_int32_offsets(compiled):
-  # Documents the lowering rule the 64-bit test relies on (no i64 below it).
-  try:
-    modules = triton_modules(lower_value_and_grad((8, 1000), jnp.bfloat16))
-  except (ImportError, AttributeError) as e:
-    pytest.skip(f"cannot parse Triton IR with this jax: {e}")
-  assert not kernels.uses_int64_offsets(8, 1000, jnp.bfloat16)
-  assert all("i64" not in text for text in modules.values())
+    # Documents the lowering rule the 64-bit test relies on (no i64 below it).
+    try:
+        modules = triton_modules(lower_value_and_grad((8, 1000), jnp.bfloat16))
+    except (ImportError, AttributeError) as e:
+        pytest.skip(f"cannot parse Triton IR with this jax: {e}")
+    assert not kernels.uses_int64_offsets(8, 1000, jnp.bfloat16)
+    assert all("i64" not in text for text in modules.values())
 
 
 def test_forward_config():
-  for n, v in [(1, 1), (3, 1000), (2, 262147), (8192, 256000), (64, 32000)]:
-    block, chunk, warps = kernels.forward_config(n, v)
-    for value in (block, chunk):
-      assert value & (value - 1) == 0
-    assert block <= chunk <= kernels.MAX_CHUNK and block <= 4096
-    assert warps in (kernels.FWD_NUM_WARPS, kernels.FWD_NUM_WARPS_FEW)
-  assert kernels.forward_config(8192, 256000)[1] == 65536
-  block, warps = kernels.backward_config(262147)
-  assert block == 2048 and warps == 4
-  assert np.all([kernels.backward_config(v)[0] & (kernels.backward_config(v)[0]
-                                                  - 1) == 0
-                 for v in (1, 3, 1000, 50257)])
+    for n, v in [(1, 1), (3, 1000), (2, 262147), (8192, 256000), (64, 32000)]:
+        block, chunk, warps = kernels.forward_config(n, v)
+        for value in (block, chunk):
+            assert value & (value - 1) == 0
+        assert block <= chunk <= kernels.MAX_CHUNK and block <= 4096
+        assert warps in (kernels.FWD_NUM_WARPS, kernels.FWD_NUM_WARPS_FEW)
+    assert kernels.forward_config(8192, 256000)[1] == 65536
+    block, warps = kernels.backward_config(262147)
+    assert block == 2048 and warps == 4
+    assert np.all(
+        [kernels.backward_config(v)[0] & (kernels.backward_config(v)[0] - 1) == 0 for v in (1, 3, 1000, 50257)]
+    )

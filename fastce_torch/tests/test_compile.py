@@ -9,9 +9,11 @@ from torch._dynamo.backends.common import aot_autograd
 
 from fastce_torch import cross_entropy
 
-pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning",
-                                        "ignore:invalid value:RuntimeWarning",
-                                        "ignore:Conversion of an array:DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:divide by zero:RuntimeWarning",
+    "ignore:invalid value:RuntimeWarning",
+    "ignore:Conversion of an array:DeprecationWarning",
+)
 
 VOCAB = 1000
 
@@ -53,6 +55,7 @@ def recording_backend():
         def compiler(gm, example_inputs):
             graphs[kind].append(gm)
             return make_boxed_func(gm.forward)
+
         return compiler
 
     return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward")), graphs

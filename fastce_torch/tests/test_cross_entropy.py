@@ -11,8 +11,9 @@ import torch
 import fastce_torch
 from fastce_torch import cross_entropy
 
-pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore::DeprecationWarning",
-                                        "ignore:invalid value:RuntimeWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:divide by zero:RuntimeWarning", "ignore::DeprecationWarning", "ignore:invalid value:RuntimeWarning"
+)
 
 # Relative tolerance on the gradient per dtype: the gradient is accumulated in float32 and rounded once to the
 # logits' dtype (8 / 11 / 24 significant bits), so a few units of the last place.
@@ -21,8 +22,9 @@ VOCABS = [1000, 32000, 50257, 70000, 128256, 256000, 262147]
 ALL_OPTIONS = dict(logit_softcapping=30.0, logit_scaling=0.5, label_smoothing=0.1, z_loss=1e-3)
 
 
-def reference_float64(logits, labels, ignore_index=-100, logit_softcapping=0.0, logit_scaling=0.0,
-                      label_smoothing=0.0, z_loss=0.0):
+def reference_float64(
+    logits, labels, ignore_index=-100, logit_softcapping=0.0, logit_scaling=0.0, label_smoothing=0.0, z_loss=0.0
+):
     """Per-token losses and d(sum of losses)/d logits of the contract, in float64 on the CPU, written from the
     formula alone (independent of the package's own reference)."""
     x = logits.detach().to("cpu", torch.float64).requires_grad_()
@@ -95,11 +97,22 @@ def test_vocab_sizes_and_dtypes(vocab, dtype, device, poisoned):
     check((3,), vocab, dtype, device, seed=vocab)
 
 
-@pytest.mark.parametrize("options", [
-    dict(logit_softcapping=30.0), dict(logit_softcapping=3.0), dict(logit_scaling=0.125), dict(logit_scaling=-2.0),
-    dict(label_smoothing=0.1), dict(label_smoothing=1.0), dict(z_loss=1e-4), dict(z_loss=0.5), ALL_OPTIONS,
-    dict(ignore_index=7),
-], ids=str)
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(logit_softcapping=30.0),
+        dict(logit_softcapping=3.0),
+        dict(logit_scaling=0.125),
+        dict(logit_scaling=-2.0),
+        dict(label_smoothing=0.1),
+        dict(label_smoothing=1.0),
+        dict(z_loss=1e-4),
+        dict(z_loss=0.5),
+        ALL_OPTIONS,
+        dict(ignore_index=7),
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("vocab", [1000, 128256])
 def test_options(options, vocab, device, poisoned):
     for dtype in (torch.float32, torch.bfloat16):
@@ -243,18 +256,21 @@ def test_module_matches_functional(device):
     assert "z_loss=0.001" in repr(module)
 
 
-@pytest.mark.parametrize("call, error, match", [
-    (lambda x, y: cross_entropy(x.long(), y), TypeError, "logits"),
-    (lambda x, y: cross_entropy(x, y.float()), TypeError, "labels"),
-    (lambda x, y: cross_entropy(x, y[:2]), ValueError, "leading shape"),
-    (lambda x, y: cross_entropy(x, y, reduction="avg"), ValueError, "reduction"),
-    (lambda x, y: cross_entropy(x, y, backend="cuda"), ValueError, "backend"),
-    (lambda x, y: cross_entropy(x, y, n_items=0), ValueError, "n_items"),
-    (lambda x, y: cross_entropy(x, y, logit_softcapping=-1.0), ValueError, "logit_softcapping"),
-    (lambda x, y: cross_entropy(x, y, label_smoothing=1.5), ValueError, "label_smoothing"),
-    (lambda x, y: cross_entropy(x.double(), y, backend="kernel"), TypeError, "logits"),
-    (lambda x, y: cross_entropy(x[:, :0], y), ValueError, "vocabulary"),
-])
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda x, y: cross_entropy(x.long(), y), TypeError, "logits"),
+        (lambda x, y: cross_entropy(x, y.float()), TypeError, "labels"),
+        (lambda x, y: cross_entropy(x, y[:2]), ValueError, "leading shape"),
+        (lambda x, y: cross_entropy(x, y, reduction="avg"), ValueError, "reduction"),
+        (lambda x, y: cross_entropy(x, y, backend="cuda"), ValueError, "backend"),
+        (lambda x, y: cross_entropy(x, y, n_items=0), ValueError, "n_items"),
+        (lambda x, y: cross_entropy(x, y, logit_softcapping=-1.0), ValueError, "logit_softcapping"),
+        (lambda x, y: cross_entropy(x, y, label_smoothing=1.5), ValueError, "label_smoothing"),
+        (lambda x, y: cross_entropy(x.double(), y, backend="kernel"), TypeError, "logits"),
+        (lambda x, y: cross_entropy(x[:, :0], y), ValueError, "vocabulary"),
+    ],
+)
 def test_bad_arguments_are_named(call, error, match, device):
     logits, labels = random_problem((4,), 100, torch.float32, device, seed=16)
     with pytest.raises(error, match=match):
@@ -277,13 +293,15 @@ def test_kernels_compile_for_h200():
     """Every kernel variant compiles for sm_90 with the real compiler (no GPU needed): catches what the
     interpreter does not check (non-power-of-two blocks, unsupported ops)."""
     env = dict(os.environ, TRITON_INTERPRET="0")
-    result = subprocess.run([sys.executable, "-m", "fastce_torch.compile_check"], env=env, capture_output=True,
-                            text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "-m", "fastce_torch.compile_check"], env=env, capture_output=True, text=True, timeout=900
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "compiled" in result.stdout
 
 
 # --- GPU only ------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.gpu
 def test_more_than_2_31_elements(device):

@@ -7,8 +7,9 @@ from fastce_torch import cross_entropy
 
 from .test_cross_entropy import assert_close_grad, assert_close_loss, reference_float64, run_kernel
 
-pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore::DeprecationWarning",
-                                        "ignore:invalid value:RuntimeWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:divide by zero:RuntimeWarning", "ignore::DeprecationWarning", "ignore:invalid value:RuntimeWarning"
+)
 
 
 @pytest.mark.parametrize("margin", [12.0, 15.0, 19.0])  # 1 - p_y from ~5e-3 down to ~1e-6

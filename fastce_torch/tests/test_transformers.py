@@ -11,9 +11,11 @@ import fastce_torch  # noqa: E402
 from fastce_torch.transformers import fastce_for_causal_lm_loss  # noqa: E402
 
 # Triton's interpreter warns on masked lanes (log of 0) and on numpy scalar conversions; neither is ours.
-pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning",
-                                        "ignore:invalid value:RuntimeWarning",
-                                        "ignore:Conversion of an array:DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:divide by zero:RuntimeWarning",
+    "ignore:invalid value:RuntimeWarning",
+    "ignore:Conversion of an array:DeprecationWarning",
+)
 
 VOCAB = 1000  # not a power of two: the kernels' last tile is partial
 BACKENDS = ["reference", "kernel"]
@@ -32,8 +34,15 @@ def unpatched():
 
 
 def tiny_llama(device, dtype=torch.float32, seed=0):
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype)
 
@@ -102,11 +111,16 @@ def test_loss_function_arguments(device, backend):
     other_ignore = torch.where(labels == -100, -1, labels)
     shift = torch.randint(0, VOCAB, (3, 9), generator=generator).to(device)
     shift[2, :4] = -100
-    cases = [(labels, dict()), (other_ignore, dict(ignore_index=-1)), (labels, dict(num_items_in_batch=11)),
-             (labels, dict(num_items_in_batch=torch.tensor(11))),
-             (labels, dict(num_items_in_batch=torch.tensor([11.0]))),  # DataParallel's shape: a (1,) loss
-             (labels, dict(shift_labels=shift)), (labels, dict(shift_labels=shift, num_items_in_batch=5)),
-             (labels, dict(some_model_kwarg=True))]
+    cases = [
+        (labels, dict()),
+        (other_ignore, dict(ignore_index=-1)),
+        (labels, dict(num_items_in_batch=11)),
+        (labels, dict(num_items_in_batch=torch.tensor(11))),
+        (labels, dict(num_items_in_batch=torch.tensor([11.0]))),  # DataParallel's shape: a (1,) loss
+        (labels, dict(shift_labels=shift)),
+        (labels, dict(shift_labels=shift, num_items_in_batch=5)),
+        (labels, dict(some_model_kwarg=True)),
+    ]
     for case_labels, kwargs in cases:
         x = logits.clone().requires_grad_()
         expected = ORIGINAL(x, case_labels, VOCAB, **kwargs)
@@ -120,8 +134,12 @@ def test_loss_function_arguments(device, backend):
         torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-7, msg=str(kwargs))
     # Flattened (tokens, V) logits with flattened labels, as some models call it.
     x = logits.clone().requires_grad_()
-    torch.testing.assert_close(fastce_for_causal_lm_loss(x.view(-1, VOCAB), labels.view(-1), VOCAB),
-                               ORIGINAL(x.view(-1, VOCAB), labels.view(-1), VOCAB), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        fastce_for_causal_lm_loss(x.view(-1, VOCAB), labels.view(-1), VOCAB),
+        ORIGINAL(x.view(-1, VOCAB), labels.view(-1), VOCAB),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_bf16_logits_are_not_upcast_and_backward_is_in_place(device):
@@ -159,8 +177,10 @@ def test_training_steps_reach_the_same_parameters(device, patch, optimizer):
         if patched:
             fastce_torch.patch_transformers(**patch)
         model = tiny_llama(device)
-        make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9),
-                "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01)}[optimizer]
+        make = {
+            "sgd": lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9),
+            "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01),
+        }[optimizer]
         opt = make(model.parameters())
         losses = []
         for step in range(3):
@@ -182,9 +202,17 @@ def test_training_steps_reach_the_same_parameters(device, patch, optimizer):
 
 def test_gemma2_softcapping_is_applied_once(device):
     """Gemma 2 softcaps its logits in forward, before the loss: the patched loss must not cap them again."""
-    config = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                       num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                                       final_logit_softcapping=3.0, max_position_embeddings=64)
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        final_logit_softcapping=3.0,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = transformers.Gemma2ForCausalLM(config).to(device)
     with torch.no_grad():
