@@ -31,6 +31,26 @@ ONCE_DIFFERENTIABLE = (
 )
 
 
+FORWARD_MODE_UNSUPPORTED = (
+    "fastce_torch.cross_entropy has no forward-mode derivative (torch.func.jvp, jacfwd, hessian, "
+    "torch.autograd.forward_ad); use backend='reference'"
+)
+VMAP_UNSUPPORTED = (
+    "fastce_torch.cross_entropy's kernels have no torch.func.vmap rule: a vmapped batch is only more rows, so "
+    "flatten it into the rows instead (logits.reshape(-1, V), labels.reshape(-1), reduction='none', then reduce "
+    "per example), or use backend='reference'"
+)
+
+
+def _functorch_transforms():
+    """The torch.func transforms (grad, vjp, jvp, vmap, ...) the current call runs under, outermost first."""
+    return [interpreter.key() for interpreter in torch._functorch.pyfunctorch.retrieve_all_functorch_interpreters()]
+
+
+def _under_functorch():
+    return torch._C._functorch.maybe_current_level() is not None
+
+
 def _unwrapped(tensor):
     """The plain tensor inside torch.func's wrappers (grad/vjp run the backward on them; a kernel needs memory)."""
     while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
@@ -69,12 +89,34 @@ class _CrossEntropyFunction(torch.autograd.Function):
         if ctx.consumed:
             raise RuntimeError(LOGITS_REUSED)
         try:
-            logits, labels, lse, denominator = ctx.saved_tensors
+            saved = ctx.saved_tensors
         except RuntimeError as error:
             if ctx.inplace_backward and "modified by an inplace operation" in str(error):
                 raise RuntimeError(LOGITS_REUSED) from error
             raise
-        grad_output, logits, labels, lse, denominator = map(_unwrapped, (grad_output, logits, labels, lse, denominator))
+        tensors = (grad_output, *saved)
+        transformed = _under_functorch()
+        if not transformed and not any(map(torch._C._functorch.is_functorch_wrapped_tensor, tensors)):
+            return _once_differentiable(_CrossEntropyFunction._gradient(ctx, *tensors)), *[None] * 5
+        # torch.func.grad / vjp run this backward on their wrapped tensors, inside the transform (grad) or after it
+        # (the function vjp returns). An outer transform that differentiates again (grad of grad, jvp of grad)
+        # would see the kernel's output as a constant: a silently zero second derivative, so refuse it; under vmap
+        # (jacrev, per-example gradients) the cotangent is batched, which the kernel cannot read. Otherwise the
+        # kernel runs on the plain tensors with the transforms switched off (anything allocated under them,
+        # Triton's interpreter copies included, would be a wrapper without storage).
+        if transformed:
+            transforms = _functorch_transforms()
+            kind = torch._C._functorch.TransformType
+            if kind.Vmap in transforms:
+                raise RuntimeError(VMAP_UNSUPPORTED)
+            if sum(key in (kind.Grad, kind.Jvp) for key in transforms) > 1:
+                raise RuntimeError(ONCE_DIFFERENTIABLE)
+        with torch._C._DisableFuncTorch():
+            grad = _CrossEntropyFunction._gradient(ctx, *map(_unwrapped, tensors))
+        return (grad if transformed else _once_differentiable(grad)), *[None] * 5
+
+    @staticmethod
+    def _gradient(ctx, grad_output, logits, labels, lse, denominator):
         if ctx.inplace_backward:
             grad = logits
             # The logits are about to hold the gradient: any other op that saved them for its own backward then
@@ -82,8 +124,8 @@ class _CrossEntropyFunction(torch.autograd.Function):
             torch.autograd.graph.increment_version(logits)
             ctx.consumed = True
         else:
-            grad = _unwrapped(torch.empty(logits.shape, dtype=logits.dtype, device=logits.device))
-        grad = kernels.backward(
+            grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        return kernels.backward(
             grad_output,
             logits,
             labels,
@@ -92,7 +134,14 @@ class _CrossEntropyFunction(torch.autograd.Function):
             ctx.options,
             denominator=denominator if denominator.numel() else None,
         )
-        return _once_differentiable(grad), None, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(FORWARD_MODE_UNSUPPORTED)
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        raise RuntimeError(VMAP_UNSUPPORTED)
 
 
 # --- custom ops for torch.compile: opaque to the compiler, fake implementations for tracing, no graph break ------
@@ -159,6 +208,12 @@ torch.library.register_autograd("fastce::cross_entropy_forward", _backward, setu
 # --- the contract ----------------------------------------------------------------------------------------------
 
 
+def _is_finite(value):
+    # Comparisons, not math.isfinite: under torch.compile(dynamic=True) dynamo cannot trace math.isfinite (a graph
+    # break, an error with fullgraph=True), while float comparisons fold to constants. NaN fails both.
+    return -math.inf < value < math.inf
+
+
 def _check_arguments(
     logits, labels, ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
 ):
@@ -186,13 +241,13 @@ def _check_arguments(
         raise ValueError(f"n_items must be 0-d, got shape {tuple(n_items.shape)}")
     if isinstance(n_items, (int, float)) and not n_items > 0:
         raise ValueError(f"n_items must be positive, got {n_items}")
-    if not math.isfinite(logit_softcapping) or logit_softcapping < 0:
+    if not _is_finite(logit_softcapping) or logit_softcapping < 0:
         raise ValueError(f"logit_softcapping must be >= 0 (0 disables it), got {logit_softcapping}")
-    if not math.isfinite(logit_scaling):
+    if not _is_finite(logit_scaling):
         raise ValueError(f"logit_scaling must be finite (0 disables it), got {logit_scaling}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if not math.isfinite(z_loss):
+    if not _is_finite(z_loss):
         raise ValueError(f"z_loss must be finite, got {z_loss}")
     for name, value in (
         ("logit_softcapping", logit_softcapping),
@@ -311,7 +366,13 @@ def cross_entropy(
         token_losses = _forward_op(kernel_logits, labels_1d, *options)[0].view(labels.shape)
         return _reduce(token_losses, labels, reduction, n_items, ignore_index)
     # In place only into memory the graph alone owns, and only where no two rows share memory.
-    inplace = bool(inplace_backward) and _is_intermediate(logits) and not kernels.rows_overlap(kernel_logits)
+    # Never under torch.func: its wrappers hide who else holds the memory.
+    inplace = (
+        bool(inplace_backward)
+        and _is_intermediate(logits)
+        and not kernels.rows_overlap(kernel_logits)
+        and not _under_functorch()
+    )
     loss = _CrossEntropyFunction.apply(kernel_logits, labels_1d, reduction, n_items, inplace, options)[0]
     return loss.view(labels.shape) if reduction == "none" else loss
 
