@@ -421,6 +421,25 @@ def on_device(tensor):
     return contextlib.nullcontext()
 
 
+FIRST_LAUNCH_IN_CAPTURE = (
+    "fastce_torch: this kernel variant (options, reduction, dtype, device) has not run yet in this process, and its "
+    "first launch cannot be captured in a CUDA graph: Triton compiles and loads a kernel on its first launch, which "
+    "stream capture forbids. Run the same step once outside the capture first (torch.cuda.graph's documented "
+    "warm-up on a side stream does it), then capture."
+)
+# Kernel variants that have been launched in this process (so Triton has compiled and loaded their modules).
+_launched = set()
+
+
+def _guard_capture(variant, tensor):
+    """Raise FIRST_LAUNCH_IN_CAPTURE instead of letting a first launch invalidate a CUDA graph capture (whose own
+    error, "operation failed due to a previous error during capture", names no cause)."""
+    if variant not in _launched:
+        if tensor.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(FIRST_LAUNCH_IN_CAPTURE)
+        _launched.add(variant)
+
+
 def row_layout(logits):
     """(batch stride, row stride, rows per batch) of logits viewed as (batch, rows, V) with unit column stride:
     the flat row r is (r // rows per batch, r % rows per batch). Logits (..., V) whose leading dimensions collapse
@@ -500,6 +519,11 @@ def forward(logits, labels, options, reduction="none", n_items=None):
         denominator_mode, n_items_ptr = 2, n_items.to(device=device, dtype=torch.float32)
     else:
         denominator_mode, denominator_value = 1, float(n_items)
+    flags = _flags(options)
+    _guard_capture(
+        ("forward", device, logits.dtype, labels.dtype, block, n_chunks > 1, reduce, denominator_mode, *flags.values()),
+        logits,
+    )
     with on_device(logits):
         arrivals = torch.zeros(n_counters, dtype=torch.int32, device=device)
         _forward_kernel[(n_rows, n_chunks)](
@@ -534,7 +558,7 @@ def forward(logits, labels, options, reduction="none", n_items=None):
             ROWS_PER_GROUP=ROWS_PER_GROUP,
             num_warps=warps,
             num_stages=FORWARD_STAGES,
-            **_flags(options),
+            **flags,
         )
     return loss, lse, (denominator if reduce else None)
 
@@ -560,6 +584,21 @@ def backward(grad_loss, logits, labels, lse, grad, options, denominator=None):
         else:
             raise ValueError("grad and logits split their rows into batches differently")
     block, warps = backward_config(vocab)
+    flags = _flags(options)
+    _guard_capture(
+        (
+            "backward",
+            logits.device,
+            logits.dtype,
+            grad.dtype,
+            grad_loss.dtype,
+            labels.dtype,
+            block,
+            denominator is not None,
+            *flags.values(),
+        ),
+        logits,
+    )
     with on_device(logits):
         _backward_kernel[(n_rows, _cdiv(vocab, block))](
             logits,
@@ -583,6 +622,6 @@ def backward(grad_loss, logits, labels, lse, grad, options, denominator=None):
             BLOCK=block,
             HAS_DENOMINATOR=denominator is not None,
             num_warps=warps,
-            **_flags(options),
+            **flags,
         )
     return grad
