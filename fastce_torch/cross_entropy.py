@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from . import distributed as _distributed
 from . import kernels as _kernels
 
 REDUCTIONS = ("none", "mean", "sum")
@@ -389,6 +390,8 @@ def cross_entropy(
     backend="auto",
     inplace_backward=True,
     validate_labels=False,
+    process_group=None,
+    vocab_start=None,
 ):
     """Cross-entropy of logits (..., V) against integer labels (...), fused on the GPU.
 
@@ -396,6 +399,12 @@ def cross_entropy(
     With inplace_backward=True (the default) the backward writes the gradient into the logits' own buffer when
     logits is an intermediate (non-leaf) tensor, so the loss costs no gradient-sized allocation: the logits are
     consumed by backward. Leaf tensors are never overwritten.
+
+    Vocab-parallel (tensor-parallel LM head): with `process_group`, logits (..., V_local) are this rank's contiguous
+    slice of the vocabulary and labels (...) global class ids, the same on every rank; the loss (the same on every
+    rank) is that of the full logits, each rank's gradient its own columns. The slice starts at `vocab_start`, or,
+    when None, at rank * V_local: every rank must then hold the same width (if not, the loss is NaN). A DTensor
+    sharded on its last dimension (Shard(-1)) is handled the same way and gives a DTensor (see distributed.py).
     """
     _check_arguments(
         logits,
@@ -409,9 +418,9 @@ def cross_entropy(
         z_loss,
         backend,
     )
+    if vocab_start is not None and process_group is None:
+        raise ValueError("vocab_start is only meaningful with process_group (vocab-parallel logits)")
     vocab = logits.shape[-1]
-    if validate_labels:
-        _validate_labels(labels, vocab, ignore_index)
     options = dict(
         ignore_index=ignore_index,
         logit_softcapping=float(logit_softcapping),
@@ -420,9 +429,16 @@ def cross_entropy(
         z_loss=float(z_loss),
     )
     use_kernel = backend == "kernel" or (backend == "auto" and logits.is_cuda)
+    if use_kernel and logits.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"logits must be float32, bfloat16 or float16 for the kernels, got {logits.dtype}")
+    if process_group is not None or _distributed.is_dtensor(logits):
+        return _vocab_parallel(
+            logits, labels, reduction, n_items, inplace_backward, validate_labels, options, use_kernel, process_group,
+            vocab_start,
+        )  # fmt: skip
+    if validate_labels:
+        _validate_labels(labels, vocab, ignore_index)
     if use_kernel:
-        if logits.dtype not in KERNEL_DTYPES:
-            raise TypeError(f"logits must be float32, bfloat16 or float16 for the kernels, got {logits.dtype}")
         logits_2d = logits.reshape(-1, vocab)
         if logits_2d.stride(-1) != 1:
             logits_2d = logits_2d.contiguous()
@@ -437,6 +453,39 @@ def cross_entropy(
     else:
         token_losses = cross_entropy_reference(logits, labels, **options)
     return _reduce(token_losses, labels, reduction, n_items, ignore_index)
+
+
+@torch.compiler.disable
+def _vocab_parallel(
+    logits,
+    labels,
+    reduction,
+    n_items,
+    inplace_backward,
+    validate_labels,
+    options,
+    use_kernel,
+    process_group,
+    vocab_start,
+):
+    """Eager even under torch.compile (a graph break): the collectives run in the autograd.Function's forward."""
+    options = tuple(options.values())
+    if _distributed.is_dtensor(logits):
+        if validate_labels:
+            _validate_labels(labels.full_tensor() if _distributed.is_dtensor(labels) else labels, logits.shape[-1],
+                             options[0])  # fmt: skip
+        return _distributed.dtensor_cross_entropy(
+            logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start
+        )
+    if logits.shape[-1] < 1:
+        raise ValueError("each rank must hold at least one vocabulary column")
+    layout = _distributed.layout_of(process_group, vocab_start, logits.shape[-1], logits.device)
+    if validate_labels:
+        _validate_labels(labels, layout[2], options[0])
+    inplace = bool(inplace_backward) and _is_intermediate(logits)
+    return _distributed.vocab_parallel_cross_entropy(
+        logits, labels, reduction, n_items, inplace, options, layout, use_kernel
+    )
 
 
 class CrossEntropyLoss(torch.nn.Module):
@@ -455,6 +504,8 @@ class CrossEntropyLoss(torch.nn.Module):
         backend="auto",
         inplace_backward=True,
         validate_labels=False,
+        process_group=None,
+        vocab_start=None,
     ):
         super().__init__()
         if weight is not None:
@@ -469,6 +520,8 @@ class CrossEntropyLoss(torch.nn.Module):
             backend=backend,
             inplace_backward=inplace_backward,
             validate_labels=validate_labels,
+            process_group=process_group,
+            vocab_start=vocab_start,
         )
 
     def forward(self, input, target, n_items=None):
