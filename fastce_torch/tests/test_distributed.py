@@ -44,6 +44,12 @@ def test_three_ranks_unequal_slices(backend):
     run_ranks(3, "--device=cpu", f"--backend={backend}", "--widths=10,15,12")
 
 
+def test_four_ranks_2d_mesh():
+    # Also a (data, tensor) 2x2 DTensor mesh: rows sharded, vocabulary sharded, Partial sums. Plain-torch backend
+    # (the per-shard numbers are the same functions as in the tests above; four interpreters would be slow).
+    run_ranks(4, "--device=cpu", "--backend=reference", "--local-vocab=10")
+
+
 @pytest.mark.gpu
 def test_two_gpus_nccl():
     if torch.cuda.device_count() < 2:

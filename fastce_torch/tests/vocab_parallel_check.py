@@ -173,6 +173,28 @@ def run_dtensor(case, device, mesh, backend):
     compare(case, inputs, loss.to_local().detach(), logits.grad.full_tensor())
 
 
+def run_dtensor_2d(case, device, mesh, backend):
+    """A (data, tensor) mesh: rows sharded on the first mesh dimension, the vocabulary on the second; labels a
+    DTensor placed (Shard(0), Replicate()). "sum"/"mean" give Partial on the data dimension; full_tensor() sums it."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    inputs = harness.make_inputs(case, device)
+    full = inputs.logits.detach().contiguous()
+    logits = distribute_tensor(full, mesh, [Shard(0), Shard(full.dim() - 1)]).requires_grad_()
+    labels = distribute_tensor(inputs.labels, mesh, [Shard(0), Replicate()])
+    loss = fastce_torch.cross_entropy(
+        logits, labels, reduction=case.reduction, n_items=inputs.n_items, backend=backend, **case.opts.as_kwargs()
+    )
+    expected = (Shard(0), Replicate()) if case.reduction == "none" else (Partial("sum"), Replicate())
+    assert isinstance(loss, DTensor) and tuple(loss.placements) == expected, loss.placements
+    total = loss.full_tensor()
+    if case.reduction == "none":
+        total.backward(inputs.upstream)
+    else:
+        total.backward()
+    compare(case, inputs, total.detach(), logits.grad.full_tensor())
+
+
 def run_errors(device, widths, explicit, group, backend):
     """Unequal widths without vocab_start give NaN; offsets that do not tile the vocabulary raise."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -230,6 +252,16 @@ def main():
                     run_dtensor(case, device, mesh, args.backend)
             except AssertionError as e:
                 failures.append(f"{case.id} [{how}]: {e}")
+    if world == 4 and not args.only:
+        mesh_2d = init_device_mesh(args.device, (2, 2))
+        for case in cases(sum(widths), args.rows):
+            if case.reduction == "mean" and case.n_items is None or case.dtype != "float32" or not case.shape[0]:
+                continue
+            ran += 1
+            try:
+                run_dtensor_2d(case, device, mesh_2d, args.backend)
+            except AssertionError as e:
+                failures.append(f"{case.id} [dtensor 2-D]: {e}")
     try:
         run_errors(device, widths, explicit, group, args.backend)
     except AssertionError as e:
