@@ -245,6 +245,7 @@ def main():
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=2) + "\n")
             print(f"wrote {args.json}")
+    dist.barrier()  # no rank tears its groups down while another still uses them (gloo aborts then)
     dist.destroy_process_group()
 
 

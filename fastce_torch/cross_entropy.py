@@ -78,9 +78,18 @@ def forward_kernels(
     z_loss,
     reduction="none",
     n_items=None,
+    vocab_start=0,
+    vocab_total=None,
 ):
     """Per-token float32 (loss, lse) of a 2-D logits (rows may be strided) and 1-D labels, and for "mean"/"sum"
-    `reduced` = [loss, denominator] (else None); one launch."""
+    `reduced` = [loss, denominator] (else None); one launch.
+
+    Vocab-parallel mode (vocab_total given: the logits are columns [vocab_start, vocab_start + V) of a vocabulary of
+    vocab_total): per-row float32 (lse over the local columns, transformed label logit where the label is local
+    else 0, local sum of z (0 without smoothing)); ignored rows give (-inf, 0, 0). reduction must be "none"."""
+    vocab_parallel = vocab_total is not None
+    if vocab_parallel and reduction != "none":
+        raise ValueError("the vocab-parallel forward returns per-row statistics: reduction must be 'none'")
     n_rows, vocab = logits.shape
     block, warps, chunk, n_chunks = launch_config(n_rows, vocab)
     reduce = reduction != "none"
@@ -90,10 +99,13 @@ def forward_kernels(
     n_groups = _cdiv(n_rows, ROWS_PER_GROUP) if reduce else 0
     buffer = torch.empty(2 * n_rows + 2 + 2 * n_groups + 3 * n_partials, dtype=torch.float32, device=logits.device)
     loss, lse, reduced = buffer[:n_rows], buffer[n_rows : 2 * n_rows], buffer[2 * n_rows : 2 * n_rows + 2]
+    sum_z = torch.empty(n_rows, dtype=torch.float32, device=logits.device) if vocab_parallel else lse
     group_partials = buffer[2 * n_rows + 2 :]  # the kernel uses its first 2 * n_groups floats
     partials_start = 2 * n_rows + 2 + 2 * n_groups
     partials = [buffer[partials_start + i * n_partials : partials_start + (i + 1) * n_partials] for i in range(3)]
     if n_rows == 0:
+        if vocab_parallel:
+            return lse, loss, sum_z
         return loss, lse, (reduced.copy_(torch.tensor([0.0, 1.0])) if reduce else None)
     # arrivals[row] counts a row's finished chunks, arrivals[N] the finished groups of ROWS_PER_GROUP rows and
     # arrivals[N + 1 + g] the finished rows of group g.
@@ -112,6 +124,7 @@ def forward_kernels(
         labels,
         loss,
         lse,
+        sum_z,
         *partials,
         arrivals,
         group_partials,
@@ -127,16 +140,20 @@ def forward_kernels(
         label_smoothing,
         z_loss,
         denominator_value,
+        vocab_start,
         BLOCK=block,
         CHUNKS_BLOCK=_next_power_of_2(n_chunks),
         REDUCE=reduce,
         DENOMINATOR=denominator_mode,
         ROWS_BLOCK=1024,
         ROWS_PER_GROUP=ROWS_PER_GROUP,
+        VOCAB_PARALLEL=vocab_parallel,
         num_warps=warps,
         num_stages=FORWARD_STAGES,
         **_flags(logit_scaling, logit_softcapping, label_smoothing, z_loss),
     )
+    if vocab_parallel:
+        return lse, loss, sum_z
     return loss, lse, (reduced if reduce else None)
 
 
@@ -152,9 +169,13 @@ def backward_kernels(
     label_smoothing,
     z_loss,
     denominator=None,
+    vocab_start=0,
+    vocab_total=None,
 ):
     """Writes d(sum_t grad_loss_t * loss_t / denominator)/d logits into `grad`, which may be `logits` itself.
-    grad_loss is per token, or 0-d (one upstream scalar for all tokens); denominator a 1-element tensor or None."""
+    grad_loss is per token, or 0-d (one upstream scalar for all tokens); denominator a 1-element tensor or None.
+    Vocab-parallel mode (vocab_total given): the logits are columns [vocab_start, vocab_start + V) of vocab_total,
+    lse the global logsumexp; labels outside [0, vocab_total) give NaN rows."""
     n_rows, vocab = logits.shape
     if n_rows == 0:
         return grad
@@ -175,8 +196,11 @@ def backward_kernels(
         logit_softcapping,
         label_smoothing,
         z_loss,
+        vocab_start,
+        vocab if vocab_total is None else vocab_total,
         BLOCK=block,
         HAS_DENOMINATOR=denominator is not None,
+        VOCAB_PARALLEL=vocab_total is not None,
         num_warps=BACKWARD_WARPS,
         **_flags(logit_scaling, logit_softcapping, label_smoothing, z_loss),
     )

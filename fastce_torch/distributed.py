@@ -42,15 +42,27 @@ def shard_statistics(logits, labels, options, vocab_start, vocab_total, use_kern
     """Per-row float32 (lse over the local columns, transformed label logit where the label column is local else 0,
     sum of z over the local columns (zeros without smoothing)). Ignored rows: lse -inf, label logit 0, sum 0."""
     if use_kernel:
-        raise NotImplementedError("the vocab-parallel kernel mode is not built yet; use backend='reference'")
+        from .cross_entropy import forward_kernels  # the launchers import this module
+
+        return forward_kernels(logits, labels, *options, vocab_start=vocab_start, vocab_total=vocab_total)
     return _shard_statistics_torch(logits, labels, options, vocab_start)
 
 
-def shard_gradient(grad_rows, logits, labels, lse, grad, options, vocab_start, vocab_total, use_kernel):
-    """Writes the local columns of d loss / d logits into `grad` (which may be `logits` itself); grad_rows (N,) is
-    d loss / d token loss, lse the global logsumexp."""
+def shard_gradient(grad_output, denominator, logits, labels, lse, grad, options, vocab_start, vocab_total, use_kernel):
+    """Writes the local columns of d loss / d logits into `grad` (which may be `logits` itself); grad_output is the
+    per-token upstream gradient or one scalar, divided by denominator (0-d) unless None; lse the global
+    logsumexp."""
     if use_kernel:
-        raise NotImplementedError("the vocab-parallel kernel mode is not built yet; use backend='reference'")
+        from .cross_entropy import backward_kernels
+
+        denominator = None if denominator is None else denominator.reshape(1)
+        return backward_kernels(
+            grad_output, logits, labels, lse, grad, *options, denominator, vocab_start=vocab_start,
+            vocab_total=vocab_total,
+        )  # fmt: skip
+    grad_rows = grad_output.float()
+    if denominator is not None:
+        grad_rows = (grad_rows / denominator).expand(labels.shape)
     return _shard_gradient_torch(grad_rows, logits, labels, lse, grad, options, vocab_start, vocab_total)
 
 
@@ -193,13 +205,11 @@ class _VocabParallelFunction(torch.autograd.Function):
             torch.autograd.graph.increment_version(logits)
         else:
             grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        grad_rows = grad_output.float()
-        if denominator is not None:
-            grad_rows = (grad_rows / denominator).expand(labels.shape)
         with _on_device(logits):
             shard_gradient(
-                grad_rows, logits, labels, lse, grad, ctx.options, ctx.vocab_start, ctx.vocab_total, ctx.use_kernel
-            )
+                grad_output, denominator, logits, labels, lse, grad, ctx.options, ctx.vocab_start, ctx.vocab_total,
+                ctx.use_kernel,
+            )  # fmt: skip
         return grad, None, None, None, None, None, None, None
 
 

@@ -10,6 +10,10 @@ Two kernels, each reading the logits once:
   _backward_kernel  grid (N, cdiv(V, BLOCK)): recomputes z, writes the gradient in one pass, in place when the
                     caller passes the logits buffer as the gradient buffer.
 Rows whose label is ignore_index are never read: their partials are empty and their gradient is written as zeros.
+Vocab-parallel mode (VOCAB_PARALLEL, a constexpr: the single-device path compiles without it): the logits are one
+rank's columns [vocab_start, vocab_start + V) of a vocabulary of vocab_total; the forward writes per row the local
+logsumexp, the transformed label logit (0 unless this slice holds the label) and the local sum of z, for the caller
+to combine across ranks; the backward takes the global logsumexp and places the label at column label - vocab_start.
 Row offsets are 64-bit, so N*V beyond 2**31 elements is fine.
 """
 
@@ -111,6 +115,7 @@ def _forward_kernel(
     labels_ptr,
     loss_ptr,
     lse_ptr,
+    sum_z_out_ptr,
     max_ptr,
     sumexp_ptr,
     sumz_ptr,
@@ -128,6 +133,7 @@ def _forward_kernel(
     label_smoothing,
     z_loss,
     denominator_value,
+    vocab_start,
     BLOCK: tl.constexpr,
     CHUNKS_BLOCK: tl.constexpr,
     HAS_SCALING: tl.constexpr,
@@ -138,6 +144,7 @@ def _forward_kernel(
     DENOMINATOR: tl.constexpr,
     ROWS_BLOCK: tl.constexpr,
     ROWS_PER_GROUP: tl.constexpr,
+    VOCAB_PARALLEL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -187,7 +194,19 @@ def _forward_kernel(
                 tl.load(sumexp_ptr + slots, mask=slot_mask, other=0.0, volatile=True),
             )
             sum_z = tl.sum(tl.load(sumz_ptr + slots, mask=slot_mask, other=0.0, volatile=True), 0)
-    if is_last:
+    if VOCAB_PARALLEL and is_last:
+        # This rank's share: the label logit only where the label column is one of its own (0 elsewhere, so the
+        # ranks' values sum to the label logit), the local lse and sum of z. The loss is the caller's, after the
+        # ranks combine these.
+        local_label = label - vocab_start
+        owned = (local_label >= 0) & (local_label < V) & (label != ignore_index)
+        z_label = _transform(
+            tl.load(row_ptr + local_label, mask=owned, other=0.0), scaling, softcap, HAS_SCALING, HAS_SOFTCAP
+        )
+        tl.store(loss_ptr + row, tl.where(owned, z_label, 0.0))
+        tl.store(lse_ptr + row, lse)
+        tl.store(sum_z_out_ptr + row, sum_z)
+    elif is_last:
         # The only data-dependent address: loaded only for a label inside [0, V).
         load_label = (label >= 0) & (label < V) & (label != ignore_index)
         z_label = _transform(
@@ -279,12 +298,15 @@ def _backward_kernel(
     softcap,
     label_smoothing,
     z_loss,
+    vocab_start,
+    vocab_total,
     BLOCK: tl.constexpr,
     HAS_SCALING: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     HAS_DENOMINATOR: tl.constexpr,
+    VOCAB_PARALLEL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -292,12 +314,18 @@ def _backward_kernel(
 
     label = tl.load(labels_ptr + row).to(tl.int64)
     ignored = label == ignore_index
+    if VOCAB_PARALLEL:  # columns are local, the label and the uniform target are global
+        label_column = label - vocab_start
+        vocab_all = vocab_total
+    else:
+        label_column = label
+        vocab_all = V
     lse = tl.load(lse_ptr + row)
     # Upstream gradient of this token's loss; stride 0 when it is one scalar broadcast over the rows.
     grad_loss = tl.load(grad_loss_ptr + row * grad_loss_stride).to(tl.float32)
     if HAS_DENOMINATOR:  # a reduced loss: d loss / d token loss = 1 / denominator
         grad_loss = grad_loss / tl.load(denominator_ptr)
-    grad_loss = tl.where((label >= 0) & (label < V), grad_loss, float("nan"))
+    grad_loss = tl.where((label >= 0) & (label < vocab_all), grad_loss, float("nan"))
 
     x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=in_row & ~ignored, other=0.0).to(tl.float32)
     if HAS_SCALING:
@@ -310,9 +338,9 @@ def _backward_kernel(
         tl.exp(x - lse),
         tanh_z,
         cols,
-        label,
+        label_column,
         lse,
-        V,
+        vocab_all,
         scaling,
         label_smoothing,
         z_loss,
