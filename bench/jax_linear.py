@@ -133,7 +133,6 @@ def measure(impl, shape, inputs, batch_target_ms=50.0, backend="auto") -> dict:
 def measure_matmuls(shape, inputs, batch_target_ms=50.0) -> dict:
     """The step's three matmuls alone (logits, dh, dW) in the input dtype: the throughput ceiling."""
     import jax
-    import jax.numpy as jnp
 
     from .jax_impls import host_time_ms
 
@@ -202,7 +201,10 @@ def run(shapes=LINEAR_SHAPES, impls=LINEAR_IMPLS, batch_target_ms=50.0, backend=
 
 
 def text_table(rows) -> str:
-    header = f"{'impl':24s} {'N':>6s} {'H':>5s} {'V':>7s} {'fwd ms':>8s} {'fwd+bwd ms':>10s} {'TFLOP/s':>8s} {'of matmul':>9s} {'temp MiB':>9s} ok"
+    header = (
+        f"{'impl':24s} {'N':>6s} {'H':>5s} {'V':>7s} {'fwd ms':>8s} {'fwd+bwd ms':>10s} {'TFLOP/s':>8s} "
+        f"{'of matmul':>9s} {'temp MiB':>9s} ok"
+    )
     lines = [header]
     for r in rows:
         lines.append(
