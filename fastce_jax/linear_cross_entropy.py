@@ -33,12 +33,11 @@ from fastce_jax.cross_entropy import (
     _check_args,
     _cross_entropy,
     _interpret,
-    _kernel_options,
     _on_gpu,
-    _Options,
     _reduce,
     _validate_labels_eagerly,
 )
+from fastce_jax.kernels import Options
 
 # Workspace for one chunk's logits (and, in place, their gradient) in the compute dtype.  Larger chunks make
 # fewer passes over the float32 weight-gradient carry (each chunk reads and writes V*H*4 bytes of it, against
@@ -70,7 +69,8 @@ def chunk_rows_for(n_rows: int, vocab: int, dtype) -> int:
 class _Static(NamedTuple):
     """Hashable configuration of one call (a custom_vjp nondiff argument)."""
 
-    ce: _Options  # the kernels' options; ignore_index is _IGNORED
+    options: Options  # the kernels' options; ignore_index is _IGNORED
+    interpret: bool  # Pallas interpret mode (off GPU)
     reduction: str
     chunk_rows: int
     dtype: str  # compute dtype of the logits
@@ -83,11 +83,11 @@ class _Static(NamedTuple):
 
 
 def _ce_forward(logits, labels, st: _Static):
-    return kernels.forward(logits, labels, **_kernel_options(st.ce))
+    return kernels.forward(logits, labels, st.options, interpret=st.interpret)
 
 
 def _ce_backward(logits, labels, lse, g, st: _Static):
-    return kernels.backward(logits, labels, lse, g, inplace=True, **_kernel_options(st.ce))
+    return kernels.backward(logits, labels, lse, g, st.options, inplace=True, interpret=st.interpret)
 
 
 # ----------------------------------------------------------------------------
@@ -369,9 +369,13 @@ def linear_cross_entropy(
         kwargs.update(n_items=n_items, backend="reference", validate_labels=False)
         return _cross_entropy(logits.reshape(lead + (vocab,)), labels, kwargs)
 
-    ce = _Options(_IGNORED, scaling, softcap, smoothing, z_loss, True, _interpret(hidden))
     st = _Static(
-        ce, reduction, chunk_rows_for(n, vocab, dtype), jnp.dtype(dtype).name, ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32
+        options=Options(_IGNORED, softcap, scaling, smoothing, z_loss),
+        interpret=_interpret(hidden),
+        reduction=reduction,
+        chunk_rows=chunk_rows_for(n, vocab, dtype),
+        dtype=jnp.dtype(dtype).name,
+        f32_weight_grad=ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32,
     )
     y1 = _internal_labels(labels, vocab, ignore_index).reshape(-1)
     if reduction == "none":
