@@ -16,35 +16,16 @@ import sys
 import torch
 import torch.distributed as dist
 
+from . import kernels
+
 # --- per-shard statistics and gradient: the only calls into the kernels ------------------------------------------
-
-
-def _on_device(tensor):
-    """A guard that makes the logits' GPU the current one while the kernels launch (Triton launches on the current
-    device; with one process per GPU that is usually, but not necessarily, the logits' own)."""
-    if tensor.is_cuda and tensor.device.index != torch.cuda.current_device():
-        return torch.cuda.device(tensor.device)
-    return _NO_GUARD
-
-
-class _NoGuard:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NO_GUARD = _NoGuard()
 
 
 def shard_statistics(logits, labels, options, vocab_start, vocab_total, use_kernel):
     """Per-row float32 (lse over the local columns, transformed label logit where the label column is local else 0,
     sum of z over the local columns (zeros without smoothing)). Ignored rows: lse -inf, label logit 0, sum 0."""
     if use_kernel:
-        from .cross_entropy import forward_kernels  # the launchers import this module
-
-        return forward_kernels(logits, labels, *options, vocab_start=vocab_start, vocab_total=vocab_total)
+        return kernels.forward(logits, labels, options, vocab_start=vocab_start, vocab_total=vocab_total)
     return _shard_statistics_torch(logits, labels, options, vocab_start)
 
 
@@ -53,11 +34,9 @@ def shard_gradient(grad_output, denominator, logits, labels, lse, grad, options,
     per-token upstream gradient or one scalar, divided by denominator (0-d) unless None; lse the global
     logsumexp."""
     if use_kernel:
-        from .cross_entropy import backward_kernels
-
         denominator = None if denominator is None else denominator.reshape(1)
-        return backward_kernels(
-            grad_output, logits, labels, lse, grad, *options, denominator, vocab_start=vocab_start,
+        return kernels.backward(
+            grad_output, logits, labels, lse, grad, options, denominator, vocab_start=vocab_start,
             vocab_total=vocab_total,
         )  # fmt: skip
     grad_rows = grad_output.float()
@@ -183,7 +162,7 @@ class _VocabParallelFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, reduction, n_items, inplace_backward, options, layout, use_kernel):
         group, vocab_start, vocab_total, check_equal_widths = layout
-        with _on_device(logits):
+        with kernels.on_device(logits):
             lse_local, z_label, sum_z = shard_statistics(logits, labels, options, vocab_start, vocab_total, use_kernel)
         with_sum_z = options[3] > 0.0
         lse, z_label, sum_z = combine_statistics(
@@ -193,24 +172,34 @@ class _VocabParallelFunction(torch.autograd.Function):
         denominator = _denominator(labels, reduction, n_items, options[0])
         ctx.save_for_backward(logits, labels, lse, denominator)
         ctx.inplace_backward, ctx.options, ctx.use_kernel = inplace_backward, options, use_kernel
-        ctx.vocab_start, ctx.vocab_total = vocab_start, vocab_total
+        ctx.vocab_start, ctx.vocab_total, ctx.consumed = vocab_start, vocab_total, False
         return losses if denominator is None else losses.sum() / denominator
 
     @staticmethod
     def backward(ctx, grad_output):
-        logits, labels, lse, denominator = ctx.saved_tensors
+        from .cross_entropy import LOGITS_REUSED, _once_differentiable  # (cross_entropy imports this module)
+
+        if ctx.consumed:
+            raise RuntimeError(LOGITS_REUSED)
+        try:
+            logits, labels, lse, denominator = ctx.saved_tensors
+        except RuntimeError as error:
+            if ctx.inplace_backward and "modified by an inplace operation" in str(error):
+                raise RuntimeError(LOGITS_REUSED) from error
+            raise
         if ctx.inplace_backward:
             grad = logits
             # The logits are about to hold the gradient: another op that saved them fails loudly instead.
             torch.autograd.graph.increment_version(logits)
+            ctx.consumed = True
         else:
             grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        with _on_device(logits):
+        with kernels.on_device(logits):
             shard_gradient(
                 grad_output, denominator, logits, labels, lse, grad, ctx.options, ctx.vocab_start, ctx.vocab_total,
                 ctx.use_kernel,
             )  # fmt: skip
-        return grad, None, None, None, None, None, None, None
+        return _once_differentiable(grad), None, None, None, None, None, None, None
 
 
 # --- layouts: where this rank's columns sit in the global vocabulary ------------------------------------------
@@ -256,8 +245,10 @@ def vocab_parallel_cross_entropy(logits, labels, reduction, n_items, inplace_bac
     """logits (..., V_local) this rank's columns, labels (...) global ids; returns the loss of the contract."""
     local_width = logits.shape[-1]
     logits_2d = logits.reshape(-1, local_width)
-    if logits_2d.stride(-1) != 1:
+    if logits_2d.stride(-1) != 1 and local_width > 1:
         logits_2d = logits_2d.contiguous()
+    # In place only where no two rows share memory (expanded logits).
+    inplace_backward = inplace_backward and not kernels.rows_overlap(logits_2d)
     labels_1d = labels.reshape(-1).contiguous()
     loss = _VocabParallelFunction.apply(
         logits_2d, labels_1d, reduction, n_items, inplace_backward, options, layout, use_kernel
