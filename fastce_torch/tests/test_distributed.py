@@ -44,6 +44,12 @@ def test_three_ranks_unequal_slices(backend):
     run_ranks(3, "--device=cpu", f"--backend={backend}", "--widths=10,15,12")
 
 
+def test_two_ranks_chunked_rows():
+    # Local rows wider than one chunk (16384): the kernel's in-launch combine of chunks, then across ranks.
+    run_ranks(2, "--device=cpu", "--backend=kernel", "--local-vocab=17000", "--rows=3",
+              "--only=all-options,smoothing-sum,nonfinite-rows,bad-labels-none")  # fmt: skip
+
+
 def test_four_ranks_2d_mesh():
     # Also a (data, tensor) 2x2 DTensor mesh: rows sharded, vocabulary sharded, Partial sums. Plain-torch backend
     # (the per-shard numbers are the same functions as in the tests above; four interpreters would be slow).

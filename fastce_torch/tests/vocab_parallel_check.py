@@ -221,11 +221,11 @@ def main():
     parser.add_argument("--local-vocab", type=int, default=20, help="columns per rank (equal widths)")
     parser.add_argument("--widths", default="", help="comma-separated columns per rank: explicit vocab_start")
     parser.add_argument("--rows", type=int, default=6)
-    parser.add_argument("--size", choices=("tiny", "mid"), default="tiny", help="mid: 256 rows x 16000 per rank")
+    parser.add_argument("--size", choices=("tiny", "mid"), default="tiny", help="mid: 128 rows x 40000 per rank")
     parser.add_argument("--only", default="", help="comma-separated case names")
     args = parser.parse_args()
     if args.size == "mid":
-        args.rows, args.local_vocab = 256, 16000
+        args.rows, args.local_vocab = 128, 40000  # three chunks per local row
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=300))
