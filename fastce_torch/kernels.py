@@ -1,6 +1,6 @@
 """Triton kernels for the fused cross-entropy (see CONTRACT.md for the math).
 
-Two kernels, each reading the logits once:
+Two kernels, each reading the logits once (and a scaling kernel for linear_cross_entropy):
   _forward_kernel   grid (N, C): one program walks one chunk of one row, one exp per element, keeping the running
                     max, sum of exp and sum of z. With C > 1 each chunk publishes these partials and the row's last
                     chunk to finish combines them; then one masked scalar load reads the label logit, and the
@@ -323,3 +323,15 @@ def _backward_kernel(
     )
     dx = tl.where(ignored, 0.0, dx * grad_loss)
     tl.store(grad_ptr + row * grad_row_stride + cols, dx.to(grad_ptr.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def _scale_unless_one_kernel(ptr, n_elements, factor_ptr, BLOCK: tl.constexpr):
+    """ptr[:n_elements] *= *factor_ptr, and no memory traffic at all when the factor is exactly 1 (the usual
+    upstream gradient of a loss), which the host cannot know without a synchronisation."""
+    factor = tl.load(factor_ptr).to(tl.float32)
+    if factor != 1.0:
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        in_range = offsets < n_elements
+        x = tl.load(ptr + offsets, mask=in_range)
+        tl.store(ptr + offsets, (x.to(tl.float32) * factor).to(ptr.dtype.element_ty), mask=in_range)
