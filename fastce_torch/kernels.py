@@ -328,10 +328,12 @@ def _backward_kernel(
 @triton.jit
 def _scale_unless_one_kernel(ptr, n_elements, factor_ptr, BLOCK: tl.constexpr):
     """ptr[:n_elements] *= *factor_ptr, and no memory traffic at all when the factor is exactly 1 (the usual
-    upstream gradient of a loss), which the host cannot know without a synchronisation."""
+    upstream gradient of a loss), which the host cannot know without a synchronisation. Exact zeros stay zero
+    whatever the factor (NaN, inf): an ignored token's gradient is 0, as the backward kernel writes it."""
     factor = tl.load(factor_ptr).to(tl.float32)
     if factor != 1.0:
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         in_range = offsets < n_elements
         x = tl.load(ptr + offsets, mask=in_range)
-        tl.store(ptr + offsets, (x.to(tl.float32) * factor).to(ptr.dtype.element_ty), mask=in_range)
+        scaled = tl.where(x == 0, 0.0, x.to(tl.float32) * factor)
+        tl.store(ptr + offsets, scaled.to(ptr.dtype.element_ty), mask=in_range)
