@@ -8,6 +8,7 @@ The loss contract is CONTRACT.md; the kernels are in fastce_jax/kernels.py.
 """
 
 from fastce_jax.cross_entropy import cross_entropy, cross_entropy_reference
+from fastce_jax.unsloth import fast_cross_entropy_loss
 
-__all__ = ["cross_entropy", "cross_entropy_reference"]
+__all__ = ["cross_entropy", "cross_entropy_reference", "fast_cross_entropy_loss"]
 __version__ = "0.1.0"

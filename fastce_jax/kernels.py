@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,17 +45,24 @@ from jax.experimental.pallas import triton as plgpu
 # pallas_call is *lowered*.  See ``_quiet_triton`` for how it is filtered.
 TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
 
-MAX_CHUNK = 65536  # widest chunk one forward program walks
-TARGET_PROGRAMS = 8192  # halve chunks until N * C reaches this (fill the GPU)
-FWD_MAX_BLOCK = 4096  # forward tile width
-FWD_NUM_STAGES = 1  # H200 sweep: 3 stages no faster (the loop has no dot)
-FWD_NUM_WARPS = 2  # H200 sweep: 2 warps 3-4% faster than 4, 8 warps 10%+ slower
-FWD_NUM_WARPS_FEW = 8  # under FEW_PROGRAMS forward programs (short batches)
-FEW_PROGRAMS = 4096
-FINISH_NUM_WARPS = 1  # the finish kernel touches C + 2 scalars per row
-BWD_MAX_BLOCK = 2048  # backward tile width, one tile per program
-BWD_NUM_WARPS = 4
-BWD_NUM_STAGES = 1  # no loop in the backward: nothing to pipeline
+
+class Options(NamedTuple):
+    """The loss options, in the contract's order; the same record (fields and order) as fastce_torch.kernels.Options."""
+
+    ignore_index: int = -100
+    logit_softcapping: float = 0.0
+    logit_scaling: float = 0.0
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+
+
+# From the H200 sweeps (bench/tools/tune.py, bench/NOTES.md): forward tiles of 4096 beat 2048 and 8192; 2 warps
+# were 3-4% faster than 4 and 8 warps 10%+ slower; 3 stages no faster than 1 (the loop has no dot). Rows are split
+# into chunks of 16384 columns whatever N is (batch invariance; vmap and the flattened call agree bitwise).
+FORWARD_BLOCK, FORWARD_WARPS, FORWARD_STAGES = 4096, 2, 1
+FINISH_WARPS = 1  # the finish kernel touches C + 2 scalars per row
+BACKWARD_BLOCK, BACKWARD_WARPS, BACKWARD_STAGES = 2048, 4, 1  # one tile per program: nothing to pipeline
+CHUNK = 16384
 
 
 @functools.cache
@@ -97,21 +105,16 @@ def _cdiv(a, b):
 # ----------------------------------------------------------------------------
 
 
-def forward_config(n_rows: int, vocab: int) -> tuple[int, int, int]:
-    """(block, chunk, num_warps) of the forward kernel.  H200 sweeps (bench/NOTES.md):
-    tiles of 4096 beat 2048 and 8192; 2 warps best at N=8192, 8 warps with few
-    programs (N=512); chunk width and program count within noise."""
-    block = min(FWD_MAX_BLOCK, _next_pow2(vocab))
-    chunk = max(block, min(MAX_CHUNK, _next_pow2(vocab)))
-    while chunk > block and n_rows * _cdiv(vocab, chunk) < TARGET_PROGRAMS:
-        chunk //= 2
-    few = n_rows * _cdiv(vocab, chunk) < FEW_PROGRAMS and block >= 4096
-    return block, chunk, FWD_NUM_WARPS_FEW if few else FWD_NUM_WARPS
+def forward_config(vocab: int) -> tuple[int, int, int, int]:
+    """(tile width, chunk width, number of chunks, warps) of the forward kernel; V alone decides (batch invariance)."""
+    block = min(FORWARD_BLOCK, _next_pow2(vocab))
+    chunk = max(block, min(CHUNK, _next_pow2(vocab)))
+    return block, chunk, _cdiv(vocab, chunk), FORWARD_WARPS
 
 
 def backward_config(vocab: int) -> tuple[int, int]:
-    """(block, num_warps) of the backward kernel."""
-    return min(BWD_MAX_BLOCK, _next_pow2(vocab)), BWD_NUM_WARPS
+    """(tile width, warps) of the backward kernel."""
+    return min(BACKWARD_BLOCK, _next_pow2(vocab)), BACKWARD_WARPS
 
 
 # ----------------------------------------------------------------------------
@@ -293,22 +296,13 @@ def _ignore_index_for(labels, ignore_index: int) -> int | None:
     return ignore_index if info.min <= ignore_index <= info.max else None
 
 
-def forward(
-    logits,
-    labels,
-    *,
-    ignore_index: int,
-    scaling: float,
-    softcap: float,
-    smoothing: float,
-    z_loss: float,
-    interpret: bool,
-):
+def forward(logits, labels, options: Options, *, interpret: bool):
     """Per-token loss and lse, both float32 (N,), of logits (N, V)."""
     n, vocab = logits.shape
-    block, chunk, warps = forward_config(n, vocab)
-    n_chunks = _cdiv(vocab, chunk)
-    ignore = _ignore_index_for(labels, ignore_index)
+    block, chunk, n_chunks, warps = forward_config(vocab)
+    ignore = _ignore_index_for(labels, options.ignore_index)
+    scaling, softcap = options.logit_scaling, options.logit_softcapping
+    smoothing, z_loss = options.label_smoothing, options.z_loss
     f32 = jnp.float32
     part = jax.ShapeDtypeStruct((n, n_chunks), f32)
     part_spec = pl.BlockSpec((None, None), lambda i, j: (i, j))
@@ -327,7 +321,7 @@ def forward(
         in_specs=[pl.BlockSpec((None, chunk), lambda i, j: (i, j)), pl.BlockSpec((None,), lambda i, j: (i,))],
         out_specs=[part_spec] * 3,
         out_shape=[part] * 3,
-        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=FWD_NUM_STAGES),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=FORWARD_STAGES),
         interpret=interpret,
         name="fastce_forward",
     )
@@ -348,7 +342,7 @@ def forward(
         in_specs=[parts_spec] * 3 + [row_spec, pl.BlockSpec((None, vocab), lambda i: (i, 0))],
         out_specs=[row_spec, row_spec],
         out_shape=[jax.ShapeDtypeStruct((n,), f32)] * 2,
-        compiler_params=plgpu.CompilerParams(num_warps=FINISH_NUM_WARPS, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=FINISH_WARPS, num_stages=1),
         interpret=interpret,
         name="fastce_finish",
     )
@@ -358,23 +352,12 @@ def forward(
     return loss, lse
 
 
-def backward(
-    logits,
-    labels,
-    lse,
-    g,
-    *,
-    ignore_index: int,
-    scaling: float,
-    softcap: float,
-    smoothing: float,
-    z_loss: float,
-    inplace: bool,
-    interpret: bool,
-):
+def backward(logits, labels, lse, g, options: Options, *, inplace: bool, interpret: bool):
     """dL/dlogits (N, V) in logits' dtype; g is the per-token upstream (N,)."""
     n, vocab = logits.shape
     block, warps = backward_config(vocab)
+    scaling, softcap = options.logit_scaling, options.logit_softcapping
+    smoothing, z_loss = options.label_smoothing, options.z_loss
     row_spec = pl.BlockSpec((None,), lambda i, j: (i,))
     tile_spec = pl.BlockSpec((None, block), lambda i, j: (i, j))
     bwd = pl.pallas_call(
@@ -382,7 +365,7 @@ def backward(
             _backward_kernel,
             vocab=vocab,
             block=block,
-            ignore_index=_ignore_index_for(labels, ignore_index),
+            ignore_index=_ignore_index_for(labels, options.ignore_index),
             scaling=scaling,
             softcap=softcap,
             smoothing=smoothing,
@@ -395,7 +378,7 @@ def backward(
         # Each program reads its tile before writing the same tile, so the
         # gradient may overwrite the logits residual (XLA copies when it can't).
         input_output_aliases={0: 0} if inplace else {},
-        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=BWD_NUM_STAGES),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=BACKWARD_STAGES),
         interpret=interpret,
         name="fastce_backward",
     )

@@ -13,6 +13,7 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 from .cross_entropy import CrossEntropyLoss, cross_entropy, cross_entropy_reference  # noqa: E402
 from .linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from .transformers import patch_transformers, unpatch_transformers  # noqa: E402
+from .unsloth import fast_cross_entropy_loss, patch_loss_functions  # noqa: E402
 
 __all__ = [
     "cross_entropy",
@@ -21,5 +22,7 @@ __all__ = [
     "linear_cross_entropy",
     "patch_transformers",
     "unpatch_transformers",
+    "fast_cross_entropy_loss",
+    "patch_loss_functions",
 ]
 __version__ = "0.1.0"

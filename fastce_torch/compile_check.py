@@ -12,7 +12,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from . import kernels
-from .cross_entropy import BACKWARD_BLOCK, BACKWARD_WARPS, FORWARD_BLOCK, FORWARD_WARPS_FEW_PROGRAMS, ROWS_PER_GROUP
+from .kernels import BACKWARD_BLOCK, BACKWARD_WARPS, FORWARD_BLOCK, FORWARD_WARPS, GROUPS_BLOCK, ROWS_PER_GROUP
 
 H200 = GPUTarget("cuda", 90, 32)
 POINTER = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16"}
@@ -34,14 +34,16 @@ def variants():
         index = "i64" if flag_set == FLAG_SETS[1] else "i32"
         logits = POINTER[dtype]
         flags = dict(HAS_SCALING=scaling, HAS_SOFTCAP=softcap, HAS_SMOOTHING=smoothing, HAS_Z_LOSS=z_loss)
-        for block, warps in ((FORWARD_BLOCK, 4), (FORWARD_BLOCK, FORWARD_WARPS_FEW_PROGRAMS), (1024, 4)):
+        for block, warps in ((FORWARD_BLOCK, FORWARD_WARPS), (1024, FORWARD_WARPS)):
             reductions = ((False, 0), (True, 0), (True, 1), (True, 2)) if flag_set == FLAG_SETS[0] else ((True, 0),)
             for reduce, denominator in reductions:
                 yield (
                     kernels._forward_kernel,
                     dict(
                         logits_ptr=logits,
+                        logits_batch_stride=index,
                         logits_row_stride=index,
+                        rows_per_batch="i32",
                         labels_ptr="*i64",
                         loss_ptr="*fp32",
                         lse_ptr="*fp32",
@@ -51,7 +53,8 @@ def variants():
                         arrivals_ptr="*i32",
                         group_partials_ptr="*fp32",
                         reduced_ptr="*fp32",
-                        denominator_ptr="*fp32",
+                        denominator_out_ptr="*fp32",
+                        n_items_ptr="*fp32",
                         n_rows="i32",
                         V="i32",
                         chunk_width="i32",
@@ -68,7 +71,7 @@ def variants():
                         CHUNKS_BLOCK=4,
                         REDUCE=reduce,
                         DENOMINATOR=denominator,
-                        ROWS_BLOCK=1024,
+                        GROUPS_BLOCK=GROUPS_BLOCK,
                         ROWS_PER_GROUP=ROWS_PER_GROUP,
                         **flags,
                     ),
@@ -78,9 +81,12 @@ def variants():
             kernels._backward_kernel,
             dict(
                 logits_ptr=logits,
+                logits_batch_stride=index,
                 logits_row_stride=index,
                 grad_ptr=logits,
+                grad_batch_stride=index,
                 grad_row_stride=index,
+                rows_per_batch="i32",
                 labels_ptr="*i64",
                 lse_ptr="*fp32",
                 grad_loss_ptr="*fp32",

@@ -27,17 +27,16 @@ gradient against float64 grows from 2.2e-3 of its rms (float32 accumulation, one
 
 import torch
 
+from . import kernels
 from .cross_entropy import (
     KERNEL_DTYPES,
-    _cdiv,
     _check_arguments,
-    _kernels_for,
+    _once_differentiable,
     _reduce,
+    _reference_token_losses,
     _validate_labels,
-    backward_kernels,
-    cross_entropy_reference,
-    forward_kernels,
 )
+from .kernels import Options
 
 # The workspace (chunk rows x V logits) is at most this many bytes; chunk rows are a multiple of ROWS_MULTIPLE when
 # the budget allows, so the matmuls run on whole tiles. 256 MiB: 1024 rows at V=128256, 512 rows at V=256000.
@@ -48,28 +47,23 @@ ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 = False
 SCALE_BLOCK = 4096
 
 
-# --- the one place that calls fastce's cross-entropy launchers ------------------------------------------------
+# --- the one place that calls fastce's launchers ----------------------------------------------------------------
 
 
 def _ce_forward(logits, labels, options):
     """Per-token float32 (loss, lse) of a 2-D logits chunk."""
-    loss, lse, _ = forward_kernels(logits, labels, *options)
+    loss, lse, _ = kernels.forward(logits, labels, options)
     return loss, lse
 
 
 def _ce_backward_in_place(logits, labels, lse, grad_loss, options, denominator=None):
     """Overwrites `logits` with d(sum_t grad_loss_t * loss_t / denominator) / d logits; grad_loss is per row or 0-d."""
-    backward_kernels(grad_loss, logits, labels, lse, logits, *options, denominator=denominator)
+    kernels.backward(grad_loss, logits, labels, lse, logits, options, denominator)
 
 
 def _scale_in_place(tensor, factor):
     """tensor *= factor (a 0-d device tensor), on the device, doing nothing when factor is exactly 1."""
-    if tensor.numel() == 0:
-        return tensor
-    _kernels_for(tensor)._scale_unless_one_kernel[(_cdiv(tensor.numel(), SCALE_BLOCK),)](
-        tensor, tensor.numel(), factor, BLOCK=SCALE_BLOCK
-    )
-    return tensor
+    return kernels.scale_unless_one(tensor, factor)
 
 
 # --- the chunked computation ------------------------------------------------------------------------------------
@@ -126,24 +120,12 @@ def _finish_grads(grads, weight, bias):
     return grad_hidden, grad_weight, grad_bias
 
 
-def _device_guard(tensor):
-    return torch.cuda.device(tensor.device) if tensor.is_cuda else _NoGuard()
-
-
-class _NoGuard:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def fused_forward(hidden, weight, bias, labels, options, denominator=None, needs=(False, False, False)):
     """Token losses (N,) and lse (N,) of 2-D hidden; with any of `needs` (hidden, weight, bias) also the gradients of
     sum_t loss_t / denominator (a 1-element float32 device tensor) computed chunk by chunk. Returns
     (token_losses, lse, (grad_hidden, grad_weight, grad_bias)), None for gradients not needed."""
     n_rows, vocab = hidden.shape[0], weight.shape[0]
-    with _device_guard(hidden):
+    with kernels.on_device(hidden):
         token_losses = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
         grads = _new_grads(hidden, weight, bias, needs)
@@ -167,7 +149,7 @@ def fused_forward(hidden, weight, bias, labels, options, denominator=None, needs
 def fused_backward(grad_losses, hidden, weight, bias, labels, lse, options, needs):
     """Gradients of sum_t grad_losses_t * loss_t, recomputing each chunk's logits from hidden and weight."""
     n_rows, vocab = hidden.shape[0], weight.shape[0]
-    with _device_guard(hidden):
+    with kernels.on_device(hidden):
         grads = _new_grads(hidden, weight, bias, needs)
         if not any(needs):
             return grads
@@ -204,10 +186,11 @@ class _ReducedFunction(torch.autograd.Function):
                 "gradients are computed in the forward and handed over once); compute the loss again instead of "
                 "retain_graph=True"
             )
-        with _device_guard(grad_loss):
-            for grad in grads:
-                if grad is not None:
-                    _scale_in_place(grad, grad_loss)
+        grad_loss = grad_loss.detach().to(torch.float32)
+        for grad in grads:
+            if grad is not None:
+                _scale_in_place(grad, grad_loss)
+        grads = [None if grad is None else _once_differentiable(grad) for grad in grads]
         return (*grads, None, None, None, None)
 
 
@@ -225,7 +208,8 @@ class _PerTokenFunction(torch.autograd.Function):
     def backward(ctx, grad_losses):
         hidden, weight, bias, labels, lse = ctx.saved_tensors
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        grads = fused_backward(grad_losses, hidden, weight, bias, labels, lse, ctx.options, needs)
+        grads = fused_backward(grad_losses.detach().contiguous(), hidden, weight, bias, labels, lse, ctx.options, needs)
+        grads = [None if grad is None else _once_differentiable(grad) for grad in grads]
         return (*grads, None, None)
 
 
@@ -253,7 +237,7 @@ def _reduced_op(
     need_weight: bool,
     need_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    options = (ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss)
+    options = Options(ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss)
     needs = (need_hidden, need_weight, need_bias)
     token_losses, _, grads = fused_forward(hidden, weight, bias, labels, options, denominator, needs)
     loss = token_losses.sum() / denominator[0]
@@ -303,7 +287,7 @@ def _per_token_forward_op(
     label_smoothing: float,
     z_loss: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    options = (ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss)
+    options = Options(ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss)
     token_losses, lse, _ = fused_forward(hidden, weight, bias, labels, options)
     return token_losses, lse
 
@@ -331,7 +315,7 @@ def _per_token_backward_op(
     need_weight: bool,
     need_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    options = (ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss)
+    options = Options(ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss)
     needs = (need_hidden, need_weight, need_bias)
     grads = fused_backward(grad_losses.contiguous(), hidden, weight, bias, labels, lse, options, needs)
     return tuple(_or_empty(grad, hidden) for grad in grads)
@@ -461,12 +445,12 @@ def linear_cross_entropy(
     )
     if validate_labels:
         _validate_labels(labels, vocab, ignore_index)
-    options = (ignore_index, float(logit_softcapping), float(logit_scaling), float(label_smoothing), float(z_loss))
+    options = Options(
+        ignore_index, float(logit_softcapping), float(logit_scaling), float(label_smoothing), float(z_loss)
+    )
     use_kernel = backend == "kernel" or (backend == "auto" and hidden.is_cuda)
     if not use_kernel:
-        logits = torch.nn.functional.linear(hidden, weight, bias)
-        names = ("ignore_index", "logit_softcapping", "logit_scaling", "label_smoothing", "z_loss")
-        token_losses = cross_entropy_reference(logits, labels, **dict(zip(names, options)))
+        token_losses = _reference_token_losses(torch.nn.functional.linear(hidden, weight, bias), labels, options)
         return _reduce(token_losses, labels, reduction, n_items, ignore_index)
     if hidden.dtype not in KERNEL_DTYPES:
         raise TypeError(f"hidden and weight must be float32, bfloat16 or float16 for the kernels, got {hidden.dtype}")
