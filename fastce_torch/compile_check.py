@@ -102,6 +102,13 @@ def variants():
             dict(BLOCK=BACKWARD_BLOCK, HAS_DENOMINATOR=flag_set == FLAG_SETS[0], **flags),
             BACKWARD_WARPS,
         )
+    for pointer, index in itertools.product(POINTER.values(), ("i32", "i64")):  # linear_cross_entropy's gradients
+        yield (
+            kernels._scale_unless_one_kernel,
+            dict(ptr=pointer, n_elements=index, factor_ptr="*fp32"),
+            dict(BLOCK=kernels.SCALE_BLOCK),
+            4,
+        )
 
 
 def main():
