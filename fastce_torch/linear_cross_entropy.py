@@ -125,7 +125,7 @@ def fused_forward(hidden, weight, bias, labels, options, denominator=None, needs
     sum_t loss_t / denominator (a 1-element float32 device tensor) computed chunk by chunk. Returns
     (token_losses, lse, (grad_hidden, grad_weight, grad_bias)), None for gradients not needed."""
     n_rows, vocab = hidden.shape[0], weight.shape[0]
-    with kernels.on_device(hidden):
+    with kernels.on_device(hidden), torch.no_grad():
         token_losses = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
         grads = _new_grads(hidden, weight, bias, needs)
@@ -149,7 +149,8 @@ def fused_forward(hidden, weight, bias, labels, options, denominator=None, needs
 def fused_backward(grad_losses, hidden, weight, bias, labels, lse, options, needs):
     """Gradients of sum_t grad_losses_t * loss_t, recomputing each chunk's logits from hidden and weight."""
     n_rows, vocab = hidden.shape[0], weight.shape[0]
-    with kernels.on_device(hidden):
+    # no_grad: under create_graph=True autograd runs backward with grad mode on, and these are kernels and out= ops.
+    with kernels.on_device(hidden), torch.no_grad():
         grads = _new_grads(hidden, weight, bias, needs)
         if not any(needs):
             return grads

@@ -28,6 +28,8 @@ wrapped; during a fused call lm_head's forward (still called through nn.Module._
 gathers the weight as usual) computes the loss from the hidden states it receives and returns an empty (..., 0)
 stand-in for the logits, which the model's loss_function call (this module's) recognises and answers with that loss.
 Everything else the model does after its loss (Mixtral adding the router's auxiliary loss) happens as before.
+Under torch.compile the fused route is not taken (the compiler cannot trace the swap of lm_head's forward): the model
+computes its logits and fastce's cross_entropy takes them, as without fused_linear.
 
 Softcapping (Gemma 2/3, `config.final_logit_softcapping`): without fused_linear, those models apply `cap *
 tanh(logits / cap)` themselves in `forward`, before calling the loss, and return the capped logits. The loss
@@ -163,7 +165,9 @@ def _fused_forward(original):
     def forward(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
         labels = bound.arguments.get("labels")
-        if not (self.training and labels is not None and _state["forwards"]):
+        # Under torch.compile the model's own forward runs (logits and fastce's loss on them): the compiler cannot
+        # trace the temporary swap of lm_head's forward that the fused route relies on.
+        if not (self.training and labels is not None and _state["forwards"]) or torch.compiler.is_compiling():
             return original(self, *args, **kwargs)
         call = _FusedCall(self, labels, dict(bound.arguments.get(var_keyword) or {}))
         _FUSED_CALLS.append(call)

@@ -356,3 +356,13 @@ def test_peak_memory_is_gradients_plus_workspace(reduction, device):
     assert peak <= gradients + workspace + (8 << 20), (peak, gradients, workspace)
     assert peak < gradients + n * vocab * 2
     del grads
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_second_order_gradients_raise(reduction, device):
+    """The gradients come from kernels: differentiable once; create_graph=True gives a backward that raises."""
+    hidden, weight, bias, labels = problem(device)
+    loss = linear_cross_entropy(hidden, weight, labels, bias=bias, reduction=reduction, backend="kernel")
+    (grad_hidden,) = torch.autograd.grad(loss.sum(), hidden, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        grad_hidden.sum().backward()

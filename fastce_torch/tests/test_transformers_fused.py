@@ -190,3 +190,22 @@ def test_lm_head_hooks_still_run(device):
     model(input_ids=ids, labels=labels).loss.backward()
     assert seen == [(2, 8, 32)]
     assert "forward" not in vars(model.lm_head)  # the instance attribute is gone after the call
+
+
+def test_under_torch_compile_the_model_forward_runs(device):
+    """fullgraph compile of a fused-patched model: no graph break, the stock loss and gradients (with logits)."""
+    model = tiny("llama", device)
+    ids, labels = batch(device)
+    expected, expected_grads = loss_and_grads(model, input_ids=ids, labels=labels)
+    fastce_torch.patch_transformers(fused_linear=True, backend="kernel")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    model.zero_grad(set_to_none=True)
+    got = compiled(input_ids=ids, labels=labels)
+    got.loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}  # the compiled wrapper shares them
+    torch._dynamo.reset()
+    assert got.logits is not None
+    torch.testing.assert_close(got.loss, expected.loss, rtol=1e-5, atol=1e-6)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
