@@ -44,7 +44,6 @@ WORKSPACE_BYTES = 256 << 20
 ROWS_MULTIPLE = 128
 # A float32 accumulator for a bf16/fp16 weight's gradient: one rounding instead of one per chunk, 4·V·H more bytes.
 ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 = False
-SCALE_BLOCK = 4096
 
 
 # --- the one place that calls fastce's launchers ----------------------------------------------------------------
