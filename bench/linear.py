@@ -8,18 +8,19 @@ matmul measured in the same run (2·N·H·V flops of hidden @ weight.T), and the
 (torch.cuda.max_memory_allocated during one call; the gradients of hidden and weight are part of it, and
 `extra beyond grads` subtracts them).
 
-Implementations (torch): fastce_torch.linear_cross_entropy (its default 256 MiB workspace, and with a 1 GiB one),
+Implementations (torch): fastce_torch.linear_cross_entropy (its defaults: 256 MiB workspace, weight gradient summed
+in bf16; a 1 GiB workspace; 1 GiB with the float32 weight-gradient accumulator, fastce_jax's default configuration),
 matmul + fastce_torch.cross_entropy (logits materialised, gradient in place), torch.compile of matmul +
 F.cross_entropy on upcast logits, Liger's fused linear CE and Apple's Cut Cross-Entropy (skipped when not
-installed). JAX implementations come from `bench.linear_jax` when that module exists (LOADERS and measure with
-the same signatures as bench.jax_impls).
+installed). Then bench.jax_linear's JAX rows on the same shapes (fastce_jax.linear_cross_entropy in both
+accumulation modes, XLA matmul + CE, XLA matmul + fastce_jax CE, the three matmuls alone), host-timed as there,
+with XLA's temp size as memory.
 
 `python -m bench --linear --quick`: one shape (8192, 4096, 128256), fastce_torch only, and a correctness check of
 its loss and gradients against a float32 computation (chunked, so it fits): exit status 1 when it fails.
 """
 
 import gc
-import importlib
 import json
 import sys
 from dataclasses import dataclass
@@ -53,19 +54,22 @@ QUICK_SHAPE = LinearShape(8192, 4096, 128256)
 # --- implementations: each (hidden, weight, labels) -> mean loss ----------------------------------------------
 
 
-def fastce_linear(workspace_bytes=None):
+def fastce_linear(workspace_bytes=None, float32_accumulator=False):
+    """fastce_torch.linear_cross_entropy with its defaults (256 MiB workspace, weight gradient summed in bf16), or
+    with another workspace and the float32 weight-gradient accumulator (fastce_jax's default configuration)."""
     import fastce_torch
 
     module = sys.modules["fastce_torch.linear_cross_entropy"]
 
     def loss_fn(hidden, weight, labels):
-        saved = module.WORKSPACE_BYTES
+        saved = module.WORKSPACE_BYTES, module.ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32
         if workspace_bytes is not None:
             module.WORKSPACE_BYTES = workspace_bytes
+        module.ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 = float32_accumulator or saved[1]
         try:
             return fastce_torch.linear_cross_entropy(hidden, weight, labels)
         finally:
-            module.WORKSPACE_BYTES = saved
+            module.WORKSPACE_BYTES, module.ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 = saved
 
     return loss_fn
 
@@ -106,6 +110,7 @@ def cut_cross_entropy():
 LOADERS = {
     "fastce_torch_linear": fastce_linear,
     "fastce_torch_linear_1GiB": lambda: fastce_linear(1 << 30),
+    "fastce_torch_linear_1GiB_f32acc": lambda: fastce_linear(1 << 30, float32_accumulator=True),
     "matmul+fastce_torch": matmul_fastce,
     "torch_compile": torch_compile_upcast,
     "liger_flce": liger,
@@ -222,12 +227,47 @@ def check_fastce(shape, chunk=1024):
     return errors
 
 
-def run_linear(quick=False, impls=None, shapes=None):
+def _row(impl, shape, measured, matmul_tflops):
+    tflops = shape.flops / (measured["fwdbwd_ms"] * 1e-3) / 1e12
+    row = {"impl": impl, "N": shape.N, "H": shape.H, "V": shape.V, "dtype": shape.dtype, **measured}
+    row.update(effective_TFLOPs=tflops, of_matmul=tflops / matmul_tflops)
+    return row
+
+
+def _add_jax_rows(shapes, matmul, rows, failures):
+    """bench.jax_linear's rows on the same shapes, in this table's terms: of_matmul against the torch bf16 matmul
+    measured above (their own three-matmul ceiling is kept as of_jax_matmuls); memory is XLA's temp size, which
+    does not hold the gradients (outputs), so it is the extra beyond the gradients."""
+    try:
+        from . import jax_linear
+        from .jax_impls import has_gpu
+
+        if not has_gpu():
+            raise Unavailable("jax sees no GPU")
+        result = jax_linear.run(shapes=tuple(jax_linear.LinearShape(s.N, s.H, s.V, s.dtype) for s in shapes), say=say)
+    except Exception as exc:  # noqa: BLE001 - jax missing or broken must not lose the torch rows
+        failures.append(failure("jax", None, "load", exc))
+        say(f"JAX rows skipped: {failures[-1]['error']}")
+        return
+    for r in result["rows"]:
+        shape = LinearShape(r["N"], r["H"], r["V"], r["dtype"])
+        row = dict(r, impl="jax_three_matmuls" if r["impl"] == "matmul" else r["impl"])
+        if "of_matmul" in row:
+            row["of_jax_matmuls"] = row.pop("of_matmul")
+        row.update(effective_TFLOPs=r["TFLOPs"], of_matmul=r["TFLOPs"] / matmul[str(shape)])
+        row.setdefault("peak_extra_bytes", 0)
+        row["extra_beyond_grads_bytes"] = row["peak_extra_bytes"]
+        rows.append(row)
+    failures.extend(result["failures"])
+
+
+def run_linear(quick=False, impls=None, shapes=None, with_jax=None):
     import torch
 
     from . import envinfo
 
     shapes = shapes or ((QUICK_SHAPE,) if quick else LINEAR_SHAPES)
+    with_jax = (not quick and DEVICE == "cuda") if with_jax is None else with_jax
     impls = impls or (
         ["fastce_torch_linear", "fastce_torch_linear_1GiB", "matmul+fastce_torch"] if quick else list(LOADERS)
     )
@@ -237,47 +277,30 @@ def run_linear(quick=False, impls=None, shapes=None):
     for shape in shapes:
         matmul[str(shape)] = matmul_tflops(shape)
         say(f"bf16 matmul {shape}: {matmul[str(shape)]:.0f} TFLOP/s")
-    loaders = dict(LOADERS)
-    jax_measure = None
-    try:
-        jax_module = importlib.import_module("bench.linear_jax")
-        loaders.update(jax_module.LOADERS)
-        impls = impls + [name for name in jax_module.LOADERS if not quick]
-        jax_measure = jax_module.measure
-    except ModuleNotFoundError:
-        pass
     for impl in impls:
         try:
-            loss_fn = loaders[impl]()
+            loss_fn = LOADERS[impl]()
         except Exception as exc:  # noqa: BLE001 - a missing package must not stop the run
             failures.append(failure(impl, None, "load", exc))
             say(f"{impl}: skipped ({failures[-1]['error']})")
             continue
-        is_jax = jax_measure is not None and impl not in LOADERS
         for shape in shapes:
             try:
-                measured = (jax_measure if is_jax else measure)(loss_fn, shape, quick=quick)
+                measured = measure(loss_fn, shape, quick=quick)
             except Exception as exc:  # noqa: BLE001 - OOM is a result too
                 failures.append({"impl": impl, "shape": str(shape), "stage": "measure", "error": error_text(exc)})
                 say(f"{impl} {shape}: FAILED {failures[-1]['error']}")
                 continue
-            tflops = shape.flops / (measured["fwdbwd_ms"] * 1e-3) / 1e12
-            row = {
-                "impl": impl,
-                "N": shape.N,
-                "H": shape.H,
-                "V": shape.V,
-                "dtype": shape.dtype,
-                **measured,
-                "effective_TFLOPs": tflops,
-                "of_matmul": tflops / matmul[str(shape)],
-            }
-            rows.append(row)
+            rows.append(_row(impl, shape, measured, matmul[str(shape)]))
+            r = rows[-1]
             say(
-                f"{impl:26s} {shape}: {row['fwdbwd_ms']:.2f} ms, {tflops:.0f} TFLOP/s ({row['of_matmul']:.0%} of "
-                f"matmul), peak extra {row['peak_extra_bytes'] / MiB:.0f} MiB "
-                f"({row['extra_beyond_grads_bytes'] / MiB:.0f} beyond the gradients), loss {row['loss']:.5f}"
+                f"{impl:28s} {shape}: {r['fwdbwd_ms']:.2f} ms, {r['effective_TFLOPs']:.0f} TFLOP/s "
+                f"({r['of_matmul']:.0%} of matmul), peak extra {r['peak_extra_bytes'] / MiB:.0f} MiB "
+                f"({r['extra_beyond_grads_bytes'] / MiB:.0f} beyond the gradients), loss {r['loss']:.5f}"
             )
+    torch.cuda.empty_cache()
+    if with_jax:
+        _add_jax_rows(shapes, matmul, rows, failures)
     result = {
         "mode": "linear",
         "device": device,

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from . import kernels
+from . import distributed, kernels
 from .kernels import Options
 
 REDUCTIONS = ("none", "mean", "sum")
@@ -272,6 +272,8 @@ def cross_entropy(
     backend="auto",
     inplace_backward=True,
     validate_labels=False,
+    process_group=None,
+    vocab_start=None,
 ):
     """Cross-entropy of logits (..., V) against integer labels (...), fused on the GPU.
 
@@ -279,6 +281,12 @@ def cross_entropy(
     With inplace_backward=True (the default) the backward writes the gradient into the logits' own buffer when
     logits is an intermediate (non-leaf) tensor, so the loss costs no gradient-sized allocation: the logits are
     consumed by backward. Leaf tensors are never overwritten.
+
+    Vocab-parallel (tensor-parallel LM head): with `process_group`, logits (..., V_local) are this rank's contiguous
+    slice of the vocabulary and labels (...) global class ids, the same on every rank; the loss (the same on every
+    rank) is that of the full logits, each rank's gradient its own columns. The slice starts at `vocab_start`, or,
+    when None, at rank * V_local: every rank must then hold the same width (if not, the loss is NaN). A DTensor
+    sharded on its last dimension (Shard(-1)) is handled the same way and gives a DTensor (see distributed.py).
     """
     _check_arguments(
         logits,
@@ -292,12 +300,19 @@ def cross_entropy(
         z_loss,
         backend,
     )
+    if vocab_start is not None and process_group is None:
+        raise ValueError("vocab_start is only meaningful with process_group (vocab-parallel logits)")
     vocab = logits.shape[-1]
-    if validate_labels:
-        _validate_labels(labels, vocab, ignore_index)
     options = Options(
         ignore_index, float(logit_softcapping), float(logit_scaling), float(label_smoothing), float(z_loss)
     )
+    if process_group is not None or distributed.is_dtensor(logits):
+        return _vocab_parallel(
+            logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group,
+            vocab_start,
+        )  # fmt: skip
+    if validate_labels:
+        _validate_labels(labels, vocab, ignore_index)
     if not (backend == "kernel" or (backend == "auto" and logits.is_cuda)):
         token_losses = _reference_token_losses(logits, labels, options)
         return _reduce(token_losses, labels, reduction, n_items, ignore_index)
@@ -314,6 +329,30 @@ def cross_entropy(
     inplace = bool(inplace_backward) and _is_intermediate(logits) and not kernels.rows_overlap(kernel_logits)
     loss = _CrossEntropyFunction.apply(kernel_logits, labels_1d, reduction, n_items, inplace, options)[0]
     return loss.view(labels.shape) if reduction == "none" else loss
+
+
+@torch.compiler.disable
+def _vocab_parallel(
+    logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group, vocab_start
+):
+    """Eager even under torch.compile (a graph break): the collectives run in the autograd.Function's forward."""
+    use_kernel = backend == "kernel" or (backend == "auto" and logits.is_cuda)
+    if use_kernel and logits.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"logits must be float32, bfloat16 or float16 for the kernels, got {logits.dtype}")
+    if distributed.is_dtensor(logits):
+        if validate_labels:
+            full_labels = labels.full_tensor() if distributed.is_dtensor(labels) else labels
+            _validate_labels(full_labels, logits.shape[-1], options.ignore_index)
+        return distributed.dtensor_cross_entropy(
+            logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start
+        )
+    layout = distributed.layout_of(process_group, vocab_start, logits.shape[-1], logits.device)
+    if validate_labels:
+        _validate_labels(labels, layout[2], options.ignore_index)
+    inplace = bool(inplace_backward) and _is_intermediate(logits)
+    return distributed.vocab_parallel_cross_entropy(
+        logits, labels, reduction, n_items, inplace, options, layout, use_kernel
+    )
 
 
 def cross_entropy_reference(logits, labels, **options):
@@ -338,6 +377,8 @@ class CrossEntropyLoss(torch.nn.Module):
         backend="auto",
         inplace_backward=True,
         validate_labels=False,
+        process_group=None,
+        vocab_start=None,
     ):
         super().__init__()
         if weight is not None:
@@ -352,6 +393,8 @@ class CrossEntropyLoss(torch.nn.Module):
             backend=backend,
             inplace_backward=inplace_backward,
             validate_labels=validate_labels,
+            process_group=process_group,
+            vocab_start=vocab_start,
         )
 
     def forward(self, input, target, n_items=None):

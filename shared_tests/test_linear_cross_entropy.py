@@ -36,7 +36,7 @@ UNIT_ROUNDOFF = {"float32": 2.0**-23, "bfloat16": 2.0**-8}
 # rounded to bf16 at most twice on its way (logits, their gradient, the product), so 4 unit roundoffs.
 K_FACTOR = {"float32": 16, "bfloat16": 4}
 FLOOR = 2.0**-125
-TORCH_WORKSPACE_ROWS = 5  # fastce_torch's workspace is shrunk to this many rows: several chunks, a partial last one
+CHUNK_ROWS_SMALL = 5  # rows per chunk forced in both packages: several chunks, a partial (or clamped) last one
 
 
 @dataclass(frozen=True)
@@ -210,24 +210,29 @@ def check(case, device, runner, chunks):
 
 
 @pytest.fixture
-def small_torch_workspace(monkeypatch):
-    module = sys.modules["fastce_torch.linear_cross_entropy"]
-    monkeypatch.setattr(module, "ROWS_MULTIPLE", 1)
-    return lambda vocab, itemsize: monkeypatch.setattr(
-        module, "WORKSPACE_BYTES", TORCH_WORKSPACE_ROWS * vocab * itemsize
-    )
+def small_chunks(monkeypatch):
+    """Both packages split the rows into chunks of CHUNK_ROWS_SMALL (the last one partial, or in fastce_jax clamped
+    onto the one before): returns how many chunks a package runs, which bounds the weight gradient's roundings."""
+
+    def set_for(package, n_rows, vocab, itemsize):
+        if package == "fastce_torch":
+            module = sys.modules["fastce_torch.linear_cross_entropy"]
+            monkeypatch.setattr(module, "ROWS_MULTIPLE", 1)
+            monkeypatch.setattr(module, "WORKSPACE_BYTES", CHUNK_ROWS_SMALL * vocab * itemsize)
+        else:
+            module = sys.modules["fastce_jax.linear_cross_entropy"]
+            monkeypatch.setattr(module, "CHUNK_ROWS", CHUNK_ROWS_SMALL)
+        return -(-n_rows // CHUNK_ROWS_SMALL)
+
+    return set_for
 
 
 @pytest.mark.parametrize("package", ["fastce_torch", "fastce_jax"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_against_float64_reference(case, package, device, small_torch_workspace):
+def test_against_float64_reference(case, package, device, small_chunks):
     runner = package_runner(package)
     n_rows = int(np.prod(case.shape))
-    if package == "fastce_torch":
-        small_torch_workspace(case.vocab, TORCH_DTYPES[case.dtype].itemsize)
-        chunks = -(-n_rows // TORCH_WORKSPACE_ROWS)
-    else:
-        chunks = n_rows  # at most one rounding of the weight gradient per row, whatever the package's chunking
+    chunks = small_chunks(package, n_rows, case.vocab, TORCH_DTYPES[case.dtype].itemsize)
     check(case, device, runner, chunks)
 
 
