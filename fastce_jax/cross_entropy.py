@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fastce_jax import kernels
+from fastce_jax import kernels, sharding
 from fastce_jax.kernels import Options
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -220,7 +220,9 @@ def _kernel_token_losses(logits, labels, options: Options, inplace: bool, interp
 
 
 def _kernel_fwd(logits, labels, options: Options, inplace: bool, interpret: bool):
-    loss, lse = kernels.forward(logits, labels, options, interpret=interpret)
+    # logits (..., V) and labels (...) keep their shape here so that a sharding
+    # of any leading axis reaches sharding.py without a reshape across devices.
+    loss, lse = sharding.forward(logits, labels, options, interpret=interpret)
     # Residuals: only what the backward reads.  logits stays in its own dtype
     # (no float32 copy); lse is N floats.
     return loss, (logits, labels, lse)
@@ -230,7 +232,7 @@ def _kernel_bwd(options: Options, inplace: bool, interpret: bool, residuals, g):
     logits, labels, lse = residuals
     # g is the per-token upstream factor: 1/denominator (broadcast) for
     # "mean", 1 for "sum", the caller's cotangent for "none".
-    dlogits = kernels.backward(logits, labels, lse, g, options, inplace=inplace, interpret=interpret)
+    dlogits = sharding.backward(logits, labels, lse, g, options, inplace=inplace, interpret=interpret)
     return dlogits, None
 
 
@@ -265,13 +267,13 @@ def _cross_entropy(logits, labels, kwargs):
     if backend == "auto":
         backend = "kernel" if _on_gpu(logits) else "reference"
     options = Options(ignore_index, softcap, scaling, smoothing, z_loss)
-    x2 = jnp.asarray(logits).reshape(-1, vocab)
-    y1 = jnp.asarray(labels).reshape(-1)
-    if backend == "kernel" and x2.shape[0] > 0:
+    if backend == "kernel" and labels.size > 0:
         interpret = _interpret(logits)
-        losses = _kernel_token_losses(x2, y1, options, bool(kwargs["inplace_backward"]), interpret)
+        inplace = bool(kwargs["inplace_backward"])
+        losses = _kernel_token_losses(jnp.asarray(logits), jnp.asarray(labels), options, inplace, interpret)
     else:  # "reference", or no tokens at all (an empty grid has no kernel)
-        losses = _reference_token_losses(x2, y1, options)
+        x2 = jnp.asarray(logits).reshape(-1, vocab)
+        losses = _reference_token_losses(x2, jnp.asarray(labels).reshape(-1), options)
     return _reduce(losses, jnp.asarray(labels), kwargs["reduction"], n_items, ignore_index)
 
 
