@@ -321,6 +321,12 @@ def _ignore_index_for(labels, ignore_index: int) -> int | None:
     return ignore_index if info.min <= ignore_index <= info.max else None
 
 
+def _vary(x, axes: frozenset):
+    """x, made varying over the manual mesh axes ``axes`` it does not vary over yet."""
+    missing = tuple(sorted(axes - jax.typeof(x).manual_axis_type.varying))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def _same_variance(*arrays):
     """The arrays, each made varying over every manual mesh axis any of them varies
     over, and that common ManualAxisType for the outputs' ShapeDtypeStruct.
@@ -331,12 +337,23 @@ def _same_variance(*arrays):
     and ignored.
     """
     varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in arrays))
-    if varying:
-        arrays = tuple(
-            jax.lax.pcast(a, tuple(sorted(varying - jax.typeof(a).manual_axis_type.varying)), to="varying")
-            for a in arrays
+    return tuple(_vary(a, varying) for a in arrays), jax.sharding.ManualAxisType(varying=varying)
+
+
+def _launch(call, operands, mat, interpret: bool):
+    """call(*operands), a pallas_call whose outputs vary like ``mat``."""
+    if interpret and mat.varying:
+        # Pallas' interpreter evaluates the kernel body with shard_map's
+        # varying-axes checks on, although the body was traced with them off,
+        # so the first comparison of a loaded block with a constant fails
+        # ("eq requires varying manual axes to match"); the compiled kernels
+        # do not go through it.
+        raise NotImplementedError(
+            "fastce_jax's kernels in Pallas interpret mode (no GPU) cannot run inside jax.shard_map with "
+            "check_vma=True (a limitation of Pallas' interpreter); on CPU use backend='auto' or 'reference', "
+            "or check_vma=False.  On a GPU the compiled kernels work with check_vma=True."
         )
-    return arrays, jax.sharding.ManualAxisType(varying=varying)
+    return call(*operands)
 
 
 def _vocab_start_operand(vocab_start):
@@ -413,8 +430,8 @@ def forward(logits, labels, options: Options, *, interpret: bool, vocab_start=No
         name="fastce_finish",
     )
     with _quiet_triton(interpret):
-        m, s, sz = fwd(logits, labels)
-        return tuple(finish(m, s, sz, labels, logits, *operands[2:]))
+        m, s, sz = _launch(fwd, (logits, labels), mat, interpret)
+        return tuple(_launch(finish, (m, s, sz, labels, logits, *operands[2:]), mat, interpret))
 
 
 def backward(
@@ -474,7 +491,7 @@ def backward(
         name="fastce_backward",
     )
     with _quiet_triton(interpret):
-        return bwd(*operands)
+        return _launch(bwd, operands, mat, interpret)
 
 
 def uses_int64_offsets(n_rows: int, vocab: int, dtype) -> bool:
