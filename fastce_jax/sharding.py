@@ -130,9 +130,9 @@ def _plan(arg):
     """(mesh, per-leading-dim spec entries, vocabulary axes) for logits ``arg``
     (a ShapeDtypeStruct with the sharding XLA gave it).
 
-    A dimension whose size its mesh axes do not divide is replicated instead
-    (XLA gathers it first): uneven blocks would need padding that the
-    statistics must not see.
+    A dimension whose size its mesh axes do not divide (JAX's own shardings
+    cannot say that, but XLA's propagation might) is replicated instead: uneven
+    blocks would be padded, and the statistics must not see padding.
     """
     sharding, shape = arg.sharding, arg.shape
     if not isinstance(sharding, NamedSharding):
@@ -229,7 +229,9 @@ def _forward_op(options: Options, interpret: bool):
     def _(axis_size, in_batched, logits, labels):
         return batchable(*_as_leading_batch(axis_size, in_batched, (logits, labels))), (True, True)
 
-    return batchable
+    # jit: an eager call is partitioned too (custom_partitioning's eager
+    # implementation would run the whole computation unpartitioned).
+    return jax.jit(batchable)
 
 
 @functools.cache
@@ -252,7 +254,7 @@ def _backward_op(options: Options, inplace: bool, interpret: bool):
     def _(axis_size, in_batched, *args):
         return batchable(*_as_leading_batch(axis_size, in_batched, args)), True
 
-    return batchable
+    return jax.jit(batchable)
 
 
 def _single_device() -> bool:

@@ -283,15 +283,6 @@ def test_vmap_and_eager_under_sharding(devices):
     assert grad.sharding.is_equivalent_to(xs.sharding, 3)
 
 
-def test_uneven_vocabulary_split_is_still_exact(devices):
-    """V not divisible by the devices: the vocabulary is gathered first (slower, still exact)."""
-    mesh, spec = mesh_for(devices, "vocab")
-    x, y = make_inputs((N_ROWS, VOCAB + 1), seed=11)
-    xs, ys = put(x, mesh, spec), put(y, mesh, P(None))
-    loss, grad = value_and_grad_fn("kernel", **ALL)(xs, ys)
-    check_against_reference(loss, grad, x, y, ALL)
-
-
 # ----------------------------------------------------------------------------
 # Inside a user's shard_map.
 # ----------------------------------------------------------------------------
