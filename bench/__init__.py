@@ -7,5 +7,5 @@ a GPU it runs a small interpreted correctness-and-timing demo of the fastce kern
 # Every implementation the benchmark knows, in table order. Torch ones run first, then JAX ones, so the two
 # frameworks never hold large buffers at the same time.
 TORCH_IMPLS = ("fastce_torch", "torch_eager_fp32", "torch_eager", "torch_compile", "liger")
-JAX_IMPLS = ("fastce_jax", "xla")
+JAX_IMPLS = ("fastce_jax", "fastce_jax_noalias", "xla")
 ALL_IMPLS = TORCH_IMPLS + JAX_IMPLS

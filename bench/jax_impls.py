@@ -6,9 +6,14 @@ before jax is first imported, or JAX grabs 75% of the GPU that torch also needs)
 Compiled programs (jax.jit, compiled once per shape, outside timing):
   fwd    = jit(loss)(logits, labels)
   fwdbwd = jit(value_and_grad(loss), donate_argnums=0)(logits, labels) -> (loss, grad)
+  fwdbwd_undonated = jit(value_and_grad(loss))(logits, labels), the same logits every call
 Donating the logits is the training situation (the logits are an intermediate of the step), and it is what
 lets fastce_jax's backward alias its output to the logits buffer instead of copying the input first. Each
 timed fwdbwd call feeds the previous call's gradient back in as the next logits (finite values, same work).
+Not donated is what a plain jax.grad caller gets when the logits are an argument of the jitted function: an
+output aliased to a live input (fastce_jax's inplace_backward=True) makes XLA copy the logits before the
+backward kernel (one more read and write of N*V); fastce_jax_noalias (inplace_backward=False) writes a fresh
+gradient buffer instead.
 Timing is on the host: K calls queued back to back, one block_until_ready at the end, time / K; the median of
 several such batches. Dispatch overlaps the GPU work, but small shapes are still somewhat overstated compared
 with torch's CUDA-event times.
@@ -55,7 +60,12 @@ def xla_loss():
     return loss
 
 
-LOADERS = {"fastce_jax": fastce_jax_loss, "xla": xla_loss}
+def fastce_jax_noalias_loss():
+    """fastce_jax with inplace_backward=False: the backward's gradient never aliases the logits."""
+    return fastce_loss("fastce_jax", inplace_backward=False)
+
+
+LOADERS = {"fastce_jax": fastce_jax_loss, "fastce_jax_noalias": fastce_jax_noalias_loss, "xla": xla_loss}
 
 
 def host_time_ms(call, batch_target_ms=50.0, batches=7) -> float:
@@ -75,18 +85,22 @@ def host_time_ms(call, batch_target_ms=50.0, batches=7) -> float:
     return statistics.median(per_call)
 
 
-def compile_pair(loss_fn, logits, labels):
+def compile_programs(loss_fn, logits, labels):
+    """(fwd, fwdbwd with the logits donated, fwdbwd without donation), compiled."""
     fwd = jax.jit(loss_fn).lower(logits, labels).compile()
     fwdbwd = jax.jit(jax.value_and_grad(loss_fn), donate_argnums=0).lower(logits, labels).compile()
-    return fwd, fwdbwd
+    fwdbwd_undonated = jax.jit(jax.value_and_grad(loss_fn)).lower(logits, labels).compile()
+    return fwd, fwdbwd, fwdbwd_undonated
 
 
 def measure(loss_fn, shape, batch_target_ms=50.0) -> dict:
     logits, labels = make_inputs(shape)
-    fwd, fwdbwd = compile_pair(loss_fn, logits, labels)
+    fwd, fwdbwd, fwdbwd_undonated = compile_programs(loss_fn, logits, labels)
     memory = fwdbwd.memory_analysis()
     loss = float(fwd(logits, labels))
     fwd_ms = host_time_ms(lambda: fwd(logits, labels), batch_target_ms)
+    # Before the donated program consumes the logits; each call's outputs die with the next call.
+    fwdbwd_undonated_ms = host_time_ms(lambda: fwdbwd_undonated(logits, labels), batch_target_ms)
     state = {"logits": logits}
     del logits  # fwdbwd donates it: the state dict holds the only reference from here on
 
@@ -101,6 +115,7 @@ def measure(loss_fn, shape, batch_target_ms=50.0) -> dict:
     return {
         "fwd_ms": fwd_ms,
         "fwdbwd_ms": fwdbwd_ms,
+        "fwdbwd_undonated_ms": fwdbwd_undonated_ms,
         "peak_extra_bytes": int(memory.temp_size_in_bytes),
         "peak_extra_kind": "xla_temp_size",
         "loss": loss,

@@ -21,15 +21,15 @@ class Unavailable(ImportError):
     """The implementation's package is not installed: a note, not a failure."""
 
 
-def fastce_loss(package_name, backend="auto"):
-    """(logits, labels) -> loss with fastce_torch's or fastce_jax's cross_entropy."""
+def fastce_loss(package_name, backend="auto", **options):
+    """(logits, labels) -> loss with fastce_torch's or fastce_jax's cross_entropy (options: its keywords)."""
     try:
         cross_entropy = importlib.import_module(package_name).cross_entropy
     except ModuleNotFoundError as exc:
         if exc.name != package_name:
             raise  # the package is there but broken: a real failure
         raise Unavailable(f"{package_name} is not installed") from exc
-    return lambda logits, labels: cross_entropy(logits, labels, backend=backend)
+    return lambda logits, labels: cross_entropy(logits, labels, backend=backend, **options)
 
 
 def failure(impl, shape, stage, exc) -> dict:

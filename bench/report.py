@@ -23,6 +23,10 @@ def add_ratios(row, bandwidth_TBps) -> dict:
         row["fwd_over_1pass"] = row["fwd_ms"] / floor_ms(row, 1, bandwidth_TBps)
         row["fwdbwd_over_3pass"] = row["fwdbwd_ms"] / floor_ms(row, 3, bandwidth_TBps)
         row["fwdbwd_over_2pass"] = row["fwdbwd_ms"] / floor_ms(row, 2, bandwidth_TBps)
+        if row.get("fwdbwd_graph_ms") is not None:
+            row["fwdbwd_graph_over_3pass"] = row["fwdbwd_graph_ms"] / floor_ms(row, 3, bandwidth_TBps)
+        if row.get("fwdbwd_undonated_ms") is not None:
+            row["fwdbwd_undonated_over_3pass"] = row["fwdbwd_undonated_ms"] / floor_ms(row, 3, bandwidth_TBps)
     return row
 
 
@@ -36,6 +40,10 @@ COLUMNS = (
     "fwdbwd_ms",
     "fwdbwd/3-pass floor",
     "fwdbwd/2-pass floor",
+    "fwdbwd CUDA graph ms",
+    "graph/3-pass floor",
+    "fwdbwd not donated ms",
+    "not donated/3-pass floor",
     "peak extra MiB",
 )
 
@@ -43,6 +51,11 @@ COLUMNS = (
 def table_cells(row) -> list:
     def ratio(key):
         return f"{row[key]:.2f}x" if key in row else "-"
+
+    def ms(key):
+        if key not in row:
+            return "-"  # not measured for this implementation's framework
+        return "n/a" if row[key] is None else f"{row[key]:.3f}"  # not capturable: the JSON says why
 
     peak = f"{row['peak_extra_bytes'] / MiB:.1f}"
     if row.get("peak_extra_kind") == "xla_temp_size":
@@ -57,6 +70,10 @@ def table_cells(row) -> list:
         f"{row['fwdbwd_ms']:.3f}",
         ratio("fwdbwd_over_3pass"),
         ratio("fwdbwd_over_2pass"),
+        ms("fwdbwd_graph_ms"),
+        ratio("fwdbwd_graph_over_3pass"),
+        ms("fwdbwd_undonated_ms"),
+        ratio("fwdbwd_undonated_over_3pass"),
         peak,
     ]
 
@@ -104,8 +121,14 @@ How it was measured (bench/torch_measure.py and bench/jax_impls.py say it in ful
   `torch.autograd.grad(loss, logits)` with the logits a non-leaf tensor (as lm_head output is), so
   implementations that may write the gradient in place (fastce_torch, Liger) do. Peak extra =
   torch.cuda.max_memory_allocated during one fwd+bwd above the allocated bytes before it (logits and labels).
+  fwd+bwd CUDA graph = the same fwd+bwd captured once in a torch.cuda.CUDAGraph after warm-up and replayed
+  (do_bench): device time only, without Python, the autograd engine or launch costs; fwdbwd minus this is the
+  call's host-bound share. n/a = not capturable (the JSON's fwdbwd_graph_error says why).
 - JAX: jit-compiled programs, the fwd+bwd `value_and_grad` with the logits donated; host timing of many
-  queued calls, median of batches (includes dispatch, so small shapes read a little slow). Peak extra
+  queued calls, median of batches (includes dispatch, so small shapes read a little slow). "not donated" =
+  the same value_and_grad without donate_argnums (the logits stay alive, what a plain jax.grad caller gets):
+  where the backward aliases its output to the logits (fastce_jax's inplace_backward=True) XLA must copy the
+  logits first; fastce_jax_noalias is fastce_jax with inplace_backward=False. Peak extra
   ("temp") = XLA's compiled temp_size_in_bytes of the fwd+bwd program.
 - Labels uniform with every 7th token = -100, mean reduction, random normal logits.
 - Floors: bytes of the logits moved 1, 2 or 3 times at the device-to-device copy bandwidth measured in the
@@ -137,6 +160,13 @@ def results_markdown(result, plot_name=None) -> str:
         parts += ["Not measured:", ""]
         parts += [
             f"- {f['impl']} {f.get('N', '')}x{f.get('V', '')} {f.get('dtype', '')}: {f['error']}" for f in failures
+        ]
+        parts += [""]
+    uncaptured = [r for r in result["rows"] if r.get("fwdbwd_graph_ms", 0) is None]
+    if uncaptured:
+        parts += ["Not captured in a CUDA graph:", ""]
+        parts += [
+            f"- {r['impl']} {r['N']}x{r['V']} {r['dtype']}: {r.get('fwdbwd_graph_error', '?')}" for r in uncaptured
         ]
         parts += [""]
     if plot_name:

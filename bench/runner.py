@@ -18,6 +18,18 @@ def _row(impl, shape, measured, bandwidth):
     return add_ratios(row, bandwidth)
 
 
+def _extra_times(row) -> str:
+    text = ""
+    if "fwdbwd_graph_ms" in row:
+        graph = row["fwdbwd_graph_ms"]
+        text += (
+            f", CUDA graph {graph:.3f} ms" if graph is not None else f", no CUDA graph ({row['fwdbwd_graph_error']})"
+        )
+    if "fwdbwd_undonated_ms" in row:
+        text += f", not donated {row['fwdbwd_undonated_ms']:.3f} ms"
+    return text
+
+
 def _run_framework(impls, loaders, measure, shapes, bandwidth, rows, failures, counter, measure_kwargs):
     for impl in impls:
         try:
@@ -36,7 +48,7 @@ def _run_framework(impls, loaders, measure, shapes, bandwidth, rows, failures, c
                 say(
                     f"[{counter[0]}/{counter[1]}] {impl:16s} {shape}: fwd {r['fwd_ms']:.3f} ms, fwd+bwd "
                     f"{r['fwdbwd_ms']:.3f} ms ({r.get('fwdbwd_over_2pass', 0):.2f}x 2-pass floor), "
-                    f"peak extra {r['peak_extra_bytes'] / 2**20:.1f} MiB, loss {r['loss']:.4f}"
+                    f"peak extra {r['peak_extra_bytes'] / 2**20:.1f} MiB, loss {r['loss']:.4f}{_extra_times(r)}"
                 )
             except Exception as exc:  # noqa: BLE001 - OOM and kernel errors are results too
                 failures.append(failure(impl, shape, "measure", exc))

@@ -6,6 +6,11 @@ Timed closures (nothing else runs inside them; inputs are made once, outside):
   fwdbwd = torch.autograd.grad(loss_fn(logits, labels), logits)      (gradient w.r.t. the non-leaf logits)
 Implementations that write the gradient into the logits buffer (fastce_torch, Liger) leave gradient values
 there; those are finite, so the next iteration's work is unchanged and the buffer is not refilled.
+  fwdbwd_graph = the same fwdbwd captured once in a torch.cuda.CUDAGraph (after warm-up on a side stream, as
+                 torch's CUDA-graph docs prescribe) and replayed: the device time alone, no Python, no autograd
+                 engine, no launch overhead. Beside fwdbwd it separates kernel time from call time. None, with the
+                 reason in fwdbwd_graph_error, where the implementation cannot be captured (a host synchronisation
+                 such as .item(), or a compiler's own graph handling).
 Times are triton.testing.do_bench medians (CUDA events; do_bench zeroes a 256 MB buffer between iterations
 to flush the L2, outside the timed region). The logits are >= 256 MiB, far above the 60 MB L2.
 """
@@ -13,6 +18,7 @@ to flush the L2, outside the timed region). The logits are >= 256 MiB, far above
 import torch
 import triton.testing
 
+from .progress import error_text
 from .torch_impls import make_inputs
 
 
@@ -30,6 +36,39 @@ def peak_extra_bytes(fn) -> int:
     peak = torch.cuda.max_memory_allocated() - before
     del result
     return int(peak)
+
+
+def graph_ms(fn, warmup_ms, rep_ms) -> float:
+    """do_bench median of replaying fn captured in a CUDA graph. fn runs three times on a side stream first (Triton
+    compiles and loads its kernels, the caching allocator settles); the graph and its private memory pool are
+    released before returning."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            static_out = fn()
+        ms = bench_ms(graph.replay, warmup_ms, rep_ms)
+        del static_out
+    finally:
+        torch.cuda.synchronize()
+        graph.reset()
+        del graph
+        torch.cuda.empty_cache()
+    return ms
+
+
+def graph_entry(fn, warmup_ms, rep_ms) -> dict:
+    """{"fwdbwd_graph_ms": ms} or, where fn cannot be captured, {"fwdbwd_graph_ms": None, "fwdbwd_graph_error": why}."""
+    try:
+        return {"fwdbwd_graph_ms": graph_ms(fn, warmup_ms, rep_ms)}
+    except Exception as exc:  # noqa: BLE001 - an uncapturable implementation is a result, not a failure
+        return {"fwdbwd_graph_ms": None, "fwdbwd_graph_error": error_text(exc)}
 
 
 def measure(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda") -> dict:
@@ -55,6 +94,8 @@ def measure(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda") -> dict:
             "peak_extra_bytes": peak,
             "loss": loss,
         }
+        # Last: a failed capture leaves nothing behind that the eager timings above could see.
+        row.update(graph_entry(fwdbwd, warmup_ms, rep_ms))
     finally:
         del logits, labels
         if device == "cuda":

@@ -9,7 +9,7 @@ from bench import jax_setup
 
 jax_setup.configure(interpret_only=True)
 
-from bench import report, runner, shapes  # noqa: E402
+from bench import TORCH_IMPLS, report, runner, shapes  # noqa: E402
 from bench.shapes import Shape  # noqa: E402
 
 TOP_KEYS = {"device", "date", "commit", "versions", "copy_bandwidth_TBps", "rows"}
@@ -42,6 +42,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch_measure, "copy_bandwidth_TBps", lambda: 1.0)
     monkeypatch.setattr(torch_measure, "bench_ms", lambda fn, *a: (fn(), 1.5)[1])
     monkeypatch.setattr(torch_measure, "peak_extra_bytes", lambda fn: (fn(), 1024)[1])
+    monkeypatch.setattr(torch_measure, "graph_ms", lambda fn, *a: (fn(), 0.75)[1])
     real_measure = torch_measure.measure
     monkeypatch.setattr(torch_measure, "measure", lambda f, s, **kw: real_measure(f, s, device="cpu", **kw))
     monkeypatch.setattr(jax_impls, "has_gpu", lambda: True)
@@ -49,14 +50,20 @@ def fake_gpu(monkeypatch):
 
 
 def test_run_gpu_orchestration_and_json_schema(fake_gpu, tmp_path, monkeypatch):
-    impls = ["fastce_torch", "torch_eager_fp32", "torch_eager", "liger", "fastce_jax", "xla"]
+    impls = ["fastce_torch", "torch_eager_fp32", "torch_eager", "liger", "fastce_jax", "fastce_jax_noalias", "xla"]
     result = runner.run_gpu((Shape(8, 300),), impls, quick=True)
     assert TOP_KEYS <= set(result) <= TOP_KEYS | {"failures"}
     measured = {r["impl"] for r in result["rows"]}
-    assert {"torch_eager_fp32", "torch_eager", "xla"} <= measured
+    assert {"torch_eager_fp32", "torch_eager", "xla", "fastce_jax", "fastce_jax_noalias"} <= measured
     for row in result["rows"]:
         assert ROW_KEYS <= set(row)
         assert isinstance(row["peak_extra_bytes"], int) and row["fwd_ms"] > 0
+        if row["impl"] in TORCH_IMPLS:  # kernel time and call time apart, for every torch implementation
+            assert row["fwdbwd_graph_ms"] == 0.75 and "fwdbwd_undonated_ms" not in row
+            assert row["fwdbwd_graph_over_3pass"] == pytest.approx(0.75 / report.floor_ms(row, 3, 1.0))
+        else:  # every JAX implementation also without donated logits
+            assert row["fwdbwd_undonated_ms"] > 0 and "fwdbwd_graph_ms" not in row
+            assert row["fwdbwd_undonated_over_3pass"] > 0
     losses = [r["loss"] for r in result["rows"] if r["impl"].startswith("torch")]
     assert max(losses) - min(losses) < 2e-2  # the same seeded problem for every torch implementation
     if "liger" not in measured:  # not installed, or (installed, on the CPU) its kernels fail: recorded, run went on
@@ -67,6 +74,33 @@ def test_run_gpu_orchestration_and_json_schema(fake_gpu, tmp_path, monkeypatch):
     monkeypatch.setattr(report, "RESULTS_MD", tmp_path / "RESULTS.md")
     md = report.write_results_md(json_path).read_text()
     assert "| impl | N | V |" in md and "Fake GPU" in md and "torch_eager_fp32" in md
+    header = next(line for line in md.splitlines() if line.startswith("| impl"))
+    assert "fwdbwd CUDA graph ms" in header and "fwdbwd not donated ms" in header
+    assert "| 0.750 |" in md  # the stubbed graph time, rendered from the JSON
+
+
+def test_uncapturable_implementation_gives_null_and_the_reason(monkeypatch, tmp_path):
+    """An implementation that cannot be captured (here: a host synchronisation) is recorded as null with the
+    reason, the row is kept, and RESULTS.md shows n/a and the reason."""
+    from bench import torch_measure
+
+    def refuse(fn, *args):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")
+
+    monkeypatch.setattr(torch_measure, "graph_ms", refuse)
+    entry = torch_measure.graph_entry(lambda: None, 1, 1)
+    assert entry == {
+        "fwdbwd_graph_ms": None,
+        "fwdbwd_graph_error": "RuntimeError: CUDA error: operation not permitted when stream is capturing",
+    }
+    row = report.add_ratios({"impl": "liger", "N": 8, "V": 300, "dtype": "bfloat16", "fwd_ms": 1.0, "fwdbwd_ms": 2.0,
+                             "peak_extra_bytes": 0, "loss": 1.0, **entry}, 1.0)  # fmt: skip
+    assert "fwdbwd_graph_over_3pass" not in row
+    result = {"device": "Fake GPU", "date": "d", "commit": "c", "versions": {}, "copy_bandwidth_TBps": 1.0,
+              "rows": [row]}  # fmt: skip
+    monkeypatch.setattr(report, "RESULTS_MD", tmp_path / "RESULTS.md")
+    md = report.write_results_md(report.write_json(result, tmp_path / "run.json")).read_text()
+    assert "| n/a |" in md and "Not captured in a CUDA graph" in md and "stream is capturing" in md
 
 
 def test_sharded_torch_smoke(tmp_path):
@@ -88,3 +122,35 @@ def test_sharded_torch_smoke(tmp_path):
     losses = {name: r["loss"] for name, r in row["impls"].items()}
     assert set(losses) == {"fastce_torch", "fastce_torch_dtensor", "torch_loss_parallel"}
     assert max(losses.values()) - min(losses.values()) < 1e-5 * abs(losses["torch_loss_parallel"]), losses
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["fastce_torch", "torch_eager", "torch_eager_fp32"])
+def test_cuda_graph_capture_of_fwdbwd(impl):
+    """On a GPU: the bench's capture of loss + autograd.grad works for these implementations, replays the same
+    gradient as the eager call (fastce_torch writes it into the logits: compared on fresh inputs each time) and
+    leaves no graph memory behind."""
+    import torch
+
+    from bench import torch_impls, torch_measure
+
+    loss_fn = torch_impls.LOADERS[impl]()
+    shape = Shape(64, 5000, "float32")
+    logits, labels = torch_impls.make_inputs(shape, "cuda")
+    (expected,) = torch.autograd.grad(loss_fn(logits, labels), logits)
+    expected = expected.clone()
+    logits, labels = torch_impls.make_inputs(shape, "cuda")
+    captured = {}
+
+    def fwdbwd():
+        captured["grad"] = torch.autograd.grad(loss_fn(logits, labels), logits)[0]
+        return captured["grad"]
+
+    allocated = torch.cuda.memory_allocated()
+    entry = torch_measure.graph_entry(fwdbwd, 5, 20)
+    assert entry["fwdbwd_graph_ms"] is not None and entry["fwdbwd_graph_ms"] > 0, entry
+    assert torch.cuda.memory_allocated() <= allocated + 2 * logits.numel() * 4  # the captured outputs only
+    # The graph's gradient is of the values present at replay: fastce_torch's first replay overwrote its inputs,
+    # so check the other implementations exactly and fastce_torch by the first warm-up call (eager, same inputs).
+    if impl != "fastce_torch":
+        torch.testing.assert_close(captured["grad"], expected)
