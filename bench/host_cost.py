@@ -1,0 +1,165 @@
+"""Host-side (Python) cost of one eager fastce_torch.cross_entropy call with the Triton launches taken out, and its
+parts: `PYTHONPATH=. python -m bench.host_cost` (CPU is enough; on a GPU machine add --device cuda).
+
+The two kernels are replaced by no-op launch objects, so what is timed is everything the call does on the host
+besides Triton's own launch path (argument checks, Options, the layout checks, the autograd.Function with its
+three outputs, the launchers' allocations and argument marshalling, the backward through the autograd engine).
+Triton's launch (its dispatch on the arguments, then the driver call) comes on top: bench/overhead.py measures
+it on the GPU. Minimum over repeats of the mean over `number` calls: the minimum is the least disturbed by other
+processes on a shared machine. On CPU tensors the autograd engine runs the backward on the calling thread; with
+CUDA tensors it hands it to a device thread, which costs more (bench/NOTES.md).
+"""
+
+import argparse
+import contextlib
+import importlib
+import os
+import timeit
+
+import torch
+
+from fastce_torch import kernels
+
+ce_module = importlib.import_module("fastce_torch.cross_entropy")  # the module (the package exports the function)
+
+
+class _NoLaunch:
+    """Stands in for a @triton.jit kernel: kernel[grid](*args, **kwargs) does nothing."""
+
+    def __getitem__(self, grid):
+        return self._launch
+
+    @staticmethod
+    def _launch(*args, **kwargs):
+        return None
+
+
+@contextlib.contextmanager
+def no_launches():
+    saved = kernels._forward_kernel, kernels._backward_kernel
+    kernels._forward_kernel = kernels._backward_kernel = _NoLaunch()
+    try:
+        yield
+    finally:
+        kernels._forward_kernel, kernels._backward_kernel = saved
+
+
+class _DoNothing(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return x.new_empty(())
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+class _ThreeOutputs(torch.autograd.Function):
+    """The shape of fastce's Function (three outputs, two non-differentiable, four saved tensors), no work."""
+
+    @staticmethod
+    def forward(x, labels):
+        return x.new_empty(()), x.new_empty(x.shape[0]), x.new_empty(1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, labels = inputs
+        _, lse, denominator = output
+        ctx.mark_non_differentiable(lse, denominator)
+        ctx.save_for_backward(x, labels, lse, denominator)
+
+    @staticmethod
+    def backward(ctx, grad, grad_lse, grad_denominator):
+        ctx.saved_tensors
+        return None, None
+
+
+def per_call_us(fn, number, repeat):
+    fn()
+    return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
+
+
+def breakdown(device="cpu", n_rows=64, vocab=1000, number=2000, repeat=7):
+    """{name: microseconds per call}."""
+    anchor = torch.zeros((), device=device, requires_grad=True)
+    logits = anchor.expand(n_rows, vocab).contiguous()  # an intermediate, as lm_head's output is
+    with torch.no_grad():
+        logits.normal_()
+    labels = torch.randint(0, vocab, (n_rows,), device=device)
+    raw = logits.detach()
+    options = kernels.Options()
+    lse = torch.zeros(n_rows, device=device)
+    grad_loss = torch.ones((), device=device)
+    denominator = torch.ones(1, device=device)
+    backend = "kernel"
+    rows = {}
+
+    def time(name, fn):
+        rows[name] = per_call_us(fn, number, repeat)
+
+    with no_launches():
+        time(
+            "argument checks (_check_arguments)",
+            lambda: ce_module._check_arguments(logits, labels, -100, "mean", None, 0.0, 0.0, 0.0, 0.0, backend),
+        )
+        time("Options(...) with four float() calls", lambda: kernels.Options(-100, float(0.0), float(0.0), 0.0, 0.0))
+        time("row_layout + rows_overlap", lambda: (kernels.row_layout(logits), kernels.rows_overlap(logits)))
+        time(
+            "_is_intermediate + _under_functorch",
+            lambda: (ce_module._is_intermediate(logits), ce_module._under_functorch()),
+        )
+        time("labels.reshape(-1).contiguous()", lambda: labels.reshape(-1).contiguous())
+        time(
+            "is_dtensor + is_compiling",
+            lambda: (ce_module.distributed.is_dtensor(logits), torch.compiler.is_compiling()),
+        )
+        time(
+            "launcher allocations (empty, empty, zeros)",
+            lambda: (
+                torch.empty((), dtype=torch.float32, device=device),
+                torch.empty(3 * n_rows + 1, dtype=torch.float32, device=device),
+                torch.zeros(n_rows + 1, dtype=torch.int32, device=device),
+            ),
+        )
+        time("kernels.forward, launch stubbed", lambda: kernels.forward(raw, labels, options, "mean"))
+        time(
+            "kernels.backward, launch stubbed",
+            lambda: kernels.backward(grad_loss, raw, labels, lse, raw, options, denominator=denominator),
+        )
+        time(
+            "autograd.Function doing nothing, fwd+bwd",
+            lambda: torch.autograd.grad(_DoNothing.apply(logits), logits, allow_unused=True),
+        )
+        time(
+            "autograd.Function with fastce's 3 outputs, fwd+bwd",
+            lambda: torch.autograd.grad(_ThreeOutputs.apply(logits, labels)[0], logits, allow_unused=True),
+        )
+        time("cross_entropy forward, launch stubbed", lambda: ce_module.cross_entropy(logits, labels, backend=backend))
+        time(
+            "cross_entropy forward+backward, launches stubbed",
+            lambda: torch.autograd.grad(ce_module.cross_entropy(logits, labels, backend=backend), logits),
+        )
+        time(
+            "F.cross_entropy forward+backward (baseline)",
+            lambda: torch.autograd.grad(torch.nn.functional.cross_entropy(logits, labels), logits),
+        )
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.host_cost", description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--number", type=int, default=2000)
+    parser.add_argument("--repeat", type=int, default=7)
+    args = parser.parse_args(argv)
+    print(f"host cost per call, Triton launches stubbed, device {args.device}, pid {os.getpid()}")
+    for name, us in breakdown(args.device, number=args.number, repeat=args.repeat).items():
+        print(f"{name:52s} {us:8.1f} us")
+
+
+if __name__ == "__main__":
+    main()
