@@ -487,6 +487,8 @@ def row_layout(logits):
     """(batch stride, row stride, rows per batch) of logits viewed as (batch, rows, V) with unit column stride:
     the flat row r is (r // rows per batch, r % rows per batch). Logits (..., V) whose leading dimensions collapse
     into one or two strided dimensions qualify; None otherwise (the caller copies)."""
+    if logits.is_contiguous() and logits.numel():  # the common case, without the general walk below
+        return 0, logits.shape[-1], logits.numel() // logits.shape[-1]
     if logits.stride(-1) != 1 and logits.shape[-1] > 1:
         return None
     lead, strides = logits.shape[:-1], logits.stride()[:-1]
@@ -509,6 +511,8 @@ def row_layout(logits):
 
 def rows_overlap(logits):
     """True when two rows of logits share memory (expand, as_strided): the gradient must not be written in place."""
+    if logits.is_contiguous():
+        return False
     if logits.stride(-1) != 1 and logits.shape[-1] > 1:
         return True
     span = logits.shape[-1]  # elements one row covers
@@ -539,21 +543,25 @@ def forward(logits, labels, options, reduction="none", n_items=None, vocab_start
     block, chunk, n_chunks, warps = forward_config(vocab)
     reduce = reduction != "none"
     device = logits.device
-    # The returned loss owns its storage (in-place ops on it are ordinary autograd); the rest is one scratch buffer:
-    # [lse, per-token losses when reduced, denominator, the row groups' loss sums and kept counts, chunk partials].
+    # The returned loss owns its storage (in-place ops on it are ordinary autograd). Everything else is one zeroed
+    # int32 buffer cut into views by one split (a slice costs a tensor object, ~1 us of host time, each): the int32
+    # arrival counters, which must start at zero, then float32 (zero bits are 0.0; the kernel writes every float
+    # before reading it) lse, per-token losses when reduced, the denominator, the row groups' loss sums and kept
+    # counts, and the three chunk partials. One allocation and one fill instead of an empty scratch plus a zeroed
+    # counter buffer. The counters' length is rounded up to 4 so that the float pieces keep the 16-byte alignment
+    # (Triton specialises pointers on it) they had as a buffer of their own.
+    # arrivals[row] counts a row's finished chunks, arrivals[N] the finished groups of ROWS_PER_GROUP rows and
+    # arrivals[N + 1 + g] the finished rows of group g.
     n_partials = n_rows * n_chunks if n_chunks > 1 else 1
     n_groups = _cdiv(n_rows, ROWS_PER_GROUP) if reduce else 0
+    n_counters = n_rows + 1 + n_groups if n_chunks > 1 or reduce else 1
+    sizes = [-(-n_counters // 4) * 4, n_rows, n_rows if reduce else 0, 1, 2 * n_groups] + [n_partials] * 3
     loss = torch.empty(() if reduce else (n_rows,), dtype=torch.float32, device=device)
-    scratch = torch.empty(
-        n_rows * (2 if reduce else 1) + 1 + 2 * n_groups + 3 * n_partials, dtype=torch.float32, device=device
-    )
-    lse = scratch[:n_rows]
-    token_losses = scratch[n_rows : 2 * n_rows] if reduce else loss
-    at = n_rows * (2 if reduce else 1)
-    denominator = scratch[at : at + 1]
-    group_partials = scratch[at + 1 : at + 1 + 2 * n_groups]
-    at += 1 + 2 * n_groups
-    partials = [scratch[at + i * n_partials : at + (i + 1) * n_partials] for i in range(3)]
+    buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=device)
+    arrivals, lse, token_losses, denominator, group_partials, *partials = buffer.view(torch.float32).split(sizes)
+    arrivals = arrivals.view(torch.int32)
+    if not reduce:
+        token_losses = loss
     sum_z = torch.empty(n_rows, dtype=torch.float32, device=device) if vocab_parallel else lse
     if n_rows == 0:
         if vocab_parallel:
@@ -562,9 +570,6 @@ def forward(logits, labels, options, reduction="none", n_items=None, vocab_start
             loss.zero_()
             denominator.fill_(1.0)
         return loss, lse, (denominator if reduce else None)
-    # arrivals[row] counts a row's finished chunks, arrivals[N] the finished groups of ROWS_PER_GROUP rows and
-    # arrivals[N + 1 + g] the finished rows of group g.
-    n_counters = n_rows + 1 + n_groups if n_chunks > 1 or reduce else 1
     denominator_value, n_items_ptr = 1.0, denominator
     if n_items is None:
         denominator_mode = 0 if reduction == "mean" else 1
@@ -578,7 +583,6 @@ def forward(logits, labels, options, reduction="none", n_items=None, vocab_start
         logits,
     )
     with on_device(logits):
-        arrivals = torch.zeros(n_counters, dtype=torch.int32, device=device)
         _forward_kernel[(n_rows, n_chunks)](
             logits,
             batch_stride,
