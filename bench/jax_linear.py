@@ -24,34 +24,14 @@ gradients are outputs and are not in it).  Each row's loss is compared with xla_
 """
 
 import argparse
-import dataclasses
 import importlib
 import json
 import sys
 
-from .linear import FASTCE_SETTINGS, package_settings
+from .linear import FASTCE_SETTINGS, IGNORE_INDEX, LINEAR_SHAPES, LinearShape, package_settings
 
 FASTCE_IMPLS = {f"fastce_jax_linear{suffix}": settings for suffix, settings in FASTCE_SETTINGS.items()}
 LINEAR_IMPLS = (*FASTCE_IMPLS, "xla_linear", "matmul+fastce_jax")
-IGNORE_INDEX = -100
-
-
-@dataclasses.dataclass(frozen=True)
-class LinearShape:
-    N: int
-    H: int
-    V: int
-    dtype: str = "bfloat16"
-
-    @property
-    def flops(self) -> int:
-        return 6 * self.N * self.H * self.V
-
-    def __str__(self) -> str:
-        return f"{self.N}x{self.H}x{self.V} {self.dtype}"
-
-
-LINEAR_SHAPES = (LinearShape(8192, 4096, 128256), LinearShape(8192, 2304, 256000), LinearShape(32768, 4096, 128256))
 CPU_SHAPES = (LinearShape(96, 32, 1000, "float32"),)
 
 

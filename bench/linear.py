@@ -261,7 +261,7 @@ def _add_jax_rows(shapes, matmul, rows, failures):
 
         if not has_gpu():
             raise Unavailable("jax sees no GPU")
-        result = jax_linear.run(shapes=tuple(jax_linear.LinearShape(s.N, s.H, s.V, s.dtype) for s in shapes), say=say)
+        result = jax_linear.run(shapes=tuple(shapes), say=say)
     except Exception as exc:  # noqa: BLE001 - jax missing or broken must not lose the torch rows
         failures.append(failure("jax", None, "load", exc))
         say(f"JAX rows skipped: {failures[-1]['error']}")

@@ -241,6 +241,25 @@ def test_against_float64_reference(case, package, device, small_chunks):
     check(case, device, runner, chunks)
 
 
+@pytest.mark.parametrize("package", ["fastce_torch", "fastce_jax"])
+def test_chunk_rows_from_the_budget(package, monkeypatch):
+    """The same defaults and chunking rule in both packages."""
+    package_runner(package)
+    module = sys.modules[f"{package}.linear_cross_entropy"]
+    assert module.WORKSPACE_BYTES == 256 << 20 and module.ROWS_MULTIPLE == 128 and module.CHUNK_ROWS is None
+    assert module.ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 is False
+    assert module.chunk_rows(8192, 128256, 2) == 1024  # 1046 rows fit: 8 even chunks of a multiple of 128
+    assert module.chunk_rows(8192, 256000, 2) == 512
+    assert module.chunk_rows(100, 128256, 2) == 100  # fits: one chunk, never more than the rows there are
+    assert module.chunk_rows(8192, 2**31, 4) == 1  # at least one row, whatever the budget
+    # 4096 rows fit at V=32000; 8292 rows take 3 chunks, split evenly (2816, 2816, 2660), not 4096, 4096, 100.
+    assert module.chunk_rows(8292, 32000, 2) == 2816
+    monkeypatch.setattr(module, "WORKSPACE_BYTES", 1 << 30)
+    assert module.chunk_rows(8192, 32000, 2) == 8192
+    monkeypatch.setattr(module, "CHUNK_ROWS", 5)
+    assert module.chunk_rows(8192, 32000, 2) == 5 and module.chunk_rows(3, 32000, 2) == 3
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("package", ["fastce_torch", "fastce_jax"])
 @pytest.mark.parametrize(

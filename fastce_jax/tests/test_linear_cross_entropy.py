@@ -343,20 +343,6 @@ def test_empty_batch(put):
     assert linear_cross_entropy(hidden, weight, labels, reduction="none", backend="kernel").shape == (0,)
 
 
-def test_chunk_rows_from_the_budget(monkeypatch):
-    assert LCE.WORKSPACE_BYTES == 256 << 20 and LCE.CHUNK_ROWS is None
-    assert LCE.chunk_rows(8192, 128256, 2) == 1024  # 1046 rows fit: 8 even chunks of a multiple of 128
-    assert LCE.chunk_rows(8192, 256000, 2) == 512
-    assert LCE.chunk_rows(100, 128256, 2) == 100  # fits: one chunk, never more than the rows there are
-    assert LCE.chunk_rows(8192, 2**31, 4) == 1  # at least one row, whatever the budget
-    # 4096 rows fit at V=32000; 8292 rows take 3 chunks, split evenly (2816, 2816, 2660), not 4096, 4096, 100.
-    assert LCE.chunk_rows(8292, 32000, 2) == 2816
-    monkeypatch.setattr(LCE, "WORKSPACE_BYTES", 1 << 30)
-    assert LCE.chunk_rows(8192, 32000, 2) == 8192
-    monkeypatch.setattr(LCE, "CHUNK_ROWS", 5)
-    assert LCE.chunk_rows(8192, 32000, 2) == 5 and LCE.chunk_rows(3, 32000, 2) == 3
-
-
 def compiled_temp_bytes(n, dim, vocab, dtype):
     """XLA's scratch for jit(value_and_grad) w.r.t. hidden and weight (inputs and outputs not counted)."""
     hidden = jax.ShapeDtypeStruct((n, dim), dtype)
