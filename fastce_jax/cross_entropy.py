@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fastce_jax import kernels
+from fastce_jax import kernels, sharding
 from fastce_jax.kernels import Options
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -182,23 +182,24 @@ def _interpret(x) -> bool:
 
 
 def _reference_token_losses(logits, labels, options: Options):
-    """Per-token float32 losses of logits (N, V), labels (N,)."""
+    """Per-token float32 losses of logits (..., V), labels (...) (no reshape, so any sharding of the leading
+    axes stays where it is)."""
     vocab = logits.shape[-1]
     in_range = (labels >= 0) & (labels < vocab)
     ign = kernels._ignore_index_for(labels, options.ignore_index)
     ignored = (labels == ign) if ign is not None else jnp.zeros_like(in_range)
     # Zero ignored rows *before* any math, so their gradient is exactly 0 even
     # when the row holds NaN/inf (0 * NaN would otherwise leak through).
-    x = jnp.where(ignored[:, None], jnp.zeros((), logits.dtype), logits)
+    x = jnp.where(ignored[..., None], jnp.zeros((), logits.dtype), logits)
     z = kernels._transform(x.astype(jnp.float32), options.logit_scaling, options.logit_softcapping)
     m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
     # Same convention as the kernels: shift an all -inf row by 0; +inf gives NaN.
     m = jnp.where(m == -jnp.inf, 0.0, m)
-    lse = m[:, 0] + jnp.log(jnp.sum(jnp.exp(z - m), axis=-1))
+    lse = m[..., 0] + jnp.log(jnp.sum(jnp.exp(z - m), axis=-1))
     loss = jnp.zeros_like(lse)
     if options.label_smoothing != 1.0:
         y_safe = jnp.where(in_range, labels, 0).astype(jnp.int32)
-        z_y = jnp.take_along_axis(z, y_safe[:, None], axis=-1)[:, 0]
+        z_y = jnp.take_along_axis(z, y_safe[..., None], axis=-1)[..., 0]
         loss = loss + (1.0 - options.label_smoothing) * (lse - z_y)
     if options.label_smoothing != 0.0:
         loss = loss + options.label_smoothing * (lse - jnp.mean(z, axis=-1))
@@ -220,7 +221,9 @@ def _kernel_token_losses(logits, labels, options: Options, inplace: bool, interp
 
 
 def _kernel_fwd(logits, labels, options: Options, inplace: bool, interpret: bool):
-    loss, lse = kernels.forward(logits, labels, options, interpret=interpret)
+    # logits (..., V) and labels (...) keep their shape here so that a sharding
+    # of any leading axis reaches sharding.py without a reshape across devices.
+    loss, lse = sharding.forward(logits, labels, options, interpret=interpret)
     # Residuals: only what the backward reads.  logits stays in its own dtype
     # (no float32 copy); lse is N floats.
     return loss, (logits, labels, lse)
@@ -230,7 +233,7 @@ def _kernel_bwd(options: Options, inplace: bool, interpret: bool, residuals, g):
     logits, labels, lse = residuals
     # g is the per-token upstream factor: 1/denominator (broadcast) for
     # "mean", 1 for "sum", the caller's cotangent for "none".
-    dlogits = kernels.backward(logits, labels, lse, g, options, inplace=inplace, interpret=interpret)
+    dlogits = sharding.backward(logits, labels, lse, g, options, inplace=inplace, interpret=interpret)
     return dlogits, None
 
 
@@ -265,13 +268,12 @@ def _cross_entropy(logits, labels, kwargs):
     if backend == "auto":
         backend = "kernel" if _on_gpu(logits) else "reference"
     options = Options(ignore_index, softcap, scaling, smoothing, z_loss)
-    x2 = jnp.asarray(logits).reshape(-1, vocab)
-    y1 = jnp.asarray(labels).reshape(-1)
-    if backend == "kernel" and x2.shape[0] > 0:
+    if backend == "kernel" and labels.size > 0:
         interpret = _interpret(logits)
-        losses = _kernel_token_losses(x2, y1, options, bool(kwargs["inplace_backward"]), interpret)
+        inplace = bool(kwargs["inplace_backward"])
+        losses = _kernel_token_losses(jnp.asarray(logits), jnp.asarray(labels), options, inplace, interpret)
     else:  # "reference", or no tokens at all (an empty grid has no kernel)
-        losses = _reference_token_losses(x2, y1, options)
+        losses = _reference_token_losses(jnp.asarray(logits), jnp.asarray(labels), options)
     return _reduce(losses, jnp.asarray(labels), kwargs["reduction"], n_items, ignore_index)
 
 
