@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from . import kernels
+from . import distributed, kernels
 from .kernels import Options
 
 REDUCTIONS = ("none", "mean", "sum")
@@ -29,6 +29,26 @@ ONCE_DIFFERENTIABLE = (
     "fastce_torch.cross_entropy is differentiable once (its backward is a kernel); for second-order gradients "
     "(gradient penalties, Hessian-vector products) use backend='reference'"
 )
+
+
+FORWARD_MODE_UNSUPPORTED = (
+    "fastce_torch.cross_entropy has no forward-mode derivative (torch.func.jvp, jacfwd, hessian, "
+    "torch.autograd.forward_ad); use backend='reference'"
+)
+VMAP_UNSUPPORTED = (
+    "fastce_torch.cross_entropy's kernels have no torch.func.vmap rule: a vmapped batch is only more rows, so "
+    "flatten it into the rows instead (logits.reshape(-1, V), labels.reshape(-1), reduction='none', then reduce "
+    "per example), or use backend='reference'"
+)
+
+
+def _functorch_transforms():
+    """The torch.func transforms (grad, vjp, jvp, vmap, ...) the current call runs under, outermost first."""
+    return [interpreter.key() for interpreter in torch._functorch.pyfunctorch.retrieve_all_functorch_interpreters()]
+
+
+def _under_functorch():
+    return torch._C._functorch.maybe_current_level() is not None
 
 
 def _unwrapped(tensor):
@@ -69,12 +89,34 @@ class _CrossEntropyFunction(torch.autograd.Function):
         if ctx.consumed:
             raise RuntimeError(LOGITS_REUSED)
         try:
-            logits, labels, lse, denominator = ctx.saved_tensors
+            saved = ctx.saved_tensors
         except RuntimeError as error:
             if ctx.inplace_backward and "modified by an inplace operation" in str(error):
                 raise RuntimeError(LOGITS_REUSED) from error
             raise
-        grad_output, logits, labels, lse, denominator = map(_unwrapped, (grad_output, logits, labels, lse, denominator))
+        tensors = (grad_output, *saved)
+        transformed = _under_functorch()
+        if not transformed and not any(map(torch._C._functorch.is_functorch_wrapped_tensor, tensors)):
+            return _once_differentiable(_CrossEntropyFunction._gradient(ctx, *tensors)), *[None] * 5
+        # torch.func.grad / vjp run this backward on their wrapped tensors, inside the transform (grad) or after it
+        # (the function vjp returns). An outer transform that differentiates again (grad of grad, jvp of grad)
+        # would see the kernel's output as a constant: a silently zero second derivative, so refuse it; under vmap
+        # (jacrev, per-example gradients) the cotangent is batched, which the kernel cannot read. Otherwise the
+        # kernel runs on the plain tensors with the transforms switched off (anything allocated under them,
+        # Triton's interpreter copies included, would be a wrapper without storage).
+        if transformed:
+            transforms = _functorch_transforms()
+            kind = torch._C._functorch.TransformType
+            if kind.Vmap in transforms:
+                raise RuntimeError(VMAP_UNSUPPORTED)
+            if sum(key in (kind.Grad, kind.Jvp) for key in transforms) > 1:
+                raise RuntimeError(ONCE_DIFFERENTIABLE)
+        with torch._C._DisableFuncTorch():
+            grad = _CrossEntropyFunction._gradient(ctx, *map(_unwrapped, tensors))
+        return (grad if transformed else _once_differentiable(grad)), *[None] * 5
+
+    @staticmethod
+    def _gradient(ctx, grad_output, logits, labels, lse, denominator):
         if ctx.inplace_backward:
             grad = logits
             # The logits are about to hold the gradient: any other op that saved them for its own backward then
@@ -82,8 +124,8 @@ class _CrossEntropyFunction(torch.autograd.Function):
             torch.autograd.graph.increment_version(logits)
             ctx.consumed = True
         else:
-            grad = _unwrapped(torch.empty(logits.shape, dtype=logits.dtype, device=logits.device))
-        grad = kernels.backward(
+            grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        return kernels.backward(
             grad_output,
             logits,
             labels,
@@ -92,7 +134,14 @@ class _CrossEntropyFunction(torch.autograd.Function):
             ctx.options,
             denominator=denominator if denominator.numel() else None,
         )
-        return _once_differentiable(grad), None, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(FORWARD_MODE_UNSUPPORTED)
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        raise RuntimeError(VMAP_UNSUPPORTED)
 
 
 # --- custom ops for torch.compile: opaque to the compiler, fake implementations for tracing, no graph break ------
@@ -159,6 +208,12 @@ torch.library.register_autograd("fastce::cross_entropy_forward", _backward, setu
 # --- the contract ----------------------------------------------------------------------------------------------
 
 
+def _is_finite(value):
+    # Comparisons, not math.isfinite: under torch.compile(dynamic=True) dynamo cannot trace math.isfinite (a graph
+    # break, an error with fullgraph=True), while float comparisons fold to constants. NaN fails both.
+    return -math.inf < value < math.inf
+
+
 def _check_arguments(
     logits, labels, ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
 ):
@@ -186,13 +241,13 @@ def _check_arguments(
         raise ValueError(f"n_items must be 0-d, got shape {tuple(n_items.shape)}")
     if isinstance(n_items, (int, float)) and not n_items > 0:
         raise ValueError(f"n_items must be positive, got {n_items}")
-    if not math.isfinite(logit_softcapping) or logit_softcapping < 0:
+    if not _is_finite(logit_softcapping) or logit_softcapping < 0:
         raise ValueError(f"logit_softcapping must be >= 0 (0 disables it), got {logit_softcapping}")
-    if not math.isfinite(logit_scaling):
+    if not _is_finite(logit_scaling):
         raise ValueError(f"logit_scaling must be finite (0 disables it), got {logit_scaling}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if not math.isfinite(z_loss):
+    if not _is_finite(z_loss):
         raise ValueError(f"z_loss must be finite, got {z_loss}")
     for name, value in (
         ("logit_softcapping", logit_softcapping),
@@ -272,6 +327,8 @@ def cross_entropy(
     backend="auto",
     inplace_backward=True,
     validate_labels=False,
+    process_group=None,
+    vocab_start=None,
 ):
     """Cross-entropy of logits (..., V) against integer labels (...), fused on the GPU.
 
@@ -279,6 +336,12 @@ def cross_entropy(
     With inplace_backward=True (the default) the backward writes the gradient into the logits' own buffer when
     logits is an intermediate (non-leaf) tensor, so the loss costs no gradient-sized allocation: the logits are
     consumed by backward. Leaf tensors are never overwritten.
+
+    Vocab-parallel (tensor-parallel LM head): with `process_group`, logits (..., V_local) are this rank's contiguous
+    slice of the vocabulary and labels (...) global class ids, the same on every rank; the loss (the same on every
+    rank) is that of the full logits, each rank's gradient its own columns. The slice starts at `vocab_start`, or,
+    when None, at rank * V_local: every rank must then hold the same width (if not, the loss is NaN). A DTensor
+    sharded on its last dimension (Shard(-1)) is handled the same way and gives a DTensor (see distributed.py).
     """
     _check_arguments(
         logits,
@@ -292,12 +355,19 @@ def cross_entropy(
         z_loss,
         backend,
     )
+    if vocab_start is not None and process_group is None:
+        raise ValueError("vocab_start is only meaningful with process_group (vocab-parallel logits)")
     vocab = logits.shape[-1]
-    if validate_labels:
-        _validate_labels(labels, vocab, ignore_index)
     options = Options(
         ignore_index, float(logit_softcapping), float(logit_scaling), float(label_smoothing), float(z_loss)
     )
+    if process_group is not None or distributed.is_dtensor(logits):
+        return _vocab_parallel(
+            logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group,
+            vocab_start,
+        )  # fmt: skip
+    if validate_labels:
+        _validate_labels(labels, vocab, ignore_index)
     if not (backend == "kernel" or (backend == "auto" and logits.is_cuda)):
         token_losses = _reference_token_losses(logits, labels, options)
         return _reduce(token_losses, labels, reduction, n_items, ignore_index)
@@ -315,9 +385,39 @@ def cross_entropy(
         token_losses = _forward_op(kernel_logits, labels_1d, *options)[0].view(labels.shape)
         return _reduce(token_losses, labels, reduction, n_items, ignore_index)
     # In place only into memory the graph alone owns, and only where no two rows share memory.
-    inplace = bool(inplace_backward) and _is_intermediate(logits) and not kernels.rows_overlap(kernel_logits)
+    # Never under torch.func: its wrappers hide who else holds the memory.
+    inplace = (
+        bool(inplace_backward)
+        and _is_intermediate(logits)
+        and not kernels.rows_overlap(kernel_logits)
+        and not _under_functorch()
+    )
     loss = _CrossEntropyFunction.apply(kernel_logits, labels_1d, reduction, n_items, inplace, options)[0]
     return loss.view(labels.shape) if reduction == "none" else loss
+
+
+@torch.compiler.disable
+def _vocab_parallel(
+    logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group, vocab_start
+):
+    """Eager even under torch.compile (a graph break): the collectives run in the autograd.Function's forward."""
+    use_kernel = backend == "kernel" or (backend == "auto" and logits.is_cuda)
+    if use_kernel and logits.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"logits must be float32, bfloat16 or float16 for the kernels, got {logits.dtype}")
+    if distributed.is_dtensor(logits):
+        if validate_labels:
+            full_labels = labels.full_tensor() if distributed.is_dtensor(labels) else labels
+            _validate_labels(full_labels, logits.shape[-1], options.ignore_index)
+        return distributed.dtensor_cross_entropy(
+            logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start
+        )
+    layout = distributed.layout_of(process_group, vocab_start, logits.shape[-1], logits.device)
+    if validate_labels:
+        _validate_labels(labels, layout[2], options.ignore_index)
+    inplace = bool(inplace_backward) and _is_intermediate(logits)
+    return distributed.vocab_parallel_cross_entropy(
+        logits, labels, reduction, n_items, inplace, options, layout, use_kernel
+    )
 
 
 def cross_entropy_reference(logits, labels, **options):
@@ -342,6 +442,8 @@ class CrossEntropyLoss(torch.nn.Module):
         backend="auto",
         inplace_backward=True,
         validate_labels=False,
+        process_group=None,
+        vocab_start=None,
     ):
         super().__init__()
         if weight is not None:
@@ -356,6 +458,8 @@ class CrossEntropyLoss(torch.nn.Module):
             backend=backend,
             inplace_backward=inplace_backward,
             validate_labels=validate_labels,
+            process_group=process_group,
+            vocab_start=vocab_start,
         )
 
     def forward(self, input, target, n_items=None):

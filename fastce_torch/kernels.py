@@ -15,6 +15,10 @@ Rows are addressed as (batch, row) with two strides, so 2-D logits and strided 3
 kernels without a copy. Row offsets are 64-bit, so N*V beyond 2**31 elements is fine.
 The decomposition of a row (chunk width, tile width, warps) depends on V alone, never on N: a row's loss and
 gradient are bitwise the same whatever batch it is computed in.
+Vocab-parallel mode (VOCAB_PARALLEL, a constexpr: the single-device path compiles without it): the logits are one
+rank's columns [vocab_start, vocab_start + V) of a vocabulary of vocab_total; the forward writes per row the local
+logsumexp, the transformed label logit (0 unless this slice holds the label) and the local sum of z, for the caller
+to combine across ranks; the backward takes the global logsumexp and places the label at column label - vocab_start.
 """
 
 import contextlib
@@ -150,6 +154,7 @@ def _forward_kernel(
     labels_ptr,
     loss_ptr,
     lse_ptr,
+    sum_z_out_ptr,
     max_ptr,
     sumexp_ptr,
     sumz_ptr,
@@ -168,6 +173,7 @@ def _forward_kernel(
     label_smoothing,
     z_loss,
     denominator_value,
+    vocab_start,
     BLOCK: tl.constexpr,
     CHUNKS_BLOCK: tl.constexpr,
     HAS_SCALING: tl.constexpr,
@@ -178,6 +184,7 @@ def _forward_kernel(
     DENOMINATOR: tl.constexpr,
     GROUPS_BLOCK: tl.constexpr,
     ROWS_PER_GROUP: tl.constexpr,
+    VOCAB_PARALLEL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -227,7 +234,19 @@ def _forward_kernel(
                 tl.load(sumexp_ptr + slots, mask=slot_mask, other=0.0, volatile=True),
             )
             sum_z = tl.sum(tl.load(sumz_ptr + slots, mask=slot_mask, other=0.0, volatile=True), 0)
-    if is_last:
+    if VOCAB_PARALLEL and is_last:
+        # This rank's share: the label logit only where the label column is one of its own (0 elsewhere, so the
+        # ranks' values sum to the label logit), the local lse and sum of z. The loss is the caller's, after the
+        # ranks combine these.
+        local_label = label - vocab_start
+        owned = (local_label >= 0) & (local_label < V) & (label != ignore_index)
+        z_label = _transform(
+            tl.load(row_ptr + local_label, mask=owned, other=0.0), scaling, softcap, HAS_SCALING, HAS_SOFTCAP
+        )
+        tl.store(loss_ptr + row, tl.where(owned, z_label, 0.0))
+        tl.store(lse_ptr + row, lse)
+        tl.store(sum_z_out_ptr + row, sum_z)
+    elif is_last:
         # The only data-dependent address: loaded only for a label inside [0, V).
         load_label = (label >= 0) & (label < V) & (label != ignore_index)
         z_label = _transform(
@@ -324,12 +343,15 @@ def _backward_kernel(
     softcap,
     label_smoothing,
     z_loss,
+    vocab_start,
+    vocab_total,
     BLOCK: tl.constexpr,
     HAS_SCALING: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     HAS_DENOMINATOR: tl.constexpr,
+    VOCAB_PARALLEL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -337,12 +359,18 @@ def _backward_kernel(
 
     label = tl.load(labels_ptr + row).to(tl.int64)
     ignored = label == ignore_index
+    if VOCAB_PARALLEL:  # columns are local, the label and the uniform target are global
+        label_column = label - vocab_start
+        vocab_all = vocab_total
+    else:
+        label_column = label
+        vocab_all = V
     lse = tl.load(lse_ptr + row)
     # Upstream gradient of this token's loss; stride 0 when it is one scalar broadcast over the rows.
     grad_loss = tl.load(grad_loss_ptr + row * grad_loss_stride).to(tl.float32)
     if HAS_DENOMINATOR:  # a reduced loss: d loss / d token loss = 1 / denominator
         grad_loss = grad_loss / tl.load(denominator_ptr)
-    grad_loss = tl.where((label >= 0) & (label < V), grad_loss, float("nan"))
+    grad_loss = tl.where((label >= 0) & (label < vocab_all), grad_loss, float("nan"))
 
     logits_row = logits_ptr + _row_offset(row, logits_batch_stride, logits_row_stride, rows_per_batch)
     x = tl.load(logits_row + cols, mask=in_row & ~ignored, other=0.0).to(tl.float32)
@@ -356,9 +384,9 @@ def _backward_kernel(
         tl.exp(x - lse),
         tanh_z,
         cols,
-        label,
+        label_column,
         lse,
-        V,
+        vocab_all,
         scaling,
         label_smoothing,
         z_loss,
@@ -421,6 +449,25 @@ def on_device(tensor):
     return contextlib.nullcontext()
 
 
+FIRST_LAUNCH_IN_CAPTURE = (
+    "fastce_torch: this kernel variant (options, reduction, dtype, device) has not run yet in this process, and its "
+    "first launch cannot be captured in a CUDA graph: Triton compiles and loads a kernel on its first launch, which "
+    "stream capture forbids. Run the same step once outside the capture first (torch.cuda.graph's documented "
+    "warm-up on a side stream does it), then capture."
+)
+# Kernel variants that have been launched in this process (so Triton has compiled and loaded their modules).
+_launched = set()
+
+
+def _guard_capture(variant, tensor):
+    """Raise FIRST_LAUNCH_IN_CAPTURE instead of letting a first launch invalidate a CUDA graph capture (whose own
+    error, "operation failed due to a previous error during capture", names no cause)."""
+    if variant not in _launched:
+        if tensor.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(FIRST_LAUNCH_IN_CAPTURE)
+        _launched.add(variant)
+
+
 def row_layout(logits):
     """(batch stride, row stride, rows per batch) of logits viewed as (batch, rows, V) with unit column stride:
     the flat row r is (r // rows per batch, r % rows per batch). Logits (..., V) whose leading dimensions collapse
@@ -459,10 +506,17 @@ def rows_overlap(logits):
     return False
 
 
-def forward(logits, labels, options, reduction="none", n_items=None):
+def forward(logits, labels, options, reduction="none", n_items=None, vocab_start=0, vocab_total=None):
     """One launch: (loss, lse, denominator) of logits (..., V) laid out as `row_layout` allows and flat labels (N,).
     loss is the per-token float32 losses (N,) for reduction "none", else a 0-d tensor of its own (the reduced loss),
-    and denominator the 1-element divisor the backward needs for "mean"/"sum" (None for "none")."""
+    and denominator the 1-element divisor the backward needs for "mean"/"sum" (None for "none").
+
+    Vocab-parallel mode (vocab_total given: the logits are columns [vocab_start, vocab_start + V) of a vocabulary of
+    vocab_total): per-row float32 (lse over the local columns, transformed label logit where the label is local
+    else 0, local sum of z (0 without smoothing)); ignored rows give (-inf, 0, 0). reduction must be "none"."""
+    vocab_parallel = vocab_total is not None
+    if vocab_parallel and reduction != "none":
+        raise ValueError("the vocab-parallel forward returns per-row statistics: reduction must be 'none'")
     _checked(logits)
     vocab = logits.shape[-1]
     n_rows = labels.shape[0]
@@ -485,7 +539,10 @@ def forward(logits, labels, options, reduction="none", n_items=None):
     group_partials = scratch[at + 1 : at + 1 + 2 * n_groups]
     at += 1 + 2 * n_groups
     partials = [scratch[at + i * n_partials : at + (i + 1) * n_partials] for i in range(3)]
+    sum_z = torch.empty(n_rows, dtype=torch.float32, device=device) if vocab_parallel else lse
     if n_rows == 0:
+        if vocab_parallel:
+            return lse, loss, sum_z
         if reduce:
             loss.zero_()
             denominator.fill_(1.0)
@@ -500,6 +557,11 @@ def forward(logits, labels, options, reduction="none", n_items=None):
         denominator_mode, n_items_ptr = 2, n_items.to(device=device, dtype=torch.float32)
     else:
         denominator_mode, denominator_value = 1, float(n_items)
+    flags = _flags(options)
+    _guard_capture(
+        ("forward", device, logits.dtype, labels.dtype, block, n_chunks > 1, reduce, denominator_mode, *flags.values()),
+        logits,
+    )
     with on_device(logits):
         arrivals = torch.zeros(n_counters, dtype=torch.int32, device=device)
         _forward_kernel[(n_rows, n_chunks)](
@@ -510,6 +572,7 @@ def forward(logits, labels, options, reduction="none", n_items=None):
             labels,
             token_losses,
             lse,
+            sum_z,
             *partials,
             arrivals,
             group_partials,
@@ -526,23 +589,29 @@ def forward(logits, labels, options, reduction="none", n_items=None):
             options.label_smoothing,
             options.z_loss,
             denominator_value,
+            vocab_start,
             BLOCK=block,
             CHUNKS_BLOCK=_next_power_of_2(n_chunks),
             REDUCE=reduce,
             DENOMINATOR=denominator_mode,
             GROUPS_BLOCK=GROUPS_BLOCK,
             ROWS_PER_GROUP=ROWS_PER_GROUP,
+            VOCAB_PARALLEL=vocab_parallel,
             num_warps=warps,
             num_stages=FORWARD_STAGES,
-            **_flags(options),
+            **flags,
         )
+    if vocab_parallel:
+        return lse, loss, sum_z
     return loss, lse, (denominator if reduce else None)
 
 
-def backward(grad_loss, logits, labels, lse, grad, options, denominator=None):
+def backward(grad_loss, logits, labels, lse, grad, options, denominator=None, vocab_start=0, vocab_total=None):
     """Writes d(sum_t grad_loss_t * loss_t / denominator)/d logits into `grad` (the shape of logits; it may be
     `logits` itself). grad_loss is per token (N,), or 0-d (one upstream scalar for all tokens); denominator a
-    1-element tensor or None."""
+    1-element tensor or None. Vocab-parallel mode (vocab_total given): the logits are columns
+    [vocab_start, vocab_start + V) of vocab_total, lse the global logsumexp; labels outside [0, vocab_total) give
+    NaN rows."""
     _checked(logits)
     vocab = logits.shape[-1]
     n_rows = labels.shape[0]
@@ -560,6 +629,21 @@ def backward(grad_loss, logits, labels, lse, grad, options, denominator=None):
         else:
             raise ValueError("grad and logits split their rows into batches differently")
     block, warps = backward_config(vocab)
+    flags = _flags(options)
+    _guard_capture(
+        (
+            "backward",
+            logits.device,
+            logits.dtype,
+            grad.dtype,
+            grad_loss.dtype,
+            labels.dtype,
+            block,
+            denominator is not None,
+            *flags.values(),
+        ),
+        logits,
+    )
     with on_device(logits):
         _backward_kernel[(n_rows, _cdiv(vocab, block))](
             logits,
@@ -580,9 +664,12 @@ def backward(grad_loss, logits, labels, lse, grad, options, denominator=None):
             options.logit_softcapping,
             options.label_smoothing,
             options.z_loss,
+            vocab_start,
+            vocab if vocab_total is None else vocab_total,
             BLOCK=block,
             HAS_DENOMINATOR=denominator is not None,
+            VOCAB_PARALLEL=vocab_total is not None,
             num_warps=warps,
-            **_flags(options),
+            **flags,
         )
     return grad

@@ -18,6 +18,14 @@ Differences from transformers' ForCausalLMLoss, on purpose:
   `outputs.logits` holds gradients, not logits. Pass `inplace_backward=False` if you read the logits after backward.
 - a batch whose labels are all ignore_index gives loss 0 and zero gradients (fastce's "mean"), not NaN.
 
+Coverage: the patch reaches every model whose forward calls `self.loss_function` with the causal-LM loss (Llama,
+Mistral, Qwen, Gemma, Mixtral, ...: all that route through LOSS_MAPPING's ForCausalLM/ForConditionalGeneration
+entries). The classes in COMPUTE_THEIR_OWN_LOSS build `torch.nn.CrossEntropyLoss()` inside their own forward instead
+(their labels are already aligned, no shift), so they keep torch's loss. The only hook there would be the modeling
+module's global `CrossEntropyLoss`, which the same modules' classification and seq2seq heads share; replacing it
+would change losses nobody asked to patch, so they are listed instead (the test suite checks the list against the
+installed transformers). Use `fastce_torch.CrossEntropyLoss` with their logits yourself to fuse them.
+
 Softcapping (Gemma 2/3, `config.final_logit_softcapping`): those models apply `cap * tanh(logits / cap)` themselves
 in `forward`, before calling the loss, and return the capped logits. The loss function receives neither the config
 nor the raw logits, so it must not cap again: the patched loss always runs with logit_softcapping=0. Moving the cap
@@ -34,6 +42,24 @@ import torch
 from .cross_entropy import BACKENDS, cross_entropy
 
 _LOSS_NAME = "ForCausalLMLoss"
+# *ForCausalLM classes of transformers 5.x whose forward computes torch.nn.CrossEntropyLoss itself: not patched.
+COMPUTE_THEIR_OWN_LOSS = (
+    "BartForCausalLM",
+    "BigBirdPegasusForCausalLM",
+    "BlenderbotForCausalLM",
+    "BlenderbotSmallForCausalLM",
+    "ClvpForCausalLM",
+    "CpmAntForCausalLM",
+    "MBartForCausalLM",
+    "MarianForCausalLM",
+    "MusicgenForCausalLM",
+    "MusicgenMelodyForCausalLM",
+    "MvpForCausalLM",
+    "PLBartForCausalLM",
+    "PegasusForCausalLM",
+    "TrOCRForCausalLM",
+    "WhisperForCausalLM",
+)
 _NOT_OPTIONS = {"logits", "labels", "ignore_index", "reduction", "n_items", "logit_softcapping"}
 _state = {"original": None, "options": {"backend": "auto", "inplace_backward": True}}
 
@@ -80,6 +106,9 @@ def _modules_holding(function):
 
 def patch_transformers(*, backend="auto", inplace_backward=True, **options):
     """Make transformers' causal-LM loss (every LOSS_MAPPING entry that is ForCausalLMLoss) use fastce.
+
+    Models in COMPUTE_THEIR_OWN_LOSS (Bart, MBart, Marian, Pegasus, Whisper, ... *ForCausalLM) are not reached: they
+    build torch's CrossEntropyLoss inside their forward (see the module docstring).
 
     Idempotent: calling it again only replaces the options. backend="auto" runs the kernels for CUDA logits and
     fastce's torch reference otherwise. Other keywords of fastce_torch.cross_entropy (z_loss,
