@@ -16,7 +16,9 @@ import numpy as np
 from fastce_jax import kernels
 from fastce_jax.kernels import Options
 
-FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float64))
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # the kernels' dtypes
+# float64 logits are accepted too, and computed in float32 (see _cross_entropy).
+LOGITS_DTYPES = FLOAT_DTYPES + (jnp.dtype(jnp.float64),)
 REDUCTIONS = ("none", "sum", "mean")
 BACKENDS = ("auto", "kernel", "reference")
 # What a tracer raises when asked for its values or devices (public jax.errors,
@@ -90,7 +92,7 @@ def _check_args(
 ):
     logits = _as_array(logits, "logits")
     labels = _as_array(labels, "labels")
-    if jnp.dtype(logits.dtype) not in FLOAT_DTYPES:
+    if jnp.dtype(logits.dtype) not in LOGITS_DTYPES:
         raise TypeError(f"logits must be float32, bfloat16, float16 or float64, got {logits.dtype}")
     if logits.ndim < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have shape (..., V) with V >= 1, got {tuple(logits.shape)}")
@@ -160,7 +162,7 @@ def _validate_labels_eagerly(labels, vocab: int, ignore_index: int):
         )
 
 
-def _on_gpu(x) -> bool | None:
+def _placement(x) -> bool | None:
     """Whether x lives on GPUs; None when x is traced (jit, grad, vmap): where a traced computation runs is only
     known when it is lowered (committed CPU arrays under jit run on the CPU even on a GPU machine)."""
     if isinstance(x, jax.Array):
@@ -169,6 +171,17 @@ def _on_gpu(x) -> bool | None:
         except _TRACED:
             return None
     return jax.default_backend() == "gpu"  # a NumPy array goes to the default device
+
+
+def _on_gpu(x) -> bool:
+    """_placement, with a traced x assumed to run on the default backend (linear_cross_entropy's rule)."""
+    on_gpu = _placement(x)
+    return jax.default_backend() == "gpu" if on_gpu is None else on_gpu
+
+
+def _interpret(x) -> bool:
+    """Pallas interpret mode wherever the arrays are not on a GPU (linear_cross_entropy's rule)."""
+    return not _on_gpu(x)
 
 
 def _gpu_available() -> bool:
@@ -193,7 +206,7 @@ def _route(x, backend: str) -> str:
     """The path for logits x: "reference" or one of the kernel modes above."""
     if backend == "reference":
         return "reference"
-    on_gpu = _on_gpu(x)
+    on_gpu = _placement(x)
     if on_gpu is None and not _gpu_available():
         on_gpu = False  # traced on a machine without GPUs: it can only run on the CPU (or another non-GPU device)
     if backend == "auto":
