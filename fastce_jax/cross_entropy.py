@@ -405,7 +405,8 @@ def cross_entropy(
     -inf logits, reductions, n_items).
 
     Args:
-      logits: float32/bfloat16/float16 array (..., V).
+      logits: float32/bfloat16/float16 array (..., V); float64 is accepted and computed in float32 (a float32
+        loss, a float64 gradient).
       labels: int32/int64 array shaped like ``logits.shape[:-1]``.
       ignore_index: label value whose tokens get loss 0 and gradient 0.
       reduction: "mean" (over non-ignored tokens, or over ``n_items``), "sum"
@@ -418,6 +419,11 @@ def cross_entropy(
       z_loss: coefficient of ``lse**2``.
       backend: "auto" (kernels for GPU arrays, the jnp reference elsewhere),
         "kernel" (Pallas kernels always; interpret mode off GPU) or "reference".
+        Under jit/grad/vmap in a process with a GPU backend, "auto" and "kernel"
+        decide when the computation is lowered, by the platform it runs on
+        (``jax.lax.platform_dependent``).  The kernels are differentiable once,
+        in reverse mode; higher order raises TypeError, and forward mode JAX's
+        TypeError: use backend="reference" for those.
       inplace_backward: let the backward kernel's output alias the logits
         residual (``input_output_aliases``); XLA reuses that buffer when the
         logits are dead after the backward (e.g. computed inside the same jit),
@@ -428,7 +434,7 @@ def cross_entropy(
 
     Returns:
       float32 loss (scalar, or shaped like ``labels`` for reduction="none").
-      Its gradient w.r.t. logits has logits' dtype.
+      Its gradient w.r.t. logits has logits' dtype (float64 for float64 logits).
     """
     kwargs = dict(
         ignore_index=ignore_index,
