@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fastce_jax import kernels
+from fastce_jax import kernels, sharding
 from fastce_jax.kernels import Options
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # the kernels' dtypes
@@ -192,14 +192,10 @@ def _gpu_available() -> bool:
         return False
 
 
-# Where the kernels run: compiled (GPU), interpreted (Pallas interpret=True), or decided when the computation is
-# lowered (jax.lax.platform_dependent: compiled on cuda/rocm; elsewhere the interpreter or the reference).
-COMPILED, INTERPRETED, COMPILED_ELSE_INTERPRETED, COMPILED_ELSE_REFERENCE = (
-    "compiled",
-    "interpreted",
-    "compiled_else_interpreted",
-    "compiled_else_reference",
-)
+# Where the kernels run: compiled (GPU), interpreted (Pallas interpret=True), or, for backend="auto" under a trace
+# in a process with a GPU backend, decided when the computation is lowered (jax.lax.platform_dependent: the compiled
+# kernels on cuda/rocm, the reference elsewhere).
+COMPILED, INTERPRETED, COMPILED_ELSE_REFERENCE = "compiled", "interpreted", "compiled_else_reference"
 
 
 def _route(x, backend: str) -> str:
@@ -211,7 +207,9 @@ def _route(x, backend: str) -> str:
         on_gpu = False  # traced on a machine without GPUs: it can only run on the CPU (or another non-GPU device)
     if backend == "auto":
         return {True: COMPILED, False: "reference", None: COMPILED_ELSE_REFERENCE}[on_gpu]
-    return {True: COMPILED, False: INTERPRETED, None: COMPILED_ELSE_INTERPRETED}[on_gpu]
+    # backend="kernel" asks for the kernels: traced in a GPU process, the compiled ones (staging out interpret
+    # mode as well would fail where it cannot be traced, e.g. inside shard_map with check_vma=True).
+    return INTERPRETED if on_gpu is False else COMPILED
 
 
 # ----------------------------------------------------------------------------
@@ -220,23 +218,24 @@ def _route(x, backend: str) -> str:
 
 
 def _reference_token_losses(logits, labels, options: Options):
-    """Per-token float32 losses of logits (N, V), labels (N,)."""
+    """Per-token float32 losses of logits (..., V), labels (...) (no reshape, so any sharding of the leading
+    axes stays where it is)."""
     vocab = logits.shape[-1]
     in_range = (labels >= 0) & (labels < vocab)
     ign = kernels._ignore_index_for(labels, options.ignore_index)
     ignored = (labels == ign) if ign is not None else jnp.zeros_like(in_range)
     # Zero ignored rows *before* any math, so their gradient is exactly 0 even
     # when the row holds NaN/inf (0 * NaN would otherwise leak through).
-    x = jnp.where(ignored[:, None], jnp.zeros((), logits.dtype), logits)
+    x = jnp.where(ignored[..., None], jnp.zeros((), logits.dtype), logits)
     z = kernels._transform(x.astype(jnp.float32), options.logit_scaling, options.logit_softcapping)
     m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
     # Same convention as the kernels: shift an all -inf row by 0; +inf gives NaN.
     m = jnp.where(m == -jnp.inf, 0.0, m)
-    lse = m[:, 0] + jnp.log(jnp.sum(jnp.exp(z - m), axis=-1))
+    lse = m[..., 0] + jnp.log(jnp.sum(jnp.exp(z - m), axis=-1))
     loss = jnp.zeros_like(lse)
     if options.label_smoothing != 1.0:
         y_safe = jnp.where(in_range, labels, 0).astype(jnp.int32)
-        z_y = jnp.take_along_axis(z, y_safe[:, None], axis=-1)[:, 0]
+        z_y = jnp.take_along_axis(z, y_safe[..., None], axis=-1)[..., 0]
         loss = loss + (1.0 - options.label_smoothing) * (lse - z_y)
     if options.label_smoothing != 0.0:
         loss = loss + options.label_smoothing * (lse - jnp.mean(z, axis=-1))
@@ -267,12 +266,12 @@ def _no_derivative(*_):
 # derivatives go through the custom_vjp below) raises ONCE_DIFFERENTIABLE instead of failing inside Pallas.
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
 def _forward(logits, labels, options: Options, interpret: bool):
-    return kernels.forward(logits, labels, options, interpret=interpret)
+    return sharding.forward(logits, labels, options, interpret=interpret)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
 def _backward(logits, labels, lse, g, options: Options, inplace: bool, interpret: bool):
-    return kernels.backward(logits, labels, lse, g, options, inplace=inplace, interpret=interpret)
+    return sharding.backward(logits, labels, lse, g, options, inplace=inplace, interpret=interpret)
 
 
 _forward.defjvp(lambda options, interpret, primals, tangents: _no_derivative())
@@ -298,8 +297,6 @@ def _route_forward(logits, labels, options: Options, mode: str):
         return _forward(x, y, options, False)
 
     def elsewhere(x, y):
-        if mode == COMPILED_ELSE_INTERPRETED:
-            return _forward(x, y, options, True)
         return _reference_forward(x, y, options)
 
     return jax.lax.platform_dependent(logits, labels, cuda=compiled, rocm=compiled, default=elsewhere)
@@ -313,8 +310,6 @@ def _route_backward(logits, labels, lse, g, options: Options, inplace: bool, mod
         return _backward(x, y, lse, g, options, inplace, False)
 
     def elsewhere(x, y, lse, g):
-        if mode == COMPILED_ELSE_INTERPRETED:
-            return _backward(x, y, lse, g, options, inplace, True)
         return _reference_backward(x, y, g, options)
 
     return jax.lax.platform_dependent(logits, labels, lse, g, cuda=compiled, rocm=compiled, default=elsewhere)
@@ -326,6 +321,8 @@ def _kernel_token_losses(logits, labels, options: Options, inplace: bool, mode: 
 
 
 def _kernel_fwd(logits, labels, options: Options, inplace: bool, mode: str):
+    # logits (..., V) and labels (...) keep their shape here so that a sharding
+    # of any leading axis reaches sharding.py without a reshape across devices.
     loss, lse = _route_forward(logits, labels, options, mode)
     # Residuals: only what the backward reads.  logits stays in its own dtype
     # (no float32 copy); lse is N floats.
@@ -369,16 +366,16 @@ def _cross_entropy(logits, labels, kwargs):
         _validate_labels_eagerly(labels, vocab, ignore_index)
     route = _route(logits, kwargs["backend"])
     options = Options(ignore_index, softcap, scaling, smoothing, z_loss)
-    x2 = jnp.asarray(logits).reshape(-1, vocab)
-    if x2.dtype == jnp.float64:
+    logits = jnp.asarray(logits)
+    if logits.dtype == jnp.float64:
         # Computed in float32 like every other dtype: the loss is float32; autodiff through this cast hands back a
         # float64 gradient (the float32 one, widened).
-        x2 = x2.astype(jnp.float32)
-    y1 = jnp.asarray(labels).reshape(-1)
-    if route != "reference" and x2.shape[0] > 0:
-        losses = _kernel_token_losses(x2, y1, options, bool(kwargs["inplace_backward"]), route)
+        logits = logits.astype(jnp.float32)
+    if route != "reference" and labels.size > 0:
+        inplace = bool(kwargs["inplace_backward"])
+        losses = _kernel_token_losses(logits, jnp.asarray(labels), options, inplace, route)
     else:  # "reference", or no tokens at all (an empty grid has no kernel)
-        losses = _reference_token_losses(x2, y1, options)
+        losses = _reference_token_losses(jnp.asarray(logits), jnp.asarray(labels), options)
     return _reduce(losses, jnp.asarray(labels), kwargs["reduction"], n_items, ignore_index)
 
 
@@ -419,9 +416,10 @@ def cross_entropy(
       z_loss: coefficient of ``lse**2``.
       backend: "auto" (kernels for GPU arrays, the jnp reference elsewhere),
         "kernel" (Pallas kernels always; interpret mode off GPU) or "reference".
-        Under jit/grad/vmap in a process with a GPU backend, "auto" and "kernel"
-        decide when the computation is lowered, by the platform it runs on
-        (``jax.lax.platform_dependent``).  The kernels are differentiable once,
+        Under jit/grad/vmap in a process with a GPU backend, "auto" decides
+        when the computation is lowered, by the platform it runs on
+        (``jax.lax.platform_dependent``); "kernel" there means the compiled
+        kernels.  The kernels are differentiable once,
         in reverse mode; higher order raises TypeError, and forward mode JAX's
         TypeError: use backend="reference" for those.
       inplace_backward: let the backward kernel's output alias the logits

@@ -88,6 +88,9 @@ def variants():
                 constexprs,
                 BACKWARD_WARPS,
             )
+        if flag_set == FLAG_SETS[0]:  # linear_cross_entropy's gradient scaling, once per dtype
+            scale = kernels._scale_unless_one_kernel
+            yield scale, signature(scale, logits, index), dict(BLOCK=kernels.SCALE_BLOCK), 4
 
 
 def main():

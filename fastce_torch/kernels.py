@@ -1,7 +1,7 @@
 """Triton kernels for the fused cross-entropy (see CONTRACT.md for the math), their launchers (`forward`,
 `backward`) and launch configuration (`forward_config`, `backward_config`), with the tuned constants.
 
-Two kernels, each reading the logits once:
+Two kernels, each reading the logits once (and _scale_unless_one_kernel, for linear_cross_entropy's gradients):
   _forward_kernel   grid (N, C): one program walks one chunk of one row, one exp per element, keeping the running
                     max, sum of exp and sum of z. With C > 1 each chunk publishes these partials and the row's last
                     chunk to finish combines them; then one masked scalar load reads the label logit, and the
@@ -52,6 +52,7 @@ BACKWARD_BLOCK, BACKWARD_WARPS = 2048, 4
 CHUNK = 16384
 ROWS_PER_GROUP = 64  # rows counted per group before the batch-level count (in-kernel "mean"/"sum")
 GROUPS_BLOCK = 1024  # groups summed per step by the batch's last group
+SCALE_BLOCK = 4096  # elements per program of _scale_unless_one_kernel
 
 
 @triton.jit
@@ -400,6 +401,20 @@ def _backward_kernel(
     tl.store(grad_row + cols, dx.to(grad_ptr.dtype.element_ty), mask=in_row)
 
 
+@triton.jit
+def _scale_unless_one_kernel(tensor_ptr, n_elements, factor_ptr, BLOCK: tl.constexpr):
+    """tensor_ptr[:n_elements] *= *factor_ptr, and no memory traffic at all when the factor is exactly 1 (the usual
+    upstream gradient of a loss), which the host cannot know without a synchronisation. Exact zeros stay zero
+    whatever the factor (NaN, inf): an ignored token's gradient is 0, as the backward kernel writes it."""
+    factor = tl.load(factor_ptr).to(tl.float32)
+    if factor != 1.0:
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        in_range = offsets < n_elements
+        x = tl.load(tensor_ptr + offsets, mask=in_range)
+        scaled = tl.where(x == 0, 0.0, x.to(tl.float32) * factor)
+        tl.store(tensor_ptr + offsets, scaled.to(tensor_ptr.dtype.element_ty), mask=in_range)
+
+
 # --- launchers ---------------------------------------------------------------------------------------------------
 
 
@@ -673,3 +688,15 @@ def backward(grad_loss, logits, labels, lse, grad, options, denominator=None, vo
             **flags,
         )
     return grad
+
+
+def scale_unless_one(tensor, factor):
+    """tensor *= factor (a 0-d float32 device tensor) in place, without a host synchronisation; a factor of
+    exactly 1 costs one launch and no memory traffic. tensor must be contiguous."""
+    _checked(tensor)
+    if tensor.numel():
+        with on_device(tensor):
+            _scale_unless_one_kernel[(_cdiv(tensor.numel(), SCALE_BLOCK),)](
+                tensor, tensor.numel(), factor, BLOCK=SCALE_BLOCK
+            )
+    return tensor
