@@ -371,8 +371,12 @@ def cross_entropy(
     if not (backend == "kernel" or (backend == "auto" and logits.is_cuda)):
         token_losses = _reference_token_losses(logits, labels, options)
         return _reduce(token_losses, labels, reduction, n_items, ignore_index)
-    if logits.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"logits must be float32, bfloat16 or float16 for the kernels, got {logits.dtype}")
+    if logits.dtype == torch.float64:
+        # Computed in float32 like every other dtype (as the reference does): the loss is float32 and autograd
+        # through this cast hands back a float64 gradient (the float32 one, widened).
+        logits = logits.float()
+    elif logits.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"logits must be float32, bfloat16, float16 or float64 for the kernels, got {logits.dtype}")
     # Logits whose rows form one or two strided dimensions (any contiguous tensor, logits[:, :-1]) go to the kernels
     # as they are; anything else is copied once.
     kernel_logits = logits if kernels.row_layout(logits) is not None else logits.contiguous()
