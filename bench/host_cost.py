@@ -144,6 +144,15 @@ def breakdown(device="cpu", n_rows=64, vocab=1000, number=2000, repeat=7):
             "kernels.backward, launch stubbed",
             lambda: kernels.backward(grad_loss, raw, labels, lse, raw, options, denominator=denominator),
         )
+        function = ce_module._CrossEntropyFunction
+        apply_args = (logits, labels, "mean", None, True, options)
+        time("_CrossEntropyFunction.apply, forward only", lambda: function.apply(*apply_args))
+        base_apply = super(torch.autograd.Function, function).apply  # what Function.apply calls after binding
+        time("  the same through torch._C._FunctionBase.apply", lambda: base_apply(*apply_args))
+        time(
+            "autograd.Function doing nothing, no setup_context",
+            lambda: torch.autograd.grad(_DoNothingCtxInForward.apply(logits), logits, allow_unused=True),
+        )
         time(
             "autograd.Function doing nothing, fwd+bwd",
             lambda: torch.autograd.grad(_DoNothing.apply(logits), logits, allow_unused=True),
