@@ -154,3 +154,20 @@ def test_cuda_graph_capture_of_fwdbwd(impl):
     # so check the other implementations exactly and fastce_torch by the first warm-up call (eager, same inputs).
     if impl != "fastce_torch":
         torch.testing.assert_close(captured["grad"], expected)
+
+
+def test_host_cost_breakdown_runs():
+    """`python -m bench.host_cost` on the CPU with a couple of calls per row (its own process: the kernels'
+    CPU launchers need TRITON_INTERPRET=1 before triton is first imported): every part is timed."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
+    command = [sys.executable, "-m", "bench.host_cost", "--number", "2", "--repeat", "1"]
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()[1:]
+    assert len(lines) == 17 and all(line.endswith(" us") and float(line.split()[-2]) > 0 for line in lines)
+    assert any(line.startswith("cross_entropy forward+backward, launches stubbed") for line in lines)
