@@ -36,7 +36,7 @@ def fake_gpu(monkeypatch):
     """run_gpu on the CPU: device name, bandwidth, CUDA timers and memory stubbed; losses and JAX timing real."""
     import torch
 
-    from bench import jax_impls, torch_measure
+    from bench import jax_measure, torch_measure
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     monkeypatch.setattr(torch_measure, "copy_bandwidth_TBps", lambda: 1.0)
@@ -44,7 +44,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch_measure, "peak_extra_bytes", lambda fn: (fn(), 1024)[1])
     real_measure = torch_measure.measure
     monkeypatch.setattr(torch_measure, "measure", lambda f, s, **kw: real_measure(f, s, device="cpu", **kw))
-    monkeypatch.setattr(jax_impls, "has_gpu", lambda: True)
+    monkeypatch.setattr(jax_measure, "has_gpu", lambda: True)
     monkeypatch.setattr(report, "RESULTS_MD", report.RESULTS_MD)
 
 
