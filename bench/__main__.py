@@ -32,6 +32,12 @@ def parse_args(argv):
         help="where to write the results JSON (GPU default: "
         "bench/results/<date>-<device>.json; --quick and the CPU demo write one only when asked)",
     )
+    parser.add_argument(
+        "--linear",
+        action="store_true",
+        help="GPU: the fused linear + cross-entropy section instead (hidden, LM-head weight -> loss; bench/linear.py); "
+        "with --quick one shape and a correctness check of fastce_torch.linear_cross_entropy",
+    )
     parser.add_argument("--plot", type=Path, help="PNG of time vs V with the memory floors (needs matplotlib)")
     parser.add_argument(
         "--results-md",
@@ -89,6 +95,14 @@ def main(argv=None) -> int:
     if args.results_md:  # render only
         render(args.results_md, args.plot)
         return 0
+
+    if args.linear:
+        if not gpu_available():
+            print("--linear measures cuBLAS matmuls: it needs a GPU (the CPU tests cover correctness)")
+            return 2
+        from .linear import main_linear
+
+        return main_linear(args.quick, args.json)
 
     if gpu_available():
         from .runner import run_gpu

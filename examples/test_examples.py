@@ -24,9 +24,11 @@ def load(name):
 def test_jax_training_curves_match_xla(tmp_path, dtype):
     example = load("train_tiny_lm_jax")
     out = tmp_path / "curves.json"
-    result = example.main(SMALL + ["--backend", "kernel", "--dtype", dtype, "--json", str(out)])
+    # The fused loss in chunks of 24 rows: 64 tokens per batch make 3 chunks, the last one clamped.
+    args = SMALL + ["--backend", "kernel", "--dtype", dtype, "--fused-chunk-rows", "24", "--json", str(out)]
+    result = example.main(args)
     assert result["match"], result["max_relative_gap"]
     curves = result["curves"]
-    assert set(curves) == {"xla", "fastce", "per_token"} and all(len(c) == 12 for c in curves.values())
+    assert set(curves) == {"xla", "fastce", "per_token", "fused"} and all(len(c) == 12 for c in curves.values())
     assert curves["fastce"][-1] < curves["fastce"][0] - 1.0  # it learns (log 1000 -> about log 64)
     assert json.loads(out.read_text())["match"]

@@ -5,14 +5,17 @@ the two loss curves agree to float32 rounding.
     python examples/train_tiny_lm_jax.py                       # CPU: the Pallas kernels in interpret mode
     python examples/train_tiny_lm_jax.py --vocab 32000 --steps 100 --dtype bfloat16   # on a GPU
 
-Three losses are trained side by side:
+Four losses are trained side by side:
   xla        optax's per-token loss, masked and averaged by hand (what most JAX training loops do today)
   fastce     fastce_jax.cross_entropy(logits, labels): mean over the tokens whose label is not ignore_index
   per_token  fastce_jax.cross_entropy(..., reduction="none") dropped in where optax's per-token function was
              (same where/mask code around it), for loops that do their own masking and weighting
+  fused      fastce_jax.linear_cross_entropy(hidden, lm_head_weight, labels): the loss straight from the final
+             hidden states, so the step never holds the (tokens, vocabulary) logits or their gradient
 """
 
 import argparse
+import importlib
 import json
 import math
 import sys
@@ -59,8 +62,8 @@ def rms_norm(x, scale):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
 
 
-def forward(params, tokens, heads, dtype):
-    """Logits (B, T, V) in `dtype`: the lm_head output, as a real model hands it to its loss."""
+def hidden_states(params, tokens, heads, dtype):
+    """The final (normalised) hidden states (B, T, D) in `dtype`: what the LM head reads."""
     seq_len = tokens.shape[1]
     x = params["embed"][tokens] + params["pos"][:seq_len]
     causal = jnp.tril(jnp.ones((seq_len, seq_len), bool))
@@ -73,8 +76,12 @@ def forward(params, tokens, heads, dtype):
         attn = jax.nn.softmax(scores, axis=-1) @ v
         x = x + attn.transpose(0, 2, 1, 3).reshape(x.shape) @ block["out"]
         x = x + jax.nn.gelu(rms_norm(x, block["norm2"]) @ block["up"]) @ block["down"]
-    h = rms_norm(x, params["norm"]).astype(dtype)
-    return h @ params["unembed"].astype(dtype)
+    return rms_norm(x, params["norm"]).astype(dtype)
+
+
+def forward(params, tokens, heads, dtype):
+    """Logits (B, T, V) in `dtype`: the lm_head output, as a real model hands it to its loss."""
+    return hidden_states(params, tokens, heads, dtype) @ params["unembed"].astype(dtype)
 
 
 # --- the three losses ------------------------------------------------------------------------------------------
@@ -96,6 +103,14 @@ def per_token_loss(logits, labels, backend):
     mask = labels != IGNORE
     per_token = fastce_jax.cross_entropy(logits, jnp.where(mask, labels, 0), reduction="none", backend=backend)
     return jnp.sum(jnp.where(mask, per_token, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def fused_loss(params, tokens, labels, heads, dtype, backend):
+    # The LM head's (V, D) weight is the transpose of this model's (D, V) unembedding; XLA folds the transpose
+    # into the matmuls. Gradients reach the hidden states (so the whole model) and the unembedding.
+    hidden = hidden_states(params, tokens, heads, dtype)
+    weight = params["unembed"].astype(dtype).T
+    return fastce_jax.linear_cross_entropy(hidden, weight, labels, ignore_index=IGNORE, backend=backend)
 
 
 # --- data: a fixed random bigram language, so the model has something to learn ---------------------------------
@@ -123,19 +138,25 @@ def make_batches(seed, steps, batch, seq_len, vocab):
 
 def train(loss_name, args, batches):
     backend = args.backend
-    loss_fn = {
+    dtype = jnp.dtype(args.dtype)
+    logits_loss = {
         "xla": xla_loss,
         "fastce": lambda x, y: fastce_loss(x, y, backend),
         "per_token": lambda x, y: per_token_loss(x, y, backend),
-    }[loss_name]
-    dtype = jnp.dtype(args.dtype)
+    }
+
+    def model_loss(p, tokens, labels):
+        if loss_name == "fused":
+            return fused_loss(p, tokens, labels, args.heads, dtype, backend)
+        return logits_loss[loss_name](forward(p, tokens, args.heads, dtype), labels)
+
     params = init_params(jax.random.PRNGKey(args.seed), args.vocab, args.dim, args.layers, args.seq_len)
     optimizer = optax.adamw(args.lr, weight_decay=0.01)
     state = optimizer.init(params)
 
     @jax.jit
     def step(params, state, tokens, labels):
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(forward(p, tokens, args.heads, dtype), labels))(params)
+        loss, grads = jax.value_and_grad(model_loss)(params, tokens, labels)
         updates, state = optimizer.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
 
@@ -175,6 +196,12 @@ def parse_args(argv=None):
         default=None,
         help="allowed relative gap between curves (default: 1e-4 float32, 5e-3 bfloat16)",
     )
+    parser.add_argument(
+        "--fused-chunk-rows",
+        type=int,
+        default=None,
+        help="rows per chunk of the fused loss (default: from its workspace budget, i.e. one chunk at these sizes)",
+    )
     parser.add_argument("--json", help="write the curves here")
     return parser.parse_args(argv)
 
@@ -183,7 +210,13 @@ def main(argv=None):
     args = parse_args(argv)
     rtol = args.rtol if args.rtol is not None else (1e-4 if args.dtype == "float32" else 5e-3)
     batches = make_batches(args.seed, args.steps, args.batch, args.seq_len, args.vocab)
-    curves = {name: train(name, args, batches) for name in ("xla", "fastce", "per_token")}
+    fused_module = importlib.import_module("fastce_jax.linear_cross_entropy")  # the package attribute is the function
+    default_rows = fused_module.CHUNK_ROWS
+    fused_module.CHUNK_ROWS = args.fused_chunk_rows if args.fused_chunk_rows is not None else default_rows
+    try:  # read when the step is traced
+        curves = {name: train(name, args, batches) for name in ("xla", "fastce", "per_token", "fused")}
+    finally:
+        fused_module.CHUNK_ROWS = default_rows
     reference = np.array(curves["xla"])
     gaps = {name: float(np.max(np.abs(np.array(c) - reference) / np.abs(reference))) for name, c in curves.items()}
     print(f"{'step':>5} " + " ".join(f"{name:>10}" for name in curves))

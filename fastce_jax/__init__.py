@@ -1,13 +1,16 @@
 """fastce_jax: fused cross-entropy for JAX (Pallas kernels on the Triton backend).
 
-    from fastce_jax import cross_entropy
+    from fastce_jax import cross_entropy, linear_cross_entropy
     loss = cross_entropy(logits, labels)            # mean over non-ignored tokens
     loss, grads = jax.value_and_grad(lambda x: cross_entropy(x, labels))(logits)
+    loss = linear_cross_entropy(hidden, lm_head_weight, labels)   # from hidden states, no (N, V) logits
 
 The loss contract is CONTRACT.md; the kernels are in fastce_jax/kernels.py.
 """
 
 from fastce_jax.cross_entropy import cross_entropy, cross_entropy_reference
+from fastce_jax.linear_cross_entropy import linear_cross_entropy
+from fastce_jax.unsloth import fast_cross_entropy_loss
 
-__all__ = ["cross_entropy", "cross_entropy_reference"]
+__all__ = ["cross_entropy", "cross_entropy_reference", "fast_cross_entropy_loss", "linear_cross_entropy"]
 __version__ = "0.1.0"

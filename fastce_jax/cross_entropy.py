@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import functools
 import numbers
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fastce_jax import kernels
+from fastce_jax import kernels, sharding
+from fastce_jax.kernels import Options
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 REDUCTIONS = ("none", "sum", "mean")
@@ -22,18 +22,6 @@ BACKENDS = ("auto", "kernel", "reference")
 # What a tracer raises when asked for its values or devices (public jax.errors,
 # rather than isinstance checks on jax.core.Tracer, whose jax.core is shrinking).
 _TRACED = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError)
-
-
-class _Options(NamedTuple):
-    """Static (hashable) options; a custom_vjp nondiff argument."""
-
-    ignore_index: int
-    scaling: float
-    softcap: float
-    smoothing: float
-    z_loss: float
-    inplace: bool
-    interpret: bool
 
 
 # ----------------------------------------------------------------------------
@@ -193,29 +181,30 @@ def _interpret(x) -> bool:
 # ----------------------------------------------------------------------------
 
 
-def _reference_token_losses(logits, labels, opts: _Options):
-    """Per-token float32 losses of logits (N, V), labels (N,)."""
+def _reference_token_losses(logits, labels, options: Options):
+    """Per-token float32 losses of logits (..., V), labels (...) (no reshape, so any sharding of the leading
+    axes stays where it is)."""
     vocab = logits.shape[-1]
     in_range = (labels >= 0) & (labels < vocab)
-    ign = kernels._ignore_index_for(labels, opts.ignore_index)
+    ign = kernels._ignore_index_for(labels, options.ignore_index)
     ignored = (labels == ign) if ign is not None else jnp.zeros_like(in_range)
     # Zero ignored rows *before* any math, so their gradient is exactly 0 even
     # when the row holds NaN/inf (0 * NaN would otherwise leak through).
-    x = jnp.where(ignored[:, None], jnp.zeros((), logits.dtype), logits)
-    z = kernels._transform(x.astype(jnp.float32), opts.scaling, opts.softcap)
+    x = jnp.where(ignored[..., None], jnp.zeros((), logits.dtype), logits)
+    z = kernels._transform(x.astype(jnp.float32), options.logit_scaling, options.logit_softcapping)
     m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
     # Same convention as the kernels: shift an all -inf row by 0; +inf gives NaN.
     m = jnp.where(m == -jnp.inf, 0.0, m)
-    lse = m[:, 0] + jnp.log(jnp.sum(jnp.exp(z - m), axis=-1))
+    lse = m[..., 0] + jnp.log(jnp.sum(jnp.exp(z - m), axis=-1))
     loss = jnp.zeros_like(lse)
-    if opts.smoothing != 1.0:
+    if options.label_smoothing != 1.0:
         y_safe = jnp.where(in_range, labels, 0).astype(jnp.int32)
-        z_y = jnp.take_along_axis(z, y_safe[:, None], axis=-1)[:, 0]
-        loss = loss + (1.0 - opts.smoothing) * (lse - z_y)
-    if opts.smoothing != 0.0:
-        loss = loss + opts.smoothing * (lse - jnp.mean(z, axis=-1))
-    if opts.z_loss != 0.0:
-        loss = loss + opts.z_loss * lse * lse
+        z_y = jnp.take_along_axis(z, y_safe[..., None], axis=-1)[..., 0]
+        loss = loss + (1.0 - options.label_smoothing) * (lse - z_y)
+    if options.label_smoothing != 0.0:
+        loss = loss + options.label_smoothing * (lse - jnp.mean(z, axis=-1))
+    if options.z_loss != 0.0:
+        loss = loss + options.z_loss * lse * lse
     # Multiply (not where) so an out-of-range row's gradient is NaN too.
     loss = loss * jnp.where(in_range, 1.0, jnp.nan)
     return jnp.where(ignored, 0.0, loss)
@@ -226,34 +215,25 @@ def _reference_token_losses(logits, labels, opts: _Options):
 # ----------------------------------------------------------------------------
 
 
-def _kernel_options(opts: _Options) -> dict:
-    return dict(
-        ignore_index=opts.ignore_index,
-        scaling=opts.scaling,
-        softcap=opts.softcap,
-        smoothing=opts.smoothing,
-        z_loss=opts.z_loss,
-        interpret=opts.interpret,
-    )
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _kernel_token_losses(logits, labels, options: Options, inplace: bool, interpret: bool):
+    return _kernel_fwd(logits, labels, options, inplace, interpret)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _kernel_token_losses(logits, labels, opts: _Options):
-    return _kernel_fwd(logits, labels, opts)[0]
-
-
-def _kernel_fwd(logits, labels, opts: _Options):
-    loss, lse = kernels.forward(logits, labels, **_kernel_options(opts))
+def _kernel_fwd(logits, labels, options: Options, inplace: bool, interpret: bool):
+    # logits (..., V) and labels (...) keep their shape here so that a sharding
+    # of any leading axis reaches sharding.py without a reshape across devices.
+    loss, lse = sharding.forward(logits, labels, options, interpret=interpret)
     # Residuals: only what the backward reads.  logits stays in its own dtype
     # (no float32 copy); lse is N floats.
     return loss, (logits, labels, lse)
 
 
-def _kernel_bwd(opts: _Options, residuals, g):
+def _kernel_bwd(options: Options, inplace: bool, interpret: bool, residuals, g):
     logits, labels, lse = residuals
     # g is the per-token upstream factor: 1/denominator (broadcast) for
     # "mean", 1 for "sum", the caller's cotangent for "none".
-    dlogits = kernels.backward(logits, labels, lse, g, inplace=opts.inplace, **_kernel_options(opts))
+    dlogits = sharding.backward(logits, labels, lse, g, options, inplace=inplace, interpret=interpret)
     return dlogits, None
 
 
@@ -287,21 +267,13 @@ def _cross_entropy(logits, labels, kwargs):
     backend = kwargs["backend"]
     if backend == "auto":
         backend = "kernel" if _on_gpu(logits) else "reference"
-    opts = _Options(
-        ignore_index,
-        scaling,
-        softcap,
-        smoothing,
-        z_loss,
-        bool(kwargs["inplace_backward"]),
-        _interpret(logits) if backend == "kernel" else True,
-    )
-    x2 = jnp.asarray(logits).reshape(-1, vocab)
-    y1 = jnp.asarray(labels).reshape(-1)
-    if backend == "kernel" and x2.shape[0] > 0:
-        losses = _kernel_token_losses(x2, y1, opts)
+    options = Options(ignore_index, softcap, scaling, smoothing, z_loss)
+    if backend == "kernel" and labels.size > 0:
+        interpret = _interpret(logits)
+        inplace = bool(kwargs["inplace_backward"])
+        losses = _kernel_token_losses(jnp.asarray(logits), jnp.asarray(labels), options, inplace, interpret)
     else:  # "reference", or no tokens at all (an empty grid has no kernel)
-        losses = _reference_token_losses(x2, y1, opts)
+        losses = _reference_token_losses(jnp.asarray(logits), jnp.asarray(labels), options)
     return _reduce(losses, jnp.asarray(labels), kwargs["reduction"], n_items, ignore_index)
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,17 +45,24 @@ from jax.experimental.pallas import triton as plgpu
 # pallas_call is *lowered*.  See ``_quiet_triton`` for how it is filtered.
 TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
 
-MAX_CHUNK = 65536  # widest chunk one forward program walks
-TARGET_PROGRAMS = 8192  # halve chunks until N * C reaches this (fill the GPU)
-FWD_MAX_BLOCK = 4096  # forward tile width
-FWD_NUM_STAGES = 1  # H200 sweep: 3 stages no faster (the loop has no dot)
-FWD_NUM_WARPS = 2  # H200 sweep: 2 warps 3-4% faster than 4, 8 warps 10%+ slower
-FWD_NUM_WARPS_FEW = 8  # under FEW_PROGRAMS forward programs (short batches)
-FEW_PROGRAMS = 4096
-FINISH_NUM_WARPS = 1  # the finish kernel touches C + 2 scalars per row
-BWD_MAX_BLOCK = 2048  # backward tile width, one tile per program
-BWD_NUM_WARPS = 4
-BWD_NUM_STAGES = 1  # no loop in the backward: nothing to pipeline
+
+class Options(NamedTuple):
+    """The loss options, in the contract's order; the same record (fields and order) as fastce_torch.kernels.Options."""
+
+    ignore_index: int = -100
+    logit_softcapping: float = 0.0
+    logit_scaling: float = 0.0
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+
+
+# From the H200 sweeps (bench/tools/tune.py, bench/NOTES.md): forward tiles of 4096 beat 2048 and 8192; 2 warps
+# were 3-4% faster than 4 and 8 warps 10%+ slower; 3 stages no faster than 1 (the loop has no dot). Rows are split
+# into chunks of 16384 columns whatever N is (batch invariance; vmap and the flattened call agree bitwise).
+FORWARD_BLOCK, FORWARD_WARPS, FORWARD_STAGES = 4096, 2, 1
+FINISH_WARPS = 1  # the finish kernel touches C + 2 scalars per row
+BACKWARD_BLOCK, BACKWARD_WARPS, BACKWARD_STAGES = 2048, 4, 1  # one tile per program: nothing to pipeline
+CHUNK = 16384
 
 
 @functools.cache
@@ -97,21 +105,16 @@ def _cdiv(a, b):
 # ----------------------------------------------------------------------------
 
 
-def forward_config(n_rows: int, vocab: int) -> tuple[int, int, int]:
-    """(block, chunk, num_warps) of the forward kernel.  H200 sweeps (bench/NOTES.md):
-    tiles of 4096 beat 2048 and 8192; 2 warps best at N=8192, 8 warps with few
-    programs (N=512); chunk width and program count within noise."""
-    block = min(FWD_MAX_BLOCK, _next_pow2(vocab))
-    chunk = max(block, min(MAX_CHUNK, _next_pow2(vocab)))
-    while chunk > block and n_rows * _cdiv(vocab, chunk) < TARGET_PROGRAMS:
-        chunk //= 2
-    few = n_rows * _cdiv(vocab, chunk) < FEW_PROGRAMS and block >= 4096
-    return block, chunk, FWD_NUM_WARPS_FEW if few else FWD_NUM_WARPS
+def forward_config(vocab: int) -> tuple[int, int, int, int]:
+    """(tile width, chunk width, number of chunks, warps) of the forward kernel; V alone decides (batch invariance)."""
+    block = min(FORWARD_BLOCK, _next_pow2(vocab))
+    chunk = max(block, min(CHUNK, _next_pow2(vocab)))
+    return block, chunk, _cdiv(vocab, chunk), FORWARD_WARPS
 
 
 def backward_config(vocab: int) -> tuple[int, int]:
-    """(block, num_warps) of the backward kernel."""
-    return min(BWD_MAX_BLOCK, _next_pow2(vocab)), BWD_NUM_WARPS
+    """(tile width, warps) of the backward kernel."""
+    return min(BACKWARD_BLOCK, _next_pow2(vocab)), BACKWARD_WARPS
 
 
 # ----------------------------------------------------------------------------
@@ -200,9 +203,7 @@ def _finish_kernel(
     sz_ref,
     y_ref,
     x_ref,
-    loss_ref,
-    lse_ref,
-    *,
+    *refs,
     vocab: int,
     n_chunks: int,
     ignore_index: int | None,
@@ -210,6 +211,7 @@ def _finish_kernel(
     softcap: float,
     smoothing: float,
     z_loss: float,
+    vocab_parallel: bool,
 ):
     c_pad = _next_pow2(n_chunks)
     cmask = jnp.arange(c_pad) < n_chunks
@@ -220,18 +222,35 @@ def _finish_kernel(
     lse = m_safe + jnp.log(jnp.sum(s * jnp.exp(m - m_safe)))
 
     y = y_ref[...]
-    in_range = (y >= 0) & (y < vocab)
+    if vocab_parallel:
+        # This device holds global columns [vocab_start, vocab_start + vocab); it
+        # reports its partial statistics and the devices combine them.
+        start_ref, lse_ref, z_label_ref, sum_z_ref = refs
+        start = start_ref[0]
+        in_range = (y >= start) & (y < start + vocab)
+        y_local = y - start
+    else:
+        loss_ref, lse_ref = refs
+        in_range = (y >= 0) & (y < vocab)
+        y_local = y
     # The one read of the label logit: a masked scalar load whose address is
     # clamped as well, so a bad label never touches memory.
-    y_safe = jnp.where(in_range, y, 0)
+    y_safe = jnp.where(in_range, y_local, 0)
     x_y = plgpu.load(x_ref.at[y_safe], mask=in_range, other=0.0)
     z_y = _transform(x_y.astype(jnp.float32), scaling, softcap)
+    sum_z = None
+    if smoothing != 0.0:
+        sum_z = jnp.sum(plgpu.load(sz_ref.at[pl.ds(0, c_pad)], mask=cmask, other=0.0))
 
+    if vocab_parallel:
+        plgpu.store(lse_ref, lse)
+        plgpu.store(z_label_ref, jnp.where(in_range, z_y, 0.0))
+        plgpu.store(sum_z_ref, jnp.float32(0.0) if sum_z is None else sum_z)
+        return
     loss = jnp.float32(0.0)
     if smoothing != 1.0:
         loss = loss + (1.0 - smoothing) * (lse - z_y)
     if smoothing != 0.0:
-        sum_z = jnp.sum(plgpu.load(sz_ref.at[pl.ds(0, c_pad)], mask=cmask, other=0.0))
         loss = loss + smoothing * (lse - sum_z * (1.0 / vocab))
     if z_loss != 0.0:
         loss = loss + z_loss * lse * lse
@@ -247,16 +266,25 @@ def _backward_kernel(
     y_ref,
     lse_ref,
     g_ref,
-    dx_ref,
-    *,
+    *refs,
     vocab: int,
+    vocab_total: int,
     block: int,
     ignore_index: int | None,
     scaling: float,
     softcap: float,
     smoothing: float,
     z_loss: float,
+    vocab_parallel: bool,
 ):
+    # vocab: this device's columns; vocab_total: the whole vocabulary (equal
+    # unless vocab-parallel, where lse is already the global one).
+    if vocab_parallel:
+        start_ref, dx_ref = refs
+        y_col = y_ref[...] - start_ref[0]
+    else:
+        (dx_ref,) = refs
+        y_col = y_ref[...]
     cols = pl.program_id(1) * block + jnp.arange(block, dtype=jnp.int32)
     mask = cols < vocab
     y = y_ref[...]
@@ -268,15 +296,15 @@ def _backward_kernel(
     p = jnp.exp(z - lse)
     if z_loss != 0.0:
         p = p * (1.0 + 2.0 * z_loss * lse)
-    d = p - jnp.where(cols == y, 1.0 - smoothing, 0.0)
+    d = p - jnp.where(cols == y_col, 1.0 - smoothing, 0.0)
     if smoothing != 0.0:
-        d = d - smoothing / vocab
+        d = d - smoothing / vocab_total
     dz = _dz_dx(z, scaling, softcap)
     if dz is not None:
         d = d * dz
     d = d * g_ref[...]
     # Out-of-range label: the whole gradient row is NaN, like its loss.
-    d = jnp.where((y >= 0) & (y < vocab), d, jnp.nan)
+    d = jnp.where((y >= 0) & (y < vocab_total), d, jnp.nan)
     if ignore_index is not None:
         d = jnp.where(y == ignore_index, 0.0, d)
     plgpu.store(dx_ref.at[pl.ds(0, block)], d.astype(dx_ref.dtype), mask=mask)
@@ -293,24 +321,70 @@ def _ignore_index_for(labels, ignore_index: int) -> int | None:
     return ignore_index if info.min <= ignore_index <= info.max else None
 
 
-def forward(
-    logits,
-    labels,
-    *,
-    ignore_index: int,
-    scaling: float,
-    softcap: float,
-    smoothing: float,
-    z_loss: float,
-    interpret: bool,
-):
-    """Per-token loss and lse, both float32 (N,), of logits (N, V)."""
+def _vary(x, axes: frozenset):
+    """x, made varying over the manual mesh axes ``axes`` it does not vary over yet."""
+    missing = tuple(sorted(axes - jax.typeof(x).manual_axis_type.varying))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _same_variance(*arrays):
+    """The arrays, each made varying over every manual mesh axis any of them varies
+    over, and that common ManualAxisType for the outputs' ShapeDtypeStruct.
+
+    Inside a ``jax.shard_map`` with check_vma=True a pallas_call's out_shape must
+    say over which manual axes its outputs vary; the outputs depend on every
+    input, so they vary like their union.  Outside shard_map the type is empty
+    and ignored.
+    """
+    varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in arrays))
+    return tuple(_vary(a, varying) for a in arrays), jax.sharding.ManualAxisType(varying=varying)
+
+
+def _launch(call, operands, mat, interpret: bool):
+    """call(*operands), a pallas_call whose outputs vary like ``mat``."""
+    if interpret and mat.varying:
+        # Pallas' interpreter evaluates the kernel body with shard_map's
+        # varying-axes checks on, although the body was traced with them off,
+        # so the first comparison of a loaded block with a constant fails
+        # ("eq requires varying manual axes to match"); the compiled kernels
+        # do not go through it.
+        raise NotImplementedError(
+            "fastce_jax's kernels in Pallas interpret mode (no GPU) cannot run inside jax.shard_map with "
+            "check_vma=True (a limitation of Pallas' interpreter); on CPU use backend='auto' or 'reference', "
+            "or check_vma=False.  On a GPU the compiled kernels work with check_vma=True."
+        )
+    return call(*operands)
+
+
+def _vocab_start_operand(vocab_start):
+    """vocab_start (a Python int or a traced scalar such as axis_index * V_local)
+    as a (1,) int32 operand: the kernels read it at run time."""
+    return jnp.asarray(vocab_start, dtype=jnp.int32).reshape(1)
+
+
+def forward(logits, labels, options: Options, *, interpret: bool, vocab_start=None, vocab_total: int | None = None):
+    """Per-token statistics of logits (N, V), labels (N,).
+
+    Default: (loss, lse), both float32 (N,).  Vocab-parallel mode (vocab_start
+    given): logits holds global columns [vocab_start, vocab_start + V) of a
+    vocabulary of vocab_total, labels are global ids, and the result is this
+    shard's float32 (N,) (lse_local, z_label_local, sum_z_local): the logsumexp
+    of its columns, the transformed label logit where this shard owns the label
+    (else 0), and the sum of its transformed logits (0 without label smoothing).
+    """
     n, vocab = logits.shape
-    block, chunk, warps = forward_config(n, vocab)
-    n_chunks = _cdiv(vocab, chunk)
-    ignore = _ignore_index_for(labels, ignore_index)
+    vocab_parallel = vocab_start is not None
+    if vocab_parallel and vocab_total is None:
+        raise ValueError("vocab_start needs vocab_total (the global vocabulary size)")
+    block, chunk, n_chunks, warps = forward_config(vocab)
+    ignore = _ignore_index_for(labels, options.ignore_index)
+    scaling, softcap = options.logit_scaling, options.logit_softcapping
+    smoothing, z_loss = options.label_smoothing, options.z_loss
     f32 = jnp.float32
-    part = jax.ShapeDtypeStruct((n, n_chunks), f32)
+    operands = (logits, labels) + ((_vocab_start_operand(vocab_start),) if vocab_parallel else ())
+    operands, mat = _same_variance(*operands)
+    logits, labels = operands[:2]
+    part = jax.ShapeDtypeStruct((n, n_chunks), f32, manual_axis_type=mat)
     part_spec = pl.BlockSpec((None, None), lambda i, j: (i, j))
     fwd = pl.pallas_call(
         functools.partial(
@@ -327,12 +401,14 @@ def forward(
         in_specs=[pl.BlockSpec((None, chunk), lambda i, j: (i, j)), pl.BlockSpec((None,), lambda i, j: (i,))],
         out_specs=[part_spec] * 3,
         out_shape=[part] * 3,
-        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=FWD_NUM_STAGES),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=FORWARD_STAGES),
         interpret=interpret,
         name="fastce_forward",
     )
     row_spec = pl.BlockSpec((None,), lambda i: (i,))
     parts_spec = pl.BlockSpec((None, n_chunks), lambda i: (i, 0))
+    extra_specs = [pl.BlockSpec((1,), lambda i: (0,))] if vocab_parallel else []
+    n_out = 3 if vocab_parallel else 2
     finish = pl.pallas_call(
         functools.partial(
             _finish_kernel,
@@ -343,19 +419,19 @@ def forward(
             softcap=softcap,
             smoothing=smoothing,
             z_loss=z_loss,
+            vocab_parallel=vocab_parallel,
         ),
         grid=(n,),
-        in_specs=[parts_spec] * 3 + [row_spec, pl.BlockSpec((None, vocab), lambda i: (i, 0))],
-        out_specs=[row_spec, row_spec],
-        out_shape=[jax.ShapeDtypeStruct((n,), f32)] * 2,
-        compiler_params=plgpu.CompilerParams(num_warps=FINISH_NUM_WARPS, num_stages=1),
+        in_specs=[parts_spec] * 3 + [row_spec, pl.BlockSpec((None, vocab), lambda i: (i, 0))] + extra_specs,
+        out_specs=[row_spec] * n_out,
+        out_shape=[jax.ShapeDtypeStruct((n,), f32, manual_axis_type=mat)] * n_out,
+        compiler_params=plgpu.CompilerParams(num_warps=FINISH_WARPS, num_stages=1),
         interpret=interpret,
         name="fastce_finish",
     )
     with _quiet_triton(interpret):
-        m, s, sz = fwd(logits, labels)
-        loss, lse = finish(m, s, sz, labels, logits)
-    return loss, lse
+        m, s, sz = _launch(fwd, (logits, labels), mat, interpret)
+        return tuple(_launch(finish, (m, s, sz, labels, logits, *operands[2:]), mat, interpret))
 
 
 def backward(
@@ -363,44 +439,59 @@ def backward(
     labels,
     lse,
     g,
+    options: Options,
     *,
-    ignore_index: int,
-    scaling: float,
-    softcap: float,
-    smoothing: float,
-    z_loss: float,
     inplace: bool,
     interpret: bool,
+    vocab_start=None,
+    vocab_total: int | None = None,
 ):
-    """dL/dlogits (N, V) in logits' dtype; g is the per-token upstream (N,)."""
+    """dL/dlogits (N, V) in logits' dtype; g is the per-token upstream (N,).
+
+    Vocab-parallel mode (vocab_start given, see ``forward``): lse is the global
+    logsumexp, labels are global ids, the label's column here is
+    label - vocab_start, a label outside [0, vocab_total) gives a NaN row and
+    label smoothing spreads eps / vocab_total over every column.
+    """
     n, vocab = logits.shape
+    vocab_parallel = vocab_start is not None
+    if vocab_parallel and vocab_total is None:
+        raise ValueError("vocab_start needs vocab_total (the global vocabulary size)")
     block, warps = backward_config(vocab)
+    scaling, softcap = options.logit_scaling, options.logit_softcapping
+    smoothing, z_loss = options.label_smoothing, options.z_loss
     row_spec = pl.BlockSpec((None,), lambda i, j: (i,))
     tile_spec = pl.BlockSpec((None, block), lambda i, j: (i, j))
+    operands = (logits, labels, lse, g.astype(jnp.float32))
+    operands += (_vocab_start_operand(vocab_start),) if vocab_parallel else ()
+    operands, mat = _same_variance(*operands)
     bwd = pl.pallas_call(
         functools.partial(
             _backward_kernel,
             vocab=vocab,
+            vocab_total=vocab_total if vocab_parallel else vocab,
             block=block,
-            ignore_index=_ignore_index_for(labels, ignore_index),
+            ignore_index=_ignore_index_for(labels, options.ignore_index),
             scaling=scaling,
             softcap=softcap,
             smoothing=smoothing,
             z_loss=z_loss,
+            vocab_parallel=vocab_parallel,
         ),
         grid=(n, _cdiv(vocab, block)),
-        in_specs=[tile_spec, row_spec, row_spec, row_spec],
+        in_specs=[tile_spec, row_spec, row_spec, row_spec]
+        + ([pl.BlockSpec((1,), lambda i, j: (0,))] if vocab_parallel else []),
         out_specs=tile_spec,
-        out_shape=jax.ShapeDtypeStruct(logits.shape, logits.dtype),
+        out_shape=jax.ShapeDtypeStruct(logits.shape, logits.dtype, manual_axis_type=mat),
         # Each program reads its tile before writing the same tile, so the
         # gradient may overwrite the logits residual (XLA copies when it can't).
         input_output_aliases={0: 0} if inplace else {},
-        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=BWD_NUM_STAGES),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=BACKWARD_STAGES),
         interpret=interpret,
         name="fastce_backward",
     )
     with _quiet_triton(interpret):
-        return bwd(logits, labels, lse, g.astype(jnp.float32))
+        return _launch(bwd, operands, mat, interpret)
 
 
 def uses_int64_offsets(n_rows: int, vocab: int, dtype) -> bool:

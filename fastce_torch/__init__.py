@@ -11,7 +11,18 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from .cross_entropy import CrossEntropyLoss, cross_entropy, cross_entropy_reference  # noqa: E402
+from .linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from .transformers import patch_transformers, unpatch_transformers  # noqa: E402
+from .unsloth import fast_cross_entropy_loss, patch_loss_functions  # noqa: E402
 
-__all__ = ["cross_entropy", "cross_entropy_reference", "CrossEntropyLoss", "patch_transformers", "unpatch_transformers"]
+__all__ = [
+    "cross_entropy",
+    "cross_entropy_reference",
+    "CrossEntropyLoss",
+    "linear_cross_entropy",
+    "patch_transformers",
+    "unpatch_transformers",
+    "fast_cross_entropy_loss",
+    "patch_loss_functions",
+]
 __version__ = "0.1.0"

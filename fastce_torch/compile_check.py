@@ -12,7 +12,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from . import kernels
-from .cross_entropy import BACKWARD_BLOCK, BACKWARD_WARPS, FORWARD_BLOCK, FORWARD_WARPS_FEW_PROGRAMS, ROWS_PER_GROUP
+from .kernels import BACKWARD_BLOCK, BACKWARD_WARPS, FORWARD_BLOCK, FORWARD_WARPS, GROUPS_BLOCK, ROWS_PER_GROUP
 
 H200 = GPUTarget("cuda", 90, 32)
 POINTER = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16"}
@@ -25,77 +25,72 @@ def compile_for_h200(fn, signature, constexprs, num_warps):
 
 
 FLAG_SETS = [(False,) * 4, (True,) * 4] + [tuple(i == j for j in range(4)) for i in range(4)]
+FLOAT_SCALARS = {"scaling", "softcap", "label_smoothing", "z_loss", "denominator_value"}
+
+
+def signature(fn, logits_type, index_type):
+    """Argument types from the kernel's own parameter names, so a new parameter cannot be missed: the logits and
+    gradient pointers carry the dtype, labels are int64, counters int32, other pointers float32; strides take
+    index_type (64-bit for huge tensors), the option scalars float32, other scalars int32."""
+    types = {}
+    for param in fn.params:
+        name = param.name
+        if param.is_constexpr:
+            continue
+        if name in ("logits_ptr", "grad_ptr", "tensor_ptr"):
+            types[name] = logits_type
+        elif name == "labels_ptr":
+            types[name] = "*i64"
+        elif name == "arrivals_ptr":
+            types[name] = "*i32"
+        elif name.endswith("_ptr"):
+            types[name] = "*fp32"
+        elif "stride" in name:
+            types[name] = index_type
+        else:
+            types[name] = "fp32" if name in FLOAT_SCALARS else "i32"
+    return types
 
 
 def variants():
-    # Every dtype with no option, each option alone and all of them; 64-bit strides (huge tensors) on one set.
+    # Every dtype with no option, each option alone and all of them; 64-bit strides (huge tensors) and the
+    # vocab-parallel mode on the all-options set.
     for dtype, flag_set in itertools.product(POINTER, FLAG_SETS):
         scaling, softcap, smoothing, z_loss = flag_set
-        index = "i64" if flag_set == FLAG_SETS[1] else "i32"
+        all_options = flag_set == FLAG_SETS[1]
+        index = "i64" if all_options else "i32"
         logits = POINTER[dtype]
         flags = dict(HAS_SCALING=scaling, HAS_SOFTCAP=softcap, HAS_SMOOTHING=smoothing, HAS_Z_LOSS=z_loss)
-        for block, warps in ((FORWARD_BLOCK, 4), (FORWARD_BLOCK, FORWARD_WARPS_FEW_PROGRAMS), (1024, 4)):
-            reductions = ((False, 0), (True, 0), (True, 1), (True, 2)) if flag_set == FLAG_SETS[0] else ((True, 0),)
-            for reduce, denominator in reductions:
-                yield (
-                    kernels._forward_kernel,
-                    dict(
-                        logits_ptr=logits,
-                        logits_row_stride=index,
-                        labels_ptr="*i64",
-                        loss_ptr="*fp32",
-                        lse_ptr="*fp32",
-                        max_ptr="*fp32",
-                        sumexp_ptr="*fp32",
-                        sumz_ptr="*fp32",
-                        arrivals_ptr="*i32",
-                        group_partials_ptr="*fp32",
-                        reduced_ptr="*fp32",
-                        denominator_ptr="*fp32",
-                        n_rows="i32",
-                        V="i32",
-                        chunk_width="i32",
-                        n_chunks="i32",
-                        ignore_index="i32",
-                        scaling="fp32",
-                        softcap="fp32",
-                        label_smoothing="fp32",
-                        z_loss="fp32",
-                        denominator_value="fp32",
-                    ),
-                    dict(
-                        BLOCK=block,
-                        CHUNKS_BLOCK=4,
-                        REDUCE=reduce,
-                        DENOMINATOR=denominator,
-                        ROWS_BLOCK=1024,
-                        ROWS_PER_GROUP=ROWS_PER_GROUP,
-                        **flags,
-                    ),
-                    warps,
+        for block, warps in ((FORWARD_BLOCK, FORWARD_WARPS), (1024, FORWARD_WARPS)):
+            modes = ((False, 0), (True, 0), (True, 1), (True, 2)) if flag_set == FLAG_SETS[0] else ((True, 0),)
+            modes = [(reduce, denominator, False) for reduce, denominator in modes]
+            if all_options:
+                modes.append((False, 0, True))
+            for reduce, denominator, vocab_parallel in modes:
+                constexprs = dict(
+                    BLOCK=block,
+                    CHUNKS_BLOCK=4,
+                    REDUCE=reduce,
+                    DENOMINATOR=denominator,
+                    GROUPS_BLOCK=GROUPS_BLOCK,
+                    ROWS_PER_GROUP=ROWS_PER_GROUP,
+                    VOCAB_PARALLEL=vocab_parallel,
+                    **flags,
                 )
-        yield (
-            kernels._backward_kernel,
-            dict(
-                logits_ptr=logits,
-                logits_row_stride=index,
-                grad_ptr=logits,
-                grad_row_stride=index,
-                labels_ptr="*i64",
-                lse_ptr="*fp32",
-                grad_loss_ptr="*fp32",
-                grad_loss_stride="i32",
-                denominator_ptr="*fp32",
-                V="i32",
-                ignore_index="i32",
-                scaling="fp32",
-                softcap="fp32",
-                label_smoothing="fp32",
-                z_loss="fp32",
-            ),
-            dict(BLOCK=BACKWARD_BLOCK, HAS_DENOMINATOR=flag_set == FLAG_SETS[0], **flags),
-            BACKWARD_WARPS,
-        )
+                yield kernels._forward_kernel, signature(kernels._forward_kernel, logits, index), constexprs, warps
+        for vocab_parallel in (False, True) if all_options else (False,):
+            constexprs = dict(
+                BLOCK=BACKWARD_BLOCK, HAS_DENOMINATOR=flag_set == FLAG_SETS[0], VOCAB_PARALLEL=vocab_parallel, **flags
+            )
+            yield (
+                kernels._backward_kernel,
+                signature(kernels._backward_kernel, logits, index),
+                constexprs,
+                BACKWARD_WARPS,
+            )
+        if flag_set == FLAG_SETS[0]:  # linear_cross_entropy's gradient scaling, once per dtype
+            scale = kernels._scale_unless_one_kernel
+            yield scale, signature(scale, logits, index), dict(BLOCK=kernels.SCALE_BLOCK), 4
 
 
 def main():

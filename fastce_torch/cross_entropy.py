@@ -1,6 +1,6 @@
-"""Fused cross-entropy for PyTorch: launchers, the eager autograd.Function, torch.library custom ops for
+"""Fused cross-entropy for PyTorch: argument checks, the eager autograd.Function, torch.library custom ops for
 torch.compile, the functional `cross_entropy`, the `CrossEntropyLoss` module, and `cross_entropy_reference` (the
-same contract in plain torch).
+same contract in plain torch). The kernels and their launchers are in kernels.py.
 
 Eager calls go through `_CrossEntropyFunction`: one forward launch that also reduces "mean"/"sum" in-kernel
 (a fixed summation order, no host synchronisation), one backward launch, nothing else on the host's hot path, since
@@ -12,200 +12,136 @@ import math
 
 import torch
 
-from . import kernels as _kernels
+from . import distributed, kernels
+from .kernels import Options
 
 REDUCTIONS = ("none", "mean", "sum")
 BACKENDS = ("auto", "kernel", "reference")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FLOAT32_TINY = torch.finfo(torch.float32).tiny  # 2**-126: options between 0 and this are refused
 
-# Tiles and warps from bench/tune_kernels.py on the H200 (2026-11-30, bench/NOTES.md): forward tiles of 4096 with
-# 4 warps reached 0.95-1.08x the one-read floor at N=8192 (stages 1 or 3 alike); backward tiles of 2048 with 4 warps
-# 1.01-1.05x the read+write floor. Chunks of at most 65536 columns, halved while the grid has under 8192 programs:
-# at N=512, V=256000 chunks of 16384 (8192 programs) took 75 us against 90 us for 65536 (2048 programs, 8 warps).
-FORWARD_BLOCK, FORWARD_WARPS, FORWARD_WARPS_FEW_PROGRAMS, FORWARD_STAGES = 4096, 4, 8, 3
-BACKWARD_BLOCK, BACKWARD_WARPS = 2048, 4
-MAX_CHUNK, TARGET_PROGRAMS, FEW_PROGRAMS = 65536, 8192, 4096
-ROWS_PER_GROUP = 64  # rows counted per group before the batch-level count (in-kernel "mean"/"sum")
+LOGITS_REUSED = (
+    "fastce_torch.cross_entropy wrote its gradient into the logits' buffer (inplace_backward=True), and these "
+    "logits were needed again: by a second backward through the same loss, by a second loss over the same logits, "
+    "or by another op that saved them. Pass inplace_backward=False to keep the logits intact."
+)
+ONCE_DIFFERENTIABLE = (
+    "fastce_torch.cross_entropy is differentiable once (its backward is a kernel); for second-order gradients "
+    "(gradient penalties, Hessian-vector products) use backend='reference'"
+)
 
 
-def _kernels_for(tensor):
-    if not tensor.is_cuda and not _kernels.INTERPRETED:
-        raise RuntimeError(
-            "the Triton kernels need CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 before "
-            "triton is first imported, or use backend='reference'"
-        )
-    return _kernels
+FORWARD_MODE_UNSUPPORTED = (
+    "fastce_torch.cross_entropy has no forward-mode derivative (torch.func.jvp, jacfwd, hessian, "
+    "torch.autograd.forward_ad); use backend='reference'"
+)
+VMAP_UNSUPPORTED = (
+    "fastce_torch.cross_entropy's kernels have no torch.func.vmap rule: a vmapped batch is only more rows, so "
+    "flatten it into the rows instead (logits.reshape(-1, V), labels.reshape(-1), reduction='none', then reduce "
+    "per example), or use backend='reference'"
+)
 
 
-# Plain integer helpers: triton.cdiv / next_power_of_2 go through Triton's jit dispatch (~10 us each on the host).
-def _cdiv(a, b):
-    return -(-a // b)
+def _functorch_transforms():
+    """The torch.func transforms (grad, vjp, jvp, vmap, ...) the current call runs under, outermost first."""
+    return [interpreter.key() for interpreter in torch._functorch.pyfunctorch.retrieve_all_functorch_interpreters()]
 
 
-def _next_power_of_2(n):
-    return 1 << max(n - 1, 0).bit_length()
+def _under_functorch():
+    return torch._C._functorch.maybe_current_level() is not None
 
 
-def launch_config(n_rows, vocab):
-    """(forward tile, warps, chunk width, number of chunks) for an N x V problem."""
-    block = min(FORWARD_BLOCK, _next_power_of_2(vocab))
-    chunk = max(block, min(MAX_CHUNK, _next_power_of_2(vocab)))
-    while chunk > block and n_rows * _cdiv(vocab, chunk) < TARGET_PROGRAMS:
-        chunk //= 2
-    n_chunks = _cdiv(vocab, chunk)
-    warps = FORWARD_WARPS_FEW_PROGRAMS if n_rows * n_chunks < FEW_PROGRAMS and block == FORWARD_BLOCK else FORWARD_WARPS
-    return block, warps, chunk, n_chunks
+def _unwrapped(tensor):
+    """The plain tensor inside torch.func's wrappers (grad/vjp run the backward on them; a kernel needs memory)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return tensor
 
 
-def _flags(logit_scaling, logit_softcapping, label_smoothing, z_loss):
-    return dict(
-        HAS_SCALING=logit_scaling != 0.0,
-        HAS_SOFTCAP=logit_softcapping > 0.0,
-        HAS_SMOOTHING=label_smoothing > 0.0,
-        HAS_Z_LOSS=z_loss != 0.0,
-    )
-
-
-def forward_kernels(
-    logits,
-    labels,
-    ignore_index,
-    logit_softcapping,
-    logit_scaling,
-    label_smoothing,
-    z_loss,
-    reduction="none",
-    n_items=None,
-):
-    """Per-token float32 (loss, lse) of a 2-D logits (rows may be strided) and 1-D labels, and for "mean"/"sum"
-    `reduced` = [loss, denominator] (else None); one launch."""
-    n_rows, vocab = logits.shape
-    block, warps, chunk, n_chunks = launch_config(n_rows, vocab)
-    reduce = reduction != "none"
-    # One allocation for every float output: losses, lse, [loss, denominator], the row groups' [loss sums, kept
-    # counts] (for "mean"/"sum"), chunk partials.
-    n_partials = n_rows * n_chunks if n_chunks > 1 else 1
-    n_groups = _cdiv(n_rows, ROWS_PER_GROUP) if reduce else 0
-    buffer = torch.empty(2 * n_rows + 2 + 2 * n_groups + 3 * n_partials, dtype=torch.float32, device=logits.device)
-    loss, lse, reduced = buffer[:n_rows], buffer[n_rows : 2 * n_rows], buffer[2 * n_rows : 2 * n_rows + 2]
-    group_partials = buffer[2 * n_rows + 2 :]  # the kernel uses its first 2 * n_groups floats
-    partials_start = 2 * n_rows + 2 + 2 * n_groups
-    partials = [buffer[partials_start + i * n_partials : partials_start + (i + 1) * n_partials] for i in range(3)]
-    if n_rows == 0:
-        return loss, lse, (reduced.copy_(torch.tensor([0.0, 1.0])) if reduce else None)
-    # arrivals[row] counts a row's finished chunks, arrivals[N] the finished groups of ROWS_PER_GROUP rows and
-    # arrivals[N + 1 + g] the finished rows of group g.
-    n_counters = n_rows + 1 + n_groups if n_chunks > 1 or reduce else 1
-    arrivals = torch.zeros(n_counters, dtype=torch.int32, device=logits.device)
-    denominator_value, denominator_ptr = 1.0, reduced
-    if n_items is None:
-        denominator_mode = 0 if reduction == "mean" else 1
-    elif isinstance(n_items, torch.Tensor):
-        denominator_mode, denominator_ptr = 2, n_items.to(device=logits.device, dtype=torch.float32)
-    else:
-        denominator_mode, denominator_value = 1, float(n_items)
-    _kernels_for(logits)._forward_kernel[(n_rows, n_chunks)](
-        logits,
-        logits.stride(0),
-        labels,
-        loss,
-        lse,
-        *partials,
-        arrivals,
-        group_partials,
-        reduced,
-        denominator_ptr,
-        n_rows,
-        vocab,
-        chunk,
-        n_chunks,
-        ignore_index,
-        logit_scaling,
-        logit_softcapping,
-        label_smoothing,
-        z_loss,
-        denominator_value,
-        BLOCK=block,
-        CHUNKS_BLOCK=_next_power_of_2(n_chunks),
-        REDUCE=reduce,
-        DENOMINATOR=denominator_mode,
-        ROWS_BLOCK=1024,
-        ROWS_PER_GROUP=ROWS_PER_GROUP,
-        num_warps=warps,
-        num_stages=FORWARD_STAGES,
-        **_flags(logit_scaling, logit_softcapping, label_smoothing, z_loss),
-    )
-    return loss, lse, (reduced if reduce else None)
-
-
-def backward_kernels(
-    grad_loss,
-    logits,
-    labels,
-    lse,
-    grad,
-    ignore_index,
-    logit_softcapping,
-    logit_scaling,
-    label_smoothing,
-    z_loss,
-    denominator=None,
-):
-    """Writes d(sum_t grad_loss_t * loss_t / denominator)/d logits into `grad`, which may be `logits` itself.
-    grad_loss is per token, or 0-d (one upstream scalar for all tokens); denominator a 1-element tensor or None."""
-    n_rows, vocab = logits.shape
-    if n_rows == 0:
+def _once_differentiable(grad):
+    """With create_graph=True, hand autograd a gradient whose own backward raises ONCE_DIFFERENTIABLE (a zero or
+    missing second derivative would be silently wrong: the true one depends on the logits)."""
+    if not torch.is_grad_enabled():
         return grad
-    block = min(BACKWARD_BLOCK, _next_power_of_2(vocab))
-    _kernels_for(logits)._backward_kernel[(n_rows, _cdiv(vocab, block))](
-        logits,
-        logits.stride(0),
-        grad,
-        grad.stride(0),
-        labels,
-        lse,
-        grad_loss,
-        grad_loss.stride(0) if grad_loss.dim() else 0,
-        lse if denominator is None else denominator,
-        vocab,
-        ignore_index,
-        logit_scaling,
-        logit_softcapping,
-        label_smoothing,
-        z_loss,
-        BLOCK=block,
-        HAS_DENOMINATOR=denominator is not None,
-        num_warps=BACKWARD_WARPS,
-        **_flags(logit_scaling, logit_softcapping, label_smoothing, z_loss),
-    )
-    return grad
+    return torch._C._functions.DelayedError(ONCE_DIFFERENTIABLE, 1)(grad.detach().requires_grad_())
 
 
 class _CrossEntropyFunction(torch.autograd.Function):
-    """The eager path, reduction included, with the fewest host-side steps: two allocations and one launch
-    forward, one launch backward, and no autograd nodes besides this one (each costs host time per step)."""
+    """The eager path, reduction included, with the fewest host-side steps: one launch forward, one launch
+    backward, and no autograd nodes besides this one (each costs host time per step). Outputs: the loss (it owns
+    its storage), lse and the reduction's denominator (both non-differentiable, for the backward)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, reduction, n_items, inplace_backward, options):
-        token_losses, lse, reduced = forward_kernels(logits, labels, *options, reduction=reduction, n_items=n_items)
-        ctx.save_for_backward(logits, labels, lse, reduced)
-        ctx.inplace_backward, ctx.options = inplace_backward, options
-        return token_losses if reduced is None else reduced[0]
+    def forward(logits, labels, reduction, n_items, inplace_backward, options):
+        loss, lse, denominator = kernels.forward(logits, labels, options, reduction, n_items)
+        return loss, lse, (lse[:0] if denominator is None else denominator)
 
     @staticmethod
-    def backward(ctx, grad_output):
-        logits, labels, lse, reduced = ctx.saved_tensors
+    def setup_context(ctx, inputs, output):
+        logits, labels, _, _, inplace_backward, options = inputs
+        _, lse, denominator = output
+        ctx.mark_non_differentiable(lse, denominator)
+        ctx.save_for_backward(logits, labels, lse, denominator)
+        ctx.inplace_backward, ctx.options, ctx.consumed = inplace_backward, options, False
+
+    @staticmethod
+    def backward(ctx, grad_output, grad_lse, grad_denominator):
+        if ctx.consumed:
+            raise RuntimeError(LOGITS_REUSED)
+        try:
+            saved = ctx.saved_tensors
+        except RuntimeError as error:
+            if ctx.inplace_backward and "modified by an inplace operation" in str(error):
+                raise RuntimeError(LOGITS_REUSED) from error
+            raise
+        tensors = (grad_output, *saved)
+        transformed = _under_functorch()
+        if not transformed and not any(map(torch._C._functorch.is_functorch_wrapped_tensor, tensors)):
+            return _once_differentiable(_CrossEntropyFunction._gradient(ctx, *tensors)), *[None] * 5
+        # torch.func.grad / vjp run this backward on their wrapped tensors, inside the transform (grad) or after it
+        # (the function vjp returns). An outer transform that differentiates again (grad of grad, jvp of grad)
+        # would see the kernel's output as a constant: a silently zero second derivative, so refuse it; under vmap
+        # (jacrev, per-example gradients) the cotangent is batched, which the kernel cannot read. Otherwise the
+        # kernel runs on the plain tensors with the transforms switched off (anything allocated under them,
+        # Triton's interpreter copies included, would be a wrapper without storage).
+        if transformed:
+            transforms = _functorch_transforms()
+            kind = torch._C._functorch.TransformType
+            if kind.Vmap in transforms:
+                raise RuntimeError(VMAP_UNSUPPORTED)
+            if sum(key in (kind.Grad, kind.Jvp) for key in transforms) > 1:
+                raise RuntimeError(ONCE_DIFFERENTIABLE)
+        with torch._C._DisableFuncTorch():
+            grad = _CrossEntropyFunction._gradient(ctx, *map(_unwrapped, tensors))
+        return (grad if transformed else _once_differentiable(grad)), *[None] * 5
+
+    @staticmethod
+    def _gradient(ctx, grad_output, logits, labels, lse, denominator):
         if ctx.inplace_backward:
             grad = logits
             # The logits are about to hold the gradient: any other op that saved them for its own backward then
             # fails loudly ("modified by an inplace operation") instead of reading gradients as logits.
             torch.autograd.graph.increment_version(logits)
+            ctx.consumed = True
         else:
             grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        denominator = None if reduced is None else reduced[1:]
-        grad = backward_kernels(grad_output, logits, labels, lse, grad, *ctx.options, denominator=denominator)
-        return grad, None, None, None, None, None
+        return kernels.backward(
+            grad_output,
+            logits,
+            labels,
+            lse,
+            grad,
+            ctx.options,
+            denominator=denominator if denominator.numel() else None,
+        )
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(FORWARD_MODE_UNSUPPORTED)
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        raise RuntimeError(VMAP_UNSUPPORTED)
 
 
 # --- custom ops for torch.compile: opaque to the compiler, fake implementations for tracing, no graph break ------
@@ -221,15 +157,14 @@ def _forward_op(
     label_smoothing: float,
     z_loss: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    loss, lse, _ = forward_kernels(
-        logits, labels, ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss
-    )
-    return loss, lse.clone()  # the two share one buffer; a custom op's outputs must not alias each other
+    options = Options(ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss)
+    loss, lse, _ = kernels.forward(logits, labels, options)
+    return loss, lse.clone()  # lse is a view of the launch's scratch buffer; an op's output owns its storage
 
 
 @_forward_op.register_fake
 def _(logits, labels, ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss):
-    n_rows = logits.shape[0]
+    n_rows = labels.shape[0]
     return logits.new_empty(n_rows, dtype=torch.float32), logits.new_empty(n_rows, dtype=torch.float32)
 
 
@@ -246,9 +181,8 @@ def _backward_op(
     z_loss: float,
 ) -> torch.Tensor:
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    return backward_kernels(
-        grad_loss, logits, labels, lse, grad, ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss
-    )
+    options = Options(ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss)
+    return kernels.backward(grad_loss, logits, labels, lse, grad, options)
 
 
 @_backward_op.register_fake
@@ -272,6 +206,12 @@ torch.library.register_autograd("fastce::cross_entropy_forward", _backward, setu
 
 
 # --- the contract ----------------------------------------------------------------------------------------------
+
+
+def _is_finite(value):
+    # Comparisons, not math.isfinite: under torch.compile(dynamic=True) dynamo cannot trace math.isfinite (a graph
+    # break, an error with fullgraph=True), while float comparisons fold to constants. NaN fails both.
+    return -math.inf < value < math.inf
 
 
 def _check_arguments(
@@ -301,13 +241,13 @@ def _check_arguments(
         raise ValueError(f"n_items must be 0-d, got shape {tuple(n_items.shape)}")
     if isinstance(n_items, (int, float)) and not n_items > 0:
         raise ValueError(f"n_items must be positive, got {n_items}")
-    if not math.isfinite(logit_softcapping) or logit_softcapping < 0:
+    if not _is_finite(logit_softcapping) or logit_softcapping < 0:
         raise ValueError(f"logit_softcapping must be >= 0 (0 disables it), got {logit_softcapping}")
-    if not math.isfinite(logit_scaling):
+    if not _is_finite(logit_scaling):
         raise ValueError(f"logit_scaling must be finite (0 disables it), got {logit_scaling}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if not math.isfinite(z_loss):
+    if not _is_finite(z_loss):
         raise ValueError(f"z_loss must be finite, got {z_loss}")
     for name, value in (
         ("logit_softcapping", logit_softcapping),
@@ -352,25 +292,23 @@ def _reduce(token_losses, labels, reduction, n_items, ignore_index):
     return token_losses.sum() / denominator
 
 
-def cross_entropy_reference(
-    logits, labels, *, ignore_index=-100, logit_softcapping=0.0, logit_scaling=0.0, label_smoothing=0.0, z_loss=0.0
-):
-    """Per-token float32 losses of the contract in plain torch (differentiable; used by backend='reference')."""
-    ignored = labels == ignore_index
+def _reference_token_losses(logits, labels, options):
+    """Per-token float32 losses of the contract in plain torch (differentiable by autograd; backend='reference')."""
+    ignored = labels == options.ignore_index
     in_range = (labels >= 0) & (labels < logits.shape[-1])
     # Ignored rows are zeroed before any arithmetic, so NaN there cannot leak into their (zero) gradient.
     z = torch.where(ignored.unsqueeze(-1), 0.0, logits.float())
-    if logit_scaling != 0.0:
-        z = z * logit_scaling
-    if logit_softcapping > 0.0:
-        z = logit_softcapping * torch.tanh(z / logit_softcapping)
+    if options.logit_scaling != 0.0:
+        z = z * options.logit_scaling
+    if options.logit_softcapping > 0.0:
+        z = options.logit_softcapping * torch.tanh(z / options.logit_softcapping)
     lse = torch.logsumexp(z, dim=-1)
     z_label = z.gather(-1, torch.where(in_range, labels, 0).long().unsqueeze(-1)).squeeze(-1)
     loss = lse - z_label
-    if label_smoothing > 0.0:
-        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - z.mean(dim=-1))
-    if z_loss != 0.0:
-        loss = loss + z_loss * lse * lse
+    if options.label_smoothing > 0.0:
+        loss = (1.0 - options.label_smoothing) * loss + options.label_smoothing * (lse - z.mean(dim=-1))
+    if options.z_loss != 0.0:
+        loss = loss + options.z_loss * lse * lse
     loss = torch.where(in_range, loss, float("nan"))
     return torch.where(ignored, 0.0, loss)
 
@@ -389,6 +327,8 @@ def cross_entropy(
     backend="auto",
     inplace_backward=True,
     validate_labels=False,
+    process_group=None,
+    vocab_start=None,
 ):
     """Cross-entropy of logits (..., V) against integer labels (...), fused on the GPU.
 
@@ -396,6 +336,12 @@ def cross_entropy(
     With inplace_backward=True (the default) the backward writes the gradient into the logits' own buffer when
     logits is an intermediate (non-leaf) tensor, so the loss costs no gradient-sized allocation: the logits are
     consumed by backward. Leaf tensors are never overwritten.
+
+    Vocab-parallel (tensor-parallel LM head): with `process_group`, logits (..., V_local) are this rank's contiguous
+    slice of the vocabulary and labels (...) global class ids, the same on every rank; the loss (the same on every
+    rank) is that of the full logits, each rank's gradient its own columns. The slice starts at `vocab_start`, or,
+    when None, at rank * V_local: every rank must then hold the same width (if not, the loss is NaN). A DTensor
+    sharded on its last dimension (Shard(-1)) is handled the same way and gives a DTensor (see distributed.py).
     """
     _check_arguments(
         logits,
@@ -409,34 +355,71 @@ def cross_entropy(
         z_loss,
         backend,
     )
+    if vocab_start is not None and process_group is None:
+        raise ValueError("vocab_start is only meaningful with process_group (vocab-parallel logits)")
     vocab = logits.shape[-1]
+    options = Options(
+        ignore_index, float(logit_softcapping), float(logit_scaling), float(label_smoothing), float(z_loss)
+    )
+    if process_group is not None or distributed.is_dtensor(logits):
+        return _vocab_parallel(
+            logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group,
+            vocab_start,
+        )  # fmt: skip
     if validate_labels:
         _validate_labels(labels, vocab, ignore_index)
-    options = dict(
-        ignore_index=ignore_index,
-        logit_softcapping=float(logit_softcapping),
-        logit_scaling=float(logit_scaling),
-        label_smoothing=float(label_smoothing),
-        z_loss=float(z_loss),
+    if not (backend == "kernel" or (backend == "auto" and logits.is_cuda)):
+        token_losses = _reference_token_losses(logits, labels, options)
+        return _reduce(token_losses, labels, reduction, n_items, ignore_index)
+    if logits.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"logits must be float32, bfloat16 or float16 for the kernels, got {logits.dtype}")
+    # Logits whose rows form one or two strided dimensions (any contiguous tensor, logits[:, :-1]) go to the kernels
+    # as they are; anything else is copied once.
+    kernel_logits = logits if kernels.row_layout(logits) is not None else logits.contiguous()
+    labels_1d = labels.reshape(-1).contiguous()
+    if torch.compiler.is_compiling():
+        token_losses = _forward_op(kernel_logits, labels_1d, *options)[0].view(labels.shape)
+        return _reduce(token_losses, labels, reduction, n_items, ignore_index)
+    # In place only into memory the graph alone owns, and only where no two rows share memory.
+    # Never under torch.func: its wrappers hide who else holds the memory.
+    inplace = (
+        bool(inplace_backward)
+        and _is_intermediate(logits)
+        and not kernels.rows_overlap(kernel_logits)
+        and not _under_functorch()
     )
+    loss = _CrossEntropyFunction.apply(kernel_logits, labels_1d, reduction, n_items, inplace, options)[0]
+    return loss.view(labels.shape) if reduction == "none" else loss
+
+
+@torch.compiler.disable
+def _vocab_parallel(
+    logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group, vocab_start
+):
+    """Eager even under torch.compile (a graph break): the collectives run in the autograd.Function's forward."""
     use_kernel = backend == "kernel" or (backend == "auto" and logits.is_cuda)
-    if use_kernel:
-        if logits.dtype not in KERNEL_DTYPES:
-            raise TypeError(f"logits must be float32, bfloat16 or float16 for the kernels, got {logits.dtype}")
-        logits_2d = logits.reshape(-1, vocab)
-        if logits_2d.stride(-1) != 1:
-            logits_2d = logits_2d.contiguous()
-        labels_1d = labels.reshape(-1).contiguous()
-        if not torch.compiler.is_compiling():
-            inplace = bool(inplace_backward) and _is_intermediate(logits)
-            loss = _CrossEntropyFunction.apply(
-                logits_2d, labels_1d, reduction, n_items, inplace, tuple(options.values())
-            )
-            return loss.view(labels.shape) if reduction == "none" else loss
-        token_losses = _forward_op(logits_2d, labels_1d, *options.values())[0].view(labels.shape)
-    else:
-        token_losses = cross_entropy_reference(logits, labels, **options)
-    return _reduce(token_losses, labels, reduction, n_items, ignore_index)
+    if use_kernel and logits.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"logits must be float32, bfloat16 or float16 for the kernels, got {logits.dtype}")
+    if distributed.is_dtensor(logits):
+        if validate_labels:
+            full_labels = labels.full_tensor() if distributed.is_dtensor(labels) else labels
+            _validate_labels(full_labels, logits.shape[-1], options.ignore_index)
+        return distributed.dtensor_cross_entropy(
+            logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start
+        )
+    layout = distributed.layout_of(process_group, vocab_start, logits.shape[-1], logits.device)
+    if validate_labels:
+        _validate_labels(labels, layout[2], options.ignore_index)
+    inplace = bool(inplace_backward) and _is_intermediate(logits)
+    return distributed.vocab_parallel_cross_entropy(
+        logits, labels, reduction, n_items, inplace, options, layout, use_kernel
+    )
+
+
+def cross_entropy_reference(logits, labels, **options):
+    """`cross_entropy` in plain torch (the same keywords; `backend` is ignored): differentiable by autograd, float32
+    math, so it materialises (N, V) float32 values."""
+    return cross_entropy(logits, labels, **dict(options, backend="reference"))
 
 
 class CrossEntropyLoss(torch.nn.Module):
@@ -455,6 +438,8 @@ class CrossEntropyLoss(torch.nn.Module):
         backend="auto",
         inplace_backward=True,
         validate_labels=False,
+        process_group=None,
+        vocab_start=None,
     ):
         super().__init__()
         if weight is not None:
@@ -469,6 +454,8 @@ class CrossEntropyLoss(torch.nn.Module):
             backend=backend,
             inplace_backward=inplace_backward,
             validate_labels=validate_labels,
+            process_group=process_group,
+            vocab_start=vocab_start,
         )
 
     def forward(self, input, target, n_items=None):

@@ -1,6 +1,7 @@
-"""Triton kernels for the fused cross-entropy (see CONTRACT.md for the math).
+"""Triton kernels for the fused cross-entropy (see CONTRACT.md for the math), their launchers (`forward`,
+`backward`) and launch configuration (`forward_config`, `backward_config`), with the tuned constants.
 
-Two kernels, each reading the logits once:
+Two kernels, each reading the logits once (and _scale_unless_one_kernel, for linear_cross_entropy's gradients):
   _forward_kernel   grid (N, C): one program walks one chunk of one row, one exp per element, keeping the running
                     max, sum of exp and sum of z. With C > 1 each chunk publishes these partials and the row's last
                     chunk to finish combines them; then one masked scalar load reads the label logit, and the
@@ -10,14 +11,48 @@ Two kernels, each reading the logits once:
   _backward_kernel  grid (N, cdiv(V, BLOCK)): recomputes z, writes the gradient in one pass, in place when the
                     caller passes the logits buffer as the gradient buffer.
 Rows whose label is ignore_index are never read: their partials are empty and their gradient is written as zeros.
-Row offsets are 64-bit, so N*V beyond 2**31 elements is fine.
+Rows are addressed as (batch, row) with two strides, so 2-D logits and strided 3-D logits (logits[:, :-1]) reach the
+kernels without a copy. Row offsets are 64-bit, so N*V beyond 2**31 elements is fine.
+The decomposition of a row (chunk width, tile width, warps) depends on V alone, never on N: a row's loss and
+gradient are bitwise the same whatever batch it is computed in.
+Vocab-parallel mode (VOCAB_PARALLEL, a constexpr: the single-device path compiles without it): the logits are one
+rank's columns [vocab_start, vocab_start + V) of a vocabulary of vocab_total; the forward writes per row the local
+logsumexp, the transformed label logit (0 unless this slice holds the label) and the local sum of z, for the caller
+to combine across ranks; the backward takes the global logsumexp and places the label at column label - vocab_start.
 """
 
+import contextlib
+from typing import NamedTuple
+
+import torch
 import triton
 import triton.language as tl
 from triton import knobs
 
 INTERPRETED = bool(knobs.runtime.interpret)
+
+
+class Options(NamedTuple):
+    """The loss options, in the contract's order; the same record (fields and order) as fastce_jax.kernels.Options."""
+
+    ignore_index: int = -100
+    logit_softcapping: float = 0.0
+    logit_scaling: float = 0.0
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+
+
+# Tiles and warps from bench/tools/tune_kernels.py on the H200 (2026-11-30, bench/NOTES.md): forward tiles of 4096
+# with 4 warps reached 0.95-1.08x the one-read floor at N=8192 (stages 1 or 3 alike); backward tiles of 2048 with
+# 4 warps 1.01-1.05x the read+write floor. Rows are split into chunks of 16384 columns whatever N is (batch
+# invariance): at N=512, V=256000 chunks of 16384 (8192 programs) took 75 us against 90 us for 65536, and at N=8192
+# the extra partials are 3 floats per 16384 logits.
+FORWARD_BLOCK, FORWARD_WARPS, FORWARD_STAGES = 4096, 4, 3
+BACKWARD_BLOCK, BACKWARD_WARPS = 2048, 4
+CHUNK = 16384
+ROWS_PER_GROUP = 64  # rows counted per group before the batch-level count (in-kernel "mean"/"sum")
+GROUPS_BLOCK = 1024  # groups summed per step by the batch's last group
+SCALE_BLOCK = 4096  # elements per program of _scale_unless_one_kernel
 
 
 @triton.jit
@@ -37,6 +72,13 @@ def _transform(x, scaling, softcap, HAS_SCALING: tl.constexpr, HAS_SOFTCAP: tl.c
     if HAS_SOFTCAP:
         z = softcap * _tanh(z / softcap)
     return z
+
+
+@triton.jit
+def _row_offset(row, batch_stride, row_stride, rows_per_batch):
+    """Element offset of flat row `row` in a (batch, rows_per_batch, V) view with arbitrary batch and row strides
+    (a 2-D (N, V) tensor is one batch), so strided 3-D logits such as logits[:, :-1] need no copy. int64."""
+    return (row // rows_per_batch) * batch_stride + (row % rows_per_batch) * row_stride
 
 
 @triton.jit
@@ -107,17 +149,21 @@ def _dloss_dlogits(
 @triton.jit
 def _forward_kernel(
     logits_ptr,
+    logits_batch_stride,
     logits_row_stride,
+    rows_per_batch,
     labels_ptr,
     loss_ptr,
     lse_ptr,
+    sum_z_out_ptr,
     max_ptr,
     sumexp_ptr,
     sumz_ptr,
     arrivals_ptr,
     group_partials_ptr,
     reduced_ptr,
-    denominator_ptr,
+    denominator_out_ptr,
+    n_items_ptr,
     n_rows,
     V,
     chunk_width,
@@ -128,6 +174,7 @@ def _forward_kernel(
     label_smoothing,
     z_loss,
     denominator_value,
+    vocab_start,
     BLOCK: tl.constexpr,
     CHUNKS_BLOCK: tl.constexpr,
     HAS_SCALING: tl.constexpr,
@@ -136,12 +183,13 @@ def _forward_kernel(
     HAS_Z_LOSS: tl.constexpr,
     REDUCE: tl.constexpr,
     DENOMINATOR: tl.constexpr,
-    ROWS_BLOCK: tl.constexpr,
+    GROUPS_BLOCK: tl.constexpr,
     ROWS_PER_GROUP: tl.constexpr,
+    VOCAB_PARALLEL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    row_ptr = logits_ptr + row * logits_row_stride
+    row_ptr = logits_ptr + _row_offset(row, logits_batch_stride, logits_row_stride, rows_per_batch)
     label = tl.load(labels_ptr + row).to(tl.int64)
 
     start = chunk * chunk_width
@@ -187,7 +235,19 @@ def _forward_kernel(
                 tl.load(sumexp_ptr + slots, mask=slot_mask, other=0.0, volatile=True),
             )
             sum_z = tl.sum(tl.load(sumz_ptr + slots, mask=slot_mask, other=0.0, volatile=True), 0)
-    if is_last:
+    if VOCAB_PARALLEL and is_last:
+        # This rank's share: the label logit only where the label column is one of its own (0 elsewhere, so the
+        # ranks' values sum to the label logit), the local lse and sum of z. The loss is the caller's, after the
+        # ranks combine these.
+        local_label = label - vocab_start
+        owned = (local_label >= 0) & (local_label < V) & (label != ignore_index)
+        z_label = _transform(
+            tl.load(row_ptr + local_label, mask=owned, other=0.0), scaling, softcap, HAS_SCALING, HAS_SOFTCAP
+        )
+        tl.store(loss_ptr + row, tl.where(owned, z_label, 0.0))
+        tl.store(lse_ptr + row, lse)
+        tl.store(sum_z_out_ptr + row, sum_z)
+    elif is_last:
         # The only data-dependent address: loaded only for a label inside [0, V).
         load_label = (label >= 0) & (label < V) & (label != ignore_index)
         z_label = _transform(
@@ -223,11 +283,12 @@ def _forward_kernel(
                     _reduce_losses(
                         group_partials_ptr,
                         reduced_ptr,
-                        denominator_ptr,
+                        denominator_out_ptr,
+                        n_items_ptr,
                         n_groups,
                         denominator_value,
                         DENOMINATOR,
-                        ROWS_BLOCK,
+                        GROUPS_BLOCK,
                     )
 
 
@@ -235,19 +296,20 @@ def _forward_kernel(
 def _reduce_losses(
     group_partials_ptr,
     reduced_ptr,
-    denominator_ptr,
+    denominator_out_ptr,
+    n_items_ptr,
     n_groups,
     denominator_value,
     DENOMINATOR: tl.constexpr,
-    ROWS_BLOCK: tl.constexpr,
+    GROUPS_BLOCK: tl.constexpr,
 ):
-    """reduced = [sum of losses / denominator, denominator] from the groups' [loss sums..., kept counts...].
-    DENOMINATOR: 0 = the kept-token count (at least 1, so an all-ignored batch gives 0), 1 = denominator_value,
-    2 = *denominator_ptr (a device scalar)."""
+    """*reduced = sum of losses / denominator and *denominator_out = denominator, from the groups' [loss sums...,
+    kept counts...]. DENOMINATOR: 0 = the kept-token count (at least 1, so an all-ignored batch gives 0),
+    1 = denominator_value, 2 = *n_items_ptr (a device scalar)."""
     total = 0.0
     count = 0.0
-    for start in tl.range(0, n_groups, ROWS_BLOCK):
-        groups = start + tl.arange(0, ROWS_BLOCK)
+    for start in tl.range(0, n_groups, GROUPS_BLOCK):
+        groups = start + tl.arange(0, GROUPS_BLOCK)
         in_batch = groups < n_groups
         total += tl.sum(tl.load(group_partials_ptr + groups, mask=in_batch, other=0.0, volatile=True), 0)
         if DENOMINATOR == 0:
@@ -257,17 +319,20 @@ def _reduce_losses(
     elif DENOMINATOR == 1:
         denominator = denominator_value
     else:
-        denominator = tl.load(denominator_ptr).to(tl.float32)
+        denominator = tl.load(n_items_ptr).to(tl.float32)
     tl.store(reduced_ptr, total / denominator)
-    tl.store(reduced_ptr + 1, denominator)
+    tl.store(denominator_out_ptr, denominator)
 
 
 @triton.jit
 def _backward_kernel(
     logits_ptr,
+    logits_batch_stride,
     logits_row_stride,
     grad_ptr,
+    grad_batch_stride,
     grad_row_stride,
+    rows_per_batch,
     labels_ptr,
     lse_ptr,
     grad_loss_ptr,
@@ -279,12 +344,15 @@ def _backward_kernel(
     softcap,
     label_smoothing,
     z_loss,
+    vocab_start,
+    vocab_total,
     BLOCK: tl.constexpr,
     HAS_SCALING: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     HAS_DENOMINATOR: tl.constexpr,
+    VOCAB_PARALLEL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -292,14 +360,21 @@ def _backward_kernel(
 
     label = tl.load(labels_ptr + row).to(tl.int64)
     ignored = label == ignore_index
+    if VOCAB_PARALLEL:  # columns are local, the label and the uniform target are global
+        label_column = label - vocab_start
+        vocab_all = vocab_total
+    else:
+        label_column = label
+        vocab_all = V
     lse = tl.load(lse_ptr + row)
     # Upstream gradient of this token's loss; stride 0 when it is one scalar broadcast over the rows.
     grad_loss = tl.load(grad_loss_ptr + row * grad_loss_stride).to(tl.float32)
     if HAS_DENOMINATOR:  # a reduced loss: d loss / d token loss = 1 / denominator
         grad_loss = grad_loss / tl.load(denominator_ptr)
-    grad_loss = tl.where((label >= 0) & (label < V), grad_loss, float("nan"))
+    grad_loss = tl.where((label >= 0) & (label < vocab_all), grad_loss, float("nan"))
 
-    x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=in_row & ~ignored, other=0.0).to(tl.float32)
+    logits_row = logits_ptr + _row_offset(row, logits_batch_stride, logits_row_stride, rows_per_batch)
+    x = tl.load(logits_row + cols, mask=in_row & ~ignored, other=0.0).to(tl.float32)
     if HAS_SCALING:
         x = x * scaling
     tanh_z = x  # unused without soft-capping
@@ -310,9 +385,9 @@ def _backward_kernel(
         tl.exp(x - lse),
         tanh_z,
         cols,
-        label,
+        label_column,
         lse,
-        V,
+        vocab_all,
         scaling,
         label_smoothing,
         z_loss,
@@ -322,4 +397,306 @@ def _backward_kernel(
         HAS_Z_LOSS,
     )
     dx = tl.where(ignored, 0.0, dx * grad_loss)
-    tl.store(grad_ptr + row * grad_row_stride + cols, dx.to(grad_ptr.dtype.element_ty), mask=in_row)
+    grad_row = grad_ptr + _row_offset(row, grad_batch_stride, grad_row_stride, rows_per_batch)
+    tl.store(grad_row + cols, dx.to(grad_ptr.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def _scale_unless_one_kernel(tensor_ptr, n_elements, factor_ptr, BLOCK: tl.constexpr):
+    """tensor_ptr[:n_elements] *= *factor_ptr, and no memory traffic at all when the factor is exactly 1 (the usual
+    upstream gradient of a loss), which the host cannot know without a synchronisation. Exact zeros stay zero
+    whatever the factor (NaN, inf): an ignored token's gradient is 0, as the backward kernel writes it."""
+    factor = tl.load(factor_ptr).to(tl.float32)
+    if factor != 1.0:
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        in_range = offsets < n_elements
+        x = tl.load(tensor_ptr + offsets, mask=in_range)
+        scaled = tl.where(x == 0, 0.0, x.to(tl.float32) * factor)
+        tl.store(tensor_ptr + offsets, scaled.to(tensor_ptr.dtype.element_ty), mask=in_range)
+
+
+# --- launchers ---------------------------------------------------------------------------------------------------
+
+
+# Plain integer helpers: triton.cdiv / next_power_of_2 go through Triton's jit dispatch (~10 us each on the host).
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _next_power_of_2(n):
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def forward_config(vocab):
+    """(tile width, chunk width, number of chunks, warps) of the forward kernel; V alone decides (batch invariance)."""
+    block = min(FORWARD_BLOCK, _next_power_of_2(vocab))
+    chunk = max(block, min(CHUNK, _next_power_of_2(vocab)))
+    return block, chunk, _cdiv(vocab, chunk), FORWARD_WARPS
+
+
+def backward_config(vocab):
+    """(tile width, warps) of the backward kernel."""
+    return min(BACKWARD_BLOCK, _next_power_of_2(vocab)), BACKWARD_WARPS
+
+
+def _flags(options):
+    return dict(
+        HAS_SCALING=options.logit_scaling != 0.0,
+        HAS_SOFTCAP=options.logit_softcapping > 0.0,
+        HAS_SMOOTHING=options.label_smoothing > 0.0,
+        HAS_Z_LOSS=options.z_loss != 0.0,
+    )
+
+
+def _checked(tensor):
+    if not tensor.is_cuda and not INTERPRETED:
+        raise RuntimeError(
+            "the Triton kernels need CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 before "
+            "triton is first imported, or use backend='reference'"
+        )
+
+
+def on_device(tensor):
+    """Triton launches on the current device's current stream: make the tensor's device current for the launch
+    (logits on cuda:1 while cuda:0 is current). A no-op when it already is."""
+    if tensor.is_cuda and tensor.device.index != torch.cuda.current_device():
+        return torch.cuda.device(tensor.device)
+    return contextlib.nullcontext()
+
+
+FIRST_LAUNCH_IN_CAPTURE = (
+    "fastce_torch: this kernel variant (options, reduction, dtype, device) has not run yet in this process, and its "
+    "first launch cannot be captured in a CUDA graph: Triton compiles and loads a kernel on its first launch, which "
+    "stream capture forbids. Run the same step once outside the capture first (torch.cuda.graph's documented "
+    "warm-up on a side stream does it), then capture."
+)
+# Kernel variants that have been launched in this process (so Triton has compiled and loaded their modules).
+_launched = set()
+
+
+def _guard_capture(variant, tensor):
+    """Raise FIRST_LAUNCH_IN_CAPTURE instead of letting a first launch invalidate a CUDA graph capture (whose own
+    error, "operation failed due to a previous error during capture", names no cause)."""
+    if variant not in _launched:
+        if tensor.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(FIRST_LAUNCH_IN_CAPTURE)
+        _launched.add(variant)
+
+
+def row_layout(logits):
+    """(batch stride, row stride, rows per batch) of logits viewed as (batch, rows, V) with unit column stride:
+    the flat row r is (r // rows per batch, r % rows per batch). Logits (..., V) whose leading dimensions collapse
+    into one or two strided dimensions qualify; None otherwise (the caller copies)."""
+    if logits.stride(-1) != 1 and logits.shape[-1] > 1:
+        return None
+    lead, strides = logits.shape[:-1], logits.stride()[:-1]
+    # Drop size-1 dimensions (their stride is meaningless), then merge neighbours that are contiguous in each other.
+    dims = [(size, stride) for size, stride in zip(lead, strides) if size != 1]
+    merged = []
+    for size, stride in dims:
+        if merged and merged[-1][1] == size * stride:
+            merged[-1] = (merged[-1][0] * size, stride)
+        else:
+            merged.append((size, stride))
+    if not merged:
+        return 0, logits.shape[-1], max(1, logits.numel() // max(logits.shape[-1], 1))
+    if len(merged) == 1:
+        return 0, merged[0][1], merged[0][0]
+    if len(merged) == 2:
+        return merged[0][1], merged[1][1], merged[1][0]
+    return None
+
+
+def rows_overlap(logits):
+    """True when two rows of logits share memory (expand, as_strided): the gradient must not be written in place."""
+    if logits.stride(-1) != 1 and logits.shape[-1] > 1:
+        return True
+    span = logits.shape[-1]  # elements one row covers
+    for size, stride in sorted(
+        (d for d in zip(logits.shape[:-1], logits.stride()[:-1]) if d[0] > 1), key=lambda d: d[1]
+    ):
+        if stride < span:
+            return True
+        span = stride * (size - 1) + span
+    return False
+
+
+def forward(logits, labels, options, reduction="none", n_items=None, vocab_start=0, vocab_total=None):
+    """One launch: (loss, lse, denominator) of logits (..., V) laid out as `row_layout` allows and flat labels (N,).
+    loss is the per-token float32 losses (N,) for reduction "none", else a 0-d tensor of its own (the reduced loss),
+    and denominator the 1-element divisor the backward needs for "mean"/"sum" (None for "none").
+
+    Vocab-parallel mode (vocab_total given: the logits are columns [vocab_start, vocab_start + V) of a vocabulary of
+    vocab_total): per-row float32 (lse over the local columns, transformed label logit where the label is local
+    else 0, local sum of z (0 without smoothing)); ignored rows give (-inf, 0, 0). reduction must be "none"."""
+    vocab_parallel = vocab_total is not None
+    if vocab_parallel and reduction != "none":
+        raise ValueError("the vocab-parallel forward returns per-row statistics: reduction must be 'none'")
+    _checked(logits)
+    vocab = logits.shape[-1]
+    n_rows = labels.shape[0]
+    batch_stride, row_stride, rows_per_batch = row_layout(logits)  # the caller copies logits that have none
+    block, chunk, n_chunks, warps = forward_config(vocab)
+    reduce = reduction != "none"
+    device = logits.device
+    # The returned loss owns its storage (in-place ops on it are ordinary autograd); the rest is one scratch buffer:
+    # [lse, per-token losses when reduced, denominator, the row groups' loss sums and kept counts, chunk partials].
+    n_partials = n_rows * n_chunks if n_chunks > 1 else 1
+    n_groups = _cdiv(n_rows, ROWS_PER_GROUP) if reduce else 0
+    loss = torch.empty(() if reduce else (n_rows,), dtype=torch.float32, device=device)
+    scratch = torch.empty(
+        n_rows * (2 if reduce else 1) + 1 + 2 * n_groups + 3 * n_partials, dtype=torch.float32, device=device
+    )
+    lse = scratch[:n_rows]
+    token_losses = scratch[n_rows : 2 * n_rows] if reduce else loss
+    at = n_rows * (2 if reduce else 1)
+    denominator = scratch[at : at + 1]
+    group_partials = scratch[at + 1 : at + 1 + 2 * n_groups]
+    at += 1 + 2 * n_groups
+    partials = [scratch[at + i * n_partials : at + (i + 1) * n_partials] for i in range(3)]
+    sum_z = torch.empty(n_rows, dtype=torch.float32, device=device) if vocab_parallel else lse
+    if n_rows == 0:
+        if vocab_parallel:
+            return lse, loss, sum_z
+        if reduce:
+            loss.zero_()
+            denominator.fill_(1.0)
+        return loss, lse, (denominator if reduce else None)
+    # arrivals[row] counts a row's finished chunks, arrivals[N] the finished groups of ROWS_PER_GROUP rows and
+    # arrivals[N + 1 + g] the finished rows of group g.
+    n_counters = n_rows + 1 + n_groups if n_chunks > 1 or reduce else 1
+    denominator_value, n_items_ptr = 1.0, denominator
+    if n_items is None:
+        denominator_mode = 0 if reduction == "mean" else 1
+    elif isinstance(n_items, torch.Tensor):
+        denominator_mode, n_items_ptr = 2, n_items.to(device=device, dtype=torch.float32)
+    else:
+        denominator_mode, denominator_value = 1, float(n_items)
+    flags = _flags(options)
+    _guard_capture(
+        ("forward", device, logits.dtype, labels.dtype, block, n_chunks > 1, reduce, denominator_mode, *flags.values()),
+        logits,
+    )
+    with on_device(logits):
+        arrivals = torch.zeros(n_counters, dtype=torch.int32, device=device)
+        _forward_kernel[(n_rows, n_chunks)](
+            logits,
+            batch_stride,
+            row_stride,
+            rows_per_batch,
+            labels,
+            token_losses,
+            lse,
+            sum_z,
+            *partials,
+            arrivals,
+            group_partials,
+            loss,
+            denominator,
+            n_items_ptr,
+            n_rows,
+            vocab,
+            chunk,
+            n_chunks,
+            options.ignore_index,
+            options.logit_scaling,
+            options.logit_softcapping,
+            options.label_smoothing,
+            options.z_loss,
+            denominator_value,
+            vocab_start,
+            BLOCK=block,
+            CHUNKS_BLOCK=_next_power_of_2(n_chunks),
+            REDUCE=reduce,
+            DENOMINATOR=denominator_mode,
+            GROUPS_BLOCK=GROUPS_BLOCK,
+            ROWS_PER_GROUP=ROWS_PER_GROUP,
+            VOCAB_PARALLEL=vocab_parallel,
+            num_warps=warps,
+            num_stages=FORWARD_STAGES,
+            **flags,
+        )
+    if vocab_parallel:
+        return lse, loss, sum_z
+    return loss, lse, (denominator if reduce else None)
+
+
+def backward(grad_loss, logits, labels, lse, grad, options, denominator=None, vocab_start=0, vocab_total=None):
+    """Writes d(sum_t grad_loss_t * loss_t / denominator)/d logits into `grad` (the shape of logits; it may be
+    `logits` itself). grad_loss is per token (N,), or 0-d (one upstream scalar for all tokens); denominator a
+    1-element tensor or None. Vocab-parallel mode (vocab_total given): the logits are columns
+    [vocab_start, vocab_start + V) of vocab_total, lse the global logsumexp; labels outside [0, vocab_total) give
+    NaN rows."""
+    _checked(logits)
+    vocab = logits.shape[-1]
+    n_rows = labels.shape[0]
+    if n_rows == 0:
+        return grad
+    batch_stride, row_stride, rows_per_batch = row_layout(logits)
+    grad_batch_stride, grad_row_stride, grad_rows_per_batch = row_layout(grad)
+    if (
+        grad_rows_per_batch != rows_per_batch
+    ):  # one kernel argument splits both: express the one-batch side in the other's
+        if grad_batch_stride == 0:
+            grad_batch_stride = grad_row_stride * rows_per_batch
+        elif batch_stride == 0:
+            batch_stride, rows_per_batch = row_stride * grad_rows_per_batch, grad_rows_per_batch
+        else:
+            raise ValueError("grad and logits split their rows into batches differently")
+    block, warps = backward_config(vocab)
+    flags = _flags(options)
+    _guard_capture(
+        (
+            "backward",
+            logits.device,
+            logits.dtype,
+            grad.dtype,
+            grad_loss.dtype,
+            labels.dtype,
+            block,
+            denominator is not None,
+            *flags.values(),
+        ),
+        logits,
+    )
+    with on_device(logits):
+        _backward_kernel[(n_rows, _cdiv(vocab, block))](
+            logits,
+            batch_stride,
+            row_stride,
+            grad,
+            grad_batch_stride,
+            grad_row_stride,
+            rows_per_batch,
+            labels,
+            lse,
+            grad_loss,
+            grad_loss.stride(0) if grad_loss.dim() else 0,
+            lse if denominator is None else denominator,
+            vocab,
+            options.ignore_index,
+            options.logit_scaling,
+            options.logit_softcapping,
+            options.label_smoothing,
+            options.z_loss,
+            vocab_start,
+            vocab if vocab_total is None else vocab_total,
+            BLOCK=block,
+            HAS_DENOMINATOR=denominator is not None,
+            VOCAB_PARALLEL=vocab_total is not None,
+            num_warps=warps,
+            **flags,
+        )
+    return grad
+
+
+def scale_unless_one(tensor, factor):
+    """tensor *= factor (a 0-d float32 device tensor) in place, without a host synchronisation; a factor of
+    exactly 1 costs one launch and no memory traffic. tensor must be contiguous."""
+    _checked(tensor)
+    if tensor.numel():
+        with on_device(tensor):
+            _scale_unless_one_kernel[(_cdiv(tensor.numel(), SCALE_BLOCK),)](
+                tensor, tensor.numel(), factor, BLOCK=SCALE_BLOCK
+            )
+    return tensor

@@ -18,53 +18,208 @@ Differences from transformers' ForCausalLMLoss, on purpose:
   `outputs.logits` holds gradients, not logits. Pass `inplace_backward=False` if you read the logits after backward.
 - a batch whose labels are all ignore_index gives loss 0 and zero gradients (fastce's "mean"), not NaN.
 
-Softcapping (Gemma 2/3, `config.final_logit_softcapping`): those models apply `cap * tanh(logits / cap)` themselves
-in `forward`, before calling the loss, and return the capped logits. The loss function receives neither the config
-nor the raw logits, so it must not cap again: the patched loss always runs with logit_softcapping=0. Moving the cap
-into the kernel would mean replacing each model's `forward` (and changing the logits it returns), which is not a
-safe thing for a loss patch to do; call `fastce_torch.cross_entropy(raw_logits, labels, logit_softcapping=cap)`
-from your own training step to fuse it.
+Coverage: the patch reaches every model whose forward calls `self.loss_function` with the causal-LM loss (Llama,
+Mistral, Qwen, Gemma, Mixtral, ...: all that route through LOSS_MAPPING's ForCausalLM/ForConditionalGeneration
+entries). The classes in COMPUTE_THEIR_OWN_LOSS build `torch.nn.CrossEntropyLoss()` inside their own forward instead
+(their labels are already aligned, no shift), so they keep torch's loss. The only hook there would be the modeling
+module's global `CrossEntropyLoss`, which the same modules' classification and seq2seq heads share; replacing it
+would change losses nobody asked to patch, so they are listed instead (the test suite checks the list against the
+installed transformers). Use `fastce_torch.CrossEntropyLoss` with their logits yourself to fuse them.
+
+With `patch_transformers(fused_linear=True)` the main decoder families (FUSED_MODELS: Llama, Mistral, Mixtral,
+Qwen2, Qwen3, Qwen3-MoE, Gemma 1/2/3, Phi-3) go further in training: when the model is in training mode and gets
+labels, the loss comes from `fastce_torch.linear_cross_entropy(hidden_states, lm_head.weight, labels)` and the
+(tokens x vocab) logits are never computed; the model then returns `logits=None` (as Liger-Kernel does), so code
+that reads `outputs.logits` in training must not use this option. Gemma's final_logit_softcapping is fused into
+the loss. In evaluation, or without labels, the model's own forward runs unchanged. How: the class's forward is
+wrapped; during a fused call lm_head's forward (still called through nn.Module.__call__, so its hooks run: FSDP
+gathers the weight as usual) computes the loss from the hidden states it receives and returns an empty (..., 0)
+stand-in for the logits, which the model's loss_function call (this module's) recognises and answers with that loss.
+Everything else the model does after its loss (Mixtral adding the router's auxiliary loss) happens as before.
+Under torch.compile the fused route is not taken (the compiler cannot trace the swap of lm_head's forward): the model
+computes its logits and fastce's cross_entropy takes them, as without fused_linear.
+
+Softcapping (Gemma 2/3, `config.final_logit_softcapping`): without fused_linear, those models apply `cap *
+tanh(logits / cap)` themselves in `forward`, before calling the loss, and return the capped logits. The loss
+function receives neither the config nor the raw logits, so it must not cap again: the patched loss always runs with
+logit_softcapping=0. Moving the cap into the kernel would mean replacing each model's `forward` (and changing the
+logits it returns), which is not a safe thing for a loss patch to do; call `fastce_torch.cross_entropy(raw_logits,
+labels, logit_softcapping=cap)` from your own training step to fuse it.
 """
 
+import functools
+import importlib
 import inspect
 import sys
 
 import torch
 
 from .cross_entropy import BACKENDS, cross_entropy
+from .linear_cross_entropy import linear_cross_entropy
 
 _LOSS_NAME = "ForCausalLMLoss"
+# *ForCausalLM classes of transformers 5.x whose forward computes torch.nn.CrossEntropyLoss itself: not patched.
+COMPUTE_THEIR_OWN_LOSS = (
+    "BartForCausalLM",
+    "BigBirdPegasusForCausalLM",
+    "BlenderbotForCausalLM",
+    "BlenderbotSmallForCausalLM",
+    "ClvpForCausalLM",
+    "CpmAntForCausalLM",
+    "MBartForCausalLM",
+    "MarianForCausalLM",
+    "MusicgenForCausalLM",
+    "MusicgenMelodyForCausalLM",
+    "MvpForCausalLM",
+    "PLBartForCausalLM",
+    "PegasusForCausalLM",
+    "TrOCRForCausalLM",
+    "WhisperForCausalLM",
+)
 _NOT_OPTIONS = {"logits", "labels", "ignore_index", "reduction", "n_items", "logit_softcapping"}
-_state = {"original": None, "options": {"backend": "auto", "inplace_backward": True}}
+_state = {"original": None, "options": {"backend": "auto", "inplace_backward": True}, "forwards": {}}
+# (module, class) of the *ForCausalLM models whose training forward fused_linear=True reroutes.
+FUSED_MODELS = (
+    ("llama", "LlamaForCausalLM"),
+    ("mistral", "MistralForCausalLM"),
+    ("mixtral", "MixtralForCausalLM"),
+    ("qwen2", "Qwen2ForCausalLM"),
+    ("qwen3", "Qwen3ForCausalLM"),
+    ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    ("gemma", "GemmaForCausalLM"),
+    ("gemma2", "Gemma2ForCausalLM"),
+    ("gemma3", "Gemma3ForCausalLM"),
+    ("phi3", "Phi3ForCausalLM"),
+)
+# The fused calls in progress, innermost last (pushed by the wrapped forward, read by the loss function). A plain
+# list: torch.compile cannot trace a ContextVar, and the unfused path never reads this (its logits are not empty).
+_FUSED_CALLS = []
+
+
+def _causal_lm_loss(compute, labels, num_items_in_batch, ignore_index, shift_labels):
+    """transformers' ForCausalLMLoss around `compute(shift_labels_1d, reduction, n_items)`: the label shift, and the
+    reduction that num_items_in_batch asks for."""
+    if shift_labels is None:
+        # Position t predicts token t + 1: append one ignored label and drop the first, as transformers does.
+        labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:]
+    shift_labels = shift_labels.reshape(-1)
+    if num_items_in_batch is None:
+        return compute(shift_labels, "mean", None)
+    if num_items_in_batch.dim() == 0 if torch.is_tensor(num_items_in_batch) else num_items_in_batch > 0:
+        # A positive number or a 0-d tensor (int, or float after Trainer divides by the TP/CP size): the kernel
+        # divides the sum by it in its own launch, with no extra ops per step.
+        return compute(shift_labels, "sum", num_items_in_batch)
+    # A 1-element tensor (DataParallel), or a number <= 0: sum, then divide exactly as transformers'
+    # fixed_cross_entropy does, so shape and value (inf/NaN for 0) stay transformers'.
+    loss = compute(shift_labels, "sum", None)
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
 
 
 def fastce_for_causal_lm_loss(
     logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
 ):
     """transformers' ForCausalLMLoss (same signature and semantics) computed by fastce, without upcasting."""
-    if shift_labels is None:
-        # Position t predicts token t + 1: append one ignored label and drop the first, as transformers does.
-        labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
-        shift_labels = labels[..., 1:]
+    if logits.shape[-1] == 0 and _FUSED_CALLS and _FUSED_CALLS[-1].loss is not None:
+        return _FUSED_CALLS[-1].loss  # a fused call: lm_head already computed this loss from the hidden states
     # reshape, not transformers' view: it is still a view wherever view works (the kernels take strided rows), and
     # it accepts logits that view refuses (transformers' .float() copy made those contiguous; we make no copy).
     logits = logits.reshape(-1, vocab_size)
-    shift_labels = shift_labels.reshape(-1).to(logits.device)
     options = _state["options"]
-    if num_items_in_batch is None:
-        return cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="mean", **options)
-    if num_items_in_batch.dim() == 0 if torch.is_tensor(num_items_in_batch) else num_items_in_batch > 0:
-        # A positive number or a 0-d tensor (int, or float after Trainer divides by the TP/CP size): the kernel
-        # divides the sum by it in its own launch, with no extra ops per step.
+
+    def compute(shift_labels, reduction, n_items):
         return cross_entropy(
-            logits, shift_labels, ignore_index=ignore_index, reduction="sum", n_items=num_items_in_batch, **options
+            logits,
+            shift_labels.to(logits.device),
+            ignore_index=ignore_index,
+            reduction=reduction,
+            n_items=n_items,
+            **options,
         )
-    # A 1-element tensor (DataParallel), or a number <= 0: sum, then divide exactly as transformers'
-    # fixed_cross_entropy does, so shape and value (inf/NaN for 0) stay transformers'.
-    loss = cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="sum", **options)
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(loss.device)
-    return loss / num_items_in_batch
+
+    return _causal_lm_loss(compute, labels, num_items_in_batch, ignore_index, shift_labels)
+
+
+class _FusedCall:
+    """One training forward of a fused model: the labels and loss keywords, then the loss lm_head computed."""
+
+    def __init__(self, model, labels, loss_kwargs):
+        self.model, self.labels, self.loss_kwargs = model, labels, loss_kwargs
+        self.loss = None
+
+    def lm_head_forward(self, hidden_states):
+        lm_head = self.model.lm_head
+        weight, bias = lm_head.weight, lm_head.bias
+        if torch.is_autocast_enabled(hidden_states.device.type):  # lm_head's matmul would run in this dtype
+            dtype = torch.get_autocast_dtype(hidden_states.device.type)
+            hidden_states, weight = hidden_states.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        softcap = getattr(self.model.config, "final_logit_softcapping", None) or 0.0
+        options = {k: v for k, v in _state["options"].items() if k != "inplace_backward"}
+        kwargs = self.loss_kwargs
+        ignore_index = kwargs.get("ignore_index", -100)
+        hidden_2d = hidden_states.reshape(-1, hidden_states.shape[-1])
+
+        def compute(shift_labels, reduction, n_items):
+            return linear_cross_entropy(
+                hidden_2d,
+                weight,
+                shift_labels.to(hidden_2d.device),
+                bias=bias,
+                ignore_index=ignore_index,
+                reduction=reduction,
+                n_items=n_items,
+                logit_softcapping=softcap,
+                **options,
+            )
+
+        self.loss = _causal_lm_loss(
+            compute, self.labels, kwargs.get("num_items_in_batch"), ignore_index, kwargs.get("shift_labels")
+        )
+        # Stands in for the logits: the model's own steps on them (softcapping) cost nothing, and the loss function
+        # recognises it.
+        return hidden_states.new_empty((*hidden_states.shape[:-1], 0))
+
+
+def _fused_forward(original):
+    signature = inspect.signature(original)
+    var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        labels = bound.arguments.get("labels")
+        # Under torch.compile the model's own forward runs (logits and fastce's loss on them): the compiler cannot
+        # trace the temporary swap of lm_head's forward that the fused route relies on.
+        if not (self.training and labels is not None and _state["forwards"]) or torch.compiler.is_compiling():
+            return original(self, *args, **kwargs)
+        call = _FusedCall(self, labels, dict(bound.arguments.get(var_keyword) or {}))
+        _FUSED_CALLS.append(call)
+        self.lm_head.forward = call.lm_head_forward  # an instance attribute: nn.Module.__call__ and hooks unchanged
+        try:
+            output = original(self, *args, **kwargs)
+        finally:
+            del self.lm_head.forward
+            _FUSED_CALLS.pop()
+        if isinstance(output, tuple):  # return_dict=False: (loss, logits, ...) -> (loss, ...), as to_tuple drops None
+            return output[:1] + output[2:]
+        return type(output)(**{key: value for key, value in output.items() if key != "logits"})
+
+    forward.__fastce_original__ = original
+    return forward
+
+
+def _fused_model_classes():
+    for module_name, class_name in FUSED_MODELS:
+        try:
+            module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+        except ImportError:  # an older transformers without this family
+            continue
+        cls = getattr(module, class_name, None)
+        if cls is not None:
+            yield cls
 
 
 def _modules_holding(function):
@@ -78,8 +233,13 @@ def _modules_holding(function):
     return found
 
 
-def patch_transformers(*, backend="auto", inplace_backward=True, **options):
+def patch_transformers(*, backend="auto", inplace_backward=True, fused_linear=False, **options):
     """Make transformers' causal-LM loss (every LOSS_MAPPING entry that is ForCausalLMLoss) use fastce.
+
+    Models in COMPUTE_THEIR_OWN_LOSS (Bart, MBart, Marian, Pegasus, Whisper, ... *ForCausalLM) are not reached: they
+    build torch's CrossEntropyLoss inside their forward (see the module docstring).
+    fused_linear=True: the FUSED_MODELS families compute their training loss with linear_cross_entropy from the
+    hidden states, without logits, and return logits=None in training (see the module docstring).
 
     Idempotent: calling it again only replaces the options. backend="auto" runs the kernels for CUDA logits and
     fastce's torch reference otherwise. Other keywords of fastce_torch.cross_entropy (z_loss,
@@ -112,6 +272,19 @@ def patch_transformers(*, backend="auto", inplace_backward=True, **options):
             loss_utils.LOSS_MAPPING[key] = fastce_for_causal_lm_loss
     for module in _modules_holding(original):
         setattr(module, _LOSS_NAME, fastce_for_causal_lm_loss)
+    if fused_linear:
+        for cls in _fused_model_classes():
+            if cls not in _state["forwards"]:
+                _state["forwards"][cls] = cls.forward
+                cls.forward = _fused_forward(cls.forward)
+    else:
+        _restore_forwards()
+
+
+def _restore_forwards():
+    for cls, forward in _state["forwards"].items():
+        cls.forward = forward
+    _state["forwards"] = {}
 
 
 def unpatch_transformers():
@@ -119,6 +292,7 @@ def unpatch_transformers():
     original = _state["original"]
     if original is None:
         return
+    _restore_forwards()
     from transformers.loss import loss_utils
 
     for key, function in list(loss_utils.LOSS_MAPPING.items()):

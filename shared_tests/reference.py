@@ -183,3 +183,42 @@ def error_scales(z, lse, p, onehot, g, opts):
         grad_terms = t * s * np.abs(np.where(np.isfinite(g), g, 0.0))[:, None]
         grad_scale = m[:, None] * grad_terms
     return loss_scale, grad_scale, grad_terms
+
+
+@dataclass
+class LinearResult:
+    """The contract of linear_cross_entropy: cross_entropy of logits = hidden @ weight.T (+ bias), in float64."""
+
+    logits: Result  # the loss and d loss / d logits (see Result), of the float64 logits
+    grad_hidden: np.ndarray  # (..., H)
+    grad_weight: np.ndarray  # (V, H)
+    grad_bias: np.ndarray | None  # (V,) or None without a bias
+    logits_abs: np.ndarray  # (N, V) |hidden| @ |weight|.T + |bias|: the magnitude of each logit's products
+
+
+def linear_cross_entropy(
+    hidden, weight, labels, *, bias=None, reduction="mean", n_items=None, upstream=None, opts=Options()
+):
+    """hidden (..., H), weight (V, H) (nn.Linear's layout), bias (V,) or None: logits = hidden @ weight.T + bias in
+    float64, then `cross_entropy` above; the gradients of hidden, weight and bias by the chain rule through the
+    product (d hidden = G @ weight, d weight = G.T @ hidden, d bias = sum of G's rows, G = d loss / d logits)."""
+    h_full = np.asarray(hidden, dtype=np.float64)
+    w = np.asarray(weight, dtype=np.float64)
+    lead, width = h_full.shape[:-1], h_full.shape[-1]
+    h = h_full.reshape(-1, width)
+    logits = h @ w.T
+    logits_abs = np.abs(h) @ np.abs(w).T
+    b = None
+    if bias is not None:
+        b = np.asarray(bias, dtype=np.float64)
+        logits = logits + b
+        logits_abs = logits_abs + np.abs(b)
+    result = cross_entropy(
+        logits.reshape(*lead, w.shape[0]), labels, reduction=reduction, n_items=n_items, upstream=upstream, opts=opts
+    )
+    grad = result.grad.reshape(-1, w.shape[0])
+    with np.errstate(invalid="ignore", over="ignore"):
+        grad_hidden = (grad @ w).reshape(*lead, width)
+        grad_weight = grad.T @ h
+        grad_bias = None if b is None else grad.sum(axis=0)
+    return LinearResult(result, grad_hidden, grad_weight, grad_bias, logits_abs)

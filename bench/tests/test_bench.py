@@ -67,3 +67,24 @@ def test_run_gpu_orchestration_and_json_schema(fake_gpu, tmp_path, monkeypatch):
     monkeypatch.setattr(report, "RESULTS_MD", tmp_path / "RESULTS.md")
     md = report.write_results_md(json_path).read_text()
     assert "| impl | N | V |" in md and "Fake GPU" in md and "torch_eager_fp32" in md
+
+
+def test_sharded_torch_smoke(tmp_path):
+    """bench.sharded_torch's code paths on two gloo processes (tiny shapes, plain-torch backend)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "sharded.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    command += ["-m", "bench.sharded_torch", "--smoke", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    losses = {name: r["loss"] for name, r in row["impls"].items()}
+    assert set(losses) == {"fastce_torch", "fastce_torch_dtensor", "torch_loss_parallel"}
+    assert max(losses.values()) - min(losses.values()) < 1e-5 * abs(losses["torch_loss_parallel"]), losses

@@ -2,7 +2,8 @@
 # The H200 checks, by stage; a device call allows 600 s, so give each call stages that fit (minutes measured on
 # 2026-11-30): `tests` (fastce_torch, fastce_jax, examples with --gpu; ~2.5), `shared` (shared_tests --gpu; ~3),
 # `transformers` (training-step comparison; ~1.5), `bench` (the side-by-side benchmark; ~1.5),
-# `sanitizer` (compute-sanitizer memcheck over GPU tests of both packages; ~1).
+# `sanitizer` (compute-sanitizer memcheck over GPU tests of both packages; ~1), `linear-quick` (fused linear CE at
+# one shape with a float32 check; ~1, estimated), `linear` (the fused linear CE table, 3 shapes; ~4-6, estimated).
 # Logs and results land in ${OUT:-/tmp/fastce-h200}. Usage from the repo root, liger wheel in .whl/:
 #   BENCH_COMMIT=$(git rev-parse HEAD) bash bench/tools/run_h200.sh tests transformers bench
 set -uo pipefail
@@ -27,6 +28,11 @@ for stage in "$@"; do
     bench)
       timeout 560 python3 -m bench --results-md 2>"$OUT/bench-progress.log" | tail -22
       cp bench/results/*.json bench/results/*.png bench/RESULTS.md "$OUT/" 2>/dev/null ;;
+    linear-quick)
+      timeout 300 python3 -m bench --linear --quick --json "$OUT/linear-quick.json" 2>"$OUT/linear-quick.log" | tail -12
+      grep -E "vs float32|FAILED" "$OUT/linear-quick.log" ;;
+    linear)
+      timeout 590 python3 -m bench --linear --json "$OUT/linear.json" 2>"$OUT/linear-progress.log" | tail -24 ;;
     sanitizer)
       timeout 300 compute-sanitizer --tool memcheck --print-limit 20 $PYTEST fastce_torch/tests/test_cross_entropy.py \
         -k "vocab_sizes or out_of_range or minus_inf or nan_or_inf or strided or options or many_rows" \

@@ -83,15 +83,13 @@ def test_vocab_sizes(put, v, dtype):
     check_vjp(put, x, y, dtype, opts)
 
 
-@pytest.mark.parametrize("target", [1, 16])
-def test_wide_chunks(put, monkeypatch, target):
-    # Few rows normally shrink chunks to one tile; a low program target keeps
-    # chunks of 65536 (16 tiles, 5 chunks, a 3-column last chunk) or 32768.
-    monkeypatch.setattr(kernels, "TARGET_PROGRAMS", target)
+@pytest.mark.parametrize("width", [65536, 32768])
+def test_wide_chunks(put, monkeypatch, width):
+    # Wider chunks than the default: 16 tiles, 5 chunks and a 3-column last chunk (65536), or 9 chunks (32768).
+    monkeypatch.setattr(kernels, "CHUNK", width)
     v = 262147
-    _, chunk, _ = kernels.forward_config(2, v)
-    assert chunk == (65536 if target == 1 else 32768)
-    x, y = make_inputs(put, 2, v, "bfloat16", seed=target, n_ignored=0)
+    assert kernels.forward_config(v)[1:3] == (width, -(-v // width))
+    x, y = make_inputs(put, 2, v, "bfloat16", seed=width, n_ignored=0)
     y[0] = v - 2
     check_vjp(put, x, y, "bfloat16", dict(label_smoothing=0.05))
 

@@ -123,15 +123,49 @@ def test_small_arrays_keep_int32_offsets(compiled):
 
 
 def test_forward_config():
-    for n, v in [(1, 1), (3, 1000), (2, 262147), (8192, 256000), (64, 32000)]:
-        block, chunk, warps = kernels.forward_config(n, v)
+    for v in [1, 1000, 32000, 262147, 256000]:
+        block, chunk, n_chunks, warps = kernels.forward_config(v)
         for value in (block, chunk):
             assert value & (value - 1) == 0
-        assert block <= chunk <= kernels.MAX_CHUNK and block <= 4096
-        assert warps in (kernels.FWD_NUM_WARPS, kernels.FWD_NUM_WARPS_FEW)
-    assert kernels.forward_config(8192, 256000)[1] == 65536
+        assert block <= chunk <= kernels.CHUNK and block <= 4096 and n_chunks == -(-v // chunk)
+        assert warps == kernels.FORWARD_WARPS
+    assert kernels.forward_config(256000)[1:3] == (16384, 16)
     block, warps = kernels.backward_config(262147)
     assert block == 2048 and warps == 4
     assert np.all(
         [kernels.backward_config(v)[0] & (kernels.backward_config(v)[0] - 1) == 0 for v in (1, 3, 1000, 50257)]
     )
+
+
+@pytest.mark.parametrize("opts", [{}, ALL], ids=["plain", "all"])
+def test_vocab_parallel_mode_lowers_to_triton(opts):
+    """The kernels' vocab-parallel mode (a traced vocab_start read from a (1,) operand) lowers to Triton."""
+    options = kernels.Options(**opts)
+
+    def f(x, y, lse, g, start):
+        stats = kernels.forward(x, y, options, interpret=False, vocab_start=start, vocab_total=2 * x.shape[1])
+        dx = kernels.backward(
+            x, y, lse, g, options, inplace=True, interpret=False, vocab_start=start, vocab_total=2 * x.shape[1]
+        )
+        return stats, dx
+
+    shapes = [((8, 64128), jnp.bfloat16), ((8,), jnp.int32), ((8,), jnp.float32), ((8,), jnp.float32), ((), jnp.int32)]
+    lowered = jax.jit(f).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes)).lower(lowering_platforms=("cuda",))
+    modules = triton_modules(lowered)
+    assert sorted(modules) == ["fastce_backward", "fastce_finish", "fastce_forward"], sorted(modules)
+
+
+def test_lowers_inside_shard_map_with_check_vma(compiled):
+    """Inside a user's shard_map with check_vma=True the pallas_calls' outputs carry the inputs' varying axes."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    P = jax.sharding.PartitionSpec
+
+    def body(a, b):
+        return jax.lax.psum(cross_entropy(a, b, backend="kernel", reduction="sum", **ALL), "d")
+
+    f = jax.shard_map(
+        jax.value_and_grad(body), mesh=mesh, in_specs=(P("d", None), P("d")), out_specs=(P(), P("d", None))
+    )
+    x, y = jax.ShapeDtypeStruct((16, 1000), jnp.bfloat16), jax.ShapeDtypeStruct((16,), jnp.int32)
+    text = jax.jit(f).trace(x, y).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(TRITON) == 3

@@ -119,3 +119,72 @@ def test_inductor_matches_eager(device):
     got = run(torch.compile(module, fullgraph=True), hidden, labels)
     for value, reference in zip(got[:2], expected[:2]):
         torch.testing.assert_close(value, reference, rtol=1e-5, atol=1e-6)
+
+
+def counting_backend():
+    """aot_eager that counts the graphs dynamo hands it (one graph = no graph break)."""
+    graphs = []
+
+    def boxed(gm, example_inputs):
+        return make_boxed_func(gm.forward)
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return aot_autograd(fw_compiler=boxed, bw_compiler=boxed)(gm, example_inputs)
+
+    return backend, graphs
+
+
+class SlicedHead(torch.nn.Module):
+    """README's example: the loss of logits[:, :-1] against input_ids[:, 1:] (strided 3-D logits)."""
+
+    def __init__(self, **options):
+        super().__init__()
+        self.proj = torch.nn.Linear(32, VOCAB)
+        self.options = options
+
+    def forward(self, hidden, input_ids, n_items=None):
+        return cross_entropy(self.proj(hidden)[:, :-1], input_ids[:, 1:], n_items=n_items, **self.options)
+
+
+DYNAMIC_CASES = [
+    dict(backend="kernel"),
+    dict(backend="kernel", reduction="sum", logit_softcapping=30.0, label_smoothing=0.1, z_loss=1e-4),
+    dict(backend="kernel", reduction="none"),
+]
+
+
+@pytest.mark.parametrize("options", DYNAMIC_CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_dynamic_shapes_fullgraph_one_graph(device, options):
+    """dynamic=True with fullgraph=True: the argument checks trace (no math.isfinite on symbolic values), one
+    graph serves batches of several shapes, and each matches eager."""
+    torch.manual_seed(0)
+    module = SlicedHead(**options).to(device)
+    torch._dynamo.reset()
+    backend, graphs = counting_backend()
+    compiled = torch.compile(module, dynamic=True, fullgraph=True, backend=backend)
+    for batch, seq in ((3, 8), (2, 11), (4, 5)):
+        generator = torch.Generator().manual_seed(batch * seq)
+        hidden = torch.randn(batch, seq, 32, generator=generator).to(device)
+        ids = torch.randint(0, VOCAB, (batch, seq), generator=generator).to(device)
+        ids[0, :3] = -100
+        n_items = torch.tensor(7, device=device) if options.get("reduction") == "sum" else None
+        expected = run(module, hidden, ids, n_items=n_items)
+        got = run(compiled, hidden, ids, n_items=n_items)
+        for value, reference in zip(got[:2], expected[:2]):
+            torch.testing.assert_close(value, reference, rtol=1e-5, atol=1e-6)
+        for name, grad in expected[2].items():
+            torch.testing.assert_close(got[2][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    # Dynamo may also hand over an empty graph (no calls): only graphs that compute count.
+    computing = [gm for gm in graphs if any(node.op == "call_function" for node in gm.graph.nodes)]
+    assert len(computing) == 1, f"{len(computing)} graphs: dynamo broke the graph or recompiled"
+    torch._dynamo.reset()
+
+
+def test_readme_example_has_no_graph_break(device):
+    module = SlicedHead(backend="kernel").to(device)
+    hidden, ids = inputs(device)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(module)(hidden, ids)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
+    torch._dynamo.reset()

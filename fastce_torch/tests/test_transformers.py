@@ -1,6 +1,9 @@
 """patch_transformers(): a tiny random LlamaForCausalLM trains identically with and without the patch (CPU: fastce's
 torch reference and the Triton kernels in the interpreter; --gpu: CUDA)."""
 
+import os
+import re
+
 import pytest
 import torch
 
@@ -312,3 +315,29 @@ def test_patched_llama_compiles_without_graph_break(device):
     torch.testing.assert_close(out.loss.detach(), expected_loss, rtol=1e-6, atol=1e-6)
     assert_grads_close({name: p.grad for name, p in model.named_parameters()}, expected_grads, rtol=1e-4, atol=1e-6)
     torch._dynamo.reset()
+
+
+def test_unpatched_models_are_exactly_the_documented_ones():
+    """Scan the installed transformers for *ForCausalLM classes whose forward builds CrossEntropyLoss itself instead
+    of calling self.loss_function: the patch cannot reach them, and COMPUTE_THEIR_OWN_LOSS (and README) list them."""
+    import inspect
+    import pkgutil
+
+    import transformers.models as models
+
+    from fastce_torch.transformers import COMPUTE_THEIR_OWN_LOSS
+
+    own_loss = set()
+    for info in pkgutil.iter_modules(models.__path__):
+        path = os.path.join(models.__path__[0], info.name, f"modeling_{info.name}.py")
+        if not os.path.exists(path):
+            continue
+        source = open(path, encoding="utf-8").read()
+        for match in re.finditer(r"\nclass (\w+ForCausalLM)\(.*?\):(.*?)(?=\nclass |\Z)", source, re.S):
+            forward = match.group(2)[match.group(2).find("def forward") :]
+            if ("CrossEntropyLoss" in forward or "cross_entropy(" in forward) and "self.loss_function" not in forward:
+                own_loss.add(match.group(1))
+    assert own_loss == set(COMPUTE_THEIR_OWN_LOSS)
+    # And a patched Llama does go through fastce (the covered side of the line).
+    fastce_torch.patch_transformers()
+    assert inspect.unwrap(tiny_llama("cpu").loss_function) is fastce_for_causal_lm_loss

@@ -1,0 +1,254 @@
+"""JAX rows of the fused linear cross-entropy benchmark (issue 14): the loss from hidden states and the LM head.
+
+    python -m bench.jax_linear                      # GPU: the three issue shapes, every implementation below
+    python -m bench.jax_linear --shapes 8192x4096x128256 --impls fastce_jax_linear,xla_linear --json out.json
+    python -m bench.jax_linear --cpu                # tiny interpreted smoke run (checks the plumbing only)
+
+Implementations, all `jit(value_and_grad(loss, argnums=(0, 1)))(hidden, weight, labels)` (gradients for the
+hidden states and the weight, nothing donated: both are live parameters / activations in training):
+  fastce_jax_linear         fastce_jax.linear_cross_entropy (weight gradient summed over chunks in float32)
+  fastce_jax_linear_wacc    the same with the weight gradient summed in the weight's dtype (less memory)
+  xla_linear                hidden @ weight.T, then XLA's float32-upcast CE (optax's formula), mean over kept tokens
+  xla_matmul_fastce         hidden @ weight.T, then fastce_jax.cross_entropy on the materialised logits
+Plus `matmul` (not a loss): the three matmuls of the step alone (logits = h W^T, dh = G W, dW = G^T h with a given
+bf16 G), the ceiling every fused implementation is compared against, measured in the same run.
+
+Time: host-timed like bench/jax_impls.py (K calls queued, one block_until_ready, median of batches).
+Effective TFLOP/s = 6 N H V / time.  Memory: temp_size_in_bytes of the compiled step (XLA scratch; the
+gradients are outputs and are not in it).  Each row's loss is compared with xla_linear's on the same inputs.
+
+`run(...)` returns {"rows": [...], "failures": [...]} for the main bench to merge.
+"""
+
+import argparse
+import dataclasses
+import importlib
+import json
+import sys
+
+LINEAR_IMPLS = ("fastce_jax_linear", "fastce_jax_linear_wacc", "xla_linear", "xla_matmul_fastce")
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearShape:
+    N: int
+    H: int
+    V: int
+    dtype: str = "bfloat16"
+
+    @property
+    def flops(self) -> int:
+        return 6 * self.N * self.H * self.V
+
+    def __str__(self) -> str:
+        return f"{self.N}x{self.H}x{self.V} {self.dtype}"
+
+
+LINEAR_SHAPES = (LinearShape(8192, 4096, 128256), LinearShape(8192, 2304, 256000), LinearShape(32768, 4096, 128256))
+CPU_SHAPES = (LinearShape(96, 32, 1000, "float32"),)
+
+
+def parse_linear_shapes(text):
+    shapes = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        dims, _, dtype = item.partition(":")
+        parts = dims.lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"--shapes: cannot read {item!r}; expected NxHxV or NxHxV:dtype")
+        shapes.append(LinearShape(*map(int, parts), dtype or "bfloat16"))
+    return tuple(shapes)
+
+
+def make_inputs(shape, seed=0):
+    import jax
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(shape.dtype)
+    kh, kw, ky = jax.random.split(jax.random.key(seed), 3)
+    hidden = jax.random.normal(kh, (shape.N, shape.H), dtype)
+    # Logits of unit scale, as a trained LM head gives roughly.
+    weight = (jax.random.normal(kw, (shape.V, shape.H), jnp.float32) / shape.H**0.5).astype(dtype)
+    labels = jax.random.randint(ky, (shape.N,), 0, shape.V, dtype=jnp.int32)
+    return hidden, weight, labels.at[::7].set(IGNORE_INDEX)
+
+
+def _xla_ce(logits, labels):
+    import jax
+    import jax.numpy as jnp
+
+    z = logits.astype(jnp.float32)
+    keep = labels != IGNORE_INDEX
+    lse = jax.nn.logsumexp(z, axis=-1)
+    z_label = jnp.take_along_axis(z, jnp.where(keep, labels, 0)[:, None], axis=-1)[:, 0]
+    return jnp.sum(jnp.where(keep, lse - z_label, 0.0)) / jnp.maximum(keep.sum(), 1)
+
+
+def loss_fn(impl, backend="auto"):
+    """(hidden, weight, labels) -> scalar loss; the caller's config (e.g. ACCUMULATE_...) is set in `measure`."""
+    import fastce_jax
+
+    if impl in ("fastce_jax_linear", "fastce_jax_linear_wacc"):
+        return lambda h, w, y: fastce_jax.linear_cross_entropy(h, w, y, backend=backend)
+    if impl == "xla_linear":
+        return lambda h, w, y: _xla_ce(h @ w.T, y)
+    if impl == "xla_matmul_fastce":
+        return lambda h, w, y: fastce_jax.cross_entropy(h @ w.T, y, backend=backend)
+    raise ValueError(f"unknown implementation {impl!r}; known: {', '.join(LINEAR_IMPLS)}")
+
+
+def measure(impl, shape, inputs, batch_target_ms=50.0, backend="auto") -> dict:
+    import jax
+
+    from .jax_impls import host_time_ms
+
+    module = importlib.import_module("fastce_jax.linear_cross_entropy")
+    saved = module.ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32
+    module.ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 = impl != "fastce_jax_linear_wacc"
+    try:  # the flag is read while tracing: compile both programs inside
+        fn = loss_fn(impl, backend)
+        fwd = jax.jit(fn).lower(*inputs).compile()
+        step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(*inputs).compile()
+    finally:
+        module.ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 = saved
+    temp = int(step.memory_analysis().temp_size_in_bytes)
+    loss, (dh, dw) = step(*inputs)
+    finite = bool(jax.numpy.isfinite(loss)) and all(
+        bool(jax.numpy.isfinite(g[:4].astype("float32")).all()) for g in (dh, dw)
+    )
+    del dh, dw
+    fwd_ms = host_time_ms(lambda: fwd(*inputs), batch_target_ms)
+    fwdbwd_ms = host_time_ms(lambda: step(*inputs)[1][1], batch_target_ms)
+    return {
+        "fwd_ms": fwd_ms,
+        "fwdbwd_ms": fwdbwd_ms,
+        "TFLOPs": shape.flops / (fwdbwd_ms * 1e-3) / 1e12,
+        "peak_extra_bytes": temp,
+        "peak_extra_kind": "xla_temp_size",
+        "loss": float(loss),
+        "finite": finite,
+    }
+
+
+def measure_matmuls(shape, inputs, batch_target_ms=50.0) -> dict:
+    """The step's three matmuls alone (logits, dh, dW) in the input dtype: the throughput ceiling."""
+    import jax
+
+    from .jax_impls import host_time_ms
+
+    hidden, weight, _ = inputs
+    grad_logits = jax.random.normal(jax.random.key(1), (shape.N, shape.V), hidden.dtype)
+
+    @jax.jit
+    def three(h, w, g):
+        return h @ w.T, g @ w, g.T @ h
+
+    out = three(hidden, weight, grad_logits)
+    del out
+    ms = host_time_ms(lambda: three(hidden, weight, grad_logits)[2], batch_target_ms)
+    del grad_logits
+    return {"fwdbwd_ms": ms, "TFLOPs": shape.flops / (ms * 1e-3) / 1e12}
+
+
+def run(shapes=LINEAR_SHAPES, impls=LINEAR_IMPLS, batch_target_ms=50.0, backend="auto", say=None) -> dict:
+    """Every implementation on every shape; failures (OOM, missing package) are recorded, the run goes on."""
+    import gc
+
+    from .progress import failure
+
+    say = say or (lambda message: print(message, file=sys.stderr, flush=True))
+    rows, failures = [], []
+    for shape in shapes:
+        inputs = make_inputs(shape)
+        base = {"N": shape.N, "H": shape.H, "V": shape.V, "dtype": shape.dtype}
+        matmul_tflops = None
+        try:
+            m = measure_matmuls(shape, inputs, batch_target_ms)
+            matmul_tflops = m["TFLOPs"]
+            rows.append({"impl": "matmul", **base, **m})
+            say(f"matmul {shape}: {m['fwdbwd_ms']:.2f} ms, {m['TFLOPs']:.0f} TFLOP/s")
+        except Exception as exc:  # noqa: BLE001
+            failures.append({**failure("matmul", None, "measure", exc), **base})
+            say(f"matmul {shape}: FAILED {failures[-1]['error']}")
+        reference_loss = None
+        for impl in impls:
+            try:
+                r = measure(impl, shape, inputs, batch_target_ms, backend)
+            except Exception as exc:  # noqa: BLE001
+                failures.append({**failure(impl, None, "measure", exc), **base})
+                say(f"{impl} {shape}: FAILED {failures[-1]['error']}")
+                continue
+            if impl == "xla_linear":
+                reference_loss = r["loss"]
+            if matmul_tflops:
+                r["of_matmul"] = r["TFLOPs"] / matmul_tflops
+            rows.append({"impl": impl, **base, **r})
+            say(
+                f"{impl} {shape}: {r['fwdbwd_ms']:.2f} ms, {r['TFLOPs']:.0f} TFLOP/s"
+                + (f" ({r['of_matmul']:.0%} of matmul)" if matmul_tflops else "")
+                + f", temp {r['peak_extra_bytes'] / 2**20:.0f} MiB, loss {r['loss']:.5f}"
+            )
+            gc.collect()
+        for r in rows:
+            if r["impl"] != "matmul" and r["N"] == shape.N and r["H"] == shape.H and r["V"] == shape.V:
+                # bf16 logits either way; the losses differ by the logits' rounding only.
+                r["ok"] = r["finite"] and (
+                    reference_loss is None or abs(r["loss"] - reference_loss) <= 2e-3 * abs(reference_loss) + 1e-3
+                )
+        del inputs
+        gc.collect()
+    return {"rows": rows, "failures": failures}
+
+
+def text_table(rows) -> str:
+    header = (
+        f"{'impl':24s} {'N':>6s} {'H':>5s} {'V':>7s} {'fwd ms':>8s} {'fwd+bwd ms':>10s} {'TFLOP/s':>8s} "
+        f"{'of matmul':>9s} {'temp MiB':>9s} ok"
+    )
+    lines = [header]
+    for r in rows:
+        lines.append(
+            f"{r['impl']:24s} {r['N']:6d} {r['H']:5d} {r['V']:7d} {r.get('fwd_ms', float('nan')):8.2f} "
+            f"{r['fwdbwd_ms']:10.2f} {r['TFLOPs']:8.0f} {r.get('of_matmul', float('nan')):9.2f} "
+            f"{r.get('peak_extra_bytes', 0) / 2**20:9.0f} {r.get('ok', '')}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.jax_linear", description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", type=parse_linear_shapes, help="comma-separated NxHxV[:dtype]")
+    parser.add_argument("--impls", default=",".join(LINEAR_IMPLS))
+    parser.add_argument("--cpu", action="store_true", help="tiny shapes, Pallas interpret mode (plumbing check)")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+
+    from . import jax_setup
+
+    jax_setup.configure(interpret_only=args.cpu)
+    impls = tuple(i.strip() for i in args.impls.split(",") if i.strip())
+    unknown = sorted(set(impls) - set(LINEAR_IMPLS))
+    if unknown:
+        parser.error(f"--impls: unknown {unknown}; known: {', '.join(LINEAR_IMPLS)}")
+    if args.cpu:
+        result = run(args.shapes or CPU_SHAPES, impls, batch_target_ms=5.0, backend="kernel")
+    else:
+        from .jax_impls import has_gpu
+
+        if not has_gpu():
+            parser.error("JAX sees no GPU; use --cpu for the interpreted smoke run")
+        result = run(args.shapes or LINEAR_SHAPES, impls)
+    print(text_table(result["rows"]))
+    for f in result["failures"]:
+        print(f"not measured: {f['impl']} {f['N']}x{f['H']}x{f['V']}: {f['error']}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+        print(f"wrote {args.json}")
+    bad = [f for f in result["failures"] if f["impl"].startswith("fastce")]
+    bad += [r for r in result["rows"] if r["impl"].startswith("fastce") and not r.get("ok", True)]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

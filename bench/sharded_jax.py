@@ -1,0 +1,172 @@
+"""fastce_jax vs XLA's own cross-entropy with sharded logits, on the GPUs of one host, in the same run.
+
+    python -m bench.sharded_jax --json bench/results/<date>-h200x2-sharded-jax.json
+    python -m bench.sharded_jax --smoke        # 2 CPU devices, tiny shapes, interpret mode: checks the code path
+
+Per global shape (N rows, V columns, bf16) and logits sharding over a 1-D mesh of every device ('d'):
+rows P('d', None) (labels P('d')) and vocabulary P(None, 'd') (labels replicated), each implementation as
+jit(value_and_grad(loss), donate_argnums=0) with those in_shardings (the training situation: the logits are an
+intermediate of the step; each timed call feeds its gradient back as the next logits):
+  * fwdbwd_ms: host-timed median (bench/jax_impls.host_time_ms: calls queued back to back, one block_until_ready);
+  * temp_MiB: the compiled program's temp_size_in_bytes (XLA's scratch, per device, excluding inputs/outputs);
+  * collectives: every collective in the compiled HLO (op, result shape, elements); "largest" is the biggest
+    result in elements, to compare with the local logits' N * V / devices;
+  * grad_spec: the gradient's sharding (the logits' own is the goal);
+  * copy_ms: one elementwise pass over the sharded logits (read + write), and floor_3pass_ms = 1.5 * copy_ms, the
+    local three-pass floor (forward read, backward read and write) at the bandwidth that copy reached.
+Both losses are "mean over non-ignored tokens" (every 7th label is -100); the loss values are printed side by side.
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+SHAPES = [(8192, 128256), (8192, 256000)]
+SMOKE_SHAPES = [(16, 256)]
+
+
+def collectives(hlo_text):
+    """[{op, shape, elements}] of every collective in compiled HLO text (async pairs counted once, at -start)."""
+    found = []
+    pattern = re.compile(r"=\s*(\(?[^=]*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+    for line in hlo_text.splitlines():
+        m = pattern.search(line)
+        if not m:
+            continue
+        dims = re.findall(r"\[([\d,]*)\]", m[1])
+        elements = max((eval_prod(d) for d in dims), default=1)
+        found.append({"op": m[2], "shape": m[1].strip(), "elements": elements})
+    return found
+
+
+def eval_prod(dims):
+    n = 1
+    for d in dims.split(","):
+        if d:
+            n *= int(d)
+    return n
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--smoke", action="store_true", help="2 CPU devices, tiny shapes, interpret mode")
+    parser.add_argument("--batch-ms", type=float, default=100.0, help="host-timing batch length")
+    args = parser.parse_args(argv)
+
+    from . import jax_setup
+
+    jax_setup.configure(interpret_only=args.smoke)
+    if args.smoke:
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import fastce_jax
+
+    from . import envinfo
+    from .jax_impls import IGNORE_INDEX, host_time_ms, xla_loss
+
+    devices = jax.devices()
+    if len(devices) < 2:
+        sys.exit(f"needs at least 2 devices, JAX sees {devices}")
+    mesh = Mesh(np.array(devices), ("d",))
+    layouts = {"rows": (P("d", None), P("d")), "vocab": (P(None, "d"), P())}
+
+    def fastce(logits, labels):
+        return fastce_jax.cross_entropy(logits, labels, backend="kernel")
+
+    impls = {"fastce_jax": fastce, "xla": xla_loss()}
+    rows = []
+    for n, v in SMOKE_SHAPES if args.smoke else SHAPES:
+        key_x, key_y = jax.random.split(jax.random.key(0))
+        for layout, (x_spec, y_spec) in layouts.items():
+            x_sharding, y_sharding = NamedSharding(mesh, x_spec), NamedSharding(mesh, y_spec)
+            labels = jax.random.randint(key_y, (n,), 0, v, dtype=jnp.int32).at[::7].set(IGNORE_INDEX)
+            labels = jax.device_put(labels, y_sharding)
+            make_logits = jax.jit(
+                lambda k, n=n, v=v: jax.random.normal(k, (n, v), jnp.bfloat16), out_shardings=x_sharding
+            )
+            copy = jax.jit(lambda a: a + jnp.bfloat16(1), in_shardings=x_sharding, out_shardings=x_sharding)
+            x0 = make_logits(key_x)
+            copy_ms = host_time_ms(lambda x0=x0: copy(x0), args.batch_ms)
+            del x0
+            for name, loss_fn in impls.items():
+                step_fn = jax.jit(jax.value_and_grad(loss_fn), in_shardings=(x_sharding, y_sharding), donate_argnums=0)
+                logits = make_logits(key_x)
+                compiled = step_fn.lower(logits, labels).compile()
+                found = collectives(compiled.as_text())
+                temp = compiled.memory_analysis().temp_size_in_bytes
+                loss, grad = compiled(logits, labels)
+                grad_spec = str(grad.sharding.spec)
+                keeps = grad.sharding.is_equivalent_to(x_sharding, 2)
+                state = {"x": grad if keeps else jax.device_put(grad, x_sharding)}
+                del logits, grad
+
+                def step(compiled=compiled, labels=labels, keeps=keeps, state=state):
+                    _, g = compiled(state["x"], labels)
+                    state["x"] = g if keeps else jax.device_put(g, x_sharding)
+                    if args.smoke:
+                        # XLA:CPU's fake devices share a small thread pool: programs with collectives queued
+                        # back to back can starve each other's rendezvous.  GPUs queue them fine.
+                        jax.block_until_ready(state["x"])
+                    return state["x"]
+
+                ms = host_time_ms(step, args.batch_ms)
+                local = n * v // len(devices)
+                row = {
+                    "impl": name,
+                    "layout": layout,
+                    "logits_spec": str(x_spec),
+                    "N": n,
+                    "V": v,
+                    "devices": len(devices),
+                    "fwdbwd_ms": ms,
+                    "temp_MiB": temp / 2**20,
+                    "local_logits_MiB": local * 2 / 2**20,
+                    "grad_spec": grad_spec,
+                    "grad_keeps_logits_sharding": bool(keeps),
+                    "collectives": found,
+                    "largest_collective_elements": max((c["elements"] for c in found), default=0),
+                    "local_logits_elements": local,
+                    "copy_ms": copy_ms,
+                    "floor_3pass_ms": 1.5 * copy_ms,
+                    "loss": float(loss),
+                }
+                rows.append(row)
+                del state
+                print(
+                    f"N={n} V={v} {layout:5s} {name:10s} {ms:8.3f} ms  temp {row['temp_MiB']:8.1f} MiB  "
+                    f"grad {grad_spec:16s} loss {row['loss']:.5f}  floor {row['floor_3pass_ms']:.3f} ms  "
+                    f"{len(found)} collectives, largest {row['largest_collective_elements']} elements "
+                    f"(local logits {local})",
+                    flush=True,
+                )
+                for c in found:
+                    print(f"      {c['op']:18s} {c['shape']}", flush=True)
+    # fastce_jax vs XLA, same shape and layout.
+    for r in rows:
+        if r["impl"] == "fastce_jax":
+            x = next(
+                o for o in rows if o["impl"] == "xla" and (o["N"], o["V"], o["layout"]) == (r["N"], r["V"], r["layout"])
+            )
+            r["speedup_vs_xla"] = x["fwdbwd_ms"] / r["fwdbwd_ms"]
+            print(f"N={r['N']} V={r['V']} {r['layout']:5s}: fastce_jax {r['speedup_vs_xla']:.2f}x XLA's speed")
+    if args.json:
+        env = envinfo.versions({"devices": [str(d.device_kind) for d in devices]})
+        out = {"date": envinfo.today(), "commit": envinfo.git_commit(), "env": env, "smoke": args.smoke, "rows": rows}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

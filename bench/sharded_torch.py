@@ -1,0 +1,253 @@
+"""Vocab-parallel cross-entropy over the ranks of one host (torchrun, NCCL): fastce_torch with process_group= vs
+PyTorch's DTensor loss_parallel() + F.cross_entropy, in the same run.
+
+    torchrun --nproc-per-node 2 -m bench.sharded_torch --json bench/results/<date>-h200x2-sharded-torch.json
+
+Per global shape (N rows, V columns, bf16, each rank holding V / ranks contiguous columns), forward+backward
+(torch.autograd.grad of the loss w.r.t. the non-leaf local logits, as in bench/torch_measure.py), every rank:
+  * time: median over a fixed number of calls (the same on every rank: the calls hold collectives, so ranks must
+    not disagree on how many), CUDA events around each call, the L2 flushed between calls;
+  * peak extra memory: max_memory_allocated during one call above what was allocated before it (the inputs);
+  * floor: the local shard's three passes (forward read, backward read and write: N * V_local * 2 bytes * 3)
+    at the device-to-device copy bandwidth measured in this run;
+  * collectives: the two all-reduces the vocab-parallel loss makes (MAX of N + 2 floats, SUM of 2N floats; 3N with
+    label smoothing), timed alone with the same method.
+Rank 0 prints a table and writes the JSON (every rank's numbers) with --json.
+
+--smoke runs tiny shapes on CPU processes (gloo, the plain-torch backend) with wall-clock timing: it checks the
+code paths, its numbers mean nothing.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fastce_torch
+
+from . import envinfo
+
+IGNORE_INDEX = -100
+
+
+class Timer:
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+
+    def median_ms(self, fn, warmup, reps):
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(reps):
+            if self.cuda:
+                self.flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
+def peak_extra_bytes(fn, device):
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del result
+    return int(peak)
+
+
+def copy_bandwidth_TBps(timer, device, nbytes=2 << 30):
+    """Device-to-device copy; bandwidth counts bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = timer.median_ms(lambda: dst.copy_(src), 5, 20)
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3) / 1e12
+
+
+def make_inputs(n_rows, vocab, dtype, device, seed=0):
+    """The full logits are never built: each rank draws its own columns from a generator seeded by (seed, rank);
+    labels (global ids, every 7th ignored) come from a generator seeded by the seed alone, the same on every rank.
+    The local logits are a non-leaf tensor with its own storage (an LM head's output), as in bench/torch_impls."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_vocab = vocab // world
+    gen = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
+    anchor = torch.zeros((), dtype=dtype, device=device, requires_grad=True)
+    logits = anchor.expand(n_rows, local_vocab).contiguous()
+    with torch.no_grad():
+        logits.normal_(generator=gen)
+    label_gen = torch.Generator(device=device).manual_seed(seed)
+    labels = torch.randint(0, vocab, (n_rows,), generator=label_gen, device=device)
+    labels[::7] = IGNORE_INDEX
+    return logits, labels
+
+
+def implementations(mesh, backend):
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    group = dist.group.WORLD
+
+    def fastce_process_group(logits, labels):
+        return fastce_torch.cross_entropy(logits, labels, process_group=group, backend=backend)
+
+    def to_dtensor(logits):
+        return DTensor.from_local(logits, mesh, [Shard(1)], run_check=False)
+
+    def fastce_dtensor(logits, labels):
+        return fastce_torch.cross_entropy(to_dtensor(logits), labels, backend=backend)
+
+    def torch_loss_parallel(logits, labels):
+        # The backward must run under loss_parallel() too: the fwdbwd closure below keeps it open.
+        return F.cross_entropy(to_dtensor(logits), labels, ignore_index=IGNORE_INDEX)
+
+    return {
+        "fastce_torch": (fastce_process_group, None),
+        "fastce_torch_dtensor": (fastce_dtensor, None),
+        "torch_loss_parallel": (torch_loss_parallel, loss_parallel),
+    }
+
+
+def measure_collectives(timer, n_rows, device, warmup, reps):
+    group = dist.group.WORLD
+    maxima = torch.randn(n_rows + 2, device=device)
+    sums = torch.rand(2, n_rows, device=device)
+    sums_smoothing = torch.rand(3, n_rows, device=device)
+
+    def two_all_reduces(s):
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group)
+
+    return (
+        timer.median_ms(lambda: two_all_reduces(sums), warmup, reps),
+        timer.median_ms(lambda: two_all_reduces(sums_smoothing), warmup, reps),
+    )
+
+
+def run_shape(n_rows, vocab, dtype, device, timer, impls, warmup, reps, bandwidth):
+    world = dist.get_world_size()
+    local_vocab = vocab // world
+    row = {"N": n_rows, "V": vocab, "V_local": local_vocab, "dtype": str(dtype).replace("torch.", ""), "impls": {}}
+    floor_bytes = n_rows * local_vocab * torch.finfo(dtype).bits // 8 * 3
+    row["floor_ms"] = floor_bytes / (bandwidth * 1e12) * 1e3 if bandwidth else None
+    row["collectives_ms"], row["collectives_smoothing_ms"] = measure_collectives(timer, n_rows, device, warmup, reps)
+    for name, (loss_fn, context) in impls.items():
+        logits, labels = make_inputs(n_rows, vocab, dtype, device)
+
+        def fwdbwd():
+            with context() if context else _nothing():
+                return torch.autograd.grad(loss_fn(logits, labels), logits)
+
+        with torch.no_grad(), context() if context else _nothing():
+            loss = loss_fn(logits, labels)
+        loss = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+        peak = peak_extra_bytes(fwdbwd, device)
+        ms = timer.median_ms(fwdbwd, warmup, reps)
+        row["impls"][name] = {"fwdbwd_ms": ms, "peak_extra_bytes": peak, "loss": loss}
+        del logits, labels
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def gather_rows(rows):
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, rows)
+    return every
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="8192x128256,8192x256000", help="global NxV, comma-separated")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU processes (gloo), code paths only")
+    args = parser.parse_args()
+    smoke = args.smoke
+    if smoke:
+        args.shapes, args.warmup, args.reps = "16x64", 1, 2
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    else:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world,))
+    timer = Timer(device)
+    bandwidth = None if smoke else copy_bandwidth_TBps(timer, device)
+    impls = implementations(mesh, "reference" if smoke else "auto")
+    dtype = torch.float32 if smoke else torch.bfloat16
+    rows = []
+    for shape in args.shapes.split(","):
+        n_rows, vocab = (int(v) for v in shape.split("x"))
+        if vocab % world:
+            raise SystemExit(f"V={vocab} is not divisible by {world} ranks")
+        rows.append(run_shape(n_rows, vocab, dtype, device, timer, impls, args.warmup, args.reps, bandwidth))
+    every_rank = gather_rows(rows)
+    if rank == 0:
+        print(f"{world} ranks, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}", end="")
+        print(f", copy bandwidth {bandwidth:.2f} TB/s" if bandwidth else "")
+        for row in rows:
+            print(
+                f"N={row['N']} V={row['V']} (V_local={row['V_local']}): floor {row['floor_ms'] or 0:.3f} ms, "
+                f"collectives {row['collectives_ms']:.3f} ms ({row['collectives_smoothing_ms']:.3f} with smoothing)"
+            )
+            for name, r in row["impls"].items():
+                peak = f"{r['peak_extra_bytes'] / 2**20:9.1f} MiB" if r["peak_extra_bytes"] is not None else ""
+                target = (row["floor_ms"] or 0) + row["collectives_ms"]
+                ratio = f"{r['fwdbwd_ms'] / target:5.2f}x floor+collectives" if row["floor_ms"] else ""
+                print(f"  {name:<22}{r['fwdbwd_ms']:9.3f} ms {peak} {ratio}  loss {r['loss']:.6f}")
+        if args.json:
+            result = {
+                "date": envinfo.today(),
+                "commit": envinfo.git_commit(),
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "ranks": world,
+                "copy_bandwidth_TBps": bandwidth,
+                "versions": envinfo.versions(),
+                "method": (__doc__ or "").strip(),
+                "rows": rows,
+                "per_rank": every_rank,
+                "mode": "smoke" if smoke else "gpu",
+            }
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+            print(f"wrote {args.json}")
+    dist.barrier()  # no rank tears its groups down while another still uses them (gloo aborts then)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

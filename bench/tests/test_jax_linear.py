@@ -1,0 +1,39 @@
+"""CPU check of bench.jax_linear's plumbing: every implementation runs (Pallas interpret mode) on a tiny shape,
+rows carry the documented keys, the losses agree, and a failing implementation is recorded, not raised."""
+
+from bench import jax_setup
+
+jax_setup.configure(interpret_only=True)
+
+from bench import jax_linear  # noqa: E402
+
+ROW_KEYS = {"impl", "N", "H", "V", "dtype", "fwd_ms", "fwdbwd_ms", "TFLOPs", "peak_extra_bytes", "loss", "ok"}
+
+
+def test_run_on_cpu(monkeypatch):
+    shape = jax_linear.LinearShape(40, 16, 300, "float32")
+    result = jax_linear.run((shape,), jax_linear.LINEAR_IMPLS, batch_target_ms=1.0, backend="kernel", say=print)
+    assert result["failures"] == []
+    rows = {r["impl"]: r for r in result["rows"]}
+    assert set(rows) == {"matmul", *jax_linear.LINEAR_IMPLS}
+    for impl in jax_linear.LINEAR_IMPLS:
+        assert ROW_KEYS <= set(rows[impl]) and rows[impl]["ok"] is True, rows[impl]
+        assert isinstance(rows[impl]["peak_extra_bytes"], int) and rows[impl]["fwdbwd_ms"] > 0
+    assert abs(rows["fastce_jax_linear"]["loss"] - rows["xla_linear"]["loss"]) < 1e-4
+
+
+def test_failure_is_recorded(monkeypatch):
+    def broken(*args, **kwargs):
+        raise MemoryError("out of memory")
+
+    monkeypatch.setattr(jax_linear, "measure", broken)
+    shape = jax_linear.LinearShape(8, 16, 50, "float32")
+    result = jax_linear.run((shape,), ("fastce_jax_linear",), batch_target_ms=1.0, backend="kernel", say=print)
+    assert [f["impl"] for f in result["failures"]] == ["fastce_jax_linear"]
+
+
+def test_parse_shapes():
+    assert jax_linear.parse_linear_shapes("8192x4096x128256, 16x8x100:float32") == (
+        jax_linear.LinearShape(8192, 4096, 128256),
+        jax_linear.LinearShape(16, 8, 100, "float32"),
+    )

@@ -1,0 +1,78 @@
+"""CPU test of `python -m bench --linear`'s orchestration: tiny shapes, the CUDA timers stubbed, the fastce
+implementations real (on CPU tensors they run fastce's torch reference), the correctness check and the table."""
+
+import pytest
+
+from bench import linear, torch_measure
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    monkeypatch.setattr(linear, "DEVICE", "cpu")
+    monkeypatch.setattr(torch_measure, "bench_ms", lambda fn, warmup, rep: (fn(), 2.0)[1])
+    monkeypatch.setattr(torch_measure, "peak_extra_bytes", lambda fn: (fn(), 3 << 20)[1])
+
+
+def test_run_linear_quick_on_tiny_shapes(on_cpu):
+    shape = linear.LinearShape(64, 16, 300, "float32")
+    result = linear.run_linear(quick=True, shapes=(shape,))
+    assert {r["impl"] for r in result["rows"]} == {
+        "fastce_torch_linear",
+        "fastce_torch_linear_1GiB",
+        "matmul+fastce_torch",
+    }
+    for row in result["rows"]:
+        assert row["fwdbwd_ms"] == 2.0
+        assert row["effective_TFLOPs"] == pytest.approx(6 * 64 * 16 * 300 / 2e-3 / 1e12)
+        assert row["extra_beyond_grads_bytes"] == (3 << 20) - (64 * 16 + 300 * 16) * 2
+    losses = {r["loss"] for r in result["rows"]}
+    assert max(losses) - min(losses) < 1e-5  # the same loss from both
+    assert result["check"]["ok"] and result["check"]["loss_rel"] < 1e-5
+    table = linear.text_table(result)
+    assert "fastce_torch_linear" in table and "of matmul" in table
+
+
+def test_optional_implementations_are_reported_not_fatal(on_cpu):
+    shape = linear.LinearShape(32, 8, 50, "float32")
+    result = linear.run_linear(quick=False, impls=["fastce_torch_linear", "liger_flce"], shapes=(shape,))
+    assert [r["impl"] for r in result["rows"]] == ["fastce_torch_linear"]
+    failures = result.get("failures", [])
+    assert all(f["impl"] == "liger_flce" for f in failures)
+
+
+def test_jax_rows_join_the_table(on_cpu, monkeypatch):
+    """bench.jax_linear's rows (stubbed here: its own CPU plumbing test runs the real thing) land in the table with
+    of_matmul against the torch matmul of the same run and XLA's temp size as the memory beyond the gradients."""
+    from bench import jax_impls, jax_linear
+
+    shape = linear.LinearShape(32, 8, 50, "float32")
+
+    def fake_run(shapes, say):
+        (s,) = shapes
+        base = {"N": s.N, "H": s.H, "V": s.V, "dtype": s.dtype}
+        return {
+            "rows": [
+                {"impl": "matmul", **base, "fwdbwd_ms": 1.0, "TFLOPs": 6.0, "peak_extra_bytes": 0},
+                {
+                    "impl": "fastce_jax_linear",
+                    **base,
+                    "fwdbwd_ms": 2.0,
+                    "TFLOPs": 3.0,
+                    "of_matmul": 0.5,
+                    "peak_extra_bytes": 5 << 20,
+                    "peak_extra_kind": "xla_temp_size",
+                    "loss": 1.0,
+                },
+            ],
+            "failures": [],
+        }
+
+    monkeypatch.setattr(jax_linear, "run", fake_run)
+    monkeypatch.setattr(jax_impls, "has_gpu", lambda: True)
+    monkeypatch.setattr(linear, "matmul_tflops", lambda shape: 12.0)
+    result = linear.run_linear(impls=["fastce_torch_linear"], shapes=(shape,), with_jax=True)
+    jax_row = next(r for r in result["rows"] if r["impl"] == "fastce_jax_linear")
+    assert jax_row["of_matmul"] == 0.25 and jax_row["of_jax_matmuls"] == 0.5
+    assert jax_row["extra_beyond_grads_bytes"] == 5 << 20
+    assert "jax_three_matmuls" in {r["impl"] for r in result["rows"]}
+    assert "(temp)" in linear.text_table(result)

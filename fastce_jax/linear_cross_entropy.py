@@ -1,0 +1,388 @@
+"""Fused linear cross-entropy for JAX: the loss of ``cross_entropy(hidden @ weight.T + bias, labels)``
+without ever holding the (N, V) logits.
+
+The kernel path walks the rows in chunks (``lax.fori_loop``, a static chunk size from a workspace budget).
+Per chunk: logits_c = hidden_c @ weight.T (+ bias) in the compute dtype, fastce's forward kernel gives the
+per-token loss and lse, the backward kernel turns the same fresh chunk into dL/dlogits_c (scaled by the
+reduction's per-token factor, in place), and two matmuls fold it into the gradients:
+dhidden_c = dlogits_c @ weight, dweight += dlogits_c.T @ hidden_c (float32 carry, see
+``ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32``), dbias += column sums.  For "mean"/"sum" the gradients are the
+custom_vjp residuals and the backward only scales them by the upstream scalar.  For "none" the forward keeps
+lse only, and the backward recomputes each chunk's logits with the per-token cotangents.
+
+The last chunk is not padded: its start is clamped to N - chunk_rows, and the rows it shares with the chunk
+before are relabelled "ignored" (loss 0, gradient 0) and keep the values already written.  So no padded copy
+of hidden or of its gradient is made.
+
+Labels enter the kernels in an internal int32 form: ignored (and overlap) rows are ``_IGNORED``, labels
+outside [0, V) are ``_OUT_OF_RANGE`` (still a NaN loss), so any user ignore_index and label width works.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fastce_jax import kernels
+from fastce_jax.cross_entropy import (
+    FLOAT_DTYPES,
+    _as_array,
+    _check_args,
+    _cross_entropy,
+    _interpret,
+    _on_gpu,
+    _reduce,
+    _validate_labels_eagerly,
+)
+from fastce_jax.kernels import Options
+
+# Workspace for one chunk's logits (and, in place, their gradient) in the compute dtype.  Larger chunks make
+# fewer passes over the float32 weight-gradient carry (each chunk reads and writes V*H*4 bytes of it, against
+# 2*rows*V*H flops of its matmul), smaller ones less memory.  Read when a jit traces (bench/tune may set it).
+WORKSPACE_BYTES = 1 << 30
+ROW_ALIGN = 128  # chunk rows are a multiple of this (matmul tiles) unless N itself is smaller
+CHUNK_ROWS = None  # when set (an int), the chunk size regardless of the budget (tests force several chunks)
+# dweight summed over chunks in float32 (one rounding at the end) costs a V*H*4-byte carry (2004 MiB at
+# V=128256, H=4096, as large as the bf16 logits of 8192 tokens); False sums in the weight's dtype (no carry, one
+# rounding per chunk; each chunk's product is still accumulated in float32 inside its matmul).  Measured on a
+# softmax-gradient-like bf16 sum of 8192 rows (float64 as truth): relative error norm of
+# dweight 1.66e-3 with the float32 carry (= one bf16 rounding) against 2.03e-3 / 2.62e-3 / 3.52e-3 / 6.70e-3 in
+# bf16 with 2 / 4 / 8 / 32 chunks; entries that cancel across chunks get the worst of it (99th percentile
+# relative error 4% with 2 chunks).  bench/jax_linear.py times both ("fastce_jax_linear" / "..._wacc").
+ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 = True
+
+_IGNORED = -1  # internal label of ignored rows, and the ignore_index the kernels are given
+_OUT_OF_RANGE = -2  # internal label of every label outside [0, V) that is not ignore_index
+
+
+def chunk_rows_for(n_rows: int, vocab: int, dtype) -> int:
+    """Rows per chunk: the workspace budget split evenly over as few chunks as it allows (so the clamped last
+    chunk repeats little work), rounded up to ROW_ALIGN, never more than n_rows."""
+    if CHUNK_ROWS is not None:
+        return max(1, min(int(CHUNK_ROWS), n_rows))
+    max_rows = max(ROW_ALIGN, WORKSPACE_BYTES // (vocab * jnp.dtype(dtype).itemsize) // ROW_ALIGN * ROW_ALIGN)
+    if n_rows <= max_rows:
+        return n_rows
+    n_chunks = kernels._cdiv(n_rows, max_rows)
+    rows = kernels._cdiv(kernels._cdiv(n_rows, n_chunks), ROW_ALIGN) * ROW_ALIGN
+    return min(rows, n_rows)
+
+
+class _Static(NamedTuple):
+    """Hashable configuration of one call (a custom_vjp nondiff argument)."""
+
+    options: Options  # the kernels' options; ignore_index is _IGNORED
+    interpret: bool  # Pallas interpret mode (off GPU)
+    reduction: str
+    chunk_rows: int
+    dtype: str  # compute dtype of the logits
+    f32_weight_grad: bool
+
+
+# ----------------------------------------------------------------------------
+# The only calls into the CE launchers.
+# ----------------------------------------------------------------------------
+
+
+def _ce_forward(logits, labels, st: _Static):
+    return kernels.forward(logits, labels, st.options, interpret=st.interpret)
+
+
+def _ce_backward(logits, labels, lse, g, st: _Static):
+    return kernels.backward(logits, labels, lse, g, st.options, inplace=True, interpret=st.interpret)
+
+
+# ----------------------------------------------------------------------------
+# One chunk, and the loop over chunks.
+# ----------------------------------------------------------------------------
+
+
+def _chunk_inputs(k, hidden, labels, st: _Static):
+    """Chunk k's rows: its clamped start, hidden rows, labels (overlap rows relabelled ignored) and the mask of
+    rows that are new in this chunk."""
+    n = hidden.shape[0]
+    rows = st.chunk_rows
+    start = jnp.minimum(k * rows, n - rows)
+    fresh = start + jnp.arange(rows) >= k * rows
+    h_c = jax.lax.dynamic_slice_in_dim(hidden, start, rows, axis=0)
+    y_c = jnp.where(fresh, jax.lax.dynamic_slice_in_dim(labels, start, rows), _IGNORED)
+    return start, fresh, h_c, y_c
+
+
+def _chunk_logits(h_c, weight, bias, st: _Static):
+    dt = jnp.dtype(st.dtype)
+    logits = jax.lax.dot_general(h_c.astype(dt), weight.astype(dt), (((1,), (1,)), ((), ())), preferred_element_type=dt)
+    if bias is not None:
+        logits = logits + bias.astype(dt)
+    return logits
+
+
+def _put_rows(buffer, start, fresh, values):
+    """Write values into buffer[start:start+rows] where fresh, keep the old rows elsewhere."""
+    old = jax.lax.dynamic_slice_in_dim(buffer, start, values.shape[0], axis=0)
+    mask = fresh.reshape(fresh.shape + (1,) * (values.ndim - 1))
+    return jax.lax.dynamic_update_slice_in_dim(buffer, jnp.where(mask, values, old), start, axis=0)
+
+
+def _grad_contributions(dlogits, h_c, weight, st: _Static, with_bias: bool):
+    """(dhidden_c in the compute dtype, dweight_c, dbias_c in float32 or None)."""
+    dt = jnp.dtype(st.dtype)
+    dh_c = jax.lax.dot_general(dlogits, weight.astype(dt), (((1,), (0,)), ((), ())), preferred_element_type=dt)
+    acc = jnp.float32 if st.f32_weight_grad else dt
+    dw_c = jax.lax.dot_general(dlogits, h_c.astype(dt), (((0,), (0,)), ((), ())), preferred_element_type=acc)
+    db_c = jnp.sum(dlogits.astype(jnp.float32), axis=0) if with_bias else None
+    return dh_c, dw_c, db_c
+
+
+def _loop(n_rows, st: _Static, first, body):
+    """Chunk 0 by ``first`` (it creates the carry, so the weight gradient starts as chunk 0's product instead of
+    zeros plus it), the others by ``body`` in a fori_loop."""
+    n_chunks = kernels._cdiv(n_rows, st.chunk_rows)
+    carry = first()
+    if n_chunks > 1:
+        carry = jax.lax.fori_loop(1, n_chunks, body, carry)
+    return carry
+
+
+def _forward_pass(hidden, weight, bias, labels, g_tokens, st: _Static):
+    """Per-token losses and lse (N,) and, when g_tokens (N,) is given, the gradients of sum_t g_t * loss_t:
+    (dhidden in the compute dtype, dweight in float32 or the compute dtype, dbias float32 or None)."""
+    n = hidden.shape[0]
+    want_grads = g_tokens is not None
+
+    def step(k, carry, first):
+        start, fresh, h_c, y_c = _chunk_inputs(k, hidden, labels, st)
+        logits = _chunk_logits(h_c, weight, bias, st)
+        loss_c, lse_c = _ce_forward(logits, y_c, st)
+        losses = _put_rows(carry["losses"], start, fresh, loss_c)
+        lse = _put_rows(carry["lse"], start, fresh, lse_c)
+        out = dict(losses=losses, lse=lse)
+        if want_grads:
+            g_c = jax.lax.dynamic_slice_in_dim(g_tokens, start, st.chunk_rows)
+            dlogits = _ce_backward(logits, y_c, lse_c, g_c, st)
+            dh_c, dw_c, db_c = _grad_contributions(dlogits, h_c, weight, st, bias is not None)
+            out["dh"] = _put_rows(carry["dh"], start, fresh, dh_c)
+            out["dw"] = dw_c if first else carry["dw"] + dw_c
+            if bias is not None:
+                out["db"] = db_c if first else carry["db"] + db_c
+        return out
+
+    def first():
+        carry = dict(losses=jnp.zeros((n,), jnp.float32), lse=jnp.zeros((n,), jnp.float32))
+        if want_grads:
+            carry["dh"] = jnp.zeros((n, hidden.shape[1]), st.dtype)
+        return step(0, carry, first=True)
+
+    carry = _loop(n, st, first, functools.partial(step, first=False))
+    grads = (carry["dh"], carry["dw"], carry.get("db")) if want_grads else None
+    return carry["losses"], carry["lse"], grads
+
+
+def _backward_pass(hidden, weight, bias, labels, lse, g_tokens, st: _Static):
+    """Gradients of sum_t g_t * loss_t from the saved lse: each chunk's logits are recomputed, no forward kernel."""
+    n = hidden.shape[0]
+
+    def step(k, carry, first):
+        start, fresh, h_c, y_c = _chunk_inputs(k, hidden, labels, st)
+        logits = _chunk_logits(h_c, weight, bias, st)
+        lse_c = jax.lax.dynamic_slice_in_dim(lse, start, st.chunk_rows)
+        g_c = jax.lax.dynamic_slice_in_dim(g_tokens, start, st.chunk_rows)
+        dlogits = _ce_backward(logits, y_c, lse_c, g_c, st)
+        dh_c, dw_c, db_c = _grad_contributions(dlogits, h_c, weight, st, bias is not None)
+        out = dict(dh=_put_rows(carry["dh"], start, fresh, dh_c), dw=dw_c if first else carry["dw"] + dw_c)
+        if bias is not None:
+            out["db"] = db_c if first else carry["db"] + db_c
+        return out
+
+    def first():
+        return step(0, dict(dh=jnp.zeros((n, hidden.shape[1]), st.dtype)), first=True)
+
+    carry = _loop(n, st, first, functools.partial(step, first=False))
+    return carry["dh"], carry["dw"], carry.get("db")
+
+
+def _cast_grads(grads, hidden, weight, bias, scale=None):
+    """Scale (by the upstream, when given) and cast each gradient to its input's dtype: one fused pass each."""
+    dh, dw, db = grads
+
+    def fin(g, like):
+        # A bf16 gradient times the float32 scale is computed in float32 and rounded once.
+        return (g if scale is None else g * scale).astype(like.dtype)
+
+    return fin(dh, hidden), fin(dw, weight), None if bias is None else fin(db, bias)
+
+
+# ----------------------------------------------------------------------------
+# custom_vjp: "mean"/"sum" (the gradients are residuals) and "none" (lse is).
+# ----------------------------------------------------------------------------
+
+
+def _token_scale(labels, n_items, st: _Static):
+    """d loss / d loss_t of the reduction (the same _reduce the loss uses): 1/denominator for "mean", 1 for
+    "sum", 1/n_items with n_items.  Traced; no host synchronisation."""
+    zeros = jnp.zeros(labels.shape, jnp.float32)
+    return jax.grad(lambda t: _reduce(t, labels, st.reduction, n_items, _IGNORED))(zeros)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _reduced_loss(hidden, weight, bias, labels, n_items, st: _Static):
+    losses, _, _ = _forward_pass(hidden, weight, bias, labels, None, st)
+    return _reduce(losses, labels, st.reduction, n_items, _IGNORED)
+
+
+def _reduced_fwd(hidden, weight, bias, labels, n_items, st: _Static):
+    g_tokens = _token_scale(labels, n_items, st)
+    losses, _, grads = _forward_pass(hidden, weight, bias, labels, g_tokens, st)
+    loss = _reduce(losses, labels, st.reduction, n_items, _IGNORED)
+    # Zero-size stand-ins keep the input dtypes for the backward's casts.
+    likes = (jnp.zeros((0,), hidden.dtype), jnp.zeros((0,), weight.dtype), None if bias is None else bias[:0])
+    return loss, (grads, likes)
+
+
+def _reduced_bwd(st: _Static, residuals, g):
+    grads, (h_like, w_like, b_like) = residuals
+    dh, dw, db = _cast_grads(grads, h_like, w_like, b_like, scale=g)
+    return dh, dw, db, None, None
+
+
+_reduced_loss.defvjp(_reduced_fwd, _reduced_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _token_losses(hidden, weight, bias, labels, st: _Static):
+    return _forward_pass(hidden, weight, bias, labels, None, st)[0]
+
+
+def _token_fwd(hidden, weight, bias, labels, st: _Static):
+    losses, lse, _ = _forward_pass(hidden, weight, bias, labels, None, st)
+    return losses, (hidden, weight, bias, labels, lse)
+
+
+def _token_bwd(st: _Static, residuals, g):
+    hidden, weight, bias, labels, lse = residuals
+    grads = _backward_pass(hidden, weight, bias, labels, lse, g.astype(jnp.float32), st)
+    dh, dw, db = _cast_grads(grads, hidden, weight, bias)
+    return dh, dw, db, None
+
+
+_token_losses.defvjp(_token_fwd, _token_bwd)
+
+
+# ----------------------------------------------------------------------------
+# Public API.
+# ----------------------------------------------------------------------------
+
+
+def _check_linear_args(hidden, weight, bias):
+    hidden = _as_array(hidden, "hidden")
+    weight = _as_array(weight, "weight")
+    for name, x in (("hidden", hidden), ("weight", weight)) + ((("bias", bias),) if bias is not None else ()):
+        if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+    if hidden.ndim < 1 or hidden.shape[-1] < 1:
+        raise ValueError(f"hidden must have shape (..., H) with H >= 1, got {tuple(hidden.shape)}")
+    if weight.ndim != 2 or weight.shape[0] < 1 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must have shape (V, H) = (V, {hidden.shape[-1]}) with V >= 1 (nn.Linear / lm_head layout), "
+            f"got {tuple(weight.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must have shape (V,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
+    return hidden, weight
+
+
+def _internal_labels(labels, vocab: int, ignore_index: int):
+    """int32 labels for the kernels: ignored -> _IGNORED, outside [0, V) -> _OUT_OF_RANGE (NaN loss)."""
+    labels = jnp.asarray(labels)
+    ign = kernels._ignore_index_for(labels, ignore_index)
+    ignored = (labels == ign) if ign is not None else jnp.zeros(labels.shape, bool)
+    in_range = (labels >= 0) & (labels < vocab)
+    return jnp.where(ignored, _IGNORED, jnp.where(in_range, labels, _OUT_OF_RANGE)).astype(jnp.int32)
+
+
+def linear_cross_entropy(
+    hidden,
+    weight,
+    labels,
+    *,
+    bias=None,
+    ignore_index=-100,
+    reduction="mean",
+    n_items=None,
+    logit_softcapping=0.0,
+    logit_scaling=0.0,
+    label_smoothing=0.0,
+    z_loss=0.0,
+    backend="auto",
+    validate_labels=False,
+):
+    """``cross_entropy(hidden @ weight.T + bias, labels, ...)`` without the (N, V) logits.
+
+    Args:
+      hidden: float32/bfloat16/float16 (..., H), e.g. the final hidden states.
+      weight: (V, H), the LM head as ``nn.Linear`` / transformers' ``lm_head`` store it (a Flax
+        ``Dense`` kernel is (H, V): pass its ``.T``).
+      labels: int32/int64 (...), hidden's leading shape.
+      bias: optional (V,).
+      ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss,
+      validate_labels: as in ``fastce_jax.cross_entropy`` (CONTRACT.md).
+      backend: "auto" (the chunked kernel path for GPU arrays, "reference" elsewhere), "kernel" (the chunked
+        path always; Pallas interpret mode off GPU) or "reference" (the plain matmul, then the jnp reference
+        loss: it materialises the logits).
+
+    The logits are computed in the inputs' common dtype (with float32 accumulation inside the matmul, as XLA's
+    GPU matmuls do); the loss is float32. Gradients flow to hidden, weight and bias, in their dtypes. The
+    extra memory is the gradients plus one chunk of logits (``WORKSPACE_BYTES``) plus, by default, a float32
+    copy of the weight gradient while it is summed over chunks.
+
+    Returns:
+      float32 loss: a scalar, or shaped like ``labels`` for reduction="none".
+    """
+    hidden, weight = _check_linear_args(hidden, weight, bias)
+    kwargs = dict(
+        ignore_index=ignore_index,
+        reduction=reduction,
+        n_items=n_items,
+        logit_softcapping=logit_softcapping,
+        logit_scaling=logit_scaling,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        backend=backend,
+        inplace_backward=True,
+        validate_labels=validate_labels,
+    )
+    # hidden (..., H) stands in for the logits (..., V): the checks only read its leading shape and dtype.
+    (_, labels, n_items, ignore_index, scaling, softcap, smoothing, z_loss) = _check_args(hidden, labels, **kwargs)
+    vocab, dim = weight.shape
+    if validate_labels:
+        _validate_labels_eagerly(labels, vocab, ignore_index)
+    dtype = jnp.result_type(hidden.dtype, weight.dtype, *(() if bias is None else (bias.dtype,)))
+    if backend == "auto":
+        backend = "kernel" if _on_gpu(hidden) else "reference"
+    lead = tuple(hidden.shape[:-1])
+    h2 = hidden.reshape(-1, dim)
+    n = h2.shape[0]
+    if backend == "reference" or n == 0:  # no tokens: no chunk to launch
+        logits = jax.lax.dot_general(
+            h2.astype(dtype), weight.astype(dtype), (((1,), (1,)), ((), ())), preferred_element_type=dtype
+        )
+        if bias is not None:
+            logits = logits + bias.astype(dtype)
+        kwargs.update(n_items=n_items, backend="reference", validate_labels=False)
+        return _cross_entropy(logits.reshape(lead + (vocab,)), labels, kwargs)
+
+    st = _Static(
+        options=Options(_IGNORED, softcap, scaling, smoothing, z_loss),
+        interpret=_interpret(hidden),
+        reduction=reduction,
+        chunk_rows=chunk_rows_for(n, vocab, dtype),
+        dtype=jnp.dtype(dtype).name,
+        f32_weight_grad=ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32,
+    )
+    y1 = _internal_labels(labels, vocab, ignore_index).reshape(-1)
+    if reduction == "none":
+        return _token_losses(h2, weight, bias, y1, st).reshape(lead)
+    return _reduced_loss(h2, weight, bias, y1, n_items, st)

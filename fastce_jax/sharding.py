@@ -1,0 +1,276 @@
+"""The kernels under sharded logits: each device runs them on its own block.
+
+A pallas_call is opaque to XLA's partitioner, which would gather the whole
+logits onto every device around it.  So the two kernel launches (forward:
+per-token loss and lse; backward: the gradient) are each wrapped in
+``jax.experimental.custom_partitioning``: when XLA partitions a jitted
+program it calls ``_partition_*`` below with the shardings the logits actually
+have, and we answer with the per-device computation:
+
+* rows sharded (any leading axes, any mesh axes): the kernels run unchanged on
+  the device's rows; no communication at all (a "mean" then sums N floats,
+  which XLA does with a scalar all-reduce).
+* vocabulary sharded (the last axis): each device runs the kernels' vocab-parallel
+  mode on its columns, giving per-row (lse_local, z_label_local, sum_z_local);
+  one ``pmax`` of N floats and one ``psum`` of 3N floats combine them into the
+  global lse and loss.  The backward needs the global lse only, which the
+  forward left on every device of the row: no communication.
+* both at once (e.g. rows over 'data', vocabulary over 'model').
+
+custom_partitioning rather than a ``shard_map`` inside: under ``jit`` with the
+default (auto) mesh axes the logits' sharding is decided by XLA's propagation
+after tracing, so a shard_map written at trace time would have to guess it (or
+make the user pass it) and would force a reshard whenever the guess is wrong.
+The partition callback sees the sharding that propagation chose.  Inside a
+user's fully manual ``shard_map`` JAX inlines the local computation (the
+logits there are already one device's block), and with one device it inlines
+it too.
+
+The custom_partitioning primitive has no batching rule, so each op is wrapped in
+``jax.custom_batching.custom_vmap``: the kernels work row by row, so a vmapped
+call is the same op with the batch as one more leading axis.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fastce_jax import kernels
+from fastce_jax.kernels import Options
+
+# ----------------------------------------------------------------------------
+# What one device computes.
+# ----------------------------------------------------------------------------
+
+
+def _shard_index(mesh: Mesh, axes: tuple[str, ...]):
+    """Linear index of this device's block along a dimension sharded over
+    ``axes`` (the first axis is the most significant, as in a PartitionSpec)."""
+    index = jnp.int32(0)
+    for name in axes:
+        index = index * mesh.shape[name] + jax.lax.axis_index(name)
+    return index
+
+
+def token_loss_from_statistics(lse, z_label, sum_z, labels, options: Options, vocab_total: int):
+    """The contract's per-token loss from global row statistics (float32 (N,)),
+    the same arithmetic as the finish kernel."""
+    smoothing = options.label_smoothing
+    loss = jnp.zeros_like(lse)
+    if smoothing != 1.0:
+        loss = loss + (1.0 - smoothing) * (lse - z_label)
+    if smoothing != 0.0:
+        loss = loss + smoothing * (lse - sum_z * (1.0 / vocab_total))
+    if options.z_loss != 0.0:
+        loss = loss + options.z_loss * lse * lse
+    loss = jnp.where((labels >= 0) & (labels < vocab_total), loss, jnp.nan)
+    ignore = kernels._ignore_index_for(labels, options.ignore_index)
+    if ignore is not None:
+        loss = jnp.where(labels == ignore, 0.0, loss)
+    return loss
+
+
+def _local_forward(logits, labels, options: Options, interpret: bool, mesh=None, vocab_axes=(), vocab_total=None):
+    """(loss, lse) shaped like labels, of this device's block of logits (..., V_local)."""
+    v_local = logits.shape[-1]
+    x2, y1 = logits.reshape(-1, v_local), labels.reshape(-1)
+    if not vocab_axes:
+        loss, lse = kernels.forward(x2, y1, options, interpret=interpret)
+    else:
+        start = _shard_index(mesh, vocab_axes) * v_local
+        lse_local, z_label, sum_z = kernels.forward(
+            x2, y1, options, interpret=interpret, vocab_start=start, vocab_total=vocab_total
+        )
+        # lse = log sum_shards exp(lse_local), shifted by the largest (an all -inf
+        # row shifts by 0, as in the kernels; NaN stays NaN).
+        top = jax.lax.pmax(lse_local, vocab_axes)
+        top = jnp.where(top == -jnp.inf, 0.0, top)
+        sums = jax.lax.psum(jnp.stack([jnp.exp(lse_local - top), z_label, sum_z]), vocab_axes)
+        lse = top + jnp.log(sums[0])
+        loss = token_loss_from_statistics(lse, sums[1], sums[2], y1, options, vocab_total)
+    return loss.reshape(labels.shape), lse.reshape(labels.shape)
+
+
+def _local_backward(
+    logits, labels, lse, g, options: Options, inplace: bool, interpret: bool, mesh=None, vocab_axes=(), vocab_total=None
+):
+    """dL/dlogits of this device's block; lse is the global one, so nothing is communicated."""
+    v_local = logits.shape[-1]
+    flat = (logits.reshape(-1, v_local), labels.reshape(-1), lse.reshape(-1), g.reshape(-1))
+    if not vocab_axes:
+        d = kernels.backward(*flat, options, inplace=inplace, interpret=interpret)
+    else:
+        start = _shard_index(mesh, vocab_axes) * v_local
+        d = kernels.backward(
+            *flat, options, inplace=inplace, interpret=interpret, vocab_start=start, vocab_total=vocab_total
+        )
+    return d.reshape(logits.shape)
+
+
+# ----------------------------------------------------------------------------
+# Partitioning rules.
+# ----------------------------------------------------------------------------
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _plan(arg):
+    """(mesh, per-leading-dim spec entries, vocabulary axes) for logits ``arg``
+    (a ShapeDtypeStruct with the sharding XLA gave it).
+
+    A dimension whose size its mesh axes do not divide (JAX's own shardings
+    cannot say that, but XLA's propagation might) is replicated instead: uneven
+    blocks would be padded, and the statistics must not see padding.
+    """
+    sharding, shape = arg.sharding, arg.shape
+    if not isinstance(sharding, NamedSharding):
+        # No mesh to name axes with (the program's shardings were not built
+        # from a Mesh): run replicated on a one-axis mesh of the same devices.
+        devices = sorted(sharding.device_set, key=lambda d: d.id)
+        return Mesh(np.array(devices), ("fastce_replicated",)), (None,) * (len(shape) - 1), ()
+    mesh = sharding.mesh
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    entries = []
+    for size, entry in zip(shape, spec):
+        axes = _axes(entry)
+        if axes and size % math.prod(mesh.shape[a] for a in axes) != 0:
+            axes = ()
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return mesh, tuple(entries[:-1]), _axes(entries[-1])
+
+
+def _shardings(mesh, rows, vocab_axes):
+    """(logits sharding, per-row sharding) for a plan."""
+    vocab_entry = None if not vocab_axes else vocab_axes[0] if len(vocab_axes) == 1 else vocab_axes
+    return NamedSharding(mesh, P(*rows, vocab_entry)), NamedSharding(mesh, P(*rows))
+
+
+def _partition_forward(options, interpret, mesh, arg_shapes, result_shape):
+    del result_shape
+    mesh, rows, vocab_axes = _plan(arg_shapes[0])
+    logits_sharding, row_sharding = _shardings(mesh, rows, vocab_axes)
+    lower = functools.partial(
+        _local_forward,
+        options=options,
+        interpret=interpret,
+        mesh=mesh,
+        vocab_axes=vocab_axes,
+        vocab_total=arg_shapes[0].shape[-1],
+    )
+    return mesh, lower, (row_sharding, row_sharding), (logits_sharding, row_sharding)
+
+
+def _infer_forward(options, interpret, mesh, arg_shapes, result_shape):
+    del options, interpret, mesh, result_shape
+    _, row_sharding = _shardings(*_plan(arg_shapes[0]))
+    return row_sharding, row_sharding
+
+
+def _partition_backward(options, inplace, interpret, mesh, arg_shapes, result_shape):
+    del result_shape
+    mesh, rows, vocab_axes = _plan(arg_shapes[0])
+    logits_sharding, row_sharding = _shardings(mesh, rows, vocab_axes)
+    lower = functools.partial(
+        _local_backward,
+        options=options,
+        inplace=inplace,
+        interpret=interpret,
+        mesh=mesh,
+        vocab_axes=vocab_axes,
+        vocab_total=arg_shapes[0].shape[-1],
+    )
+    return mesh, lower, logits_sharding, (logits_sharding,) + (row_sharding,) * 3
+
+
+def _infer_backward(options, inplace, interpret, mesh, arg_shapes, result_shape):
+    del options, inplace, interpret, mesh, result_shape
+    return _shardings(*_plan(arg_shapes[0]))[0]
+
+
+# ----------------------------------------------------------------------------
+# The ops (one per static configuration), with their vmap rules.
+# ----------------------------------------------------------------------------
+
+
+def _as_leading_batch(axis_size, in_batched, args):
+    """Every argument with the vmapped axis first (custom_vmap puts it there)."""
+    return [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape) for a, b in zip(args, in_batched)]
+
+
+@functools.cache
+def _forward_op(options: Options, interpret: bool):
+    @custom_partitioning
+    def op(logits, labels):
+        return _local_forward(logits, labels, options, interpret)
+
+    op.def_partition(
+        partition=functools.partial(_partition_forward, options, interpret),
+        infer_sharding_from_operands=functools.partial(_infer_forward, options, interpret),
+        sharding_rule="... v, ... -> ..., ...",
+    )
+
+    @jax.custom_batching.custom_vmap
+    def batchable(logits, labels):
+        return op(logits, labels)
+
+    @batchable.def_vmap
+    def _(axis_size, in_batched, logits, labels):
+        return batchable(*_as_leading_batch(axis_size, in_batched, (logits, labels))), (True, True)
+
+    # jit: an eager call is partitioned too (custom_partitioning's eager
+    # implementation would run the whole computation unpartitioned).
+    return jax.jit(batchable)
+
+
+@functools.cache
+def _backward_op(options: Options, inplace: bool, interpret: bool):
+    @custom_partitioning
+    def op(logits, labels, lse, g):
+        return _local_backward(logits, labels, lse, g, options, inplace, interpret)
+
+    op.def_partition(
+        partition=functools.partial(_partition_backward, options, inplace, interpret),
+        infer_sharding_from_operands=functools.partial(_infer_backward, options, inplace, interpret),
+        sharding_rule="... v, ..., ..., ... -> ... v",
+    )
+
+    @jax.custom_batching.custom_vmap
+    def batchable(logits, labels, lse, g):
+        return op(logits, labels, lse, g)
+
+    @batchable.def_vmap
+    def _(axis_size, in_batched, *args):
+        return batchable(*_as_leading_batch(axis_size, in_batched, args)), True
+
+    return jax.jit(batchable)
+
+
+def _single_device() -> bool:
+    # With one device there is nothing to partition: call the kernels directly.
+    return jax.device_count() == 1
+
+
+def forward(logits, labels, options: Options, *, interpret: bool):
+    """(loss, lse), float32 shaped like labels, of logits (..., V) however they are sharded."""
+    if _single_device():
+        return _local_forward(logits, labels, options, interpret)
+    return _forward_op(options, interpret)(logits, labels)
+
+
+def backward(logits, labels, lse, g, options: Options, *, inplace: bool, interpret: bool):
+    """dL/dlogits (..., V), sharded like logits; g is the per-token upstream shaped like labels."""
+    if _single_device():
+        return _local_backward(logits, labels, lse, g, options, inplace, interpret)
+    return _backward_op(options, inplace, interpret)(logits, labels, lse, g)

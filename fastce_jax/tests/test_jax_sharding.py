@@ -1,0 +1,400 @@
+"""fastce_jax with sharded logits under jit (fastce_jax/sharding.py) and the kernels' vocab-parallel mode.
+
+Everything is compared with the float64 reference in shared_tests/reference.py.  The sharded tests need several
+devices: on CPU, ``test_sharded_suite_on_4_cpu_devices`` re-runs this module in a subprocess with
+XLA_FLAGS=--xla_force_host_platform_device_count=4 (the flag must be set before jax is imported); run directly in a
+process that already has several devices (or with --gpu on two GPUs) the tests run here.  On CPU backend="kernel"
+runs the Pallas kernels in interpret mode, backend="auto" the jnp reference, so both are tested.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fastce_jax import cross_entropy, kernels
+from fastce_jax.kernels import Options
+from shared_tests import reference
+
+EPS32 = float(np.finfo(np.float32).eps)
+N_ROWS, VOCAB = 8, 64  # tiny: the interpreter is slow; divisible by 4 devices either way
+ALL = dict(label_smoothing=0.2, z_loss=1e-3, logit_softcapping=7.0, logit_scaling=1.3)
+OPTION_SETS = {
+    "plain": {},
+    "smoothing": dict(label_smoothing=0.1),
+    "smoothing1": dict(label_smoothing=1.0),
+    "z_loss": dict(z_loss=1e-2),
+    "softcap": dict(logit_softcapping=4.0),
+    "scaling": dict(logit_scaling=0.5),
+    "ignore5": dict(ignore_index=5),
+    "all": ALL,
+}
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+# ----------------------------------------------------------------------------
+# Running the sharded tests somewhere with several devices.
+# ----------------------------------------------------------------------------
+
+
+def _platform(use_gpu):
+    return "gpu" if use_gpu else "cpu"
+
+
+def test_sharded_suite_on_4_cpu_devices(use_gpu):
+    if use_gpu or len(jax.devices("cpu")) >= 2:
+        pytest.skip("this process has several devices: the sharded tests run here")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", os.path.abspath(__file__)]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=3000)
+    print(done.stdout[-3000:])
+    assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-4000:]
+    assert re.search(r"\d+ passed", done.stdout) and " failed" not in done.stdout
+
+
+@pytest.fixture(scope="module")
+def devices(use_gpu):
+    devs = jax.devices(_platform(use_gpu))
+    if len(devs) < 2:
+        pytest.skip("needs several devices (run through test_sharded_suite_on_4_cpu_devices)")
+    return devs
+
+
+def mesh_for(devices, layout):
+    """(mesh, logits spec, logits shape) of a named layout."""
+    n = len(devices)
+    one = Mesh(np.array(devices), ("d",))
+    if layout in ("rows", "vocab", "seq"):
+        return one, {"rows": P("d", None), "vocab": P(None, "d"), "seq": P(None, "d", None)}[layout]
+    if n < 4:
+        pytest.skip("a 2-D mesh needs 4 devices")
+    two = Mesh(np.array(devices[:4]).reshape(2, 2), ("r", "v"))
+    return two, {
+        "2d": P("r", "v"),
+        "rows2": P(("r", "v"), None),
+        "vocab2": P(None, ("v", "r")),
+        "3d": P("r", None, "v"),
+    }[layout]
+
+
+def make_inputs(shape, seed, *, ignore_index=-100, dtype=np.float32, bad_labels=False):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(shape) * 2.0).astype(np.float32)
+    y = rng.integers(0, shape[-1], shape[:-1]).astype(np.int32)
+    flat = y.reshape(-1)
+    flat[rng.permutation(flat.size)[:2]] = ignore_index
+    if bad_labels:
+        flat[rng.permutation(flat.size)[:2]] = [shape[-1] + 3, -7]
+    return jnp.asarray(x, dtype), y
+
+
+def put(x, mesh, spec):
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def expected(x, y, opts, reduction="mean", n_items=None, upstream=None):
+    exact = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    kw = {k: opts[k] for k in opts}
+    return reference.cross_entropy(
+        exact, y, reduction=reduction, n_items=n_items, upstream=upstream, opts=reference.Options(**kw)
+    )
+
+
+def check_close(actual, want, bound, what):
+    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(actual), nan), f"{what}: NaN where the reference has none (or vice versa)"
+    err = np.abs(actual - want)[~nan]
+    limit = np.broadcast_to(bound, want.shape)[~nan]
+    assert (err <= limit).all(), (
+        f"{what}: max error {err.max():.3g} above its bound {limit[np.argmax(err - limit)]:.3g}"
+    )
+
+
+def check_against_reference(loss, grad, x, y, opts, reduction="mean", n_items=None, upstream=None):
+    ref = expected(x, y, opts, reduction, n_items, upstream)
+    if reduction == "none":
+        loss_bound = 32 * EPS32 * ref.loss_scale.reshape(y.shape) + 1e-30
+    else:
+        loss_bound = 32 * EPS32 * np.nansum(ref.loss_scale * ref.upstream) + 1e-30
+    check_close(loss, ref.loss, loss_bound, "loss")
+    dtype_eps = float(jnp.finfo(jnp.asarray(x).dtype).eps)
+    grad_bound = 32 * EPS32 * ref.grad_scale + dtype_eps * np.abs(ref.grad) + 1e-30
+    check_close(grad, ref.grad, grad_bound, "gradient")
+
+
+def collectives(compiled_text):
+    """[(op, element count of its result)] of every collective in compiled HLO text."""
+    found = []
+    for line in compiled_text.splitlines():
+        m = re.search(r"=\s*(\(?[^=]*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(", line)
+        if not m:
+            continue
+        sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"\[([\d,]*)\]", m[1])]
+        found.append((m[2], max(sizes, default=1)))
+    return found
+
+
+def value_and_grad_fn(backend, reduction="mean", n_items=None, **opts):
+    def f(a, b):
+        return cross_entropy(a, b, backend=backend, reduction=reduction, n_items=n_items, **opts)
+
+    return jax.jit(jax.value_and_grad(f))
+
+
+# ----------------------------------------------------------------------------
+# Every layout, both backends.
+# ----------------------------------------------------------------------------
+
+
+LAYOUTS = ["rows", "vocab", "seq", "2d", "rows2", "vocab2", "3d"]
+
+
+@pytest.mark.parametrize("backend", ["kernel", "auto"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_matches_reference(devices, layout, backend):
+    mesh, spec = mesh_for(devices, layout)
+    shape = (2, N_ROWS // 2 * 2, VOCAB) if len(spec) == 3 else (N_ROWS, VOCAB)
+    x, y = make_inputs(shape, seed=len(layout))
+    xs, ys = put(x, mesh, spec), put(y, mesh, P(*spec[:-1]))
+    f = value_and_grad_fn(backend, **ALL)
+    loss, grad = f(xs, ys)
+    check_against_reference(loss, grad, x, y, ALL)
+    # The gradient keeps the logits' sharding.
+    assert grad.sharding.is_equivalent_to(xs.sharding, xs.ndim), (grad.sharding, xs.sharding)
+    if backend == "kernel":
+        # O(N) communication: no collective anywhere near the logits' size.
+        found = collectives(f.lower(xs, ys).compile().as_text())
+        assert all(size <= 3 * y.size for _, size in found), found
+        if spec[-1] is None:  # rows only: a "mean" needs scalar all-reduces and nothing else
+            assert all(size == 1 for _, size in found), found
+        else:  # vocabulary sharded: the combine's all-reduces of N-vectors are there
+            assert any(op == "all-reduce" and size > 1 for op, size in found), found
+
+
+@pytest.mark.parametrize("name", list(OPTION_SETS))
+@pytest.mark.parametrize("layout", ["vocab", "2d"])
+def test_every_option_vocab_parallel(devices, layout, name):
+    opts = OPTION_SETS[name]
+    mesh, spec = mesh_for(devices, layout)
+    x, y = make_inputs((N_ROWS, VOCAB), seed=3, ignore_index=opts.get("ignore_index", -100))
+    xs, ys = put(x, mesh, spec), put(y, mesh, P(spec[0]))
+    loss, grad = value_and_grad_fn("kernel", **opts)(xs, ys)
+    check_against_reference(loss, grad, x, y, opts)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none", "n_items", "n_items_traced"])
+@pytest.mark.parametrize("layout", ["rows", "vocab", "2d"])
+def test_reductions_and_n_items(devices, layout, reduction):
+    mesh, spec = mesh_for(devices, layout)
+    x, y = make_inputs((N_ROWS, VOCAB), seed=4)
+    xs, ys = put(x, mesh, spec), put(y, mesh, P(spec[0]))
+    if reduction == "none":
+        w = np.random.default_rng(5).uniform(0.5, 2.0, y.shape).astype(np.float32)
+
+        def f(a, b):
+            return cross_entropy(a, b, backend="kernel", reduction="none", **ALL)
+
+        loss, vjp = jax.vjp(lambda a: f(a, ys), xs)
+        (grad,) = vjp(jnp.asarray(w))
+        check_against_reference(loss, grad, x, y, ALL, reduction="none", upstream=w)
+        assert loss.sharding.is_equivalent_to(NamedSharding(mesh, P(spec[0])), 1)
+    elif reduction == "sum":
+        loss, grad = value_and_grad_fn("kernel", "sum", **ALL)(xs, ys)
+        check_against_reference(loss, grad, x, y, ALL, reduction="sum")
+    elif reduction == "n_items":
+        loss, grad = value_and_grad_fn("kernel", "mean", n_items=13, **ALL)(xs, ys)
+        check_against_reference(loss, grad, x, y, ALL, reduction="mean", n_items=13)
+    else:  # a traced n_items (transformers' num_items_in_batch is an array)
+
+        @jax.jit
+        def f(a, b, n):
+            return jax.value_and_grad(lambda t: cross_entropy(t, b, backend="kernel", n_items=n, **ALL))(a)
+
+        loss, grad = f(xs, ys, jnp.int32(11))
+        check_against_reference(loss, grad, x, y, ALL, reduction="mean", n_items=11)
+    assert grad.sharding.is_equivalent_to(xs.sharding, 2)
+
+
+@pytest.mark.parametrize("layout", ["vocab", "2d"])
+def test_bad_labels_give_nan_rows_only(devices, layout):
+    """Labels outside [0, V): NaN loss and NaN gradient row on every shard, other rows exact."""
+    mesh, spec = mesh_for(devices, layout)
+    x, y = make_inputs((N_ROWS, VOCAB), seed=6, bad_labels=True)
+    xs, ys = put(x, mesh, spec), put(y, mesh, P(spec[0]))
+    w = np.ones(y.shape, np.float32)
+    loss, vjp = jax.vjp(lambda a: cross_entropy(a, ys, backend="kernel", reduction="none", **ALL), xs)
+    (grad,) = vjp(jnp.asarray(w))
+    assert np.isnan(np.asarray(loss)).sum() == 2
+    check_against_reference(loss, grad, x, y, ALL, reduction="none", upstream=w)
+
+
+def test_bfloat16_vocab_parallel(devices):
+    mesh, spec = mesh_for(devices, "vocab")
+    x, y = make_inputs((N_ROWS, VOCAB), seed=7, dtype=jnp.bfloat16)
+    xs, ys = put(x, mesh, spec), put(y, mesh, P(None))
+    loss, grad = value_and_grad_fn("kernel", **ALL)(xs, ys)
+    assert grad.dtype == jnp.bfloat16
+    check_against_reference(loss, grad, x, y, ALL)
+
+
+@pytest.mark.parametrize("layout", ["rows", "vocab", "2d"])
+def test_batch_invariance(devices, layout):
+    """A row's loss and gradient do not depend on the other rows (bitwise), sharded or not."""
+    mesh, spec = mesh_for(devices, layout)
+    x, y = make_inputs((N_ROWS, VOCAB), seed=8)
+    x2, _ = make_inputs((N_ROWS, VOCAB), seed=9)
+    x2 = x2.at[: N_ROWS // 2].set(x[: N_ROWS // 2])
+    g = jax.jit(
+        lambda a, b: jax.value_and_grad(lambda t: cross_entropy(t, b, reduction="sum", backend="kernel", **ALL))(a)
+    )
+    ys = put(y, mesh, P(spec[0]))
+    _, g1 = g(put(x, mesh, spec), ys)
+    _, g2 = g(put(x2, mesh, spec), ys)
+    half = N_ROWS // 2
+    assert np.array_equal(np.asarray(g1)[:half], np.asarray(g2)[:half])
+    per_token = jax.jit(lambda a, b: cross_entropy(a, b, reduction="none", backend="kernel", **ALL))
+    l1, l2 = per_token(put(x, mesh, spec), ys), per_token(put(x2, mesh, spec), ys)
+    assert np.array_equal(np.asarray(l1)[:half], np.asarray(l2)[:half])
+    if spec[-1] is None:  # rows sharded: the very same kernels as one device, bit for bit
+        one = per_token(jnp.asarray(x), jnp.asarray(y))
+        assert np.array_equal(np.asarray(l1), np.asarray(one))
+
+
+def test_vmap_and_eager_under_sharding(devices):
+    mesh, spec = mesh_for(devices, "seq")  # (B, T, V) with T sharded
+    x, y = make_inputs((2, N_ROWS, VOCAB), seed=10)
+    xs, ys = put(x, mesh, P(None, None, "d")), put(y, mesh, P(None, None))
+    f = jax.value_and_grad(lambda a, b: cross_entropy(a, b, backend="kernel", **ALL))
+    loss, grad = jax.jit(jax.vmap(f))(xs, ys)
+    for i in range(2):
+        check_against_reference(loss[i], grad[i], x[i], y[i], ALL)
+    loss, grad = f(xs, ys)  # eager: each op runs as its own jit
+    check_against_reference(loss, grad, x, y, ALL)
+    assert grad.sharding.is_equivalent_to(xs.sharding, 3)
+
+
+# ----------------------------------------------------------------------------
+# Inside a user's shard_map.
+# ----------------------------------------------------------------------------
+
+
+def _local_value_and_grad(backend, check_vma, mesh, spec):
+    """shard_map over the rows: each device's summed loss (a (1,) block) and its gradient block."""
+
+    def body(a, b):
+        loss, grad = jax.value_and_grad(lambda t: cross_entropy(t, b, backend=backend, reduction="sum", **ALL))(a)
+        return loss[None], grad
+
+    return jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(spec, P(*spec[:-1])), out_specs=(P(spec[0]), spec), check_vma=check_vma
+        )
+    )
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("backend", ["kernel", "auto"])
+def test_inside_shard_map(devices, use_gpu, backend, check_vma):
+    mesh, spec = mesh_for(devices, "rows")
+    x, y = make_inputs((N_ROWS, VOCAB), seed=12)
+    f = _local_value_and_grad(backend, check_vma, mesh, spec)
+    if backend == "kernel" and check_vma and not use_gpu:
+        with pytest.raises(NotImplementedError, match="check_vma"):
+            f(x, y)
+        return
+    losses, grad = f(put(x, mesh, spec), put(y, mesh, P("d")))
+    ref = expected(x, y, ALL, "sum")
+    check_against_reference(jnp.sum(losses), grad, x, y, ALL, reduction="sum")
+    # Each device's block is the sum of its own rows.
+    blocks = ref.token_loss.reshape(len(devices), -1).sum(axis=1)
+    check_close(losses, blocks, 32 * EPS32 * ref.loss_scale.reshape(len(devices), -1).sum(axis=1), "per-device sums")
+
+
+def test_inside_shard_map_2d_with_psum(devices, use_gpu):
+    """A 2-D shard_map whose body psums the loss: the varying types line up (reference backend on CPU)."""
+    mesh, _ = mesh_for(devices, "2d")
+    x, y = make_inputs((2, N_ROWS, VOCAB), seed=13)
+    backend = "kernel" if use_gpu else "auto"
+
+    def body(a, b):
+        return jax.lax.psum(cross_entropy(a, b, backend=backend, reduction="sum", **ALL), ("r", "v"))
+
+    f = jax.jit(
+        jax.shard_map(
+            jax.value_and_grad(body),
+            mesh=mesh,
+            in_specs=(P("r", "v", None), P("r", "v")),
+            out_specs=(P(), P("r", "v", None)),
+        )
+    )
+    loss, grad = f(x, y)
+    check_against_reference(loss, grad, x, y, ALL, reduction="sum")
+
+
+# ----------------------------------------------------------------------------
+# The kernels' vocab-parallel mode alone (one device; the same mode as fastce_torch's).
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["plain", "all", "smoothing1", "ignore5"])
+@pytest.mark.parametrize("splits", [(64,), (16, 48), (20, 20, 24)], ids=["one", "two", "three"])
+def test_vocab_parallel_kernel_mode(name, splits):
+    opts = OPTION_SETS[name]
+    options = Options(**{**Options()._asdict(), **opts})
+    x, y = make_inputs((N_ROWS, VOCAB), seed=14, ignore_index=options.ignore_index, bad_labels=True)
+    ref = expected(x, y, opts, "none")
+    starts = np.cumsum((0,) + splits)[:-1]
+    stats = [
+        kernels.forward(
+            x[:, s : s + w], jnp.asarray(y), options, interpret=True, vocab_start=jnp.int32(s), vocab_total=VOCAB
+        )
+        for s, w in zip(starts, splits)
+    ]
+    lse_parts = np.stack([np.asarray(s[0], np.float64) for s in stats])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        top = np.nanmax(lse_parts, axis=0)
+        top = np.where(np.isfinite(top), top, 0.0)
+        lse = top + np.log(np.exp(lse_parts - top).sum(axis=0))
+    z_label = sum(np.asarray(s[1], np.float64) for s in stats)
+    sum_z = sum(np.asarray(s[2], np.float64) for s in stats)
+    keep = y != options.ignore_index
+    bound = 32 * EPS32 * ref.loss_scale
+    check_close(lse[keep], ref.lse[keep], bound[keep], "combined lse")
+    in_range = (y >= 0) & (y < VOCAB) & keep
+    zref = reference.transform(np.asarray(x, np.float64), reference.Options(**opts))
+    want_label = np.take_along_axis(zref, np.where(in_range, y, 0)[:, None], axis=-1)[:, 0]
+    check_close(z_label[in_range], want_label[in_range], bound[in_range], "label logit")
+    if options.label_smoothing:
+        sum_bound = 32 * EPS32 * (np.abs(zref).sum(axis=-1) + 1.0)
+        check_close(sum_z[keep], zref.sum(axis=-1)[keep], sum_bound[keep], "sum of z")
+    else:
+        assert (sum_z == 0).all()
+    # Backward with the global lse: the shards' gradients side by side are the full gradient.
+    g = np.random.default_rng(15).uniform(0.5, 2.0, N_ROWS).astype(np.float32)
+    ref = expected(x, y, opts, "none", upstream=g)
+    grads = [
+        kernels.backward(
+            x[:, s : s + w],
+            jnp.asarray(y),
+            jnp.asarray(ref.lse, jnp.float32),
+            jnp.asarray(g),
+            options,
+            inplace=False,
+            interpret=True,
+            vocab_start=jnp.int32(s),
+            vocab_total=VOCAB,
+        )
+        for s, w in zip(starts, splits)
+    ]
+    grad = np.concatenate([np.asarray(d) for d in grads], axis=1)
+    check_close(grad, ref.grad, 32 * EPS32 * ref.grad_scale + 1e-30, "gradient")

@@ -1,0 +1,425 @@
+"""fastce_jax.linear_cross_entropy against a float64 NumPy reference (the matmul in float64, then
+np_cross_entropy's per-token loss and gradient, chained through the matmul by hand).
+
+On CPU backend="kernel" runs the chunked path with the Pallas kernels in interpret mode, on tiny shapes, with
+the chunk size forced small (CHUNK_ROWS) so that several chunks and the clamped, overlapping last chunk run.
+With --gpu the same tests run the compiled kernels; the tests marked gpu add bf16 at a mid shape and the
+compiled memory at the benchmark shapes.
+"""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fastce_jax import linear_cross_entropy
+
+from .np_reference import assert_close, np_cross_entropy
+
+# The module (the package attribute of the same name is the function).
+LCE = importlib.import_module("fastce_jax.linear_cross_entropy")
+
+OPTION_SETS = {
+    "plain": {},
+    "smoothing": dict(label_smoothing=0.1),
+    "z_loss": dict(z_loss=1e-2),
+    "softcap": dict(logit_softcapping=4.0),
+    "scaling": dict(logit_scaling=0.5),
+    "ignore5": dict(ignore_index=5),
+    "all": dict(label_smoothing=0.2, z_loss=1e-3, logit_softcapping=7.0, logit_scaling=1.3),
+}
+LOSS_TOL = dict(rtol=3e-5, atol=3e-5)
+UPSTREAM = 1.7  # the tests differentiate UPSTREAM * loss, so the backward's scaling is checked too
+
+
+@pytest.fixture(autouse=True)
+def _exact_float32_matmuls():
+    """The chunk matmuls follow JAX's default matmul precision, which on a GPU may be TF32 for float32 inputs;
+    the float32-vs-float64 tolerances here are for float32 products."""
+    with jax.default_matmul_precision("float32"):
+        yield
+
+
+@pytest.fixture
+def chunk_rows(monkeypatch):
+    """Force the chunk size (several chunks on tiny shapes)."""
+
+    def set_rows(rows):
+        monkeypatch.setattr(LCE, "CHUNK_ROWS", rows)
+
+    set_rows(8)
+    return set_rows
+
+
+def make_inputs(put, n, h, v, *, seed, dtype=jnp.float32, ignore_index=-100, n_ignored=3, lead=None):
+    rng = np.random.default_rng(seed)
+    hidden = rng.standard_normal((n, h))
+    weight = rng.standard_normal((v, h)) * (2.0 / np.sqrt(h))
+    bias = rng.standard_normal(v) * 0.5
+    labels = rng.integers(0, v, n)
+    labels[rng.permutation(n)[:n_ignored]] = ignore_index
+    shape = (n,) if lead is None else lead
+    return (
+        put(hidden.reshape(shape + (h,)), dtype),
+        put(weight, dtype),
+        put(bias, dtype),
+        labels.reshape(shape),
+    )
+
+
+def f64(x):
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def reference(hidden, weight, labels, *, bias=None, reduction="mean", n_items=None, upstream=1.0, **opts):
+    """float64 (loss, dhidden, dweight, dbias) of upstream * linear_cross_entropy; upstream is a scalar, or the
+    per-token cotangent (labels' shape) for reduction="none"."""
+    h = f64(hidden)
+    lead, dim = h.shape[:-1], h.shape[-1]
+    h = h.reshape(-1, dim)
+    w = f64(weight)
+    y = np.asarray(labels).reshape(-1)
+    logits = h @ w.T + (0.0 if bias is None else f64(bias))
+    token_loss, dtoken = np_cross_entropy(logits, y, **opts)
+    ignore_index = opts.get("ignore_index", -100)
+    if reduction == "none":
+        loss = token_loss.reshape(lead)
+        g = np.broadcast_to(np.asarray(upstream, np.float64), lead).reshape(-1)
+    else:
+        den = float(n_items) if n_items is not None else 1.0
+        if n_items is None and reduction == "mean":
+            den = float(max(1, int(np.sum(y != ignore_index))))
+        loss = token_loss.sum() / den
+        g = np.full(y.shape, upstream / den)
+    dlogits = dtoken * g[:, None]
+    with np.errstate(invalid="ignore"):
+        dh, dw, db = dlogits @ w, dlogits.T @ h, dlogits.sum(0)
+    return loss, dh.reshape(lead + (dim,)), dw, db
+
+
+def grad_tol(expected, rtol):
+    finite = np.isfinite(expected)
+    scale = np.abs(expected[finite]).max() if finite.any() else 1.0
+    return dict(rtol=rtol, atol=rtol * 0.1 * scale)
+
+
+def check(put, hidden, weight, labels, *, bias=None, reduction="mean", grad_rtol=2e-4, cotangent=None, **kwargs):
+    """value_and_grad of UPSTREAM * loss (or sum(cotangent * loss) for "none") w.r.t. hidden, weight (and bias),
+    against the float64 reference.  Returns the loss and gradients."""
+    y = put(labels, jnp.int32)
+    argnums = (0, 1) if bias is None else (0, 1, 2)
+
+    def f(h, w, b):
+        loss = linear_cross_entropy(h, w, y, bias=b, reduction=reduction, backend="kernel", **kwargs)
+        if reduction == "none":
+            return jnp.sum(loss * cotangent), loss
+        return UPSTREAM * loss, loss
+
+    (_, loss), grads = jax.value_and_grad(f, argnums=argnums, has_aux=True)(hidden, weight, bias)
+    upstream = cotangent if reduction == "none" else UPSTREAM
+    opts = {k: v for k, v in kwargs.items() if k != "n_items"}
+    ref = reference(
+        hidden, weight, labels, bias=bias, reduction=reduction, n_items=kwargs.get("n_items"), upstream=upstream, **opts
+    )
+    assert loss.dtype == jnp.float32 and loss.shape == np.shape(ref[0])
+    assert_close(loss, ref[0], what="loss", **LOSS_TOL)
+    for name, got, want, like in zip(("dhidden", "dweight", "dbias"), grads, ref[1:], (hidden, weight, bias)):
+        assert got.dtype == like.dtype and got.shape == like.shape, name
+        assert_close(got, want, what=name, **grad_tol(want, grad_rtol))
+    return loss, grads
+
+
+# ----------------------------------------------------------------------------
+# Float32 against float64, several chunks.
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option_set", list(OPTION_SETS))
+def test_options_and_reductions(put, chunk_rows, option_set):
+    opts = OPTION_SETS[option_set]
+    seed = list(OPTION_SETS).index(option_set)
+    hidden, weight, bias, labels = make_inputs(put, 21, 16, 67, seed=seed, ignore_index=opts.get("ignore_index", -100))
+    if option_set == "ignore5":
+        labels[4] = 5
+    cotangent = put(np.random.default_rng(seed).uniform(0.5, 2.0, labels.shape), jnp.float32)
+    for reduction in ("mean", "sum", "none"):
+        check(
+            put,
+            hidden,
+            weight,
+            labels,
+            bias=bias if seed % 2 else None,
+            reduction=reduction,
+            cotangent=cotangent,
+            **opts,
+        )
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 20, 40])
+def test_chunk_sizes(put, chunk_rows, rows):
+    """One row per chunk, a last chunk overlapping the one before (40 = 8 * 5 and 40 = 7 * 5 + 5), one chunk."""
+    chunk_rows(rows)
+    hidden, weight, bias, labels = make_inputs(put, 40 if rows != 5 else 37, 16, 50, seed=rows)
+    check(put, hidden, weight, labels, bias=bias, label_smoothing=0.05)
+
+
+def test_n_items_int_and_traced(put, chunk_rows):
+    hidden, weight, bias, labels = make_inputs(put, 19, 16, 60, seed=11)
+    for reduction in ("mean", "sum"):
+        check(put, hidden, weight, labels, reduction=reduction, n_items=7)
+    y = put(labels, jnp.int32)
+
+    @jax.jit
+    def step(h, w, n):
+        return jax.value_and_grad(lambda h, w: linear_cross_entropy(h, w, y, n_items=n, backend="kernel"), (0, 1))(h, w)
+
+    loss, (dh, dw) = step(hidden, weight, jnp.asarray(7, jnp.int32))
+    ref = reference(hidden, weight, labels, n_items=7)
+    assert_close(loss, ref[0], what="loss", **LOSS_TOL)
+    assert_close(dh, ref[1], what="dhidden", **grad_tol(ref[1], 2e-4))
+    assert_close(dw, ref[2], what="dweight", **grad_tol(ref[2], 2e-4))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_ignored(put, chunk_rows, reduction):
+    hidden, weight, bias, labels = make_inputs(put, 12, 16, 50, seed=3)
+    labels[:] = -100
+    y = put(labels, jnp.int32)
+
+    def f(h, w, b):
+        return jnp.sum(linear_cross_entropy(h, w, y, bias=b, reduction=reduction, backend="kernel"))
+
+    loss, grads = jax.value_and_grad(f, argnums=(0, 1, 2))(hidden, weight, bias)
+    assert float(loss) == 0.0
+    for g in grads:
+        assert np.array_equal(np.asarray(g), np.zeros(g.shape)), "all-ignored batch must have zero gradients"
+
+
+def test_bad_label_is_nan(put, chunk_rows):
+    """A label outside [0, V): that token's loss and dhidden row are NaN, and so (through the sum over tokens)
+    are dweight and dbias; the other tokens' dhidden rows are untouched."""
+    hidden, weight, bias, labels = make_inputs(put, 18, 16, 50, seed=4)
+    labels[9] = 50
+    labels[2] = -7
+    cotangent = put(np.ones(labels.shape), jnp.float32)
+    loss, (dh, dw, db) = check(put, hidden, weight, labels, bias=bias, reduction="none", cotangent=cotangent)
+    assert np.isnan(np.asarray(loss)[[2, 9]]).all() and np.isfinite(np.delete(np.asarray(loss), [2, 9])).all()
+    assert np.isnan(np.asarray(dh)[[2, 9]]).all() and np.isfinite(np.delete(np.asarray(dh), [2, 9], axis=0)).all()
+    assert np.isnan(np.asarray(dw)).all() and np.isnan(np.asarray(db)).all()
+    mean = linear_cross_entropy(hidden, weight, put(labels, jnp.int32), backend="kernel")
+    assert np.isnan(float(mean))
+
+
+def test_int64_labels_beyond_int32_are_nan(put, chunk_rows):
+    """A NumPy int64 label of 2**32 + 3 must not wrap into the vocabulary as class 3."""
+    hidden, weight, _, labels = make_inputs(put, 10, 16, 50, seed=5)
+    labels = labels.astype(np.int64)
+    labels[1] = 2**32 + 3
+    losses = linear_cross_entropy(hidden, weight, labels, reduction="none", backend="kernel")
+    assert np.isnan(np.asarray(losses)[1]) and np.isfinite(np.delete(np.asarray(losses), 1)).all()
+
+
+def test_3d_hidden(put, chunk_rows):
+    hidden, weight, bias, labels = make_inputs(put, 24, 16, 60, seed=6, lead=(3, 8))
+    check(put, hidden, weight, labels, bias=bias)
+    cotangent = put(np.random.default_rng(6).uniform(0.5, 2, (3, 8)), jnp.float32)
+    loss, _ = check(put, hidden, weight, labels, reduction="none", cotangent=cotangent, z_loss=1e-3)
+    assert loss.shape == (3, 8)
+
+
+def test_jit_and_vmap(put, chunk_rows):
+    """vmap over a batch of (hidden, labels) with a shared weight: each member's loss and gradients."""
+    batch, n, dim, vocab = 3, 10, 16, 50
+    rng = np.random.default_rng(7)
+    hidden = put(rng.standard_normal((batch, n, dim)), jnp.float32)
+    weight = put(rng.standard_normal((vocab, dim)) * 0.5, jnp.float32)
+    labels = rng.integers(0, vocab, (batch, n))
+    labels[0, 3] = -100
+    labels[2, :4] = -100
+
+    def one(h, w, y):
+        return linear_cross_entropy(h, w, y, backend="kernel", label_smoothing=0.1)
+
+    run = jax.jit(jax.vmap(jax.value_and_grad(one, argnums=(0, 1)), in_axes=(0, None, 0)))
+    loss, (dh, dw) = run(hidden, weight, put(labels, jnp.int32))
+    for b in range(batch):
+        ref = reference(hidden[b], weight, labels[b], label_smoothing=0.1)
+        assert_close(loss[b], ref[0], what="loss", **LOSS_TOL)
+        assert_close(dh[b], ref[1], what="dhidden", **grad_tol(ref[1], 2e-4))
+        assert_close(dw[b], ref[2], what="dweight", **grad_tol(ref[2], 2e-4))
+
+
+def test_weight_grad_summed_in_weight_dtype(put, chunk_rows, monkeypatch):
+    """ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32=False (sum in the weight's dtype) is still correct in float32."""
+    monkeypatch.setattr(LCE, "ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32", False)
+    hidden, weight, bias, labels = make_inputs(put, 30, 16, 50, seed=8)
+    check(put, hidden, weight, labels, bias=bias, z_loss=1e-3)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision(put, chunk_rows, dtype):
+    """bf16/f16 inputs: logits rounded to the dtype before the loss, gradients in the dtype.  The reference
+    sees the rounded inputs, not the rounded logits, so the tolerance is the dtype's."""
+    hidden, weight, bias, labels = make_inputs(put, 24, 32, 70, seed=9, dtype=jnp.dtype(dtype))
+    rtol = 3e-2 if dtype == "bfloat16" else 4e-3
+    y = put(labels, jnp.int32)
+    loss, grads = jax.value_and_grad(
+        lambda h, w, b: linear_cross_entropy(h, w, y, bias=b, backend="kernel"), argnums=(0, 1, 2)
+    )(hidden, weight, bias)
+    ref = reference(hidden, weight, labels, bias=bias)
+    assert_close(loss, ref[0], what="loss", rtol=rtol, atol=rtol)
+    for name, got, want in zip(("dhidden", "dweight", "dbias"), grads, ref[1:]):
+        assert got.dtype == jnp.dtype(dtype)
+        assert_close(got, want, what=name, **grad_tol(want, 4 * rtol))
+
+
+def test_mixed_dtypes_keep_each_gradient_dtype(put, chunk_rows):
+    hidden, weight, bias, labels = make_inputs(put, 12, 16, 50, seed=10)
+    hidden16 = hidden.astype(jnp.bfloat16)
+    y = put(labels, jnp.int32)
+    grads = jax.grad(lambda h, w, b: linear_cross_entropy(h, w, y, bias=b, backend="kernel"), argnums=(0, 1, 2))(
+        hidden16, weight, bias
+    )
+    assert [g.dtype for g in grads] == [jnp.bfloat16, jnp.float32, jnp.float32]
+
+
+# ----------------------------------------------------------------------------
+# Backends, arguments, memory.
+# ----------------------------------------------------------------------------
+
+
+def test_reference_backend_matches(put):
+    hidden, weight, bias, labels = make_inputs(put, 16, 16, 50, seed=12)
+    y = put(labels, jnp.int32)
+    kw = dict(bias=bias, logit_softcapping=5.0, label_smoothing=0.1)
+    got = jax.value_and_grad(lambda h, w: linear_cross_entropy(h, w, y, backend="reference", **kw), argnums=(0, 1))(
+        hidden, weight
+    )
+    ref = reference(hidden, weight, labels, bias=bias, logit_softcapping=5.0, label_smoothing=0.1)
+    assert_close(got[0], ref[0], what="loss", **LOSS_TOL)
+    assert_close(got[1][1], ref[2], what="dweight", **grad_tol(ref[2], 2e-4))
+
+
+def test_auto_backend_picks_kernels_only_on_gpu(put, use_gpu):
+    hidden, weight, _, labels = make_inputs(put, 16, 16, 50, seed=13)
+    y = put(labels, jnp.int32)
+    for backend, kernels in (("auto", use_gpu), ("kernel", True), ("reference", False)):
+        jaxpr = str(jax.make_jaxpr(lambda h, w: linear_cross_entropy(h, w, y, backend=backend))(hidden, weight))
+        assert ("pallas_call" in jaxpr) == kernels, backend
+
+
+def test_validate_labels(put):
+    hidden, weight, _, labels = make_inputs(put, 8, 16, 50, seed=14)
+    labels[6] = 50
+    with pytest.raises(ValueError, match=r"labels\[6\] = 50"):
+        linear_cross_entropy(hidden, weight, labels, validate_labels=True)
+
+
+def test_bad_arguments(put):
+    hidden, weight, bias, labels = make_inputs(put, 8, 16, 50, seed=15)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        linear_cross_entropy(hidden, weight.T, labels)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        linear_cross_entropy(hidden, weight, labels, bias=bias[:-1])
+    with pytest.raises(TypeError, match="hidden must be float32"):
+        linear_cross_entropy(hidden.astype(jnp.int32), weight, labels)
+    with pytest.raises(ValueError, match="labels shape"):
+        linear_cross_entropy(hidden, weight, labels[:-1])
+    with pytest.raises(ValueError, match="reduction"):
+        linear_cross_entropy(hidden, weight, labels, reduction="avg")
+    with pytest.raises(ValueError, match="n_items"):
+        linear_cross_entropy(hidden, weight, labels, n_items=0)
+    with pytest.raises(TypeError, match="got an unexpected keyword argument 'return_z_loss'"):
+        linear_cross_entropy(hidden, weight, labels, return_z_loss=True)
+
+
+def test_empty_batch(put):
+    hidden = put(np.zeros((0, 16)), jnp.float32)
+    weight = put(np.random.default_rng(16).standard_normal((50, 16)), jnp.float32)
+    labels = np.zeros((0,), np.int32)
+    assert float(linear_cross_entropy(hidden, weight, labels, backend="kernel")) == 0.0
+    assert linear_cross_entropy(hidden, weight, labels, reduction="none", backend="kernel").shape == (0,)
+
+
+def test_chunk_rows_from_the_budget(monkeypatch):
+    monkeypatch.setattr(LCE, "WORKSPACE_BYTES", 1 << 30)
+    assert LCE.chunk_rows_for(8192, 128256, jnp.bfloat16) == 4096  # 4186 rows fit: two even chunks
+    assert LCE.chunk_rows_for(8192, 256000, jnp.bfloat16) == 2048
+    assert LCE.chunk_rows_for(1000, 256000, jnp.bfloat16) == 1000  # fits: one chunk
+    rows = LCE.chunk_rows_for(8292, 128256, jnp.bfloat16)
+    assert rows % LCE.ROW_ALIGN == 0 and rows * 128256 * 2 <= 1 << 30 and 3 * rows >= 8292
+    assert rows * 3 - 8292 < 3 * LCE.ROW_ALIGN  # the clamped last chunk repeats little
+
+
+def compiled_temp_bytes(n, dim, vocab, dtype):
+    """XLA's scratch for jit(value_and_grad) w.r.t. hidden and weight (inputs and outputs not counted)."""
+    hidden = jax.ShapeDtypeStruct((n, dim), dtype)
+    weight = jax.ShapeDtypeStruct((vocab, dim), dtype)
+    labels = jax.ShapeDtypeStruct((n,), jnp.int32)
+    fn = jax.value_and_grad(lambda h, w, y: linear_cross_entropy(h, w, y, backend="kernel"), argnums=(0, 1))
+    return jax.jit(fn).lower(hidden, weight, labels).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_compiled_memory_does_not_grow_with_rows(monkeypatch):
+    """CPU (interpret mode keeps a few copies of each chunk): the scratch is a function of the chunk, not of N,
+    and far below one (N, V) array of logits."""
+    monkeypatch.setattr(LCE, "CHUNK_ROWS", 64)
+    dim, vocab = 32, 4096
+    small, large = (compiled_temp_bytes(n, dim, vocab, jnp.float32) for n in (512, 2048))
+    assert large - small <= 64 * 2048, (small, large)  # a few float32 vectors of N
+    assert large < 2048 * vocab * 4 / 4, large
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("f32_weight_grad", [True, False])
+@pytest.mark.parametrize("n, dim, vocab", [(8192, 4096, 128256), (8192, 2304, 256000), (32768, 4096, 128256)])
+def test_gpu_compiled_memory(monkeypatch, capsys, n, dim, vocab, f32_weight_grad):
+    """bf16 on the GPU: the scratch is one chunk of logits (WORKSPACE_BYTES), the float32 weight-gradient carry
+    when enabled, and a little more; never the (N, V) logits."""
+    monkeypatch.setattr(LCE, "ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32", f32_weight_grad)
+    temp = compiled_temp_bytes(n, dim, vocab, jnp.bfloat16)
+    logits_bytes = n * vocab * 2
+    carry = vocab * dim * 4 if f32_weight_grad else 0
+    budget = carry + LCE.WORKSPACE_BYTES + (256 << 20)
+    with capsys.disabled():
+        print(
+            f"\n[fastce_jax linear] {n}x{dim}x{vocab} bf16 f32_weight_grad={f32_weight_grad}: temp "
+            f"{temp / 2**20:.0f} MiB (budget {budget / 2**20:.0f}, logits {logits_bytes / 2**20:.0f})"
+        )
+    assert temp <= budget
+    if carry + LCE.WORKSPACE_BYTES < logits_bytes:
+        assert temp < logits_bytes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gpu_bf16_mid_shape(put, monkeypatch, with_bias):
+    """bf16 against float64 at a mid shape, chunked by the budget (64 MiB here: 7 chunks of 640 rows, the last
+    one clamped), as users call it (backend "auto", jit)."""
+    monkeypatch.setattr(LCE, "WORKSPACE_BYTES", 64 << 20)
+    n, dim, vocab = 4000, 512, 50257
+    rng = np.random.default_rng(20)
+    hidden = put(rng.standard_normal((n, dim)), jnp.bfloat16)
+    weight = put(rng.standard_normal((vocab, dim)) * (2.0 / np.sqrt(dim)), jnp.bfloat16)
+    bias = put(rng.standard_normal(vocab) * 0.5, jnp.bfloat16) if with_bias else None
+    labels = rng.integers(0, vocab, n)
+    labels[::7] = -100
+    y = put(labels, jnp.int32)
+    rows = LCE.chunk_rows_for(n, vocab, jnp.bfloat16)
+    fn = jax.jit(
+        jax.value_and_grad(
+            lambda h, w, b: linear_cross_entropy(h, w, y, bias=b, logit_softcapping=30.0), argnums=(0, 1, 2)
+        )
+    )
+    loss, grads = fn(hidden, weight, bias)
+    ref = reference(hidden, weight, labels, bias=bias, logit_softcapping=30.0)
+    # The logits are rounded to bf16 before the loss (as with any bf16 matmul), the reference's are not.
+    assert_close(loss, ref[0], what="loss", rtol=1e-2, atol=1e-2)
+    for name, got, want in zip(("dhidden", "dweight", "dbias"), grads, ref[1:]):
+        if want is None or got is None:
+            continue
+        assert got.dtype == jnp.bfloat16
+        assert_close(got, want, what=name, **grad_tol(want, 5e-2))
+    assert rows == 640

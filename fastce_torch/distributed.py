@@ -1,0 +1,321 @@
+"""Vocab-parallel cross-entropy: the logits' vocabulary is split over the ranks of a process group (tensor
+parallelism of the LM head), each rank holding a contiguous slice of columns; labels are global class ids,
+the same on every rank.
+
+Each rank reduces its own columns to three numbers per row (logsumexp over its slice, the transformed label logit
+when it owns the label column, the sum of z for label smoothing); two all-reduces of O(N) floats combine them:
+MAX of the local logsumexps, then SUM of [exp(lse_local - max), z_label, sum_z]. The loss, identical on every rank,
+is computed from the combined per-row numbers; the backward needs no communication, since each rank's gradient
+columns depend only on its own logits, the global logsumexp and the label.
+
+`cross_entropy(..., process_group=group)` and a DTensor sharded on its last dimension (`Shard(-1)`) come here.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from . import kernels
+
+# --- per-shard statistics and gradient: the only calls into the kernels ------------------------------------------
+
+
+def shard_statistics(logits, labels, options, vocab_start, vocab_total, use_kernel):
+    """Per-row float32 (lse over the local columns, transformed label logit where the label column is local else 0,
+    sum of z over the local columns (zeros without smoothing)). Ignored rows: lse -inf, label logit 0, sum 0."""
+    if use_kernel:
+        return kernels.forward(logits, labels, options, vocab_start=vocab_start, vocab_total=vocab_total)
+    return _shard_statistics_torch(logits, labels, options, vocab_start)
+
+
+def shard_gradient(grad_output, denominator, logits, labels, lse, grad, options, vocab_start, vocab_total, use_kernel):
+    """Writes the local columns of d loss / d logits into `grad` (which may be `logits` itself); grad_output is the
+    per-token upstream gradient or one scalar, divided by denominator (0-d) unless None; lse the global
+    logsumexp."""
+    if use_kernel:
+        denominator = None if denominator is None else denominator.reshape(1)
+        return kernels.backward(
+            grad_output, logits, labels, lse, grad, options, denominator, vocab_start=vocab_start,
+            vocab_total=vocab_total,
+        )  # fmt: skip
+    grad_rows = grad_output.float()
+    if denominator is not None:
+        grad_rows = (grad_rows / denominator).expand(labels.shape)
+    return _shard_gradient_torch(grad_rows, logits, labels, lse, grad, options, vocab_start, vocab_total)
+
+
+def _transform(x, logit_softcapping, logit_scaling):
+    """(z, tanh of the capped argument or None) in float32."""
+    z = x.float()
+    if logit_scaling != 0.0:
+        z = z * logit_scaling
+    if logit_softcapping > 0.0:
+        tanh_z = torch.tanh(z / logit_softcapping)
+        return logit_softcapping * tanh_z, tanh_z
+    return z, None
+
+
+def _local_label_columns(labels, vocab_start, local_width, ignore_index):
+    """(local column of each label clamped into the slice, whether this rank owns the label)."""
+    column = labels.long() - vocab_start
+    owned = (column >= 0) & (column < local_width) & (labels != ignore_index)
+    return column.clamp(0, max(local_width - 1, 0)), owned
+
+
+def _shard_statistics_torch(logits, labels, options, vocab_start):
+    ignore_index, logit_softcapping, logit_scaling, label_smoothing, _ = options
+    ignored = labels == ignore_index
+    # Ignored rows take no part in any arithmetic (NaN there must not leak).
+    z, _ = _transform(torch.where(ignored.unsqueeze(-1), 0.0, logits), logit_softcapping, logit_scaling)
+    lse_local = torch.where(ignored, float("-inf"), torch.logsumexp(z, dim=-1))
+    column, owned = _local_label_columns(labels, vocab_start, logits.shape[-1], ignore_index)
+    z_label = torch.where(owned, z.gather(-1, column.unsqueeze(-1)).squeeze(-1), 0.0)
+    if label_smoothing > 0.0:
+        sum_z = torch.where(ignored, 0.0, z.sum(dim=-1))
+    else:
+        sum_z = torch.zeros_like(lse_local)
+    return lse_local, z_label, sum_z
+
+
+def _shard_gradient_torch(grad_rows, logits, labels, lse, grad, options, vocab_start, vocab_total):
+    ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss = options
+    ignored = labels == ignore_index
+    in_range = (labels >= 0) & (labels < vocab_total)
+    z, tanh_z = _transform(torch.where(ignored.unsqueeze(-1), 0.0, logits), logit_softcapping, logit_scaling)
+    dz = torch.exp(z - lse.unsqueeze(-1))
+    if z_loss != 0.0:
+        dz = dz * (1.0 + 2.0 * z_loss * lse.unsqueeze(-1))
+    column, owned = _local_label_columns(labels, vocab_start, logits.shape[-1], ignore_index)
+    label_mass = torch.where(owned, 1.0 - label_smoothing, 0.0)
+    dz = dz.scatter_add(-1, column.unsqueeze(-1), -label_mass.unsqueeze(-1))
+    if label_smoothing > 0.0:
+        dz = dz - label_smoothing / vocab_total
+    if tanh_z is not None:
+        dz = dz * (1.0 - tanh_z * tanh_z)
+    if logit_scaling != 0.0:
+        dz = dz * logit_scaling
+    scale = torch.where(in_range, grad_rows.float(), float("nan"))  # a bad label's whole row is NaN
+    dz = torch.where(ignored.unsqueeze(-1), 0.0, dz * scale.unsqueeze(-1))
+    return grad.copy_(dz)
+
+
+# --- the collectives -----------------------------------------------------------------------------------------
+
+
+def combine_statistics(lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z):
+    """Global (lse, z_label, sum_z) per row from every rank's local statistics: two all-reduces of O(N) floats.
+
+    With check_equal_widths (offsets derived from the rank), the MAX all-reduce also carries the local width and its
+    negation: if the ranks' widths differ, the derived offsets are wrong, and every lse becomes NaN (so the loss and
+    gradient show it) without a host synchronisation."""
+    n_rows = lse_local.shape[0]
+    # Fills, not a host-to-device copy: nothing here waits for the GPU.
+    maxima = torch.empty(n_rows + 2 * check_equal_widths, dtype=torch.float32, device=lse_local.device)
+    maxima[:n_rows].copy_(lse_local)
+    if check_equal_widths:
+        maxima[n_rows].fill_(local_width)
+        maxima[n_rows + 1].fill_(-local_width)
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+    row_max = maxima[:n_rows]
+    # Rows that are -inf on every rank (ignored rows, all -inf logits) shift by 0 (-inf - -inf would be NaN).
+    shift = torch.where(row_max == float("-inf"), 0.0, row_max)
+    parts = [torch.exp(lse_local - shift), z_label] + ([sum_z] if with_sum_z else [])
+    sums = torch.stack(parts)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    lse = shift + torch.log(sums[0])
+    if check_equal_widths:
+        lse = torch.where(maxima[n_rows] == -maxima[n_rows + 1], lse, float("nan"))
+    return lse, sums[1], (sums[2] if with_sum_z else None)
+
+
+def token_losses(lse, z_label, sum_z, labels, options, vocab_total):
+    """The contract's per-token loss from the global per-row numbers (float32, O(N))."""
+    ignore_index, _, _, label_smoothing, z_loss = options
+    loss = lse - z_label
+    if label_smoothing > 0.0:
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - sum_z / vocab_total)
+    if z_loss != 0.0:
+        loss = loss + z_loss * lse * lse
+    loss = torch.where((labels >= 0) & (labels < vocab_total), loss, float("nan"))
+    return torch.where(labels == ignore_index, 0.0, loss)
+
+
+def _denominator(labels, reduction, n_items, ignore_index):
+    """A 0-d float32 tensor on the labels' device, or None for "none"."""
+    if reduction == "none":
+        return None
+    if n_items is not None:
+        if isinstance(n_items, torch.Tensor):
+            return n_items.to(device=labels.device, dtype=torch.float32)
+        return torch.full((), float(n_items), dtype=torch.float32, device=labels.device)
+    if reduction == "mean":
+        # At least 1: an all-ignored batch gives 0 with a zero gradient. Labels are the same on every rank, so the
+        # local count is the global one.
+        return (labels != ignore_index).sum().clamp_min(1).to(torch.float32)
+    return torch.ones((), dtype=torch.float32, device=labels.device)
+
+
+class _VocabParallelFunction(torch.autograd.Function):
+    """Collectives in the forward only; the backward is local."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, reduction, n_items, inplace_backward, options, layout, use_kernel):
+        group, vocab_start, vocab_total, check_equal_widths = layout
+        with kernels.on_device(logits):
+            lse_local, z_label, sum_z = shard_statistics(logits, labels, options, vocab_start, vocab_total, use_kernel)
+        with_sum_z = options[3] > 0.0
+        lse, z_label, sum_z = combine_statistics(
+            lse_local, z_label, sum_z, group, logits.shape[-1], check_equal_widths, with_sum_z
+        )
+        losses = token_losses(lse, z_label, sum_z, labels, options, vocab_total)
+        denominator = _denominator(labels, reduction, n_items, options[0])
+        ctx.save_for_backward(logits, labels, lse, denominator)
+        ctx.inplace_backward, ctx.options, ctx.use_kernel = inplace_backward, options, use_kernel
+        ctx.vocab_start, ctx.vocab_total, ctx.consumed = vocab_start, vocab_total, False
+        return losses if denominator is None else losses.sum() / denominator
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        from .cross_entropy import LOGITS_REUSED, _once_differentiable  # (cross_entropy imports this module)
+
+        if ctx.consumed:
+            raise RuntimeError(LOGITS_REUSED)
+        try:
+            logits, labels, lse, denominator = ctx.saved_tensors
+        except RuntimeError as error:
+            if ctx.inplace_backward and "modified by an inplace operation" in str(error):
+                raise RuntimeError(LOGITS_REUSED) from error
+            raise
+        if ctx.inplace_backward:
+            grad = logits
+            # The logits are about to hold the gradient: another op that saved them fails loudly instead.
+            torch.autograd.graph.increment_version(logits)
+            ctx.consumed = True
+        else:
+            grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        with kernels.on_device(logits):
+            shard_gradient(
+                grad_output, denominator, logits, labels, lse, grad, ctx.options, ctx.vocab_start, ctx.vocab_total,
+                ctx.use_kernel,
+            )  # fmt: skip
+        return _once_differentiable(grad), None, None, None, None, None, None, None
+
+
+# --- layouts: where this rank's columns sit in the global vocabulary ------------------------------------------
+
+
+def _explicit_layout(group, vocab_start, local_width, device):
+    """Global vocabulary size from explicit offsets: every rank's (start, width) is gathered (O(world) integers,
+    one host synchronisation per call) and must tile [0, V) without gaps or overlaps."""
+    mine = torch.tensor([vocab_start, local_width], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    slices = sorted(tuple(int(v) for v in t.tolist()) for t in gathered)
+    end = 0
+    for start, width in slices:
+        if start != end:
+            raise ValueError(
+                f"vocab_start: the ranks' vocabulary slices (start, width) {slices} do not tile [0, V) contiguously"
+            )
+        end = start + width
+    return end
+
+
+def layout_of(group, vocab_start, local_width, device):
+    """(group, vocab_start, vocab_total, check_equal_widths) for a plain-tensor call."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("process_group given but torch.distributed is not initialised (init_process_group)")
+    if vocab_start is None:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        return group, rank * local_width, world * local_width, True
+    if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
+        raise ValueError(f"vocab_start must be a non-negative int, got {vocab_start!r}")
+    return group, vocab_start, _explicit_layout(group, vocab_start, local_width, device), False
+
+
+def is_dtensor(tensor):
+    # A DTensor can only exist once torch.distributed.tensor was imported; checking sys.modules first keeps the
+    # common path free of that import.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+def vocab_parallel_cross_entropy(logits, labels, reduction, n_items, inplace_backward, options, layout, use_kernel):
+    """logits (..., V_local) this rank's columns, labels (...) global ids; returns the loss of the contract."""
+    local_width = logits.shape[-1]
+    logits_2d = logits.reshape(-1, local_width)
+    if logits_2d.stride(-1) != 1 and local_width > 1:
+        logits_2d = logits_2d.contiguous()
+    # In place only where no two rows share memory (expanded logits).
+    inplace_backward = inplace_backward and not kernels.rows_overlap(logits_2d)
+    labels_1d = labels.reshape(-1).contiguous()
+    loss = _VocabParallelFunction.apply(
+        logits_2d, labels_1d, reduction, n_items, inplace_backward, options, layout, use_kernel
+    )
+    return loss.view(labels.shape) if reduction == "none" else loss
+
+
+def dtensor_cross_entropy(logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start):
+    """A DTensor whose last dimension is sharded on exactly one mesh dimension (the tensor-parallel one); the other
+    mesh dimensions may shard leading (batch) dimensions or replicate. Returns a DTensor with loss_parallel's
+    placements: "none" per-token losses placed like the labels, "sum"/"mean" a scalar replicated on the
+    tensor-parallel dimension and Partial(sum) on batch-sharded ones. The gradient is a fresh DTensor with the
+    logits' placements (the DTensor's storage is never overwritten)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    if process_group is not None or vocab_start is not None:
+        raise ValueError(
+            "a DTensor carries its own process group and offsets: pass neither process_group nor vocab_start"
+        )
+    mesh, placements, ndim = logits.device_mesh, tuple(logits.placements), logits.dim()
+    last = ndim - 1
+
+    def shards(p, dim):
+        return isinstance(p, Shard) and p.dim % ndim == dim
+
+    vocab_dims = [i for i, p in enumerate(placements) if shards(p, last)]
+    others_ok = all(i in vocab_dims or p.is_replicate() or p.is_shard() for i, p in enumerate(placements))
+    if len(vocab_dims) != 1 or not others_ok:
+        raise NotImplementedError(
+            f"fastce_torch takes a DTensor sharded on its last (vocabulary) dimension on exactly one mesh dimension, "
+            f"other mesh dimensions Shard or Replicate; got placements {placements}. For other layouts call "
+            f"cross_entropy on logits.full_tensor() or on logits.to_local() with process_group="
+        )
+    tp_dim = vocab_dims[0]
+    batch_sharded = any(p.is_shard() and i != tp_dim for i, p in enumerate(placements))
+    if reduction == "mean" and batch_sharded and n_items is None:
+        raise ValueError(
+            "reduction='mean' over a batch-sharded DTensor needs the global token count: pass n_items "
+            "(or use reduction='sum' and divide yourself)"
+        )
+    label_placements = tuple(Replicate() if i == tp_dim else p for i, p in enumerate(placements))
+    if isinstance(labels, DTensor):
+        if tuple(labels.placements) != label_placements:
+            raise ValueError(f"labels must be placed {label_placements} (the logits' without the vocabulary dim)")
+        local_labels = labels.to_local()
+    elif batch_sharded:
+        raise ValueError(f"with batch-sharded logits pass labels as a DTensor placed {label_placements}")
+    else:
+        local_labels = labels
+    # Shard's chunking (torch.chunk): ceil(V / n) columns per rank, the last ranks get fewer (or none).
+    vocab_total, n_ranks, rank = logits.shape[-1], mesh.size(tp_dim), mesh.get_local_rank(tp_dim)
+    chunk = -(-vocab_total // n_ranks)
+    start = min(rank * chunk, vocab_total)
+    local = logits.to_local()
+    if local.shape[-1] != min(chunk, vocab_total - start):
+        raise NotImplementedError(
+            f"this rank holds {local.shape[-1]} columns where Shard's chunking gives "
+            f"{min(chunk, vocab_total - start)}; call cross_entropy on to_local() with vocab_start="
+        )
+    if local.shape[-1] == 0:
+        raise NotImplementedError("a rank holds no vocabulary columns (V < mesh size); not supported")
+    layout = (mesh.get_group(tp_dim), start, vocab_total, False)
+    loss = vocab_parallel_cross_entropy(local, local_labels, reduction, n_items, False, options, layout, use_kernel)
+    if reduction == "none":
+        out_placements = label_placements
+    else:
+        out_placements = tuple(
+            Replicate() if i == tp_dim or p.is_replicate() else Partial("sum") for i, p in enumerate(placements)
+        )
+    return DTensor.from_local(loss, mesh, out_placements, run_check=False)

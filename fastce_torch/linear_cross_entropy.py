@@ -1,0 +1,475 @@
+"""Fused linear cross-entropy: the loss of `cross_entropy(hidden @ weight.T + bias, labels)` without the logits.
+
+The (N, V) logits are never allocated. Rows are processed in chunks sized from a workspace budget
+(`WORKSPACE_BYTES`): for each chunk the logits come from one cuBLAS matmul into a reused workspace, fastce's forward
+kernel computes the token losses and log-sum-exp from it, and, while the chunk is fresh, fastce's backward kernel
+overwrites the workspace with d loss / d logits, from which two more matmuls give the chunk's rows of d hidden and
+its contribution to d weight (and a column sum to d bias).
+
+- "mean" / "sum": the gradients are complete after the forward (the denominator is counted on the device first, no
+  host synchronisation); the backward only multiplies them by the upstream scalar, and skips even that on the device
+  when the scalar is exactly 1. 6·N·H·V flops in all. Gradients are computed only when grad mode is on and an input
+  requires one (2·N·H·V flops otherwise).
+- "none": the per-token upstream gradients exist only in the backward, so the forward keeps the log-sum-exp (N
+  floats) and the backward recomputes each chunk's logits: 8·N·H·V flops.
+
+Memory beyond the inputs: the gradients (hidden's, weight's, bias's, in their dtypes), the workspace
+(chunk rows x V in hidden's dtype, at most WORKSPACE_BYTES) and O(N + V) floats.
+
+Precision: each chunk's matmuls accumulate in float32 (cuBLAS) and round once to the input dtype. The weight
+gradient is accumulated across chunks in the weight's own dtype by default (one rounding per chunk, as Liger does):
+a float32 accumulator costs 4·V·H more bytes (2 GiB at V=128256, H=4096), twice a bf16 gradient. Measured on the CPU
+(bf16, tests/test_linear_cross_entropy.py::test_weight_gradient_accumulation_error), the rms error of a bf16 weight
+gradient against float64 grows from 2.2e-3 of its rms (float32 accumulation, one rounding) to 3.7e-3 with 8 chunks,
+6.5e-3 with 32 and 1.2e-2 with 128. With the default workspace that is 8 chunks at 8192 x 128256 and 16 at
+8192 x 256000. Set ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 = True to accumulate in float32 and round once instead.
+"""
+
+import torch
+
+from . import kernels
+from .cross_entropy import (
+    KERNEL_DTYPES,
+    _check_arguments,
+    _once_differentiable,
+    _reduce,
+    _reference_token_losses,
+    _validate_labels,
+)
+from .kernels import Options
+
+# The workspace (chunk rows x V logits) is at most this many bytes; chunk rows are a multiple of ROWS_MULTIPLE when
+# the budget allows, so the matmuls run on whole tiles. 256 MiB: 1024 rows at V=128256, 512 rows at V=256000.
+WORKSPACE_BYTES = 256 << 20
+ROWS_MULTIPLE = 128
+# A float32 accumulator for a bf16/fp16 weight's gradient: one rounding instead of one per chunk, 4·V·H more bytes.
+ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 = False
+
+
+# --- the one place that calls fastce's launchers ----------------------------------------------------------------
+
+
+def _ce_forward(logits, labels, options):
+    """Per-token float32 (loss, lse) of a 2-D logits chunk."""
+    loss, lse, _ = kernels.forward(logits, labels, options)
+    return loss, lse
+
+
+def _ce_backward_in_place(logits, labels, lse, grad_loss, options, denominator=None):
+    """Overwrites `logits` with d(sum_t grad_loss_t * loss_t / denominator) / d logits; grad_loss is per row or 0-d."""
+    kernels.backward(grad_loss, logits, labels, lse, logits, options, denominator)
+
+
+def _scale_in_place(tensor, factor):
+    """tensor *= factor (a 0-d device tensor), on the device, doing nothing when factor is exactly 1."""
+    return kernels.scale_unless_one(tensor, factor)
+
+
+# --- the chunked computation ------------------------------------------------------------------------------------
+
+
+def chunk_rows(n_rows, vocab, itemsize, workspace_bytes=None):
+    """Rows per chunk: as many as fit the workspace budget, a multiple of ROWS_MULTIPLE when at least that many fit."""
+    budget = WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
+    rows = max(1, budget // (vocab * itemsize))
+    if rows >= ROWS_MULTIPLE:
+        rows -= rows % ROWS_MULTIPLE
+    return max(1, min(rows, n_rows))
+
+
+def _logits_into(workspace, hidden_chunk, weight, bias):
+    if bias is None:
+        torch.matmul(hidden_chunk, weight.t(), out=workspace)
+    else:
+        torch.addmm(bias, hidden_chunk, weight.t(), out=workspace)
+    return workspace
+
+
+def _new_grads(hidden, weight, bias, needs):
+    need_hidden, need_weight, need_bias = needs
+    grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
+    # Accumulated over chunks (addmm with beta=1), so it starts at zero.
+    accumulate_dtype = torch.float32 if ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 else weight.dtype
+    grad_weight = torch.zeros(weight.shape, dtype=accumulate_dtype, device=weight.device) if need_weight else None
+    grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
+    return grad_hidden, grad_weight, grad_bias
+
+
+def _accumulate_grads(dlogits, hidden_chunk, weight, rows, grads):
+    grad_hidden, grad_weight, grad_bias = grads
+    if grad_hidden is not None:
+        torch.matmul(dlogits, weight, out=grad_hidden[rows])
+    if grad_weight is not None:
+        if grad_weight.dtype == dlogits.dtype:
+            grad_weight.addmm_(dlogits.t(), hidden_chunk)
+        elif grad_weight.is_cuda:  # the float32 accumulator: cuBLAS takes bf16/fp16 operands with a float32 output
+            torch.addmm(grad_weight, dlogits.t(), hidden_chunk, out_dtype=torch.float32, out=grad_weight)
+        else:  # the CPU has no mixed-dtype addmm
+            grad_weight.addmm_(dlogits.t().float(), hidden_chunk.float())
+    if grad_bias is not None:
+        grad_bias += dlogits.sum(0, dtype=torch.float32)
+
+
+def _finish_grads(grads, weight, bias):
+    grad_hidden, grad_weight, grad_bias = grads
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight.dtype)
+    if grad_bias is not None:
+        grad_bias = grad_bias.to(bias.dtype)
+    return grad_hidden, grad_weight, grad_bias
+
+
+def fused_forward(hidden, weight, bias, labels, options, denominator=None, needs=(False, False, False)):
+    """Token losses (N,) and lse (N,) of 2-D hidden; with any of `needs` (hidden, weight, bias) also the gradients of
+    sum_t loss_t / denominator (a 1-element float32 device tensor) computed chunk by chunk. Returns
+    (token_losses, lse, (grad_hidden, grad_weight, grad_bias)), None for gradients not needed."""
+    n_rows, vocab = hidden.shape[0], weight.shape[0]
+    with kernels.on_device(hidden), torch.no_grad():
+        token_losses = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
+        grads = _new_grads(hidden, weight, bias, needs)
+        backward = any(needs)
+        one = torch.ones((), dtype=torch.float32, device=hidden.device)
+        rows_per_chunk = chunk_rows(n_rows, vocab, hidden.element_size())
+        workspace = torch.empty(rows_per_chunk, vocab, dtype=hidden.dtype, device=hidden.device)
+        for start in range(0, n_rows, rows_per_chunk):
+            rows = slice(start, min(start + rows_per_chunk, n_rows))
+            hidden_chunk, labels_chunk = hidden[rows], labels[rows]
+            logits = _logits_into(workspace[: rows.stop - start], hidden_chunk, weight, bias)
+            loss_chunk, lse_chunk = _ce_forward(logits, labels_chunk, options)
+            token_losses[rows] = loss_chunk
+            lse[rows] = lse_chunk
+            if backward:
+                _ce_backward_in_place(logits, labels_chunk, lse_chunk, one, options, denominator)
+                _accumulate_grads(logits, hidden_chunk, weight, rows, grads)
+        return token_losses, lse, _finish_grads(grads, weight, bias)
+
+
+def fused_backward(grad_losses, hidden, weight, bias, labels, lse, options, needs):
+    """Gradients of sum_t grad_losses_t * loss_t, recomputing each chunk's logits from hidden and weight."""
+    n_rows, vocab = hidden.shape[0], weight.shape[0]
+    # no_grad: under create_graph=True autograd runs backward with grad mode on, and these are kernels and out= ops.
+    with kernels.on_device(hidden), torch.no_grad():
+        grads = _new_grads(hidden, weight, bias, needs)
+        if not any(needs):
+            return grads
+        rows_per_chunk = chunk_rows(n_rows, vocab, hidden.element_size())
+        workspace = torch.empty(rows_per_chunk, vocab, dtype=hidden.dtype, device=hidden.device)
+        for start in range(0, n_rows, rows_per_chunk):
+            rows = slice(start, min(start + rows_per_chunk, n_rows))
+            hidden_chunk, labels_chunk = hidden[rows], labels[rows]
+            logits = _logits_into(workspace[: rows.stop - start], hidden_chunk, weight, bias)
+            _ce_backward_in_place(logits, labels_chunk, lse[rows], grad_losses[rows], options)
+            _accumulate_grads(logits, hidden_chunk, weight, rows, grads)
+        return _finish_grads(grads, weight, bias)
+
+
+# --- eager autograd -------------------------------------------------------------------------------------------
+
+
+class _ReducedFunction(torch.autograd.Function):
+    """ "mean"/"sum": the gradients are computed in the forward; backward scales them in place by the upstream
+    scalar (nothing else holds them, so the caller's .grad takes them over without a copy)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, denominator, options, needs):
+        token_losses, _, grads = fused_forward(hidden, weight, bias, labels, options, denominator, needs)
+        ctx.grads = grads
+        return token_losses.sum() / denominator[0]
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError(
+                "fastce_torch.linear_cross_entropy: backward through the same loss twice is not supported (its "
+                "gradients are computed in the forward and handed over once); compute the loss again instead of "
+                "retain_graph=True"
+            )
+        grad_loss = grad_loss.detach().to(torch.float32)
+        for grad in grads:
+            if grad is not None:
+                _scale_in_place(grad, grad_loss)
+        grads = [None if grad is None else _once_differentiable(grad) for grad in grads]
+        return (*grads, None, None, None, None)
+
+
+class _PerTokenFunction(torch.autograd.Function):
+    """ "none": the forward keeps lse; the backward recomputes the logits chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, options):
+        token_losses, lse, _ = fused_forward(hidden, weight, bias, labels, options)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.options = options
+        return token_losses
+
+    @staticmethod
+    def backward(ctx, grad_losses):
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        grads = fused_backward(grad_losses.detach().contiguous(), hidden, weight, bias, labels, lse, ctx.options, needs)
+        grads = [None if grad is None else _once_differentiable(grad) for grad in grads]
+        return (*grads, None, None)
+
+
+# --- custom ops for torch.compile -----------------------------------------------------------------------------
+# A custom op cannot return None: gradients that are not needed come back as empty tensors.
+
+
+def _or_empty(tensor, like):
+    return like.new_empty(0) if tensor is None else tensor
+
+
+@torch.library.custom_op("fastce::linear_cross_entropy_reduced", mutates_args=())
+def _reduced_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    denominator: torch.Tensor,
+    ignore_index: int,
+    logit_softcapping: float,
+    logit_scaling: float,
+    label_smoothing: float,
+    z_loss: float,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    options = Options(ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss)
+    needs = (need_hidden, need_weight, need_bias)
+    token_losses, _, grads = fused_forward(hidden, weight, bias, labels, options, denominator, needs)
+    loss = token_losses.sum() / denominator[0]
+    return (loss, *(_or_empty(grad, hidden) for grad in grads))
+
+
+@_reduced_op.register_fake
+def _(hidden, weight, bias, labels, denominator, *options_and_needs):
+    need_hidden, need_weight, need_bias = options_and_needs[-3:]
+    return (
+        hidden.new_empty((), dtype=torch.float32),
+        hidden.new_empty(hidden.shape if need_hidden else (0,)),
+        weight.new_empty(weight.shape if need_weight else (0,)),
+        hidden.new_empty((weight.shape[0],) if need_bias else (0,), dtype=bias.dtype if need_bias else hidden.dtype),
+    )
+
+
+def _reduced_setup_context(ctx, inputs, output):
+    ctx.needs = inputs[-3:]
+    ctx.save_for_backward(*output[1:])
+
+
+def _reduced_backward(ctx, grad_loss, *unused_grads_of_grads):
+    # Out of place under the compiler (it plans that memory itself); eager scales in place.
+    # Exact zeros stay zero whatever the factor, as the eager scale kernel keeps them.
+    grads = [
+        torch.where(g == 0, 0, g * grad_loss.to(g.dtype)) if need else None
+        for g, need in zip(ctx.saved_tensors, ctx.needs)
+    ]
+    return (*grads, None, None, None, None, None, None, None, None, None, None)
+
+
+torch.library.register_autograd(
+    "fastce::linear_cross_entropy_reduced", _reduced_backward, setup_context=_reduced_setup_context
+)
+
+
+@torch.library.custom_op("fastce::linear_cross_entropy_forward", mutates_args=())
+def _per_token_forward_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    ignore_index: int,
+    logit_softcapping: float,
+    logit_scaling: float,
+    label_smoothing: float,
+    z_loss: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    options = Options(ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss)
+    token_losses, lse, _ = fused_forward(hidden, weight, bias, labels, options)
+    return token_losses, lse
+
+
+@_per_token_forward_op.register_fake
+def _(hidden, weight, bias, labels, *options):
+    n_rows = hidden.shape[0]
+    return hidden.new_empty(n_rows, dtype=torch.float32), hidden.new_empty(n_rows, dtype=torch.float32)
+
+
+@torch.library.custom_op("fastce::linear_cross_entropy_backward", mutates_args=())
+def _per_token_backward_op(
+    grad_losses: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int,
+    logit_softcapping: float,
+    logit_scaling: float,
+    label_smoothing: float,
+    z_loss: float,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    options = Options(ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss)
+    needs = (need_hidden, need_weight, need_bias)
+    grads = fused_backward(grad_losses.contiguous(), hidden, weight, bias, labels, lse, options, needs)
+    return tuple(_or_empty(grad, hidden) for grad in grads)
+
+
+@_per_token_backward_op.register_fake
+def _(grad_losses, hidden, weight, bias, labels, lse, *options_and_needs):
+    need_hidden, need_weight, need_bias = options_and_needs[-3:]
+    return (
+        hidden.new_empty(hidden.shape if need_hidden else (0,)),
+        weight.new_empty(weight.shape if need_weight else (0,)),
+        hidden.new_empty((weight.shape[0],) if need_bias else (0,), dtype=bias.dtype if need_bias else hidden.dtype),
+    )
+
+
+def _per_token_setup_context(ctx, inputs, output):
+    hidden, weight, bias, labels, *options = inputs
+    ctx.options = options
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(hidden, weight, bias, labels, output[1])
+
+
+def _per_token_backward(ctx, grad_losses, unused_grad_lse):
+    hidden, weight, bias, labels, lse = ctx.saved_tensors
+    needs = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+    grads = _per_token_backward_op(grad_losses, hidden, weight, bias, labels, lse, *ctx.options, *needs)
+    grads = [grad if need else None for grad, need in zip(grads, needs)]
+    return (*grads, None, None, None, None, None, None)
+
+
+torch.library.register_autograd(
+    "fastce::linear_cross_entropy_forward", _per_token_backward, setup_context=_per_token_setup_context
+)
+
+
+# --- the function -----------------------------------------------------------------------------------------------
+
+
+def _check_tensors(hidden, weight, bias, labels):
+    for name, tensor in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {getattr(tensor, 'dtype', type(tensor))}")
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have at least one dimension (..., H)")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be (V, H) with H = hidden.shape[-1] (nn.Linear's layout): hidden {tuple(hidden.shape)}, "
+            f"weight {tuple(weight.shape)}"
+        )
+    if weight.shape[0] < 1:
+        raise ValueError("weight must have a vocabulary dimension of at least 1")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise TypeError(
+            f"weight ({weight.dtype}, {weight.device}) must have hidden's dtype and device "
+            f"({hidden.dtype}, {hidden.device}); cast one of them (e.g. under torch.autocast, cast hidden)"
+        )
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must be None or a (V,) = ({weight.shape[0]},) tensor, got {bias!r:.80}")
+        if bias.dtype != hidden.dtype or bias.device != hidden.device:
+            raise TypeError(
+                f"bias ({bias.dtype}, {bias.device}) must have hidden's dtype and device ({hidden.dtype}, "
+                f"{hidden.device})"
+            )
+    if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"labels must be an int32 or int64 tensor, got {getattr(labels, 'dtype', type(labels))}")
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"labels must have the leading shape of hidden: hidden {tuple(hidden.shape)}, labels {tuple(labels.shape)}"
+        )
+
+
+def _denominator(labels, reduction, n_items, ignore_index):
+    """What the summed loss is divided by, as a 1-element float32 tensor on labels' device, without a host sync."""
+    if n_items is not None:
+        if torch.is_tensor(n_items):
+            return n_items.to(device=labels.device, dtype=torch.float32).reshape(1)
+        return torch.full((1,), float(n_items), dtype=torch.float32, device=labels.device)
+    if reduction == "mean":
+        return (labels != ignore_index).sum().clamp_min(1).to(torch.float32).reshape(1)
+    return torch.ones(1, dtype=torch.float32, device=labels.device)
+
+
+def linear_cross_entropy(
+    hidden,
+    weight,
+    labels,
+    *,
+    bias=None,
+    ignore_index=-100,
+    reduction="mean",
+    n_items=None,
+    logit_softcapping=0.0,
+    logit_scaling=0.0,
+    label_smoothing=0.0,
+    z_loss=0.0,
+    backend="auto",
+    validate_labels=False,
+):
+    """fastce_torch.cross_entropy(hidden @ weight.T + bias, labels, ...) without ever allocating the logits.
+
+    hidden (..., H), weight (V, H) as nn.Linear / lm_head store it, bias (V,) or None, labels (...) int32/int64;
+    hidden, weight and bias share one dtype (float32, bfloat16, float16) and device. Every keyword is
+    cross_entropy's (CONTRACT.md). Returns a float32 scalar ("mean", "sum") or per-token losses shaped like labels
+    ("none"). backend: "auto" = the chunked kernels for CUDA tensors, plain torch (matmul + the reference loss)
+    elsewhere; "kernel" = the chunked kernels always (CPU: Triton's interpreter); "reference" = plain torch.
+
+    For "mean"/"sum" with gradients enabled the gradients are computed during the forward (see the module
+    docstring), so a second backward through the same loss (retain_graph=True) raises.
+    """
+    _check_tensors(hidden, weight, bias, labels)
+    vocab = weight.shape[0]
+    # The option checks of cross_entropy, on a stand-in for the logits that holds no memory.
+    logits_shape = (*hidden.shape[:-1], vocab)
+    stand_in = hidden.new_empty(1).as_strided(logits_shape, (0,) * len(logits_shape))
+    _check_arguments(
+        stand_in,
+        labels,
+        ignore_index,
+        reduction,
+        n_items,
+        logit_softcapping,
+        logit_scaling,
+        label_smoothing,
+        z_loss,
+        backend,
+    )
+    if validate_labels:
+        _validate_labels(labels, vocab, ignore_index)
+    options = Options(
+        ignore_index, float(logit_softcapping), float(logit_scaling), float(label_smoothing), float(z_loss)
+    )
+    use_kernel = backend == "kernel" or (backend == "auto" and hidden.is_cuda)
+    if not use_kernel:
+        token_losses = _reference_token_losses(torch.nn.functional.linear(hidden, weight, bias), labels, options)
+        return _reduce(token_losses, labels, reduction, n_items, ignore_index)
+    if hidden.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"hidden and weight must be float32, bfloat16 or float16 for the kernels, got {hidden.dtype}")
+    hidden_2d = hidden.reshape(-1, hidden.shape[-1])
+    labels_1d = labels.reshape(-1).contiguous()
+    compiling = torch.compiler.is_compiling()
+    if reduction == "none":
+        if compiling:
+            token_losses = _per_token_forward_op(hidden_2d, weight, bias, labels_1d, *options)[0]
+        else:
+            token_losses = _PerTokenFunction.apply(hidden_2d, weight, bias, labels_1d, options)
+        return token_losses.view(labels.shape)
+    grad_enabled = torch.is_grad_enabled()
+    needs = (
+        grad_enabled and hidden.requires_grad,
+        grad_enabled and weight.requires_grad,
+        grad_enabled and bias is not None and bias.requires_grad,
+    )
+    denominator = _denominator(labels_1d, reduction, n_items, ignore_index)
+    if compiling:
+        return _reduced_op(hidden_2d, weight, bias, labels_1d, denominator, *options, *needs)[0]
+    return _ReducedFunction.apply(hidden_2d, weight, bias, labels_1d, denominator, options, needs)

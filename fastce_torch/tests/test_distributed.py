@@ -1,0 +1,78 @@
+"""Vocab-parallel cross-entropy (process_group= and DTensor Shard(-1)) against the float64 reference.
+
+Each test launches `vocab_parallel_check` under torch.distributed.run: gloo processes on the CPU (the kernels
+through Triton's interpreter, so the shapes are tiny), or, with --gpu, NCCL over two GPUs at a mid shape.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_ranks(n_ranks, *args, timeout=900):
+    from fastce_torch import kernels
+
+    if "--device=cpu" in args and "--backend=kernel" in args and not kernels.INTERPRETED:
+        pytest.skip("CPU kernels need Triton's interpreter (a CUDA machine runs test_two_gpus_nccl instead)")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={n_ranks}",
+        "-m",
+        "fastce_torch.tests.vocab_parallel_check",
+        *args,
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    report = [line for line in done.stdout.splitlines() if "FAIL" in line or line.startswith("vocab-parallel")]
+    assert done.returncode == 0, "\n".join(report + [done.stderr[-3000:]])
+    assert any(line.endswith(": ok") for line in report), done.stdout[-2000:]
+
+
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+def test_two_ranks_equal_slices(backend):
+    run_ranks(2, "--device=cpu", f"--backend={backend}", "--local-vocab=20")
+
+
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+def test_three_ranks_unequal_slices(backend):
+    # Explicit vocab_start; also checks that unequal widths without it give NaN, and that overlapping slices raise.
+    run_ranks(3, "--device=cpu", f"--backend={backend}", "--widths=10,15,12")
+
+
+def test_two_ranks_chunked_rows():
+    # Local rows wider than one chunk (16384): the kernel's in-launch combine of chunks, then across ranks.
+    run_ranks(2, "--device=cpu", "--backend=kernel", "--local-vocab=17000", "--rows=3",
+              "--only=all-options,smoothing-sum,nonfinite-rows,bad-labels-none")  # fmt: skip
+
+
+def test_four_ranks_2d_mesh():
+    # Also a (data, tensor) 2x2 DTensor mesh: rows sharded, vocabulary sharded, Partial sums. Plain-torch backend
+    # (the per-shard numbers are the same functions as in the tests above; four interpreters would be slow).
+    run_ranks(4, "--device=cpu", "--backend=reference", "--local-vocab=10")
+
+
+@pytest.mark.gpu
+def test_two_gpus_nccl():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    run_ranks(2, "--device=cuda", "--backend=kernel", "--size=mid")
+
+
+def test_arguments_without_a_process_group():
+    import fastce_torch
+
+    logits, labels = torch.randn(3, 5), torch.tensor([0, 4, 2])
+    with pytest.raises(ValueError, match="vocab_start"):
+        fastce_torch.cross_entropy(logits, labels, vocab_start=5)
+    if not torch.distributed.is_initialized():
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            fastce_torch.cross_entropy(logits, labels, process_group=object())

@@ -1,0 +1,368 @@
+"""fastce_torch.linear_cross_entropy: what the shared float64 suite (shared_tests/test_linear_cross_entropy.py) does
+not cover: torch-only behaviour (autograd plumbing, backends, torch.compile, poisoned buffers, arguments), the weight
+gradient's accumulation error, and on the GPU the memory bound. CPU: the kernels in Triton's interpreter."""
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastce_torch
+from fastce_torch import linear_cross_entropy
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:divide by zero:RuntimeWarning",
+    "ignore:invalid value:RuntimeWarning",
+    "ignore:Conversion of an array:DeprecationWarning",
+)
+
+module = sys.modules["fastce_torch.linear_cross_entropy"]
+
+
+@pytest.fixture
+def workspace_rows(monkeypatch):
+    """Shrinks the workspace to `rows` rows of logits, so tiny problems still run in several chunks."""
+
+    def set_rows(rows, vocab, itemsize=4):
+        monkeypatch.setattr(module, "ROWS_MULTIPLE", 1)
+        monkeypatch.setattr(module, "WORKSPACE_BYTES", rows * vocab * itemsize)
+
+    return set_rows
+
+
+def problem(device, n=18, width=20, vocab=70, bias=True, dtype=torch.float32, seed=0, shape=None):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*(shape or (n,)), width, generator=gen)
+    weight = torch.randn(vocab, width, generator=gen) / width**0.5 * 2
+    b = torch.randn(vocab, generator=gen) * 0.3 if bias else None
+    labels = torch.randint(0, vocab, hidden.shape[:-1], generator=gen)
+    labels.view(-1)[2::5] = -100
+    leaves = [t.to(device=device, dtype=dtype).requires_grad_() if t is not None else None for t in (hidden, weight, b)]
+    return (*leaves, labels.to(device))
+
+
+def unfused(hidden, weight, labels, bias=None, **options):
+    """The loss the fused function must equal: fastce's torch reference on the materialised logits."""
+    return fastce_torch.cross_entropy(F.linear(hidden, weight, bias), labels, backend="reference", **options)
+
+
+def grads_of(loss, inputs, upstream=None):
+    inputs = [t for t in inputs if t is not None]
+    return torch.autograd.grad(loss if upstream is None else (loss * upstream).sum(), inputs)
+
+
+def assert_same(fused, expected, rtol=2e-5, atol=2e-6):
+    for got, want in zip(fused, expected):
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+OPTION_SETS = [
+    dict(),
+    dict(reduction="sum"),
+    dict(reduction="none"),
+    dict(reduction="sum", n_items=5),
+    dict(logit_softcapping=2.5, logit_scaling=1.3, label_smoothing=0.1, z_loss=1e-3),
+    dict(reduction="none", logit_softcapping=4.0, z_loss=1e-2),
+]
+
+
+@pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "mean")
+def test_kernel_matches_unfused_loss_under_poisoned_buffers(options, device, workspace_rows, poisoned):
+    """Every buffer the function allocates starts as NaN: each must be fully written (chunks of 4 rows + a tail)."""
+    hidden, weight, bias, labels = problem(device)
+    workspace_rows(4, weight.shape[0])
+    upstream = torch.randn(labels.shape, device=device) if options.get("reduction") == "none" else None
+    fused = linear_cross_entropy(hidden, weight, labels, bias=bias, backend="kernel", **options)
+    expected = unfused(hidden, weight, labels, bias, **options)
+    torch.testing.assert_close(fused, expected, rtol=2e-6, atol=2e-6)
+    assert_same(grads_of(fused, (hidden, weight, bias), upstream), grads_of(expected, (hidden, weight, bias), upstream))
+
+
+def test_backends(device):
+    hidden, weight, bias, labels = problem(device)
+    expected = unfused(hidden, weight, labels, bias)
+    for backend in ("auto", "kernel", "reference"):
+        got = linear_cross_entropy(hidden, weight, labels, bias=bias, backend=backend)
+        torch.testing.assert_close(got, expected, rtol=2e-6, atol=2e-6)
+    # "auto" on CPU tensors is plain torch: autograd nodes of torch's own ops, not the fused Function.
+    auto = linear_cross_entropy(hidden, weight, labels, bias=bias)
+    assert ("_ReducedFunction" in type(auto.grad_fn).__name__) == hidden.is_cuda
+
+
+@pytest.mark.parametrize("factor", [1.0, 2.5, 0.0, float("nan")])
+def test_upstream_scalar_scales_the_precomputed_gradients(factor, device):
+    """factor 1 is skipped on the device; anything else (0 and NaN included) multiplies."""
+    hidden, weight, bias, labels = problem(device)
+    fused = linear_cross_entropy(hidden, weight, labels, bias=bias, backend="kernel")
+    expected = unfused(hidden, weight, labels, bias)
+    upstream = torch.tensor(factor, device=device)
+    got = grads_of(fused, (hidden, weight, bias), upstream)
+    want = grads_of(expected, (hidden, weight, bias), upstream)
+    for g, w in zip(got, want):
+        # With NaN: the ignored rows of d hidden stay 0, as the unfused loss gives them; everything else is NaN.
+        torch.testing.assert_close(g, w, rtol=2e-5, atol=2e-6, equal_nan=True)
+        assert g.isfinite().all() or factor != factor
+
+
+def test_frozen_weight_and_only_some_gradients(device):
+    """LoRA-style: the weight needs no gradient (none is computed or returned); bias without grad; hidden only."""
+    hidden, weight, bias, labels = problem(device)
+    weight.requires_grad_(False)
+    bias.requires_grad_(False)
+    for reduction in ("mean", "none"):
+        fused = linear_cross_entropy(hidden, weight, labels, bias=bias, reduction=reduction, backend="kernel")
+        fused.sum().backward()
+        expected = unfused(hidden, weight, labels, bias, reduction=reduction)
+        (want,) = torch.autograd.grad(expected.sum(), hidden)
+        torch.testing.assert_close(hidden.grad, want, rtol=2e-5, atol=2e-6)
+        assert weight.grad is None and bias.grad is None
+        hidden.grad = None
+
+
+def test_no_grad_gives_the_same_loss(device):
+    hidden, weight, bias, labels = problem(device)
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, labels, bias=bias, backend="kernel")
+    assert loss.grad_fn is None
+    torch.testing.assert_close(loss, unfused(hidden, weight, labels, bias).detach(), rtol=2e-6, atol=2e-6)
+
+
+def test_gradient_accumulation_over_micro_batches(device, workspace_rows):
+    """Two losses, two backward calls: .grad sums them (the precomputed gradients are handed over, not aliased)."""
+    hidden, weight, bias, labels = problem(device)
+    workspace_rows(5, weight.shape[0])
+    for half in (slice(0, 9), slice(9, 18)):
+        linear_cross_entropy(hidden[half], weight, labels[half], bias=bias, backend="kernel").backward()
+    got = (hidden.grad, weight.grad, bias.grad)
+    expected = sum(unfused(hidden[h], weight, labels[h], bias) for h in (slice(0, 9), slice(9, 18)))
+    assert_same(got, grads_of(expected, (hidden, weight, bias)))
+
+
+def test_second_backward_raises(device):
+    hidden, weight, bias, labels = problem(device)
+    loss = linear_cross_entropy(hidden, weight, labels, bias=bias, backend="kernel")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        loss.backward()
+
+
+def test_three_dims_and_strided_hidden(device, workspace_rows):
+    gen = torch.Generator().manual_seed(4)
+    base = torch.randn(3, 5, 40, generator=gen).to(device)
+    hidden = base[:, :, 4:28].requires_grad_()  # strided rows: a non-contiguous (3, 5, 24) view
+    _, weight, _, _ = problem(device, width=24, vocab=50)
+    labels = torch.randint(0, 50, (3, 5), generator=gen).to(device)
+    workspace_rows(4, 50)
+    for reduction in ("mean", "none"):
+        fused = linear_cross_entropy(hidden, weight, labels.int(), reduction=reduction, backend="kernel")
+        expected = unfused(hidden, weight, labels, reduction=reduction)
+        assert fused.shape == expected.shape
+        torch.testing.assert_close(fused, expected, rtol=2e-6, atol=2e-6)
+        assert_same(grads_of(fused.sum(), (hidden, weight)), grads_of(expected.sum(), (hidden, weight)))
+
+
+def test_all_ignored_and_empty(device):
+    hidden, weight, bias, labels = problem(device)
+    labels = torch.full_like(labels, -100)
+    loss = linear_cross_entropy(hidden, weight, labels, bias=bias, backend="kernel")
+    assert loss.item() == 0.0
+    for grad in grads_of(loss, (hidden, weight, bias)):
+        assert not grad.any()
+    empty = linear_cross_entropy(hidden[:0], weight, labels[:0], bias=bias, backend="kernel")
+    assert empty.item() == 0.0
+    assert grads_of(empty, (weight,))[0].abs().sum() == 0
+
+
+def test_bad_label_gives_nan_and_validate_labels_raises(device):
+    hidden, weight, bias, labels = problem(device)
+    labels[4] = weight.shape[0]
+    per_token = linear_cross_entropy(hidden, weight, labels, reduction="none", backend="kernel")
+    assert per_token[4].isnan() and per_token[torch.arange(18) != 4].isfinite().all()
+    (grad_hidden,) = torch.autograd.grad(per_token[torch.arange(18) != 4].sum() + 0 * per_token[4], hidden)
+    assert grad_hidden[4].isnan().all() and grad_hidden[torch.arange(18) != 4].isfinite().all()
+    assert linear_cross_entropy(hidden, weight, labels, backend="kernel").isnan()
+    with pytest.raises(ValueError, match=r"labels\[4\] = 70"):
+        linear_cross_entropy(hidden, weight, labels, backend="kernel", validate_labels=True)
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (dict(weight="transposed"), ValueError, "weight must be"),
+        (dict(weight="float64"), TypeError, "weight"),
+        (dict(bias="short"), ValueError, "bias"),
+        (dict(labels="short"), ValueError, "labels"),
+        (dict(labels="float"), TypeError, "labels"),
+        (dict(reduction="avg"), ValueError, "reduction"),
+        (dict(backend="cuda"), ValueError, "backend"),
+        (dict(logit_softcapping=-1.0), ValueError, "logit_softcapping"),
+        (dict(n_items=0), ValueError, "n_items"),
+        (dict(hidden="int"), TypeError, "hidden"),
+    ],
+)
+def test_bad_arguments_are_named(change, error, match, device):
+    hidden, weight, bias, labels = problem(device)
+    kwargs = dict(bias=bias)
+    for key, value in change.items():
+        if key == "weight":
+            weight = weight.t() if value == "transposed" else weight.double()
+        elif key == "bias":
+            kwargs["bias"] = bias[:-1]
+        elif key == "labels":
+            labels = labels[:-1] if value == "short" else labels.float()
+        elif key == "hidden":
+            hidden = hidden.int()
+        else:
+            kwargs[key] = value
+    with pytest.raises(error, match=match):
+        linear_cross_entropy(hidden, weight, labels, **kwargs)
+
+
+def test_chunk_rows():
+    assert module.chunk_rows(8192, 128256, 2) == 1024  # 256 MiB of bf16 logits, a multiple of 128
+    assert module.chunk_rows(8192, 256000, 2) == 512
+    assert module.chunk_rows(100, 128256, 2) == 100  # never more than the rows there are
+    assert module.chunk_rows(8192, 2**31, 4) == 1  # at least one row, whatever the budget
+    assert module.chunk_rows(8192, 32000, 2, workspace_bytes=1 << 30) == 8192
+
+
+@pytest.mark.parametrize("float32_accumulator", [False, True])
+def test_float32_weight_grad_accumulator(float32_accumulator, device, workspace_rows, monkeypatch):
+    """Both accumulators give the weight's dtype and the right gradient for bf16 weights."""
+    dtype = torch.bfloat16
+    hidden, weight, bias, labels = problem(device, dtype=dtype)
+    workspace_rows(4, weight.shape[0], itemsize=hidden.element_size())
+    monkeypatch.setattr(module, "ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32", float32_accumulator)
+    loss = linear_cross_entropy(hidden, weight, labels, bias=bias, backend="kernel")
+    (grad_weight,) = torch.autograd.grad(loss, weight)
+    assert grad_weight.dtype == dtype
+    weight64 = weight.detach().double().requires_grad_()
+    (expected,) = torch.autograd.grad(unfused(hidden.double(), weight64, labels, bias.double()), weight64)
+    torch.testing.assert_close(grad_weight.double(), expected, rtol=2e-2, atol=2e-3)
+
+
+def test_weight_gradient_accumulation_error():
+    """The measurement behind the module docstring's precision note (plain torch on the CPU, the same arithmetic as
+    the chunk loop: bf16 d logits, float32-accumulated products, one bf16 rounding per chunk): rms error of the
+    bf16 weight gradient against float64, relative to its rms. One rounding: ~2.2e-3; 8 chunks ~3.7e-3; 32 ~6.5e-3."""
+    torch.manual_seed(0)
+    n, width, vocab = 4096, 64, 512
+    hidden = torch.randn(n, width).bfloat16()
+    weight = (torch.randn(vocab, width) * 2 / width**0.5).bfloat16()
+    labels = torch.randint(0, vocab, (n,))
+    rows = torch.arange(n)
+    exact_dlogits = torch.softmax(hidden.double() @ weight.double().T, -1)
+    exact_dlogits[rows, labels] -= 1
+    exact = (exact_dlogits / n).T @ hidden.double()
+    dlogits = torch.softmax((hidden @ weight.T).float(), -1)
+    dlogits[rows, labels] -= 1
+    dlogits = (dlogits / n).bfloat16()
+
+    def relative_rms_error(chunk):
+        accumulator = torch.zeros(vocab, width, dtype=torch.bfloat16)
+        for start in range(0, n, chunk):
+            accumulator.addmm_(dlogits[start : start + chunk].T, hidden[start : start + chunk])
+        return ((accumulator.double() - exact).pow(2).mean() / exact.pow(2).mean()).sqrt().item()
+
+    once = ((dlogits.float().T @ hidden.float()).bfloat16().double() - exact).pow(2).mean().sqrt().item()
+    once /= exact.pow(2).mean().sqrt().item()
+    errors = {chunks: relative_rms_error(n // chunks) for chunks in (1, 8, 32)}
+    assert 1.5e-3 < once < 3e-3 and abs(errors[1] - once) < 2e-4
+    assert errors[1] < errors[8] < errors[32] < 3.5 * once  # grows like sqrt(chunks) once chunks dominate
+    assert errors[8] < 2 * once
+
+
+# --- torch.compile ----------------------------------------------------------------------------------------------
+
+
+class Head(torch.nn.Module):
+    def __init__(self, width, vocab, **options):
+        super().__init__()
+        self.proj = torch.nn.Linear(width, vocab)
+        self.options = options
+
+    def forward(self, hidden, labels, n_items=None):
+        return linear_cross_entropy(
+            hidden, self.proj.weight, labels, bias=self.proj.bias, n_items=n_items, **self.options
+        )
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(backend="kernel"),
+        dict(backend="kernel", reduction="none", logit_softcapping=3.0),
+        dict(backend="kernel", reduction="sum", z_loss=1e-3),
+    ],
+    ids=["mean", "none-softcap", "sum-zloss"],
+)
+def test_fullgraph_compile_matches_eager(options, device, workspace_rows):
+    from fastce_torch.tests.test_compile import ops_in, recording_backend
+
+    torch.manual_seed(0)
+    head = Head(16, 60, **options).to(device)
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 7, 16, generator=gen).to(device).requires_grad_()
+    labels = torch.randint(0, 60, (2, 7), generator=gen).to(device)
+    labels[0, :3] = -100
+    n_items = torch.tensor(9.0, device=device) if options.get("reduction") == "sum" else None
+    workspace_rows(4, 60)
+
+    def run(fn):
+        head.zero_grad(set_to_none=True)
+        hidden.grad = None
+        loss = fn(hidden, labels, n_items)
+        (loss * torch.linspace(0.5, 1.5, loss.numel(), device=device).view(loss.shape)).sum().backward()
+        return [loss.detach(), hidden.grad, head.proj.weight.grad, head.proj.bias.grad]
+
+    expected = run(head)
+    torch._dynamo.reset()
+    backend, graphs = recording_backend()
+    got = run(torch.compile(head, fullgraph=True, backend=backend))
+    torch._dynamo.reset()
+    name = "linear_cross_entropy_forward" if options.get("reduction") == "none" else "linear_cross_entropy_reduced"
+    assert f"fastce.{name}.default" in ops_in(graphs["forward"])
+    if options.get("reduction") == "none":
+        assert "fastce.linear_cross_entropy_backward.default" in ops_in(graphs["backward"])
+    assert_same(got, expected, rtol=1e-5, atol=1e-6)
+
+
+# --- GPU ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_peak_memory_is_gradients_plus_workspace(reduction, device):
+    """No (N, V) tensor: the peak above the inputs is the gradients, the workspace and small buffers (8 MiB)."""
+    n, width, vocab = 8192, 1024, 32000  # bf16 logits would be 500 MiB, the workspace is 250 MiB
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(n, width, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
+    weight = (torch.randn(vocab, width, device=device, generator=gen) / 32).bfloat16().requires_grad_()
+    labels = torch.randint(0, vocab, (n,), device=device, generator=gen)
+    for _ in range(2):  # warm-up: kernels compiled, cuBLAS workspaces allocated
+        loss = linear_cross_entropy(hidden, weight, labels, reduction=reduction)
+        torch.autograd.grad(loss.sum(), (hidden, weight))
+    del loss
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = linear_cross_entropy(hidden, weight, labels, reduction=reduction)
+    grads = torch.autograd.grad(loss.sum(), (hidden, weight))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    gradients = hidden.numel() * 2 + weight.numel() * 2
+    workspace = module.chunk_rows(n, vocab, 2) * vocab * 2
+    assert peak <= gradients + workspace + (8 << 20), (peak, gradients, workspace)
+    assert peak < gradients + n * vocab * 2
+    del grads
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_second_order_gradients_raise(reduction, device):
+    """The gradients come from kernels: differentiable once; create_graph=True gives a backward that raises."""
+    hidden, weight, bias, labels = problem(device)
+    loss = linear_cross_entropy(hidden, weight, labels, bias=bias, reduction=reduction, backend="kernel")
+    (grad_hidden,) = torch.autograd.grad(loss.sum(), hidden, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        grad_hidden.sum().backward()

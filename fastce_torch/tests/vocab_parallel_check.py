@@ -1,0 +1,285 @@
+"""Vocab-parallel correctness check, one process per rank (run with torchrun / torch.distributed.run):
+
+    torchrun --nproc-per-node 2 -m fastce_torch.tests.vocab_parallel_check --device cuda --size mid
+    python -m torch.distributed.run --standalone --nproc-per-node 3 -m fastce_torch.tests.vocab_parallel_check \\
+        --device cpu --widths 10,15,12
+
+Every rank makes the same full inputs (seeded), takes its columns, runs fastce_torch.cross_entropy with the
+process group (and with a DTensor sharded on the vocabulary), and the loss and the gathered gradient are compared
+with the float64 reference of shared_tests/reference.py on the full logits, with the shared suite's tolerances.
+Every rank must return the same loss bits. Exit status 0 only when every case passed on every rank.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import fastce_torch  # noqa: F401  (before triton: chooses Triton's interpreter on a CPU machine)
+from shared_tests import harness
+from shared_tests.harness import Case
+from shared_tests.reference import Options
+
+ALL = Options(logit_softcapping=30.0, logit_scaling=0.5, label_smoothing=0.1, z_loss=1e-3)
+
+
+def cases(vocab, rows):
+    """The contract's options and edge cases on a vocabulary of `vocab` columns (every one on `rows` rows)."""
+    base = [
+        Case("mean", seed=1),
+        Case("sum", reduction="sum", seed=2),
+        Case("none", reduction="none", seed=3),
+        Case("softcap", opts=Options(logit_softcapping=5.0), std=4.0, seed=4),
+        Case("scaling", opts=Options(logit_scaling=0.25), seed=5),
+        Case("scaling-negative", opts=Options(logit_scaling=-1.5), reduction="none", seed=6),
+        Case("smoothing", opts=Options(label_smoothing=0.1), seed=7),
+        Case("smoothing-sum", opts=Options(label_smoothing=0.7), reduction="sum", seed=8),
+        Case("z-loss", opts=Options(z_loss=1e-2), offset=20.0, seed=9),
+        Case("all-options", opts=ALL, reduction="none", seed=10),
+        Case("all-options-mean", opts=ALL, seed=11),
+        Case("all-options-3d", shape=(2, rows // 2), opts=ALL, reduction="sum", seed=12),
+        Case("n-items-int", n_items=7, seed=13),
+        Case("n-items-float", n_items=2.5, opts=Options(label_smoothing=0.2), seed=14),
+        Case("n-items-tensor", n_items=("tensor", 23), seed=15),
+        Case("n-items-sum", reduction="sum", n_items=("tensor", 6), opts=Options(z_loss=1e-3), seed=16),
+        Case("all-ignored", ignore="all", seed=17),
+        Case("all-ignored-sum", ignore="all", reduction="sum", opts=ALL, seed=18),
+        Case("none-ignored", ignore="none", seed=19),
+        Case("ignore-real-class", ignore="class", opts=Options(ignore_index=3), seed=20),
+        Case("ignore-minus-one", opts=Options(ignore_index=-1), bad_labels=(-100,), reduction="none", seed=21),
+        Case("bad-labels-none", bad_labels=(-1, vocab, vocab + 7, -(2**31), 2**31 - 1), reduction="none", seed=22),
+        Case("bad-labels-mean", bad_labels=(vocab,), opts=ALL, seed=23),
+        Case("bad-labels-int32", bad_labels=(-5, vocab), label_dtype="int32", reduction="none", seed=24),
+        Case("neg-inf-tail", neg_inf="tail", reduction="none", seed=25),
+        Case("neg-inf-scatter", neg_inf="scatter", opts=Options(z_loss=1e-3), seed=26),
+        Case("neg-inf-smoothing", neg_inf="tail", opts=Options(label_smoothing=0.1), reduction="none", seed=27),
+        Case("nonfinite-rows", nonfinite_rows=True, reduction="none", seed=28),
+        Case("nonfinite-rows-mean", nonfinite_rows=True, opts=ALL, seed=29),
+        Case("offset-large", offset=60.0, std=8.0, opts=Options(z_loss=1e-4), seed=30),
+        Case("offset-negative", offset=-80.0, reduction="sum", seed=31),
+        Case("int32-labels", label_dtype="int32", seed=32),
+        Case("not-inplace", inplace=False, opts=ALL, seed=33),
+        Case("not-inplace-none", inplace=False, reduction="none", seed=34),
+        Case("n0", shape=(0,), seed=35),
+        Case("n0-none", shape=(0,), reduction="none", seed=36),
+    ]
+    out = []
+    for case in base:
+        shape = case.shape if case.shape != (8,) else (rows,)
+        out.append(dataclasses.replace(case, vocab=vocab, shape=shape))
+    other_dtypes = ("all-options", "all-options-mean", "nonfinite-rows", "bad-labels-none", "not-inplace")
+    return out + [
+        dataclasses.replace(case, dtype=dtype)
+        for case in out
+        if case.name in other_dtypes
+        for dtype in ("bfloat16", "float16")
+    ]
+
+
+def widths_for(args, world):
+    if args.widths:
+        widths = [int(w) for w in args.widths.split(",")]
+        if len(widths) != world:
+            raise SystemExit(f"--widths has {len(widths)} entries for {world} ranks")
+        return widths, True
+    return [args.local_vocab] * world, False
+
+
+def gather_columns(local, widths, group):
+    """The full (..., V) tensor from every rank's columns (all_gather needs one size: pad to the widest)."""
+    widest = max(widths)
+    padded = torch.zeros((*local.shape[:-1], widest), dtype=local.dtype, device=local.device)
+    padded[..., : local.shape[-1]] = local
+    pieces = [torch.empty_like(padded) for _ in widths]
+    dist.all_gather(pieces, padded.contiguous(), group=group)
+    return torch.cat([p[..., :w] for p, w in zip(pieces, widths)], dim=-1)
+
+
+def same_on_every_rank(tensor, group):
+    pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, tensor.contiguous(), group=group)
+    return all(torch.equal(harness.bits(p), harness.bits(pieces[0])) for p in pieces)
+
+
+def compare(case, inputs, loss, grad):
+    ref = harness.run_reference(case, inputs)
+    t_loss, t_grad = harness.as_f64(loss), harness.as_f64(grad)
+    harness.check(t_loss, ref.loss, harness.loss_bound(case, ref, harness.RTOL_REFERENCE), "loss vs reference")
+    ulps = harness.torch_ulps_reference(inputs, case)
+    bound = harness.grad_bound(case, ref, t_grad, harness.RTOL_REFERENCE, ulps)
+    harness.check(t_grad, ref.grad, bound, "grad vs reference")
+
+
+def backward(loss, case, inputs):
+    if case.reduction == "none":
+        loss.backward(inputs.upstream)
+    else:
+        loss.backward()
+
+
+def run_process_group(case, device, widths, explicit, group, backend):
+    rank = dist.get_rank(group)
+    start, width = sum(widths[:rank]), widths[rank]
+    inputs = harness.make_inputs(case, device)
+    local = inputs.logits[..., start : start + width]
+    # Inplace: the local columns are an intermediate (a copy of a leaf), as an LM head's output would be; otherwise a
+    # leaf whose rows are strided (a column slice of the full logits).
+    leaf = local.detach().clone().requires_grad_() if case.inplace else local.detach().requires_grad_()
+    x = leaf.clone() if case.inplace else leaf
+    loss = fastce_torch.cross_entropy(
+        x,
+        inputs.labels,
+        reduction=case.reduction,
+        n_items=inputs.n_items,
+        backend=backend,
+        inplace_backward=case.inplace,
+        process_group=group,
+        vocab_start=start if explicit else None,
+        **case.opts.as_kwargs(),
+    )
+    assert loss.dtype == torch.float32 and not fastce_torch.distributed.is_dtensor(loss)
+    backward(loss, case, inputs)
+    grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+    assert grad.dtype == x.dtype and grad.shape == x.shape
+    assert same_on_every_rank(loss.detach(), group), "ranks disagree on the loss"
+    compare(case, inputs, loss.detach(), gather_columns(grad, widths, group))
+
+
+def run_dtensor(case, device, mesh, backend):
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    inputs = harness.make_inputs(case, device)
+    full = inputs.logits.detach().contiguous()
+    logits = distribute_tensor(full, mesh, [Shard(full.dim() - 1)]).requires_grad_()
+    loss = fastce_torch.cross_entropy(
+        logits,
+        inputs.labels,
+        reduction=case.reduction,
+        n_items=inputs.n_items,
+        backend=backend,
+        **case.opts.as_kwargs(),
+    )
+    assert isinstance(loss, DTensor) and tuple(loss.placements) == (Replicate(),), loss
+    if case.reduction == "none":
+        loss.backward(DTensor.from_local(inputs.upstream, mesh, [Replicate()], run_check=False))
+    else:
+        loss.backward()
+    assert isinstance(logits.grad, DTensor) and tuple(logits.grad.placements) == (Shard(full.dim() - 1),)
+    assert torch.equal(harness.bits(full), harness.bits(inputs.logits)), "the DTensor's storage was overwritten"
+    compare(case, inputs, loss.to_local().detach(), logits.grad.full_tensor())
+
+
+def run_dtensor_2d(case, device, mesh, backend):
+    """A (data, tensor) mesh: rows sharded on the first mesh dimension, the vocabulary on the second; labels a
+    DTensor placed (Shard(0), Replicate()). "sum"/"mean" give Partial on the data dimension; full_tensor() sums it."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    inputs = harness.make_inputs(case, device)
+    full = inputs.logits.detach().contiguous()
+    logits = distribute_tensor(full, mesh, [Shard(0), Shard(full.dim() - 1)]).requires_grad_()
+    labels = distribute_tensor(inputs.labels, mesh, [Shard(0), Replicate()])
+    loss = fastce_torch.cross_entropy(
+        logits, labels, reduction=case.reduction, n_items=inputs.n_items, backend=backend, **case.opts.as_kwargs()
+    )
+    expected = (Shard(0), Replicate()) if case.reduction == "none" else (Partial("sum"), Replicate())
+    assert isinstance(loss, DTensor) and tuple(loss.placements) == expected, loss.placements
+    total = loss.full_tensor()
+    if case.reduction == "none":
+        total.backward(inputs.upstream)
+    else:
+        total.backward()
+    compare(case, inputs, total.detach(), logits.grad.full_tensor())
+
+
+def run_errors(device, widths, explicit, group, backend):
+    """Unequal widths without vocab_start give NaN; offsets that do not tile the vocabulary raise."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    case = Case("errors", shape=(4,), vocab=sum(widths))
+    inputs = harness.make_inputs(case, device)
+    start, width = sum(widths[:rank]), widths[rank]
+    local = inputs.logits[..., start : start + width]
+    if len(set(widths)) > 1:
+        loss = fastce_torch.cross_entropy(local, inputs.labels, process_group=group, backend=backend)
+        assert torch.isnan(loss), f"unequal widths without vocab_start must give NaN, got {loss}"
+    if world > 1:
+        try:
+            fastce_torch.cross_entropy(local, inputs.labels, process_group=group, vocab_start=0, backend=backend)
+        except ValueError as e:
+            assert "tile" in str(e), e
+        else:
+            raise AssertionError("overlapping slices (every rank at vocab_start=0) did not raise")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--backend", choices=("kernel", "reference"), default="kernel")
+    parser.add_argument("--local-vocab", type=int, default=20, help="columns per rank (equal widths)")
+    parser.add_argument("--widths", default="", help="comma-separated columns per rank: explicit vocab_start")
+    parser.add_argument("--rows", type=int, default=6)
+    parser.add_argument("--size", choices=("tiny", "mid"), default="tiny", help="mid: 128 rows x 40000 per rank")
+    parser.add_argument("--only", default="", help="comma-separated case names")
+    args = parser.parse_args()
+    if args.size == "mid":
+        args.rows, args.local_vocab = 128, 40000  # three chunks per local row
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=300))
+    group = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    widths, explicit = widths_for(args, world)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(args.device, (world,))
+    only = set(args.only.split(",")) if args.only else None
+    failures, ran = [], 0
+    for case in cases(sum(widths), args.rows):
+        if only and case.name not in only:
+            continue
+        for how in ("group", "dtensor"):
+            if how == "dtensor" and case.dtype != "float32" and case.name != "all-options":
+                continue
+            ran += 1
+            try:
+                if how == "group":
+                    run_process_group(case, device, widths, explicit, group, args.backend)
+                else:
+                    run_dtensor(case, device, mesh, args.backend)
+            except AssertionError as e:
+                failures.append(f"{case.id} [{how}]: {e}")
+    if world == 4 and not args.only:
+        mesh_2d = init_device_mesh(args.device, (2, 2))
+        for case in cases(sum(widths), args.rows):
+            if case.reduction == "mean" and case.n_items is None or case.dtype != "float32" or not case.shape[0]:
+                continue
+            ran += 1
+            try:
+                run_dtensor_2d(case, device, mesh_2d, args.backend)
+            except AssertionError as e:
+                failures.append(f"{case.id} [dtensor 2-D]: {e}")
+    try:
+        run_errors(device, widths, explicit, group, args.backend)
+    except AssertionError as e:
+        failures.append(f"errors: {e}")
+    counts = torch.tensor([len(failures)], device=device)
+    dist.all_reduce(counts)
+    for line in failures:
+        print(f"rank {rank} FAIL {line}", flush=True)
+    if rank == 0:
+        status = "ok" if int(counts) == 0 else f"{int(counts)} failures"
+        print(f"vocab-parallel: {ran} cases x {world} ranks (widths {widths}, {args.backend}, {args.device}): {status}")
+    dist.barrier()
+    # Skip the process groups' teardown: gloo's sometimes aborts at exit ("terminate called without an active
+    # exception") after every check has passed, which would fail the run for nothing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if int(counts) else 0)
+
+
+if __name__ == "__main__":
+    main()

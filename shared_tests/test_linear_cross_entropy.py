@@ -1,0 +1,262 @@
+"""linear_cross_entropy in both packages against the float64 reference (reference.linear_cross_entropy): loss and
+the gradients of hidden, weight and bias, every option and reduction, with the rows split into several chunks.
+
+Inputs are made once in torch (the values each package sees, already rounded to the case's dtype) and handed to
+JAX through DLPack. A package without linear_cross_entropy is skipped.
+
+Tolerances follow from the arithmetic, as in harness.py, with u the unit roundoff of the computation that dominates
+and K a small count of roundings (K_FACTOR): float32 inputs: u = 2**-23, K = 16 (the kernels' float32, GPU exp/log
+approximations included); bfloat16: u = 2**-8, K = 4 (the logits chunk and its gradient are held in bf16, as the
+unfused lm_head output and its gradient are).
+  loss:        K u sum_t |g_t| (M_t + 2 E_t)      M_t from reference.error_scales; E_t = max_j (|h| |W|^T + |b|)_tj,
+                                                    the size of the logits' own product error
+  d logits G:  error scale S = grad_scale + grad_terms 2 E_t
+  d hidden:    K u (S + |G|) |W|
+  d weight:    K u (1 + chunks) (S + |G|)^T |h|          (one rounding to the weight's dtype per chunk of rows)
+  d bias:      K u (1 + chunks) sum_t (S + |G|)_t
+NaN must appear exactly where the reference has it (a bad label makes its row of d hidden NaN, and all of d weight).
+"""
+
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from . import reference
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::RuntimeWarning")
+
+fastce_torch = pytest.importorskip("fastce_torch")
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+UNIT_ROUNDOFF = {"float32": 2.0**-23, "bfloat16": 2.0**-8}
+# float32: harness.RTOL_REFERENCE's 16 (GPU exp/log approximations, long float32 sums); bfloat16: each quantity is
+# rounded to bf16 at most twice on its way (logits, their gradient, the product), so 4 unit roundoffs.
+K_FACTOR = {"float32": 16, "bfloat16": 4}
+FLOOR = 2.0**-125
+CHUNK_ROWS_SMALL = 5  # rows per chunk forced in both packages: several chunks, a partial (or clamped) last one
+
+
+@dataclass(frozen=True)
+class LinearCase:
+    name: str
+    shape: tuple = (12,)  # leading shape of hidden and labels
+    width: int = 24  # H
+    vocab: int = 130  # V
+    dtype: str = "float32"
+    reduction: str = "mean"
+    n_items: object = None  # None, a number, or ("tensor", value)
+    bias: bool = False
+    opts: reference.Options = field(default_factory=reference.Options)
+    ignore: str = "some"  # "none", "some", "all"
+    bad_label: bool = False  # row 0 gets label V: NaN by contract
+    strided: bool = False  # hidden is a column slice of a wider buffer
+    label_dtype: str = "int64"
+    seed: int = 0
+
+    @property
+    def id(self):
+        return f"{self.name}-{self.dtype}"
+
+
+CASES = [
+    LinearCase("mean"),
+    LinearCase("mean-bias", bias=True, vocab=300, width=16),
+    LinearCase("sum", reduction="sum", ignore="none"),
+    LinearCase("sum-n_items", reduction="sum", n_items=7),
+    LinearCase("mean-n_items-tensor", n_items=("tensor", 9.5), bias=True),
+    LinearCase("none", reduction="none", bias=True),
+    LinearCase("none-3d", reduction="none", shape=(3, 7)),
+    LinearCase("softcap-scaling", opts=reference.Options(logit_softcapping=3.0, logit_scaling=1.7), bias=True),
+    LinearCase("smoothing-zloss", opts=reference.Options(label_smoothing=0.1, z_loss=1e-3)),
+    LinearCase("none-all-options", reduction="none", opts=reference.Options(-1, 5.0, 0.8, 0.2, 1e-4), bias=True),
+    LinearCase("ignore-index-is-a-class", opts=reference.Options(ignore_index=3)),
+    LinearCase("all-ignored", ignore="all"),
+    LinearCase("bad-label", bad_label=True, reduction="sum"),
+    LinearCase("bad-label-none", bad_label=True, reduction="none"),
+    LinearCase("strided-3d-int32", shape=(2, 3, 5), strided=True, label_dtype="int32", bias=True),
+    LinearCase("bf16", dtype="bfloat16", bias=True),
+    LinearCase("bf16-none-softcap", dtype="bfloat16", reduction="none", opts=reference.Options(logit_softcapping=4.0)),
+]
+
+
+def make_inputs(case, device):
+    gen = torch.Generator().manual_seed(case.seed)
+    dtype = TORCH_DTYPES[case.dtype]
+    n = int(np.prod(case.shape))
+    hidden = torch.randn((*case.shape, case.width + (8 if case.strided else 0)), generator=gen)
+    if case.strided:
+        hidden = hidden[..., 3 : 3 + case.width]
+    weight = torch.randn((case.vocab, case.width), generator=gen) * (2.0 / case.width**0.5)
+    bias = torch.randn(case.vocab, generator=gen) * 0.5 if case.bias else None
+    labels = torch.randint(0, case.vocab, (n,), generator=gen)
+    ignore_index = case.opts.ignore_index
+    if case.ignore == "some":
+        labels[1::4] = ignore_index
+    elif case.ignore == "all":
+        labels[:] = ignore_index
+    if case.bad_label:
+        labels[0] = case.vocab
+    labels = labels.reshape(case.shape).to(getattr(torch, case.label_dtype))
+    upstream = torch.randn(case.shape, generator=gen)
+    n_items = case.n_items
+    if isinstance(n_items, tuple):
+        n_items = torch.tensor(n_items[1], device=device)
+    hidden = hidden.to(device=device, dtype=dtype)
+    weight, bias = weight.to(device=device, dtype=dtype), None if bias is None else bias.to(device=device, dtype=dtype)
+    return hidden, weight, bias, labels.to(device), upstream.to(device), n_items
+
+
+def kwargs_of(case, n_items):
+    return dict(reduction=case.reduction, n_items=n_items, **case.opts.as_kwargs())
+
+
+def run_torch(case, inputs):
+    hidden, weight, bias, labels, upstream, n_items = inputs
+    leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight)]
+    bias_leaf = None if bias is None else bias.detach().clone().requires_grad_()
+    loss = fastce_torch.linear_cross_entropy(
+        *leaves, labels, bias=bias_leaf, backend="kernel", **kwargs_of(case, n_items)
+    )
+    (loss * upstream if case.reduction == "none" else loss).sum().backward()
+    grads = [leaves[0].grad, leaves[1].grad, None if bias is None else bias_leaf.grad]
+    return loss.detach(), grads
+
+
+def run_jax(case, inputs):
+    import jax
+    import jax.numpy as jnp
+
+    from . import exchange
+
+    fastce_jax = sys.modules["fastce_jax"]
+    hidden, weight, bias, labels, upstream, n_items = inputs
+    as_jax = exchange.to_jax
+    h, w = as_jax(hidden), as_jax(weight)
+    b = None if bias is None else as_jax(bias)
+    y = exchange.labels_to_jax(labels)
+    kwargs = kwargs_of(case, as_jax(n_items) if torch.is_tensor(n_items) else n_items)
+
+    def loss_fn(h, w, b):
+        return fastce_jax.linear_cross_entropy(h, w, y, bias=b, backend="kernel", **kwargs)
+
+    loss, vjp = jax.vjp(loss_fn, h, w, b)
+    cotangent = as_jax(upstream) if case.reduction == "none" else jnp.ones_like(loss)
+    grad_h, grad_w, grad_b = vjp(cotangent)
+    to_torch = exchange.to_torch
+    return to_torch(loss), [to_torch(grad_h), to_torch(grad_w), None if grad_b is None else to_torch(grad_b)]
+
+
+def package_runner(name):
+    module = pytest.importorskip(name)
+    if not hasattr(module, "linear_cross_entropy"):
+        pytest.skip(f"{name} has no linear_cross_entropy")
+    return {"fastce_torch": run_torch, "fastce_jax": run_jax}[name]
+
+
+def assert_within(actual, expected, bound, what):
+    actual = np.asarray(actual.detach().float().cpu().numpy() if torch.is_tensor(actual) else actual, np.float64)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    nan_expected = np.isnan(expected)
+    assert np.array_equal(np.isnan(actual), nan_expected), f"{what}: NaN pattern differs from the reference"
+    diff = np.abs(np.where(nan_expected, 0.0, actual - expected))
+    worst = np.max(diff / (bound + FLOOR)) if diff.size else 0.0
+    assert worst <= 1.0, f"{what}: max |diff| / tolerance = {worst:.3g} (max |diff| {diff.max():.3g})"
+
+
+def check(case, device, runner, chunks):
+    inputs = make_inputs(case, device)
+    hidden, weight, bias, labels, upstream, n_items = inputs
+    as64 = lambda t: None if t is None else t.detach().double().cpu().numpy()  # noqa: E731
+    exact = reference.linear_cross_entropy(
+        as64(hidden),
+        as64(weight),
+        labels.cpu().numpy(),
+        bias=as64(bias),
+        reduction=case.reduction,
+        n_items=float(n_items) if torch.is_tensor(n_items) else n_items,
+        upstream=as64(upstream),
+        opts=case.opts,
+    )
+    loss, (grad_hidden, grad_weight, grad_bias) = runner(case, inputs)
+
+    u = UNIT_ROUNDOFF[case.dtype] * K_FACTOR[case.dtype]
+    r = exact.logits
+    n_rows, vocab = r.lse.shape[0], weight.shape[0]
+    logit_error = 2.0 * exact.logits_abs.max(axis=-1) if vocab else np.zeros(n_rows)  # E_t, times 2
+    g = np.abs(np.nan_to_num(r.upstream))
+    loss_terms = np.nan_to_num(r.loss_scale) + logit_error
+    if case.reduction == "none":
+        loss_bound = u * loss_terms.reshape(case.shape)
+    else:
+        loss_bound = np.asarray(u * np.sum(g * loss_terms))
+    assert_within(loss, np.asarray(r.loss), loss_bound, "loss")
+
+    G = np.abs(np.nan_to_num(r.grad.reshape(n_rows, vocab)))
+    S = (
+        np.nan_to_num(r.grad_scale.reshape(n_rows, vocab))
+        + np.nan_to_num(r.grad_terms.reshape(n_rows, vocab)) * (logit_error[:, None])
+    )
+    h_abs = np.abs(as64(hidden).reshape(n_rows, -1))
+    w_abs = np.abs(as64(weight))
+    assert_within(grad_hidden, exact.grad_hidden, (u * ((S + G) @ w_abs)).reshape(hidden.shape), "grad_hidden")
+    assert_within(grad_weight, exact.grad_weight, u * (1 + chunks) * ((S + G).T @ h_abs), "grad_weight")
+    if bias is None:
+        assert grad_bias is None
+    else:
+        assert_within(grad_bias, exact.grad_bias, u * (1 + chunks) * (S + G).sum(axis=0), "grad_bias")
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Both packages split the rows into chunks of CHUNK_ROWS_SMALL (the last one partial, or in fastce_jax clamped
+    onto the one before): returns how many chunks a package runs, which bounds the weight gradient's roundings."""
+
+    def set_for(package, n_rows, vocab, itemsize):
+        if package == "fastce_torch":
+            module = sys.modules["fastce_torch.linear_cross_entropy"]
+            monkeypatch.setattr(module, "ROWS_MULTIPLE", 1)
+            monkeypatch.setattr(module, "WORKSPACE_BYTES", CHUNK_ROWS_SMALL * vocab * itemsize)
+        else:
+            module = sys.modules["fastce_jax.linear_cross_entropy"]
+            monkeypatch.setattr(module, "CHUNK_ROWS", CHUNK_ROWS_SMALL)
+        return -(-n_rows // CHUNK_ROWS_SMALL)
+
+    return set_for
+
+
+@pytest.mark.parametrize("package", ["fastce_torch", "fastce_jax"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_against_float64_reference(case, package, device, small_chunks):
+    runner = package_runner(package)
+    n_rows = int(np.prod(case.shape))
+    chunks = small_chunks(package, n_rows, case.vocab, TORCH_DTYPES[case.dtype].itemsize)
+    check(case, device, runner, chunks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("package", ["fastce_torch", "fastce_jax"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        LinearCase("gpu-mid", shape=(2048,), width=512, vocab=32768, dtype="bfloat16", bias=True),
+        LinearCase("gpu-mid-none", shape=(1024,), width=256, vocab=50000, dtype="bfloat16", reduction="none"),
+        LinearCase(
+            "gpu-mid-f32-softcap", shape=(1024,), width=256, vocab=20000, opts=reference.Options(logit_softcapping=30.0)
+        ),
+    ],
+    ids=lambda c: c.id,
+)
+def test_mid_shapes_on_gpu(case, package, device):
+    """The packages' own chunking (default workspace) at shapes where the matmuls use tensor cores."""
+    runner = package_runner(package)
+    n_rows = int(np.prod(case.shape))
+    chunks = n_rows
+    if package == "fastce_torch":
+        rows = sys.modules["fastce_torch.linear_cross_entropy"].chunk_rows(
+            n_rows, case.vocab, 2 if case.dtype == "bfloat16" else 4
+        )
+        chunks = -(-n_rows // rows)
+    check(case, device, runner, chunks)
