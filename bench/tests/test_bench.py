@@ -70,7 +70,7 @@ def test_run_gpu_orchestration_and_json_schema(fake_gpu, tmp_path, monkeypatch):
 
 
 def test_sharded_torch_smoke(tmp_path):
-    """bench.sharded_torch's code paths on two gloo processes (tiny shapes, plain-torch backend)."""
+    """bench.tools.sharded_torch's code paths on two gloo processes (tiny shapes, plain-torch backend)."""
     import json
     import os
     import subprocess
@@ -79,7 +79,7 @@ def test_sharded_torch_smoke(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "sharded.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    command += ["-m", "bench.sharded_torch", "--smoke", "--json", str(out)]
+    command += ["-m", "bench.tools.sharded_torch", "--smoke", "--json", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
