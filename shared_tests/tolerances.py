@@ -28,7 +28,7 @@ FLOOR = 2.0**-125
 
 
 def dtype_name(dtype):
-    """ "float32" / "bfloat16" / "float16" from a name, a torch dtype, a NumPy / ml_dtypes dtype or a JAX scalar type."""
+    """The dtype's name (float32, bfloat16, float16) from a name, a torch dtype, a NumPy dtype or a JAX scalar type."""
     text = str(dtype)
     if text.startswith("torch."):
         return text.removeprefix("torch.")
