@@ -6,10 +6,13 @@
 
 Implementations, all `jit(value_and_grad(loss, argnums=(0, 1)))(hidden, weight, labels)` (gradients for the
 hidden states and the weight, nothing donated: both are live parameters / activations in training):
-  fastce_jax_linear         fastce_jax.linear_cross_entropy (weight gradient summed over chunks in float32)
-  fastce_jax_linear_wacc    the same with the weight gradient summed in the weight's dtype (less memory)
+  fastce_jax_linear         fastce_jax.linear_cross_entropy with its defaults (256 MiB workspace, weight gradient
+                            summed over chunks in bf16)
+  fastce_jax_linear_f32acc  the same with the float32 weight-gradient accumulator
+  fastce_jax_linear_1GiB    the same with a 1 GiB workspace
+                            (these three are bench.linear.FASTCE_SETTINGS, the configurations fastce_torch is timed in)
   xla_linear                hidden @ weight.T, then XLA's float32-upcast CE (optax's formula), mean over kept tokens
-  xla_matmul_fastce         hidden @ weight.T, then fastce_jax.cross_entropy on the materialised logits
+  matmul+fastce_jax         hidden @ weight.T, then fastce_jax.cross_entropy on the materialised logits
 Plus `matmul` (not a loss): the three matmuls of the step alone (logits = h W^T, dh = G W, dW = G^T h with a given
 bf16 G), the ceiling every fused implementation is compared against, measured in the same run.
 
@@ -21,31 +24,14 @@ gradients are outputs and are not in it).  Each row's loss is compared with xla_
 """
 
 import argparse
-import dataclasses
 import importlib
 import json
 import sys
 
-LINEAR_IMPLS = ("fastce_jax_linear", "fastce_jax_linear_wacc", "xla_linear", "xla_matmul_fastce")
-IGNORE_INDEX = -100
+from .linear import FASTCE_SETTINGS, IGNORE_INDEX, LINEAR_SHAPES, LinearShape, package_settings
 
-
-@dataclasses.dataclass(frozen=True)
-class LinearShape:
-    N: int
-    H: int
-    V: int
-    dtype: str = "bfloat16"
-
-    @property
-    def flops(self) -> int:
-        return 6 * self.N * self.H * self.V
-
-    def __str__(self) -> str:
-        return f"{self.N}x{self.H}x{self.V} {self.dtype}"
-
-
-LINEAR_SHAPES = (LinearShape(8192, 4096, 128256), LinearShape(8192, 2304, 256000), LinearShape(32768, 4096, 128256))
+FASTCE_IMPLS = {f"fastce_jax_linear{suffix}": settings for suffix, settings in FASTCE_SETTINGS.items()}
+LINEAR_IMPLS = (*FASTCE_IMPLS, "xla_linear", "matmul+fastce_jax")
 CPU_SHAPES = (LinearShape(96, 32, 1000, "float32"),)
 
 
@@ -85,14 +71,14 @@ def _xla_ce(logits, labels):
 
 
 def loss_fn(impl, backend="auto"):
-    """(hidden, weight, labels) -> scalar loss; the caller's config (e.g. ACCUMULATE_...) is set in `measure`."""
+    """(hidden, weight, labels) -> scalar loss; fastce_jax's settings (FASTCE_IMPLS) are applied in `measure`."""
     import fastce_jax
 
-    if impl in ("fastce_jax_linear", "fastce_jax_linear_wacc"):
+    if impl in FASTCE_IMPLS:
         return lambda h, w, y: fastce_jax.linear_cross_entropy(h, w, y, backend=backend)
     if impl == "xla_linear":
         return lambda h, w, y: _xla_ce(h @ w.T, y)
-    if impl == "xla_matmul_fastce":
+    if impl == "matmul+fastce_jax":
         return lambda h, w, y: fastce_jax.cross_entropy(h @ w.T, y, backend=backend)
     raise ValueError(f"unknown implementation {impl!r}; known: {', '.join(LINEAR_IMPLS)}")
 
@@ -103,14 +89,10 @@ def measure(impl, shape, inputs, batch_target_ms=50.0, backend="auto") -> dict:
     from .jax_measure import bench_ms
 
     module = importlib.import_module("fastce_jax.linear_cross_entropy")
-    saved = module.ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32
-    module.ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 = impl != "fastce_jax_linear_wacc"
-    try:  # the flag is read while tracing: compile both programs inside
+    with package_settings(module, FASTCE_IMPLS.get(impl, {})):  # read while tracing: compile both programs inside
         fn = loss_fn(impl, backend)
         fwd = jax.jit(fn).lower(*inputs).compile()
         step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(*inputs).compile()
-    finally:
-        module.ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 = saved
     temp = int(step.memory_analysis().temp_size_in_bytes)
     loss, (dh, dw) = step(*inputs)
     finite = bool(jax.numpy.isfinite(loss)) and all(

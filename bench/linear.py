@@ -8,18 +8,19 @@ matmul measured in the same run (2·N·H·V flops of hidden @ weight.T), and the
 (torch.cuda.max_memory_allocated during one call; the gradients of hidden and weight are part of it, and
 `extra beyond grads` subtracts them).
 
-Implementations (torch): fastce_torch.linear_cross_entropy (its defaults: 256 MiB workspace, weight gradient summed
-in bf16; a 1 GiB workspace; 1 GiB with the float32 weight-gradient accumulator, fastce_jax's default configuration),
-matmul + fastce_torch.cross_entropy (logits materialised, gradient in place), torch.compile of matmul +
-F.cross_entropy on upcast logits, Liger's fused linear CE and Apple's Cut Cross-Entropy (skipped when not
-installed). Then bench.jax_linear's JAX rows on the same shapes (fastce_jax.linear_cross_entropy in both
-accumulation modes, XLA matmul + CE, XLA matmul + fastce_jax CE, the three matmuls alone), host-timed as there,
-with XLA's temp size as memory.
+Implementations (torch): fastce_torch.linear_cross_entropy in the FASTCE_SETTINGS configurations, which both
+packages are timed in (fastce_torch_linear: the defaults, a 256 MiB workspace and the weight gradient summed in
+bf16; ..._f32acc: the float32 weight-gradient accumulator; ..._1GiB: a 1 GiB workspace), matmul +
+fastce_torch.cross_entropy (logits materialised, gradient in place), torch.compile of matmul + F.cross_entropy on
+upcast logits, Liger's fused linear CE and Apple's Cut Cross-Entropy (skipped when not installed). Then
+bench.jax_linear's JAX rows on the same shapes (fastce_jax_linear, ..._f32acc, ..._1GiB, XLA matmul + CE, matmul +
+fastce_jax.cross_entropy, the three matmuls alone), host-timed as there, with XLA's temp size as memory.
 
 `python -m bench --linear --quick`: one shape (8192, 4096, 128256), fastce_torch only, and a correctness check of
 its loss and gradients against a float32 computation (chunked, so it fits): exit status 1 when it fails.
 """
 
+import contextlib
 import gc
 import json
 import sys
@@ -51,25 +52,40 @@ LINEAR_SHAPES = (LinearShape(8192, 4096, 128256), LinearShape(8192, 2304, 256000
 QUICK_SHAPE = LinearShape(8192, 4096, 128256)
 
 
+# The configurations both packages' linear_cross_entropy are timed in, as row-name suffixes and module settings
+# (bench.jax_linear uses the same table): the defaults, the float32 weight-gradient accumulator, a 1 GiB workspace.
+FASTCE_SETTINGS = {
+    "": {},
+    "_f32acc": {"ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32": True},
+    "_1GiB": {"WORKSPACE_BYTES": 1 << 30},
+}
+
+
+@contextlib.contextmanager
+def package_settings(module, settings):
+    """The module's settings (e.g. WORKSPACE_BYTES) changed for the duration, then restored."""
+    saved = {name: getattr(module, name) for name in settings}
+    for name, value in settings.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
 # --- implementations: each (hidden, weight, labels) -> mean loss ----------------------------------------------
 
 
-def fastce_linear(workspace_bytes=None, float32_accumulator=False):
-    """fastce_torch.linear_cross_entropy with its defaults (256 MiB workspace, weight gradient summed in bf16), or
-    with another workspace and the float32 weight-gradient accumulator (fastce_jax's default configuration)."""
+def fastce_linear(settings):
+    """fastce_torch.linear_cross_entropy with `settings` (see FASTCE_SETTINGS) applied to its module for each call."""
     import fastce_torch
 
     module = sys.modules["fastce_torch.linear_cross_entropy"]
 
     def loss_fn(hidden, weight, labels):
-        saved = module.WORKSPACE_BYTES, module.ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32
-        if workspace_bytes is not None:
-            module.WORKSPACE_BYTES = workspace_bytes
-        module.ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 = float32_accumulator or saved[1]
-        try:
+        with package_settings(module, settings):
             return fastce_torch.linear_cross_entropy(hidden, weight, labels)
-        finally:
-            module.WORKSPACE_BYTES, module.ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 = saved
 
     return loss_fn
 
@@ -108,9 +124,10 @@ def cut_cross_entropy():
 
 
 LOADERS = {
-    "fastce_torch_linear": fastce_linear,
-    "fastce_torch_linear_1GiB": lambda: fastce_linear(1 << 30),
-    "fastce_torch_linear_1GiB_f32acc": lambda: fastce_linear(1 << 30, float32_accumulator=True),
+    **{
+        f"fastce_torch_linear{suffix}": (lambda settings=settings: fastce_linear(settings))
+        for suffix, settings in FASTCE_SETTINGS.items()
+    },
     "matmul+fastce_torch": matmul_fastce,
     "torch_compile": torch_compile_upcast,
     "liger_flce": liger,
@@ -244,7 +261,7 @@ def _add_jax_rows(shapes, matmul, rows, failures):
 
         if not has_gpu():
             raise Unavailable("jax sees no GPU")
-        result = jax_linear.run(shapes=tuple(jax_linear.LinearShape(s.N, s.H, s.V, s.dtype) for s in shapes), say=say)
+        result = jax_linear.run(shapes=tuple(shapes), say=say)
     except Exception as exc:  # noqa: BLE001 - jax missing or broken must not lose the torch rows
         failures.append(failure("jax", None, "load", exc))
         say(f"JAX rows skipped: {failures[-1]['error']}")

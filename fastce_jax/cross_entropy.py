@@ -16,7 +16,9 @@ import numpy as np
 from fastce_jax import kernels, sharding
 from fastce_jax.kernels import Options
 
-FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # the kernels' dtypes
+# float64 logits are accepted too, and computed in float32 (see _cross_entropy).
+LOGITS_DTYPES = FLOAT_DTYPES + (jnp.dtype(jnp.float64),)
 REDUCTIONS = ("none", "sum", "mean")
 BACKENDS = ("auto", "kernel", "reference")
 # What a tracer raises when asked for its values or devices (public jax.errors,
@@ -90,8 +92,8 @@ def _check_args(
 ):
     logits = _as_array(logits, "logits")
     labels = _as_array(labels, "labels")
-    if jnp.dtype(logits.dtype) not in FLOAT_DTYPES:
-        raise TypeError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
+    if jnp.dtype(logits.dtype) not in LOGITS_DTYPES:
+        raise TypeError(f"logits must be float32, bfloat16, float16 or float64, got {logits.dtype}")
     if logits.ndim < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have shape (..., V) with V >= 1, got {tuple(logits.shape)}")
     if not jnp.issubdtype(labels.dtype, jnp.integer):
@@ -160,20 +162,54 @@ def _validate_labels_eagerly(labels, vocab: int, ignore_index: int):
         )
 
 
-def _on_gpu(x) -> bool:
+def _placement(x) -> bool | None:
+    """Whether x lives on GPUs; None when x is traced (jit, grad, vmap): where a traced computation runs is only
+    known when it is lowered (committed CPU arrays under jit run on the CPU even on a GPU machine)."""
     if isinstance(x, jax.Array):
         try:
             return all(d.platform == "gpu" for d in x.devices())
         except _TRACED:
-            pass
-    # Traced (or a NumPy array): it will run on the default backend.
-    return jax.default_backend() == "gpu"
+            return None
+    return jax.default_backend() == "gpu"  # a NumPy array goes to the default device
+
+
+def _on_gpu(x) -> bool:
+    """_placement, with a traced x assumed to run on the default backend (linear_cross_entropy's rule)."""
+    on_gpu = _placement(x)
+    return jax.default_backend() == "gpu" if on_gpu is None else on_gpu
 
 
 def _interpret(x) -> bool:
-    """Pallas interpret mode wherever the arrays are not on a GPU.  (The CUDA
-    lowering test monkeypatches this to lower the compiled kernels on CPU.)"""
+    """Pallas interpret mode wherever the arrays are not on a GPU (linear_cross_entropy's rule)."""
     return not _on_gpu(x)
+
+
+def _gpu_available() -> bool:
+    """Whether this process has a GPU backend at all (if not, nothing can be lowered for one)."""
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+# Where the kernels run: compiled (GPU), interpreted (Pallas interpret=True), or, for backend="auto" under a trace
+# in a process with a GPU backend, decided when the computation is lowered (jax.lax.platform_dependent: the compiled
+# kernels on cuda/rocm, the reference elsewhere).
+COMPILED, INTERPRETED, COMPILED_ELSE_REFERENCE = "compiled", "interpreted", "compiled_else_reference"
+
+
+def _route(x, backend: str) -> str:
+    """The path for logits x: "reference" or one of the kernel modes above."""
+    if backend == "reference":
+        return "reference"
+    on_gpu = _placement(x)
+    if on_gpu is None and not _gpu_available():
+        on_gpu = False  # traced on a machine without GPUs: it can only run on the CPU (or another non-GPU device)
+    if backend == "auto":
+        return {True: COMPILED, False: "reference", None: COMPILED_ELSE_REFERENCE}[on_gpu]
+    # backend="kernel" asks for the kernels: traced in a GPU process, the compiled ones (staging out interpret
+    # mode as well would fail where it cannot be traced, e.g. inside shard_map with check_vma=True).
+    return INTERPRETED if on_gpu is False else COMPILED
 
 
 # ----------------------------------------------------------------------------
@@ -215,25 +251,89 @@ def _reference_token_losses(logits, labels, options: Options):
 # ----------------------------------------------------------------------------
 
 
+ONCE_DIFFERENTIABLE = (
+    "fastce_jax.cross_entropy's kernels are differentiable once, in reverse mode (jax.grad, jax.vjp, "
+    "jax.value_and_grad, jax.jacrev); for higher-order derivatives (grad of grad, jax.hessian, Hessian-vector "
+    "products) and forward mode (jax.jvp, jax.linearize, jax.jacfwd) use backend='reference'"
+)
+
+
+def _no_derivative(*_):
+    raise TypeError(ONCE_DIFFERENTIABLE)
+
+
+# The launchers, each wrapped so that differentiating *through* it (which only higher-order autodiff does: first
+# derivatives go through the custom_vjp below) raises ONCE_DIFFERENTIABLE instead of failing inside Pallas.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _forward(logits, labels, options: Options, interpret: bool):
+    return sharding.forward(logits, labels, options, interpret=interpret)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
+def _backward(logits, labels, lse, g, options: Options, inplace: bool, interpret: bool):
+    return sharding.backward(logits, labels, lse, g, options, inplace=inplace, interpret=interpret)
+
+
+_forward.defjvp(lambda options, interpret, primals, tangents: _no_derivative())
+_backward.defjvp(lambda options, inplace, interpret, primals, tangents: _no_derivative())
+
+
+def _reference_forward(logits, labels, options: Options):
+    # The reference backward recomputes from the logits; the lse slot only keeps both branches' outputs alike.
+    loss = _reference_token_losses(logits, labels, options)
+    return loss, jnp.zeros_like(loss)
+
+
+def _reference_backward(logits, labels, g, options: Options):
+    _, vjp = jax.vjp(lambda x: _reference_token_losses(x, labels, options), logits)
+    return vjp(g.astype(jnp.float32))[0]
+
+
+def _route_forward(logits, labels, options: Options, mode: str):
+    if mode in (COMPILED, INTERPRETED):
+        return _forward(logits, labels, options, mode == INTERPRETED)
+
+    def compiled(x, y):
+        return _forward(x, y, options, False)
+
+    def elsewhere(x, y):
+        return _reference_forward(x, y, options)
+
+    return jax.lax.platform_dependent(logits, labels, cuda=compiled, rocm=compiled, default=elsewhere)
+
+
+def _route_backward(logits, labels, lse, g, options: Options, inplace: bool, mode: str):
+    if mode in (COMPILED, INTERPRETED):
+        return _backward(logits, labels, lse, g, options, inplace, mode == INTERPRETED)
+
+    def compiled(x, y, lse, g):
+        return _backward(x, y, lse, g, options, inplace, False)
+
+    def elsewhere(x, y, lse, g):
+        return _reference_backward(x, y, g, options)
+
+    return jax.lax.platform_dependent(logits, labels, lse, g, cuda=compiled, rocm=compiled, default=elsewhere)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _kernel_token_losses(logits, labels, options: Options, inplace: bool, interpret: bool):
-    return _kernel_fwd(logits, labels, options, inplace, interpret)[0]
+def _kernel_token_losses(logits, labels, options: Options, inplace: bool, mode: str):
+    return _kernel_fwd(logits, labels, options, inplace, mode)[0]
 
 
-def _kernel_fwd(logits, labels, options: Options, inplace: bool, interpret: bool):
+def _kernel_fwd(logits, labels, options: Options, inplace: bool, mode: str):
     # logits (..., V) and labels (...) keep their shape here so that a sharding
     # of any leading axis reaches sharding.py without a reshape across devices.
-    loss, lse = sharding.forward(logits, labels, options, interpret=interpret)
+    loss, lse = _route_forward(logits, labels, options, mode)
     # Residuals: only what the backward reads.  logits stays in its own dtype
     # (no float32 copy); lse is N floats.
     return loss, (logits, labels, lse)
 
 
-def _kernel_bwd(options: Options, inplace: bool, interpret: bool, residuals, g):
+def _kernel_bwd(options: Options, inplace: bool, mode: str, residuals, g):
     logits, labels, lse = residuals
     # g is the per-token upstream factor: 1/denominator (broadcast) for
     # "mean", 1 for "sum", the caller's cotangent for "none".
-    dlogits = sharding.backward(logits, labels, lse, g, options, inplace=inplace, interpret=interpret)
+    dlogits = _route_backward(logits, labels, lse, g, options, inplace, mode)
     return dlogits, None
 
 
@@ -264,14 +364,16 @@ def _cross_entropy(logits, labels, kwargs):
     vocab = logits.shape[-1]
     if kwargs["validate_labels"]:
         _validate_labels_eagerly(labels, vocab, ignore_index)
-    backend = kwargs["backend"]
-    if backend == "auto":
-        backend = "kernel" if _on_gpu(logits) else "reference"
+    route = _route(logits, kwargs["backend"])
     options = Options(ignore_index, softcap, scaling, smoothing, z_loss)
-    if backend == "kernel" and labels.size > 0:
-        interpret = _interpret(logits)
+    logits = jnp.asarray(logits)
+    if logits.dtype == jnp.float64:
+        # Computed in float32 like every other dtype: the loss is float32; autodiff through this cast hands back a
+        # float64 gradient (the float32 one, widened).
+        logits = logits.astype(jnp.float32)
+    if route != "reference" and labels.size > 0:
         inplace = bool(kwargs["inplace_backward"])
-        losses = _kernel_token_losses(jnp.asarray(logits), jnp.asarray(labels), options, inplace, interpret)
+        losses = _kernel_token_losses(logits, jnp.asarray(labels), options, inplace, route)
     else:  # "reference", or no tokens at all (an empty grid has no kernel)
         losses = _reference_token_losses(jnp.asarray(logits), jnp.asarray(labels), options)
     return _reduce(losses, jnp.asarray(labels), kwargs["reduction"], n_items, ignore_index)
@@ -300,7 +402,8 @@ def cross_entropy(
     -inf logits, reductions, n_items).
 
     Args:
-      logits: float32/bfloat16/float16 array (..., V).
+      logits: float32/bfloat16/float16 array (..., V); float64 is accepted and computed in float32 (a float32
+        loss, a float64 gradient).
       labels: int32/int64 array shaped like ``logits.shape[:-1]``.
       ignore_index: label value whose tokens get loss 0 and gradient 0.
       reduction: "mean" (over non-ignored tokens, or over ``n_items``), "sum"
@@ -313,6 +416,12 @@ def cross_entropy(
       z_loss: coefficient of ``lse**2``.
       backend: "auto" (kernels for GPU arrays, the jnp reference elsewhere),
         "kernel" (Pallas kernels always; interpret mode off GPU) or "reference".
+        Under jit/grad/vmap in a process with a GPU backend, "auto" decides
+        when the computation is lowered, by the platform it runs on
+        (``jax.lax.platform_dependent``); "kernel" there means the compiled
+        kernels.  The kernels are differentiable once,
+        in reverse mode; higher order raises TypeError, and forward mode JAX's
+        TypeError: use backend="reference" for those.
       inplace_backward: let the backward kernel's output alias the logits
         residual (``input_output_aliases``); XLA reuses that buffer when the
         logits are dead after the backward (e.g. computed inside the same jit),
@@ -323,7 +432,7 @@ def cross_entropy(
 
     Returns:
       float32 loss (scalar, or shaped like ``labels`` for reduction="none").
-      Its gradient w.r.t. logits has logits' dtype.
+      Its gradient w.r.t. logits has logits' dtype (float64 for float64 logits).
     """
     kwargs = dict(
         ignore_index=ignore_index,

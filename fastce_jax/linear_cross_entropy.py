@@ -1,21 +1,35 @@
-"""Fused linear cross-entropy for JAX: the loss of ``cross_entropy(hidden @ weight.T + bias, labels)``
-without ever holding the (N, V) logits.
+"""Fused linear cross-entropy: the loss of `cross_entropy(hidden @ weight.T + bias, labels)` without the (N, V) logits.
 
-The kernel path walks the rows in chunks (``lax.fori_loop``, a static chunk size from a workspace budget).
-Per chunk: logits_c = hidden_c @ weight.T (+ bias) in the compute dtype, fastce's forward kernel gives the
-per-token loss and lse, the backward kernel turns the same fresh chunk into dL/dlogits_c (scaled by the
-reduction's per-token factor, in place), and two matmuls fold it into the gradients:
-dhidden_c = dlogits_c @ weight, dweight += dlogits_c.T @ hidden_c (float32 carry, see
-``ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32``), dbias += column sums.  For "mean"/"sum" the gradients are the
-custom_vjp residuals and the backward only scales them by the upstream scalar.  For "none" the forward keeps
-lse only, and the backward recomputes each chunk's logits with the per-token cotangents.
+Chunks. The rows are processed in chunks of `chunk_rows(n_rows, vocab, itemsize)` rows: the workspace budget
+(`WORKSPACE_BYTES` = 256 MiB of logits) split evenly over as few chunks as it allows, rounded up to a multiple of
+`ROWS_MULTIPLE` (whole matmul tiles); `CHUNK_ROWS`, when set, overrides it. Per chunk (a `lax.fori_loop` step): the
+logits come from one matmul in the inputs' dtype, fastce's forward kernel gives each row's loss and log-sum-exp
+(`_ce_forward`), the backward kernel overwrites the same fresh logits with d loss / d logits
+(`_ce_backward_in_place`), and two matmuls fold that into the chunk's rows of d hidden and into d weight (a column
+sum into d bias). The last chunk is not padded (shapes are static): its start is clamped to N - chunk rows, and the
+rows it shares with the chunk before are relabelled "ignored" (loss 0, gradient 0) and keep the values already
+written, so no padded copy of hidden or of its gradient is made.
 
-The last chunk is not padded: its start is clamped to N - chunk_rows, and the rows it shares with the chunk
-before are relabelled "ignored" (loss 0, gradient 0) and keep the values already written.  So no padded copy
-of hidden or of its gradient is made.
+Reductions (jax.custom_vjp).
+- "mean" / "sum": the gradients are computed in the forward pass of the VJP and are its residuals (the reduction's
+  per-token factor is traced, no host synchronisation); the backward only multiplies them by the upstream scalar.
+  6·N·H·V flops in all; a plain forward (no VJP) computes no gradients (2·N·H·V flops).
+- "none": the per-token upstream gradients exist only in the backward, so the forward keeps the log-sum-exp (N
+  floats) and the backward recomputes each chunk's logits: 8·N·H·V flops.
 
-Labels enter the kernels in an internal int32 form: ignored (and overlap) rows are ``_IGNORED``, labels
-outside [0, V) are ``_OUT_OF_RANGE`` (still a NaN loss), so any user ignore_index and label width works.
+Memory beyond the inputs: the gradients (hidden's, weight's, bias's, in their dtypes), the workspace (chunk rows x V
+in the inputs' dtype, at most WORKSPACE_BYTES) and O(N + V) floats.
+
+Precision: each chunk's matmuls accumulate in float32 and round once to the input dtype. By default the weight
+gradient is summed across chunks in the weight's own dtype (one rounding per chunk); a float32 accumulator
+(ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 = True: one rounding at the end) costs 4·V·H more bytes (2 GiB at V=128256,
+H=4096), twice a bf16 gradient. Measured (bf16 weight gradient of a softmax-gradient sum over 4096 rows, float64 as
+truth; fastce_torch/tests/test_linear_cross_entropy.py::test_weight_gradient_accumulation_error), its rms error
+relative to its rms is 2.2e-3 with one rounding (the float32 accumulator), 3.7e-3 with 8 chunks, 6.5e-3 with 32 and
+1.2e-2 with 128. The default workspace gives 8 chunks at N=8192, V=128256 (bf16), 16 at N=8192, V=256000.
+
+Labels enter the kernels in an internal int32 form: ignored (and overlap) rows are `_IGNORED`, labels outside
+[0, V) are `_OUT_OF_RANGE` (still a NaN loss), so any user ignore_index and label width works.
 """
 
 from __future__ import annotations
@@ -39,36 +53,31 @@ from fastce_jax.cross_entropy import (
 )
 from fastce_jax.kernels import Options
 
-# Workspace for one chunk's logits (and, in place, their gradient) in the compute dtype.  Larger chunks make
-# fewer passes over the float32 weight-gradient carry (each chunk reads and writes V*H*4 bytes of it, against
-# 2*rows*V*H flops of its matmul), smaller ones less memory.  Read when a jit traces (bench/tune may set it).
-WORKSPACE_BYTES = 1 << 30
-ROW_ALIGN = 128  # chunk rows are a multiple of this (matmul tiles) unless N itself is smaller
-CHUNK_ROWS = None  # when set (an int), the chunk size regardless of the budget (tests force several chunks)
-# dweight summed over chunks in float32 (one rounding at the end) costs a V*H*4-byte carry (2004 MiB at
-# V=128256, H=4096, as large as the bf16 logits of 8192 tokens); False sums in the weight's dtype (no carry, one
-# rounding per chunk; each chunk's product is still accumulated in float32 inside its matmul).  Measured on a
-# softmax-gradient-like bf16 sum of 8192 rows (float64 as truth): relative error norm of
-# dweight 1.66e-3 with the float32 carry (= one bf16 rounding) against 2.03e-3 / 2.62e-3 / 3.52e-3 / 6.70e-3 in
-# bf16 with 2 / 4 / 8 / 32 chunks; entries that cancel across chunks get the worst of it (99th percentile
-# relative error 4% with 2 chunks).  bench/jax_linear.py times both ("fastce_jax_linear" / "..._wacc").
-ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 = True
+# Module settings, read when a call is traced (jit caches the result). The workspace (chunk rows x V logits) is at
+# most WORKSPACE_BYTES: at 256 MiB, 1024 rows of bf16 logits at V=128256, 512 at V=256000.
+WORKSPACE_BYTES = 256 << 20
+ROWS_MULTIPLE = 128  # chunk rows are a multiple of this (whole matmul tiles) when the budget allows that many
+CHUNK_ROWS = None  # an int: the rows per chunk regardless of the budget (tests force several chunks)
+# A float32 accumulator for a bf16/fp16 weight's gradient: one rounding instead of one per chunk, 4·V·H more bytes.
+ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 = False
 
 _IGNORED = -1  # internal label of ignored rows, and the ignore_index the kernels are given
 _OUT_OF_RANGE = -2  # internal label of every label outside [0, V) that is not ignore_index
 
 
-def chunk_rows_for(n_rows: int, vocab: int, dtype) -> int:
-    """Rows per chunk: the workspace budget split evenly over as few chunks as it allows (so the clamped last
-    chunk repeats little work), rounded up to ROW_ALIGN, never more than n_rows."""
+def chunk_rows(n_rows: int, vocab: int, itemsize: int) -> int:
+    """Rows per chunk: CHUNK_ROWS when set; else the workspace budget split evenly over as few chunks as it allows
+    (so the clamped last chunk repeats little work), rounded up to ROWS_MULTIPLE when the budget holds that many
+    rows; never more than n_rows, at least 1."""
     if CHUNK_ROWS is not None:
         return max(1, min(int(CHUNK_ROWS), n_rows))
-    max_rows = max(ROW_ALIGN, WORKSPACE_BYTES // (vocab * jnp.dtype(dtype).itemsize) // ROW_ALIGN * ROW_ALIGN)
-    if n_rows <= max_rows:
-        return n_rows
-    n_chunks = kernels._cdiv(n_rows, max_rows)
-    rows = kernels._cdiv(kernels._cdiv(n_rows, n_chunks), ROW_ALIGN) * ROW_ALIGN
-    return min(rows, n_rows)
+    max_rows = max(1, WORKSPACE_BYTES // (vocab * itemsize))
+    multiple = ROWS_MULTIPLE if max_rows >= ROWS_MULTIPLE else 1
+    max_rows -= max_rows % multiple
+    n_chunks = -(-n_rows // max_rows)
+    rows = -(-n_rows // max(1, n_chunks))
+    rows = -(-rows // multiple) * multiple
+    return max(1, min(rows, n_rows))
 
 
 class _Static(NamedTuple):
@@ -80,24 +89,21 @@ class _Static(NamedTuple):
     chunk_rows: int
     dtype: str  # compute dtype of the logits
     f32_weight_grad: bool
+    with_bias: bool
 
 
-# ----------------------------------------------------------------------------
-# The only calls into the CE launchers.
-# ----------------------------------------------------------------------------
+# --- the one place that calls fastce's launchers -------------------------------------------------------------------
 
 
 def _ce_forward(logits, labels, st: _Static):
     return kernels.forward(logits, labels, st.options, interpret=st.interpret)
 
 
-def _ce_backward(logits, labels, lse, g, st: _Static):
+def _ce_backward_in_place(logits, labels, lse, g, st: _Static):
     return kernels.backward(logits, labels, lse, g, st.options, inplace=True, interpret=st.interpret)
 
 
-# ----------------------------------------------------------------------------
-# One chunk, and the loop over chunks.
-# ----------------------------------------------------------------------------
+# --- the chunked computation ---------------------------------------------------------------------------------------
 
 
 def _chunk_inputs(k, hidden, labels, st: _Static):
@@ -127,14 +133,19 @@ def _put_rows(buffer, start, fresh, values):
     return jax.lax.dynamic_update_slice_in_dim(buffer, jnp.where(mask, values, old), start, axis=0)
 
 
-def _grad_contributions(dlogits, h_c, weight, st: _Static, with_bias: bool):
-    """(dhidden_c in the compute dtype, dweight_c, dbias_c in float32 or None)."""
+def _accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st: _Static):
+    """The carry's gradients with chunk k's added: its fresh rows of dhidden (compute dtype), its product into
+    dweight (float32 with ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32, else the compute dtype), its column sums into dbias
+    (float32). Chunk 0 (``first``) starts dweight and dbias instead of adding to zeros."""
     dt = jnp.dtype(st.dtype)
     dh_c = jax.lax.dot_general(dlogits, weight.astype(dt), (((1,), (0,)), ((), ())), preferred_element_type=dt)
     acc = jnp.float32 if st.f32_weight_grad else dt
     dw_c = jax.lax.dot_general(dlogits, h_c.astype(dt), (((0,), (0,)), ((), ())), preferred_element_type=acc)
-    db_c = jnp.sum(dlogits.astype(jnp.float32), axis=0) if with_bias else None
-    return dh_c, dw_c, db_c
+    out = dict(dh=_put_rows(carry["dh"], start, fresh, dh_c), dw=dw_c if first else carry["dw"] + dw_c)
+    if st.with_bias:
+        db_c = jnp.sum(dlogits.astype(jnp.float32), axis=0)
+        out["db"] = db_c if first else carry["db"] + db_c
+    return out
 
 
 def _loop(n_rows, st: _Static, first, body):
@@ -147,7 +158,7 @@ def _loop(n_rows, st: _Static, first, body):
     return carry
 
 
-def _forward_pass(hidden, weight, bias, labels, g_tokens, st: _Static):
+def _fused_forward(hidden, weight, bias, labels, g_tokens, st: _Static):
     """Per-token losses and lse (N,) and, when g_tokens (N,) is given, the gradients of sum_t g_t * loss_t:
     (dhidden in the compute dtype, dweight in float32 or the compute dtype, dbias float32 or None)."""
     n = hidden.shape[0]
@@ -157,17 +168,13 @@ def _forward_pass(hidden, weight, bias, labels, g_tokens, st: _Static):
         start, fresh, h_c, y_c = _chunk_inputs(k, hidden, labels, st)
         logits = _chunk_logits(h_c, weight, bias, st)
         loss_c, lse_c = _ce_forward(logits, y_c, st)
-        losses = _put_rows(carry["losses"], start, fresh, loss_c)
-        lse = _put_rows(carry["lse"], start, fresh, lse_c)
-        out = dict(losses=losses, lse=lse)
+        out = dict(
+            losses=_put_rows(carry["losses"], start, fresh, loss_c), lse=_put_rows(carry["lse"], start, fresh, lse_c)
+        )
         if want_grads:
             g_c = jax.lax.dynamic_slice_in_dim(g_tokens, start, st.chunk_rows)
-            dlogits = _ce_backward(logits, y_c, lse_c, g_c, st)
-            dh_c, dw_c, db_c = _grad_contributions(dlogits, h_c, weight, st, bias is not None)
-            out["dh"] = _put_rows(carry["dh"], start, fresh, dh_c)
-            out["dw"] = dw_c if first else carry["dw"] + dw_c
-            if bias is not None:
-                out["db"] = db_c if first else carry["db"] + db_c
+            dlogits = _ce_backward_in_place(logits, y_c, lse_c, g_c, st)
+            out.update(_accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st))
         return out
 
     def first():
@@ -181,7 +188,7 @@ def _forward_pass(hidden, weight, bias, labels, g_tokens, st: _Static):
     return carry["losses"], carry["lse"], grads
 
 
-def _backward_pass(hidden, weight, bias, labels, lse, g_tokens, st: _Static):
+def _fused_backward(hidden, weight, bias, labels, lse, g_tokens, st: _Static):
     """Gradients of sum_t g_t * loss_t from the saved lse: each chunk's logits are recomputed, no forward kernel."""
     n = hidden.shape[0]
 
@@ -190,12 +197,8 @@ def _backward_pass(hidden, weight, bias, labels, lse, g_tokens, st: _Static):
         logits = _chunk_logits(h_c, weight, bias, st)
         lse_c = jax.lax.dynamic_slice_in_dim(lse, start, st.chunk_rows)
         g_c = jax.lax.dynamic_slice_in_dim(g_tokens, start, st.chunk_rows)
-        dlogits = _ce_backward(logits, y_c, lse_c, g_c, st)
-        dh_c, dw_c, db_c = _grad_contributions(dlogits, h_c, weight, st, bias is not None)
-        out = dict(dh=_put_rows(carry["dh"], start, fresh, dh_c), dw=dw_c if first else carry["dw"] + dw_c)
-        if bias is not None:
-            out["db"] = db_c if first else carry["db"] + db_c
-        return out
+        dlogits = _ce_backward_in_place(logits, y_c, lse_c, g_c, st)
+        return _accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st)
 
     def first():
         return step(0, dict(dh=jnp.zeros((n, hidden.shape[1]), st.dtype)), first=True)
@@ -204,7 +207,7 @@ def _backward_pass(hidden, weight, bias, labels, lse, g_tokens, st: _Static):
     return carry["dh"], carry["dw"], carry.get("db")
 
 
-def _cast_grads(grads, hidden, weight, bias, scale=None):
+def _finish_grads(grads, hidden, weight, bias, scale=None):
     """Scale (by the upstream, when given) and cast each gradient to its input's dtype: one fused pass each."""
     dh, dw, db = grads
 
@@ -215,9 +218,7 @@ def _cast_grads(grads, hidden, weight, bias, scale=None):
     return fin(dh, hidden), fin(dw, weight), None if bias is None else fin(db, bias)
 
 
-# ----------------------------------------------------------------------------
-# custom_vjp: "mean"/"sum" (the gradients are residuals) and "none" (lse is).
-# ----------------------------------------------------------------------------
+# --- custom_vjp: "mean"/"sum" (the gradients are residuals) and "none" (lse is) ------------------------------------
 
 
 def _token_scale(labels, n_items, st: _Static):
@@ -229,13 +230,13 @@ def _token_scale(labels, n_items, st: _Static):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _reduced_loss(hidden, weight, bias, labels, n_items, st: _Static):
-    losses, _, _ = _forward_pass(hidden, weight, bias, labels, None, st)
+    losses, _, _ = _fused_forward(hidden, weight, bias, labels, None, st)
     return _reduce(losses, labels, st.reduction, n_items, _IGNORED)
 
 
 def _reduced_fwd(hidden, weight, bias, labels, n_items, st: _Static):
     g_tokens = _token_scale(labels, n_items, st)
-    losses, _, grads = _forward_pass(hidden, weight, bias, labels, g_tokens, st)
+    losses, _, grads = _fused_forward(hidden, weight, bias, labels, g_tokens, st)
     loss = _reduce(losses, labels, st.reduction, n_items, _IGNORED)
     # Zero-size stand-ins keep the input dtypes for the backward's casts.
     likes = (jnp.zeros((0,), hidden.dtype), jnp.zeros((0,), weight.dtype), None if bias is None else bias[:0])
@@ -244,7 +245,7 @@ def _reduced_fwd(hidden, weight, bias, labels, n_items, st: _Static):
 
 def _reduced_bwd(st: _Static, residuals, g):
     grads, (h_like, w_like, b_like) = residuals
-    dh, dw, db = _cast_grads(grads, h_like, w_like, b_like, scale=g)
+    dh, dw, db = _finish_grads(grads, h_like, w_like, b_like, scale=g)
     return dh, dw, db, None, None
 
 
@@ -252,31 +253,29 @@ _reduced_loss.defvjp(_reduced_fwd, _reduced_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _token_losses(hidden, weight, bias, labels, st: _Static):
-    return _forward_pass(hidden, weight, bias, labels, None, st)[0]
+def _per_token_losses(hidden, weight, bias, labels, st: _Static):
+    return _fused_forward(hidden, weight, bias, labels, None, st)[0]
 
 
-def _token_fwd(hidden, weight, bias, labels, st: _Static):
-    losses, lse, _ = _forward_pass(hidden, weight, bias, labels, None, st)
+def _per_token_fwd(hidden, weight, bias, labels, st: _Static):
+    losses, lse, _ = _fused_forward(hidden, weight, bias, labels, None, st)
     return losses, (hidden, weight, bias, labels, lse)
 
 
-def _token_bwd(st: _Static, residuals, g):
+def _per_token_bwd(st: _Static, residuals, g):
     hidden, weight, bias, labels, lse = residuals
-    grads = _backward_pass(hidden, weight, bias, labels, lse, g.astype(jnp.float32), st)
-    dh, dw, db = _cast_grads(grads, hidden, weight, bias)
+    grads = _fused_backward(hidden, weight, bias, labels, lse, g.astype(jnp.float32), st)
+    dh, dw, db = _finish_grads(grads, hidden, weight, bias)
     return dh, dw, db, None
 
 
-_token_losses.defvjp(_token_fwd, _token_bwd)
+_per_token_losses.defvjp(_per_token_fwd, _per_token_bwd)
 
 
-# ----------------------------------------------------------------------------
-# Public API.
-# ----------------------------------------------------------------------------
+# --- the function --------------------------------------------------------------------------------------------------
 
 
-def _check_linear_args(hidden, weight, bias):
+def _check_tensors(hidden, weight, bias):
     hidden = _as_array(hidden, "hidden")
     weight = _as_array(weight, "weight")
     for name, x in (("hidden", hidden), ("weight", weight)) + ((("bias", bias),) if bias is not None else ()):
@@ -335,13 +334,12 @@ def linear_cross_entropy(
 
     The logits are computed in the inputs' common dtype (with float32 accumulation inside the matmul, as XLA's
     GPU matmuls do); the loss is float32. Gradients flow to hidden, weight and bias, in their dtypes. The
-    extra memory is the gradients plus one chunk of logits (``WORKSPACE_BYTES``) plus, by default, a float32
-    copy of the weight gradient while it is summed over chunks.
+    extra memory is the gradients plus one chunk of logits (at most ``WORKSPACE_BYTES``; see the module docstring).
 
     Returns:
       float32 loss: a scalar, or shaped like ``labels`` for reduction="none".
     """
-    hidden, weight = _check_linear_args(hidden, weight, bias)
+    hidden, weight = _check_tensors(hidden, weight, bias)
     kwargs = dict(
         ignore_index=ignore_index,
         reduction=reduction,
@@ -378,11 +376,12 @@ def linear_cross_entropy(
         options=Options(_IGNORED, softcap, scaling, smoothing, z_loss),
         interpret=_interpret(hidden),
         reduction=reduction,
-        chunk_rows=chunk_rows_for(n, vocab, dtype),
+        chunk_rows=chunk_rows(n, vocab, jnp.dtype(dtype).itemsize),
         dtype=jnp.dtype(dtype).name,
         f32_weight_grad=ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32,
+        with_bias=bias is not None,
     )
     y1 = _internal_labels(labels, vocab, ignore_index).reshape(-1)
     if reduction == "none":
-        return _token_losses(h2, weight, bias, y1, st).reshape(lead)
+        return _per_token_losses(h2, weight, bias, y1, st).reshape(lead)
     return _reduced_loss(h2, weight, bias, y1, n_items, st)

@@ -371,8 +371,7 @@ def cross_entropy(
     if not (backend == "kernel" or (backend == "auto" and logits.is_cuda)):
         token_losses = _reference_token_losses(logits, labels, options)
         return _reduce(token_losses, labels, reduction, n_items, ignore_index)
-    if logits.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"logits must be float32, bfloat16 or float16 for the kernels, got {logits.dtype}")
+    logits = _in_kernel_dtype(logits)
     # Logits whose rows form one or two strided dimensions (any contiguous tensor, logits[:, :-1]) go to the kernels
     # as they are; anything else is copied once.
     kernel_logits = logits if kernels.row_layout(logits) is not None else logits.contiguous()
@@ -392,14 +391,24 @@ def cross_entropy(
     return loss.view(labels.shape) if reduction == "none" else loss
 
 
+def _in_kernel_dtype(logits):
+    """float64 logits are computed in float32 like every other dtype (as the reference does): the loss is float32 and
+    autograd through this cast hands back a float64 gradient (the float32 one, widened)."""
+    if logits.dtype == torch.float64:
+        return logits.float()
+    if logits.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"logits must be float32, bfloat16, float16 or float64 for the kernels, got {logits.dtype}")
+    return logits
+
+
 @torch.compiler.disable
 def _vocab_parallel(
     logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group, vocab_start
 ):
     """Eager even under torch.compile (a graph break): the collectives run in the autograd.Function's forward."""
     use_kernel = backend == "kernel" or (backend == "auto" and logits.is_cuda)
-    if use_kernel and logits.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"logits must be float32, bfloat16 or float16 for the kernels, got {logits.dtype}")
+    if use_kernel:
+        logits = _in_kernel_dtype(logits)
     if distributed.is_dtensor(logits):
         if validate_labels:
             full_labels = labels.full_tensor() if distributed.is_dtensor(labels) else labels

@@ -1,11 +1,14 @@
-"""Fused linear cross-entropy: the loss of `cross_entropy(hidden @ weight.T + bias, labels)` without the logits.
+"""Fused linear cross-entropy: the loss of `cross_entropy(hidden @ weight.T + bias, labels)` without the (N, V) logits.
 
-The (N, V) logits are never allocated. Rows are processed in chunks sized from a workspace budget
-(`WORKSPACE_BYTES`): for each chunk the logits come from one cuBLAS matmul into a reused workspace, fastce's forward
-kernel computes the token losses and log-sum-exp from it, and, while the chunk is fresh, fastce's backward kernel
-overwrites the workspace with d loss / d logits, from which two more matmuls give the chunk's rows of d hidden and
-its contribution to d weight (and a column sum to d bias).
+Chunks. The rows are processed in chunks of `chunk_rows(n_rows, vocab, itemsize)` rows: the workspace budget
+(`WORKSPACE_BYTES` = 256 MiB of logits) split evenly over as few chunks as it allows, rounded up to a multiple of
+`ROWS_MULTIPLE` (whole matmul tiles); `CHUNK_ROWS`, when set, overrides it. Per chunk: the logits come from one
+matmul into the workspace, fastce's forward kernel gives each row's loss and log-sum-exp (`_ce_forward`), the
+backward kernel overwrites the same fresh logits with d loss / d logits (`_ce_backward_in_place`), and two matmuls
+fold that into the chunk's rows of d hidden and into d weight (a column sum into d bias). The last chunk is
+shorter (a slice of the workspace).
 
+Reductions.
 - "mean" / "sum": the gradients are complete after the forward (the denominator is counted on the device first, no
   host synchronisation); the backward only multiplies them by the upstream scalar, and skips even that on the device
   when the scalar is exactly 1. 6·N·H·V flops in all. Gradients are computed only when grad mode is on and an input
@@ -13,16 +16,16 @@ its contribution to d weight (and a column sum to d bias).
 - "none": the per-token upstream gradients exist only in the backward, so the forward keeps the log-sum-exp (N
   floats) and the backward recomputes each chunk's logits: 8·N·H·V flops.
 
-Memory beyond the inputs: the gradients (hidden's, weight's, bias's, in their dtypes), the workspace
-(chunk rows x V in hidden's dtype, at most WORKSPACE_BYTES) and O(N + V) floats.
+Memory beyond the inputs: the gradients (hidden's, weight's, bias's, in their dtypes), the workspace (chunk rows x V
+in the inputs' dtype, at most WORKSPACE_BYTES) and O(N + V) floats.
 
-Precision: each chunk's matmuls accumulate in float32 (cuBLAS) and round once to the input dtype. The weight
-gradient is accumulated across chunks in the weight's own dtype by default (one rounding per chunk, as Liger does):
-a float32 accumulator costs 4·V·H more bytes (2 GiB at V=128256, H=4096), twice a bf16 gradient. Measured on the CPU
-(bf16, tests/test_linear_cross_entropy.py::test_weight_gradient_accumulation_error), the rms error of a bf16 weight
-gradient against float64 grows from 2.2e-3 of its rms (float32 accumulation, one rounding) to 3.7e-3 with 8 chunks,
-6.5e-3 with 32 and 1.2e-2 with 128. With the default workspace that is 8 chunks at 8192 x 128256 and 16 at
-8192 x 256000. Set ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 = True to accumulate in float32 and round once instead.
+Precision: each chunk's matmuls accumulate in float32 and round once to the input dtype. By default the weight
+gradient is summed across chunks in the weight's own dtype (one rounding per chunk); a float32 accumulator
+(ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 = True: one rounding at the end) costs 4·V·H more bytes (2 GiB at V=128256,
+H=4096), twice a bf16 gradient. Measured (bf16 weight gradient of a softmax-gradient sum over 4096 rows, float64 as
+truth; fastce_torch/tests/test_linear_cross_entropy.py::test_weight_gradient_accumulation_error), its rms error
+relative to its rms is 2.2e-3 with one rounding (the float32 accumulator), 3.7e-3 with 8 chunks, 6.5e-3 with 32 and
+1.2e-2 with 128. The default workspace gives 8 chunks at N=8192, V=128256 (bf16), 16 at N=8192, V=256000.
 """
 
 import torch
@@ -38,10 +41,11 @@ from .cross_entropy import (
 )
 from .kernels import Options
 
-# The workspace (chunk rows x V logits) is at most this many bytes; chunk rows are a multiple of ROWS_MULTIPLE when
-# the budget allows, so the matmuls run on whole tiles. 256 MiB: 1024 rows at V=128256, 512 rows at V=256000.
+# Module settings, read at each call. The workspace (chunk rows x V logits)
+# is at most WORKSPACE_BYTES: at 256 MiB, 1024 rows of bf16 logits at V=128256, 512 at V=256000.
 WORKSPACE_BYTES = 256 << 20
-ROWS_MULTIPLE = 128
+ROWS_MULTIPLE = 128  # chunk rows are a multiple of this (whole matmul tiles) when the budget allows that many
+CHUNK_ROWS = None  # an int: the rows per chunk regardless of the budget (tests force several chunks)
 # A float32 accumulator for a bf16/fp16 weight's gradient: one rounding instead of one per chunk, 4·V·H more bytes.
 ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 = False
 
@@ -68,16 +72,22 @@ def _scale_in_place(tensor, factor):
 # --- the chunked computation ------------------------------------------------------------------------------------
 
 
-def chunk_rows(n_rows, vocab, itemsize, workspace_bytes=None):
-    """Rows per chunk: as many as fit the workspace budget, a multiple of ROWS_MULTIPLE when at least that many fit."""
-    budget = WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
-    rows = max(1, budget // (vocab * itemsize))
-    if rows >= ROWS_MULTIPLE:
-        rows -= rows % ROWS_MULTIPLE
+def chunk_rows(n_rows, vocab, itemsize):
+    """Rows per chunk: CHUNK_ROWS when set; else the workspace budget split evenly over as few chunks as it allows
+    (every chunk nearly full), rounded up to ROWS_MULTIPLE when the budget holds that many rows; never more than
+    n_rows, at least 1."""
+    if CHUNK_ROWS is not None:
+        return max(1, min(int(CHUNK_ROWS), n_rows))
+    max_rows = max(1, WORKSPACE_BYTES // (vocab * itemsize))
+    multiple = ROWS_MULTIPLE if max_rows >= ROWS_MULTIPLE else 1
+    max_rows -= max_rows % multiple
+    n_chunks = -(-n_rows // max_rows)
+    rows = -(-n_rows // max(1, n_chunks))
+    rows = -(-rows // multiple) * multiple
     return max(1, min(rows, n_rows))
 
 
-def _logits_into(workspace, hidden_chunk, weight, bias):
+def _chunk_logits(workspace, hidden_chunk, weight, bias):
     if bias is None:
         torch.matmul(hidden_chunk, weight.t(), out=workspace)
     else:
@@ -119,46 +129,47 @@ def _finish_grads(grads, weight, bias):
     return grad_hidden, grad_weight, grad_bias
 
 
-def fused_forward(hidden, weight, bias, labels, options, denominator=None, needs=(False, False, False)):
+def _chunks(hidden, weight, bias, labels):
+    """Yields (rows, hidden_chunk, labels_chunk, logits) chunk by chunk; logits is a view of one workspace that the
+    next chunk overwrites."""
+    n_rows, vocab = hidden.shape[0], weight.shape[0]
+    rows_per_chunk = chunk_rows(n_rows, vocab, hidden.element_size())
+    workspace = torch.empty(rows_per_chunk, vocab, dtype=hidden.dtype, device=hidden.device)
+    for start in range(0, n_rows, rows_per_chunk):
+        rows = slice(start, min(start + rows_per_chunk, n_rows))
+        hidden_chunk = hidden[rows]
+        logits = _chunk_logits(workspace[: rows.stop - start], hidden_chunk, weight, bias)
+        yield rows, hidden_chunk, labels[rows], logits
+
+
+def _fused_forward(hidden, weight, bias, labels, options, denominator=None, needs=(False, False, False)):
     """Token losses (N,) and lse (N,) of 2-D hidden; with any of `needs` (hidden, weight, bias) also the gradients of
     sum_t loss_t / denominator (a 1-element float32 device tensor) computed chunk by chunk. Returns
     (token_losses, lse, (grad_hidden, grad_weight, grad_bias)), None for gradients not needed."""
-    n_rows, vocab = hidden.shape[0], weight.shape[0]
+    n_rows = hidden.shape[0]
     with kernels.on_device(hidden), torch.no_grad():
         token_losses = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
         grads = _new_grads(hidden, weight, bias, needs)
-        backward = any(needs)
         one = torch.ones((), dtype=torch.float32, device=hidden.device)
-        rows_per_chunk = chunk_rows(n_rows, vocab, hidden.element_size())
-        workspace = torch.empty(rows_per_chunk, vocab, dtype=hidden.dtype, device=hidden.device)
-        for start in range(0, n_rows, rows_per_chunk):
-            rows = slice(start, min(start + rows_per_chunk, n_rows))
-            hidden_chunk, labels_chunk = hidden[rows], labels[rows]
-            logits = _logits_into(workspace[: rows.stop - start], hidden_chunk, weight, bias)
+        for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight, bias, labels):
             loss_chunk, lse_chunk = _ce_forward(logits, labels_chunk, options)
             token_losses[rows] = loss_chunk
             lse[rows] = lse_chunk
-            if backward:
+            if any(needs):
                 _ce_backward_in_place(logits, labels_chunk, lse_chunk, one, options, denominator)
                 _accumulate_grads(logits, hidden_chunk, weight, rows, grads)
         return token_losses, lse, _finish_grads(grads, weight, bias)
 
 
-def fused_backward(grad_losses, hidden, weight, bias, labels, lse, options, needs):
+def _fused_backward(grad_losses, hidden, weight, bias, labels, lse, options, needs):
     """Gradients of sum_t grad_losses_t * loss_t, recomputing each chunk's logits from hidden and weight."""
-    n_rows, vocab = hidden.shape[0], weight.shape[0]
     # no_grad: under create_graph=True autograd runs backward with grad mode on, and these are kernels and out= ops.
     with kernels.on_device(hidden), torch.no_grad():
         grads = _new_grads(hidden, weight, bias, needs)
         if not any(needs):
             return grads
-        rows_per_chunk = chunk_rows(n_rows, vocab, hidden.element_size())
-        workspace = torch.empty(rows_per_chunk, vocab, dtype=hidden.dtype, device=hidden.device)
-        for start in range(0, n_rows, rows_per_chunk):
-            rows = slice(start, min(start + rows_per_chunk, n_rows))
-            hidden_chunk, labels_chunk = hidden[rows], labels[rows]
-            logits = _logits_into(workspace[: rows.stop - start], hidden_chunk, weight, bias)
+        for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight, bias, labels):
             _ce_backward_in_place(logits, labels_chunk, lse[rows], grad_losses[rows], options)
             _accumulate_grads(logits, hidden_chunk, weight, rows, grads)
         return _finish_grads(grads, weight, bias)
@@ -173,7 +184,7 @@ class _ReducedFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, denominator, options, needs):
-        token_losses, _, grads = fused_forward(hidden, weight, bias, labels, options, denominator, needs)
+        token_losses, _, grads = _fused_forward(hidden, weight, bias, labels, options, denominator, needs)
         ctx.grads = grads
         return token_losses.sum() / denominator[0]
 
@@ -199,7 +210,7 @@ class _PerTokenFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, options):
-        token_losses, lse, _ = fused_forward(hidden, weight, bias, labels, options)
+        token_losses, lse, _ = _fused_forward(hidden, weight, bias, labels, options)
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.options = options
         return token_losses
@@ -208,7 +219,9 @@ class _PerTokenFunction(torch.autograd.Function):
     def backward(ctx, grad_losses):
         hidden, weight, bias, labels, lse = ctx.saved_tensors
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        grads = fused_backward(grad_losses.detach().contiguous(), hidden, weight, bias, labels, lse, ctx.options, needs)
+        grads = _fused_backward(
+            grad_losses.detach().contiguous(), hidden, weight, bias, labels, lse, ctx.options, needs
+        )
         grads = [None if grad is None else _once_differentiable(grad) for grad in grads]
         return (*grads, None, None)
 
@@ -239,7 +252,7 @@ def _reduced_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     options = Options(ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss)
     needs = (need_hidden, need_weight, need_bias)
-    token_losses, _, grads = fused_forward(hidden, weight, bias, labels, options, denominator, needs)
+    token_losses, _, grads = _fused_forward(hidden, weight, bias, labels, options, denominator, needs)
     loss = token_losses.sum() / denominator[0]
     return (loss, *(_or_empty(grad, hidden) for grad in grads))
 
@@ -288,7 +301,7 @@ def _per_token_forward_op(
     z_loss: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     options = Options(ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss)
-    token_losses, lse, _ = fused_forward(hidden, weight, bias, labels, options)
+    token_losses, lse, _ = _fused_forward(hidden, weight, bias, labels, options)
     return token_losses, lse
 
 
@@ -317,7 +330,7 @@ def _per_token_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     options = Options(ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss)
     needs = (need_hidden, need_weight, need_bias)
-    grads = fused_backward(grad_losses.contiguous(), hidden, weight, bias, labels, lse, options, needs)
+    grads = _fused_backward(grad_losses.contiguous(), hidden, weight, bias, labels, lse, options, needs)
     return tuple(_or_empty(grad, hidden) for grad in grads)
 
 

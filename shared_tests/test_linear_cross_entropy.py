@@ -1,8 +1,12 @@
 """linear_cross_entropy in both packages against the float64 reference (reference.linear_cross_entropy): loss and
 the gradients of hidden, weight and bias, every option and reduction, with the rows split into several chunks.
 
-Inputs are made once in torch (the values each package sees, already rounded to the case's dtype) and handed to
-JAX through DLPack. A package without linear_cross_entropy is skipped.
+Each package is called the way users call it: torch's `(loss * upstream).sum().backward()` (a scalar upstream for
+"mean"/"sum", so the backward's scaling is checked too) and JAX's `jax.value_and_grad` of the same objective, with
+float32 matmuls at full precision (no TF32). Inputs are made once in torch (the values each package sees, already
+rounded to the case's dtype) and handed to JAX through DLPack. A package without linear_cross_entropy is skipped.
+The rows are split into chunks of CHUNK_ROWS_SMALL (each package's CHUNK_ROWS setting), so several chunks run, the
+last one partial (torch) or clamped onto the one before (JAX).
 
 Tolerances follow from the arithmetic, as in harness.py, with u the unit roundoff of the computation that dominates
 and K a small count of roundings (K_FACTOR): float32 inputs: u = 2**-23, K = 16 (the kernels' float32, GPU exp/log
@@ -54,6 +58,7 @@ class LinearCase:
     bad_label: bool = False  # row 0 gets label V: NaN by contract
     strided: bool = False  # hidden is a column slice of a wider buffer
     label_dtype: str = "int64"
+    scalar_upstream: float = 1.0  # d objective / d loss for "mean"/"sum" (1 takes the backward's skip-the-scaling path)
     seed: int = 0
 
     @property
@@ -65,19 +70,22 @@ CASES = [
     LinearCase("mean"),
     LinearCase("mean-bias", bias=True, vocab=300, width=16),
     LinearCase("sum", reduction="sum", ignore="none"),
-    LinearCase("sum-n_items", reduction="sum", n_items=7),
-    LinearCase("mean-n_items-tensor", n_items=("tensor", 9.5), bias=True),
+    LinearCase("sum-n_items", reduction="sum", n_items=7, scalar_upstream=1.3),
+    LinearCase("mean-n_items-tensor", n_items=("tensor", 9.5), bias=True, scalar_upstream=0.7),
     LinearCase("none", reduction="none", bias=True),
     LinearCase("none-3d", reduction="none", shape=(3, 7)),
     LinearCase("softcap-scaling", opts=reference.Options(logit_softcapping=3.0, logit_scaling=1.7), bias=True),
     LinearCase("smoothing-zloss", opts=reference.Options(label_smoothing=0.1, z_loss=1e-3)),
     LinearCase("none-all-options", reduction="none", opts=reference.Options(-1, 5.0, 0.8, 0.2, 1e-4), bias=True),
     LinearCase("ignore-index-is-a-class", opts=reference.Options(ignore_index=3)),
+    LinearCase(
+        "ignore-7-sum-n_items", reduction="sum", n_items=4, opts=reference.Options(ignore_index=7), scalar_upstream=1.3
+    ),
     LinearCase("all-ignored", ignore="all"),
     LinearCase("bad-label", bad_label=True, reduction="sum"),
     LinearCase("bad-label-none", bad_label=True, reduction="none"),
     LinearCase("strided-3d-int32", shape=(2, 3, 5), strided=True, label_dtype="int32", bias=True),
-    LinearCase("bf16", dtype="bfloat16", bias=True),
+    LinearCase("bf16", dtype="bfloat16", bias=True, scalar_upstream=1.7),
     LinearCase("bf16-none-softcap", dtype="bfloat16", reduction="none", opts=reference.Options(logit_softcapping=4.0)),
 ]
 
@@ -100,7 +108,9 @@ def make_inputs(case, device):
     if case.bad_label:
         labels[0] = case.vocab
     labels = labels.reshape(case.shape).to(getattr(torch, case.label_dtype))
-    upstream = torch.randn(case.shape, generator=gen)
+    upstream = (
+        torch.randn(case.shape, generator=gen) if case.reduction == "none" else torch.tensor(case.scalar_upstream)
+    )
     n_items = case.n_items
     if isinstance(n_items, tuple):
         n_items = torch.tensor(n_items[1], device=device)
@@ -120,7 +130,7 @@ def run_torch(case, inputs):
     loss = fastce_torch.linear_cross_entropy(
         *leaves, labels, bias=bias_leaf, backend="kernel", **kwargs_of(case, n_items)
     )
-    (loss * upstream if case.reduction == "none" else loss).sum().backward()
+    (loss * upstream).sum().backward()
     grads = [leaves[0].grad, leaves[1].grad, None if bias is None else bias_leaf.grad]
     return loss.detach(), grads
 
@@ -138,15 +148,16 @@ def run_jax(case, inputs):
     b = None if bias is None else as_jax(bias)
     y = exchange.labels_to_jax(labels)
     kwargs = kwargs_of(case, as_jax(n_items) if torch.is_tensor(n_items) else n_items)
+    weighting = as_jax(upstream)
 
-    def loss_fn(h, w, b):
-        return fastce_jax.linear_cross_entropy(h, w, y, bias=b, backend="kernel", **kwargs)
+    def objective(h, w, b):
+        loss = fastce_jax.linear_cross_entropy(h, w, y, bias=b, backend="kernel", **kwargs)
+        return jnp.sum(loss * weighting), loss
 
-    loss, vjp = jax.vjp(loss_fn, h, w, b)
-    cotangent = as_jax(upstream) if case.reduction == "none" else jnp.ones_like(loss)
-    grad_h, grad_w, grad_b = vjp(cotangent)
+    with jax.default_matmul_precision("float32"):
+        (_, loss), grads = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(h, w, b)
     to_torch = exchange.to_torch
-    return to_torch(loss), [to_torch(grad_h), to_torch(grad_w), None if grad_b is None else to_torch(grad_b)]
+    return to_torch(loss), [None if grad is None else to_torch(grad) for grad in grads]
 
 
 def package_runner(name):
@@ -177,9 +188,10 @@ def check(case, device, runner, chunks):
         bias=as64(bias),
         reduction=case.reduction,
         n_items=float(n_items) if torch.is_tensor(n_items) else n_items,
-        upstream=as64(upstream),
+        upstream=as64(upstream) if case.reduction == "none" else None,
         opts=case.opts,
     )
+    scalar = 1.0 if case.reduction == "none" else case.scalar_upstream  # the reference's gradients are of the loss
     loss, (grad_hidden, grad_weight, grad_bias) = runner(case, inputs)
 
     u = UNIT_ROUNDOFF[case.dtype] * K_FACTOR[case.dtype]
@@ -194,34 +206,28 @@ def check(case, device, runner, chunks):
         loss_bound = np.asarray(u * np.sum(g * loss_terms))
     assert_within(loss, np.asarray(r.loss), loss_bound, "loss")
 
-    G = np.abs(np.nan_to_num(r.grad.reshape(n_rows, vocab)))
-    S = (
+    G = np.abs(scalar * np.nan_to_num(r.grad.reshape(n_rows, vocab)))
+    S = abs(scalar) * (
         np.nan_to_num(r.grad_scale.reshape(n_rows, vocab))
         + np.nan_to_num(r.grad_terms.reshape(n_rows, vocab)) * (logit_error[:, None])
     )
     h_abs = np.abs(as64(hidden).reshape(n_rows, -1))
     w_abs = np.abs(as64(weight))
-    assert_within(grad_hidden, exact.grad_hidden, (u * ((S + G) @ w_abs)).reshape(hidden.shape), "grad_hidden")
-    assert_within(grad_weight, exact.grad_weight, u * (1 + chunks) * ((S + G).T @ h_abs), "grad_weight")
+    assert_within(grad_hidden, scalar * exact.grad_hidden, (u * ((S + G) @ w_abs)).reshape(hidden.shape), "grad_hidden")
+    assert_within(grad_weight, scalar * exact.grad_weight, u * (1 + chunks) * ((S + G).T @ h_abs), "grad_weight")
     if bias is None:
         assert grad_bias is None
     else:
-        assert_within(grad_bias, exact.grad_bias, u * (1 + chunks) * (S + G).sum(axis=0), "grad_bias")
+        assert_within(grad_bias, scalar * exact.grad_bias, u * (1 + chunks) * (S + G).sum(axis=0), "grad_bias")
 
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Both packages split the rows into chunks of CHUNK_ROWS_SMALL (the last one partial, or in fastce_jax clamped
-    onto the one before): returns how many chunks a package runs, which bounds the weight gradient's roundings."""
+    """Sets a package's CHUNK_ROWS to CHUNK_ROWS_SMALL; returns how many chunks it then runs, which bounds the weight
+    gradient's roundings."""
 
-    def set_for(package, n_rows, vocab, itemsize):
-        if package == "fastce_torch":
-            module = sys.modules["fastce_torch.linear_cross_entropy"]
-            monkeypatch.setattr(module, "ROWS_MULTIPLE", 1)
-            monkeypatch.setattr(module, "WORKSPACE_BYTES", CHUNK_ROWS_SMALL * vocab * itemsize)
-        else:
-            module = sys.modules["fastce_jax.linear_cross_entropy"]
-            monkeypatch.setattr(module, "CHUNK_ROWS", CHUNK_ROWS_SMALL)
+    def set_for(package, n_rows):
+        monkeypatch.setattr(sys.modules[f"{package}.linear_cross_entropy"], "CHUNK_ROWS", CHUNK_ROWS_SMALL)
         return -(-n_rows // CHUNK_ROWS_SMALL)
 
     return set_for
@@ -231,9 +237,27 @@ def small_chunks(monkeypatch):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_against_float64_reference(case, package, device, small_chunks):
     runner = package_runner(package)
-    n_rows = int(np.prod(case.shape))
-    chunks = small_chunks(package, n_rows, case.vocab, TORCH_DTYPES[case.dtype].itemsize)
+    chunks = small_chunks(package, int(np.prod(case.shape)))
     check(case, device, runner, chunks)
+
+
+@pytest.mark.parametrize("package", ["fastce_torch", "fastce_jax"])
+def test_chunk_rows_from_the_budget(package, monkeypatch):
+    """The same defaults and chunking rule in both packages."""
+    package_runner(package)
+    module = sys.modules[f"{package}.linear_cross_entropy"]
+    assert module.WORKSPACE_BYTES == 256 << 20 and module.ROWS_MULTIPLE == 128 and module.CHUNK_ROWS is None
+    assert module.ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 is False
+    assert module.chunk_rows(8192, 128256, 2) == 1024  # 1046 rows fit: 8 even chunks of a multiple of 128
+    assert module.chunk_rows(8192, 256000, 2) == 512
+    assert module.chunk_rows(100, 128256, 2) == 100  # fits: one chunk, never more than the rows there are
+    assert module.chunk_rows(8192, 2**31, 4) == 1  # at least one row, whatever the budget
+    # 4096 rows fit at V=32000; 8292 rows take 3 chunks, split evenly (2816, 2816, 2660), not 4096, 4096, 100.
+    assert module.chunk_rows(8292, 32000, 2) == 2816
+    monkeypatch.setattr(module, "WORKSPACE_BYTES", 1 << 30)
+    assert module.chunk_rows(8192, 32000, 2) == 8192
+    monkeypatch.setattr(module, "CHUNK_ROWS", 5)
+    assert module.chunk_rows(8192, 32000, 2) == 5 and module.chunk_rows(3, 32000, 2) == 3
 
 
 @pytest.mark.gpu
@@ -253,10 +277,6 @@ def test_mid_shapes_on_gpu(case, package, device):
     """The packages' own chunking (default workspace) at shapes where the matmuls use tensor cores."""
     runner = package_runner(package)
     n_rows = int(np.prod(case.shape))
-    chunks = n_rows
-    if package == "fastce_torch":
-        rows = sys.modules["fastce_torch.linear_cross_entropy"].chunk_rows(
-            n_rows, case.vocab, 2 if case.dtype == "bfloat16" else 4
-        )
-        chunks = -(-n_rows // rows)
+    itemsize = TORCH_DTYPES[case.dtype].itemsize
+    chunks = -(-n_rows // sys.modules[f"{package}.linear_cross_entropy"].chunk_rows(n_rows, case.vocab, itemsize))
     check(case, device, runner, chunks)

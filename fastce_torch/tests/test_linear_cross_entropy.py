@@ -21,12 +21,11 @@ module = sys.modules["fastce_torch.linear_cross_entropy"]
 
 
 @pytest.fixture
-def workspace_rows(monkeypatch):
-    """Shrinks the workspace to `rows` rows of logits, so tiny problems still run in several chunks."""
+def chunk_rows(monkeypatch):
+    """Forces `rows` rows per chunk (CHUNK_ROWS), so tiny problems still run in several chunks."""
 
-    def set_rows(rows, vocab, itemsize=4):
-        monkeypatch.setattr(module, "ROWS_MULTIPLE", 1)
-        monkeypatch.setattr(module, "WORKSPACE_BYTES", rows * vocab * itemsize)
+    def set_rows(rows):
+        monkeypatch.setattr(module, "CHUNK_ROWS", rows)
 
     return set_rows
 
@@ -68,10 +67,10 @@ OPTION_SETS = [
 
 
 @pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "mean")
-def test_kernel_matches_unfused_loss_under_poisoned_buffers(options, device, workspace_rows, poisoned):
+def test_kernel_matches_unfused_loss_under_poisoned_buffers(options, device, chunk_rows, poisoned):
     """Every buffer the function allocates starts as NaN: each must be fully written (chunks of 4 rows + a tail)."""
     hidden, weight, bias, labels = problem(device)
-    workspace_rows(4, weight.shape[0])
+    chunk_rows(4)
     upstream = torch.randn(labels.shape, device=device) if options.get("reduction") == "none" else None
     fused = linear_cross_entropy(hidden, weight, labels, bias=bias, backend="kernel", **options)
     expected = unfused(hidden, weight, labels, bias, **options)
@@ -128,10 +127,10 @@ def test_no_grad_gives_the_same_loss(device):
     torch.testing.assert_close(loss, unfused(hidden, weight, labels, bias).detach(), rtol=2e-6, atol=2e-6)
 
 
-def test_gradient_accumulation_over_micro_batches(device, workspace_rows):
+def test_gradient_accumulation_over_micro_batches(device, chunk_rows):
     """Two losses, two backward calls: .grad sums them (the precomputed gradients are handed over, not aliased)."""
     hidden, weight, bias, labels = problem(device)
-    workspace_rows(5, weight.shape[0])
+    chunk_rows(5)
     for half in (slice(0, 9), slice(9, 18)):
         linear_cross_entropy(hidden[half], weight, labels[half], bias=bias, backend="kernel").backward()
     got = (hidden.grad, weight.grad, bias.grad)
@@ -147,13 +146,13 @@ def test_second_backward_raises(device):
         loss.backward()
 
 
-def test_three_dims_and_strided_hidden(device, workspace_rows):
+def test_three_dims_and_strided_hidden(device, chunk_rows):
     gen = torch.Generator().manual_seed(4)
     base = torch.randn(3, 5, 40, generator=gen).to(device)
     hidden = base[:, :, 4:28].requires_grad_()  # strided rows: a non-contiguous (3, 5, 24) view
     _, weight, _, _ = problem(device, width=24, vocab=50)
     labels = torch.randint(0, 50, (3, 5), generator=gen).to(device)
-    workspace_rows(4, 50)
+    chunk_rows(4)
     for reduction in ("mean", "none"):
         fused = linear_cross_entropy(hidden, weight, labels.int(), reduction=reduction, backend="kernel")
         expected = unfused(hidden, weight, labels, reduction=reduction)
@@ -219,20 +218,12 @@ def test_bad_arguments_are_named(change, error, match, device):
         linear_cross_entropy(hidden, weight, labels, **kwargs)
 
 
-def test_chunk_rows():
-    assert module.chunk_rows(8192, 128256, 2) == 1024  # 256 MiB of bf16 logits, a multiple of 128
-    assert module.chunk_rows(8192, 256000, 2) == 512
-    assert module.chunk_rows(100, 128256, 2) == 100  # never more than the rows there are
-    assert module.chunk_rows(8192, 2**31, 4) == 1  # at least one row, whatever the budget
-    assert module.chunk_rows(8192, 32000, 2, workspace_bytes=1 << 30) == 8192
-
-
 @pytest.mark.parametrize("float32_accumulator", [False, True])
-def test_float32_weight_grad_accumulator(float32_accumulator, device, workspace_rows, monkeypatch):
+def test_float32_weight_grad_accumulator(float32_accumulator, device, chunk_rows, monkeypatch):
     """Both accumulators give the weight's dtype and the right gradient for bf16 weights."""
     dtype = torch.bfloat16
     hidden, weight, bias, labels = problem(device, dtype=dtype)
-    workspace_rows(4, weight.shape[0], itemsize=hidden.element_size())
+    chunk_rows(4)
     monkeypatch.setattr(module, "ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32", float32_accumulator)
     loss = linear_cross_entropy(hidden, weight, labels, bias=bias, backend="kernel")
     (grad_weight,) = torch.autograd.grad(loss, weight)
@@ -297,7 +288,7 @@ class Head(torch.nn.Module):
     ],
     ids=["mean", "none-softcap", "sum-zloss"],
 )
-def test_fullgraph_compile_matches_eager(options, device, workspace_rows):
+def test_fullgraph_compile_matches_eager(options, device, chunk_rows):
     from fastce_torch.tests.test_compile import ops_in, recording_backend
 
     torch.manual_seed(0)
@@ -307,7 +298,7 @@ def test_fullgraph_compile_matches_eager(options, device, workspace_rows):
     labels = torch.randint(0, 60, (2, 7), generator=gen).to(device)
     labels[0, :3] = -100
     n_items = torch.tensor(9.0, device=device) if options.get("reduction") == "sum" else None
-    workspace_rows(4, 60)
+    chunk_rows(4)
 
     def run(fn):
         head.zero_grad(set_to_none=True)

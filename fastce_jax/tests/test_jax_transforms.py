@@ -1,0 +1,350 @@
+"""fastce_jax where real training code puts it: float64 logits, what autodiff supports (reverse mode once; clear
+errors otherwise), where backend="auto" runs under jit, and batch invariance (vmap and batch size never change a
+row's bits).
+
+On CPU the kernels run in interpret mode; with --gpu the same tests run the compiled kernels, plus the `gpu` ones.
+"""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fastce_jax import cross_entropy, kernels
+
+from .np_reference import assert_close, np_cross_entropy
+
+# The package's `cross_entropy` attribute is the function; get the module.
+ce_module = importlib.import_module("fastce_jax.cross_entropy")
+LOSS_TOL = dict(rtol=2e-5, atol=2e-5)
+ONCE = "differentiable once"
+FORWARD_MODE = "forward-mode"  # JAX's own message for jvp of a custom_vjp function
+
+
+def random_inputs(n, v, seed, *, n_ignored=1):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, v)) * 2.0
+    y = rng.integers(0, v, n)
+    y[rng.permutation(n)[:n_ignored]] = -100
+    w = rng.uniform(0.5, 2.0, n)  # a per-token cotangent, never all ones
+    return x, y, w
+
+
+def vjp_step(**kwargs):
+    """A jitted training step: per-token losses and the gradient of sum(w * losses)."""
+
+    def run(logits, labels, w):
+        loss, vjp = jax.vjp(lambda a: cross_entropy(a, labels, reduction="none", **kwargs), logits)
+        return loss, vjp(w)[0]
+
+    return jax.jit(run)
+
+
+def vjp_none(x, labels, w, **kwargs):
+    return vjp_step(**kwargs)(x, labels, w)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# float64 logits: accepted, computed in float32 (loss float32, gradient float64).
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["auto", "kernel", "reference"])
+def test_float64_logits_are_computed_in_float32_with_a_float64_gradient(put, backend):
+    x, y, w = random_inputs(6, 300, seed=1)
+    with jax.enable_x64(True):
+        x64 = put(x, jnp.float64)
+        labels = put(y, jnp.int32)
+        w32 = put(w, jnp.float32)
+        loss, grad = vjp_none(x64, labels, w32, backend=backend, label_smoothing=0.1)
+        assert loss.dtype == jnp.float32 and grad.dtype == jnp.float64 and grad.shape == x64.shape
+        # Exactly the float32 computation on the logits rounded to float32, its gradient widened.
+        loss32, grad32 = vjp_none(x64.astype(jnp.float32), labels, w32, backend=backend, label_smoothing=0.1)
+        np.testing.assert_array_equal(np.asarray(loss), np.asarray(loss32))
+        np.testing.assert_array_equal(np.asarray(grad), np.asarray(grad32).astype(np.float64))
+        ref_loss, ref_grad = np_cross_entropy(np.asarray(x64.astype(jnp.float32), np.float64), y, label_smoothing=0.1)
+        assert_close(loss, ref_loss, **LOSS_TOL, what="loss")
+        assert_close(grad, ref_grad * w[:, None], rtol=1e-4, atol=1e-6, what="grad")
+        # The mean, the way optax users call their loss.
+        mean = cross_entropy(x64, labels, backend=backend)
+        assert mean.dtype == jnp.float32 and np.isfinite(float(mean))
+
+
+def test_float64_matches_optax_to_float32_precision(put):
+    optax = pytest.importorskip("optax")
+    x, y, _ = random_inputs(5, 200, seed=2, n_ignored=0)
+    with jax.enable_x64(True):
+        x64, labels = put(x, jnp.float64), put(y, jnp.int32)
+        ours = cross_entropy(x64, labels, reduction="none", backend="kernel")
+        theirs = optax.softmax_cross_entropy_with_integer_labels(x64, labels)
+        assert theirs.dtype == jnp.float64
+        assert_close(ours, theirs, **LOSS_TOL, what="loss vs optax")
+
+
+def test_numpy_float64_without_x64_is_accepted():
+    x, y, _ = random_inputs(4, 100, seed=3)
+    assert x.dtype == np.float64 and not jax.config.jax_enable_x64
+    loss = cross_entropy(x, y, backend="kernel", reduction="none")
+    expected = cross_entropy(x.astype(np.float32), y, backend="kernel", reduction="none")
+    np.testing.assert_array_equal(np.asarray(loss), np.asarray(expected))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Autodiff: reverse mode once through the kernels; higher order and forward mode raise, the reference does both.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _small(put):
+    x, y, _ = random_inputs(3, 40, seed=4, n_ignored=0)
+    return put(x, jnp.float32), put(y, jnp.int32)
+
+
+def _higher_order(f, x):
+    v = jnp.ones_like(x) * 0.5
+    return {
+        "grad_of_grad": lambda: jax.grad(lambda a: jnp.sum(jax.grad(f)(a) ** 2))(x),
+        "hessian": lambda: jax.hessian(f)(x),
+        "hvp_jvp_of_grad": lambda: jax.jvp(jax.grad(f), (x,), (v,)),
+        "jitted_grad_of_grad": lambda: jax.jit(jax.grad(lambda a: jnp.sum(jax.grad(f)(a) ** 2)))(x),
+    }
+
+
+def _forward_mode(f, x):
+    v = jnp.ones_like(x) * 0.5
+    return {
+        "jvp": lambda: jax.jvp(f, (x,), (v,)),
+        "jitted_jvp": lambda: jax.jit(lambda a: jax.jvp(f, (a,), (v,)))(x),
+        "linearize": lambda: jax.linearize(f, x)[1](v),
+        "jacfwd": lambda: jax.jacfwd(f)(x),
+    }
+
+
+@pytest.mark.parametrize("transform", ["grad_of_grad", "hessian", "hvp_jvp_of_grad", "jitted_grad_of_grad"])
+def test_higher_order_through_the_kernels_raises_a_clear_error(put, transform):
+    x, labels = _small(put)
+
+    def f(a):
+        return cross_entropy(a, labels, backend="kernel", z_loss=1e-3)
+
+    jax.grad(f)(x)  # once is fine
+    with pytest.raises(TypeError, match=ONCE) as info:
+        _higher_order(f, x)[transform]()
+    assert "backend='reference'" in str(info.value)
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jitted_jvp", "linearize", "jacfwd"])
+def test_forward_mode_through_the_kernels_raises_jax_type_error(put, transform):
+    x, labels = _small(put)
+    with pytest.raises(TypeError, match=FORWARD_MODE):
+        _forward_mode(lambda a: cross_entropy(a, labels, backend="kernel"), x)[transform]()
+
+
+def test_reference_backend_supports_forward_mode_and_second_order(put):
+    x, labels = _small(put)
+    v = put(np.random.default_rng(5).standard_normal(x.shape), jnp.float32)
+
+    def f(a):
+        return cross_entropy(a, labels, backend="reference", reduction="sum")
+
+    # d(sum loss) = sum(grad * v); the Hessian of lse - z_y is diag(p) - p p^T per row.
+    p = np.asarray(jax.nn.softmax(np.asarray(x, np.float64), axis=-1))
+    vv = np.asarray(v, np.float64)
+    grad = p - np.eye(x.shape[1])[np.asarray(labels)]
+    _, tangent = jax.jvp(f, (x,), (v,))
+    assert_close(tangent, np.sum(grad * vv), rtol=1e-5, atol=1e-5, what="jvp")
+    _, hvp = jax.jvp(jax.grad(f), (x,), (v,))
+    expected = p * vv - p * np.sum(p * vv, axis=-1, keepdims=True)
+    assert_close(hvp, expected, rtol=1e-4, atol=1e-6, what="hvp")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# backend="auto" under jit: decided where the computation runs (at lowering), never interpret mode on the CPU.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _cpu_inputs():
+    x, y, w = random_inputs(4, 300, seed=6)
+    cpu = jax.devices("cpu")[0]
+    return (jax.device_put(jnp.asarray(x, jnp.float32), cpu), jax.device_put(jnp.asarray(y, jnp.int32), cpu), w)
+
+
+def _value_and_grad(backend):
+    return jax.jit(jax.value_and_grad(lambda a, b: cross_entropy(a, b, backend=backend, z_loss=1e-4)))
+
+
+def test_auto_under_jit_on_cpu_arrays_is_the_reference():
+    x, labels, _ = _cpu_inputs()
+    step = _value_and_grad("auto")
+    text = step.lower(x, labels).as_text()
+    assert "triton" not in text and "while" not in text  # neither compiled nor interpreted kernels
+    loss, grad = step(x, labels)
+    ref_loss, ref_grad = _value_and_grad("reference")(x, labels)
+    np.testing.assert_array_equal(np.asarray(loss), np.asarray(ref_loss))
+    np.testing.assert_array_equal(np.asarray(grad), np.asarray(ref_grad))
+
+
+@pytest.fixture
+def pretend_gpu_machine(monkeypatch):
+    """A process with a GPU backend: traced logits take the platform-dependent route (as on the H200), and this
+    CPU-only test then lowers it for the CPU, like committed CPU arrays under jit on a GPU machine."""
+    monkeypatch.setattr(ce_module, "_gpu_available", lambda: True)
+
+
+def test_auto_under_jit_decides_at_lowering(pretend_gpu_machine):
+    x, labels, _ = _cpu_inputs()
+    step = _value_and_grad("auto")
+    assert "platform_index" in str(jax.make_jaxpr(step)(x, labels))  # the choice is staged out
+    cpu_text = step.lower(x, labels).as_text()
+    assert "triton" not in cpu_text and "while" not in cpu_text  # the CPU gets the reference, not interpret mode
+    loss, grad = step(x, labels)
+    ref_loss, ref_grad = _value_and_grad("reference")(x, labels)
+    np.testing.assert_allclose(np.asarray(loss), np.asarray(ref_loss), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(ref_grad), rtol=1e-6, atol=1e-9)
+    # The same function lowered for a GPU keeps the three compiled kernels.
+    abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, labels)]
+    cuda_text = step.trace(*abstract).lower(lowering_platforms=("cuda",)).as_text()
+    assert cuda_text.count("__gpu$xla.gpu.triton") == 3
+
+
+def test_eager_committed_cpu_arrays_take_the_reference(pretend_gpu_machine, monkeypatch):
+    x, labels, _ = _cpu_inputs()
+    ref_loss, ref_grad = _value_and_grad("reference")(x, labels)
+    # Under jax.grad (traced, even without jit) the choice is staged out and made when the CPU runs it.
+    loss, grad = jax.value_and_grad(lambda a: cross_entropy(a, labels, z_loss=1e-4))(x)
+    np.testing.assert_allclose(np.asarray(loss), np.asarray(ref_loss), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(ref_grad), rtol=1e-6, atol=1e-9)
+
+    def no_kernels(*args, **kwargs):
+        raise AssertionError("auto picked the kernels for concrete CPU arrays")
+
+    # Concrete arrays say where they are: the reference, without tracing any kernel.
+    monkeypatch.setattr(kernels, "forward", no_kernels)
+    np.testing.assert_allclose(float(cross_entropy(x, labels, z_loss=1e-4)), float(ref_loss), rtol=1e-6)
+
+
+def test_higher_order_under_the_platform_route_raises_the_same_error(pretend_gpu_machine):
+    x, labels, _ = _cpu_inputs()
+
+    def f(a):
+        return cross_entropy(a, labels)
+
+    with pytest.raises(TypeError, match=ONCE):
+        jax.jit(jax.hessian(f))(x)
+
+
+@pytest.mark.gpu
+def test_cpu_arrays_under_jit_on_a_gpu_machine(device):
+    cpu = jax.devices("cpu")[0]
+    x, y, _ = random_inputs(8, 1000, seed=7)
+    x = x.astype(np.float32)
+    ref_loss, ref_grad = np_cross_entropy(x, y)
+    count = (y != -100).sum()
+    for backend in ("auto",):  # backend="kernel" under jit in a GPU process means the compiled kernels
+        step = jax.jit(jax.value_and_grad(lambda a, b: cross_entropy(a, b, backend=backend)))
+        # Committed CPU arrays: jit runs on the CPU, so the kernels must not be lowered for it.
+        xc, yc = jax.device_put(x, cpu), jax.device_put(y.astype(np.int32), cpu)
+        assert "triton" not in step.lower(xc, yc).as_text()
+        loss, grad = step(xc, yc)
+        assert grad.devices() == {cpu}
+        assert_close(loss, ref_loss.sum() / count, **LOSS_TOL, what=f"{backend} loss, committed CPU arrays")
+        assert_close(grad, ref_grad / count, rtol=1e-4, atol=1e-7, what=f"{backend} grad, committed CPU arrays")
+        # The default device set to the CPU, NumPy inputs.
+        with jax.default_device(cpu):
+            loss, _ = step(x, y.astype(np.int32))
+        assert_close(loss, ref_loss.sum() / count, **LOSS_TOL, what=f"{backend} loss, default device CPU")
+    # GPU arrays under jit: the compiled kernels.
+    step = jax.jit(jax.value_and_grad(lambda a, b: cross_entropy(a, b)))
+    xg, yg = jax.device_put(x, device), jax.device_put(y.astype(np.int32), device)
+    assert step.lower(xg, yg).as_text().count("__gpu$xla.gpu.triton") == 3
+    loss, grad = step(xg, yg)
+    assert_close(loss, ref_loss.sum() / count, **LOSS_TOL, what="auto loss, GPU arrays")
+    assert_close(grad, ref_grad / count, rtol=1e-4, atol=1e-7, what="auto grad, GPU arrays")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Batch invariance: a row's loss and gradient depend on V (and dtype) only, never on N, the other rows or vmap.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def several_chunks(monkeypatch):
+    """Five forward chunks at V=5000 (so the chunk combine is exercised) and three backward tiles."""
+    monkeypatch.setattr(kernels, "CHUNK", 1024)
+    monkeypatch.setattr(kernels, "FORWARD_BLOCK", 256)
+    monkeypatch.setattr(kernels, "BACKWARD_BLOCK", 2048)
+    assert kernels.forward_config(5000)[:3] == (256, 1024, 5)
+    return 5000
+
+
+def assert_rows_equal(loss, grad, full_loss, full_grad, rows):
+    np.testing.assert_array_equal(np.asarray(loss), np.asarray(full_loss[rows]))
+    np.testing.assert_array_equal(np.asarray(grad, np.float32), np.asarray(full_grad[rows], np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_row_alone_equals_row_in_larger_batches(put, several_chunks, dtype):
+    v = several_chunks
+    x, y, w = random_inputs(12, v, seed=8, n_ignored=2)
+    # Shifted so that lse is near 0, where its float32 ulp is small enough to show a different chunk combine.
+    x, labels, w = put(x - 10.0, dtype), put(y, jnp.int32), put(w, jnp.float32)
+    step = vjp_step(backend="kernel", label_smoothing=0.1, z_loss=1e-3)
+    full_loss, full_grad = step(x, labels, w)
+    for row in range(12):
+        assert_rows_equal(
+            *step(x[row : row + 1], labels[row : row + 1], w[row : row + 1]), full_loss, full_grad, slice(row, row + 1)
+        )
+    assert_rows_equal(*step(x[3:8], labels[3:8], w[3:8]), full_loss, full_grad, slice(3, 8))
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    ref_loss, _ = np_cross_entropy(x64, y, label_smoothing=0.1, z_loss=1e-3)
+    assert_close(full_loss, ref_loss, **LOSS_TOL, what="loss")
+
+
+def test_vmap_equals_the_flattened_call(put, several_chunks):
+    v = several_chunks
+    x, y, w = random_inputs(12, v, seed=9, n_ignored=2)
+    x, labels, w = put(x, jnp.float32), put(y, jnp.int32), put(w, jnp.float32)
+    flat_loss, flat_grad = vjp_none(x, labels, w, backend="kernel", logit_softcapping=20.0)
+
+    def per_sequence(xs, ys, ws):
+        loss, vjp = jax.vjp(
+            lambda a: cross_entropy(a, ys, reduction="none", backend="kernel", logit_softcapping=20.0), xs
+        )
+        return loss, vjp(ws)[0]
+
+    loss, grad = jax.jit(jax.vmap(per_sequence))(x.reshape(3, 4, v), labels.reshape(3, 4), w.reshape(3, 4))
+    np.testing.assert_array_equal(np.asarray(loss).reshape(-1), np.asarray(flat_loss))
+    np.testing.assert_array_equal(np.asarray(grad).reshape(-1, v), np.asarray(flat_grad))
+    # vmap of a per-sequence summed loss: its gradient rows are the flattened call's with unit cotangents.
+    grad_sum = jax.jit(jax.vmap(jax.grad(lambda a, b: cross_entropy(a, b, reduction="sum", backend="kernel"))))(
+        x.reshape(3, 4, v), labels.reshape(3, 4)
+    )
+    _, flat_unit = vjp_none(x, labels, jnp.ones_like(w), backend="kernel")
+    np.testing.assert_array_equal(np.asarray(grad_sum).reshape(-1, v), np.asarray(flat_unit))
+
+
+@pytest.mark.gpu
+def test_batch_invariance_at_llama3_vocabulary(device):
+    v, n_max = 128256, 512
+    key_x, key_y = jax.random.split(jax.random.key(10))
+    x = jax.device_put(jax.random.normal(key_x, (n_max, v), jnp.bfloat16) * 2 - 8, device)
+    labels = jax.device_put(jax.random.randint(key_y, (n_max,), 0, v, jnp.int32).at[3].set(-100), device)
+    w = jax.device_put(jnp.linspace(0.5, 2.0, n_max, dtype=jnp.float32), device)
+    step = vjp_step(z_loss=1e-4)  # backend="auto": the compiled kernels on GPU arrays
+    full_loss, full_grad = step(x, labels, w)
+    assert np.isfinite(np.asarray(full_loss)).all()
+    for row in (0, 1, 2, 3, 100, 257, 510, 511):
+        assert_rows_equal(
+            *step(x[row : row + 1], labels[row : row + 1], w[row : row + 1]), full_loss, full_grad, slice(row, row + 1)
+        )
+    for start in (0, 300):
+        rows = slice(start, start + 7)
+        assert_rows_equal(*step(x[rows], labels[rows], w[rows]), full_loss, full_grad, rows)
+
+    def per_sequence(xs, ys, ws):
+        loss, vjp = jax.vjp(lambda a: cross_entropy(a, ys, reduction="none", z_loss=1e-4), xs)
+        return loss, vjp(ws)[0]
+
+    loss, grad = jax.jit(jax.vmap(per_sequence))(x.reshape(4, 128, v), labels.reshape(4, 128), w.reshape(4, 128))
+    assert_rows_equal(loss.reshape(-1), grad.reshape(-1, v), full_loss, full_grad, slice(None))
