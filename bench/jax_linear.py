@@ -86,7 +86,7 @@ def loss_fn(impl, backend="auto"):
 def measure(impl, shape, inputs, batch_target_ms=50.0, backend="auto") -> dict:
     import jax
 
-    from .jax_impls import host_time_ms
+    from .jax_measure import bench_ms
 
     module = importlib.import_module("fastce_jax.linear_cross_entropy")
     with package_settings(module, FASTCE_IMPLS.get(impl, {})):  # read while tracing: compile both programs inside
@@ -99,8 +99,8 @@ def measure(impl, shape, inputs, batch_target_ms=50.0, backend="auto") -> dict:
         bool(jax.numpy.isfinite(g[:4].astype("float32")).all()) for g in (dh, dw)
     )
     del dh, dw
-    fwd_ms = host_time_ms(lambda: fwd(*inputs), batch_target_ms)
-    fwdbwd_ms = host_time_ms(lambda: step(*inputs)[1][1], batch_target_ms)
+    fwd_ms = bench_ms(lambda: fwd(*inputs), batch_target_ms)
+    fwdbwd_ms = bench_ms(lambda: step(*inputs)[1][1], batch_target_ms)
     return {
         "fwd_ms": fwd_ms,
         "fwdbwd_ms": fwdbwd_ms,
@@ -116,7 +116,7 @@ def measure_matmuls(shape, inputs, batch_target_ms=50.0) -> dict:
     """The step's three matmuls alone (logits, dh, dW) in the input dtype: the throughput ceiling."""
     import jax
 
-    from .jax_impls import host_time_ms
+    from .jax_measure import bench_ms
 
     hidden, weight, _ = inputs
     grad_logits = jax.random.normal(jax.random.key(1), (shape.N, shape.V), hidden.dtype)
@@ -127,7 +127,7 @@ def measure_matmuls(shape, inputs, batch_target_ms=50.0) -> dict:
 
     out = three(hidden, weight, grad_logits)
     del out
-    ms = host_time_ms(lambda: three(hidden, weight, grad_logits)[2], batch_target_ms)
+    ms = bench_ms(lambda: three(hidden, weight, grad_logits)[2], batch_target_ms)
     del grad_logits
     return {"fwdbwd_ms": ms, "TFLOPs": shape.flops / (ms * 1e-3) / 1e12}
 
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     if args.cpu:
         result = run(args.shapes or CPU_SHAPES, impls, batch_target_ms=5.0, backend="kernel")
     else:
-        from .jax_impls import has_gpu
+        from .jax_measure import has_gpu
 
         if not has_gpu():
             parser.error("JAX sees no GPU; use --cpu for the interpreted smoke run")

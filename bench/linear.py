@@ -257,7 +257,7 @@ def _add_jax_rows(shapes, matmul, rows, failures):
     does not hold the gradients (outputs), so it is the extra beyond the gradients."""
     try:
         from . import jax_linear
-        from .jax_impls import has_gpu
+        from .jax_measure import has_gpu
 
         if not has_gpu():
             raise Unavailable("jax sees no GPU")

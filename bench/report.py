@@ -116,7 +116,7 @@ def default_json_path(date, device_slug) -> Path:
 
 
 NOTES = """\
-How it was measured (bench/torch_measure.py and bench/jax_impls.py say it in full):
+How it was measured (bench/torch_measure.py and bench/jax_measure.py say it in full):
 - torch: triton.testing.do_bench medians. fwd = the loss with grad mode on; fwd+bwd = loss then
   `torch.autograd.grad(loss, logits)` with the logits a non-leaf tensor (as lm_head output is), so
   implementations that may write the gradient in place (fastce_torch, Liger) do. Peak extra =
@@ -178,7 +178,7 @@ def results_markdown(result, plot_name=None) -> str:
 
 
 def transformers_step_markdown(step, source) -> str:
-    """The training-step comparison written by bench/transformers_step.py, as a table."""
+    """The training-step comparison written by bench/tools/transformers_step.py, as a table."""
     args, env = step["args"], step["environment"]
     lines = [
         f"## Training step with and without `patch_transformers()` (from `{source}`)",

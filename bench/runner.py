@@ -79,10 +79,10 @@ def run_gpu(shapes, impls, quick=False) -> dict:
     if jax_selected:
         try:
             try:
-                from . import jax_impls
+                from . import jax_impls, jax_measure
             except ModuleNotFoundError as exc:
                 raise Unavailable(f"jax is not installed ({exc})") from exc
-            if not jax_impls.has_gpu():
+            if not jax_measure.has_gpu():
                 raise Unavailable("jax sees no GPU (a CPU-only jaxlib?)")
         except Exception as exc:  # noqa: BLE001
             for impl in jax_selected:
@@ -93,7 +93,7 @@ def run_gpu(shapes, impls, quick=False) -> dict:
             _run_framework(
                 jax_selected,
                 jax_impls.LOADERS,
-                jax_impls.measure,
+                jax_measure.measure,
                 shapes,
                 bandwidth,
                 rows,

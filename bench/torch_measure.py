@@ -1,4 +1,5 @@
-"""Timing and memory of one PyTorch implementation on one shape, and the device copy bandwidth.
+"""Timing and memory of one PyTorch implementation on one shape (the twin of bench/jax_measure.py), and the
+device copy bandwidth.
 
 Timed closures (nothing else runs inside them; inputs are made once, outside):
   fwd    = loss_fn(logits, labels)                                   (grad mode on: the training forward,

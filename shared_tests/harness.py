@@ -1,22 +1,7 @@
 """One case -> inputs made once in torch -> fastce_torch, fastce_jax (same buffer via DLPack) and the float64
 reference -> three comparisons (torch vs reference, jax vs reference, torch vs jax).
 
-Tolerances come from the arithmetic (see reference.error_scales):
-  |actual - exact| <= RTOL * scale + ULPS * ulp_dtype(max(|actual|, |exact|)) + FLOOR
-  * RTOL * scale: the float32 computation inside the kernels (scale ~ the magnitudes whose rounding error
-    reaches the result). RTOL_REFERENCE = 16 eps32: the CPU interpreters use under 1 eps32 * scale, the rest is
-    room for the GPU's approximate exp/log (ex2.approx, lg2.approx) and long float32 sums at V = 256K.
-    RTOL_PAIR = 8 eps32 is tighter: same algorithm (same tiles, chunking and accumulation order), same inputs. Not
-    tighter still, because the elementary functions differ (Triton tl.exp / a hand-written tanh in fastce_torch,
-    XLA's or libdevice's exp and tanh in fastce_jax): on the CPU the two packages differ by about as much as each
-    differs from the exact value (~1 eps32 * scale), so a pair tolerance far below the reference one would only
-    measure the libraries' exp.
-  * ULPS * ulp of the output dtype: the gradient is rounded once from float32 to the logits' dtype: half an ulp
-    from the exact value, and two correctly rounded results of slightly different float32 values may land on
-    adjacent representable numbers: one ulp apart.
-  * FLOOR = 2**-125: float32 results below the normal range (p_j = exp(z_j - lse) < 2**-126) may be flushed to
-    zero on the GPU.
-NaN passes only where the reference has NaN (the pattern must match exactly), infinities must match exactly.
+Tolerances: tolerances.py (the repository's one model), reference and pair comparisons alike.
 """
 
 import math
@@ -27,15 +12,9 @@ import pytest
 import torch
 
 from . import exchange, reference, summary
+from .tolerances import ULPS_PAIR, check, grad_bound, loss_bound, reference_ulps, ulp
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MANTISSA_BITS = {"float32": 23, "bfloat16": 7, "float16": 10}
-MIN_EXPONENT = {"float32": -126, "bfloat16": -126, "float16": -14}
-EPS32 = 2.0**-23
-RTOL_REFERENCE = 16 * EPS32
-RTOL_PAIR = 8 * EPS32
-ULPS_REFERENCE, ULPS_PAIR = 0.5, 1.0
-FLOOR = 2.0**-125
 
 
 @dataclass(frozen=True)
@@ -212,13 +191,6 @@ def run_jax(case, inputs):
     return exchange.to_torch(loss), exchange.to_torch(grad)
 
 
-def ulp(values, dtype):
-    """Spacing of `dtype` at |values| (subnormal spacing below the normal range)."""
-    with np.errstate(divide="ignore"):
-        exponent = np.floor(np.log2(np.maximum(np.abs(values), 2.0 ** MIN_EXPONENT[dtype])))
-    return 2.0 ** (exponent - MANTISSA_BITS[dtype])
-
-
 def as_f64(tensor):
     return (
         tensor.detach()
@@ -228,61 +200,11 @@ def as_f64(tensor):
     )
 
 
-def check(actual, expected, bound, what):
-    """Assert |actual - expected| <= bound elementwise, NaN only and exactly where expected has NaN, infinities
-    equal. Returns (largest |actual - expected| over finite entries, largest |actual - expected| / bound)."""
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
-    nan_a, nan_e = np.isnan(actual), np.isnan(expected)
-    assert np.array_equal(nan_a, nan_e), (
-        f"{what}: NaN at {np.argwhere(nan_a != nan_e)[:5].tolist()} (actual NaN count {nan_a.sum()}, "
-        f"expected {nan_e.sum()})"
-    )
-    inf_e = np.isinf(expected)
-    assert np.array_equal(np.isinf(actual), inf_e) and np.array_equal(actual[inf_e], expected[inf_e]), (
-        f"{what}: infinities differ"
-    )
-    finite = np.isfinite(expected)
-    err = np.where(finite, np.abs(actual - np.where(finite, expected, 0.0)), 0.0)
-    bound = np.broadcast_to(bound, err.shape)
-    over = err > bound
-    if over.any():
-        i = np.unravel_index(np.argmax(np.where(over, err / np.maximum(bound, 1e-300), 0.0)), err.shape)
-        raise AssertionError(
-            f"{what}: {int(over.sum())} of {err.size} elements out of tolerance; worst at {i}: "
-            f"actual {actual[i]!r} expected {expected[i]!r} |diff| {err[i]:.3g} bound "
-            f"{bound[i]:.3g}"
-        )
-    if not err.size:
-        return 0.0, 0.0
-    return float(err.max()), float((err / np.maximum(bound, 1e-300)).max())
-
-
-def loss_bound(case, ref, rtol):
-    """Tolerance on the loss: per token for "none", the upstream-weighted sum of per-token bounds (plus the
-    float32 summation of N terms) for "sum"/"mean"."""
-    per_token = rtol * ref.loss_scale + FLOOR
-    if case.reduction == "none":
-        return per_token.reshape(ref.loss.shape)
-    finite = np.where(np.isfinite(ref.token_loss), np.abs(ref.token_loss), 0.0)
-    return np.sum(per_token * ref.upstream) + rtol * np.sum(finite * ref.upstream) + FLOOR
-
-
-def grad_bound(case, ref, actual_grad, rtol, ulps):
-    magnitude = np.maximum(np.abs(np.nan_to_num(actual_grad)), np.abs(np.nan_to_num(ref.grad)))
-    return rtol * ref.grad_scale + ulps * ulp(magnitude, case.dtype) + FLOOR
-
-
 def torch_ulps_reference(inputs, case):
-    """Triton's interpreter converts float32 to bfloat16 by truncation (triton/runtime/interpreter.py: cast_impl
-    passes rounding_mode=None to _convert_float, which then drops the low bits), not round-to-nearest-even as the
-    GPU does: on the CPU a torch bfloat16 gradient is within 1 ulp of the exact value, not half of one. Still within
-    1 ulp of JAX's correctly rounded value, so the pair tolerance is unchanged."""
+    """Triton's interpreter truncates to bfloat16 (tolerances.reference_ulps); the GPU rounds to nearest even."""
     from fastce_torch import kernels
 
-    if case.dtype == "bfloat16" and kernels.INTERPRETED and not inputs.logits.is_cuda:
-        return 1.0
-    return ULPS_REFERENCE
+    return reference_ulps(case.dtype, truncating_bf16=kernels.INTERPRETED and not inputs.logits.is_cuda)
 
 
 def compare(case, inputs, torch_out, jax_out, ref):
@@ -290,32 +212,28 @@ def compare(case, inputs, torch_out, jax_out, ref):
     t_loss, t_grad = as_f64(torch_out[0]), as_f64(torch_out[1])
     assert torch_out[1].dtype == inputs.logits.dtype and torch_out[1].shape == inputs.logits.shape
     stats = {}
-    _, stats["torch_ref_loss_tol_used"] = check(
-        t_loss, ref.loss, loss_bound(case, ref, RTOL_REFERENCE), "torch loss vs reference"
-    )
+    _, stats["torch_ref_loss_tol_used"] = check(t_loss, ref.loss, loss_bound(ref), "torch loss vs reference")
     _, stats["torch_ref_grad_tol_used"] = check(
         t_grad,
         ref.grad,
-        grad_bound(case, ref, t_grad, RTOL_REFERENCE, torch_ulps_reference(inputs, case)),
+        grad_bound(ref, t_grad, case.dtype, ulps=torch_ulps_reference(inputs, case)),
         "torch grad vs reference",
     )
     if jax_out is None:
         return
     j_loss, j_grad = as_f64(jax_out[0]), as_f64(jax_out[1])
     assert jax_out[1].dtype == inputs.logits.dtype and jax_out[1].shape == inputs.logits.shape
-    _, stats["jax_ref_loss_tol_used"] = check(
-        j_loss, ref.loss, loss_bound(case, ref, RTOL_REFERENCE), "jax loss vs reference"
-    )
+    _, stats["jax_ref_loss_tol_used"] = check(j_loss, ref.loss, loss_bound(ref), "jax loss vs reference")
     _, stats["jax_ref_grad_tol_used"] = check(
-        j_grad, ref.grad, grad_bound(case, ref, j_grad, RTOL_REFERENCE, ULPS_REFERENCE), "jax grad vs reference"
+        j_grad, ref.grad, grad_bound(ref, j_grad, case.dtype), "jax grad vs reference"
     )
     # torch vs jax: the scales still come from the reference (they are magnitudes, not values).
     stats["loss_abs_diff"], stats["pair_loss_tol_used"] = check(
-        t_loss, j_loss, loss_bound(case, ref, RTOL_PAIR), "torch loss vs jax loss"
+        t_loss, j_loss, loss_bound(ref), "torch loss vs jax loss"
     )
     both = np.maximum(np.abs(np.nan_to_num(t_grad)), np.abs(np.nan_to_num(j_grad)))
     stats["grad_abs_diff"], stats["pair_grad_tol_used"] = check(
-        t_grad, j_grad, grad_bound(case, ref, both, RTOL_PAIR, ULPS_PAIR), "torch grad vs jax grad"
+        t_grad, j_grad, grad_bound(ref, both, case.dtype, ulps=ULPS_PAIR), "torch grad vs jax grad"
     )
     # In ulps of the dtype, over the elements that matter: |gradient| >= 1% of the row's largest gradient term
     # (before the softcap factor). Elsewhere cancellation (p_j - eps/V, or 1 - tanh^2 where softcapping

@@ -5,7 +5,9 @@ closed form dL/dz_j = p_j (1 + 2 z_loss lse) - (1 - eps) [j == y] - eps / V, cha
 scaling, not autodiff (test_reference.py checks it against central finite differences).
 
 Besides the values it returns the magnitudes that bound a float32 implementation's rounding error (see
-`error_scales`), so the tests can use tolerances derived from the arithmetic instead of magic numbers.
+`error_scales`); tolerances.py turns them into the one tolerance model every test in the repository uses.
+This is the only float64 reference in the repository: the package tests and bench's CPU demo import it
+(`from shared_tests.reference import ...`, run from the repository root); it needs NumPy only.
 """
 
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ class Options:
 
 @dataclass
 class Result:
+    reduction: str  # "mean", "sum" or "none", as asked
     token_loss: np.ndarray  # (N,) per-token loss: 0 where ignored, NaN for bad labels / NaN or +inf rows
     loss: np.ndarray  # the reduced loss (0-d), or token_loss reshaped like labels for "none"
     grad: np.ndarray  # (..., V) d loss / d logits, upstream included
@@ -72,10 +75,9 @@ def logsumexp_rows(z):
 
 
 def denominator(labels, reduction, n_items, ignore_index):
-    """What the summed loss is divided by. n_items (a number) wins, for "mean" and "sum" alike (both packages
-    since b30c21e / fastce_torch before it); "mean" otherwise divides by the number of non-ignored tokens
-    (out-of-range labels count: they are not ignored), at least 1 so that an all-ignored batch gives 0 with a zero
-    gradient; "sum" divides by nothing."""
+    """What the summed loss is divided by. n_items (a number) wins, for "mean" and "sum" alike; "mean" otherwise
+    divides by the number of non-ignored tokens (out-of-range labels count: they are not ignored), at least 1 so
+    that an all-ignored batch gives 0 with a zero gradient; "sum" divides by nothing."""
     if n_items is not None:
         return float(n_items)
     if reduction == "mean":
@@ -140,6 +142,7 @@ def cross_entropy(logits, labels, *, reduction="mean", n_items=None, upstream=No
 
     loss_scale, grad_scale, grad_terms = error_scales(z, lse, p, onehot, g, opts)
     return Result(
+        reduction=reduction,
         token_loss=token,
         loss=loss,
         grad=grad.reshape((*lead, vocab)),

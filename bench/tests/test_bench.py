@@ -36,7 +36,7 @@ def fake_gpu(monkeypatch):
     """run_gpu on the CPU: device name, bandwidth, CUDA timers and memory stubbed; losses and JAX timing real."""
     import torch
 
-    from bench import jax_impls, torch_measure
+    from bench import jax_measure, torch_measure
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     monkeypatch.setattr(torch_measure, "copy_bandwidth_TBps", lambda: 1.0)
@@ -45,7 +45,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch_measure, "graph_ms", lambda fn, *a: (fn(), 0.75)[1])
     real_measure = torch_measure.measure
     monkeypatch.setattr(torch_measure, "measure", lambda f, s, **kw: real_measure(f, s, device="cpu", **kw))
-    monkeypatch.setattr(jax_impls, "has_gpu", lambda: True)
+    monkeypatch.setattr(jax_measure, "has_gpu", lambda: True)
     monkeypatch.setattr(report, "RESULTS_MD", report.RESULTS_MD)
 
 
@@ -104,7 +104,7 @@ def test_uncapturable_implementation_gives_null_and_the_reason(monkeypatch, tmp_
 
 
 def test_sharded_torch_smoke(tmp_path):
-    """bench.sharded_torch's code paths on two gloo processes (tiny shapes, plain-torch backend)."""
+    """bench.tools.sharded_torch's code paths on two gloo processes (tiny shapes, plain-torch backend)."""
     import json
     import os
     import subprocess
@@ -113,7 +113,7 @@ def test_sharded_torch_smoke(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "sharded.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    command += ["-m", "bench.sharded_torch", "--smoke", "--json", str(out)]
+    command += ["-m", "bench.tools.sharded_torch", "--smoke", "--json", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

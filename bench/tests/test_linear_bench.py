@@ -43,7 +43,7 @@ def test_optional_implementations_are_reported_not_fatal(on_cpu):
 def test_jax_rows_join_the_table(on_cpu, monkeypatch):
     """bench.jax_linear's rows (stubbed here: its own CPU plumbing test runs the real thing) land in the table with
     of_matmul against the torch matmul of the same run and XLA's temp size as the memory beyond the gradients."""
-    from bench import jax_impls, jax_linear
+    from bench import jax_linear, jax_measure
 
     shape = linear.LinearShape(32, 8, 50, "float32")
 
@@ -68,7 +68,7 @@ def test_jax_rows_join_the_table(on_cpu, monkeypatch):
         }
 
     monkeypatch.setattr(jax_linear, "run", fake_run)
-    monkeypatch.setattr(jax_impls, "has_gpu", lambda: True)
+    monkeypatch.setattr(jax_measure, "has_gpu", lambda: True)
     monkeypatch.setattr(linear, "matmul_tflops", lambda shape: 12.0)
     result = linear.run_linear(impls=["fastce_torch_linear"], shapes=(shape,), with_jax=True)
     jax_row = next(r for r in result["rows"] if r["impl"] == "fastce_jax_linear")

@@ -1,4 +1,5 @@
-"""fastce_torch's kernels against a float64 reference (CPU: Triton's interpreter; --gpu: the H200)."""
+"""fastce_torch's kernels against the repository's float64 reference and its tolerance model
+(shared_tests/reference.py, shared_tests/tolerances.py; CPU: Triton's interpreter; --gpu: the H200)."""
 
 import math
 import os
@@ -11,39 +12,14 @@ import torch
 import fastce_torch
 from fastce_torch import cross_entropy
 
+from .checks import assert_grad, assert_loss, expected
+
 pytestmark = pytest.mark.filterwarnings(
     "ignore:divide by zero:RuntimeWarning", "ignore::DeprecationWarning", "ignore:invalid value:RuntimeWarning"
 )
 
-# Relative tolerance on the gradient per dtype: the gradient is accumulated in float32 and rounded once to the
-# logits' dtype (8 / 11 / 24 significant bits), so a few units of the last place.
-GRAD_RTOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 VOCABS = [1000, 32000, 50257, 70000, 128256, 256000, 262147]
 ALL_OPTIONS = dict(logit_softcapping=30.0, logit_scaling=0.5, label_smoothing=0.1, z_loss=1e-3)
-
-
-def reference_float64(
-    logits, labels, ignore_index=-100, logit_softcapping=0.0, logit_scaling=0.0, label_smoothing=0.0, z_loss=0.0
-):
-    """Per-token losses and d(sum of losses)/d logits of the contract, in float64 on the CPU, written from the
-    formula alone (independent of the package's own reference)."""
-    x = logits.detach().to("cpu", torch.float64).requires_grad_()
-    labels = labels.to("cpu").long()
-    vocab = x.shape[-1]
-    z = x * logit_scaling if logit_scaling else x
-    if logit_softcapping:
-        z = logit_softcapping * torch.tanh(z / logit_softcapping)
-    ignored = labels == ignore_index
-    valid = ~ignored & (labels >= 0) & (labels < vocab)
-    lse = torch.logsumexp(z, -1)
-    z_label = z.gather(-1, labels.clamp(0, vocab - 1).unsqueeze(-1)).squeeze(-1)
-    loss = (1 - label_smoothing) * (lse - z_label) + z_loss * lse**2
-    if label_smoothing:
-        loss = loss + label_smoothing * (lse - z.mean(-1))
-    keep = valid.to(torch.float64)
-    (loss * keep).sum().backward()  # gradient of the kept tokens only: ignored rows have zero gradient
-    loss = torch.where(valid, loss, torch.where(ignored, 0.0, float("nan")))
-    return loss.detach(), x.grad
 
 
 def random_problem(shape, vocab, dtype, device, seed, ignore_every=5, ignore_index=-100):
@@ -52,25 +28,6 @@ def random_problem(shape, vocab, dtype, device, seed, ignore_every=5, ignore_ind
     labels = torch.randint(0, vocab, shape, generator=generator)
     labels.view(-1)[::ignore_every] = ignore_index
     return logits.to(device), labels.to(device)
-
-
-def assert_close_loss(actual, expected, rtol=2e-5):
-    actual = actual.detach().to("cpu", torch.float64)
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    assert torch.equal(torch.isnan(actual), torch.isnan(expected)), (actual, expected)
-    finite = ~torch.isnan(expected)
-    err = (actual[finite] - expected[finite]).abs()
-    assert bool((err <= rtol * (1 + expected[finite].abs())).all()), f"max loss error {err.max().item():.3g}"
-
-
-def assert_close_grad(actual, expected, dtype):
-    actual = actual.detach().to("cpu", torch.float64)
-    assert actual.shape == expected.shape
-    assert not torch.isnan(actual).any() and not torch.isnan(expected).any()
-    scale = expected.abs().amax().clamp_min(1e-30)
-    err = (actual - expected).abs()
-    bound = GRAD_RTOL[dtype] * expected.abs() + 1e-6 * scale
-    assert bool((err <= bound).all()), f"max grad error {(err - bound).max().item():.3g} over bound"
 
 
 def run_kernel(logits, labels, reduction="none", inplace=False, **options):
@@ -85,10 +42,10 @@ def run_kernel(logits, labels, reduction="none", inplace=False, **options):
 def check(shape, vocab, dtype, device, seed=0, **options):
     logits, labels = random_problem(shape, vocab, dtype, device, seed, ignore_index=options.get("ignore_index", -100))
     loss, grad = run_kernel(logits, labels, **options)
-    ref_loss, ref_grad = reference_float64(logits, labels, **options)
-    assert loss.dtype == torch.float32 and grad.dtype == dtype
-    assert_close_loss(loss, ref_loss)
-    assert_close_grad(grad, ref_grad, dtype)
+    ref = expected(logits, labels, **options)
+    assert grad.dtype == dtype
+    assert_loss(loss, ref)
+    assert_grad(grad, ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -127,9 +84,7 @@ def test_inplace_backward_writes_into_logits(device, poisoned):
     intermediate.register_hook(seen.append)
     cross_entropy(intermediate, labels, backend="kernel", **ALL_OPTIONS).backward()
     assert seen[0].data_ptr() == intermediate.data_ptr()  # the gradient lives in the logits' buffer
-    ref_loss, ref_grad = reference_float64(logits, labels, **ALL_OPTIONS)
-    n_valid = int((labels != -100).sum())
-    assert_close_grad(leaf.grad, ref_grad / n_valid, torch.bfloat16)
+    assert_grad(leaf.grad, expected(logits, labels, reduction="mean", **ALL_OPTIONS))
 
 
 def test_leaf_logits_are_never_overwritten(device):
@@ -155,10 +110,10 @@ def test_three_dims_strided_rows_and_int32_labels(device, poisoned):
     strided = wide[..., :50257]
     assert not strided.is_contiguous()
     loss, grad = run_kernel(strided, labels.to(torch.int32), **ALL_OPTIONS)
-    ref_loss, ref_grad = reference_float64(logits, labels, **ALL_OPTIONS)
+    ref = expected(logits, labels, **ALL_OPTIONS)
     assert loss.shape == (2, 3)
-    assert_close_loss(loss, ref_loss)
-    assert_close_grad(grad, ref_grad, torch.bfloat16)
+    assert_loss(loss, ref)
+    assert_grad(grad, ref)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -168,16 +123,10 @@ def test_reductions(reduction, n_items, device, poisoned):
     if n_items == "tensor":
         n_items = torch.tensor(23, device=device)
     loss, grad = run_kernel(logits, labels, reduction=reduction, n_items=n_items, inplace=True)
-    token_loss, token_grad = reference_float64(logits, labels)
-    if n_items is not None:
-        denominator = float(n_items)
-    elif reduction == "mean":
-        denominator = float((labels != -100).sum())
-    else:
-        denominator = 1.0
-    assert loss.shape == () and loss.dtype == torch.float32
-    assert_close_loss(loss, token_loss.sum() / denominator)
-    assert_close_grad(grad, token_grad / denominator, torch.float32)
+    ref = expected(logits, labels, reduction=reduction, n_items=n_items)
+    assert loss.shape == ()
+    assert_loss(loss, ref)
+    assert_grad(grad, ref)
 
 
 def test_reduction_over_many_rows_and_chunks(device, poisoned):
@@ -186,10 +135,9 @@ def test_reduction_over_many_rows_and_chunks(device, poisoned):
     for shape, vocab, reduction in (((2, 550), 8, "mean"), ((4, 32), 1000, "mean"), ((12,), 300000, "sum")):
         logits, labels = random_problem(shape, vocab, torch.float32, device, seed=vocab, ignore_every=3)
         loss, grad = run_kernel(logits, labels, reduction=reduction, inplace=True)
-        token_loss, token_grad = reference_float64(logits, labels)
-        denominator = float((labels != -100).sum()) if reduction == "mean" else 1.0
-        assert_close_loss(loss, token_loss.sum() / denominator)
-        assert_close_grad(grad, token_grad / denominator, torch.float32)
+        ref = expected(logits, labels, reduction=reduction)
+        assert_loss(loss, ref)
+        assert_grad(grad, ref)
 
 
 def test_all_ignored_mean_is_zero_with_zero_gradient(device, poisoned):
@@ -203,11 +151,10 @@ def test_out_of_range_labels_are_nan_and_isolated(device, poisoned):
     logits, labels = random_problem((6,), 1000, torch.float32, device, seed=10)
     labels[1], labels[4] = 1000, -5
     loss, grad = run_kernel(logits, labels)
-    ref_loss, ref_grad = reference_float64(logits, labels)
-    assert torch.isnan(loss[[1, 4]]).all()
-    assert_close_loss(loss, ref_loss)
-    keep = [0, 2, 3, 5]
-    assert_close_grad(grad[keep], ref_grad[keep], torch.float32)
+    ref = expected(logits, labels)
+    assert torch.isnan(loss[[1, 4]]).all() and torch.isnan(grad[[1, 4]]).all()
+    assert_loss(loss, ref)
+    assert_grad(grad, ref)  # NaN exactly in the bad rows
     assert torch.isnan(cross_entropy(logits, labels, backend="kernel")).item()
     with pytest.raises(ValueError, match=r"labels\[1\] = 1000 is outside \[0, 1000\)"):
         cross_entropy(logits, labels, backend="kernel", validate_labels=True)
@@ -221,9 +168,9 @@ def test_minus_inf_padding_is_finite_with_zero_gradient(options, device, poisone
     loss, grad = run_kernel(logits, labels, **options)
     assert torch.isfinite(loss).all() and torch.isfinite(grad).all()
     assert bool((grad[:, 31000:] == 0).all())
-    ref_loss, ref_grad = reference_float64(logits, labels, **options)
-    assert_close_loss(loss, ref_loss)
-    assert_close_grad(grad, ref_grad, torch.bfloat16)
+    ref = expected(logits, labels, **options)
+    assert_loss(loss, ref)
+    assert_grad(grad, ref)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -234,9 +181,9 @@ def test_nan_or_inf_row_is_nan_and_others_untouched(bad, device, poisoned):
     loss, grad = run_kernel(logits, labels)
     assert torch.isnan(loss[2]) and torch.isnan(grad[2]).any()
     others = [0, 1, 3, 4]
-    ref_loss, ref_grad = reference_float64(logits[others], labels[others])
-    assert_close_loss(loss[others], ref_loss)
-    assert_close_grad(grad[others], ref_grad, torch.float32)
+    ref = expected(logits[others], labels[others])
+    assert_loss(loss[others], ref)
+    assert_grad(grad[others], ref)
 
 
 def test_empty_batch_and_single_class(device):
@@ -284,10 +231,10 @@ def test_reference_backend_matches_float64(device):
     leaf = logits.clone().requires_grad_()
     loss = cross_entropy(leaf, labels, reduction="none", backend="reference", **ALL_OPTIONS)
     loss.nan_to_num().sum().backward()
-    ref_loss, ref_grad = reference_float64(logits, labels, **ALL_OPTIONS)
-    assert_close_loss(loss, ref_loss)
-    ref_grad[0, 1] = 0.0  # the reference backend leaves a bad label's row at zero gradient after nan_to_num
-    assert_close_grad(leaf.grad, ref_grad, torch.bfloat16)
+    ref = expected(logits, labels, **ALL_OPTIONS)
+    assert_loss(loss, ref)
+    ref.grad[0, 1] = 0.0  # the bad label's row: nan_to_num before the sum cuts it off, so its gradient is zero
+    assert_grad(leaf.grad, ref)
 
 
 def test_kernels_compile_for_h200():
@@ -315,9 +262,9 @@ def test_more_than_2_31_elements(device):
     loss = cross_entropy(x, labels, reduction="none", backend="kernel")
     loss.sum().backward()
     rows = torch.tensor([0, 1, 4095, 8388, 8999])  # 8388 * 256000 > 2**31
-    ref_loss, ref_grad = reference_float64(logits.detach()[rows], labels[rows])
-    assert_close_loss(loss[rows], ref_loss)
-    assert_close_grad(x.grad[rows], ref_grad, torch.bfloat16)
+    ref = expected(logits.detach()[rows], labels[rows])
+    assert_loss(loss[rows], ref)
+    assert_grad(x.grad[rows], ref)
 
 
 @pytest.mark.gpu

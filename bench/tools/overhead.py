@@ -1,5 +1,5 @@
 """Host-side cost per call of fastce_torch (what a GPU cannot hide when the kernels are short):
-`PYTHONPATH=. python -m bench.overhead`.
+`PYTHONPATH=. python -m bench.tools.overhead`.
 
 Part 1 times the Python + launch path with tiny inputs (the GPU idle), beside two baselines that no loss can beat:
 an autograd.Function that does nothing (the autograd engine's own round trip: on a CUDA graph task the backward

@@ -1,13 +1,13 @@
 """fastce_jax vs XLA's own cross-entropy with sharded logits, on the GPUs of one host, in the same run.
 
-    python -m bench.sharded_jax --json bench/results/<date>-h200x2-sharded-jax.json
-    python -m bench.sharded_jax --smoke        # 2 CPU devices, tiny shapes, interpret mode: checks the code path
+    python -m bench.tools.sharded_jax --json bench/results/<date>-h200x2-sharded-jax.json
+    python -m bench.tools.sharded_jax --smoke        # 2 CPU devices, tiny shapes, interpret mode: checks the code path
 
 Per global shape (N rows, V columns, bf16) and logits sharding over a 1-D mesh of every device ('d'):
 rows P('d', None) (labels P('d')) and vocabulary P(None, 'd') (labels replicated), each implementation as
 jit(value_and_grad(loss), donate_argnums=0) with those in_shardings (the training situation: the logits are an
 intermediate of the step; each timed call feeds its gradient back as the next logits):
-  * fwdbwd_ms: host-timed median (bench/jax_impls.host_time_ms: calls queued back to back, one block_until_ready);
+  * fwdbwd_ms: host-timed median (bench/jax_measure.bench_ms: calls queued back to back, one block_until_ready);
   * temp_MiB: the compiled program's temp_size_in_bytes (XLA's scratch, per device, excluding inputs/outputs);
   * collectives: every collective in the compiled HLO (op, result shape, elements); "largest" is the biggest
     result in elements, to compare with the local logits' N * V / devices;
@@ -58,7 +58,7 @@ def main(argv=None):
     parser.add_argument("--batch-ms", type=float, default=100.0, help="host-timing batch length")
     args = parser.parse_args(argv)
 
-    from . import jax_setup
+    from .. import jax_setup
 
     jax_setup.configure(interpret_only=args.smoke)
     if args.smoke:
@@ -72,8 +72,9 @@ def main(argv=None):
 
     import fastce_jax
 
-    from . import envinfo
-    from .jax_impls import IGNORE_INDEX, host_time_ms, xla_loss
+    from .. import envinfo
+    from ..jax_impls import IGNORE_INDEX, xla_loss
+    from ..jax_measure import bench_ms
 
     devices = jax.devices()
     if len(devices) < 2:
@@ -97,7 +98,7 @@ def main(argv=None):
             )
             copy = jax.jit(lambda a: a + jnp.bfloat16(1), in_shardings=x_sharding, out_shardings=x_sharding)
             x0 = make_logits(key_x)
-            copy_ms = host_time_ms(lambda x0=x0: copy(x0), args.batch_ms)
+            copy_ms = bench_ms(lambda x0=x0: copy(x0), args.batch_ms)
             del x0
             for name, loss_fn in impls.items():
                 step_fn = jax.jit(jax.value_and_grad(loss_fn), in_shardings=(x_sharding, y_sharding), donate_argnums=0)
@@ -120,7 +121,7 @@ def main(argv=None):
                         jax.block_until_ready(state["x"])
                     return state["x"]
 
-                ms = host_time_ms(step, args.batch_ms)
+                ms = bench_ms(step, args.batch_ms)
                 local = n * v // len(devices)
                 row = {
                     "impl": name,

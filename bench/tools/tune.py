@@ -1,8 +1,8 @@
-"""`python -m bench.tune`: sweep fastce's launch parameters on the GPU.
+"""`python -m bench.tools.tune`: sweep fastce's launch parameters on the GPU.
 
-fastce_torch: delegates to bench/tune_kernels.py (kernel-level times of the forward and backward launchers).
+fastce_torch: delegates to bench/tools/tune_kernels.py (kernel-level times of the forward and backward launchers).
 fastce_jax: the kernels read module constants of fastce_jax.kernels (FWD_MAX_BLOCK, ...) when a jit traces, so
-this sets each candidate, re-traces, times the stage it affects (host timing as in bench.jax_impls; "bwd" is
+this sets each candidate, re-traces, times the stage it affects (host timing as in bench.jax_measure; "bwd" is
 fwd+bwd minus the default fwd), restores the defaults and prints the best per shape. Knobs the package does not
 have are reported and skipped; edit SEARCH to change the candidates.
 """
@@ -11,9 +11,9 @@ import argparse
 import itertools
 import sys
 
-from . import jax_setup
-from .progress import say
-from .shapes import STANDARD_SHAPES, parse_shapes
+from .. import jax_setup
+from ..progress import say
+from ..shapes import STANDARD_SHAPES, parse_shapes
 
 JAX_KNOBS_MODULE = "fastce_jax.kernels"
 SEARCH = [  # (stage timed, {knob: candidates})
@@ -28,7 +28,8 @@ def _jax_timer(shape):
 
     import fastce_jax
 
-    from .jax_impls import host_time_ms, make_inputs
+    from ..jax_impls import make_inputs
+    from ..jax_measure import bench_ms
 
     logits, labels = make_inputs(shape)
 
@@ -37,7 +38,7 @@ def _jax_timer(shape):
             return fastce_jax.cross_entropy(x, y)
 
         fn = jax.jit(loss) if stage == "fwd" else jax.jit(jax.value_and_grad(loss))
-        return host_time_ms(lambda: fn(logits, labels), 30.0, 5)
+        return bench_ms(lambda: fn(logits, labels), 30.0, 5)
 
     return time_stage
 
@@ -83,20 +84,20 @@ def tune_fastce_jax(shapes):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.tools.tune", description=__doc__.split("\n")[0])
     parser.add_argument("--package", choices=("fastce_torch", "fastce_jax"), default="fastce_torch")
     parser.add_argument("--shapes", type=parse_shapes, default=STANDARD_SHAPES, help="fastce_jax only")
-    parser.add_argument("--json", help="fastce_torch only: passed to bench.tune_kernels")
+    parser.add_argument("--json", help="fastce_torch only: passed to bench.tools.tune_kernels")
     args = parser.parse_args(argv)
     jax_setup.configure()
     import torch
 
     if not torch.cuda.is_available():
-        raise SystemExit("bench.tune needs a GPU (interpreted kernel times mean nothing)")
+        raise SystemExit("bench.tools.tune needs a GPU (interpreted kernel times mean nothing)")
     if args.package == "fastce_torch":
         from . import tune_kernels
 
-        sys.argv = ["python -m bench.tune_kernels"] + (["--json", args.json] if args.json else [])
+        sys.argv = ["python -m bench.tools.tune_kernels"] + (["--json", args.json] if args.json else [])
         tune_kernels.main()
     else:
         tune_fastce_jax(args.shapes)

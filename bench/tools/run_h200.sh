@@ -5,7 +5,7 @@
 # `sanitizer` (compute-sanitizer memcheck over GPU tests of both packages; ~1), `linear-quick` (fused linear CE at
 # one shape with a float32 check; ~1, estimated), `linear` (the fused linear CE table, 3 shapes; ~4-6, estimated).
 # Logs and results land in ${OUT:-/tmp/fastce-h200}. Usage from the repo root, liger wheel in .whl/:
-#   BENCH_COMMIT=$(git rev-parse HEAD) bash bench/run_h200.sh tests transformers bench
+#   BENCH_COMMIT=$(git rev-parse HEAD) bash bench/tools/run_h200.sh tests transformers bench
 set -uo pipefail
 OUT=${OUT:-/tmp/fastce-h200}
 mkdir -p "$OUT"
@@ -24,7 +24,7 @@ for stage in "$@"; do
       FASTCE_SHARED_SUMMARY="$OUT/shared-summary.json" timeout 300 $PYTEST shared_tests >"$OUT/shared-tests.log" 2>&1
       tail -15 "$OUT/shared-tests.log" ;;
     transformers)
-      timeout 150 python3 bench/transformers_step.py --json "$OUT/transformers-step.json" 2>&1 | tail -12 ;;
+      timeout 150 python3 -m bench.tools.transformers_step --json "$OUT/transformers-step.json" 2>&1 | tail -12 ;;
     bench)
       timeout 560 python3 -m bench --results-md 2>"$OUT/bench-progress.log" | tail -22
       cp bench/results/*.json bench/results/*.png bench/RESULTS.md "$OUT/" 2>/dev/null ;;

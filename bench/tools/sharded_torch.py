@@ -1,7 +1,7 @@
 """Vocab-parallel cross-entropy over the ranks of one host (torchrun, NCCL): fastce_torch with process_group= vs
 PyTorch's DTensor loss_parallel() + F.cross_entropy, in the same run.
 
-    torchrun --nproc-per-node 2 -m bench.sharded_torch --json bench/results/<date>-h200x2-sharded-torch.json
+    torchrun --nproc-per-node 2 -m bench.tools.sharded_torch --json bench/results/<date>-h200x2-sharded-torch.json
 
 Per global shape (N rows, V columns, bf16, each rank holding V / ranks contiguous columns), forward+backward
 (torch.autograd.grad of the loss w.r.t. the non-leaf local logits, as in bench/torch_measure.py), every rank:
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 import fastce_torch
 
-from . import envinfo
+from .. import envinfo
 
 IGNORE_INDEX = -100
 

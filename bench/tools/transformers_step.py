@@ -1,7 +1,7 @@
 """Training-step time and peak memory of a Hugging Face Llama with transformers' own loss and with
 fastce_torch.patch_transformers(): same weights, same batches, same optimizer.
 
-    python bench/transformers_step.py --json bench/results/transformers-step-h200.json
+    python -m bench.tools.transformers_step --json bench/results/transformers-step-h200.json
 
 Defaults: Llama-3.2-1B's shape cut to 2 layers (hidden 2048, 16 heads / 8 KV heads, MLP 8192, vocab 128256), bf16
 weights, AdamW, batch 8 x 1024 tokens. With 2 layers the (8192 x 128256) logits dominate the step, which is where
@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO_ROOT)  # fastce_torch and bench from this checkout when run as a script
 
 import torch  # noqa: E402

@@ -1,4 +1,4 @@
-"""Sweep fastce_torch's tile sizes and warps on the GPU: `PYTHONPATH=. python -m bench.tune_kernels`.
+"""Sweep fastce_torch's tile sizes and warps on the GPU: `PYTHONPATH=. python -m bench.tools.tune_kernels`.
 
 Prints, per shape, the forward and backward kernel times for each candidate against the same run's copy bandwidth,
 so the constants at the top of fastce_torch/cross_entropy.py can be chosen from measurements.
@@ -12,7 +12,7 @@ import json
 import torch
 import triton.testing
 
-from .torch_measure import copy_bandwidth_TBps
+from ..torch_measure import copy_bandwidth_TBps
 
 ce = importlib.import_module("fastce_torch.cross_entropy")  # the module, not the function of the same name
 

@@ -1,4 +1,4 @@
-"""What the in-kernel "mean" costs the forward: `PYTHONPATH=. python -m bench.reduction_cost [TAG]`.
+"""What the in-kernel "mean" costs the forward: `PYTHONPATH=. python -m bench.tools.reduction_cost [TAG]`.
 
 Times fastce_torch's forward launch alone (do_bench medians, best of two) with reduction "none" and "mean" on the
 benchmark's shapes, after checking the reduced loss against F.cross_entropy. TAG labels the printed lines, e.g.

@@ -1,0 +1,42 @@
+"""fastce_torch's results against the repository's float64 reference, with its one tolerance model
+(shared_tests/reference.py, shared_tests/tolerances.py). The same names as fastce_jax/tests/checks.py."""
+
+import torch
+
+from shared_tests import tolerances
+from shared_tests.reference import Options, cross_entropy
+
+
+def as_float64(tensor):
+    """The values a tensor holds (bf16 / fp16 / fp32 are exact in float64), on the host."""
+    return tensor.detach().to("cpu", torch.float64).numpy()
+
+
+def expected(logits, labels, reduction="none", n_items=None, upstream=None, **options):
+    """The float64 reference on exactly the values the kernels read (logits already rounded to their dtype)."""
+    if isinstance(n_items, torch.Tensor):
+        n_items = n_items.item()
+    if upstream is not None:
+        upstream = as_float64(upstream)
+    return cross_entropy(
+        as_float64(logits),
+        labels.cpu().numpy(),
+        reduction=reduction,
+        n_items=n_items,
+        upstream=upstream,
+        opts=Options(**options),
+    )
+
+
+def assert_loss(loss, ref, what="loss"):
+    assert loss.dtype == torch.float32, f"{what}: dtype {loss.dtype}"
+    return tolerances.assert_loss(as_float64(loss), ref, what)
+
+
+def assert_grad(grad, ref, what="grad"):
+    """The gradient against the reference, in ulps of its own dtype (Triton's interpreter truncates to bfloat16:
+    tolerances.reference_ulps)."""
+    from fastce_torch import kernels
+
+    ulps = tolerances.reference_ulps(grad.dtype, truncating_bf16=kernels.INTERPRETED and not grad.is_cuda)
+    return tolerances.assert_grad(as_float64(grad), ref, grad.dtype, what, ulps=ulps)
