@@ -100,7 +100,7 @@ def _cdiv(a, b):
 
 
 # ----------------------------------------------------------------------------
-# Heuristics (module constants so that bench/tune.py can sweep them; they are
+# Heuristics (module constants so that bench/tools/tune.py can sweep them; they are
 # read when a jit traces).
 # ----------------------------------------------------------------------------
 

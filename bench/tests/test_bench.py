@@ -157,7 +157,7 @@ def test_cuda_graph_capture_of_fwdbwd(impl):
 
 
 def test_host_cost_breakdown_runs():
-    """`python -m bench.host_cost` on the CPU with a couple of calls per row (its own process: the kernels'
+    """`python -m bench.tools.host_cost` on the CPU with a couple of calls per row (its own process: the kernels'
     CPU launchers need TRITON_INTERPRET=1 before triton is first imported): every part is timed."""
     import os
     import subprocess
@@ -165,7 +165,7 @@ def test_host_cost_breakdown_runs():
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
-    command = [sys.executable, "-m", "bench.host_cost", "--number", "2", "--repeat", "1"]
+    command = [sys.executable, "-m", "bench.tools.host_cost", "--number", "2", "--repeat", "1"]
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()[1:]

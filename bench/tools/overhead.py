@@ -8,15 +8,15 @@ Part 2 times forward+backward of real shapes two ways: eager (do_bench, as `pyth
 launched back to back without autograd (GPU-bound: what the kernels cost once the host keeps up).
 """
 
-import importlib
 import time
 
 import torch
 import triton.testing
 
 import fastce_torch
+from fastce_torch import kernels
 
-ce = importlib.import_module("fastce_torch.cross_entropy")
+OPTIONS = kernels.Options()
 
 
 def per_call_us(fn, n=300):
@@ -43,13 +43,13 @@ class _DoNothing(torch.autograd.Function):
 def host_costs():
     logits = torch.randn(64, 1000, device="cuda", requires_grad=True) * 1
     labels = torch.randint(0, 1000, (64,), device="cuda")
-    _, lse, _ = ce.forward_kernels(logits.detach(), labels, -100, 0.0, 0.0, 0.0, 0.0)
+    _, lse, _ = kernels.forward(logits.detach(), labels, OPTIONS)
     grad_loss = torch.ones((), device="cuda").expand(64)
     leaf = logits.detach().requires_grad_()
     rows = {
-        "forward_kernels (1 launch)": lambda: ce.forward_kernels(logits.detach(), labels, -100, 0.0, 0.0, 0.0, 0.0),
-        "backward_kernels (1 launch)": lambda: ce.backward_kernels(
-            grad_loss, logits.detach(), labels, lse, torch.empty_like(logits), -100, 0.0, 0.0, 0.0, 0.0
+        "kernels.forward (1 launch)": lambda: kernels.forward(logits.detach(), labels, OPTIONS),
+        "kernels.backward (1 launch)": lambda: kernels.backward(
+            grad_loss, logits.detach(), labels, lse, torch.empty_like(logits), OPTIONS
         ),
         "cross_entropy forward": lambda: fastce_torch.cross_entropy(logits, labels),
         "cross_entropy forward+backward": lambda: torch.autograd.grad(
@@ -93,8 +93,8 @@ def device_times(shapes=((512, 256000), (8192, 32000))):
         grad_loss = torch.ones((), device="cuda")
 
         def kernels_only():
-            _, lse, reduced = ce.forward_kernels(raw, labels, -100, 0.0, 0.0, 0.0, 0.0, reduction="mean")
-            ce.backward_kernels(grad_loss, raw, labels, lse, raw, -100, 0.0, 0.0, 0.0, 0.0, denominator=reduced[1:])
+            _, lse, denominator = kernels.forward(raw, labels, OPTIONS, reduction="mean")
+            kernels.backward(grad_loss, raw, labels, lse, raw, OPTIONS, denominator=denominator)
 
         launched = triton.testing.do_bench(kernels_only, return_mode="median")
         print(

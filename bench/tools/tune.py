@@ -17,9 +17,9 @@ from ..shapes import STANDARD_SHAPES, parse_shapes
 
 JAX_KNOBS_MODULE = "fastce_jax.kernels"
 SEARCH = [  # (stage timed, {knob: candidates})
-    ("fwd", {"FWD_MAX_BLOCK": (2048, 4096, 8192), "FWD_NUM_WARPS": (2, 4, 8), "FWD_NUM_STAGES": (1, 3)}),
-    ("fwd", {"MAX_CHUNK": (16384, 32768, 65536), "TARGET_PROGRAMS": (1024, 4096)}),
-    ("bwd", {"BWD_MAX_BLOCK": (1024, 2048, 4096, 8192), "BWD_NUM_WARPS": (4, 8)}),
+    ("fwd", {"FORWARD_BLOCK": (2048, 4096, 8192), "FORWARD_WARPS": (2, 4, 8), "FORWARD_STAGES": (1, 3)}),
+    ("fwd", {"CHUNK": (8192, 16384, 32768, 65536)}),
+    ("bwd", {"BACKWARD_BLOCK": (1024, 2048, 4096, 8192), "BACKWARD_WARPS": (4, 8)}),
 ]
 
 

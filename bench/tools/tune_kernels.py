@@ -1,20 +1,19 @@
 """Sweep fastce_torch's tile sizes and warps on the GPU: `PYTHONPATH=. python -m bench.tools.tune_kernels`.
 
 Prints, per shape, the forward and backward kernel times for each candidate against the same run's copy bandwidth,
-so the constants at the top of fastce_torch/cross_entropy.py can be chosen from measurements.
+so the constants at the top of fastce_torch/kernels.py can be chosen from measurements.
 """
 
 import argparse
-import importlib
 import itertools
 import json
 
 import torch
 import triton.testing
 
-from ..torch_measure import copy_bandwidth_TBps
+from fastce_torch import kernels
 
-ce = importlib.import_module("fastce_torch.cross_entropy")  # the module, not the function of the same name
+from ..torch_measure import copy_bandwidth_TBps
 
 SHAPES = [(8192, 32000), (8192, 128256), (8192, 256000), (512, 256000)]
 
@@ -32,13 +31,13 @@ def main():
         labels[::7] = -100
         grad_loss = torch.ones((), device="cuda").expand(n_rows)
         one_pass_ms = logits.numel() * 2 / bandwidth / 1e9
-        options = (-100, 0.0, 0.0, 0.0, 0.0)
+        options = kernels.Options()
         for block, warps, chunk, stages in itertools.product(
             [2048, 4096, 8192], [2, 4, 8], [8192, 16384, 65536], [1, 3]
         ):
-            ce.FORWARD_BLOCK, ce.MAX_CHUNK, ce.FORWARD_STAGES = block, max(chunk, block), stages
-            ce.FORWARD_WARPS = ce.FORWARD_WARPS_FEW_PROGRAMS = warps
-            ms = triton.testing.do_bench(lambda: ce.forward_kernels(logits, labels, *options), return_mode="median")
+            kernels.FORWARD_BLOCK, kernels.CHUNK, kernels.FORWARD_STAGES = block, max(chunk, block), stages
+            kernels.FORWARD_WARPS = warps
+            ms = triton.testing.do_bench(lambda: kernels.forward(logits, labels, options), return_mode="median")
             rows.append(
                 dict(
                     kernel="forward",
@@ -52,11 +51,11 @@ def main():
                     ratio=ms / one_pass_ms,
                 )
             )
-        _, lse, _ = ce.forward_kernels(logits, labels, *options)
+        _, lse, _ = kernels.forward(logits, labels, options)
         for block, warps in itertools.product([1024, 2048, 4096, 8192], [4, 8]):
-            ce.BACKWARD_BLOCK, ce.BACKWARD_WARPS = block, warps
+            kernels.BACKWARD_BLOCK, kernels.BACKWARD_WARPS = block, warps
             ms = triton.testing.do_bench(
-                lambda: ce.backward_kernels(grad_loss, logits, labels, lse, logits, *options), return_mode="median"
+                lambda: kernels.backward(grad_loss, logits, labels, lse, logits, options), return_mode="median"
             )
             rows.append(
                 dict(

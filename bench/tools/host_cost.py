@@ -1,10 +1,10 @@
 """Host-side (Python) cost of one eager fastce_torch.cross_entropy call with the Triton launches taken out, and its
-parts: `PYTHONPATH=. python -m bench.host_cost` (CPU is enough; on a GPU machine add --device cuda).
+parts: `PYTHONPATH=. python -m bench.tools.host_cost` (CPU is enough; on a GPU machine add --device cuda).
 
 The two kernels are replaced by no-op launch objects, so what is timed is everything the call does on the host
 besides Triton's own launch path (argument checks, Options, the layout checks, the autograd.Function with its
 three outputs, the launchers' allocations and argument marshalling, the backward through the autograd engine).
-Triton's launch (its dispatch on the arguments, then the driver call) comes on top: bench/overhead.py measures
+Triton's launch (its dispatch on the arguments, then the driver call) comes on top: bench/tools/overhead.py measures
 it on the GPU. Minimum over repeats of the mean over `number` calls: the minimum is the least disturbed by other
 processes on a shared machine. On CPU tensors the autograd engine runs the backward on the calling thread; with
 CUDA tensors it hands it to a device thread, which costs more (bench/NOTES.md).
@@ -174,7 +174,7 @@ def breakdown(device="cpu", n_rows=64, vocab=1000, number=2000, repeat=7):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.host_cost", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.tools.host_cost", description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--number", type=int, default=2000)
     parser.add_argument("--repeat", type=int, default=7)
