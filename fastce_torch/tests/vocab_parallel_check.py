@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import fastce_torch  # noqa: F401  (before triton: chooses Triton's interpreter on a CPU machine)
-from shared_tests import harness
+from shared_tests import harness, tolerances
 from shared_tests.harness import Case
 from shared_tests.reference import Options
 
@@ -108,10 +108,9 @@ def same_on_every_rank(tensor, group):
 def compare(case, inputs, loss, grad):
     ref = harness.run_reference(case, inputs)
     t_loss, t_grad = harness.as_f64(loss), harness.as_f64(grad)
-    harness.check(t_loss, ref.loss, harness.loss_bound(case, ref, harness.RTOL_REFERENCE), "loss vs reference")
+    tolerances.check(t_loss, ref.loss, tolerances.loss_bound(ref), "loss vs reference")
     ulps = harness.torch_ulps_reference(inputs, case)
-    bound = harness.grad_bound(case, ref, t_grad, harness.RTOL_REFERENCE, ulps)
-    harness.check(t_grad, ref.grad, bound, "grad vs reference")
+    tolerances.check(t_grad, ref.grad, tolerances.grad_bound(ref, t_grad, case.dtype, ulps=ulps), "grad vs reference")
 
 
 def backward(loss, case, inputs):
