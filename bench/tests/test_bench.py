@@ -64,8 +64,13 @@ def test_run_gpu_orchestration_and_json_schema(fake_gpu, tmp_path, monkeypatch):
         else:  # every JAX implementation also without donated logits
             assert row["fwdbwd_undonated_ms"] > 0 and "fwdbwd_graph_ms" not in row
             assert row["fwdbwd_undonated_over_3pass"] > 0
-    losses = [r["loss"] for r in result["rows"] if r["impl"].startswith("torch")]
-    assert max(losses) - min(losses) < 2e-2  # the same seeded problem for every torch implementation
+    # The same seeded problem for every torch implementation: each loss within its own rounding of the float32 one
+    # (torch_eager computes bf16 logits' loss in bf16: on the GPU it lands about one bf16 ulp, 2**-7 relative, away).
+    losses = {r["impl"]: r["loss"] for r in result["rows"] if r["impl"] in TORCH_IMPLS}
+    exact = losses["torch_eager_fp32"]
+    for impl, loss in losses.items():
+        allowed = 1e-4 * abs(exact) if impl in ("torch_eager_fp32", "fastce_torch") else 2**-6 * abs(exact)
+        assert abs(loss - exact) <= allowed, (impl, loss, exact)
     if "liger" not in measured:  # not installed, or (installed, on the CPU) its kernels fail: recorded, run went on
         assert any(f["impl"] == "liger" for f in result["failures"])
 
