@@ -369,8 +369,9 @@ torch.library.register_autograd(
 
 def _check_tensors(hidden, weight, bias, labels):
     for name, tensor in (("hidden", hidden), ("weight", weight)):
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {getattr(tensor, 'dtype', type(tensor))}")
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in KERNEL_DTYPES:
+            got = getattr(tensor, "dtype", type(tensor))
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {got}")
     if hidden.dim() < 1:
         raise ValueError("hidden must have at least one dimension (..., H)")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -380,25 +381,29 @@ def _check_tensors(hidden, weight, bias, labels):
         )
     if weight.shape[0] < 1:
         raise ValueError("weight must have a vocabulary dimension of at least 1")
-    if weight.dtype != hidden.dtype or weight.device != hidden.device:
-        raise TypeError(
-            f"weight ({weight.dtype}, {weight.device}) must have hidden's dtype and device "
-            f"({hidden.dtype}, {hidden.device}); cast one of them (e.g. under torch.autocast, cast hidden)"
-        )
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device} but hidden on {hidden.device}")
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"bias must be None or a (V,) = ({weight.shape[0]},) tensor, got {bias!r:.80}")
-        if bias.dtype != hidden.dtype or bias.device != hidden.device:
-            raise TypeError(
-                f"bias ({bias.dtype}, {bias.device}) must have hidden's dtype and device ({hidden.dtype}, "
-                f"{hidden.device})"
-            )
+        if bias.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"bias must be float32, bfloat16 or float16, got {bias.dtype}")
+        if bias.device != hidden.device:
+            raise ValueError(f"bias is on {bias.device} but hidden on {hidden.device}")
     if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"labels must be an int32 or int64 tensor, got {getattr(labels, 'dtype', type(labels))}")
     if tuple(labels.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(
             f"labels must have the leading shape of hidden: hidden {tuple(hidden.shape)}, labels {tuple(labels.shape)}"
         )
+
+
+def _common_dtype(hidden, weight, bias):
+    """Mixed dtypes compute in their promoted dtype (as jnp.result_type does in fastce_jax): the narrower tensors are
+    cast, a copy of each, and autograd hands each gradient back in its own tensor's dtype."""
+    dtype = hidden.dtype if bias is None else torch.promote_types(hidden.dtype, bias.dtype)
+    dtype = torch.promote_types(dtype, weight.dtype)
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
 def _denominator(labels, reduction, n_items, ignore_index):
@@ -431,7 +436,8 @@ def linear_cross_entropy(
     """fastce_torch.cross_entropy(hidden @ weight.T + bias, labels, ...) without ever allocating the logits.
 
     hidden (..., H), weight (V, H) as nn.Linear / lm_head store it, bias (V,) or None, labels (...) int32/int64;
-    hidden, weight and bias share one dtype (float32, bfloat16, float16) and device. Every keyword is
+    hidden, weight and bias are float32, bfloat16 or float16 on one device; mixed dtypes compute in the promoted
+    dtype (a cast copy of the narrower ones), each gradient in its own tensor's dtype. Every keyword is
     cross_entropy's (CONTRACT.md). Returns a float32 scalar ("mean", "sum") or per-token losses shaped like labels
     ("none"). backend: "auto" = the chunked kernels for CUDA tensors, plain torch (matmul + the reference loss)
     elsewhere; "kernel" = the chunked kernels always (CPU: Triton's interpreter); "reference" = plain torch.
@@ -461,12 +467,11 @@ def linear_cross_entropy(
     options = Options(
         ignore_index, float(logit_softcapping), float(logit_scaling), float(label_smoothing), float(z_loss)
     )
+    hidden, weight, bias = _common_dtype(hidden, weight, bias)
     use_kernel = backend == "kernel" or (backend == "auto" and hidden.is_cuda)
     if not use_kernel:
         token_losses = _reference_token_losses(torch.nn.functional.linear(hidden, weight, bias), labels, options)
         return _reduce(token_losses, labels, reduction, n_items, ignore_index)
-    if hidden.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"hidden and weight must be float32, bfloat16 or float16 for the kernels, got {hidden.dtype}")
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     labels_1d = labels.reshape(-1).contiguous()
     compiling = torch.compiler.is_compiling()

@@ -280,3 +280,27 @@ def test_mid_shapes_on_gpu(case, package, device):
     itemsize = TORCH_DTYPES[case.dtype].itemsize
     chunks = -(-n_rows // sys.modules[f"{package}.linear_cross_entropy"].chunk_rows(n_rows, case.vocab, itemsize))
     check(case, device, runner, chunks)
+
+
+@pytest.mark.parametrize("package", ["fastce_torch", "fastce_jax"])
+def test_mixed_dtypes_compute_promoted_and_keep_each_gradient_dtype(package, device, small_chunks):
+    """bf16 hidden states with a float32 LM head and bias (mixed-precision training): both packages compute in the
+    promoted dtype (float32) and hand each gradient back in its own tensor's dtype; float64 is refused."""
+    runner = package_runner(package)
+    case = LinearCase("mixed", bias=True, reduction="sum", scalar_upstream=1.0)
+    chunks = small_chunks(package, int(np.prod(case.shape)))
+    hidden, weight, bias, labels, upstream, n_items = make_inputs(case, device)
+    hidden = hidden.bfloat16()
+    loss, grads = runner(case, (hidden, weight, bias, labels, upstream, n_items))
+    assert [g.dtype for g in grads] == [torch.bfloat16, torch.float32, torch.float32]
+    as64 = lambda t: t.detach().double().cpu().numpy()  # noqa: E731
+    exact = reference.linear_cross_entropy(
+        as64(hidden), as64(weight), labels.cpu().numpy(), bias=as64(bias), reduction="sum", opts=case.opts
+    )
+    u = UNIT_ROUNDOFF["float32"] * K_FACTOR["float32"] * (1 + chunks)
+    assert_within(loss, exact.logits.loss, u * np.sum(np.abs(exact.logits.token_loss) + 1) * case.width, "loss")
+    for got, want, unit in zip(grads, (exact.grad_hidden, exact.grad_weight, exact.grad_bias), (2.0**-8, u, u)):
+        assert_within(got, want, unit * (np.abs(want).max() + np.abs(want)), "gradient")
+    if package == "fastce_torch":  # JAX without x64 has no float64 to pass (its own tests check the error with x64)
+        with pytest.raises(TypeError, match="weight"):
+            runner(case, (hidden.float(), weight.double(), None, labels, upstream, n_items))
