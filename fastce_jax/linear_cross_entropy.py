@@ -330,7 +330,9 @@ def linear_cross_entropy(
       validate_labels: as in ``fastce_jax.cross_entropy`` (CONTRACT.md).
       backend: "auto" (the chunked kernel path for GPU arrays, "reference" elsewhere), "kernel" (the chunked
         path always; Pallas interpret mode off GPU) or "reference" (the plain matmul, then the jnp reference
-        loss: it materialises the logits).
+        loss: it materialises the logits). Traced (under jit), "auto" assumes the arrays live on the default
+        backend: to jit over CPU arrays in a process whose default backend is a GPU, pass backend="reference"
+        (cross_entropy, whose fallback needs no matmul, decides that when the computation is lowered).
 
     The logits are computed in the inputs' common dtype (with float32 accumulation inside the matmul, as XLA's
     GPU matmuls do); the loss is float32. Gradients flow to hidden, weight and bias, in their dtypes. The

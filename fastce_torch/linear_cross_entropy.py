@@ -257,15 +257,19 @@ def _reduced_op(
     return (loss, *(_or_empty(grad, hidden) for grad in grads))
 
 
-@_reduced_op.register_fake
-def _(hidden, weight, bias, labels, denominator, *options_and_needs):
-    need_hidden, need_weight, need_bias = options_and_needs[-3:]
+def _fake_grads(hidden, weight, bias, needs):
+    """The gradients' shapes and dtypes for the compiler (an empty stand-in where one is not needed)."""
+    need_hidden, need_weight, need_bias = needs
     return (
-        hidden.new_empty((), dtype=torch.float32),
         hidden.new_empty(hidden.shape if need_hidden else (0,)),
         weight.new_empty(weight.shape if need_weight else (0,)),
         hidden.new_empty((weight.shape[0],) if need_bias else (0,), dtype=bias.dtype if need_bias else hidden.dtype),
     )
+
+
+@_reduced_op.register_fake
+def _(hidden, weight, bias, labels, denominator, *options_and_needs):
+    return (hidden.new_empty((), dtype=torch.float32), *_fake_grads(hidden, weight, bias, options_and_needs[-3:]))
 
 
 def _reduced_setup_context(ctx, inputs, output):
@@ -336,12 +340,7 @@ def _per_token_backward_op(
 
 @_per_token_backward_op.register_fake
 def _(grad_losses, hidden, weight, bias, labels, lse, *options_and_needs):
-    need_hidden, need_weight, need_bias = options_and_needs[-3:]
-    return (
-        hidden.new_empty(hidden.shape if need_hidden else (0,)),
-        weight.new_empty(weight.shape if need_weight else (0,)),
-        hidden.new_empty((weight.shape[0],) if need_bias else (0,), dtype=bias.dtype if need_bias else hidden.dtype),
-    )
+    return _fake_grads(hidden, weight, bias, options_and_needs[-3:])
 
 
 def _per_token_setup_context(ctx, inputs, output):
