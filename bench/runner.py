@@ -1,4 +1,5 @@
-"""The GPU run: copy bandwidth, then every torch implementation on every shape, then every JAX one.
+"""The GPU run: copy bandwidth, then every torch implementation on every shape, then every JAX one, then the
+CUDA-graph replay of every torch row (last: a failed capture can leave memory held for the rest of the process).
 
 Torch goes first and empties its cache before JAX starts, so the two allocators never hold big buffers at the
 same time (JAX allocates on demand: bench.jax_setup). One implementation failing (missing package, OOM, a
@@ -56,6 +57,26 @@ def _run_framework(impls, loaders, measure, shapes, bandwidth, rows, failures, c
             gc.collect()
 
 
+def _add_graph_times(impls, loaders, measure_graph, shapes, bandwidth, rows, timing):
+    """fwdbwd_graph_ms (or None and fwdbwd_graph_error) into each torch row measured above, its ratios updated."""
+    for impl in impls:
+        measured = {(r["N"], r["V"], r["dtype"]): r for r in rows if r["impl"] == impl}
+        if not measured:
+            continue
+        loss_fn = loaders[impl]()
+        for shape in shapes:
+            row = measured.get((shape.N, shape.V, shape.dtype))
+            if row is None:
+                continue
+            try:
+                row.update(measure_graph(loss_fn, shape, **timing))
+            except Exception as exc:  # noqa: BLE001 - the eager row stands; the graph column says why it is empty
+                row.update({"fwdbwd_graph_ms": None, "fwdbwd_graph_error": failure(impl, shape, "graph", exc)["error"]})
+            add_ratios(row, bandwidth)
+            say(f"CUDA graph: {impl:16s} {shape}{_extra_times(row)}")
+            gc.collect()
+
+
 def run_gpu(shapes, impls, quick=False) -> dict:
     import torch
 
@@ -102,6 +123,7 @@ def run_gpu(shapes, impls, quick=False) -> dict:
                 {"batch_target_ms": 20.0 if quick else 50.0},
             )
 
+    _add_graph_times(torch_selected, torch_impls.LOADERS, torch_measure.measure_graph, shapes, bandwidth, rows, timing)
     fastce_versions = {}
     for name in ("fastce_torch", "fastce_jax"):
         module = sys.modules.get(name)

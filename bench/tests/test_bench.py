@@ -45,6 +45,8 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch_measure, "graph_ms", lambda fn, *a: (fn(), 0.75)[1])
     real_measure = torch_measure.measure
     monkeypatch.setattr(torch_measure, "measure", lambda f, s, **kw: real_measure(f, s, device="cpu", **kw))
+    real_graph = torch_measure.measure_graph
+    monkeypatch.setattr(torch_measure, "measure_graph", lambda f, s, **kw: real_graph(f, s, device="cpu", **kw))
     monkeypatch.setattr(jax_measure, "has_gpu", lambda: True)
     monkeypatch.setattr(report, "RESULTS_MD", report.RESULTS_MD)
 
@@ -82,6 +84,22 @@ def test_run_gpu_orchestration_and_json_schema(fake_gpu, tmp_path, monkeypatch):
     header = next(line for line in md.splitlines() if line.startswith("| impl"))
     assert "fwdbwd CUDA graph ms" in header and "fwdbwd not donated ms" in header
     assert "| 0.750 |" in md  # the stubbed graph time, rendered from the JSON
+
+
+def test_a_failed_graph_pass_keeps_the_eager_row(fake_gpu, monkeypatch):
+    """The CUDA-graph pass runs after every eager and JAX row; where it raises, the row keeps its eager numbers and
+    says why its graph column is empty."""
+    from bench import torch_measure
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(torch_measure, "measure_graph", broken)
+    result = runner.run_gpu((Shape(8, 300),), ["torch_eager_fp32", "xla"], quick=True)
+    (row,) = [r for r in result["rows"] if r["impl"] == "torch_eager_fp32"]
+    assert row["fwdbwd_ms"] > 0 and row["fwdbwd_graph_ms"] is None and "fwdbwd_graph_over_3pass" not in row
+    assert "previous error during capture" in row["fwdbwd_graph_error"]
+    assert any(r["impl"] == "xla" for r in result["rows"])
 
 
 def test_uncapturable_implementation_gives_null_and_the_reason(monkeypatch, tmp_path):
