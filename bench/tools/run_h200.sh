@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The H200 checks, by stage; a device call allows 600 s, so give each call stages that fit (minutes measured on
-# 2026-11-30): `tests` (fastce_torch, fastce_jax, examples with --gpu; ~2.5), `shared` (shared_tests --gpu; ~3),
+# 2026-11-30): `tests` (fastce_torch and examples with --gpu; ~2.5), `tests-jax` (fastce_jax --gpu; ~3),
+# `two-gpus` (the tests that need two GPUs: NCCL vocab-parallel, cuda:1 placement, JAX sharding; kind nvidia-h200-x2),
+# `shared` (shared_tests --gpu; ~3),
 # `transformers` (training-step comparison; ~1.5), `bench` (the side-by-side benchmark; ~1.5),
 # `sanitizer` (compute-sanitizer memcheck over GPU tests of both packages; ~1), `linear-quick` (fused linear CE at
 # one shape with a float32 check; ~1, estimated), `linear` (the fused linear CE table, 3 shapes; ~4-6, estimated).
@@ -19,7 +21,14 @@ PYTEST="python3 -m pytest --gpu -q -p no:cacheprovider -W ignore::DeprecationWar
 for stage in "$@"; do
   case "$stage" in
     tests)
-      timeout 300 $PYTEST fastce_torch fastce_jax examples >"$OUT/gpu-tests.log" 2>&1; tail -3 "$OUT/gpu-tests.log" ;;
+      timeout -s INT 300 $PYTEST -rfE fastce_torch examples bench/tests >"$OUT/gpu-tests.log" 2>&1
+      tail -8 "$OUT/gpu-tests.log" ;;
+    tests-jax)
+      timeout -s INT 300 $PYTEST -rfE fastce_jax >"$OUT/gpu-tests-jax.log" 2>&1; tail -8 "$OUT/gpu-tests-jax.log" ;;
+    two-gpus)
+      timeout -s INT 300 $PYTEST -rfE fastce_torch/tests/test_distributed.py fastce_jax/tests/test_jax_sharding.py \
+        fastce_torch/tests/test_training_loops.py -k "two_gpus or second_gpu or sharding or shard_map" \
+        >"$OUT/gpu-tests-two.log" 2>&1; tail -8 "$OUT/gpu-tests-two.log" ;;
     shared)
       FASTCE_SHARED_SUMMARY="$OUT/shared-summary.json" timeout 300 $PYTEST shared_tests >"$OUT/shared-tests.log" 2>&1
       tail -15 "$OUT/shared-tests.log" ;;
