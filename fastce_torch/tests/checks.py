@@ -40,3 +40,24 @@ def assert_grad(grad, ref, what="grad"):
 
     ulps = tolerances.reference_ulps(grad.dtype, truncating_bf16=kernels.INTERPRETED and not grad.is_cuda)
     return tolerances.assert_grad(as_float64(grad), ref, grad.dtype, what, ulps=ulps)
+
+
+# A one-layer decoder small enough for Triton's interpreter; the tests override what they exercise.
+TINY_DECODER = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=32,
+)
+
+
+def tiny_causal_lm(config_name, class_name, vocab, device, seed=0, dtype=torch.float32, **config):
+    """A tiny random transformers causal LM (e.g. "LlamaConfig", "LlamaForCausalLM"), seeded."""
+    import transformers
+
+    settings = {**TINY_DECODER, "vocab_size": vocab, **config}
+    model_config = getattr(transformers, config_name)(**settings)
+    torch.manual_seed(seed)
+    return getattr(transformers, class_name)(model_config).to(device=device, dtype=dtype)

@@ -11,6 +11,8 @@ import fastce_torch
 from fastce_torch import cross_entropy, kernels
 from shared_tests import reference
 
+from .checks import tiny_causal_lm
+
 pytestmark = pytest.mark.filterwarnings(
     "ignore:divide by zero:RuntimeWarning", "ignore::DeprecationWarning", "ignore:invalid value:RuntimeWarning"
 )
@@ -470,35 +472,12 @@ def unpatched():
 
 
 def tiny_llama(device, seed=0):
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).to(device)
+    return tiny_causal_lm("LlamaConfig", "LlamaForCausalLM", VOCAB, device, seed)
 
 
 def tiny_moe(device, seed=0):
-    config = transformers.MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=32,
-        output_router_logits=True,
-        router_aux_loss_coef=0.05,
-    )
-    torch.manual_seed(seed)
-    return transformers.MixtralForCausalLM(config).to(device)
+    moe = dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.05)
+    return tiny_causal_lm("MixtralConfig", "MixtralForCausalLM", VOCAB, device, seed, **moe)
 
 
 def token_batch(device, seed=1, shape=(2, 12)):

@@ -13,6 +13,8 @@ from transformers.loss import loss_utils  # noqa: E402
 import fastce_torch  # noqa: E402
 from fastce_torch.transformers import fastce_for_causal_lm_loss  # noqa: E402
 
+from .checks import tiny_causal_lm  # noqa: E402
+
 # Triton's interpreter warns on masked lanes (log of 0) and on numpy scalar conversions; neither is ours.
 pytestmark = pytest.mark.filterwarnings(
     "ignore:divide by zero:RuntimeWarning",
@@ -37,17 +39,11 @@ def unpatched():
 
 
 def tiny_llama(device, dtype=torch.float32, seed=0):
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype)
+    larger = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    return tiny_causal_lm(
+        "LlamaConfig", "LlamaForCausalLM", VOCAB, device, seed, dtype, num_key_value_heads=2,
+        max_position_embeddings=64, **larger,
+    )  # fmt: skip
 
 
 def batch(device, batch_size=2, seq_len=16, seed=1):

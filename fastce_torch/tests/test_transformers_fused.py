@@ -10,6 +10,8 @@ transformers = pytest.importorskip("transformers")
 import fastce_torch  # noqa: E402
 from fastce_torch import transformers as patch_module  # noqa: E402
 
+from .checks import tiny_causal_lm  # noqa: E402
+
 pytestmark = pytest.mark.filterwarnings(
     "ignore:divide by zero:RuntimeWarning",
     "ignore:invalid value:RuntimeWarning",
@@ -17,15 +19,6 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 VOCAB = 300
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    max_position_embeddings=32,
-)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {}),
@@ -54,12 +47,10 @@ def unpatched():
 
 def tiny(family, device, seed=0):
     config_name, class_name, extra = FAMILIES[family]
-    config = getattr(transformers, config_name)(**COMMON, **extra)
     if family in MOE:
-        config.output_router_logits = True  # the auxiliary loss must still be added by the model
-    torch.manual_seed(seed)
-    model = getattr(transformers, class_name)(config).to(device)
-    if getattr(config, "final_logit_softcapping", None):
+        extra = dict(extra, output_router_logits=True)  # the auxiliary loss must still be added by the model
+    model = tiny_causal_lm(config_name, class_name, VOCAB, device, seed, **extra)
+    if getattr(model.config, "final_logit_softcapping", None):
         with torch.no_grad():  # logits well beyond the cap, so a cap applied twice or not at all shows
             model.lm_head.weight.mul_(30.0)
     return model.train()
