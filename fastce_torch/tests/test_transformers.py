@@ -201,19 +201,8 @@ def test_training_steps_reach_the_same_parameters(device, patch, optimizer):
 
 def test_gemma2_softcapping_is_applied_once(device):
     """Gemma 2 softcaps its logits in forward, before the loss: the patched loss must not cap them again."""
-    config = transformers.Gemma2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        final_logit_softcapping=3.0,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = transformers.Gemma2ForCausalLM(config).to(device)
+    gemma2 = dict(hidden_size=64, intermediate_size=128, head_dim=32, final_logit_softcapping=3.0)
+    model = tiny_causal_lm("Gemma2Config", "Gemma2ForCausalLM", VOCAB, device, max_position_embeddings=64, **gemma2)
     with torch.no_grad():
         model.lm_head.weight.mul_(50.0)  # logits well beyond the cap, so capping twice would change the loss
     ids, labels = batch(device)
