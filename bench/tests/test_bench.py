@@ -315,3 +315,40 @@ def test_merge_two_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "RESULTS_MD", tmp_path / "RESULTS.md")
     md = report.write_results_md(report.write_json(merged, tmp_path / "m.json")).read_text()
     assert "merged from `a`" in md and "merged from `b`" in md
+
+
+def test_capture_probe_reports_every_error_of_the_chain():
+    """bench.tools.capture_probe's own logic on the CPU (its cases need a GPU): the chain and the report."""
+    from bench.tools import capture_probe
+
+    try:
+        try:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+        finally:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    except RuntimeError as exc:
+        errors = capture_probe.chain(exc)
+    assert errors == [
+        "RuntimeError: CUDA error: operation failed due to a previous error during capture",
+        "RuntimeError: CUDA error: operation not permitted when stream is capturing",
+    ]
+    result = {"variant": "old-harness", "impl": "fastce_torch", "device_after": "ok",
+              "attempts": [{"attempt": 1, "ok": False, "errors": errors}, {"attempt": 2, "ok": True}]}  # fmt: skip
+    text = capture_probe.report([result, {"variant": "same-stream", "impl": "liger", "process": "exited with 1"}])
+    assert "attempts: FAIL ok" in text and "<- RuntimeError: CUDA error: operation not permitted" in text
+    assert "PROCESS exited with 1" in text
+    assert {v for v, _ in capture_probe.cases(["fastce_torch"])} == set(capture_probe.VARIANTS)
+
+
+def test_worker_main_writes_its_part(fake_gpu, tmp_path):
+    """What a worker process leaves for the parent: its rows in the JSON, rewritten after every shape."""
+    path = tmp_path / "part.json"
+    assert runner.worker_main("torch-eager", ["torch_eager_fp32"], (Shape(8, 300), Shape(4, 200)), True, path) == 0
+    part = json.loads(path.read_text())
+    assert part["complete"] and part["pass"] == "torch-eager" and not part["failures"]
+    assert [(r["N"], r["V"]) for r in part["rows"]] == [(8, 300), (4, 200)]
+    assert all(r["fwdbwd_leaf_ms"] == 1.5 and "fwdbwd_graph_ms" not in r for r in part["rows"])
+    assert runner.worker_main("torch-graph", ["torch_eager_fp32"], (Shape(8, 300),), True, path) == 0
+    assert json.loads(path.read_text())["rows"] == [
+        {"impl": "torch_eager_fp32", "N": 8, "V": 300, "dtype": "bfloat16", "fwdbwd_graph_ms": 0.75}
+    ]
