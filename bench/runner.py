@@ -214,6 +214,17 @@ def _forward_output(stream, tail):
             tail.append(line.strip())
 
 
+def _die_with_parent():
+    """In the worker, before exec (Linux): SIGKILL when the parent dies, so a parent killed by a timeout leaves no
+    worker holding the GPU (the worker runs in a session of its own, out of reach of the timeout's group kill)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def spawn_worker(pass_name, impls, shapes, quick, timeout_s=WORKER_TIMEOUT_S):
     """Runs one worker process; (its JSON part, or {} if it wrote none; None, or why it ended abnormally). Its
     output goes to this process's stderr as it comes (stdout keeps the table)."""
@@ -224,7 +235,7 @@ def spawn_worker(pass_name, impls, shapes, quick, timeout_s=WORKER_TIMEOUT_S):
         command = worker_command(pass_name, impls, shapes, quick, json_path)
         proc = subprocess.Popen(
             command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )  # fmt: skip
         tail = collections.deque(maxlen=5)
         reader = threading.Thread(target=_forward_output, args=(proc.stdout, tail), daemon=True)
@@ -244,7 +255,7 @@ def spawn_worker(pass_name, impls, shapes, quick, timeout_s=WORKER_TIMEOUT_S):
 
 
 def run_in_process(pass_name, impls, shapes, quick, timeout_s=None):
-    """The same contract as spawn_worker, without a process (the CPU tests; --in-process)."""
+    """The same contract as spawn_worker, without a process (the CPU tests)."""
     del timeout_s
     return run_pass(pass_name, impls, shapes, quick), None
 
