@@ -352,3 +352,21 @@ def test_worker_main_writes_its_part(fake_gpu, tmp_path):
     assert json.loads(path.read_text())["rows"] == [
         {"impl": "torch_eager_fp32", "N": 8, "V": 300, "dtype": "bfloat16", "fwdbwd_graph_ms": 0.75}
     ]
+
+
+@pytest.mark.gpu
+def test_isolated_gpu_run_end_to_end():
+    """On a GPU: the real worker processes for a small shape: eager, leaf and CUDA-graph columns for the torch
+    implementations (the first capture of each graph worker included), donated and not donated for JAX, nothing
+    failed, and each framework's two losses agree (the frameworks draw different random inputs)."""
+    shape = Shape(1024, 32000)
+    result = runner.run_gpu((shape,), ["fastce_torch", "torch_eager_fp32", "fastce_jax", "xla"], quick=True)
+    assert "failures" not in result, result["failures"]
+    rows = {r["impl"]: r for r in result["rows"]}
+    assert set(rows) == {"fastce_torch", "torch_eager_fp32", "fastce_jax", "xla"}
+    for impl in ("fastce_torch", "torch_eager_fp32"):
+        assert rows[impl]["fwdbwd_leaf_ms"] > 0 and rows[impl]["fwdbwd_graph_ms"] > 0, rows[impl]
+    for impl in ("fastce_jax", "xla"):
+        assert rows[impl]["fwdbwd_undonated_ms"] > 0
+    for a, b in (("fastce_torch", "torch_eager_fp32"), ("fastce_jax", "xla")):
+        assert abs(rows[a]["loss"] - rows[b]["loss"]) < 1e-4 * abs(rows[b]["loss"]), (a, b)
