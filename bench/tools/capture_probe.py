@@ -54,7 +54,7 @@ VARIANTS = (
 )
 # The full set for fastce_torch; the variants that tell most for the others.
 SHORT = ("old-harness", "same-stream", "inputs-on-capture-stream", "bench-recipe", "leaf-backward", "relaxed-mode")
-CASE_TIMEOUT_S = 150
+CASE_TIMEOUT_S = 60
 
 
 def chain(exc) -> list:

@@ -40,14 +40,14 @@ for stage in "$@"; do
       timeout 150 python3 -m bench.tools.transformers_step --json "$OUT/transformers-step.json" 2>&1 | tail -12 ;;
     bench)
       timeout 560 python3 -m bench --results-md 2>"$OUT/bench-progress.log" | tail -50
-      grep -E "FAILED|Traceback|killed|exited with" "$OUT/bench-progress.log" | tail -20
+      grep -E "FAILED|Traceback|killed|exited with|no CUDA graph|no leaf|priming" "$OUT/bench-progress.log" | tail -20
       cp bench/results/*.json bench/results/*.png bench/RESULTS.md "$OUT/" 2>/dev/null ;;
     bench-torch|bench-jax)
       timeout 560 python3 -m bench --frameworks "${stage#bench-}" --json "$OUT/$stage.json" \
         2>"$OUT/$stage-progress.log" | tail -32
-      grep -E "FAILED|Traceback|killed|exited with" "$OUT/$stage-progress.log" | tail -20 ;;
+      grep -E "FAILED|Traceback|killed|exited with|no CUDA graph|no leaf|priming" "$OUT/$stage-progress.log" | tail -20 ;;
     capture-probe)
-      timeout 120 python3 -m bench.tools.capture_probe --json "$OUT/capture-probe.json" >"$OUT/capture-probe.log" 2>&1
+      timeout 150 python3 -m bench.tools.capture_probe --json "$OUT/capture-probe.json" >"$OUT/capture-probe.log" 2>&1
       cat "$OUT/capture-probe.log" | tail -80 ;;
     linear-quick)
       timeout 300 python3 -m bench --linear --quick --json "$OUT/linear-quick.json" 2>"$OUT/linear-quick.log" | tail -12
