@@ -16,6 +16,7 @@ and adds the floor ratios.
 """
 
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -244,9 +245,12 @@ def spawn_worker(pass_name, impls, shapes, quick, timeout_s=WORKER_TIMEOUT_S):
             rc = proc.wait(timeout=timeout_s)
             why = None if rc == 0 else f"worker exited with status {rc}"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the worker and anything it started
-            proc.wait()
             why = f"worker killed after {timeout_s} s"
+        # Its own session: the worker and anything it started (e.g. compile workers, which would also keep the
+        # output pipe open) go, whether it finished or hung.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
         reader.join(timeout=10)
         part = json.loads(json_path.read_text()) if json_path.exists() else {}
     if why and tail:
