@@ -1,5 +1,8 @@
 """`python -m bench`: the side-by-side benchmark (GPU), or the interpreted demo (CPU-only machines).
 
+On a GPU this process only orchestrates: every pass (torch eager, torch CUDA graph, JAX) of every implementation
+runs in a worker process of its own (bench/runner.py), and the results are merged here.
+
 Exit status 1 when a fastce implementation failed or gave a wrong result (other implementations failing,
 e.g. a missing Liger or an OOM of the eager float32 loss, are reported and do not change it).
 """
@@ -8,7 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import ALL_IMPLS, jax_setup
+from . import ALL_IMPLS, JAX_IMPLS, TORCH_IMPLS, jax_setup
+from .runner import PASSES
 from .shapes import CPU_DEMO_SHAPES, CPU_DEMO_SHAPES_QUICK, QUICK_GPU_SHAPES, STANDARD_SHAPES, parse_shapes
 
 
@@ -38,6 +42,26 @@ def parse_args(argv):
         help="GPU: the fused linear + cross-entropy section instead (hidden, LM-head weight -> loss; bench/linear.py); "
         "with --quick one shape and a correctness check of fastce_torch.linear_cross_entropy",
     )
+    parser.add_argument(
+        "--frameworks",
+        default="torch,jax",
+        help="GPU: comma-separated subset of torch,jax (to split a long run over two device calls; join the two "
+        "JSON files with --merge)",
+    )
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="join the results JSON of several runs (e.g. --frameworks torch and --frameworks jax) into --json "
+        "(default: bench/results/<date>-<device>.json), measuring nothing; with --results-md also RESULTS.md",
+    )
+    parser.add_argument(
+        "--worker",
+        choices=PASSES,
+        help="internal: run one pass of the GPU run in this process and write its part to --json (the parent "
+        "`python -m bench` starts one worker per pass and implementation)",
+    )
     parser.add_argument("--plot", type=Path, help="PNG of time vs V with the memory floors (needs matplotlib)")
     parser.add_argument(
         "--results-md",
@@ -52,7 +76,13 @@ def parse_args(argv):
     unknown = sorted(set(impls) - set(ALL_IMPLS))
     if unknown:
         parser.error(f"--impls: unknown {unknown}; known: {', '.join(ALL_IMPLS)}")
-    args.impls = [i for i in ALL_IMPLS if i in impls]
+    frameworks = {f.strip() for f in args.frameworks.split(",") if f.strip()}
+    if not frameworks or frameworks - {"torch", "jax"}:
+        parser.error(f"--frameworks: expected a subset of torch,jax, got {args.frameworks!r}")
+    allowed = (TORCH_IMPLS if "torch" in frameworks else ()) + (JAX_IMPLS if "jax" in frameworks else ())
+    args.impls = [i for i in ALL_IMPLS if i in impls and i in allowed]
+    if args.worker and not args.json:
+        parser.error("--worker needs --json")
     return args
 
 
@@ -91,6 +121,28 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     jax_setup.configure()  # before anything imports jax
     from . import envinfo, report
+
+    if args.worker:
+        from .runner import worker_main
+
+        shapes = args.shapes or (QUICK_GPU_SHAPES if args.quick else STANDARD_SHAPES)
+        return worker_main(args.worker, args.impls, shapes, args.quick, args.json)
+
+    if args.merge:
+        from .runner import merge_results
+
+        runs = []
+        for path in args.merge:
+            runs.append(report.read_json(path))
+            runs[-1]["_source"] = str(path)
+        result = merge_results(runs)
+        json_path = args.json or report.default_json_path(result["date"], envinfo.device_slug(result["device"]))
+        report.write_json(result, json_path)
+        print(report.text_table(report.sort_rows(result["rows"])))
+        print(f"wrote {json_path}")
+        if args.results_md is not None:
+            render(json_path, args.plot)
+        return 1 if failed_fastce(result) else 0
 
     if args.results_md:  # render only
         render(args.results_md, args.plot)

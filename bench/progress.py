@@ -11,10 +11,24 @@ def say(message: str) -> None:
     print(f"[bench {time.perf_counter() - _START:7.1f}s] {message}", file=sys.stderr, flush=True)
 
 
-def error_text(exc: BaseException) -> str:
-    """One line: the exception type and the first line of its message (OOM messages run to paragraphs)."""
+def _first_line(exc: BaseException) -> str:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {first}"[:300]
+    return f"{type(exc).__name__}: {first}"
+
+
+def error_text(exc: BaseException) -> str:
+    """One line: the exception type and the first line of its message (OOM messages run to paragraphs), then the
+    first line of the error it was raised while handling, if any: an error inside `with torch.cuda.graph(...)`
+    surfaces as capture_end's "operation failed due to a previous error during capture", which names no cause;
+    the cause is the exception the body raised (Python chains it as __context__)."""
+    text = _first_line(exc)[:300]
+    root, seen = exc, {id(exc)}
+    while (root.__cause__ or root.__context__) is not None and id(root.__cause__ or root.__context__) not in seen:
+        root = root.__cause__ or root.__context__
+        seen.add(id(root))
+    if root is not exc:
+        text += f" [first error: {_first_line(root)[:300]}]"
+    return text
 
 
 class Unavailable(ImportError):

@@ -23,6 +23,8 @@ def add_ratios(row, bandwidth_TBps) -> dict:
         row["fwd_over_1pass"] = row["fwd_ms"] / floor_ms(row, 1, bandwidth_TBps)
         row["fwdbwd_over_3pass"] = row["fwdbwd_ms"] / floor_ms(row, 3, bandwidth_TBps)
         row["fwdbwd_over_2pass"] = row["fwdbwd_ms"] / floor_ms(row, 2, bandwidth_TBps)
+        if row.get("fwdbwd_leaf_ms") is not None:
+            row["fwdbwd_leaf_over_3pass"] = row["fwdbwd_leaf_ms"] / floor_ms(row, 3, bandwidth_TBps)
         if row.get("fwdbwd_graph_ms") is not None:
             row["fwdbwd_graph_over_3pass"] = row["fwdbwd_graph_ms"] / floor_ms(row, 3, bandwidth_TBps)
         if row.get("fwdbwd_undonated_ms") is not None:
@@ -30,22 +32,28 @@ def add_ratios(row, bandwidth_TBps) -> dict:
     return row
 
 
+# (heading, row key of a time in ms or None, row key of its ratio to a floor or None). A cell reads "-" where the
+# implementation's framework does not measure it and "n/a" where it was tried and could not be measured (the JSON
+# and the lists under the table say why).
 COLUMNS = (
-    "impl",
-    "N",
-    "V",
-    "dtype",
-    "fwd_ms",
-    "fwd/1-pass floor",
-    "fwdbwd_ms",
-    "fwdbwd/3-pass floor",
-    "fwdbwd/2-pass floor",
-    "fwdbwd CUDA graph ms",
-    "graph/3-pass floor",
-    "fwdbwd not donated ms",
-    "not donated/3-pass floor",
-    "peak extra MiB",
+    ("impl", None, None),
+    ("N", None, None),
+    ("V", None, None),
+    ("dtype", None, None),
+    ("fwd ms", "fwd_ms", None),
+    ("fwd/1-pass floor", None, "fwd_over_1pass"),
+    ("fwd+bwd ms (torch: non-leaf, JAX: donated)", "fwdbwd_ms", None),
+    ("fwd+bwd/3-pass floor", None, "fwdbwd_over_3pass"),
+    ("fwd+bwd/2-pass floor", None, "fwdbwd_over_2pass"),
+    ("leaf .backward() ms", "fwdbwd_leaf_ms", None),
+    ("leaf/3-pass floor", None, "fwdbwd_leaf_over_3pass"),
+    ("CUDA graph fwd+bwd ms", "fwdbwd_graph_ms", None),
+    ("graph/3-pass floor", None, "fwdbwd_graph_over_3pass"),
+    ("JAX not donated ms", "fwdbwd_undonated_ms", None),
+    ("not donated/3-pass floor", None, "fwdbwd_undonated_over_3pass"),
+    ("peak extra MiB", None, None),
 )
+HEADINGS = tuple(heading for heading, _, _ in COLUMNS)
 
 
 def table_cells(row) -> list:
@@ -55,39 +63,25 @@ def table_cells(row) -> list:
     def ms(key):
         if key not in row:
             return "-"  # not measured for this implementation's framework
-        return "n/a" if row[key] is None else f"{row[key]:.3f}"  # not capturable: the JSON says why
+        return "n/a" if row[key] is None else f"{row[key]:.3f}"  # tried and failed: the JSON says why
 
     peak = f"{row['peak_extra_bytes'] / MiB:.1f}"
     if row.get("peak_extra_kind") == "xla_temp_size":
         peak = "temp " + peak
-    return [
-        row["impl"],
-        str(row["N"]),
-        str(row["V"]),
-        row["dtype"],
-        f"{row['fwd_ms']:.3f}",
-        ratio("fwd_over_1pass"),
-        f"{row['fwdbwd_ms']:.3f}",
-        ratio("fwdbwd_over_3pass"),
-        ratio("fwdbwd_over_2pass"),
-        ms("fwdbwd_graph_ms"),
-        ratio("fwdbwd_graph_over_3pass"),
-        ms("fwdbwd_undonated_ms"),
-        ratio("fwdbwd_undonated_over_3pass"),
-        peak,
-    ]
+    fixed = {"impl": row["impl"], "N": str(row["N"]), "V": str(row["V"]), "dtype": row["dtype"], "peak extra MiB": peak}
+    return [fixed[h] if h in fixed else ms(t) if t else ratio(r) for h, t, r in COLUMNS]
 
 
 def text_table(rows) -> str:
-    cells = [list(COLUMNS)] + [table_cells(r) for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    cells = [list(HEADINGS)] + [table_cells(r) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADINGS))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))) for line in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
 def markdown_table(rows) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines = ["| " + " | ".join(HEADINGS) + " |", "|" + "---|" * len(HEADINGS)]
     lines += ["| " + " | ".join(table_cells(r)) + " |" for r in rows]
     return "\n".join(lines)
 
@@ -116,20 +110,27 @@ def default_json_path(date, device_slug) -> Path:
 
 
 NOTES = """\
-How it was measured (bench/torch_measure.py and bench/jax_measure.py say it in full):
+How it was measured (bench/torch_measure.py, bench/jax_measure.py and bench/runner.py say it in full):
+- Isolation: every pass of every implementation runs in a process of its own (torch eager, torch CUDA graph,
+  JAX, and the copy bandwidth), so no framework's allocator, compiled state or failed capture touches another's
+  numbers; `python -m bench` itself only merges the workers' JSON.
 - torch: triton.testing.do_bench medians. fwd = the loss with grad mode on; fwd+bwd = loss then
   `torch.autograd.grad(loss, logits)` with the logits a non-leaf tensor (as lm_head output is), so
-  implementations that may write the gradient in place (fastce_torch, Liger) do. Peak extra =
-  torch.cuda.max_memory_allocated during one fwd+bwd above the allocated bytes before it (logits and labels).
-  fwd+bwd CUDA graph = the same fwd+bwd captured once in a torch.cuda.CUDAGraph after warm-up and replayed
-  (do_bench): device time only, without Python, the autograd engine or launch costs; fwdbwd minus this is the
-  call's host-bound share. n/a = not capturable (the JSON's fwdbwd_graph_error says why).
-- JAX: jit-compiled programs, the fwd+bwd `value_and_grad` with the logits donated; host timing of many
-  queued calls, median of batches (includes dispatch, so small shapes read a little slow). "not donated" =
-  the same value_and_grad without donate_argnums (the logits stay alive, what a plain jax.grad caller gets):
-  where the backward aliases its output to the logits (fastce_jax's inplace_backward=True) XLA must copy the
-  logits first; fastce_jax_noalias is fastce_jax with inplace_backward=False. Peak extra
-  ("temp") = XLA's compiled temp_size_in_bytes of the fwd+bwd program.
+  implementations that may write the gradient in place (fastce_torch, Liger) do. leaf .backward() = the logits a
+  leaf that requires grad, `logits.grad = None; loss.backward()` (how most training code and Unsloth's users call a
+  loss: the gradient goes into a fresh .grad; fastce_torch never overwrites a leaf). Peak extra =
+  torch.cuda.max_memory_allocated during one non-leaf fwd+bwd above the allocated bytes before it (logits and
+  labels); the leaf call's peak (its .grad included) is peak_extra_leaf_bytes in the JSON.
+  CUDA graph fwd+bwd = the non-leaf fwd+bwd captured once in a torch.cuda.CUDAGraph and replayed (do_bench):
+  inputs, warm-up and capture on one side stream, after a trivial first capture in the process; device time
+  only, without Python, the autograd engine or launch costs; fwd+bwd minus this is the call's host-bound share.
+  n/a = not capturable (the list below gives the first error of the failed capture).
+- JAX: jit-compiled programs, fwd+bwd = `value_and_grad` with the logits donated; host timing of many queued
+  calls, median of batches (includes dispatch, so small shapes read a little slow). "not donated" = the same
+  value_and_grad without donate_argnums (the logits stay alive, what a plain jax.grad caller gets): where the
+  backward aliases its output to the logits (fastce_jax's inplace_backward=True) XLA must copy the logits first;
+  fastce_jax_noalias is fastce_jax with inplace_backward=False. Peak extra ("temp") = XLA's compiled
+  temp_size_in_bytes of the fwd+bwd program.
 - Labels uniform with every 7th token = -100, mean reduction, random normal logits.
 - Floors: bytes of the logits moved 1, 2 or 3 times at the device-to-device copy bandwidth measured in the
   same run (copy bandwidth counts bytes read + written).
@@ -151,6 +152,13 @@ def results_markdown(result, plot_name=None) -> str:
         f"- commit: {result['commit']}",
         f"- versions: {versions}",
         f"- device-to-device copy bandwidth: {result['copy_bandwidth_TBps']:.2f} TB/s",
+    ]
+    for run in result.get("merged_from", []):
+        parts.append(
+            f"- merged from `{run['source']}` (commit {run['commit']}, {run['date']}, "
+            f"copy bandwidth {run['copy_bandwidth_TBps']:.2f} TB/s)"
+        )
+    parts += [
         "",
         markdown_table(sort_rows(result["rows"])),
         "",
@@ -168,6 +176,11 @@ def results_markdown(result, plot_name=None) -> str:
         parts += [
             f"- {r['impl']} {r['N']}x{r['V']} {r['dtype']}: {r.get('fwdbwd_graph_error', '?')}" for r in uncaptured
         ]
+        parts += [""]
+    no_leaf = [r for r in result["rows"] if r.get("fwdbwd_leaf_ms", 0) is None]
+    if no_leaf:
+        parts += ["Leaf .backward() not measured:", ""]
+        parts += [f"- {r['impl']} {r['N']}x{r['V']} {r['dtype']}: {r.get('fwdbwd_leaf_error', '?')}" for r in no_leaf]
         parts += [""]
     if plot_name:
         parts += [f"![forward and forward+backward time vs V]({plot_name})", ""]

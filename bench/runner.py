@@ -1,142 +1,405 @@
-"""The GPU run: copy bandwidth, then every torch implementation on every shape, then every JAX one, then the
-CUDA-graph replay of every torch row (last: a failed capture can leave memory held for the rest of the process).
+"""The GPU run. The parent process only orchestrates: every measurement happens in a worker process of its own,
+`python -m bench --worker PASS --impls IMPL --shapes ... --json PART`, one per pass and implementation:
 
-Torch goes first and empties its cache before JAX starts, so the two allocators never hold big buffers at the
-same time (JAX allocates on demand: bench.jax_setup). One implementation failing (missing package, OOM, a
-kernel error) is recorded and the run goes on.
+  bandwidth    device name and copy bandwidth (the floors of every row)
+  torch-eager  one torch implementation, every shape: fwd, fwd+bwd (non-leaf logits), leaf fwd+bwd, peak memory
+  torch-graph  one torch implementation, the shapes its eager pass measured: the CUDA-graph replay of fwd+bwd
+  jax          one JAX implementation, every shape: fwd, fwd+bwd donated and not donated
+
+So no framework's allocator, compiled state or failure reaches another's numbers: JAX's client (which grows on
+demand up to nearly the whole GPU) never shares a process with torch, and a failed capture (which can leave
+memory held for the rest of its process) never shares one with an eager measurement. A worker that fails on a
+shape records it and goes on; a graph worker stops after a failed capture and a fresh one takes the remaining
+shapes; a worker that dies (crash, timeout) leaves the rows it had written, the shape it was on is marked failed
+with its exit status and last output line, and a fresh worker takes the rest. The parent merges the workers' JSON
+and adds the floor ratios.
 """
 
-import gc
+import collections
+import contextlib
+import json
+import os
+import signal
+import subprocess
 import sys
+import tempfile
+import threading
+from pathlib import Path
 
 from . import JAX_IMPLS, TORCH_IMPLS, envinfo
-from .progress import Unavailable, failure, say
+from .progress import Unavailable, error_text, failure, say
 from .report import add_ratios
 
-
-def _row(impl, shape, measured, bandwidth):
-    row = {"impl": impl, "N": shape.N, "V": shape.V, "dtype": shape.dtype, **measured}
-    return add_ratios(row, bandwidth)
+PASSES = ("bandwidth", "torch-eager", "torch-graph", "jax")
+WORKER_TIMEOUT_S = 300
 
 
-def _extra_times(row) -> str:
-    text = ""
-    if "fwdbwd_graph_ms" in row:
-        graph = row["fwdbwd_graph_ms"]
-        text += (
-            f", CUDA graph {graph:.3f} ms" if graph is not None else f", no CUDA graph ({row['fwdbwd_graph_error']})"
-        )
-    if "fwdbwd_undonated_ms" in row:
-        text += f", not donated {row['fwdbwd_undonated_ms']:.3f} ms"
-    return text
+def _key(item):
+    return (item["impl"], item["N"], item["V"], item["dtype"])
 
 
-def _run_framework(impls, loaders, measure, shapes, bandwidth, rows, failures, counter, measure_kwargs):
-    for impl in impls:
-        try:
-            loss_fn = loaders[impl]()
-        except Exception as exc:  # noqa: BLE001 - a missing or broken package must not stop the run
-            failures.append(failure(impl, None, "load", exc))
-            say(f"{impl}: skipped ({failures[-1]['error']})")
-            counter[0] += len(shapes)
-            continue
-        for shape in shapes:
-            counter[0] += 1
-            try:
-                measured = measure(loss_fn, shape, **measure_kwargs)
-                rows.append(_row(impl, shape, measured, bandwidth))
-                r = rows[-1]
-                say(
-                    f"[{counter[0]}/{counter[1]}] {impl:16s} {shape}: fwd {r['fwd_ms']:.3f} ms, fwd+bwd "
-                    f"{r['fwdbwd_ms']:.3f} ms ({r.get('fwdbwd_over_2pass', 0):.2f}x 2-pass floor), "
-                    f"peak extra {r['peak_extra_bytes'] / 2**20:.1f} MiB, loss {r['loss']:.4f}{_extra_times(r)}"
-                )
-            except Exception as exc:  # noqa: BLE001 - OOM and kernel errors are results too
-                failures.append(failure(impl, shape, "measure", exc))
-                say(f"[{counter[0]}/{counter[1]}] {impl:16s} {shape}: FAILED {failures[-1]['error']}")
-            gc.collect()
+def _shape_key(impl, shape):
+    return (impl, shape.N, shape.V, shape.dtype)
 
 
-def _add_graph_times(impls, loaders, measure_graph, shapes, bandwidth, rows, timing):
-    """fwdbwd_graph_ms (or None and fwdbwd_graph_error) into each torch row measured above, its ratios updated."""
-    for impl in impls:
-        measured = {(r["N"], r["V"], r["dtype"]): r for r in rows if r["impl"] == impl}
-        if not measured:
-            continue
-        loss_fn = loaders[impl]()
-        for shape in shapes:
-            row = measured.get((shape.N, shape.V, shape.dtype))
-            if row is None:
-                continue
-            try:
-                row.update(measure_graph(loss_fn, shape, **timing))
-            except Exception as exc:  # noqa: BLE001 - the eager row stands; the graph column says why it is empty
-                row.update({"fwdbwd_graph_ms": None, "fwdbwd_graph_error": failure(impl, shape, "graph", exc)["error"]})
-            add_ratios(row, bandwidth)
-            say(f"CUDA graph: {impl:16s} {shape}{_extra_times(row)}")
-            gc.collect()
+def _timing(quick):
+    return {"warmup_ms": 25, "rep_ms": 100} if quick else {"warmup_ms": 100, "rep_ms": 500}
 
 
-def run_gpu(shapes, impls, quick=False) -> dict:
-    import torch
-
-    from . import torch_impls, torch_measure
-
-    device = torch.cuda.get_device_name()
-    say(f"GPU run on {device}: {len(shapes)} shape(s) x {len(impls)} implementation(s)")
-    bandwidth = torch_measure.copy_bandwidth_TBps()
-    say(f"device-to-device copy bandwidth {bandwidth:.2f} TB/s")
-    rows, failures = [], []
-    counter = [0, len(shapes) * len(impls)]
-    timing = {"warmup_ms": 25, "rep_ms": 100} if quick else {"warmup_ms": 100, "rep_ms": 500}
-
-    torch_selected = [i for i in impls if i in TORCH_IMPLS]
-    _run_framework(
-        torch_selected, torch_impls.LOADERS, torch_measure.measure, shapes, bandwidth, rows, failures, counter, timing
-    )
-    torch.cuda.empty_cache()
-
-    jax_selected = [i for i in impls if i in JAX_IMPLS]
-    if jax_selected:
-        try:
-            try:
-                from . import jax_impls, jax_measure
-            except ModuleNotFoundError as exc:
-                raise Unavailable(f"jax is not installed ({exc})") from exc
-            if not jax_measure.has_gpu():
-                raise Unavailable("jax sees no GPU (a CPU-only jaxlib?)")
-        except Exception as exc:  # noqa: BLE001
-            for impl in jax_selected:
-                failures.append(failure(impl, None, "load", exc))
-            say(f"JAX implementations skipped: {failures[-1]['error']}")
-            counter[0] += len(shapes) * len(jax_selected)
-        else:
-            _run_framework(
-                jax_selected,
-                jax_impls.LOADERS,
-                jax_measure.measure,
-                shapes,
-                bandwidth,
-                rows,
-                failures,
-                counter,
-                {"batch_target_ms": 20.0 if quick else 50.0},
-            )
-
-    _add_graph_times(torch_selected, torch_impls.LOADERS, torch_measure.measure_graph, shapes, bandwidth, rows, timing)
-    fastce_versions = {}
+def _fastce_versions() -> dict:
+    found = {}
     for name in ("fastce_torch", "fastce_jax"):
         module = sys.modules.get(name)
         if module is not None and hasattr(module, "__version__"):
-            fastce_versions[name] = module.__version__
+            found[name] = module.__version__
+    return found
+
+
+def _summary(row) -> str:
+    parts = []
+    for key, label in (("fwd_ms", "fwd"), ("fwdbwd_ms", "fwd+bwd"), ("fwdbwd_leaf_ms", "leaf fwd+bwd"),
+                       ("fwdbwd_undonated_ms", "not donated"), ("fwdbwd_graph_ms", "CUDA graph")):  # fmt: skip
+        if key in row:
+            parts.append(f"{label} {row[key]:.3f} ms" if row[key] is not None else f"no {label}")
+    for key in ("fwdbwd_leaf_error", "fwdbwd_graph_error"):
+        if key in row:
+            parts.append(f"({row[key]})")
+    if "peak_extra_bytes" in row:
+        parts.append(f"peak extra {row['peak_extra_bytes'] / 2**20:.1f} MiB, loss {row['loss']:.4f}")
+    return ", ".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Worker side: one pass in this process.
+
+
+def run_pass(pass_name, impls, shapes, quick=False, emit=None) -> dict:
+    """One pass of the GPU run, in this process. Returns (and hands to `emit` after every shape, so a crash keeps
+    what was measured) {"pass", "rows", "failures", "complete", ...}; complete is False where a graph pass stopped
+    after a failed capture."""
+    part = {"pass": pass_name, "rows": [], "failures": [], "complete": False}
+    emit = emit or (lambda part: None)
+    if pass_name == "bandwidth":
+        import torch
+
+        from . import torch_measure
+
+        part["device"] = torch.cuda.get_device_name()
+        say(f"GPU {part['device']}")
+        part["copy_bandwidth_TBps"] = torch_measure.copy_bandwidth_TBps()
+        say(f"device-to-device copy bandwidth {part['copy_bandwidth_TBps']:.2f} TB/s")
+    elif pass_name in ("torch-eager", "torch-graph"):
+        _torch_pass(pass_name, impls, shapes, quick, part, emit)
+    elif pass_name == "jax":
+        _jax_pass(impls, shapes, quick, part, emit)
+    else:
+        raise ValueError(f"unknown pass {pass_name!r}; known: {', '.join(PASSES)}")
+    part["complete"] = not part.pop("stopped", False)
+    part["fastce_versions"] = _fastce_versions()
+    emit(part)
+    return part
+
+
+def _load(impl, loaders, part):
+    try:
+        return loaders[impl]()
+    except Exception as exc:  # noqa: BLE001 - a missing or broken package must not stop the run
+        part["failures"].append(failure(impl, None, "load", exc))
+        say(f"{impl}: skipped ({part['failures'][-1]['error']})")
+        return None
+
+
+def _torch_pass(pass_name, impls, shapes, quick, part, emit):
+    from . import torch_impls, torch_measure
+
+    timing = _timing(quick)
+    graph = pass_name == "torch-graph"
+    if graph:
+        try:
+            torch_measure.prime_capture()
+        except Exception as exc:  # noqa: BLE001 - the real captures still run and say what fails
+            say(f"priming capture failed: {error_text(exc)}")
+    for impl in impls:
+        loss_fn = _load(impl, torch_impls.LOADERS, part)
+        if loss_fn is None:
+            continue
+        for shape in shapes:
+            base = {"impl": impl, "N": shape.N, "V": shape.V, "dtype": shape.dtype}
+            if graph:
+                try:
+                    measured = torch_measure.measure_graph(loss_fn, shape, **timing)
+                except Exception as exc:  # noqa: BLE001 - the eager row stands; the graph cell says why it is empty
+                    measured = {"fwdbwd_graph_ms": None, "fwdbwd_graph_error": error_text(exc)}
+                part["rows"].append({**base, **measured})
+            else:
+                try:
+                    part["rows"].append({**base, **torch_measure.measure(loss_fn, shape, **timing)})
+                except Exception as exc:  # noqa: BLE001 - OOM and kernel errors are results too
+                    part["failures"].append(failure(impl, shape, "measure", exc))
+                    say(f"{impl:16s} {shape}: FAILED {part['failures'][-1]['error']}")
+                    emit(part)
+                    continue
+            say(f"{pass_name} {impl:16s} {shape}: {_summary(part['rows'][-1])}")
+            emit(part)
+            if graph and part["rows"][-1]["fwdbwd_graph_ms"] is None:
+                part["stopped"] = True  # a fresh process takes the remaining shapes
+                return
+
+
+def _jax_pass(impls, shapes, quick, part, emit):
+    try:
+        try:
+            from . import jax_impls, jax_measure
+        except ModuleNotFoundError as exc:
+            raise Unavailable(f"jax is not installed ({exc})") from exc
+        if not jax_measure.has_gpu():
+            raise Unavailable("jax sees no GPU (a CPU-only jaxlib?)")
+    except Exception as exc:  # noqa: BLE001
+        part["failures"] += [failure(impl, None, "load", exc) for impl in impls]
+        say(f"JAX implementations skipped: {part['failures'][-1]['error']}")
+        return
+    for impl in impls:
+        loss_fn = _load(impl, jax_impls.LOADERS, part)
+        if loss_fn is None:
+            continue
+        for shape in shapes:
+            try:
+                measured = jax_measure.measure(loss_fn, shape, batch_target_ms=20.0 if quick else 50.0)
+                part["rows"].append({"impl": impl, "N": shape.N, "V": shape.V, "dtype": shape.dtype, **measured})
+                say(f"jax {impl:16s} {shape}: {_summary(part['rows'][-1])}")
+            except Exception as exc:  # noqa: BLE001
+                part["failures"].append(failure(impl, shape, "measure", exc))
+                say(f"jax {impl:16s} {shape}: FAILED {part['failures'][-1]['error']}")
+            emit(part)
+
+
+def worker_main(pass_name, impls, shapes, quick, json_path) -> int:
+    """`python -m bench --worker PASS`: run_pass, its JSON rewritten (atomically) after every shape."""
+    json_path = Path(json_path)
+
+    def emit(part):
+        tmp = json_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(part, indent=1) + "\n")
+        os.replace(tmp, json_path)
+
+    run_pass(pass_name, impls, shapes, quick, emit)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parent side: workers as subprocesses, or (tests) in this process.
+
+
+def worker_command(pass_name, impls, shapes, quick, json_path) -> list:
+    command = [
+        sys.executable,
+        "-m",
+        "bench",
+        "--worker",
+        pass_name,
+        "--impls",
+        ",".join(impls),
+        "--json",
+        str(json_path),
+    ]
+    if shapes:
+        command += ["--shapes", ",".join(f"{s.N}x{s.V}:{s.dtype}" for s in shapes)]
+    return command + (["--quick"] if quick else [])
+
+
+def _forward_output(stream, tail):
+    for line in stream:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        if line.strip():
+            tail.append(line.strip())
+
+
+def _die_with_parent():
+    """In the worker, before exec (Linux): SIGKILL when the parent dies, so a parent killed by a timeout leaves no
+    worker holding the GPU (the worker runs in a session of its own, out of reach of the timeout's group kill)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def spawn_worker(pass_name, impls, shapes, quick, timeout_s=WORKER_TIMEOUT_S):
+    """Runs one worker process; (its JSON part, or {} if it wrote none; None, or why it ended abnormally). Its
+    output goes to this process's stderr as it comes (stdout keeps the table)."""
+    root = str(envinfo.REPO_ROOT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    with tempfile.TemporaryDirectory(prefix="bench-worker-") as tmp:
+        json_path = Path(tmp) / "part.json"
+        command = worker_command(pass_name, impls, shapes, quick, json_path)
+        proc = subprocess.Popen(
+            command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )  # fmt: skip
+        tail = collections.deque(maxlen=5)
+        reader = threading.Thread(target=_forward_output, args=(proc.stdout, tail), daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait(timeout=timeout_s)
+            why = None if rc == 0 else f"worker exited with status {rc}"
+        except subprocess.TimeoutExpired:
+            why = f"worker killed after {timeout_s} s"
+        # Its own session: the worker and anything it started (e.g. compile workers, which would also keep the
+        # output pipe open) go, whether it finished or hung.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        reader.join(timeout=10)
+        part = json.loads(json_path.read_text()) if json_path.exists() else {}
+    if why and tail:
+        why += f": {tail[-1][-300:]}"
+    return part, why
+
+
+def run_in_process(pass_name, impls, shapes, quick, timeout_s=None):
+    """The same contract as spawn_worker, without a process (the CPU tests)."""
+    del timeout_s
+    return run_pass(pass_name, impls, shapes, quick), None
+
+
+def _run_until_done(launch, pass_name, impl, shapes, quick, on_row, on_failure, on_lost):
+    """Workers for (pass, impl) until every shape is measured or failed; on_lost(shape, why) for the shape a dead
+    worker was on (and for any a finished worker did not report)."""
+    remaining = list(shapes)
+    while remaining:
+        part, why = launch(pass_name, [impl], remaining, quick)
+        done = set()
+        for row in part.get("rows", []):
+            on_row(row)
+            done.add(_key(row))
+        for fail in part.get("failures", []):
+            on_failure(fail)
+            if "N" not in fail:  # the implementation did not load: nothing more to try
+                return
+            done.add(_key(fail))
+        left = [s for s in remaining if _shape_key(impl, s) not in done]
+        if why is None and part.get("complete"):
+            for shape in left:
+                on_lost(shape, "the worker finished without reporting this shape")
+            return
+        if why is None and len(left) == len(remaining):  # stopped early without progress: never loop forever
+            why = "worker stopped without reporting anything"
+        if why is not None:
+            if left:
+                on_lost(left[0], why)  # the shape it was on
+                left = left[1:]
+            else:
+                say(f"{pass_name} {impl}: every shape reported, then {why}")
+        remaining = left
+
+
+def run_gpu(shapes, impls, quick=False, isolate=True, worker_timeout_s=WORKER_TIMEOUT_S) -> dict:
+    """Every pass of the GPU run; with isolate=False the passes run in this process (tests)."""
+
+    fastce_versions = {}
+
+    def launch(pass_name, impl_list, pass_shapes, quick):
+        if isolate:
+            part, why = spawn_worker(pass_name, impl_list, pass_shapes, quick, worker_timeout_s)
+        else:
+            part, why = run_in_process(pass_name, impl_list, pass_shapes, quick)
+        fastce_versions.update(part.get("fastce_versions", {}))
+        return part, why
+
+    say(f"GPU run: {len(shapes)} shape(s) x {len(impls)} implementation(s), one process per pass and implementation")
+    env, why = launch("bandwidth", [], (), quick)
+    if why:
+        say(f"bandwidth worker: {why}")
+    device, bandwidth = env.get("device", "unknown"), env.get("copy_bandwidth_TBps", 0.0)
+    rows, failures = {}, []
+
+    def on_failure(fail):
+        failures.append(fail)
+
+    def lost_as_failure(impl, stage):
+        def on_lost(shape, why):
+            failures.append({"impl": impl, "stage": stage, "error": why, "N": shape.N, "V": shape.V,
+                             "dtype": shape.dtype})  # fmt: skip
+            say(f"{impl} {shape}: FAILED ({why})")
+
+        return on_lost
+
+    def add_row(row):
+        rows[_key(row)] = dict(row)
+
+    torch_selected = [i for i in impls if i in TORCH_IMPLS]
+    jax_selected = [i for i in impls if i in JAX_IMPLS]
+    for impl in torch_selected:
+        _run_until_done(launch, "torch-eager", impl, shapes, quick, add_row, on_failure,
+                        lost_as_failure(impl, "crash"))  # fmt: skip
+    for impl in torch_selected:
+        measured = [s for s in shapes if _shape_key(impl, s) in rows]
+
+        def add_graph(row):
+            if _key(row) in rows:
+                rows[_key(row)].update({k: v for k, v in row.items() if k.startswith("fwdbwd_graph")})
+
+        def graph_lost(shape, why):
+            rows[_shape_key(impl, shape)].update({"fwdbwd_graph_ms": None, "fwdbwd_graph_error": why})
+
+        def graph_failure(fail):  # the graph worker could not even load the implementation
+            for shape in measured:
+                graph_lost(shape, fail["error"])
+
+        _run_until_done(launch, "torch-graph", impl, measured, quick, add_graph, graph_failure, graph_lost)
+    for impl in jax_selected:
+        _run_until_done(launch, "jax", impl, shapes, quick, add_row, on_failure, lost_as_failure(impl, "crash"))
+
+    # Table order: implementations in ALL_IMPLS order, shapes in the order given.
+    order = {k: i for i, k in enumerate(_shape_key(impl, s) for impl in torch_selected + jax_selected for s in shapes)}
+    merged = [add_ratios(rows[k], bandwidth) for k in sorted(rows, key=lambda k: order.get(k, len(order)))]
     result = {
         "device": device,
         "date": envinfo.today(),
         "commit": envinfo.git_commit(),
         "versions": envinfo.versions(fastce_versions),
         "copy_bandwidth_TBps": bandwidth,
-        "rows": rows,
+        "rows": merged,
     }
     if failures:  # only when something failed, so a clean run has exactly the documented keys
         result["failures"] = failures
     return result
+
+
+def merge_results(results) -> dict:
+    """One result from several runs' JSON (e.g. `--frameworks torch` and `--frameworks jax` in two device calls):
+    rows and failures concatenated (a row measured twice: the later file's), ratios recomputed against the first
+    run's copy bandwidth (each run's bandwidth and commit are kept under merged_from)."""
+    if not results:
+        raise ValueError("nothing to merge")
+    first = results[0]
+    devices = {r["device"] for r in results}
+    if len(devices) > 1:
+        raise ValueError(f"refusing to merge runs from different devices: {sorted(devices)}")
+    rows, failures = {}, []
+    for result in results:
+        for row in result["rows"]:
+            rows[_key(row)] = dict(row)
+        failures += result.get("failures", [])
+    bandwidth = first["copy_bandwidth_TBps"]
+    merged = {
+        **{k: first[k] for k in ("device", "date", "commit", "versions")},
+        "copy_bandwidth_TBps": bandwidth,
+        "rows": [add_ratios(row, bandwidth) for row in rows.values()],
+        "merged_from": [
+            {
+                "source": r.get("_source", "?"),
+                "commit": r["commit"],
+                "date": r["date"],
+                "copy_bandwidth_TBps": r["copy_bandwidth_TBps"],
+            }
+            for r in results
+        ],  # fmt: skip
+    }
+    for result in results[1:]:
+        merged["versions"] = {**result["versions"], **merged["versions"]}
+    if failures:
+        merged["failures"] = failures
+    return merged

@@ -13,6 +13,16 @@ IGNORE_INDEX = -100
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def _fill(logits, shape, device, seed):
+    """The seeded values (the same for every implementation and for both input kinds) and the labels."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        logits.normal_(generator=gen)
+    labels = torch.randint(0, shape.V, (shape.N,), generator=gen, device=device, dtype=torch.int64)
+    labels[::7] = IGNORE_INDEX
+    return labels
+
+
 def make_inputs(shape, device, seed=0):
     """Fresh random logits as a *non-leaf* tensor with its own storage, and labels with every 7th token ignored.
 
@@ -20,16 +30,25 @@ def make_inputs(shape, device, seed=0):
     fastce_torch writes its gradient in place into the logits buffer. The graph above the logits is one
     expand+copy of a 0-d anchor (it saves nothing); the values are then filled in under no_grad. Callers take
     gradients with torch.autograd.grad(loss, logits), so that graph is never run and no .grad is accumulated.
+    The autograd node above the logits records the stream current here: the CUDA-graph pass makes the inputs on
+    its capture stream, so the backward never has to synchronise with another stream inside the capture.
     """
-    gen = torch.Generator(device=device).manual_seed(seed)
     dtype = TORCH_DTYPES[shape.dtype]
     anchor = torch.zeros((), dtype=dtype, device=device, requires_grad=True)
     logits = anchor.expand(shape.N, shape.V).contiguous()
-    with torch.no_grad():
-        logits.normal_(generator=gen)
-    labels = torch.randint(0, shape.V, (shape.N,), generator=gen, device=device, dtype=torch.int64)
-    labels[::7] = IGNORE_INDEX
+    labels = _fill(logits, shape, device, seed)
     assert not logits.is_leaf and logits.requires_grad
+    return logits, labels
+
+
+def make_leaf_inputs(shape, device, seed=0):
+    """The same values as make_inputs, as a *leaf* tensor that requires grad: how most training code and Unsloth's
+    users call a loss (`loss.backward()`, the gradient lands in logits.grad). Implementations that write the
+    gradient in place must not do so here (fastce_torch does not; Liger overwrites its input regardless)."""
+    logits = torch.empty(shape.N, shape.V, dtype=TORCH_DTYPES[shape.dtype], device=device)
+    labels = _fill(logits, shape, device, seed)
+    logits.requires_grad_(True)
+    assert logits.is_leaf
     return logits, labels
 
 

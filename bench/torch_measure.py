@@ -7,20 +7,31 @@ Timed closures (nothing else runs inside them; inputs are made once, outside):
   fwdbwd = torch.autograd.grad(loss_fn(logits, labels), logits)      (gradient w.r.t. the non-leaf logits)
 Implementations that write the gradient into the logits buffer (fastce_torch, Liger) leave gradient values
 there; those are finite, so the next iteration's work is unchanged and the buffer is not refilled.
-  fwdbwd_graph = the same fwdbwd captured once in a torch.cuda.CUDAGraph (after warm-up on a side stream, as
-                 torch's CUDA-graph docs prescribe) and replayed: the device time alone, no Python, no autograd
-                 engine, no launch overhead. Beside fwdbwd it separates kernel time from call time. None, with the
-                 reason in fwdbwd_graph_error, where the implementation cannot be captured (a host synchronisation
-                 such as .item(), or a compiler's own graph handling).
+  fwdbwd_leaf = logits.grad = None; loss_fn(logits, labels).backward()   (logits a leaf that requires grad:
+                 how most training code and Unsloth's users call a loss; the gradient lands in a fresh .grad,
+                 as after optimizer.zero_grad(set_to_none=True))
+  fwdbwd_graph = fwdbwd captured once in a torch.cuda.CUDAGraph and replayed: the device time alone, no Python,
+                 no autograd engine, no launch overhead. Beside fwdbwd it separates kernel time from call time.
+                 Recipe (torch's CUDA-graph docs): inputs made, warm-up run and capture done on one side stream,
+                 after a first trivial capture in the process (prime_capture). None, with the reason in
+                 fwdbwd_graph_error (the first error of the chain: torch.cuda.graph's exit reports only "operation
+                 failed due to a previous error during capture"), where the implementation cannot be captured (a
+                 host synchronisation such as .item(), or a compiler's own graph handling).
 Times are triton.testing.do_bench medians (CUDA events; do_bench zeroes a 256 MB buffer between iterations
 to flush the L2, outside the timed region). The logits are >= 256 MiB, far above the 60 MB L2.
+The runner (bench/runner.py) calls these in worker processes of their own: eager rows, CUDA-graph rows and the JAX
+rows never share a process.
 """
+
+import contextlib
 
 import torch
 import triton.testing
 
 from .progress import error_text
-from .torch_impls import make_inputs
+from .torch_impls import make_inputs, make_leaf_inputs
+
+GRAPH_WARMUP_CALLS = 3
 
 
 def bench_ms(fn, warmup_ms, rep_ms) -> float:
@@ -39,20 +50,39 @@ def peak_extra_bytes(fn) -> int:
     return int(peak)
 
 
-def graph_ms(fn, warmup_ms, rep_ms) -> float:
-    """do_bench median of replaying fn captured in a CUDA graph. fn runs three times on a side stream first (Triton
-    compiles and loads its kernels, the caching allocator settles); the graph and its private memory pool are
-    released before returning."""
+def prime_capture() -> None:
+    """Capture and replay a one-kernel graph, so that the process's first capture (torch.cuda.graph's own lazy
+    state, the driver's first capture) is not an implementation's (bench/tools/capture_probe.py tests whether this
+    matters)."""
+    x = torch.zeros(16, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):
+        x.add_(1)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        x.add_(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    graph.reset()
+
+
+def graph_ms(fn, warmup_ms, rep_ms, stream=None) -> float:
+    """do_bench median of replaying fn captured in a CUDA graph. fn runs GRAPH_WARMUP_CALLS times on `stream` (a
+    side stream; a new one when None) first, then is captured on that same stream (not torch.cuda.graph's own
+    capture stream, which no warm-up has touched): Triton has compiled and loaded its kernels, the caching
+    allocator settled. The graph and its private memory pool are released before returning."""
+    side = stream if stream is not None else torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(GRAPH_WARMUP_CALLS):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=side):
             static_out = fn()
         ms = bench_ms(graph.replay, warmup_ms, rep_ms)
         del static_out
@@ -64,10 +94,10 @@ def graph_ms(fn, warmup_ms, rep_ms) -> float:
     return ms
 
 
-def graph_entry(fn, warmup_ms, rep_ms) -> dict:
+def graph_entry(fn, warmup_ms, rep_ms, stream=None) -> dict:
     """{"fwdbwd_graph_ms": ms} or, where fn cannot be captured, {"fwdbwd_graph_ms": None, "fwdbwd_graph_error": why}."""
     try:
-        return {"fwdbwd_graph_ms": graph_ms(fn, warmup_ms, rep_ms)}
+        return {"fwdbwd_graph_ms": graph_ms(fn, warmup_ms, rep_ms, stream)}
     except Exception as exc:  # noqa: BLE001 - an uncapturable implementation is a result, not a failure
         return {"fwdbwd_graph_ms": None, "fwdbwd_graph_error": error_text(exc)}
 
@@ -82,9 +112,23 @@ def _closures(loss_fn, logits, labels):
     return fwd, fwdbwd
 
 
+def _leaf_closure(loss_fn, logits, labels):
+    def fwdbwd_leaf():
+        logits.grad = None  # optimizer.zero_grad(set_to_none=True): no accumulation into an old gradient
+        loss_fn(logits, labels).backward()
+        return logits.grad
+
+    return fwdbwd_leaf
+
+
+def _free(device):
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def measure(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda") -> dict:
-    """Eager fwd and fwd+bwd times, peak memory and loss. device is "cuda" in real runs; the tests run it on the CPU
-    with bench_ms and peak_extra_bytes stubbed."""
+    """Eager fwd and fwd+bwd times (non-leaf logits, then leaf logits), peak memory and loss. device is "cuda" in
+    real runs; the tests run it on the CPU with bench_ms and peak_extra_bytes stubbed."""
     logits, labels = make_inputs(shape, device)
     fwd, fwdbwd = _closures(loss_fn, logits, labels)
     try:
@@ -101,27 +145,51 @@ def measure(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda") -> dict:
             "loss": loss,
         }
     finally:
-        del logits, labels
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        del logits, labels, fwd, fwdbwd
+        _free(device)
+    row.update(measure_leaf(loss_fn, shape, warmup_ms, rep_ms, device))
     return row
 
 
-def measure_graph(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda") -> dict:
-    """graph_entry of fwd+bwd on fresh inputs (eager calls first, as in measure: compilation and autotuning happen
-    outside the capture). The runner calls it after every eager and JAX row: a failed capture can leave the caching
-    allocator holding memory for the rest of the process (seen on the H200: one failed capture, then 128 GiB held
-    and later rows out of memory), which must not reach the other measurements."""
-    logits, labels = make_inputs(shape, device)
-    _, fwdbwd = _closures(loss_fn, logits, labels)
+def measure_leaf(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda") -> dict:
+    """fwdbwd_leaf_ms and peak_extra_leaf_bytes (the fresh .grad included), or fwdbwd_leaf_ms None and the error:
+    the non-leaf numbers of the row stand either way."""
     try:
+        logits, labels = make_leaf_inputs(shape, device)
+        fwdbwd_leaf = _leaf_closure(loss_fn, logits, labels)
+        try:
+            for _ in range(2):
+                fwdbwd_leaf()
+            logits.grad = None
+            peak = peak_extra_bytes(fwdbwd_leaf)
+            return {"fwdbwd_leaf_ms": bench_ms(fwdbwd_leaf, warmup_ms, rep_ms), "peak_extra_leaf_bytes": peak}
+        finally:
+            logits.grad = None
+            del logits, labels, fwdbwd_leaf
+            _free(device)
+    except Exception as exc:  # noqa: BLE001 - e.g. an OOM of the extra gradient: the row keeps its other columns
+        return {"fwdbwd_leaf_ms": None, "fwdbwd_leaf_error": error_text(exc)}
+
+
+def measure_graph(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda") -> dict:
+    """graph_entry of fwd+bwd on fresh inputs. The inputs (and with them the autograd node above the non-leaf
+    logits), the eager calls (compilation and autotuning, outside the capture), the warm-up and the capture all
+    happen on one side stream. The runner calls it in a process that measures nothing else (a failed capture can
+    leave the caching allocator holding memory for the rest of the process)."""
+    side = torch.cuda.Stream() if device == "cuda" else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream())
+    on_side = torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
+    with on_side:
+        logits, labels = make_inputs(shape, device)
+        _, fwdbwd = _closures(loss_fn, logits, labels)
         for _ in range(2):
             fwdbwd()
-        return graph_entry(fwdbwd, warmup_ms, rep_ms)
+    try:
+        return graph_entry(fwdbwd, warmup_ms, rep_ms, side)
     finally:
-        del logits, labels
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        del logits, labels, fwdbwd
+        _free(device)
 
 
 def copy_bandwidth_TBps(nbytes=2 << 30) -> float:

@@ -43,6 +43,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch_measure, "bench_ms", lambda fn, *a: (fn(), 1.5)[1])
     monkeypatch.setattr(torch_measure, "peak_extra_bytes", lambda fn: (fn(), 1024)[1])
     monkeypatch.setattr(torch_measure, "graph_ms", lambda fn, *a: (fn(), 0.75)[1])
+    monkeypatch.setattr(torch_measure, "prime_capture", lambda: None)
     real_measure = torch_measure.measure
     monkeypatch.setattr(torch_measure, "measure", lambda f, s, **kw: real_measure(f, s, device="cpu", **kw))
     real_graph = torch_measure.measure_graph
@@ -53,7 +54,7 @@ def fake_gpu(monkeypatch):
 
 def test_run_gpu_orchestration_and_json_schema(fake_gpu, tmp_path, monkeypatch):
     impls = ["fastce_torch", "torch_eager_fp32", "torch_eager", "liger", "fastce_jax", "fastce_jax_noalias", "xla"]
-    result = runner.run_gpu((Shape(8, 300),), impls, quick=True)
+    result = runner.run_gpu((Shape(8, 300),), impls, quick=True, isolate=False)
     assert TOP_KEYS <= set(result) <= TOP_KEYS | {"failures"}
     measured = {r["impl"] for r in result["rows"]}
     assert {"torch_eager_fp32", "torch_eager", "xla", "fastce_jax", "fastce_jax_noalias"} <= measured
@@ -63,6 +64,9 @@ def test_run_gpu_orchestration_and_json_schema(fake_gpu, tmp_path, monkeypatch):
         if row["impl"] in TORCH_IMPLS:  # kernel time and call time apart, for every torch implementation
             assert row["fwdbwd_graph_ms"] == 0.75 and "fwdbwd_undonated_ms" not in row
             assert row["fwdbwd_graph_over_3pass"] == pytest.approx(0.75 / report.floor_ms(row, 3, 1.0))
+            # and the leaf-logits .backward() call beside the non-leaf autograd.grad one
+            assert row["fwdbwd_leaf_ms"] == 1.5 and row["peak_extra_leaf_bytes"] == 1024
+            assert row["fwdbwd_leaf_over_3pass"] == pytest.approx(1.5 / report.floor_ms(row, 3, 1.0))
         else:  # every JAX implementation also without donated logits
             assert row["fwdbwd_undonated_ms"] > 0 and "fwdbwd_graph_ms" not in row
             assert row["fwdbwd_undonated_over_3pass"] > 0
@@ -82,7 +86,9 @@ def test_run_gpu_orchestration_and_json_schema(fake_gpu, tmp_path, monkeypatch):
     md = report.write_results_md(json_path).read_text()
     assert "| impl | N | V |" in md and "Fake GPU" in md and "torch_eager_fp32" in md
     header = next(line for line in md.splitlines() if line.startswith("| impl"))
-    assert "fwdbwd CUDA graph ms" in header and "fwdbwd not donated ms" in header
+    for heading in ("fwd ms", "(torch: non-leaf, JAX: donated)", "leaf .backward() ms", "leaf/3-pass floor",
+                    "CUDA graph fwd+bwd ms", "graph/3-pass floor", "JAX not donated ms"):  # fmt: skip
+        assert f"{heading} |" in header, heading
     assert "| 0.750 |" in md  # the stubbed graph time, rendered from the JSON
 
 
@@ -95,7 +101,7 @@ def test_a_failed_graph_pass_keeps_the_eager_row(fake_gpu, monkeypatch):
         raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
 
     monkeypatch.setattr(torch_measure, "measure_graph", broken)
-    result = runner.run_gpu((Shape(8, 300),), ["torch_eager_fp32", "xla"], quick=True)
+    result = runner.run_gpu((Shape(8, 300),), ["torch_eager_fp32", "xla"], quick=True, isolate=False)
     (row,) = [r for r in result["rows"] if r["impl"] == "torch_eager_fp32"]
     assert row["fwdbwd_ms"] > 0 and row["fwdbwd_graph_ms"] is None and "fwdbwd_graph_over_3pass" not in row
     assert "previous error during capture" in row["fwdbwd_graph_error"]
@@ -162,7 +168,11 @@ def test_cuda_graph_capture_of_fwdbwd(impl):
     logits, labels = torch_impls.make_inputs(shape, "cuda")
     (expected,) = torch.autograd.grad(loss_fn(logits, labels), logits)
     expected = expected.clone()
-    logits, labels = torch_impls.make_inputs(shape, "cuda")
+    torch_measure.prime_capture()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # as measure_graph: the inputs' autograd node on the capture stream
+        logits, labels = torch_impls.make_inputs(shape, "cuda")
     captured = {}
 
     def fwdbwd():
@@ -170,7 +180,7 @@ def test_cuda_graph_capture_of_fwdbwd(impl):
         return captured["grad"]
 
     allocated = torch.cuda.memory_allocated()
-    entry = torch_measure.graph_entry(fwdbwd, 5, 20)
+    entry = torch_measure.graph_entry(fwdbwd, 5, 20, side)
     assert entry["fwdbwd_graph_ms"] is not None and entry["fwdbwd_graph_ms"] > 0, entry
     assert torch.cuda.memory_allocated() <= allocated + 2 * logits.numel() * 4  # the captured outputs only
     # The graph's gradient is of the values present at replay: fastce_torch's first replay overwrote its inputs,
@@ -194,3 +204,169 @@ def test_host_cost_breakdown_runs():
     lines = done.stdout.splitlines()[1:]
     assert len(lines) == 17 and all(line.endswith(" us") and float(line.split()[-2]) > 0 for line in lines)
     assert any(line.startswith("cross_entropy forward+backward, launches stubbed") for line in lines)
+
+
+def test_error_text_names_the_first_error_of_a_failed_capture():
+    """torch.cuda.graph's exit raises its own "previous error during capture" over the body's exception; the
+    recorded text must carry the body's (the cause)."""
+    from bench.progress import error_text
+
+    class Capture:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    with pytest.raises(RuntimeError) as info:
+        with Capture():
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nCUDA kernel errors...")
+    text = error_text(info.value)
+    assert text.startswith("RuntimeError: CUDA error: operation failed due to a previous error during capture")
+    assert "[first error: RuntimeError: CUDA error: operation not permitted when stream is capturing]" in text
+    assert error_text(ValueError("plain")) == "ValueError: plain"
+
+
+def test_worker_command_round_trips_through_the_cli():
+    from bench.__main__ import parse_args
+
+    shapes_ = (Shape(8192, 32000), Shape(8192, 128256, "float32"))
+    command = runner.worker_command("torch-graph", ["liger"], shapes_, True, "/tmp/part.json")
+    assert command[1:3] == ["-m", "bench"]
+    args = parse_args(command[3:])
+    assert (args.worker, args.impls, args.shapes, args.quick) == ("torch-graph", ["liger"], shapes_, True)
+    assert parse_args(runner.worker_command("bandwidth", [], (), False, "/tmp/b.json")[3:]).impls == []
+    assert parse_args(["--frameworks", "jax"]).impls == ["fastce_jax", "fastce_jax_noalias", "xla"]
+
+
+FAKE_WORKER = """
+import json, os, sys, time
+args = sys.argv[1:]
+value = lambda flag: args[args.index(flag) + 1] if flag in args else ""
+pass_name, impl, out = value("--worker"), value("--impls"), value("--json")
+shapes = [s for s in value("--shapes").split(",") if s]
+def write(part):
+    open(out, "w").write(json.dumps({"pass": pass_name, "failures": [], "complete": False, **part}))
+def row(shape, **measured):
+    dims, dtype = shape.split(":")
+    n, v = dims.split("x")
+    return {"impl": impl, "N": int(n), "V": int(v), "dtype": dtype, **measured}
+eager = dict(fwd_ms=1.0, fwdbwd_ms=2.0, peak_extra_bytes=0, loss=1.0)
+if pass_name == "bandwidth":
+    write({"device": "Fake GPU", "copy_bandwidth_TBps": 1.0, "rows": [], "complete": True})
+elif pass_name == "torch-eager":  # crashes on the second shape of any list
+    write({"rows": [row(shapes[0], **eager, fwdbwd_leaf_ms=3.0)], "complete": len(shapes) == 1})
+    if len(shapes) > 1:
+        print("Fatal Python error: Segmentation fault (fake)", flush=True)
+        os._exit(139)
+elif pass_name == "torch-graph":  # a failed capture stops the worker after its first shape
+    first = row(shapes[0], fwdbwd_graph_ms=None, fwdbwd_graph_error="AcceleratorError: capture failed")
+    write({"rows": [first] if len(shapes) > 1 else [row(shapes[0], fwdbwd_graph_ms=0.5)]})
+elif pass_name == "jax":  # hangs while given more than one shape
+    if len(shapes) > 1:
+        print("jax worker hangs", flush=True)
+        time.sleep(60)
+    write({"rows": [row(shapes[0], **eager, fwdbwd_undonated_ms=2.5)], "complete": True})
+"""
+
+
+def test_dead_hung_and_stopped_workers_cost_only_their_shape(monkeypatch):
+    """The parent's side of the isolation, through real subprocesses (a fake worker: no torch, no GPU): a crashed
+    worker keeps the rows it wrote, the shape it was on is marked failed with its exit status and last output line,
+    a fresh worker takes the rest; a hung one is killed at the timeout; a graph worker that stops after a failed
+    capture is replaced for the remaining shapes; other implementations are untouched."""
+    import sys
+
+    real_command = runner.worker_command
+
+    def command(pass_name, impls, shapes_, quick, json_path):
+        real = real_command(pass_name, impls, shapes_, quick, json_path)
+        return [sys.executable, "-c", FAKE_WORKER] + real[3:]
+
+    monkeypatch.setattr(runner, "worker_command", command)
+    shapes_ = (Shape(8, 300), Shape(8, 400), Shape(8, 500))
+    result = runner.run_gpu(shapes_, ["torch_eager", "xla"], quick=True, worker_timeout_s=3)
+    assert result["device"] == "Fake GPU" and result["copy_bandwidth_TBps"] == 1.0
+    rows = {(r["impl"], r["V"]): r for r in result["rows"]}
+    assert set(rows) == {("torch_eager", 300), ("torch_eager", 500), ("xla", 500)}
+    lost = {(f["impl"], f["V"]): f["error"] for f in result["failures"]}
+    assert lost[("torch_eager", 400)].startswith("worker exited with status 139: Fatal Python error: Segmentation")
+    assert lost[("xla", 300)] == lost[("xla", 400)] == "worker killed after 3 s: jax worker hangs"
+    assert rows[("torch_eager", 300)]["fwdbwd_graph_ms"] is None
+    assert rows[("torch_eager", 300)]["fwdbwd_graph_error"] == "AcceleratorError: capture failed"
+    assert rows[("torch_eager", 500)]["fwdbwd_graph_ms"] == 0.5 and rows[("torch_eager", 500)]["fwdbwd_leaf_ms"] == 3.0
+    assert rows[("xla", 500)]["fwdbwd_undonated_ms"] == 2.5 and "fwdbwd_undonated_over_3pass" in rows[("xla", 500)]
+
+
+def test_merge_two_runs(tmp_path, monkeypatch):
+    def run(impl, bandwidth, commit):
+        row = {"impl": impl, "N": 8, "V": 300, "dtype": "bfloat16", "fwd_ms": 1.0, "fwdbwd_ms": 2.0,
+               "peak_extra_bytes": 0, "loss": 1.0}  # fmt: skip
+        rows = [report.add_ratios(row, bandwidth)]
+        return {"device": "Fake GPU", "date": "d", "commit": commit, "versions": {"torch": "t"},
+                "copy_bandwidth_TBps": bandwidth, "rows": rows, "_source": commit}  # fmt: skip
+
+    merged = runner.merge_results([run("fastce_torch", 1.0, "a"), run("fastce_jax", 2.0, "b")])
+    assert [r["impl"] for r in merged["rows"]] == ["fastce_torch", "fastce_jax"]
+    assert merged["rows"][1]["fwdbwd_over_3pass"] == merged["rows"][0]["fwdbwd_over_3pass"]  # one bandwidth
+    assert [m["copy_bandwidth_TBps"] for m in merged["merged_from"]] == [1.0, 2.0]
+    with pytest.raises(ValueError):
+        runner.merge_results([run("x", 1.0, "a"), {**run("y", 1.0, "b"), "device": "Other GPU"}])
+    monkeypatch.setattr(report, "RESULTS_MD", tmp_path / "RESULTS.md")
+    md = report.write_results_md(report.write_json(merged, tmp_path / "m.json")).read_text()
+    assert "merged from `a`" in md and "merged from `b`" in md
+
+
+def test_capture_probe_reports_every_error_of_the_chain():
+    """bench.tools.capture_probe's own logic on the CPU (its cases need a GPU): the chain and the report."""
+    from bench.tools import capture_probe
+
+    try:
+        try:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+        finally:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    except RuntimeError as exc:
+        errors = capture_probe.chain(exc)
+    assert errors == [
+        "RuntimeError: CUDA error: operation failed due to a previous error during capture",
+        "RuntimeError: CUDA error: operation not permitted when stream is capturing",
+    ]
+    result = {"variant": "old-harness", "impl": "fastce_torch", "device_after": "ok",
+              "attempts": [{"attempt": 1, "ok": False, "errors": errors}, {"attempt": 2, "ok": True}]}  # fmt: skip
+    text = capture_probe.report([result, {"variant": "same-stream", "impl": "liger", "process": "exited with 1"}])
+    assert "attempts: FAIL ok" in text and "<- RuntimeError: CUDA error: operation not permitted" in text
+    assert "PROCESS exited with 1" in text
+    assert {v for v, _ in capture_probe.cases(["fastce_torch"])} == set(capture_probe.VARIANTS)
+
+
+def test_worker_main_writes_its_part(fake_gpu, tmp_path):
+    """What a worker process leaves for the parent: its rows in the JSON, rewritten after every shape."""
+    path = tmp_path / "part.json"
+    assert runner.worker_main("torch-eager", ["torch_eager_fp32"], (Shape(8, 300), Shape(4, 200)), True, path) == 0
+    part = json.loads(path.read_text())
+    assert part["complete"] and part["pass"] == "torch-eager" and not part["failures"]
+    assert [(r["N"], r["V"]) for r in part["rows"]] == [(8, 300), (4, 200)]
+    assert all(r["fwdbwd_leaf_ms"] == 1.5 and "fwdbwd_graph_ms" not in r for r in part["rows"])
+    assert runner.worker_main("torch-graph", ["torch_eager_fp32"], (Shape(8, 300),), True, path) == 0
+    assert json.loads(path.read_text())["rows"] == [
+        {"impl": "torch_eager_fp32", "N": 8, "V": 300, "dtype": "bfloat16", "fwdbwd_graph_ms": 0.75}
+    ]
+
+
+@pytest.mark.gpu
+def test_isolated_gpu_run_end_to_end():
+    """On a GPU: the real worker processes for a small shape: eager, leaf and CUDA-graph columns for the torch
+    implementations (the first capture of each graph worker included), donated and not donated for JAX, nothing
+    failed, and each framework's two losses agree (the frameworks draw different random inputs)."""
+    shape = Shape(1024, 32000)
+    result = runner.run_gpu((shape,), ["fastce_torch", "torch_eager_fp32", "fastce_jax", "xla"], quick=True)
+    assert "failures" not in result, result["failures"]
+    rows = {r["impl"]: r for r in result["rows"]}
+    assert set(rows) == {"fastce_torch", "torch_eager_fp32", "fastce_jax", "xla"}
+    for impl in ("fastce_torch", "torch_eager_fp32"):
+        assert rows[impl]["fwdbwd_leaf_ms"] > 0 and rows[impl]["fwdbwd_graph_ms"] > 0, rows[impl]
+    for impl in ("fastce_jax", "xla"):
+        assert rows[impl]["fwdbwd_undonated_ms"] > 0
+    for a, b in (("fastce_torch", "torch_eager_fp32"), ("fastce_jax", "xla")):
+        assert abs(rows[a]["loss"] - rows[b]["loss"]) < 1e-4 * abs(rows[b]["loss"]), (a, b)

@@ -3,7 +3,11 @@
 # 2026-11-30): `tests` (fastce_torch and examples with --gpu; ~2.5), `tests-jax` (fastce_jax --gpu; ~3),
 # `two-gpus` (the tests that need two GPUs: NCCL vocab-parallel, cuda:1 placement, JAX sharding; kind nvidia-h200-x2),
 # `shared` (shared_tests --gpu; ~3),
-# `transformers` (training-step comparison; ~1.5), `bench` (the side-by-side benchmark; ~1.5),
+# `transformers` (training-step comparison; ~1.5), `bench` (the side-by-side benchmark, every pass and
+# implementation in a worker process of its own; ~4-6, estimated), or the same in two calls: `bench-torch` (~3-4)
+# and `bench-jax` (~1.5-2), their JSON joined afterwards on any machine (no GPU needed) with
+#   python -m bench --merge bench-torch.json bench-jax.json --results-md
+# `capture-probe` (which CUDA-graph capture variant fails and why; < 1, bench/tools/capture_probe.py),
 # `sanitizer` (compute-sanitizer memcheck over GPU tests of both packages; ~1), `linear-quick` (fused linear CE at
 # one shape with a float32 check; ~1, estimated), `linear` (the fused linear CE table, 3 shapes; ~4-6, estimated).
 # Logs and results land in ${OUT:-/tmp/fastce-h200}. Usage from the repo root, liger wheel in .whl/:
@@ -35,8 +39,16 @@ for stage in "$@"; do
     transformers)
       timeout 150 python3 -m bench.tools.transformers_step --json "$OUT/transformers-step.json" 2>&1 | tail -12 ;;
     bench)
-      timeout 560 python3 -m bench --results-md 2>"$OUT/bench-progress.log" | tail -22
+      timeout 560 python3 -m bench --results-md 2>"$OUT/bench-progress.log" | tail -50
+      grep -E "FAILED|Traceback|killed|exited with|no CUDA graph|no leaf|priming" "$OUT/bench-progress.log" | tail -20
       cp bench/results/*.json bench/results/*.png bench/RESULTS.md "$OUT/" 2>/dev/null ;;
+    bench-torch|bench-jax)
+      timeout 560 python3 -m bench --frameworks "${stage#bench-}" --json "$OUT/$stage.json" \
+        2>"$OUT/$stage-progress.log" | tail -32
+      grep -E "FAILED|Traceback|killed|exited with|no CUDA graph|no leaf|priming" "$OUT/$stage-progress.log" | tail -20 ;;
+    capture-probe)
+      timeout 150 python3 -m bench.tools.capture_probe --json "$OUT/capture-probe.json" >"$OUT/capture-probe.log" 2>&1
+      cat "$OUT/capture-probe.log" | tail -80 ;;
     linear-quick)
       timeout 300 python3 -m bench --linear --quick --json "$OUT/linear-quick.json" 2>"$OUT/linear-quick.log" | tail -12
       grep -E "vs float32|FAILED" "$OUT/linear-quick.log" ;;
