@@ -4,20 +4,29 @@ Each implementation computes mean CE(hidden @ weight.T, labels) in bf16 (every 7
 gradients for hidden and weight; timed is forward + backward (`torch.autograd.grad(loss, (hidden, weight))`), as
 triton.testing.do_bench medians. Reported per row: time, effective TFLOP/s = 6·N·H·V / time (the three matmuls of
 a forward + backward; implementations that recompute logits do more work than that), its ratio to a plain bf16
-matmul measured in the same run (2·N·H·V flops of hidden @ weight.T), and the peak memory above the inputs
+matmul of the shape measured in the same run (2·N·H·V flops of hidden @ weight.T: of_matmul) and to an 8192³ bf16
+matmul, the card's peak as this run measures it (PEAK_MATMUL: of_peak), the peak memory above the inputs
 (torch.cuda.max_memory_allocated during one call; the gradients of hidden and weight are part of it, and
-`extra beyond grads` subtracts them).
+`extra beyond grads` subtracts them), and the accuracy: the rms error of the weight and hidden gradients relative
+to the rms of a float32 computation of the same loss (float32_reference: float32 copies of the same inputs, float32
+matmuls with TF32 off, fastce's torch reference loss; one per shape).
+
+Shapes: LINEAR_SHAPES, (N, H, V) = (4096, 4096, 128256), (8192, 4096, 128256), (8192, 3584, 152064),
+(8192, 2304, 256000), (32768, 4096, 128256); `--linear-shapes NxHxV,...` picks others (a full run of every row is
+close to ten minutes on an H200: split it in two invocations).
 
 Implementations (torch): fastce_torch.linear_cross_entropy in the FASTCE_SETTINGS configurations, which both
 packages are timed in (fastce_torch_linear: the defaults, a 256 MiB workspace and the weight gradient summed in
 bf16; ..._f32acc: the float32 weight-gradient accumulator; ..._1GiB: a 1 GiB workspace), matmul +
 fastce_torch.cross_entropy (logits materialised, gradient in place), torch.compile of matmul + F.cross_entropy on
-upcast logits, Liger's fused linear CE and Apple's Cut Cross-Entropy (skipped when not installed). Then
-bench.jax_linear's JAX rows on the same shapes (fastce_jax_linear, ..._f32acc, ..._1GiB, XLA matmul + CE, matmul +
-fastce_jax.cross_entropy, the three matmuls alone), host-timed as there, with XLA's temp size as memory.
+upcast logits, Liger's fused linear CE, Apple's Cut Cross-Entropy (skipped when not installed) and
+torch.nn.functional.linear_cross_entropy's chunked path (torch_linear_ce; absent, with a note, where the installed
+torch has none). Then bench.jax_linear's JAX rows on the same shapes (fastce_jax_linear, ..._f32acc, ..._1GiB, XLA
+matmul + CE, matmul + fastce_jax.cross_entropy, the three matmuls alone), host-timed as there, with XLA's temp size
+as memory and their own float32 reference for the accuracy.
 
 `python -m bench --linear --quick`: one shape (8192, 4096, 128256), fastce_torch only, and a correctness check of
-its loss and gradients against a float32 computation (chunked, so it fits): exit status 1 when it fails.
+its loss and gradients against float32_reference: exit status 1 when it fails.
 """
 
 import contextlib
