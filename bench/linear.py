@@ -151,11 +151,14 @@ def torch_linear_cross_entropy():
     import torch
     import torch.nn.functional as F
 
-    if not hasattr(F, "linear_cross_entropy") or not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+    if not hasattr(F, "linear_cross_entropy"):
         raise Unavailable(f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy")
-    options = torch.nn.LinearCrossEntropyOptions()
+    # Without the options class (an older signature) the function's own default path is what is measured.
+    chunked = (
+        {"options": torch.nn.LinearCrossEntropyOptions()} if hasattr(torch.nn, "LinearCrossEntropyOptions") else {}
+    )
     return lambda hidden, weight, labels: F.linear_cross_entropy(
-        hidden, weight, labels, ignore_index=IGNORE_INDEX, options=options
+        hidden, weight, labels, ignore_index=IGNORE_INDEX, **chunked
     )
 
 
