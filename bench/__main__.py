@@ -62,6 +62,10 @@ def parse_args(argv):
         help="internal: run one pass of the GPU run in this process and write its part to --json (the parent "
         "`python -m bench` starts one worker per pass and implementation)",
     )
+    parser.add_argument(
+        "--linear-shapes",
+        help="with --linear: comma-separated NxHxV[:dtype] instead of bench.linear.LINEAR_SHAPES (split a full run)",
+    )
     parser.add_argument("--plot", type=Path, help="PNG of time vs V with the memory floors (needs matplotlib)")
     parser.add_argument(
         "--results-md",
@@ -152,9 +156,10 @@ def main(argv=None) -> int:
         if not gpu_available():
             print("--linear measures cuBLAS matmuls: it needs a GPU (the CPU tests cover correctness)")
             return 2
-        from .linear import main_linear
+        from .linear import main_linear, parse_linear_shapes
 
-        return main_linear(args.quick, args.json)
+        shapes = parse_linear_shapes(args.linear_shapes) if args.linear_shapes else None
+        return main_linear(args.quick, args.json, shapes)
 
     if gpu_available():
         from .runner import run_gpu

@@ -1,6 +1,6 @@
 """JAX rows of the fused linear cross-entropy benchmark (issue 14): the loss from hidden states and the LM head.
 
-    python -m bench.jax_linear                      # GPU: the three issue shapes, every implementation below
+    python -m bench.jax_linear                      # GPU: bench.linear.LINEAR_SHAPES, every implementation below
     python -m bench.jax_linear --shapes 8192x4096x128256 --impls fastce_jax_linear,xla_linear --json out.json
     python -m bench.jax_linear --cpu                # tiny interpreted smoke run (checks the plumbing only)
 
@@ -16,6 +16,9 @@ hidden states and the weight, nothing donated: both are live parameters / activa
 Plus `matmul` (not a loss): the three matmuls of the step alone (logits = h W^T, dh = G W, dW = G^T h with a given
 bf16 G), the ceiling every fused implementation is compared against, measured in the same run.
 
+Accuracy: each row's d hidden and d weight against float32 copies of the same inputs with float32 matmuls
+(precision HIGHEST) and the float32 CE formula, as rms error relative to rms (grad_*_rel_rms).
+
 Time: host-timed like bench/jax_impls.py (K calls queued, one block_until_ready, median of batches).
 Effective TFLOP/s = 6 N H V / time.  Memory: temp_size_in_bytes of the compiled step (XLA scratch; the
 gradients are outputs and are not in it).  Each row's loss is compared with xla_linear's on the same inputs.
@@ -28,22 +31,11 @@ import importlib
 import json
 import sys
 
-from .linear import FASTCE_SETTINGS, IGNORE_INDEX, LINEAR_SHAPES, LinearShape, package_settings
+from .linear import FASTCE_SETTINGS, IGNORE_INDEX, LINEAR_SHAPES, LinearShape, package_settings, parse_linear_shapes
 
 FASTCE_IMPLS = {f"fastce_jax_linear{suffix}": settings for suffix, settings in FASTCE_SETTINGS.items()}
 LINEAR_IMPLS = (*FASTCE_IMPLS, "xla_linear", "matmul+fastce_jax")
 CPU_SHAPES = (LinearShape(96, 32, 1000, "float32"),)
-
-
-def parse_linear_shapes(text):
-    shapes = []
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        dims, _, dtype = item.partition(":")
-        parts = dims.lower().split("x")
-        if len(parts) != 3 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"--shapes: cannot read {item!r}; expected NxHxV or NxHxV:dtype")
-        shapes.append(LinearShape(*map(int, parts), dtype or "bfloat16"))
-    return tuple(shapes)
 
 
 def make_inputs(shape, seed=0):
@@ -70,6 +62,46 @@ def _xla_ce(logits, labels):
     return jnp.sum(jnp.where(keep, lse - z_label, 0.0)) / jnp.maximum(keep.sum(), 1)
 
 
+def float32_reference(hidden, weight, labels, chunk=1024):
+    """The same mean loss on float32 copies of hidden and weight with float32 matmuls (precision HIGHEST) and the
+    float32 CE formula above, row chunk by row chunk (a scan, so it fits): (d hidden, d weight), float32."""
+    import math
+
+    import jax
+    import jax.numpy as jnp
+
+    n, width = hidden.shape
+    chunk = math.gcd(n, chunk)
+    kept = jnp.maximum((labels != IGNORE_INDEX).sum(), 1).astype(jnp.float32)
+
+    def chunk_sum(h, w, y):
+        z = jnp.dot(h, w.T, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        return _xla_ce(z, y) * jnp.maximum((y != IGNORE_INDEX).sum(), 1) / kept
+
+    @jax.jit
+    def grads(hidden, weight, labels):
+        w32 = weight.astype(jnp.float32)
+
+        def step(grad_w, hy):
+            h, y = hy
+            gh, gw = jax.grad(chunk_sum, argnums=(0, 1))(h.astype(jnp.float32), w32, y)
+            return grad_w + gw, gh
+
+        grad_w, grad_h = jax.lax.scan(
+            step, jnp.zeros_like(w32), (hidden.reshape(-1, chunk, width), labels.reshape(-1, chunk))
+        )
+        return grad_h.reshape(n, width), grad_w
+
+    return grads(hidden, weight, labels)
+
+
+def _rel_rms(got, ref):
+    import jax.numpy as jnp
+
+    diff = got.astype(jnp.float32) - ref
+    return float(jnp.sqrt(jnp.mean(diff * diff)) / jnp.sqrt(jnp.mean(ref * ref)))
+
+
 def loss_fn(impl, backend="auto"):
     """(hidden, weight, labels) -> scalar loss; fastce_jax's settings (FASTCE_IMPLS) are applied in `measure`."""
     import fastce_jax
@@ -83,7 +115,7 @@ def loss_fn(impl, backend="auto"):
     raise ValueError(f"unknown implementation {impl!r}; known: {', '.join(LINEAR_IMPLS)}")
 
 
-def measure(impl, shape, inputs, batch_target_ms=50.0, backend="auto") -> dict:
+def measure(impl, shape, inputs, batch_target_ms=50.0, backend="auto", reference=None) -> dict:
     import jax
 
     from .jax_measure import bench_ms
@@ -98,6 +130,9 @@ def measure(impl, shape, inputs, batch_target_ms=50.0, backend="auto") -> dict:
     finite = bool(jax.numpy.isfinite(loss)) and all(
         bool(jax.numpy.isfinite(g[:4].astype("float32")).all()) for g in (dh, dw)
     )
+    errors = {}
+    if reference is not None:
+        errors = {"grad_hidden_rel_rms": _rel_rms(dh, reference[0]), "grad_weight_rel_rms": _rel_rms(dw, reference[1])}
     del dh, dw
     fwd_ms = bench_ms(lambda: fwd(*inputs), batch_target_ms)
     fwdbwd_ms = bench_ms(lambda: step(*inputs)[1][1], batch_target_ms)
@@ -109,6 +144,7 @@ def measure(impl, shape, inputs, batch_target_ms=50.0, backend="auto") -> dict:
         "peak_extra_kind": "xla_temp_size",
         "loss": float(loss),
         "finite": finite,
+        **errors,
     }
 
 
@@ -132,8 +168,11 @@ def measure_matmuls(shape, inputs, batch_target_ms=50.0) -> dict:
     return {"fwdbwd_ms": ms, "TFLOPs": shape.flops / (ms * 1e-3) / 1e12}
 
 
-def run(shapes=LINEAR_SHAPES, impls=LINEAR_IMPLS, batch_target_ms=50.0, backend="auto", say=None) -> dict:
-    """Every implementation on every shape; failures (OOM, missing package) are recorded, the run goes on."""
+def run(
+    shapes=LINEAR_SHAPES, impls=LINEAR_IMPLS, batch_target_ms=50.0, backend="auto", say=None, accuracy=True
+) -> dict:
+    """Every implementation on every shape; failures (OOM, missing package) are recorded, the run goes on. With
+    accuracy, each row's gradients are compared with float32_reference's (grad_*_rel_rms: rms error / rms)."""
     import gc
 
     from .progress import failure
@@ -153,9 +192,16 @@ def run(shapes=LINEAR_SHAPES, impls=LINEAR_IMPLS, batch_target_ms=50.0, backend=
             failures.append({**failure("matmul", None, "measure", exc), **base})
             say(f"matmul {shape}: FAILED {failures[-1]['error']}")
         reference_loss = None
+        reference = None
+        if accuracy:
+            try:
+                reference = float32_reference(*inputs)
+            except Exception as exc:  # noqa: BLE001 - the timings do not depend on it
+                failures.append({**failure("float32_reference", None, "measure", exc), **base})
+                say(f"float32 reference {shape}: FAILED {failures[-1]['error']}")
         for impl in impls:
             try:
-                r = measure(impl, shape, inputs, batch_target_ms, backend)
+                r = measure(impl, shape, inputs, batch_target_ms, backend, reference)
             except Exception as exc:  # noqa: BLE001
                 failures.append({**failure(impl, None, "measure", exc), **base})
                 say(f"{impl} {shape}: FAILED {failures[-1]['error']}")
@@ -169,6 +215,11 @@ def run(shapes=LINEAR_SHAPES, impls=LINEAR_IMPLS, batch_target_ms=50.0, backend=
                 f"{impl} {shape}: {r['fwdbwd_ms']:.2f} ms, {r['TFLOPs']:.0f} TFLOP/s"
                 + (f" ({r['of_matmul']:.0%} of matmul)" if matmul_tflops else "")
                 + f", temp {r['peak_extra_bytes'] / 2**20:.0f} MiB, loss {r['loss']:.5f}"
+                + (
+                    f", dW err {r['grad_weight_rel_rms']:.1e}, dh err {r['grad_hidden_rel_rms']:.1e}"
+                    if "grad_weight_rel_rms" in r
+                    else ""
+                )
             )
             gc.collect()
         for r in rows:
@@ -177,7 +228,7 @@ def run(shapes=LINEAR_SHAPES, impls=LINEAR_IMPLS, batch_target_ms=50.0, backend=
                 r["ok"] = r["finite"] and (
                     reference_loss is None or abs(r["loss"] - reference_loss) <= 2e-3 * abs(reference_loss) + 1e-3
                 )
-        del inputs
+        del inputs, reference
         gc.collect()
     return {"rows": rows, "failures": failures}
 
@@ -185,14 +236,15 @@ def run(shapes=LINEAR_SHAPES, impls=LINEAR_IMPLS, batch_target_ms=50.0, backend=
 def text_table(rows) -> str:
     header = (
         f"{'impl':24s} {'N':>6s} {'H':>5s} {'V':>7s} {'fwd ms':>8s} {'fwd+bwd ms':>10s} {'TFLOP/s':>8s} "
-        f"{'of matmul':>9s} {'temp MiB':>9s} ok"
+        f"{'of matmul':>9s} {'temp MiB':>9s} {'dW err':>8s} {'dh err':>8s} ok"
     )
     lines = [header]
     for r in rows:
         lines.append(
             f"{r['impl']:24s} {r['N']:6d} {r['H']:5d} {r['V']:7d} {r.get('fwd_ms', float('nan')):8.2f} "
             f"{r['fwdbwd_ms']:10.2f} {r['TFLOPs']:8.0f} {r.get('of_matmul', float('nan')):9.2f} "
-            f"{r.get('peak_extra_bytes', 0) / 2**20:9.0f} {r.get('ok', '')}"
+            f"{r.get('peak_extra_bytes', 0) / 2**20:9.0f} {r.get('grad_weight_rel_rms', float('nan')):8.1e} "
+            f"{r.get('grad_hidden_rel_rms', float('nan')):8.1e} {r.get('ok', '')}"
         )
     return "\n".join(lines)
 

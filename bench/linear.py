@@ -4,20 +4,29 @@ Each implementation computes mean CE(hidden @ weight.T, labels) in bf16 (every 7
 gradients for hidden and weight; timed is forward + backward (`torch.autograd.grad(loss, (hidden, weight))`), as
 triton.testing.do_bench medians. Reported per row: time, effective TFLOP/s = 6·N·H·V / time (the three matmuls of
 a forward + backward; implementations that recompute logits do more work than that), its ratio to a plain bf16
-matmul measured in the same run (2·N·H·V flops of hidden @ weight.T), and the peak memory above the inputs
+matmul of the shape measured in the same run (2·N·H·V flops of hidden @ weight.T: of_matmul) and to an 8192³ bf16
+matmul, the card's peak as this run measures it (PEAK_MATMUL: of_peak), the peak memory above the inputs
 (torch.cuda.max_memory_allocated during one call; the gradients of hidden and weight are part of it, and
-`extra beyond grads` subtracts them).
+`extra beyond grads` subtracts them), and the accuracy: the rms error of the weight and hidden gradients relative
+to the rms of a float32 computation of the same loss (float32_reference: float32 copies of the same inputs, float32
+matmuls with TF32 off, fastce's torch reference loss; one per shape).
+
+Shapes: LINEAR_SHAPES, (N, H, V) = (4096, 4096, 128256), (8192, 4096, 128256), (8192, 3584, 152064),
+(8192, 2304, 256000), (32768, 4096, 128256); `--linear-shapes NxHxV,...` picks others (a full run of every row is
+close to ten minutes on an H200: split it in two invocations).
 
 Implementations (torch): fastce_torch.linear_cross_entropy in the FASTCE_SETTINGS configurations, which both
 packages are timed in (fastce_torch_linear: the defaults, a 256 MiB workspace and the weight gradient summed in
 bf16; ..._f32acc: the float32 weight-gradient accumulator; ..._1GiB: a 1 GiB workspace), matmul +
 fastce_torch.cross_entropy (logits materialised, gradient in place), torch.compile of matmul + F.cross_entropy on
-upcast logits, Liger's fused linear CE and Apple's Cut Cross-Entropy (skipped when not installed). Then
-bench.jax_linear's JAX rows on the same shapes (fastce_jax_linear, ..._f32acc, ..._1GiB, XLA matmul + CE, matmul +
-fastce_jax.cross_entropy, the three matmuls alone), host-timed as there, with XLA's temp size as memory.
+upcast logits, Liger's fused linear CE, Apple's Cut Cross-Entropy (skipped when not installed) and
+torch.nn.functional.linear_cross_entropy's chunked path (torch_linear_ce; absent, with a note, where the installed
+torch has none). Then bench.jax_linear's JAX rows on the same shapes (fastce_jax_linear, ..._f32acc, ..._1GiB, XLA
+matmul + CE, matmul + fastce_jax.cross_entropy, the three matmuls alone), host-timed as there, with XLA's temp size
+as memory and their own float32 reference for the accuracy.
 
 `python -m bench --linear --quick`: one shape (8192, 4096, 128256), fastce_torch only, and a correctness check of
-its loss and gradients against a float32 computation (chunked, so it fits): exit status 1 when it fails.
+its loss and gradients against float32_reference: exit status 1 when it fails.
 """
 
 import contextlib
@@ -48,8 +57,29 @@ class LinearShape:
         return f"N={self.N} H={self.H} V={self.V} {self.dtype}"
 
 
-LINEAR_SHAPES = (LinearShape(8192, 4096, 128256), LinearShape(8192, 2304, 256000), LinearShape(32768, 4096, 128256))
+LINEAR_SHAPES = (
+    LinearShape(4096, 4096, 128256),
+    LinearShape(8192, 4096, 128256),
+    LinearShape(8192, 3584, 152064),
+    LinearShape(8192, 2304, 256000),
+    LinearShape(32768, 4096, 128256),
+)
 QUICK_SHAPE = LinearShape(8192, 4096, 128256)
+# The card's peak: a plain square bf16 matmul (2·M·K·N flops) measured in the same run; every row's effective
+# TFLOP/s is also given as a fraction of it (of_peak).
+PEAK_MATMUL = (8192, 8192, 8192)
+
+
+def parse_linear_shapes(text):
+    """'NxHxV[:dtype],...' -> LinearShapes (dtype defaults to bfloat16)."""
+    shapes = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        dims, _, dtype = item.partition(":")
+        parts = dims.lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"--shapes: cannot read {item!r}; expected NxHxV or NxHxV:dtype")
+        shapes.append(LinearShape(*map(int, parts), dtype or "bfloat16"))
+    return tuple(shapes)
 
 
 # The configurations both packages' linear_cross_entropy are timed in, as row-name suffixes and module settings
@@ -115,6 +145,23 @@ def liger():
     return lambda hidden, weight, labels: loss(weight, hidden, labels)
 
 
+def torch_linear_cross_entropy():
+    """torch.nn.functional.linear_cross_entropy's chunked path (LinearCrossEntropyOptions(): its automatic chunking
+    and accumulation policy), where the installed torch has it."""
+    import torch
+    import torch.nn.functional as F
+
+    if not hasattr(F, "linear_cross_entropy"):
+        raise Unavailable(f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy")
+    # Without the options class (an older signature) the function's own default path is what is measured.
+    chunked = (
+        {"options": torch.nn.LinearCrossEntropyOptions()} if hasattr(torch.nn, "LinearCrossEntropyOptions") else {}
+    )
+    return lambda hidden, weight, labels: F.linear_cross_entropy(
+        hidden, weight, labels, ignore_index=IGNORE_INDEX, **chunked
+    )
+
+
 def cut_cross_entropy():
     try:
         from cut_cross_entropy import linear_cross_entropy
@@ -132,6 +179,7 @@ LOADERS = {
     "torch_compile": torch_compile_upcast,
     "liger_flce": liger,
     "cut_cross_entropy": cut_cross_entropy,
+    "torch_linear_ce": torch_linear_cross_entropy,
 }
 
 
@@ -166,12 +214,88 @@ def matmul_tflops(shape):
     return 2.0 * shape.N * shape.H * shape.V / (ms * 1e-3) / 1e12
 
 
-def measure(loss_fn, shape, quick=False):
+def peak_matmul_tflops(dims=None):
+    """A plain bf16 (M, K) @ (K, N) matmul, PEAK_MATMUL by default: the card's peak as this run measures it."""
+    import torch
+
+    from .torch_measure import bench_ms
+
+    m, k, n = dims or PEAK_MATMUL
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    a = torch.randn(m, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+    b = torch.randn(k, n, device=DEVICE, generator=gen).to(torch.bfloat16)
+    out = torch.empty(m, n, device=DEVICE, dtype=torch.bfloat16)
+    ms = bench_ms(lambda: torch.matmul(a, b, out=out), 100, 500)
+    del a, b, out
+    torch.cuda.empty_cache()
+    return 2.0 * m * k * n / (ms * 1e-3) / 1e12
+
+
+@contextlib.contextmanager
+def _no_tf32():
+    import torch
+
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def float32_reference(hidden, weight, labels, chunk=1024):
+    """The same mean loss on float32 copies of hidden and weight with float32 matmuls (TF32 off) and fastce's torch
+    reference loss, in row chunks so that it fits: (loss, d hidden, d weight), all float32."""
+    import torch
+
+    import fastce_torch
+
+    h32, w32 = hidden.detach().float(), weight.detach().float()
+    kept = (labels != IGNORE_INDEX).sum().clamp_min(1).float()
+    loss = torch.zeros((), device=h32.device)
+    grad_hidden = torch.empty_like(h32)
+    grad_weight = torch.zeros_like(w32)
+    with _no_tf32():
+        for start in range(0, h32.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            logits = (h32[rows] @ w32.t()).requires_grad_()
+            chunk_loss = fastce_torch.cross_entropy(logits, labels[rows], reduction="sum", backend="reference") / kept
+            (grad,) = torch.autograd.grad(chunk_loss, logits)
+            loss += chunk_loss.detach()
+            grad_hidden[rows] = grad @ w32
+            grad_weight.addmm_(grad.t(), h32[rows])
+            del logits, grad
+    return loss, grad_hidden, grad_weight
+
+
+def rel_rms(got, ref):
+    """rms(got - ref) / rms(ref), in float32."""
+    return float((got.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+
+
+def gradient_errors(loss_fn, inputs, reference):
+    """One forward + backward of loss_fn: its loss and gradients against float32_reference's."""
+    import torch
+
+    hidden, weight, labels = inputs
+    ref_loss, ref_gh, ref_gw = reference
+    loss = loss_fn(hidden, weight, labels)
+    grad_hidden, grad_weight = torch.autograd.grad(loss, (hidden, weight))
+    errors = {
+        "loss_rel": abs(float(loss.detach()) - float(ref_loss)) / abs(float(ref_loss)),
+        "grad_hidden_rel_rms": rel_rms(grad_hidden, ref_gh),
+        "grad_weight_rel_rms": rel_rms(grad_weight, ref_gw),
+    }
+    del loss, grad_hidden, grad_weight
+    return errors
+
+
+def measure(loss_fn, shape, quick=False, inputs=None, reference=None):
     import torch
 
     from .torch_measure import bench_ms, peak_extra_bytes
 
-    hidden, weight, labels = make_inputs(shape)
+    hidden, weight, labels = inputs or make_inputs(shape)
 
     def fwdbwd():
         return torch.autograd.grad(loss_fn(hidden, weight, labels), (hidden, weight))
@@ -183,78 +307,53 @@ def measure(loss_fn, shape, quick=False):
             fwdbwd()  # compile, JIT, cuBLAS workspaces
         peak = peak_extra_bytes(fwdbwd)
         ms = bench_ms(fwdbwd, 50 if quick else 200, 300 if quick else 1500)
+        errors = {} if reference is None else gradient_errors(loss_fn, (hidden, weight, labels), reference)
     finally:
         del hidden, weight, labels
         gc.collect()
         torch.cuda.empty_cache()
     gradients = shape.N * shape.H * 2 + shape.V * shape.H * 2
-    return {"fwdbwd_ms": ms, "peak_extra_bytes": peak, "extra_beyond_grads_bytes": peak - gradients, "loss": loss}
+    return {
+        "fwdbwd_ms": ms,
+        "peak_extra_bytes": peak,
+        "extra_beyond_grads_bytes": peak - gradients,
+        "loss": loss,
+        **errors,
+    }
 
 
 def check_fastce(shape, chunk=1024):
-    """fastce_torch.linear_cross_entropy at `shape` against float32 (logits in float32 row chunks, TF32 off):
-    returns a dict of relative errors and whether they are within bf16 expectations."""
+    """fastce_torch.linear_cross_entropy at `shape` against float32 (float32_reference): returns a dict of relative
+    errors and whether they are within bf16 expectations."""
     import torch
 
     import fastce_torch
 
-    hidden, weight, labels = make_inputs(shape)
-    loss = fastce_torch.linear_cross_entropy(hidden, weight, labels)
-    grad_hidden, grad_weight = torch.autograd.grad(loss, (hidden, weight))
-    h32, w32 = hidden.detach().float(), weight.detach().float()
-    kept = (labels != IGNORE_INDEX).sum().float()
-    ref_loss = torch.zeros((), device=DEVICE)
-    ref_gh = torch.empty_like(h32)
-    ref_gw = torch.zeros_like(w32)
-    previous_tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        for start in range(0, shape.N, chunk):
-            rows = slice(start, start + chunk)
-            logits = h32[rows] @ w32.t()
-            y = labels[rows]
-            ref_loss += torch.nn.functional.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
-            grad = torch.softmax(logits, -1)
-            kept_rows = y != IGNORE_INDEX
-            grad[kept_rows, y[kept_rows]] -= 1
-            grad[~kept_rows] = 0
-            grad /= kept
-            ref_gh[rows] = grad @ w32
-            ref_gw += grad.t() @ h32[rows]
-            del logits, grad
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous_tf32
-    ref_loss /= kept
-
-    def rel_rms(got, ref):
-        return float((got.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
-
-    errors = {
-        "loss_rel": abs(float(loss.detach()) - float(ref_loss)) / abs(float(ref_loss)),
-        "grad_hidden_rel_rms": rel_rms(grad_hidden, ref_gh),
-        "grad_weight_rel_rms": rel_rms(grad_weight, ref_gw),
-    }
+    inputs = make_inputs(shape)
+    reference = float32_reference(*inputs, chunk=chunk)
+    errors = gradient_errors(fastce_torch.linear_cross_entropy, inputs, reference)
     # bf16 logits and gradients: one rounding each is ~2e-3 rms relative; the weight gradient adds one rounding per
     # chunk (see fastce_torch/linear_cross_entropy.py). A wrong formula is off by far more.
     errors["ok"] = (
         errors["loss_rel"] < 1e-3 and errors["grad_hidden_rel_rms"] < 1e-2 and errors["grad_weight_rel_rms"] < 2e-2
     )
-    del hidden, weight, labels, grad_hidden, grad_weight, ref_gh, ref_gw
+    del inputs, reference
     torch.cuda.empty_cache()
     return errors
 
 
-def _row(impl, shape, measured, matmul_tflops):
+def _row(impl, shape, measured, matmul_tflops, peak_tflops):
     tflops = shape.flops / (measured["fwdbwd_ms"] * 1e-3) / 1e12
     row = {"impl": impl, "N": shape.N, "H": shape.H, "V": shape.V, "dtype": shape.dtype, **measured}
-    row.update(effective_TFLOPs=tflops, of_matmul=tflops / matmul_tflops)
+    row.update(effective_TFLOPs=tflops, of_matmul=tflops / matmul_tflops, of_peak=tflops / peak_tflops)
     return row
 
 
-def _add_jax_rows(shapes, matmul, rows, failures):
+def _add_jax_rows(shapes, matmul, peak, rows, failures):
     """bench.jax_linear's rows on the same shapes, in this table's terms: of_matmul against the torch bf16 matmul
-    measured above (their own three-matmul ceiling is kept as of_jax_matmuls); memory is XLA's temp size, which
-    does not hold the gradients (outputs), so it is the extra beyond the gradients."""
+    measured above (their own three-matmul ceiling is kept as of_jax_matmuls), of_peak against the square matmul;
+    memory is XLA's temp size, which does not hold the gradients (outputs), so it is the extra beyond the gradients;
+    their gradient errors are against JAX's own float32 computation on their inputs."""
     try:
         from . import jax_linear
         from .jax_measure import has_gpu
@@ -271,61 +370,86 @@ def _add_jax_rows(shapes, matmul, rows, failures):
         row = dict(r, impl="jax_three_matmuls" if r["impl"] == "matmul" else r["impl"])
         if "of_matmul" in row:
             row["of_jax_matmuls"] = row.pop("of_matmul")
-        row.update(effective_TFLOPs=r["TFLOPs"], of_matmul=r["TFLOPs"] / matmul[str(shape)])
+        row.update(effective_TFLOPs=r["TFLOPs"], of_matmul=r["TFLOPs"] / matmul[str(shape)], of_peak=r["TFLOPs"] / peak)
         row.setdefault("peak_extra_bytes", 0)
         row["extra_beyond_grads_bytes"] = row["peak_extra_bytes"]
         rows.append(row)
     failures.extend(result["failures"])
 
 
-def run_linear(quick=False, impls=None, shapes=None, with_jax=None):
+def _say_row(r):
+    accuracy = (
+        f", dW err {r['grad_weight_rel_rms']:.1e}, dh err {r['grad_hidden_rel_rms']:.1e}"
+        if "grad_weight_rel_rms" in r
+        else ""
+    )
+    say(
+        f"{r['impl']:28s} N={r['N']} H={r['H']} V={r['V']}: {r['fwdbwd_ms']:.2f} ms, {r['effective_TFLOPs']:.0f} "
+        f"TFLOP/s ({r['of_matmul']:.0%} of matmul, {r['of_peak']:.0%} of peak), peak extra "
+        f"{r['peak_extra_bytes'] / MiB:.0f} MiB ({r['extra_beyond_grads_bytes'] / MiB:.0f} beyond the gradients), "
+        f"loss {r['loss']:.5f}{accuracy}"
+    )
+
+
+def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=None):
+    """Every implementation on every shape, shape by shape (one float32 reference per shape for the accuracy
+    columns, `accuracy` defaults to on except with quick)."""
     import torch
 
     from . import envinfo
 
     shapes = shapes or ((QUICK_SHAPE,) if quick else LINEAR_SHAPES)
     with_jax = (not quick and DEVICE == "cuda") if with_jax is None else with_jax
+    accuracy = (not quick) if accuracy is None else accuracy
     impls = impls or (
         ["fastce_torch_linear", "fastce_torch_linear_1GiB", "matmul+fastce_torch"] if quick else list(LOADERS)
     )
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
     rows, failures = [], []
+    peak = peak_matmul_tflops()
+    say(f"bf16 matmul {'x'.join(map(str, PEAK_MATMUL))} (the peak): {peak:.0f} TFLOP/s")
     matmul = {}
     for shape in shapes:
         matmul[str(shape)] = matmul_tflops(shape)
         say(f"bf16 matmul {shape}: {matmul[str(shape)]:.0f} TFLOP/s")
+    loaded = {}
     for impl in impls:
         try:
-            loss_fn = LOADERS[impl]()
+            loaded[impl] = LOADERS[impl]()
         except Exception as exc:  # noqa: BLE001 - a missing package must not stop the run
             failures.append(failure(impl, None, "load", exc))
             say(f"{impl}: skipped ({failures[-1]['error']})")
-            continue
-        for shape in shapes:
+    for shape in shapes:
+        inputs = make_inputs(shape)
+        reference = float32_reference(*inputs) if accuracy else None
+        for impl, loss_fn in loaded.items():
             try:
-                measured = measure(loss_fn, shape, quick=quick)
+                measured = measure(loss_fn, shape, quick=quick, inputs=inputs, reference=reference)
             except Exception as exc:  # noqa: BLE001 - OOM is a result too
                 failures.append({"impl": impl, "shape": str(shape), "stage": "measure", "error": error_text(exc)})
                 say(f"{impl} {shape}: FAILED {failures[-1]['error']}")
+                gc.collect()
+                torch.cuda.empty_cache()
                 continue
-            rows.append(_row(impl, shape, measured, matmul[str(shape)]))
-            r = rows[-1]
-            say(
-                f"{impl:28s} {shape}: {r['fwdbwd_ms']:.2f} ms, {r['effective_TFLOPs']:.0f} TFLOP/s "
-                f"({r['of_matmul']:.0%} of matmul), peak extra {r['peak_extra_bytes'] / MiB:.0f} MiB "
-                f"({r['extra_beyond_grads_bytes'] / MiB:.0f} beyond the gradients), loss {r['loss']:.5f}"
-            )
-    torch.cuda.empty_cache()
+            rows.append(_row(impl, shape, measured, matmul[str(shape)], peak))
+            _say_row(rows[-1])
+        del inputs, reference
+        gc.collect()
+        torch.cuda.empty_cache()
     if with_jax:
-        _add_jax_rows(shapes, matmul, rows, failures)
+        _add_jax_rows(shapes, matmul, peak, rows, failures)
     result = {
         "mode": "linear",
         "device": device,
         "date": envinfo.today(),
         "commit": envinfo.git_commit(),
+        "torch": torch.__version__,
+        "peak_matmul": {"shape": list(PEAK_MATMUL), "TFLOPs": peak},
         "matmul_TFLOPs": matmul,
         "rows": rows,
     }
+    if "torch_linear_ce" in impls and "torch_linear_ce" not in loaded:
+        result["note"] = f"no torch_linear_ce row: torch {torch.__version__} has no F.linear_cross_entropy"
     if failures:
         result["failures"] = failures
     if quick:
@@ -334,8 +458,25 @@ def run_linear(quick=False, impls=None, shapes=None, with_jax=None):
     return result
 
 
+def _error_cell(r, key):
+    return f"{r[key]:.1e}" if key in r else "-"
+
+
 def text_table(result):
-    header = ("impl", "N", "H", "V", "fwd+bwd ms", "TFLOP/s (6NHV)", "of matmul", "peak extra MiB", "beyond grads MiB")
+    header = (
+        "impl",
+        "N",
+        "H",
+        "V",
+        "fwd+bwd ms",
+        "TFLOP/s (6NHV)",
+        "of matmul",
+        "of peak",
+        "peak extra MiB",
+        "beyond grads MiB",
+        "dW rel rms err",
+        "dh rel rms err",
+    )
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in result["rows"]:
         cells = (
@@ -346,16 +487,29 @@ def text_table(result):
             f"{r['fwdbwd_ms']:.2f}",
             f"{r['effective_TFLOPs']:.0f}",
             f"{r['of_matmul']:.0%}",
+            f"{r['of_peak']:.0%}" if "of_peak" in r else "-",
             f"{r['peak_extra_bytes'] / MiB:.0f}" + (" (temp)" if r.get("peak_extra_kind") == "xla_temp_size" else ""),
             f"{r['extra_beyond_grads_bytes'] / MiB:.0f}",
+            _error_cell(r, "grad_weight_rel_rms"),
+            _error_cell(r, "grad_hidden_rel_rms"),
         )
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     matmul = ", ".join(f"{shape}: {tf:.0f}" for shape, tf in result["matmul_TFLOPs"].items())
-    return "\n".join(lines) + f"\n\nbf16 matmul TFLOP/s in the same run: {matmul}"
+    text = "\n".join(lines) + f"\n\nbf16 matmul TFLOP/s in the same run: {matmul}"
+    if "peak_matmul" in result:
+        dims = "x".join(map(str, result["peak_matmul"]["shape"]))
+        text += f"; the peak ({dims} bf16 matmul): {result['peak_matmul']['TFLOPs']:.0f}"
+    text += (
+        "\nGradient errors: rms(g - g32) / rms(g32), g32 from float32 copies of the same inputs, float32 matmuls and"
+        " the reference loss."
+    )
+    if "note" in result:
+        text += f"\n{result['note']}"
+    return text
 
 
-def main_linear(quick, json_path=None) -> int:
-    result = run_linear(quick=quick)
+def main_linear(quick, json_path=None, shapes=None) -> int:
+    result = run_linear(quick=quick, shapes=shapes)
     print(f"\n{result['device']}, commit {result['commit']}\n")
     print(text_table(result))
     for f in result.get("failures", []):

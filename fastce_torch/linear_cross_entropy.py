@@ -26,7 +26,14 @@ H=4096), twice a bf16 gradient. Measured (bf16 weight gradient of a softmax-grad
 truth; fastce_torch/tests/test_linear_cross_entropy.py::test_weight_gradient_accumulation_error), its rms error
 relative to its rms is 2.2e-3 with one rounding (the float32 accumulator), 3.7e-3 with 8 chunks, 6.5e-3 with 32 and
 1.2e-2 with 128. The default workspace gives 8 chunks at N=8192, V=128256 (bf16), 16 at N=8192, V=256000.
+
+Autocast: under torch.autocast for the tensors' device type the matmuls run in the autocast dtype, as F.linear's do:
+hidden is cast at the entry (through autograd), weight and bias inside the computation (a copy of each), so that a
+weight in another dtype (a float32 master weight) has its gradient accumulated in float32 and handed back in its own
+dtype. The kernels' own code runs with autocast off.
 """
+
+import contextlib
 
 import torch
 
@@ -95,11 +102,30 @@ def _chunk_logits(workspace, hidden_chunk, weight, bias):
     return workspace
 
 
+def _in_compute_dtype(hidden, weight, bias):
+    """weight and bias in hidden's dtype, the one the matmuls run in: a cast copy only under autocast, where the
+    (float32 master) weight and bias stay as given so that their gradients are accumulated in their own dtype."""
+    return weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
+
+
+def _interior(hidden):
+    """The kernels' own code runs without gradient tracking and without autocast: its matmuls run exactly in the
+    dtype linear_cross_entropy chose (autocast was already applied at its entry)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(kernels.on_device(hidden))
+    stack.enter_context(torch.no_grad())
+    stack.enter_context(torch.autocast(hidden.device.type, enabled=False))
+    return stack
+
+
 def _new_grads(hidden, weight, bias, needs):
     need_hidden, need_weight, need_bias = needs
     grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
-    # Accumulated over chunks (addmm with beta=1), so it starts at zero.
-    accumulate_dtype = torch.float32 if ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 else weight.dtype
+    # Accumulated over chunks (addmm with beta=1), so it starts at zero. A weight that is not in the compute dtype
+    # (a float32 master weight under autocast) gets a float32 accumulator: its gradient is float32 anyway, and one
+    # rounding at the end is more accurate than rounding every chunk to the compute dtype and casting back.
+    float32_accumulator = ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 or weight.dtype != hidden.dtype
+    accumulate_dtype = torch.float32 if float32_accumulator else weight.dtype
     grad_weight = torch.zeros(weight.shape, dtype=accumulate_dtype, device=weight.device) if need_weight else None
     grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
     return grad_hidden, grad_weight, grad_bias
@@ -147,31 +173,33 @@ def _fused_forward(hidden, weight, bias, labels, options, denominator=None, need
     sum_t loss_t / denominator (a 1-element float32 device tensor) computed chunk by chunk. Returns
     (token_losses, lse, (grad_hidden, grad_weight, grad_bias)), None for gradients not needed."""
     n_rows = hidden.shape[0]
-    with kernels.on_device(hidden), torch.no_grad():
+    with _interior(hidden):
+        weight_c, bias_c = _in_compute_dtype(hidden, weight, bias)
         token_losses = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
         grads = _new_grads(hidden, weight, bias, needs)
         one = torch.ones((), dtype=torch.float32, device=hidden.device)
-        for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight, bias, labels):
+        for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight_c, bias_c, labels):
             loss_chunk, lse_chunk = _ce_forward(logits, labels_chunk, options)
             token_losses[rows] = loss_chunk
             lse[rows] = lse_chunk
             if any(needs):
                 _ce_backward_in_place(logits, labels_chunk, lse_chunk, one, options, denominator)
-                _accumulate_grads(logits, hidden_chunk, weight, rows, grads)
+                _accumulate_grads(logits, hidden_chunk, weight_c, rows, grads)
         return token_losses, lse, _finish_grads(grads, weight, bias)
 
 
 def _fused_backward(grad_losses, hidden, weight, bias, labels, lse, options, needs):
     """Gradients of sum_t grad_losses_t * loss_t, recomputing each chunk's logits from hidden and weight."""
     # no_grad: under create_graph=True autograd runs backward with grad mode on, and these are kernels and out= ops.
-    with kernels.on_device(hidden), torch.no_grad():
+    with _interior(hidden):
         grads = _new_grads(hidden, weight, bias, needs)
         if not any(needs):
             return grads
-        for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight, bias, labels):
+        weight_c, bias_c = _in_compute_dtype(hidden, weight, bias)
+        for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight_c, bias_c, labels):
             _ce_backward_in_place(logits, labels_chunk, lse[rows], grad_losses[rows], options)
-            _accumulate_grads(logits, hidden_chunk, weight, rows, grads)
+            _accumulate_grads(logits, hidden_chunk, weight_c, rows, grads)
         return _finish_grads(grads, weight, bias)
 
 
@@ -405,6 +433,19 @@ def _common_dtype(hidden, weight, bias):
     return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
+def _autocast_or_common_dtype(hidden, weight, bias):
+    """Under torch.autocast for the tensors' device type the matmuls run in the autocast dtype, as F.linear's do:
+    hidden is cast (through autograd, so its gradient comes back in its own dtype, as F.linear's would); weight and
+    bias are cast inside the computation instead, and their gradients accumulated and handed back in their own
+    dtype. float64 is not autocast-eligible (torch leaves it alone) and keeps the promotion rule. Without autocast,
+    mixed dtypes compute in their promoted dtype (_common_dtype)."""
+    device_type = hidden.device.type
+    tensors = [t for t in (hidden, weight, bias) if t is not None]
+    if not torch.is_autocast_enabled(device_type) or any(t.dtype == torch.float64 for t in tensors):
+        return _common_dtype(hidden, weight, bias)
+    return hidden.to(torch.get_autocast_dtype(device_type)), weight, bias
+
+
 def _denominator(labels, reduction, n_items, ignore_index):
     """What the summed loss is divided by, as a 1-element float32 tensor on labels' device, without a host sync."""
     if n_items is not None:
@@ -466,7 +507,7 @@ def linear_cross_entropy(
     options = Options(
         ignore_index, float(logit_softcapping), float(logit_scaling), float(label_smoothing), float(z_loss)
     )
-    hidden, weight, bias = _common_dtype(hidden, weight, bias)
+    hidden, weight, bias = _autocast_or_common_dtype(hidden, weight, bias)
     use_kernel = backend == "kernel" or (backend == "auto" and hidden.is_cuda)
     if not use_kernel:
         token_losses = _reference_token_losses(torch.nn.functional.linear(hidden, weight, bias), labels, options)

@@ -151,11 +151,9 @@ class _FusedCall:
 
     def lm_head_forward(self, hidden_states):
         lm_head = self.model.lm_head
+        # Under autocast linear_cross_entropy runs the matmuls in the autocast dtype, as lm_head's F.linear would,
+        # and accumulates a float32 weight's gradient in float32.
         weight, bias = lm_head.weight, lm_head.bias
-        if torch.is_autocast_enabled(hidden_states.device.type):  # lm_head's matmul would run in this dtype
-            dtype = torch.get_autocast_dtype(hidden_states.device.type)
-            hidden_states, weight = hidden_states.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
         softcap = getattr(self.model.config, "final_logit_softcapping", None) or 0.0
         options = {k: v for k, v in _state["options"].items() if k != "inplace_backward"}
         kwargs = self.loss_kwargs

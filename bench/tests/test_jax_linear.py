@@ -19,6 +19,8 @@ def test_run_on_cpu(monkeypatch):
     for impl in jax_linear.LINEAR_IMPLS:
         assert ROW_KEYS <= set(rows[impl]) and rows[impl]["ok"] is True, rows[impl]
         assert isinstance(rows[impl]["peak_extra_bytes"], int) and rows[impl]["fwdbwd_ms"] > 0
+        # float32 inputs: every implementation is the float32 computation up to float32 rounding.
+        assert 0 <= rows[impl]["grad_weight_rel_rms"] < 1e-5 and 0 <= rows[impl]["grad_hidden_rel_rms"] < 1e-5
     assert abs(rows["fastce_jax_linear"]["loss"] - rows["xla_linear"]["loss"]) < 1e-4
 
 

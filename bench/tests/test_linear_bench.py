@@ -11,6 +11,7 @@ def on_cpu(monkeypatch):
     monkeypatch.setattr(linear, "DEVICE", "cpu")
     monkeypatch.setattr(torch_measure, "bench_ms", lambda fn, warmup, rep: (fn(), 2.0)[1])
     monkeypatch.setattr(torch_measure, "peak_extra_bytes", lambda fn: (fn(), 3 << 20)[1])
+    monkeypatch.setattr(linear, "PEAK_MATMUL", (32, 16, 24))  # bench_ms stubbed at 2 ms
 
 
 def test_run_linear_quick_on_tiny_shapes(on_cpu):
@@ -28,8 +29,48 @@ def test_run_linear_quick_on_tiny_shapes(on_cpu):
     losses = {r["loss"] for r in result["rows"]}
     assert max(losses) - min(losses) < 1e-5  # the same loss from both
     assert result["check"]["ok"] and result["check"]["loss_rel"] < 1e-5
+    peak = 2 * 32 * 16 * 24 / 2e-3 / 1e12
+    assert result["peak_matmul"] == {"shape": [32, 16, 24], "TFLOPs": pytest.approx(peak)}
+    for row in result["rows"]:
+        assert row["of_peak"] == pytest.approx(row["effective_TFLOPs"] / peak)
     table = linear.text_table(result)
-    assert "fastce_torch_linear" in table and "of matmul" in table
+    assert "fastce_torch_linear" in table and "of matmul" in table and "of peak" in table
+
+
+def test_accuracy_columns_against_float32(on_cpu):
+    """Every row has its gradients' rms error relative to a float32 computation: on float32 inputs (CPU: torch's
+    float32 matmuls either way) tiny; on bf16 inputs of bf16 size, and the f32acc setting never worse by much."""
+    impls = ["fastce_torch_linear", "fastce_torch_linear_f32acc", "matmul+fastce_torch", "torch_linear_ce"]
+    shape32 = linear.LinearShape(64, 16, 300, "float32")
+    shape16 = linear.LinearShape(64, 32, 300, "bfloat16")
+    result = linear.run_linear(impls=impls, shapes=(shape32, shape16), with_jax=False)
+    names = {r["impl"] for r in result["rows"]}
+    import torch.nn.functional as F
+
+    if hasattr(F, "linear_cross_entropy"):
+        assert "torch_linear_ce" in names and "note" not in result
+    else:
+        assert "no torch_linear_ce row" in result["note"]
+    assert names >= set(impls[:3])
+    for row in result["rows"]:
+        errors = (row["grad_weight_rel_rms"], row["grad_hidden_rel_rms"])
+        if row["dtype"] == "float32":
+            assert max(errors) < 1e-5, row
+        else:
+            assert 1e-5 < max(errors) < 2e-2, row  # bf16 rounding shows, a wrong formula would be ~1
+    table = linear.text_table(result)
+    assert "dW rel rms err" in table and "e-0" in table
+
+
+def test_parse_linear_shapes():
+    assert linear.parse_linear_shapes("4096x4096x128256, 8x4x10:float32") == (
+        linear.LinearShape(4096, 4096, 128256),
+        linear.LinearShape(8, 4, 10, "float32"),
+    )
+    assert linear.LinearShape(8192, 3584, 152064) in linear.LINEAR_SHAPES
+    assert linear.LinearShape(4096, 4096, 128256) in linear.LINEAR_SHAPES
+    with pytest.raises(ValueError, match="NxHxV"):
+        linear.parse_linear_shapes("8192x4096")
 
 
 def test_optional_implementations_are_reported_not_fatal(on_cpu):

@@ -3,6 +3,12 @@ fastce_torch.patch_transformers(): same weights, same batches, same optimizer.
 
     python -m bench.tools.transformers_step --json bench/results/transformers-step-h200.json
 
+Modes (--modes, default transformers,fastce,fastce_fused,liger_flce): transformers (stock loss), fastce
+(patch_transformers(): fastce's loss on the logits), fastce-no-inplace, fastce_fused (patch_transformers(
+fused_linear=True): linear_cross_entropy from the hidden states, no logits) and liger_flce (Liger-Kernel's fused
+linear cross-entropy forward on the model, its other kernels off; skipped, with the reason, when liger_kernel does
+not import or the device is not CUDA).
+
 Defaults: Llama-3.2-1B's shape cut to 2 layers (hidden 2048, 16 heads / 8 KV heads, MLP 8192, vocab 128256), bf16
 weights, AdamW, batch 8 x 1024 tokens. With 2 layers the (8192 x 128256) logits dominate the step, which is where
 the loss matters: transformers upcasts them to float32 (4.2 GB) and keeps float32 log-probabilities and their
@@ -34,7 +40,30 @@ MODES = {
     "transformers": None,  # transformers' ForCausalLMLoss (float32 upcast, F.cross_entropy)
     "fastce": dict(inplace_backward=True),
     "fastce-no-inplace": dict(inplace_backward=False),
+    # lm_head + loss from the hidden states, no logits (linear_cross_entropy)
+    "fastce_fused": dict(fused_linear=True),
+    # Liger-Kernel's fused linear cross-entropy on this model only (its RoPE / RMSNorm / SwiGLU kernels left off, so
+    # that only the loss differs); skipped when liger_kernel does not import
+    "liger_flce": "liger",
 }
+
+
+def apply_liger_flce(model):
+    """Liger's fused linear cross-entropy forward on `model` (an instance patch: nothing global to undo)."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+    apply_liger_kernel_to_llama(
+        rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True, model=model
+    )
+
+
+def liger_available():
+    """None when liger_kernel imports, else why not."""
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except Exception as error:  # noqa: BLE001 - any import failure means the mode is skipped
+        return f"liger_kernel does not import: {error!r}"
+    return None
 
 
 def parse_args(argv=None):
@@ -56,7 +85,11 @@ def parse_args(argv=None):
     parser.add_argument("--tie-embeddings", action="store_true", help="tie lm_head to the embedding (Llama 3.2)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--modes", default="transformers,fastce", help=f"comma-separated, from {', '.join(MODES)}")
+    parser.add_argument(
+        "--modes",
+        default="transformers,fastce,fastce_fused,liger_flce",
+        help=f"comma-separated, from {', '.join(MODES)}",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the results here")
@@ -123,9 +156,11 @@ class Timer:
 
 def run_mode(mode, args, batches):
     fastce_torch.unpatch_transformers()
-    if MODES[mode] is not None:
+    if isinstance(MODES[mode], dict):
         fastce_torch.patch_transformers(**MODES[mode])
     model = build_model(args)
+    if MODES[mode] == "liger":
+        apply_liger_flce(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     cuda = torch.device(args.device).type == "cuda"
     autocast = torch.autocast(
@@ -190,7 +225,13 @@ def main(argv=None):
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: use --device cpu (with small sizes) for a smoke run")
     batches = make_batches(args, args.warmup + args.steps)
-    results = {mode: run_mode(mode, args, batches) for mode in args.modes}
+    skipped = {}
+    if "liger_flce" in args.modes:
+        why = "its kernels need CUDA" if torch.device(args.device).type != "cuda" else liger_available()
+        if why is not None:
+            skipped["liger_flce"] = why
+            print(f"liger_flce skipped: {skipped['liger_flce']}", file=sys.stderr)
+    results = {mode: run_mode(mode, args, batches) for mode in args.modes if mode not in skipped}
 
     gib = 2.0**-30
     print(
@@ -236,6 +277,7 @@ def main(argv=None):
                     "environment": environment(args),
                     "results": results,
                     "vs_transformers": summary,
+                    "skipped": skipped,
                 },
                 f,
                 indent=1,

@@ -357,3 +357,102 @@ def test_second_order_gradients_raise(reduction, device):
     (grad_hidden,) = torch.autograd.grad(loss.sum(), hidden, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiable once"):
         grad_hidden.sum().backward()
+
+
+# --- autocast -----------------------------------------------------------------------------------------------------
+
+
+def _rel_rms(got, want):
+    got, want = got.double(), want.double()
+    return float((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
+
+
+def _autocast_case(device, with_bias, reduction):
+    """float32 hidden, weight and bias (master weights), as a Trainer with bf16=True on a float32 model has them."""
+    hidden, weight, bias, labels = problem(device, n=24, width=32, vocab=90, bias=with_bias)
+    upstream = torch.linspace(0.5, 1.5, labels.numel(), device=device).view(labels.shape)
+    return [hidden, weight, bias], labels, (upstream if reduction == "none" else None)
+
+
+def _check_autocast_result(loss, got, inputs, labels, upstream, reduction):
+    """Equal to F.linear + cross_entropy under the same autocast within bf16 rounding, gradients in float32, and
+    visibly not the float32 computation (the matmuls ran in bf16)."""
+    hidden, weight, bias = inputs
+    with torch.autocast(hidden.device.type, dtype=torch.bfloat16):
+        ref = unfused(hidden, weight, labels, bias, reduction=reduction)
+    want = grads_of(ref, inputs, upstream)
+    fp32 = grads_of(unfused(hidden, weight, labels, bias, reduction=reduction), inputs, upstream)
+    assert [g.dtype for g in got] == [t.dtype for t in inputs if t is not None] == [torch.float32] * len(got)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss).all()
+    # bf16 logits: the losses of two bf16 computations differ by the logits' roundings only.
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=5e-3, atol=5e-3)
+    for g, w, f in zip(got, want, fp32):
+        assert torch.isfinite(g).all()
+        assert _rel_rms(g, w) < 2e-2, "not F.linear's autocast result"
+        # float32 matmuls would agree with the float32 computation to ~1e-7.
+        assert _rel_rms(g, f) > 1e-4, "the matmuls did not run in bf16"
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_autocast_matmuls_in_the_autocast_dtype(reduction, with_bias, device, chunk_rows):
+    """Under torch.autocast(bfloat16) with float32 master weights the matmuls run in bf16, as F.linear's do, and
+    each gradient comes back in its own tensor's float32."""
+    inputs, labels, upstream = _autocast_case(device, with_bias, reduction)
+    chunk_rows(8)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        loss = linear_cross_entropy(*inputs[:2], labels, bias=inputs[2], reduction=reduction, backend="kernel")
+    got = grads_of(loss, inputs, upstream)
+    _check_autocast_result(loss, got, inputs, labels, upstream, reduction)
+
+
+def test_autocast_weight_gradient_accumulates_in_float32(device, chunk_rows, monkeypatch):
+    """A float32 master weight's gradient is accumulated in float32 (not rounded to bf16 per chunk): with float32
+    accumulation forced on or left off it is the same tensor."""
+    inputs, labels, _ = _autocast_case(device, True, "mean")
+    chunk_rows(4)
+    results = []
+    for flag in (False, True):
+        monkeypatch.setattr(module, "ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32", flag)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = linear_cross_entropy(*inputs[:2], labels, bias=inputs[2], backend="kernel")
+        results.append(torch.autograd.grad(loss, inputs[1]))
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+    # Not a bf16 value cast up: a float32 accumulator leaves low mantissa bits set.
+    assert (results[0][0] != results[0][0].bfloat16().float()).any()
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available:UserWarning")
+def test_autocast_disabled_or_other_device_type_is_float32(device):
+    """autocast disabled, or enabled for another device type than the tensors', changes nothing."""
+    inputs, labels, _ = _autocast_case(device, True, "mean")
+    expected = linear_cross_entropy(*inputs[:2], labels, bias=inputs[2], backend="kernel")
+    other = "cuda" if device.type == "cpu" else "cpu"
+    for context in (torch.autocast(device.type, dtype=torch.bfloat16, enabled=False), torch.autocast(other)):
+        with context:
+            loss = linear_cross_entropy(*inputs[:2], labels, bias=inputs[2], backend="kernel")
+        torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_autocast_under_torch_compile(reduction, device, chunk_rows):
+    """The custom-op path follows autocast the same way (fullgraph, the fastce ops in the graph)."""
+    from fastce_torch.tests.test_compile import ops_in, recording_backend
+
+    inputs, labels, upstream = _autocast_case(device, True, reduction)
+    chunk_rows(8)
+
+    def fn(hidden, weight, bias, labels):
+        with torch.autocast(hidden.device.type, dtype=torch.bfloat16):
+            return linear_cross_entropy(hidden, weight, labels, bias=bias, reduction=reduction, backend="kernel")
+
+    torch._dynamo.reset()
+    backend, graphs = recording_backend()
+    try:
+        loss = torch.compile(fn, fullgraph=True, backend=backend)(*inputs, labels)
+        got = grads_of(loss, inputs, upstream)
+    finally:
+        torch._dynamo.reset()
+    name = "linear_cross_entropy_forward" if reduction == "none" else "linear_cross_entropy_reduced"
+    assert f"fastce.{name}.default" in ops_in(graphs["forward"])
+    _check_autocast_result(loss, got, inputs, labels, upstream, reduction)
