@@ -41,7 +41,7 @@ for stage in "$@"; do
     bench)
       timeout 560 python3 -m bench --results-md 2>"$OUT/bench-progress.log" | tail -50
       grep -E "FAILED|Traceback|killed|exited with|no CUDA graph|no leaf|priming" "$OUT/bench-progress.log" | tail -20
-      cp bench/results/*.json bench/results/*.png bench/RESULTS.md "$OUT/" 2>/dev/null ;;
+      cp bench/RESULTS.md "$OUT/"; cp $(ls -t bench/results/*.json | head -1) $(ls -t bench/results/*.png | head -1) "$OUT/" 2>/dev/null ;;
     bench-torch|bench-jax)
       timeout 560 python3 -m bench --frameworks "${stage#bench-}" --json "$OUT/$stage.json" \
         2>"$OUT/$stage-progress.log" | tail -32
