@@ -132,6 +132,34 @@ def _check_args(
     return logits, labels, n_items, int(ignore_index), scaling, softcap, smoothing, z_loss
 
 
+def _check_shift(shift) -> int:
+    """shift as an int: True is 1, False 0; position t of the sequence (labels' last axis) is then scored against
+    label t + shift."""
+    if not isinstance(shift, numbers.Integral):
+        raise TypeError(f"shift must be a non-negative int (True means 1), got {shift!r}")
+    if shift < 0:
+        raise ValueError(f"shift must be >= 0, got {shift}")
+    return int(shift)
+
+
+def _shifted_labels(labels, shift: int, ignore_index: int):
+    """labels[..., shift:] followed by `shift` ignore_index columns (all ignore_index when shift >= the sequence
+    length), and the length of the kept part. The kernels then run on the full, unsliced logits: their last `shift`
+    positions are ignored rows (a zero gradient), so the loss equals that of (logits[..., :-shift, :],
+    labels[..., shift:]) without slicing the logits (a logits-sized copy, and a padded gradient). O(N) integers."""
+    if labels.ndim < 1:
+        raise ValueError("shift needs labels with a sequence axis (their last), got 0-d labels")
+    if kernels._ignore_index_for(labels, ignore_index) is None:
+        raise ValueError(
+            f"shift pads the labels with ignore_index ({ignore_index}), which {labels.dtype} labels cannot hold; "
+            "pass an ignore_index in int32's range"
+        )
+    xp = np if isinstance(labels, np.ndarray) else jnp  # host labels stay on the host (validate_labels reads them)
+    kept = labels[..., shift:]
+    pad = xp.full((*labels.shape[:-1], labels.shape[-1] - kept.shape[-1]), ignore_index, labels.dtype)
+    return xp.concatenate((kept, pad), axis=-1), kept.shape[-1]
+
+
 def _narrow_host_int64(labels, ignore_index: int):
     """Without x64, JAX would cut a NumPy int64 array to int32, silently moving
     a label like 2**32 + 3 into the vocabulary as class 3. Such a label is out
@@ -393,6 +421,7 @@ def cross_entropy(
     backend="auto",
     inplace_backward=True,
     validate_labels=False,
+    shift=0,
 ):
     """Cross-entropy of ``logits`` (..., V) against integer ``labels`` (...).
 
@@ -429,6 +458,10 @@ def cross_entropy(
       validate_labels: eagerly raise ValueError naming the first label that is
         neither in [0, V) nor ``ignore_index``.  Needs concrete labels: under
         jit/vmap it raises ValueError instead of validating.
+      shift: k >= 0 (True = 1) scores position t against label t + k along labels' last (sequence) axis: the
+        loss of ``cross_entropy(logits[..., :-k, :], labels[..., k:])`` ("none": shaped like ``labels[..., k:]``)
+        without slicing the logits; the kernels run on the full logits with the last k positions ignored. k >= the
+        sequence length leaves no token (as the slice does).
 
     Returns:
       float32 loss (scalar, or shaped like ``labels`` for reduction="none").
@@ -446,6 +479,11 @@ def cross_entropy(
         inplace_backward=inplace_backward,
         validate_labels=validate_labels,
     )
+    if shift := _check_shift(shift):
+        labels = _check_args(logits, labels, **kwargs)[1]
+        labels, kept = _shifted_labels(labels, shift, int(ignore_index))
+        loss = _cross_entropy(logits, labels, kwargs)
+        return loss[..., :kept] if reduction == "none" else loss
     return _cross_entropy(logits, labels, kwargs)
 
 

@@ -45,10 +45,12 @@ from fastce_jax.cross_entropy import (
     FLOAT_DTYPES,
     _as_array,
     _check_args,
+    _check_shift,
     _cross_entropy,
     _interpret,
     _on_gpu,
     _reduce,
+    _shifted_labels,
     _validate_labels_eagerly,
 )
 from fastce_jax.kernels import Options
@@ -317,6 +319,7 @@ def linear_cross_entropy(
     z_loss=0.0,
     backend="auto",
     validate_labels=False,
+    shift=0,
 ):
     """``cross_entropy(hidden @ weight.T + bias, labels, ...)`` without the (N, V) logits.
 
@@ -328,6 +331,8 @@ def linear_cross_entropy(
       bias: optional (V,).
       ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss,
       validate_labels: as in ``fastce_jax.cross_entropy`` (CONTRACT.md).
+      shift: as in ``fastce_jax.cross_entropy``, along hidden's second-to-last (sequence) axis: the loss of
+        ``linear_cross_entropy(hidden[..., :-k, :], weight, labels[..., k:])`` without slicing hidden.
       backend: "auto" (the chunked kernel path for GPU arrays, "reference" elsewhere), "kernel" (the chunked
         path always; Pallas interpret mode off GPU) or "reference" (the plain matmul, then the jnp reference
         loss: it materialises the logits). Traced (under jit), "auto" assumes the arrays live on the default
@@ -356,6 +361,24 @@ def linear_cross_entropy(
     )
     # hidden (..., H) stands in for the logits (..., V): the checks only read its leading shape and dtype.
     (_, labels, n_items, ignore_index, scaling, softcap, smoothing, z_loss) = _check_args(hidden, labels, **kwargs)
+    if shift := _check_shift(shift):
+        labels, kept = _shifted_labels(labels, shift, ignore_index)
+        loss = linear_cross_entropy(
+            hidden,
+            weight,
+            labels,
+            bias=bias,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            n_items=n_items,
+            logit_softcapping=logit_softcapping,
+            logit_scaling=logit_scaling,
+            label_smoothing=label_smoothing,
+            z_loss=z_loss,
+            backend=backend,
+            validate_labels=validate_labels,
+        )
+        return loss[..., :kept] if reduction == "none" else loss
     vocab, dim = weight.shape
     if validate_labels:
         _validate_labels_eagerly(labels, vocab, ignore_index)

@@ -270,6 +270,34 @@ def _check_arguments(
             )
 
 
+def _check_shift(shift, labels):
+    """shift as an int: True is 1, False 0; position t of the sequence (labels' last dimension) is then scored
+    against label t + shift."""
+    if not isinstance(shift, int):
+        raise TypeError(f"shift must be a non-negative int (True means 1), got {shift!r}")
+    if shift < 0:
+        raise ValueError(f"shift must be >= 0, got {shift}")
+    if shift and labels.dim() < 1:
+        raise ValueError("shift needs labels with a sequence dimension (their last), got 0-d labels")
+    return int(shift)
+
+
+def _shifted_labels(labels, shift, ignore_index):
+    """labels[..., shift:] followed by `shift` ignore_index columns (all ignore_index when shift >= the sequence
+    length), and the length of the kept part. The kernels then run on the full, unsliced logits: their last `shift`
+    positions are ignored rows, never read and given a zero gradient, so the loss equals that of
+    (logits[..., :-shift, :], labels[..., shift:]) with no logits-sized slice or gradient. O(N) integers."""
+    info = torch.iinfo(labels.dtype)
+    if not info.min <= ignore_index <= info.max:
+        raise ValueError(
+            f"shift pads the labels with ignore_index ({ignore_index}), which {labels.dtype} labels cannot hold; "
+            "pass int64 labels"
+        )
+    kept = labels[..., shift:]
+    pad = labels.new_full((*labels.shape[:-1], labels.shape[-1] - kept.shape[-1]), ignore_index)
+    return torch.cat((kept, pad), dim=-1), kept.shape[-1]
+
+
 def _validate_labels(labels, vocab, ignore_index):
     """Eager, opt-in (it synchronises): raise on the first label outside [0, V) that is not ignore_index."""
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
@@ -338,6 +366,7 @@ def cross_entropy(
     validate_labels=False,
     process_group=None,
     vocab_start=None,
+    shift=0,
 ):
     """Cross-entropy of logits (..., V) against integer labels (...), fused on the GPU.
 
@@ -351,6 +380,11 @@ def cross_entropy(
     rank) is that of the full logits, each rank's gradient its own columns. The slice starts at `vocab_start`, or,
     when None, at rank * V_local: every rank must then hold the same width (if not, the loss is NaN). A DTensor
     sharded on its last dimension (Shard(-1)) is handled the same way and gives a DTensor (see distributed.py).
+
+    shift=k (True = 1): position t is scored against label t + k along labels' last (the sequence) dimension, the
+    loss of `cross_entropy(logits[..., :-k, :], labels[..., k:])` ("none": shaped like labels[..., k:]) without that
+    slice, whose backward allocates a zero-filled logits-sized gradient: the kernels run on the full logits with
+    the last k positions ignored. k >= the sequence length leaves no token (as the slice does).
     """
     _check_arguments(
         logits,
@@ -366,6 +400,30 @@ def cross_entropy(
     )
     if vocab_start is not None and process_group is None:
         raise ValueError("vocab_start is only meaningful with process_group (vocab-parallel logits)")
+    if shift := _check_shift(shift, labels):
+        if distributed.is_dtensor(logits) or distributed.is_dtensor(labels):
+            raise NotImplementedError(
+                "shift is not supported with DTensor inputs; shift the labels yourself (labels[..., k:] padded with "
+                "ignore_index), or pass plain tensors with process_group"
+            )
+        labels, kept = _shifted_labels(labels, shift, ignore_index)
+        loss = cross_entropy(
+            logits,
+            labels,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            n_items=n_items,
+            logit_softcapping=logit_softcapping,
+            logit_scaling=logit_scaling,
+            label_smoothing=label_smoothing,
+            z_loss=z_loss,
+            backend=backend,
+            inplace_backward=inplace_backward,
+            validate_labels=validate_labels,
+            process_group=process_group,
+            vocab_start=vocab_start,
+        )
+        return loss[..., :kept] if reduction == "none" else loss
     vocab = logits.shape[-1]
     options = Options(
         ignore_index, float(logit_softcapping), float(logit_scaling), float(label_smoothing), float(z_loss)
@@ -458,6 +516,7 @@ class CrossEntropyLoss(torch.nn.Module):
         validate_labels=False,
         process_group=None,
         vocab_start=None,
+        shift=0,
     ):
         super().__init__()
         if weight is not None:
@@ -474,6 +533,7 @@ class CrossEntropyLoss(torch.nn.Module):
             validate_labels=validate_labels,
             process_group=process_group,
             vocab_start=vocab_start,
+            shift=shift,
         )
 
     def forward(self, input, target, n_items=None):

@@ -41,9 +41,11 @@ from . import kernels
 from .cross_entropy import (
     KERNEL_DTYPES,
     _check_arguments,
+    _check_shift,
     _once_differentiable,
     _reduce,
     _reference_token_losses,
+    _shifted_labels,
     _validate_labels,
 )
 from .kernels import Options
@@ -472,6 +474,7 @@ def linear_cross_entropy(
     z_loss=0.0,
     backend="auto",
     validate_labels=False,
+    shift=0,
 ):
     """fastce_torch.cross_entropy(hidden @ weight.T + bias, labels, ...) without ever allocating the logits.
 
@@ -484,6 +487,9 @@ def linear_cross_entropy(
 
     For "mean"/"sum" with gradients enabled the gradients are computed during the forward (see the module
     docstring), so a second backward through the same loss (retain_graph=True) raises.
+
+    shift=k (True = 1): cross_entropy's, along hidden's second-to-last (the sequence) dimension: the loss of
+    `linear_cross_entropy(hidden[..., :-k, :], weight, labels[..., k:])` without slicing (or copying) hidden.
     """
     _check_tensors(hidden, weight, bias, labels)
     vocab = weight.shape[0]
@@ -502,6 +508,24 @@ def linear_cross_entropy(
         z_loss,
         backend,
     )
+    if shift := _check_shift(shift, labels):
+        labels, kept = _shifted_labels(labels, shift, ignore_index)
+        loss = linear_cross_entropy(
+            hidden,
+            weight,
+            labels,
+            bias=bias,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            n_items=n_items,
+            logit_softcapping=logit_softcapping,
+            logit_scaling=logit_scaling,
+            label_smoothing=label_smoothing,
+            z_loss=z_loss,
+            backend=backend,
+            validate_labels=validate_labels,
+        )
+        return loss[..., :kept] if reduction == "none" else loss
     if validate_labels:
         _validate_labels(labels, vocab, ignore_index)
     options = Options(

@@ -97,22 +97,21 @@ _FUSED_CALLS = []
 
 
 def _causal_lm_loss(compute, labels, num_items_in_batch, ignore_index, shift_labels):
-    """transformers' ForCausalLMLoss around `compute(shift_labels_1d, reduction, n_items)`: the label shift, and the
+    """transformers' ForCausalLMLoss around `compute(labels, shift, reduction, n_items)`: the label shift, and the
     reduction that num_items_in_batch asks for."""
-    if shift_labels is None:
-        # Position t predicts token t + 1: append one ignored label and drop the first, as transformers does.
-        labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
-        shift_labels = labels[..., 1:]
-    shift_labels = shift_labels.reshape(-1)
+    # Position t predicts token t + 1: transformers appends one ignored label and drops the first (a copy of the
+    # labels); fastce's shift=1 is the same loss, on the unsliced logits (or hidden states).
+    shift = 1 if shift_labels is None else 0
+    labels = labels if shift_labels is None else shift_labels
     if num_items_in_batch is None:
-        return compute(shift_labels, "mean", None)
+        return compute(labels, shift, "mean", None)
     if num_items_in_batch.dim() == 0 if torch.is_tensor(num_items_in_batch) else num_items_in_batch > 0:
         # A positive number or a 0-d tensor (int, or float after Trainer divides by the TP/CP size): the kernel
         # divides the sum by it in its own launch, with no extra ops per step.
-        return compute(shift_labels, "sum", num_items_in_batch)
+        return compute(labels, shift, "sum", num_items_in_batch)
     # A 1-element tensor (DataParallel), or a number <= 0: sum, then divide exactly as transformers'
     # fixed_cross_entropy does, so shape and value (inf/NaN for 0) stay transformers'.
-    loss = compute(shift_labels, "sum", None)
+    loss = compute(labels, shift, "sum", None)
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
@@ -124,15 +123,16 @@ def fastce_for_causal_lm_loss(
     """transformers' ForCausalLMLoss (same signature and semantics) computed by fastce, without upcasting."""
     if logits.shape[-1] == 0 and _FUSED_CALLS and _FUSED_CALLS[-1].loss is not None:
         return _FUSED_CALLS[-1].loss  # a fused call: lm_head already computed this loss from the hidden states
-    # reshape, not transformers' view: it is still a view wherever view works (the kernels take strided rows), and
-    # it accepts logits that view refuses (transformers' .float() copy made those contiguous; we make no copy).
-    logits = logits.reshape(-1, vocab_size)
     options = _state["options"]
 
-    def compute(shift_labels, reduction, n_items):
+    def compute(labels, shift, reduction, n_items):
+        # logits shaped (*labels, V) for the shift along the sequence; reshape, not transformers' view: it is still
+        # a view wherever view works (the kernels take strided rows), and it accepts logits that view refuses
+        # (transformers' .float() copy made those contiguous; we make no copy).
         return cross_entropy(
-            logits,
-            shift_labels.to(logits.device),
+            logits.reshape(*labels.shape, vocab_size),
+            labels.to(logits.device),
+            shift=shift,
             ignore_index=ignore_index,
             reduction=reduction,
             n_items=n_items,
@@ -158,13 +158,13 @@ class _FusedCall:
         options = {k: v for k, v in _state["options"].items() if k != "inplace_backward"}
         kwargs = self.loss_kwargs
         ignore_index = kwargs.get("ignore_index", -100)
-        hidden_2d = hidden_states.reshape(-1, hidden_states.shape[-1])
 
-        def compute(shift_labels, reduction, n_items):
+        def compute(labels, shift, reduction, n_items):
             return linear_cross_entropy(
-                hidden_2d,
+                hidden_states.reshape(*labels.shape, hidden_states.shape[-1]),
                 weight,
-                shift_labels.to(hidden_2d.device),
+                labels.to(hidden_states.device),
+                shift=shift,
                 bias=bias,
                 ignore_index=ignore_index,
                 reduction=reduction,

@@ -59,6 +59,7 @@ class LinearCase:
     strided: bool = False  # hidden is a column slice of a wider buffer
     label_dtype: str = "int64"
     scalar_upstream: float = 1.0  # d objective / d loss for "mean"/"sum" (1 takes the backward's skip-the-scaling path)
+    shift: int = 0  # passed on as the packages' shift keyword when not 0 (test_shift.py)
     seed: int = 0
 
     @property
@@ -120,7 +121,8 @@ def make_inputs(case, device):
 
 
 def kwargs_of(case, n_items):
-    return dict(reduction=case.reduction, n_items=n_items, **case.opts.as_kwargs())
+    shift = {"shift": case.shift} if case.shift else {}
+    return dict(reduction=case.reduction, n_items=n_items, **case.opts.as_kwargs(), **shift)
 
 
 def run_torch(case, inputs):
@@ -179,6 +181,11 @@ def assert_within(actual, expected, bound, what):
 
 def check(case, device, runner, chunks):
     inputs = make_inputs(case, device)
+    check_result(case, inputs, runner(case, inputs), chunks)
+
+
+def check_result(case, inputs, result, chunks):
+    """result = (loss, [grad_hidden, grad_weight, grad_bias]) of `inputs` against the float64 reference."""
     hidden, weight, bias, labels, upstream, n_items = inputs
     as64 = lambda t: None if t is None else t.detach().double().cpu().numpy()  # noqa: E731
     exact = reference.linear_cross_entropy(
@@ -192,7 +199,7 @@ def check(case, device, runner, chunks):
         opts=case.opts,
     )
     scalar = 1.0 if case.reduction == "none" else case.scalar_upstream  # the reference's gradients are of the loss
-    loss, (grad_hidden, grad_weight, grad_bias) = runner(case, inputs)
+    loss, (grad_hidden, grad_weight, grad_bias) = result
 
     u = UNIT_ROUNDOFF[case.dtype] * K_FACTOR[case.dtype]
     r = exact.logits
@@ -211,7 +218,7 @@ def check(case, device, runner, chunks):
         np.nan_to_num(r.grad_scale.reshape(n_rows, vocab))
         + np.nan_to_num(r.grad_terms.reshape(n_rows, vocab)) * (logit_error[:, None])
     )
-    h_abs = np.abs(as64(hidden).reshape(n_rows, -1))
+    h_abs = np.abs(as64(hidden).reshape(n_rows, hidden.shape[-1]))
     w_abs = np.abs(as64(weight))
     assert_within(grad_hidden, scalar * exact.grad_hidden, (u * ((S + G) @ w_abs)).reshape(hidden.shape), "grad_hidden")
     assert_within(grad_weight, scalar * exact.grad_weight, u * (1 + chunks) * ((S + G).T @ h_abs), "grad_weight")

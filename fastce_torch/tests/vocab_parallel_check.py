@@ -213,6 +213,45 @@ def run_errors(device, widths, explicit, group, backend):
             raise AssertionError("overlapping slices (every rank at vocab_start=0) did not raise")
 
 
+def run_shift(device, widths, explicit, group, mesh, backend):
+    """shift=2 with a process group equals the sliced call (loss and this rank's gradient); a DTensor refuses it."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    rank = dist.get_rank(group)
+    case = Case("shift", shape=(2, 5), vocab=sum(widths), opts=ALL, seed=40)
+    inputs = harness.make_inputs(case, device)
+    start, width = sum(widths[:rank]), widths[rank]
+    local = inputs.logits[..., start : start + width].detach()
+    results = []
+    for shifted in (True, False):
+        leaf = local.clone().requires_grad_()
+        x = leaf.clone()
+        logits, labels = (x, inputs.labels) if shifted else (x[:, :-2], inputs.labels[:, 2:])
+        loss = fastce_torch.cross_entropy(
+            logits,
+            labels,
+            reduction="none",
+            backend=backend,
+            process_group=group,
+            vocab_start=start if explicit else None,
+            shift=2 if shifted else 0,
+            **case.opts.as_kwargs(),
+        )
+        loss.backward(inputs.upstream[:, :-2])
+        results.append((loss.detach(), leaf.grad))
+    (loss, grad), (want_loss, want_grad) = results
+    assert loss.shape == want_loss.shape, (loss.shape, want_loss.shape)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-6)
+    logits = distribute_tensor(inputs.logits.detach().contiguous(), mesh, [Shard(2)])
+    try:
+        fastce_torch.cross_entropy(logits, inputs.labels, backend=backend, shift=1)
+    except NotImplementedError as e:
+        assert "shift" in str(e), e
+    else:
+        raise AssertionError("a DTensor with shift did not raise NotImplementedError")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -265,6 +304,10 @@ def main():
         run_errors(device, widths, explicit, group, args.backend)
     except AssertionError as e:
         failures.append(f"errors: {e}")
+    try:
+        run_shift(device, widths, explicit, group, mesh, args.backend)
+    except AssertionError as e:
+        failures.append(f"shift: {e}")
     counts = torch.tensor([len(failures)], device=device)
     dist.all_reduce(counts)
     for line in failures:
