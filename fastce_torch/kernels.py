@@ -565,8 +565,10 @@ class _Launcher:
     CompiledKernel Triton keeps under its own key for the same arguments; any failure while recording turns this
     launcher's cache off for good (`failure` says why) and every launch takes the generic path."""
 
-    def __init__(self, kernel, current_device=_current_device, current_stream=_current_stream):
-        self.kernel = kernel
+    def __init__(
+        self, kernel, setting=_launch_cache_setting, current_device=_current_device, current_stream=_current_stream
+    ):
+        self.kernel, self.setting = kernel, setting
         self.variants = {}  # device -> (Triton's binder, {key: (launcher, function, packed metadata)})
         self.failure = None
         self.hits = 0  # cached launches, for tests and bench tools
@@ -580,8 +582,7 @@ class _Launcher:
         return tuple(specialization), num_warps, num_stages, debug, knobs.compilation.instrumentation_mode
 
     def cached(self, grid, args, num_warps=None, num_stages=None):
-        setting = _launch_cache_setting
-        if not setting.enabled or self.failure is not None:
+        if not self.setting.enabled or self.failure is not None:
             return False
         runtime = knobs.runtime
         if runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls or self.kernel.pre_run_hooks:
@@ -610,7 +611,7 @@ class _Launcher:
         if num_stages is not None:
             options["num_stages"] = num_stages
         compiled = self.kernel[grid](*args, **options)
-        if _launch_cache_setting.enabled and self.failure is None:
+        if self.setting.enabled and self.failure is None:
             try:
                 self._record(compiled, args, options, num_warps, num_stages)
             except Exception as error:  # never let the cache break a launch: the generic path stays
