@@ -294,7 +294,7 @@ def _step(case, seed, device, strided):
     leaf = base.requires_grad_()
     logits = (leaf * 1.0)[..., 1:] if strided else leaf * 1.0  # intermediate: the gradient is written in place
     labels = torch.randint(0, case["vocab"], case["shape"], generator=generator).to(device)
-    labels.view(-1)[::5] = -100
+    labels.view(-1)[::5] = case["options"].get("ignore_index", -100)
     loss = fastce_torch.cross_entropy(logits, labels, reduction=case["reduction"], **case["options"])
     (grad,) = torch.autograd.grad(loss.sum(), leaf)
     return loss.detach(), grad
