@@ -159,14 +159,14 @@ def _forward_kernel(
     loss_ptr,
     lse_ptr,
     sum_z_out_ptr,
-    max_ptr,
-    sumexp_ptr,
-    sumz_ptr,
+    scratch_ptr,
     arrivals_ptr,
-    group_partials_ptr,
     reduced_ptr,
     denominator_out_ptr,
     n_items_ptr,
+    partials_offset,
+    partials_stride,
+    groups_offset,
     n_rows,
     V,
     chunk_width,
@@ -192,6 +192,12 @@ def _forward_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
+    # The float32 scratch: the chunks' three partials (max, sum of exp, sum of z; partials_stride apart) and the row
+    # groups' loss sums then kept counts, at offsets the launcher keeps multiples of 16 elements.
+    max_ptr = scratch_ptr + partials_offset
+    sumexp_ptr = max_ptr + partials_stride
+    sumz_ptr = sumexp_ptr + partials_stride
+    group_partials_ptr = scratch_ptr + groups_offset
     row_ptr = logits_ptr + _row_offset(row, logits_batch_stride, logits_row_stride, rows_per_batch)
     label = tl.load(labels_ptr + row).to(tl.int64)
 
@@ -716,25 +722,34 @@ def forward(logits, labels, options, reduction="none", n_items=None, vocab_start
     block, chunk, n_chunks, warps = forward_config(vocab)
     reduce = reduction != "none"
     device = logits.device
-    # The returned loss owns its storage (in-place ops on it are ordinary autograd). Everything else is one zeroed
-    # int32 buffer cut into views by one split (a slice costs a tensor object, ~1 us of host time, each): the int32
-    # arrival counters, which must start at zero, then float32 (zero bits are 0.0; the kernel writes every float
-    # before reading it) lse, per-token losses when reduced, the denominator, the row groups' loss sums and kept
-    # counts, and the three chunk partials. One allocation and one fill instead of an empty scratch plus a zeroed
-    # counter buffer. The counters' length is rounded up to 4 so that the float pieces keep the 16-byte alignment
-    # (Triton specialises pointers on it) they had as a buffer of their own.
+    # The returned loss owns its storage (in-place ops on it are ordinary autograd). Everything else lives in one
+    # zeroed int32 buffer (one allocation, one fill): the int32 arrival counters, which must start at zero, then
+    # float32 (zero bits are 0.0; the kernel writes every float before reading it) lse, the per-token losses when
+    # reduced, the denominator, the row groups' loss sums and kept counts, and the three chunk partials. Only what
+    # is returned or read as a tensor gets a view (each costs a tensor object, ~1 us of host time); the kernel finds
+    # the rest at element offsets from the buffer. Every piece starts at a multiple of 16 elements, so the pointers
+    # keep the buffer's 16-byte alignment and the offsets stay divisible by 16 whatever N is: Triton specialises on
+    # both, and a variant per N modulo 16 would mean more compiles and more launch-cache entries.
     # arrivals[row] counts a row's finished chunks, arrivals[N] the finished groups of ROWS_PER_GROUP rows and
     # arrivals[N + 1 + g] the finished rows of group g.
-    n_partials = n_rows * n_chunks if n_chunks > 1 else 1
     n_groups = _cdiv(n_rows, ROWS_PER_GROUP) if reduce else 0
     n_counters = n_rows + 1 + n_groups if n_chunks > 1 or reduce else 1
-    sizes = [-(-n_counters // 4) * 4, n_rows, n_rows if reduce else 0, 1, 2 * n_groups] + [n_partials] * 3
+    rows_padded = -(-n_rows // 16) * 16
+    lse_offset = -(-n_counters // 16) * 16
+    token_losses_offset = lse_offset + rows_padded
+    denominator_offset = token_losses_offset + (rows_padded if reduce else 0)
+    groups_offset = denominator_offset + 16
+    partials_offset = groups_offset + -(-2 * n_groups // 16) * 16
+    partials_stride = -(-n_rows * n_chunks // 16) * 16 if n_chunks > 1 else 16
     loss = torch.empty(() if reduce else (n_rows,), dtype=torch.float32, device=device)
-    buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=device)
-    arrivals, lse, token_losses, denominator, group_partials, *partials = buffer.view(torch.float32).split(sizes)
-    arrivals = arrivals.view(torch.int32)
-    if not reduce:
-        token_losses = loss
+    arrivals = torch.zeros(partials_offset + 3 * partials_stride, dtype=torch.int32, device=device)
+    scratch = arrivals.view(torch.float32)
+    lse = scratch[lse_offset : lse_offset + n_rows]
+    if reduce:
+        token_losses = scratch[token_losses_offset : token_losses_offset + n_rows]
+        denominator = scratch[denominator_offset : denominator_offset + 1]
+    else:
+        token_losses, denominator = loss, scratch  # the kernel writes no denominator without REDUCE
     sum_z = torch.empty(n_rows, dtype=torch.float32, device=device) if vocab_parallel else lse
     if n_rows == 0:
         if vocab_parallel:
@@ -760,12 +775,14 @@ def forward(logits, labels, options, reduction="none", n_items=None, vocab_start
         token_losses,
         lse,
         sum_z,
-        *partials,
+        scratch,
         arrivals,
-        group_partials,
         loss,
         denominator,
         n_items_ptr,
+        partials_offset,
+        partials_stride,
+        groups_offset,
         n_rows,
         vocab,
         chunk,
