@@ -591,7 +591,12 @@ class _Launcher:
         if not self.setting.enabled or self.failure is not None:
             return False
         runtime = knobs.runtime
-        if runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls or self.kernel.pre_run_hooks:
+        # Triton 3.6's hooks are HookChains; anything else set there (a plain callable) counts as a hook.
+        if (
+            getattr(runtime.launch_enter_hook, "calls", True)
+            or getattr(runtime.launch_exit_hook, "calls", True)
+            or self.kernel.pre_run_hooks
+        ):
             return False
         device = self._current_device()
         state = self.variants.get(device)

@@ -10,6 +10,10 @@ kernels.forward / backward / scale_unless_one really build. With --gpu, the real
 and must agree bitwise (test_cached_launches_match_generic_launches_bitwise).
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from triton import knobs
@@ -234,15 +238,24 @@ def test_hooks_setting_and_failures_take_the_generic_path(monkeypatch):
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert (len(fake.generic), len(fake.direct)) == (2, 1)
+    saved = knobs.runtime.launch_exit_hook
+    knobs.runtime.launch_exit_hook = hook  # not a HookChain: counts as a hook
+    try:
+        run_forward(case)
+    finally:
+        knobs.runtime.launch_exit_hook = saved
+    assert (len(fake.generic), len(fake.direct)) == (3, 1)
+    run_forward(case)
+    assert (len(fake.generic), len(fake.direct)) == (3, 2)
 
     setting.enabled = False
     run_forward(case)
-    assert (len(fake.generic), len(fake.direct)) == (3, 1)
+    assert (len(fake.generic), len(fake.direct)) == (4, 2)
     setting.enabled = True
 
     fake.used_global_vals = {("SOME_GLOBAL", None): (1, {"SOME_GLOBAL": 2})}  # Triton raises on a changed global
     run_forward(case)
-    assert (len(fake.generic), len(fake.direct)) == (4, 1)
+    assert (len(fake.generic), len(fake.direct)) == (5, 2)
     fake.used_global_vals = {}
 
     kernels.forget_launches()
@@ -253,7 +266,21 @@ def test_hooks_setting_and_failures_take_the_generic_path(monkeypatch):
     fake.returns_compiled = True
     run_forward(case)
     run_forward(case)
-    assert (len(fake.generic), len(fake.direct)) == (7, 1)
+    assert (len(fake.generic), len(fake.direct)) == (8, 2)
+
+
+def test_the_setting_is_read_once_from_the_environment():
+    # Compiled mode (TRITON_INTERPRET=0) in a fresh process: the cache is on unless the variable says 0. Nothing
+    # is launched, so no GPU is needed.
+    code = (
+        "from fastce_torch import kernels; print(kernels.launch_cache_enabled(), kernels._launch_cache_setting.refusal)"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for value, expected in (("0", "False FASTCE_TORCH_LAUNCH_CACHE=0"), ("1", "True")):
+        env = {**os.environ, "TRITON_INTERPRET": "0", kernels.LAUNCH_CACHE_VARIABLE: value, "PYTHONPATH": root}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip() == expected
 
 
 def test_the_interpreter_never_uses_the_cache():
