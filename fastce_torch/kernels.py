@@ -833,7 +833,9 @@ def backward(grad_loss, logits, labels, lse, grad, options, denominator=None, vo
     if n_rows == 0:
         return grad
     batch_stride, row_stride, rows_per_batch = row_layout(logits)
-    grad_batch_stride, grad_row_stride, grad_rows_per_batch = row_layout(grad)
+    # In place (grad is the logits), the layout is the same one.
+    layout = (batch_stride, row_stride, rows_per_batch) if grad is logits else row_layout(grad)
+    grad_batch_stride, grad_row_stride, grad_rows_per_batch = layout
     if (
         grad_rows_per_batch != rows_per_batch
     ):  # one kernel argument splits both: express the one-batch side in the other's
