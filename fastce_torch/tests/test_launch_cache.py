@@ -343,3 +343,36 @@ def test_cached_launches_match_generic_launches_bitwise(device, strided):
             assert torch.equal(bits(loss), bits(loss_ref)), case
             assert torch.equal(bits(grad), bits(grad_ref)), case
     assert kernels._forward_launcher.failure is None and kernels._backward_launcher.failure is None
+
+
+@pytest.mark.gpu
+def test_cached_launches_are_captured_in_a_cuda_graph(device):
+    """After the warm-up, the captured launches are cached ones, on the capture stream, and the replay gives the
+    eager step's numbers bitwise."""
+    if not kernels.launch_cache_enabled():
+        pytest.skip(f"launch cache off in this process: {kernels._launch_cache_setting.refusal}")
+    case = dict(shape=(48,), vocab=40000, dtype=torch.bfloat16, reduction="mean", options=dict(label_smoothing=0.1))
+    generator = torch.Generator(device="cpu").manual_seed(3)
+    static_leaf = torch.randn(48, 40000, generator=generator).to(device, torch.bfloat16).requires_grad_()
+    static_labels = torch.randint(0, 40000, (48,), generator=generator).to(device)
+
+    def step():
+        loss = fastce_torch.cross_entropy(static_leaf * 1.0, static_labels, **case["options"])
+        return loss, torch.autograd.grad(loss, static_leaf)[0]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    hits = kernels._forward_launcher.hits, kernels._backward_launcher.hits
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss, static_grad = step()
+    assert kernels._forward_launcher.hits == hits[0] + 1 and kernels._backward_launcher.hits == hits[1] + 1
+    graph.replay()
+    with kernels.launch_cache(False):
+        loss, grad = step()
+    torch.cuda.synchronize()
+    assert torch.equal(bits(static_loss), bits(loss)) and torch.equal(bits(static_grad), bits(grad))
