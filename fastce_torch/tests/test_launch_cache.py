@@ -26,6 +26,8 @@ from fastce_torch import kernels
 from fastce_torch.kernels import Options
 
 STREAM = 1234  # the stand-in current stream
+# Nothing is launched in the stand-in tests, but the launchers take only CUDA tensors outside the interpreter.
+STAND_IN_DEVICE = "cpu" if kernels.INTERPRETED else "cuda"
 
 
 class FakeSetting:
@@ -69,6 +71,7 @@ class FakeJIT:
 
 def fake_launchers(monkeypatch, setting=None):
     setting = FakeSetting() if setting is None else setting
+    monkeypatch.setattr(kernels, "_launched", set())  # the capture guard's record: these variants never compiled
     fakes = {}
     for name, kernel in (
         ("_forward_launcher", kernels._forward_kernel),
@@ -94,13 +97,13 @@ def check_last_direct_call(fake, grid, options):
 
 def logits_of(n_rows, vocab, dtype=torch.float32, offset=0, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    base = torch.randn(n_rows, vocab + offset, generator=generator).to(dtype)
+    base = torch.randn(n_rows, vocab + offset, generator=generator).to(STAND_IN_DEVICE, dtype)
     return base[:, offset:]  # offset > 0: a view whose data pointer is not 16-byte aligned
 
 
 def labels_of(n_rows, vocab, dtype=torch.int64, seed=1):
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (n_rows,), generator=generator).to(dtype)
+    return torch.randint(0, vocab, (n_rows,), generator=generator).to(STAND_IN_DEVICE, dtype)
 
 
 # Argument sets that Triton specialises differently: integers equal to 1 or not divisible by 16, the number of rows
@@ -136,7 +139,7 @@ def run_forward(case, seed=0):
     labels = labels_of(n_rows, vocab, case.get("labels_dtype", torch.int64), seed + 1)
     n_items = case.get("n_items")
     if n_items == "tensor":
-        n_items = torch.tensor(5)
+        n_items = torch.tensor(5, device=STAND_IN_DEVICE)
     options = case.get("options", Options())
     if "vocab_total" in case:
         return kernels.forward(
@@ -195,14 +198,15 @@ def test_cached_backward_launches_are_tritons_own_choice(monkeypatch, grad_shape
         for seed in (0, 1):
             logits = logits_of(n_rows, vocab, torch.bfloat16, offset, seed)
             labels = labels_of(n_rows, vocab)
-            lse = torch.randn(n_rows)
-            grad = torch.empty(logits.shape, dtype=logits.dtype)
+            lse = torch.randn(n_rows, device=STAND_IN_DEVICE)
+            grad = torch.empty(logits.shape, dtype=logits.dtype, device=STAND_IN_DEVICE)
+            ones = torch.ones(2 * n_rows, device=STAND_IN_DEVICE)
             grad_loss = {
-                "scalar": torch.ones(()),
-                "per_token": torch.ones(n_rows),
-                "strided": torch.ones(2 * n_rows)[::2],
+                "scalar": ones[0],
+                "per_token": ones[:n_rows],
+                "strided": ones[::2],
             }
-            denominator = torch.ones(1) if with_denominator else None
+            denominator = ones[:1] if with_denominator else None
             direct = len(fake.direct)
             kernels.backward(grad_loss[grad_shape], logits, labels, lse, grad, Options(), denominator)
             if seed:
@@ -214,7 +218,7 @@ def test_cached_backward_launches_are_tritons_own_choice(monkeypatch, grad_shape
 def test_cached_scale_launches_are_tritons_own_choice(monkeypatch):
     fake = fake_launchers(monkeypatch)["_scale_launcher"]
     for numel in (16, 17, 1, 16, 17, 1, 8192):
-        kernels.scale_unless_one(torch.randn(numel), torch.ones(()))
+        kernels.scale_unless_one(torch.randn(numel, device=STAND_IN_DEVICE), torch.ones((), device=STAND_IN_DEVICE))
         if fake.direct:
             check_last_direct_call(fake, tuple(fake.direct[-1][:3]), {})
     assert len(fake.generic) == len(fake.kernel_cache) == 3  # 16 and 8192 share Triton's specialisation
