@@ -19,9 +19,12 @@ Vocab-parallel mode (VOCAB_PARALLEL, a constexpr: the single-device path compile
 rank's columns [vocab_start, vocab_start + V) of a vocabulary of vocab_total; the forward writes per row the local
 logsumexp, the transformed label logit (0 unless this slice holds the label) and the local sum of z, for the caller
 to combine across ranks; the backward takes the global logsumexp and places the label at column label - vocab_start.
+Launches go through `_Launcher`: Triton's generic `kernel[grid](...)` the first time a variant runs, then that compiled
+variant's own launcher directly (see `_Launcher`; FASTCE_TORCH_LAUNCH_CACHE=0 at import turns this off).
 """
 
 import contextlib
+import os
 from typing import NamedTuple
 
 import torch
@@ -156,14 +159,14 @@ def _forward_kernel(
     loss_ptr,
     lse_ptr,
     sum_z_out_ptr,
-    max_ptr,
-    sumexp_ptr,
-    sumz_ptr,
+    scratch_ptr,
     arrivals_ptr,
-    group_partials_ptr,
     reduced_ptr,
     denominator_out_ptr,
     n_items_ptr,
+    partials_offset,
+    partials_stride,
+    groups_offset,
     n_rows,
     V,
     chunk_width,
@@ -189,6 +192,12 @@ def _forward_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
+    # The float32 scratch: the chunks' three partials (max, sum of exp, sum of z; partials_stride apart) and the row
+    # groups' loss sums then kept counts, at offsets the launcher keeps multiples of 16 elements.
+    max_ptr = scratch_ptr + partials_offset
+    sumexp_ptr = max_ptr + partials_stride
+    sumz_ptr = sumexp_ptr + partials_stride
+    group_partials_ptr = scratch_ptr + groups_offset
     row_ptr = logits_ptr + _row_offset(row, logits_batch_stride, logits_row_stride, rows_per_batch)
     label = tl.load(labels_ptr + row).to(tl.int64)
 
@@ -440,11 +449,12 @@ def backward_config(vocab):
 
 
 def _flags(options):
-    return dict(
-        HAS_SCALING=options.logit_scaling != 0.0,
-        HAS_SOFTCAP=options.logit_softcapping > 0.0,
-        HAS_SMOOTHING=options.label_smoothing > 0.0,
-        HAS_Z_LOSS=options.z_loss != 0.0,
+    """The kernels' option constexprs, in their order: HAS_SCALING, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS."""
+    return (
+        options.logit_scaling != 0.0,
+        options.logit_softcapping > 0.0,
+        options.label_smoothing > 0.0,
+        options.z_loss != 0.0,
     )
 
 
@@ -481,6 +491,180 @@ def _guard_capture(variant, tensor):
         if tensor.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(FIRST_LAUNCH_IN_CAPTURE)
         _launched.add(variant)
+
+
+# --- the launch cache ----------------------------------------------------------------------------------------------
+# Triton's `kernel[grid](*args)` costs ~26 us of host time per launch on the H200 machine (bench/NOTES.md): it reads
+# its options, binds and specialises every argument, builds a string key, checks the kernel's globals and builds a
+# launch-metadata record, before calling the compiled variant's launcher (~8 us). After Triton has compiled and
+# launched a variant once, `_Launcher` calls that launcher itself, keyed on Triton's own specialisation of the
+# arguments (its binder: dtypes, 16-byte alignment of pointers, integers equal to 1, divisible by 16, 32 or 64 bits,
+# the constexprs) and on the options Triton adds to its key, so a cached variant is exactly the one Triton would
+# launch. Written against Triton 3.6.0's runtime (JITFunction.run, CompiledKernel); any other version, the
+# interpreter, or FASTCE_TORCH_LAUNCH_CACHE=0 (read once, at import) keeps the generic path.
+LAUNCH_CACHE_VARIABLE = "FASTCE_TORCH_LAUNCH_CACHE"
+LAUNCH_CACHE_TRITON = "3.6.0"  # the Triton release whose launch path _Launcher reproduces
+
+
+def _launch_cache_refusal():
+    """Why the launch cache cannot be used in this process, or "" when it can."""
+    if INTERPRETED:
+        return "Triton's interpreter (TRITON_INTERPRET=1) runs the kernels"
+    if os.environ.get(LAUNCH_CACHE_VARIABLE, "1") == "0":
+        return f"{LAUNCH_CACHE_VARIABLE}=0"
+    if triton.__version__ != LAUNCH_CACHE_TRITON:
+        return f"Triton {triton.__version__}: the cached launch is written for Triton {LAUNCH_CACHE_TRITON}"
+    return ""
+
+
+class _LaunchCacheSetting:
+    """The process's launch-cache setting: decided once at import, switched only by `launch_cache(...)`."""
+
+    def __init__(self):
+        self.refusal = _launch_cache_refusal()
+        self.enabled = not self.refusal
+
+
+_launch_cache_setting = _LaunchCacheSetting()
+
+
+def launch_cache_enabled():
+    return _launch_cache_setting.enabled
+
+
+@contextlib.contextmanager
+def launch_cache(enabled):
+    """Run the block with the launch cache on or off (tests, bench tools: the same kernels through both paths).
+    Turning it on where it is refused (interpreter, FASTCE_TORCH_LAUNCH_CACHE=0, another Triton) raises."""
+    if enabled and _launch_cache_setting.refusal:
+        raise RuntimeError(f"the launch cache is off in this process: {_launch_cache_setting.refusal}")
+    saved = _launch_cache_setting.enabled
+    _launch_cache_setting.enabled = bool(enabled)
+    try:
+        yield
+    finally:
+        _launch_cache_setting.enabled = saved
+
+
+_MISSING = object()
+
+
+def _current_device():
+    return torch.cuda.current_device()  # what Triton's CUDA driver asks (driver.active.get_current_device)
+
+
+def _current_stream(device):
+    return torch._C._cuda_getCurrentRawStream(device)  # what Triton's CUDA driver asks (get_current_stream)
+
+
+class _Launcher:
+    """Launches one @triton.jit kernel: `cached(grid, args, ...)` calls the compiled variant's launcher directly when
+    Triton has launched that variant before on this device (True), else does nothing (False), and the caller
+    then calls `launch`, Triton's generic path, which also records the variant it launched.
+
+    args are all the kernel's parameters in its signature's order, constexprs included, as Triton itself passes
+    them to a compiled launcher; grid is (x, y, z). What the cached launch keeps from JITFunction.run: the current
+    device and stream as Triton reads them, its check that the kernel's globals did not change (a change takes the
+    generic path, which raises Triton's error), and launch hooks (any registered hook, or a pre-run hook, takes the
+    generic path). What it skips: the option parsing, the string key, the launch-metadata record (built only for
+    launch hooks), the grid canonicalisation. A variant is recorded only after checking that the key maps to the
+    CompiledKernel Triton keeps under its own key for the same arguments; any failure while recording turns this
+    launcher's cache off for good (`failure` says why) and every launch takes the generic path."""
+
+    def __init__(
+        self, kernel, setting=_launch_cache_setting, current_device=_current_device, current_stream=_current_stream
+    ):
+        self.kernel, self.setting = kernel, setting
+        self.variants = {}  # device -> (Triton's binder, {key: (launcher, function, packed metadata)})
+        self.failure = None
+        self.hits = 0  # cached launches, for tests and bench tools
+        self._current_device, self._current_stream = current_device, current_stream
+
+    def _key(self, binder, args, num_warps, num_stages):
+        # Triton keys its compiled variants on (its specialisation of the arguments, str(the options)), where the
+        # options are the launch's keywords (num_warps, num_stages) plus debug and instrumentation_mode.
+        specialization = binder(*args)[1]
+        debug = self.kernel.debug or knobs.runtime.debug
+        return tuple(specialization), num_warps, num_stages, debug, knobs.compilation.instrumentation_mode
+
+    def cached(self, grid, args, num_warps=None, num_stages=None):
+        if not self.setting.enabled or self.failure is not None:
+            return False
+        runtime = knobs.runtime
+        # Triton 3.6's hooks are HookChains; anything else set there (a plain callable) counts as a hook.
+        if (
+            getattr(runtime.launch_enter_hook, "calls", True)
+            or getattr(runtime.launch_exit_hook, "calls", True)
+            or self.kernel.pre_run_hooks
+        ):
+            return False
+        device = self._current_device()
+        state = self.variants.get(device)
+        if state is None:
+            return False
+        binder, compiled = state
+        entry = compiled.get(self._key(binder, args, num_warps, num_stages))
+        if entry is None:
+            return False
+        for (name, _), (value, globals_dict) in self.kernel.used_global_vals.items():
+            if globals_dict.get(name, _MISSING) != value:
+                return False
+        run, function, metadata = entry
+        # No hooks are registered (checked above): Triton would call empty hook chains with a metadata record.
+        run(grid[0], grid[1], grid[2], self._current_stream(device), function, metadata, None, None, None, *args)
+        self.hits += 1
+        return True
+
+    def launch(self, grid, args, num_warps=None, num_stages=None):
+        options = {}
+        if num_warps is not None:
+            options["num_warps"] = num_warps
+        if num_stages is not None:
+            options["num_stages"] = num_stages
+        compiled = self.kernel[grid](*args, **options)
+        if self.setting.enabled and self.failure is None:
+            try:
+                self._record(compiled, args, options, num_warps, num_stages)
+            except Exception as error:  # never let the cache break a launch: the generic path stays
+                self.failure = f"{type(error).__name__}: {error}"
+        return compiled
+
+    def _record(self, compiled, args, options, num_warps, num_stages):
+        from triton.compiler import CompiledKernel
+        from triton.runtime.jit import compute_cache_key
+
+        if not isinstance(compiled, CompiledKernel):  # a jit_cache_hook skipped the launch, or an async compile
+            raise TypeError(f"kernel[grid](...) returned {type(compiled).__name__}, not a CompiledKernel")
+        device = self._current_device()
+        kernel_cache, kernel_key_cache, _, _, binder = self.kernel.device_caches[device]
+        specialization = binder(*args)[1]
+        triton_options = dict(options)
+        triton_options["debug"] = self.kernel.debug or knobs.runtime.debug
+        triton_options["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+        if kernel_cache.get(compute_cache_key(kernel_key_cache, specialization, triton_options)) is not compiled:
+            raise RuntimeError("Triton's own key for these arguments does not give the kernel it launched")
+        state = self.variants.setdefault(device, (binder, {}))
+        state[1][self._key(binder, args, num_warps, num_stages)] = (
+            compiled.run,
+            compiled.function,
+            compiled.packed_metadata,
+        )
+
+    def forget(self):
+        self.variants.clear()
+
+
+_forward_launcher = _Launcher(_forward_kernel)
+_backward_launcher = _Launcher(_backward_kernel)
+_scale_launcher = _Launcher(_scale_unless_one_kernel)
+
+
+def forget_launches():
+    """Forget which kernel variants have run (the capture guard's record and the launch cache): the next launch of
+    each variant takes Triton's generic path again, as in a fresh process."""
+    _launched.clear()
+    for launcher in (_forward_launcher, _backward_launcher, _scale_launcher):
+        launcher.forget()
 
 
 def row_layout(logits):
@@ -543,25 +727,34 @@ def forward(logits, labels, options, reduction="none", n_items=None, vocab_start
     block, chunk, n_chunks, warps = forward_config(vocab)
     reduce = reduction != "none"
     device = logits.device
-    # The returned loss owns its storage (in-place ops on it are ordinary autograd). Everything else is one zeroed
-    # int32 buffer cut into views by one split (a slice costs a tensor object, ~1 us of host time, each): the int32
-    # arrival counters, which must start at zero, then float32 (zero bits are 0.0; the kernel writes every float
-    # before reading it) lse, per-token losses when reduced, the denominator, the row groups' loss sums and kept
-    # counts, and the three chunk partials. One allocation and one fill instead of an empty scratch plus a zeroed
-    # counter buffer. The counters' length is rounded up to 4 so that the float pieces keep the 16-byte alignment
-    # (Triton specialises pointers on it) they had as a buffer of their own.
+    # The returned loss owns its storage (in-place ops on it are ordinary autograd). Everything else lives in one
+    # zeroed int32 buffer (one allocation, one fill): the int32 arrival counters, which must start at zero, then
+    # float32 (zero bits are 0.0; the kernel writes every float before reading it) lse, the per-token losses when
+    # reduced, the denominator, the row groups' loss sums and kept counts, and the three chunk partials. Only what
+    # is returned or read as a tensor gets a view (each costs a tensor object, ~1 us of host time); the kernel finds
+    # the rest at element offsets from the buffer. Every piece starts at a multiple of 16 elements, so the pointers
+    # keep the buffer's 16-byte alignment and the offsets stay divisible by 16 whatever N is: Triton specialises on
+    # both, and a variant per N modulo 16 would mean more compiles and more launch-cache entries.
     # arrivals[row] counts a row's finished chunks, arrivals[N] the finished groups of ROWS_PER_GROUP rows and
     # arrivals[N + 1 + g] the finished rows of group g.
-    n_partials = n_rows * n_chunks if n_chunks > 1 else 1
     n_groups = _cdiv(n_rows, ROWS_PER_GROUP) if reduce else 0
     n_counters = n_rows + 1 + n_groups if n_chunks > 1 or reduce else 1
-    sizes = [-(-n_counters // 4) * 4, n_rows, n_rows if reduce else 0, 1, 2 * n_groups] + [n_partials] * 3
+    rows_padded = -(-n_rows // 16) * 16
+    lse_offset = -(-n_counters // 16) * 16
+    token_losses_offset = lse_offset + rows_padded
+    denominator_offset = token_losses_offset + (rows_padded if reduce else 0)
+    groups_offset = denominator_offset + 16
+    partials_offset = groups_offset + -(-2 * n_groups // 16) * 16
+    partials_stride = -(-n_rows * n_chunks // 16) * 16 if n_chunks > 1 else 16
     loss = torch.empty(() if reduce else (n_rows,), dtype=torch.float32, device=device)
-    buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=device)
-    arrivals, lse, token_losses, denominator, group_partials, *partials = buffer.view(torch.float32).split(sizes)
-    arrivals = arrivals.view(torch.int32)
-    if not reduce:
-        token_losses = loss
+    arrivals = torch.zeros(partials_offset + 3 * partials_stride, dtype=torch.int32, device=device)
+    scratch = arrivals.view(torch.float32)
+    lse = scratch[lse_offset : lse_offset + n_rows]
+    if reduce:
+        token_losses = scratch[token_losses_offset : token_losses_offset + n_rows]
+        denominator = scratch[denominator_offset : denominator_offset + 1]
+    else:
+        token_losses, denominator = loss, scratch  # the kernel writes no denominator without REDUCE
     sum_z = torch.empty(n_rows, dtype=torch.float32, device=device) if vocab_parallel else lse
     if n_rows == 0:
         if vocab_parallel:
@@ -578,48 +771,51 @@ def forward(logits, labels, options, reduction="none", n_items=None, vocab_start
     else:
         denominator_mode, denominator_value = 1, float(n_items)
     flags = _flags(options)
-    _guard_capture(
-        ("forward", device, logits.dtype, labels.dtype, block, n_chunks > 1, reduce, denominator_mode, *flags.values()),
+    args = (
         logits,
+        batch_stride,
+        row_stride,
+        rows_per_batch,
+        labels,
+        token_losses,
+        lse,
+        sum_z,
+        scratch,
+        arrivals,
+        loss,
+        denominator,
+        n_items_ptr,
+        partials_offset,
+        partials_stride,
+        groups_offset,
+        n_rows,
+        vocab,
+        chunk,
+        n_chunks,
+        options.ignore_index,
+        options.logit_scaling,
+        options.logit_softcapping,
+        options.label_smoothing,
+        options.z_loss,
+        denominator_value,
+        vocab_start,
+        block,  # the constexprs, in the kernel's order: BLOCK, CHUNKS_BLOCK, the four flags, REDUCE, ...
+        _next_power_of_2(n_chunks),
+        *flags,
+        reduce,
+        denominator_mode,
+        GROUPS_BLOCK,
+        ROWS_PER_GROUP,
+        vocab_parallel,
     )
+    grid = (n_rows, n_chunks, 1)
     with on_device(logits):
-        _forward_kernel[(n_rows, n_chunks)](
-            logits,
-            batch_stride,
-            row_stride,
-            rows_per_batch,
-            labels,
-            token_losses,
-            lse,
-            sum_z,
-            *partials,
-            arrivals,
-            group_partials,
-            loss,
-            denominator,
-            n_items_ptr,
-            n_rows,
-            vocab,
-            chunk,
-            n_chunks,
-            options.ignore_index,
-            options.logit_scaling,
-            options.logit_softcapping,
-            options.label_smoothing,
-            options.z_loss,
-            denominator_value,
-            vocab_start,
-            BLOCK=block,
-            CHUNKS_BLOCK=_next_power_of_2(n_chunks),
-            REDUCE=reduce,
-            DENOMINATOR=denominator_mode,
-            GROUPS_BLOCK=GROUPS_BLOCK,
-            ROWS_PER_GROUP=ROWS_PER_GROUP,
-            VOCAB_PARALLEL=vocab_parallel,
-            num_warps=warps,
-            num_stages=FORWARD_STAGES,
-            **flags,
-        )
+        if not _forward_launcher.cached(grid, args, warps, FORWARD_STAGES):
+            _guard_capture(
+                ("forward", device, logits.dtype, labels.dtype, block, n_chunks > 1, reduce, denominator_mode, *flags),
+                logits,
+            )
+            _forward_launcher.launch(grid, args, warps, FORWARD_STAGES)
     if vocab_parallel:
         return lse, loss, sum_z
     return loss, lse, (denominator if reduce else None)
@@ -637,7 +833,9 @@ def backward(grad_loss, logits, labels, lse, grad, options, denominator=None, vo
     if n_rows == 0:
         return grad
     batch_stride, row_stride, rows_per_batch = row_layout(logits)
-    grad_batch_stride, grad_row_stride, grad_rows_per_batch = row_layout(grad)
+    # In place (grad is the logits), the layout is the same one.
+    layout = (batch_stride, row_stride, rows_per_batch) if grad is logits else row_layout(grad)
+    grad_batch_stride, grad_row_stride, grad_rows_per_batch = layout
     if (
         grad_rows_per_batch != rows_per_batch
     ):  # one kernel argument splits both: express the one-batch side in the other's
@@ -649,48 +847,50 @@ def backward(grad_loss, logits, labels, lse, grad, options, denominator=None, vo
             raise ValueError("grad and logits split their rows into batches differently")
     block, warps = backward_config(vocab)
     flags = _flags(options)
-    _guard_capture(
-        (
-            "backward",
-            logits.device,
-            logits.dtype,
-            grad.dtype,
-            grad_loss.dtype,
-            labels.dtype,
-            block,
-            denominator is not None,
-            *flags.values(),
-        ),
+    args = (
         logits,
+        batch_stride,
+        row_stride,
+        grad,
+        grad_batch_stride,
+        grad_row_stride,
+        rows_per_batch,
+        labels,
+        lse,
+        grad_loss,
+        grad_loss.stride(0) if grad_loss.dim() else 0,
+        lse if denominator is None else denominator,
+        vocab,
+        options.ignore_index,
+        options.logit_scaling,
+        options.logit_softcapping,
+        options.label_smoothing,
+        options.z_loss,
+        vocab_start,
+        vocab if vocab_total is None else vocab_total,
+        block,  # the constexprs, in the kernel's order: BLOCK, the four flags, HAS_DENOMINATOR, VOCAB_PARALLEL
+        *flags,
+        denominator is not None,
+        vocab_total is not None,
     )
+    grid = (n_rows, _cdiv(vocab, block), 1)
     with on_device(logits):
-        _backward_kernel[(n_rows, _cdiv(vocab, block))](
-            logits,
-            batch_stride,
-            row_stride,
-            grad,
-            grad_batch_stride,
-            grad_row_stride,
-            rows_per_batch,
-            labels,
-            lse,
-            grad_loss,
-            grad_loss.stride(0) if grad_loss.dim() else 0,
-            lse if denominator is None else denominator,
-            vocab,
-            options.ignore_index,
-            options.logit_scaling,
-            options.logit_softcapping,
-            options.label_smoothing,
-            options.z_loss,
-            vocab_start,
-            vocab if vocab_total is None else vocab_total,
-            BLOCK=block,
-            HAS_DENOMINATOR=denominator is not None,
-            VOCAB_PARALLEL=vocab_total is not None,
-            num_warps=warps,
-            **flags,
-        )
+        if not _backward_launcher.cached(grid, args, warps):
+            _guard_capture(
+                (
+                    "backward",
+                    logits.device,
+                    logits.dtype,
+                    grad.dtype,
+                    grad_loss.dtype,
+                    labels.dtype,
+                    block,
+                    denominator is not None,
+                    *flags,
+                ),
+                logits,
+            )
+            _backward_launcher.launch(grid, args, warps)
     return grad
 
 
@@ -699,8 +899,9 @@ def scale_unless_one(tensor, factor):
     exactly 1 costs one launch and no memory traffic. tensor must be contiguous."""
     _checked(tensor)
     if tensor.numel():
+        args = (tensor, tensor.numel(), factor, SCALE_BLOCK)
+        grid = (_cdiv(tensor.numel(), SCALE_BLOCK), 1, 1)
         with on_device(tensor):
-            _scale_unless_one_kernel[(_cdiv(tensor.numel(), SCALE_BLOCK),)](
-                tensor, tensor.numel(), factor, BLOCK=SCALE_BLOCK
-            )
+            if not _scale_launcher.cached(grid, args):
+                _scale_launcher.launch(grid, args)
     return tensor

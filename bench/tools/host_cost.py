@@ -5,9 +5,11 @@ The two kernels are replaced by no-op launch objects, so what is timed is everyt
 besides Triton's own launch path (argument checks, Options, the layout checks, the autograd.Function with its
 three outputs, the launchers' allocations and argument marshalling, the backward through the autograd engine).
 Triton's launch (its dispatch on the arguments, then the driver call) comes on top: bench/tools/overhead.py measures
-it on the GPU. Minimum over repeats of the mean over `number` calls: the minimum is the least disturbed by other
-processes on a shared machine. On CPU tensors the autograd engine runs the backward on the calling thread; with
-CUDA tensors it hands it to a device thread, which costs more (bench/NOTES.md).
+it on the GPU. The "cached launch" rows take kernels._Launcher's cached path instead (Triton's binder for the key,
+the lookup, the call), with only the compiled launcher's C call stubbed. Minimum over repeats of the mean over
+`number` calls: the minimum is the least disturbed by other processes on a shared machine. On CPU tensors the
+autograd engine runs the backward on the calling thread; with CUDA tensors it hands it to a device thread, which
+costs more (bench/NOTES.md).
 """
 
 import argparse
@@ -34,14 +36,54 @@ class _NoLaunch:
         return None
 
 
+LAUNCHERS = ("_forward_launcher", "_backward_launcher")
+
+
 @contextlib.contextmanager
 def no_launches():
-    saved = kernels._forward_kernel, kernels._backward_kernel
-    kernels._forward_kernel = kernels._backward_kernel = _NoLaunch()
+    """The launchers' generic path with Triton's launch taken out (the launch cache is off on the CPU)."""
+    saved = [getattr(kernels, name) for name in LAUNCHERS]
+    for name in LAUNCHERS:
+        setattr(kernels, name, kernels._Launcher(_NoLaunch(), setting=_Setting(False)))
     try:
         yield
     finally:
-        kernels._forward_kernel, kernels._backward_kernel = saved
+        for name, launcher in zip(LAUNCHERS, saved):
+            setattr(kernels, name, launcher)
+
+
+class _Setting:
+    def __init__(self, enabled):
+        self.enabled = enabled
+
+
+@contextlib.contextmanager
+def cached_launches():
+    """The launchers' cached path, everything but the compiled launcher's C call: the launchers get a stand-in JIT
+    function with Triton's own binder for the CUDA backend (tests/test_launch_cache.py), whose compiled variants'
+    launchers do nothing. The first launch of each variant records it, later ones take the cached path."""
+    from fastce_torch.tests.test_launch_cache import FakeJIT
+
+    saved = [getattr(kernels, name) for name in LAUNCHERS]
+    launchers = {}
+    for name, kernel in zip(LAUNCHERS, (kernels._forward_kernel, kernels._backward_kernel)):
+        fake = FakeJIT(kernel)
+        fake.direct = _Discard()
+        launchers[name] = kernels._Launcher(
+            fake, setting=_Setting(True), current_device=lambda: 0, current_stream=lambda device: 0
+        )
+        setattr(kernels, name, launchers[name])
+    try:
+        yield launchers
+    finally:
+        for name, launcher in zip(LAUNCHERS, saved):
+            setattr(kernels, name, launcher)
+
+
+class _Discard:
+    @staticmethod
+    def append(call):
+        pass
 
 
 class _DoNothing(torch.autograd.Function):
@@ -89,6 +131,24 @@ class _ThreeOutputs(torch.autograd.Function):
     def backward(ctx, grad, grad_lse, grad_denominator):
         assert len(ctx.saved_tensors) == 4  # unpacking the saved tensors is part of the cost
         return None, None
+
+
+def _forward_args(logits, labels, options):
+    """The argument tuple kernels.forward passes to its launcher (captured from one call)."""
+    captured = []
+
+    class Capture(kernels._Launcher):
+        def cached(self, grid, args, *rest):
+            captured.append((grid, rest, args))
+            return True
+
+    saved = kernels._forward_launcher
+    kernels._forward_launcher = Capture(None)
+    try:
+        kernels.forward(logits, labels, options, "mean")
+    finally:
+        kernels._forward_launcher = saved
+    return captured[0]
 
 
 def per_call_us(fn, number, repeat):
@@ -166,6 +226,24 @@ def breakdown(device="cpu", n_rows=64, vocab=1000, number=2000, repeat=7):
             "cross_entropy forward+backward, launches stubbed",
             lambda: torch.autograd.grad(ce_module.cross_entropy(logits, labels, backend=backend), logits),
         )
+    with cached_launches() as launchers:
+        time(
+            "kernels.forward, cached launch (C launcher stubbed)", lambda: kernels.forward(raw, labels, options, "mean")
+        )
+        time(
+            "kernels.backward, cached launch (C launcher stubbed)",
+            lambda: kernels.backward(grad_loss, raw, labels, lse, raw, options, denominator=denominator),
+        )
+        forward = launchers["_forward_launcher"]
+        binder = next(iter(forward.variants.values()))[0]
+        _, _, args = _forward_args(raw, labels, options)
+        time("  _Launcher._key of the forward (Triton's binder)", lambda: forward._key(binder, args, 4, 3))
+        time(
+            "cross_entropy forward+backward, cached launches",
+            lambda: torch.autograd.grad(ce_module.cross_entropy(logits, labels, backend=backend), logits),
+        )
+        assert forward.hits and launchers["_backward_launcher"].hits and forward.failure is None
+    with no_launches():
         time(
             "F.cross_entropy forward+backward (baseline)",
             lambda: torch.autograd.grad(torch.nn.functional.cross_entropy(logits, labels), logits),

@@ -447,7 +447,7 @@ def test_first_launch_inside_a_capture_names_the_warm_up(device):
     """A kernel variant that never ran (here: label smoothing 0.123 with softcapping, a fresh combination of
     flags) cannot be compiled inside a capture; the error says to warm up."""
     logits, labels = problem(device, shape=(8,), vocab=1000)
-    kernels._launched.clear()
+    kernels.forget_launches()
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="warm-up"):
         with torch.cuda.graph(graph):

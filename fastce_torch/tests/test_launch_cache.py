@@ -1,0 +1,382 @@
+"""The launch cache (kernels._Launcher): a cached launch must start exactly the compiled variant Triton's generic
+`kernel[grid](...)` would start for the same arguments, on the current stream, and every case it cannot serve must
+take the generic path.
+
+On the CPU (Triton's interpreter) the real kernels cannot be compiled, so the launchers are given a stand-in for
+the JIT function that reproduces what _Launcher relies on from Triton 3.6's JITFunction.run: the kernel's own
+binder (Triton's specialisation of every argument, built for the CUDA backend), Triton's cache key
+(compute_cache_key) and its per-device kernel cache of CompiledKernel objects. The launcher arguments are the ones
+kernels.forward / backward / scale_unless_one really build. With --gpu, the real kernels run through both paths
+and must agree bitwise (test_cached_launches_match_generic_launches_bitwise).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import CompiledKernel, make_backend
+from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
+
+import fastce_torch
+from fastce_torch import kernels
+from fastce_torch.kernels import Options
+
+STREAM = 1234  # the stand-in current stream
+# Nothing is launched in the stand-in tests, but the launchers take only CUDA tensors outside the interpreter.
+STAND_IN_DEVICE = "cpu" if kernels.INTERPRETED else "cuda"
+
+
+class FakeSetting:
+    def __init__(self, enabled=True):
+        self.enabled = enabled
+
+
+class FakeJIT:
+    """A @triton.jit kernel as _Launcher sees it, launching nothing: kernel[grid](*args, **options) is
+    JITFunction.run's lookup (binder, compute_cache_key, the device's kernel cache), 'compiling' a stand-in
+    CompiledKernel for a new key; a CompiledKernel's launcher records its call."""
+
+    def __init__(self, jit_function):
+        jit = JITFunction(jit_function.fn)
+        backend = make_backend(GPUTarget("cuda", 90, 32))
+        self.binder = create_function_from_signature(jit.signature, jit.params, backend)
+        self.kernel_cache, self.kernel_key_cache = {}, {}
+        self.device_caches = {0: (self.kernel_cache, self.kernel_key_cache, None, backend, self.binder)}
+        self.debug, self.pre_run_hooks, self.used_global_vals = None, [], {}
+        self.generic, self.direct = [], []
+        self.returns_compiled = True
+
+    def triton_key(self, args, options):
+        options = dict(options, debug=self.debug or knobs.runtime.debug)
+        options["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+        return compute_cache_key(self.kernel_key_cache, self.binder(*args, **options)[1], options)
+
+    def __getitem__(self, grid):
+        def run(*args, **options):
+            key = self.triton_key(args, options)
+            if key not in self.kernel_cache:
+                compiled = CompiledKernel.__new__(CompiledKernel)
+                compiled.function, compiled.packed_metadata = 1000 + len(self.kernel_cache), ("metadata", key)
+                compiled._run = lambda *call: self.direct.append(call)
+                self.kernel_cache[key] = compiled
+            self.generic.append((grid, args, options))
+            return self.kernel_cache[key] if self.returns_compiled else None
+
+        return run
+
+
+def fake_launchers(monkeypatch, setting=None):
+    setting = FakeSetting() if setting is None else setting
+    monkeypatch.setattr(kernels, "_launched", set())  # the capture guard's record: these variants never compiled
+    fakes = {}
+    for name, kernel in (
+        ("_forward_launcher", kernels._forward_kernel),
+        ("_backward_launcher", kernels._backward_kernel),
+        ("_scale_launcher", kernels._scale_unless_one_kernel),
+    ):
+        fakes[name] = FakeJIT(kernel)
+        launcher = kernels._Launcher(fakes[name], setting, current_device=lambda: 0, current_stream=lambda d: STREAM)
+        monkeypatch.setattr(kernels, name, launcher)
+    return fakes
+
+
+def check_last_direct_call(fake, grid, options):
+    """The direct call started Triton's own choice of compiled variant for its arguments, on the current stream,
+    with no launch hooks, and passed every argument."""
+    call = fake.direct[-1]
+    assert call[:3] == grid and call[3] == STREAM and call[6:9] == (None, None, None)
+    args = call[9:]
+    expected = fake.kernel_cache[fake.triton_key(args, options)]
+    assert (call[4], call[5]) == (expected.function, expected.packed_metadata)
+    assert len(args) == len(fake.binder.__code__.co_varnames[: fake.binder.__code__.co_argcount])
+
+
+def logits_of(n_rows, vocab, dtype=torch.float32, offset=0, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    base = torch.randn(n_rows, vocab + offset, generator=generator).to(STAND_IN_DEVICE, dtype)
+    return base[:, offset:]  # offset > 0: a view whose data pointer is not 16-byte aligned
+
+
+def labels_of(n_rows, vocab, dtype=torch.int64, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n_rows,), generator=generator).to(STAND_IN_DEVICE, dtype)
+
+
+# Argument sets that Triton specialises differently: integers equal to 1 or not divisible by 16, the number of rows
+# (the scratch pieces' alignment follows it), misaligned logits, dtypes, options, reductions, vocab-parallel starts.
+FORWARD_CASES = [
+    dict(n_rows=16, vocab=1000),
+    dict(n_rows=17, vocab=1000),
+    dict(n_rows=33, vocab=1000),
+    dict(n_rows=1, vocab=1000),
+    dict(n_rows=64, vocab=1),
+    dict(n_rows=16, vocab=20000),
+    dict(n_rows=16, vocab=1000, offset=1),
+    dict(n_rows=16, vocab=1000, dtype=torch.bfloat16),
+    dict(n_rows=16, vocab=1000, dtype=torch.float16, offset=3),
+    dict(n_rows=16, vocab=1000, labels_dtype=torch.int32),
+    dict(n_rows=16, vocab=1000, options=Options(ignore_index=1)),
+    dict(n_rows=16, vocab=1000, options=Options(logit_softcapping=30.0, label_smoothing=0.1)),
+    dict(n_rows=16, vocab=1000, options=Options(logit_scaling=0.5, z_loss=1e-4)),
+    dict(n_rows=16, vocab=1000, reduction="none"),
+    dict(n_rows=16, vocab=1000, reduction="sum", n_items=7.0),
+    dict(n_rows=16, vocab=1000, reduction="mean", n_items="tensor"),
+    dict(n_rows=16, vocab=1000, vocab_start=1, vocab_total=3000),
+    dict(n_rows=16, vocab=1000, vocab_start=1000, vocab_total=3000),
+]
+
+
+FORWARD_OPTIONS = dict(num_warps=kernels.FORWARD_WARPS, num_stages=kernels.FORWARD_STAGES)
+
+
+def run_forward(case, seed=0):
+    n_rows, vocab = case["n_rows"], case["vocab"]
+    logits = logits_of(n_rows, vocab, case.get("dtype", torch.float32), case.get("offset", 0), seed)
+    labels = labels_of(n_rows, vocab, case.get("labels_dtype", torch.int64), seed + 1)
+    n_items = case.get("n_items")
+    if n_items == "tensor":
+        n_items = torch.tensor(5, device=STAND_IN_DEVICE)
+    options = case.get("options", Options())
+    if "vocab_total" in case:
+        return kernels.forward(
+            logits, labels, options, vocab_start=case["vocab_start"], vocab_total=case["vocab_total"]
+        )
+    return kernels.forward(logits, labels, options, case.get("reduction", "mean"), n_items)
+
+
+def test_cached_forward_launches_are_tritons_own_choice(monkeypatch):
+    fakes = fake_launchers(monkeypatch)
+    fake = fakes["_forward_launcher"]
+    launcher = kernels._forward_launcher
+    options = FORWARD_OPTIONS
+    for case in FORWARD_CASES:
+        generic, direct = len(fake.generic), len(fake.direct)
+        run_forward(case, seed=0)
+        if len(fake.direct) > direct:  # served by the cache: must be what Triton would have launched
+            check_last_direct_call(fake, tuple(fake.direct[-1][:3]), options)
+        else:
+            assert len(fake.generic) == generic + 1
+        # The same case again (fresh tensors, same shapes): always the cache now.
+        generic, direct = len(fake.generic), len(fake.direct)
+        run_forward(case, seed=5)
+        assert (len(fake.generic), len(fake.direct)) == (generic, direct + 1), case
+        check_last_direct_call(fake, tuple(fake.direct[-1][:3]), options)
+    # Every case here is its own variant except those that share Triton's specialisation: at least a dozen.
+    assert len(fake.kernel_cache) >= 12
+    assert len(fake.generic) == len(fake.kernel_cache)  # no known variant took the generic path
+    assert launcher.hits == len(fake.direct) and launcher.failure is None
+
+
+def test_integer_one_and_divisibility_get_their_own_variants(monkeypatch):
+    fake = fake_launchers(monkeypatch)["_forward_launcher"]
+    run_forward(dict(n_rows=32, vocab=1000))
+    run_forward(dict(n_rows=32, vocab=1000))
+    assert (len(fake.generic), len(fake.direct)) == (1, 1)
+    # An integer equal to 1, one not divisible by 16, misaligned logits: each a variant of its own.
+    for variants, case in enumerate(
+        (dict(n_rows=1, vocab=1000), dict(n_rows=31, vocab=1000), dict(n_rows=32, vocab=1000, offset=2)), start=2
+    ):
+        run_forward(case)
+        assert len(fake.generic) == len(fake.kernel_cache) == variants, case
+    for n_rows in (48, 64, 47, 2, 3):  # whatever Triton makes of these: only new variants take the generic path
+        run_forward(dict(n_rows=n_rows, vocab=1000))
+        if fake.direct:
+            check_last_direct_call(fake, tuple(fake.direct[-1][:3]), FORWARD_OPTIONS)
+    assert len(fake.generic) == len(fake.kernel_cache)
+
+
+@pytest.mark.parametrize("grad_shape", ["scalar", "per_token", "strided"])
+@pytest.mark.parametrize("with_denominator", [True, False])
+def test_cached_backward_launches_are_tritons_own_choice(monkeypatch, grad_shape, with_denominator):
+    fake = fake_launchers(monkeypatch)["_backward_launcher"]
+    options = dict(num_warps=kernels.BACKWARD_WARPS)
+    for n_rows, vocab, offset in ((16, 1000, 0), (17, 3000, 0), (16, 1000, 1), (1, 1000, 0)):
+        for seed in (0, 1):
+            logits = logits_of(n_rows, vocab, torch.bfloat16, offset, seed)
+            labels = labels_of(n_rows, vocab)
+            lse = torch.randn(n_rows, device=STAND_IN_DEVICE)
+            grad = torch.empty(logits.shape, dtype=logits.dtype, device=STAND_IN_DEVICE)
+            ones = torch.ones(2 * n_rows, device=STAND_IN_DEVICE)
+            grad_loss = {
+                "scalar": ones[0],
+                "per_token": ones[:n_rows],
+                "strided": ones[::2],
+            }
+            denominator = ones[:1] if with_denominator else None
+            direct = len(fake.direct)
+            kernels.backward(grad_loss[grad_shape], logits, labels, lse, grad, Options(), denominator)
+            if seed:
+                assert len(fake.direct) == direct + 1
+            if len(fake.direct) > direct:
+                check_last_direct_call(fake, tuple(fake.direct[-1][:3]), options)
+
+
+def test_cached_scale_launches_are_tritons_own_choice(monkeypatch):
+    fake = fake_launchers(monkeypatch)["_scale_launcher"]
+    for numel in (16, 17, 1, 16, 17, 1, 8192):
+        kernels.scale_unless_one(torch.randn(numel, device=STAND_IN_DEVICE), torch.ones((), device=STAND_IN_DEVICE))
+        if fake.direct:
+            check_last_direct_call(fake, tuple(fake.direct[-1][:3]), {})
+    assert len(fake.generic) == len(fake.kernel_cache) == 3  # 16 and 8192 share Triton's specialisation
+    assert len(fake.direct) == 4
+
+
+def test_hooks_setting_and_failures_take_the_generic_path(monkeypatch):
+    setting = FakeSetting()
+    fake = fake_launchers(monkeypatch, setting)["_forward_launcher"]
+    case = dict(n_rows=16, vocab=1000)
+    run_forward(case)
+    run_forward(case)
+    assert (len(fake.generic), len(fake.direct)) == (1, 1)
+
+    def hook(metadata):
+        pass
+
+    knobs.runtime.launch_enter_hook.add(hook)  # a profiler's launch hook: Triton must call it
+    try:
+        run_forward(case)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert (len(fake.generic), len(fake.direct)) == (2, 1)
+    saved = knobs.runtime.launch_exit_hook
+    knobs.runtime.launch_exit_hook = hook  # not a HookChain: counts as a hook
+    try:
+        run_forward(case)
+    finally:
+        knobs.runtime.launch_exit_hook = saved
+    assert (len(fake.generic), len(fake.direct)) == (3, 1)
+    run_forward(case)
+    assert (len(fake.generic), len(fake.direct)) == (3, 2)
+
+    setting.enabled = False
+    run_forward(case)
+    assert (len(fake.generic), len(fake.direct)) == (4, 2)
+    setting.enabled = True
+
+    fake.used_global_vals = {("SOME_GLOBAL", None): (1, {"SOME_GLOBAL": 2})}  # Triton raises on a changed global
+    run_forward(case)
+    assert (len(fake.generic), len(fake.direct)) == (5, 2)
+    fake.used_global_vals = {}
+
+    kernels.forget_launches()
+    assert not kernels._forward_launcher.variants
+    fake.returns_compiled = False  # a launch Triton skipped (jit_cache_hook): the cache gives up, the launch stays
+    run_forward(case)
+    assert kernels._forward_launcher.failure is not None
+    fake.returns_compiled = True
+    run_forward(case)
+    run_forward(case)
+    assert (len(fake.generic), len(fake.direct)) == (8, 2)
+
+
+def test_the_setting_is_read_once_from_the_environment():
+    # Compiled mode (TRITON_INTERPRET=0) in a fresh process: the cache is on unless the variable says 0. Nothing
+    # is launched, so no GPU is needed.
+    code = (
+        "from fastce_torch import kernels; print(kernels.launch_cache_enabled(), kernels._launch_cache_setting.refusal)"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for value, expected in (("0", "False FASTCE_TORCH_LAUNCH_CACHE=0"), ("1", "True")):
+        env = {**os.environ, "TRITON_INTERPRET": "0", kernels.LAUNCH_CACHE_VARIABLE: value, "PYTHONPATH": root}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip() == expected
+
+
+def test_the_interpreter_never_uses_the_cache():
+    if not kernels.INTERPRETED:
+        pytest.skip("the CPU run (Triton's interpreter) only")
+    assert not kernels.launch_cache_enabled()
+    with pytest.raises(RuntimeError, match="interpreter"):
+        with kernels.launch_cache(True):
+            pass
+    with kernels.launch_cache(False):
+        assert not kernels.launch_cache_enabled()
+
+
+# --- on the GPU: the real kernels, cached and generic, bitwise ---------------------------------------------------
+
+GPU_CASES = [
+    dict(shape=(16,), vocab=1000, dtype=torch.float32, reduction="mean", options={}),
+    dict(shape=(17,), vocab=32000, dtype=torch.bfloat16, reduction="sum", options=dict(label_smoothing=0.1)),
+    dict(shape=(1,), vocab=5000, dtype=torch.float16, reduction="none", options=dict(z_loss=1e-4)),
+    dict(shape=(3, 11), vocab=20000, dtype=torch.bfloat16, reduction="mean", options=dict(logit_softcapping=30.0)),
+    dict(shape=(64,), vocab=1, dtype=torch.float32, reduction="mean", options={}),
+    dict(shape=(40,), vocab=70000, dtype=torch.bfloat16, reduction="mean", options=dict(logit_scaling=0.25)),
+    dict(shape=(24,), vocab=1000, dtype=torch.float32, reduction="mean", options=dict(ignore_index=1)),
+]
+
+
+def bits(tensor):
+    return tensor.view({2: torch.int16, 4: torch.int32}[tensor.element_size()])
+
+
+def _step(case, seed, device, strided):
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    n_rows = 1
+    for size in case["shape"]:
+        n_rows *= size
+    columns = case["vocab"] + (1 if strided else 0)
+    base = torch.randn(*case["shape"], columns, generator=generator).to(device, case["dtype"])
+    leaf = base.requires_grad_()
+    logits = (leaf * 1.0)[..., 1:] if strided else leaf * 1.0  # intermediate: the gradient is written in place
+    labels = torch.randint(0, case["vocab"], case["shape"], generator=generator).to(device)
+    labels.view(-1)[::5] = case["options"].get("ignore_index", -100)
+    loss = fastce_torch.cross_entropy(logits, labels, reduction=case["reduction"], **case["options"])
+    (grad,) = torch.autograd.grad(loss.sum(), leaf)
+    return loss.detach(), grad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strided", [False, True])
+def test_cached_launches_match_generic_launches_bitwise(device, strided):
+    if not kernels.launch_cache_enabled():
+        pytest.skip(f"launch cache off in this process: {kernels._launch_cache_setting.refusal}")
+    for case in GPU_CASES:
+        with kernels.launch_cache(False):
+            expected = [_step(case, seed, device, strided) for seed in (0, 1)]
+        hits = kernels._forward_launcher.hits, kernels._backward_launcher.hits
+        # Twice: the first call of a variant may take the generic path (and records it), the second is cached.
+        got = [_step(case, seed, device, strided) for seed in (0, 1)]
+        assert kernels._forward_launcher.hits > hits[0] and kernels._backward_launcher.hits > hits[1], case
+        for (loss, grad), (loss_ref, grad_ref) in zip(got, expected):
+            assert torch.equal(bits(loss), bits(loss_ref)), case
+            assert torch.equal(bits(grad), bits(grad_ref)), case
+    assert kernels._forward_launcher.failure is None and kernels._backward_launcher.failure is None
+
+
+@pytest.mark.gpu
+def test_cached_launches_are_captured_in_a_cuda_graph(device):
+    """After the warm-up, the captured launches are cached ones, on the capture stream, and the replay gives the
+    eager step's numbers bitwise."""
+    if not kernels.launch_cache_enabled():
+        pytest.skip(f"launch cache off in this process: {kernels._launch_cache_setting.refusal}")
+    case = dict(shape=(48,), vocab=40000, dtype=torch.bfloat16, reduction="mean", options=dict(label_smoothing=0.1))
+    generator = torch.Generator(device="cpu").manual_seed(3)
+    static_leaf = torch.randn(48, 40000, generator=generator).to(device, torch.bfloat16).requires_grad_()
+    static_labels = torch.randint(0, 40000, (48,), generator=generator).to(device)
+
+    def step():
+        loss = fastce_torch.cross_entropy(static_leaf * 1.0, static_labels, **case["options"])
+        return loss, torch.autograd.grad(loss, static_leaf)[0]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    hits = kernels._forward_launcher.hits, kernels._backward_launcher.hits
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss, static_grad = step()
+    assert kernels._forward_launcher.hits == hits[0] + 1 and kernels._backward_launcher.hits == hits[1] + 1
+    graph.replay()
+    with kernels.launch_cache(False):
+        loss, grad = step()
+    torch.cuda.synchronize()
+    assert torch.equal(bits(static_loss), bits(loss)) and torch.equal(bits(static_grad), bits(grad))
