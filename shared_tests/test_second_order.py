@@ -97,9 +97,7 @@ def jax_hvp(logits, labels, v, upstream, reduction, n_items, opts, backend, mode
     x, y, d, up = exchange.to_jax(logits), exchange.labels_to_jax(labels), exchange.to_jax(v), exchange.to_jax(upstream)
 
     def loss(a):
-        out = fastce_jax.cross_entropy(
-            a, y, reduction=reduction, n_items=n_items, backend=backend, **opts.as_kwargs()
-        )
+        out = fastce_jax.cross_entropy(a, y, reduction=reduction, n_items=n_items, backend=backend, **opts.as_kwargs())
         return jnp.sum(out * up) if reduction == "none" else out
 
     if mode == "grad_of_grad":
