@@ -220,7 +220,8 @@ def hessian_vector_product(case, inputs, logits_of, group_loss):
 
 
 def check_hvp(case, inputs, hvp_full, v):
-    from shared_tests.test_second_order import check_hvp as check, exact_hvp
+    from shared_tests.test_second_order import check_hvp as check
+    from shared_tests.test_second_order import exact_hvp
 
     n_items = inputs.n_items.item() if isinstance(inputs.n_items, torch.Tensor) else inputs.n_items
     exact, row_scale = exact_hvp(inputs.logits, inputs.labels, v, inputs.upstream, case.reduction, n_items, case.opts)
