@@ -1,6 +1,6 @@
 """fastce_jax where real training code puts it: float64 logits, what autodiff supports (reverse mode through the
-kernels, higher order through the reference's jvp rules; JAX's error for forward mode on the loss), where backend="auto" runs under jit, and batch invariance (vmap and batch size never change a
-row's bits).
+kernels, higher order through the reference's jvp rules, JAX's TypeError for forward mode on the loss), where
+backend="auto" runs under jit, and batch invariance (vmap and batch size never change a row's bits).
 
 On CPU the kernels run in interpret mode; with --gpu the same tests run the compiled kernels, plus the `gpu` ones.
 """
