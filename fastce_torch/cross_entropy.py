@@ -114,7 +114,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
             return _CrossEntropyFunction._gradient(ctx, *tensors), *[None] * 5
         # Decided before anything is written in place: a gradient that is differentiated again is computed in plain
         # torch from the intact logits.
-        if _differentiated_again(tensors[:2]):
+        if _differentiated_again(tensors):
             grad_output, logits, labels, _, denominator = tensors
             if not transformed and not plain:
                 # The function torch.func.vjp returned, called after the transform: its wrappers are dead, the

@@ -78,6 +78,13 @@ def test_two_gpus_nccl():
     run_ranks(2, "--device=cuda", "--backend=kernel", "--size=mid")
 
 
+@pytest.mark.gpu
+def test_two_gpus_nccl_hessian_vector_product():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    run_ranks(2, "--device=cuda", "--backend=kernel", "--local-vocab=300", "--rows=16", "--second-order")
+
+
 def test_arguments_without_a_process_group():
     import fastce_torch
 
