@@ -25,10 +25,6 @@ LOGITS_REUSED = (
     "logits were needed again: by a second backward through the same loss, by a second loss over the same logits, "
     "or by another op that saved them. Pass inplace_backward=False to keep the logits intact."
 )
-FORWARD_MODE_UNSUPPORTED = (
-    "fastce_torch.cross_entropy has no forward-mode derivative (torch.func.jvp, jacfwd, hessian, "
-    "torch.autograd.forward_ad); use backend='reference'"
-)
 VMAP_UNSUPPORTED = (
     "fastce_torch.cross_entropy's kernels have no torch.func.vmap rule: a vmapped batch is only more rows, so "
     "flatten it into the rows instead (logits.reshape(-1, V), labels.reshape(-1), reduction='none', then reduce "
@@ -95,6 +91,8 @@ class _CrossEntropyFunction(torch.autograd.Function):
         _, lse, denominator = output
         ctx.mark_non_differentiable(lse, denominator)
         ctx.save_for_backward(logits, labels, lse, denominator)
+        if _under_functorch() or torch.autograd.forward_ad._current_level >= 0:  # forward mode may ask for jvp
+            ctx.save_for_forward(logits, labels, lse, denominator)
         ctx.inplace_backward, ctx.options, ctx.consumed = inplace_backward, options, False
 
     @staticmethod
@@ -156,8 +154,15 @@ class _CrossEntropyFunction(torch.autograd.Function):
         )
 
     @staticmethod
-    def jvp(ctx, *tangents):
-        raise RuntimeError(FORWARD_MODE_UNSUPPORTED)
+    def jvp(ctx, logits_tangent, *unused_tangents):
+        # Forward mode (torch.func.jvp, jacfwd, hessian): the loss's tangent is <d loss / d logits, tangent>, with
+        # that gradient in differentiable plain torch, so transforms around this one differentiate it again.
+        logits, labels, _, denominator = ctx.saved_tensors
+        reduced = denominator.numel() > 0
+        ones = torch.ones((() if reduced else labels.shape), dtype=torch.float32, device=logits.device)
+        grad = _differentiable_gradient(ones, logits, labels, denominator, ctx.options)
+        product = (grad.float() * logits_tangent.float()).reshape(labels.shape[0], -1)
+        return (product.sum() if reduced else product.sum(-1)), None, None
 
     @staticmethod
     def vmap(info, in_dims, *args):

@@ -325,33 +325,47 @@ def test_torch_func_unsupported_transforms_raise_clear_errors(device):
         torch.func.vmap(loss)(batched)
     with pytest.raises(RuntimeError, match="vmap.*flatten"):
         torch.func.vmap(torch.func.grad(loss))(batched)
-    with pytest.raises(RuntimeError, match="forward-mode.*backend='reference'"):
-        torch.func.jvp(loss, (logits,), (torch.ones_like(logits),))
-    with pytest.raises(RuntimeError, match="forward-mode.*backend='reference'"):
-        torch.func.hessian(loss)(logits)
     # The reference backend composes with all of them.
     hessian_diag = torch.func.vmap(torch.func.grad(lambda x: cross_entropy(x, labels, backend="reference")))(batched)
     assert hessian_diag.shape == batched.shape
 
 
-def test_torch_func_second_order_through_the_kernel(device):
-    """Grad of grad and jacrev (the backward under vmap) through the kernel path equal the reference's."""
-    logits, labels = problem(device)
-    options = dict(z_loss=1e-3, logit_scaling=1.5, label_smoothing=0.1)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_torch_func_higher_order_and_forward_mode_through_the_kernel(device, reduction):
+    """Grad of grad, jacrev (the backward under vmap), forward mode (jvp, jacfwd, forward_ad) and what combines them
+    (jvp of grad, hessian) through the kernel path equal the reference backend's."""
+    logits, labels = problem(device, shape=(2, 3), vocab=17)
+    tangent = torch.randn(logits.shape, generator=torch.Generator().manual_seed(8)).to(device)
+    options = dict(z_loss=1e-3, logit_scaling=1.5, label_smoothing=0.1, logit_softcapping=4.0)
 
-    def loss(backend, reduction="mean"):
-        return lambda x: cross_entropy(x, labels, reduction=reduction, backend=backend, **options)
+    def loss(backend):
+        def f(x):
+            out = cross_entropy(x, labels, reduction=reduction, backend=backend, **options)
+            return out if reduction == "mean" else (out * torch.linspace(0.5, 2.0, out.numel()).view(out.shape)).sum()
 
-    for backend_transform in (
-        lambda f: torch.func.grad(lambda x: torch.func.grad(f)(x).pow(2).sum()),
-        lambda f: torch.func.jacrev(torch.func.grad(f)),
-    ):
-        got, want = backend_transform(loss("kernel"))(logits), backend_transform(loss("reference"))(logits)
+        return f
+
+    def forward_ad(f):
+        def run(x):
+            with torch.autograd.forward_ad.dual_level():
+                return torch.autograd.forward_ad.unpack_dual(f(torch.autograd.forward_ad.make_dual(x, tangent)))[1]
+
+        return run
+
+    transforms = {
+        "grad_of_grad": lambda f: torch.func.grad(lambda x: torch.func.grad(f)(x).pow(2).sum()),
+        "jacrev_of_grad": lambda f: torch.func.jacrev(torch.func.grad(f)),
+        "jvp": lambda f: lambda x: torch.func.jvp(f, (x,), (tangent,))[1],
+        "jvp_of_grad": lambda f: lambda x: torch.func.jvp(torch.func.grad(f), (x,), (tangent,))[1],
+        "jacfwd": torch.func.jacfwd,
+        "hessian": torch.func.hessian,
+        "forward_ad": forward_ad,
+    }
+    for name, transform in transforms.items():
+        got, want = transform(loss("kernel"))(logits), transform(loss("reference"))(logits)
         scale = float(want.abs().max())
-        assert scale > 1e-5
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale)
-    got = torch.func.jacrev(loss("kernel", "none"))(logits)
-    torch.testing.assert_close(got, torch.func.jacrev(loss("reference", "none"))(logits), rtol=1e-5, atol=1e-6)
+        assert scale > 1e-5, name
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale, msg=name)
 
 
 # --- batch invariance ------------------------------------------------------------------------------------------
