@@ -1,7 +1,8 @@
 """Second-order derivatives through both packages against the float64 reference: Hessian-vector products of
 cross_entropy (every option, every reduction, n_items), of linear_cross_entropy (hidden, weight and bias), and the
 gradient penalty users write (the squared gradient of the loss with respect to the hidden states, differentiated
-with respect to the weight).
+with respect to the weight). torch: create_graph=True (in place and not) and torch.func.grad of grad; JAX: grad of
+grad and jvp of grad.
 
 The exact value: reference.py's analytic float64 gradient, differentiated by a central finite difference along the
 direction v, (grad(x + e v) - grad(x - e v)) / 2e with e = 1e-5: its truncation error is e**2 |third derivative|
@@ -89,6 +90,18 @@ def torch_hvp(logits, labels, v, upstream, reduction, n_items, opts, backend, in
     return hvp
 
 
+def torch_func_hvp(logits, labels, v, upstream, reduction, n_items, opts, backend):
+    """torch.func.grad of torch.func.grad: the inner backward runs under two grad levels."""
+
+    def loss(x):
+        out = fastce_torch.cross_entropy(
+            x, labels, reduction=reduction, n_items=n_items, backend=backend, **opts.as_kwargs()
+        )
+        return (out * upstream).sum() if reduction == "none" else out
+
+    return torch.func.grad(lambda x: (torch.func.grad(loss)(x) * v).sum())(logits)
+
+
 def jax_hvp(logits, labels, v, upstream, reduction, n_items, opts, backend, mode):
     jax = pytest.importorskip("jax")
     jnp = jax.numpy
@@ -120,6 +133,8 @@ def test_hessian_vector_product(device, dtype, backend, options, reduction, n_it
     for inplace in (True, False):
         got = torch_hvp(logits, labels, v, upstream, reduction, n_items, opts, backend, inplace)
         check_hvp(got, exact, row_scale, dtype, f"torch hvp (inplace_backward={inplace})")
+    got = torch_func_hvp(logits, labels, v, upstream, reduction, n_items, opts, backend)
+    check_hvp(got, exact, row_scale, dtype, "torch hvp (torch.func.grad of grad)")
     for mode in ("grad_of_grad", "jvp_of_grad"):
         got = jax_hvp(logits, labels, v, upstream, reduction, n_items, opts, backend, mode)
         check_hvp(got, exact, row_scale, dtype, f"jax hvp ({mode})")
