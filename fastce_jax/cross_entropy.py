@@ -279,19 +279,9 @@ def _reference_token_losses(logits, labels, options: Options):
 # ----------------------------------------------------------------------------
 
 
-ONCE_DIFFERENTIABLE = (
-    "fastce_jax.cross_entropy's kernels are differentiable once, in reverse mode (jax.grad, jax.vjp, "
-    "jax.value_and_grad, jax.jacrev); for higher-order derivatives (grad of grad, jax.hessian, Hessian-vector "
-    "products) and forward mode (jax.jvp, jax.linearize, jax.jacfwd) use backend='reference'"
-)
-
-
-def _no_derivative(*_):
-    raise TypeError(ONCE_DIFFERENTIABLE)
-
-
-# The launchers, each wrapped so that differentiating *through* it (which only higher-order autodiff does: first
-# derivatives go through the custom_vjp below) raises ONCE_DIFFERENTIABLE instead of failing inside Pallas.
+# The launchers, each with a jvp rule that is the jvp of the reference: first derivatives go through the custom_vjp
+# below and run the kernels; differentiating *through* a launcher (only higher-order autodiff does: grad of grad,
+# jax.hessian, jvp of grad) gets the reference's exact derivative instead of failing inside Pallas.
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
 def _forward(logits, labels, options: Options, interpret: bool):
     return sharding.forward(logits, labels, options, interpret=interpret)
@@ -300,10 +290,6 @@ def _forward(logits, labels, options: Options, interpret: bool):
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
 def _backward(logits, labels, lse, g, options: Options, inplace: bool, interpret: bool):
     return sharding.backward(logits, labels, lse, g, options, inplace=inplace, interpret=interpret)
-
-
-_forward.defjvp(lambda options, interpret, primals, tangents: _no_derivative())
-_backward.defjvp(lambda options, inplace, interpret, primals, tangents: _no_derivative())
 
 
 def _reference_forward(logits, labels, options: Options):
@@ -315,6 +301,28 @@ def _reference_forward(logits, labels, options: Options):
 def _reference_backward(logits, labels, g, options: Options):
     _, vjp = jax.vjp(lambda x: _reference_token_losses(x, labels, options), logits)
     return vjp(g.astype(jnp.float32))[0]
+
+
+def _forward_jvp(options, interpret, primals, tangents):
+    logits, labels = primals
+    loss, lse = _forward(logits, labels, options, interpret)
+    _, loss_dot = jax.jvp(lambda x: _reference_token_losses(x, labels, options), (logits,), (tangents[0],))
+    # lse is read only by _backward, whose rule recomputes it from the logits (their tangent carries its change).
+    return (loss, lse), (loss_dot, jnp.zeros_like(lse))
+
+
+def _backward_jvp(options, inplace, interpret, primals, tangents):
+    logits, labels, lse, g = primals
+    dlogits = _backward(logits, labels, lse, g, options, inplace, interpret)
+    # lse is a function of the logits: the reference backward recomputes it, so lse's own tangent is not added.
+    _, dlogits_dot = jax.jvp(
+        lambda x, w: _reference_backward(x, labels, w, options), (logits, g), (tangents[0], tangents[3])
+    )
+    return dlogits, dlogits_dot
+
+
+_forward.defjvp(_forward_jvp)
+_backward.defjvp(_backward_jvp)
 
 
 def _route_forward(logits, labels, options: Options, mode: str):
@@ -448,9 +456,11 @@ def cross_entropy(
         Under jit/grad/vmap in a process with a GPU backend, "auto" decides
         when the computation is lowered, by the platform it runs on
         (``jax.lax.platform_dependent``); "kernel" there means the compiled
-        kernels.  The kernels are differentiable once,
-        in reverse mode; higher order raises TypeError, and forward mode JAX's
-        TypeError: use backend="reference" for those.
+        kernels.  Reverse mode runs the kernels; derivatives of those
+        derivatives (grad of grad, jax.hessian, jvp of grad) are the
+        reference's, exact. Forward mode on the loss itself (jax.jvp,
+        jax.linearize, jax.jacfwd) raises JAX's TypeError for a custom_vjp
+        function: use backend="reference" for it.
       inplace_backward: let the backward kernel's output alias the logits
         residual (``input_output_aliases``); XLA reuses that buffer when the
         logits are dead after the backward (e.g. computed inside the same jit),

@@ -50,6 +50,8 @@ from fastce_jax.cross_entropy import (
     _interpret,
     _on_gpu,
     _reduce,
+    _reference_backward,
+    _reference_token_losses,
     _shifted_labels,
     _validate_labels_eagerly,
 )
@@ -97,12 +99,36 @@ class _Static(NamedTuple):
 # --- the one place that calls fastce's launchers -------------------------------------------------------------------
 
 
+# Each with a jvp rule that is the reference's (as cross_entropy's launchers have): first derivatives come from the
+# custom_vjp below and run the kernels; grad of grad, jax.hessian and jvp of grad differentiate through the
+# launchers and get the exact derivative of the reference loss and of its gradient.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _ce_forward(logits, labels, st: _Static):
-    return kernels.forward(logits, labels, st.options, interpret=st.interpret)
+    return tuple(kernels.forward(logits, labels, st.options, interpret=st.interpret))
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
 def _ce_backward_in_place(logits, labels, lse, g, st: _Static):
     return kernels.backward(logits, labels, lse, g, st.options, inplace=True, interpret=st.interpret)
+
+
+@_ce_forward.defjvp
+def _ce_forward_jvp(st: _Static, primals, tangents):
+    logits, labels = primals
+    loss, lse = _ce_forward(logits, labels, st)
+    _, loss_dot = jax.jvp(lambda x: _reference_token_losses(x, labels, st.options), (logits,), (tangents[0],))
+    # lse is read only by the backward launcher, whose rule recomputes it from the logits.
+    return (loss, lse), (loss_dot, jnp.zeros_like(lse))
+
+
+@_ce_backward_in_place.defjvp
+def _ce_backward_jvp(st: _Static, primals, tangents):
+    logits, labels, lse, g = primals
+    dlogits = _ce_backward_in_place(logits, labels, lse, g, st)
+    _, dlogits_dot = jax.jvp(
+        lambda x, w: _reference_backward(x, labels, w, st.options), (logits, g), (tangents[0], tangents[3])
+    )
+    return dlogits, dlogits_dot
 
 
 # --- the chunked computation ---------------------------------------------------------------------------------------

@@ -25,16 +25,6 @@ LOGITS_REUSED = (
     "logits were needed again: by a second backward through the same loss, by a second loss over the same logits, "
     "or by another op that saved them. Pass inplace_backward=False to keep the logits intact."
 )
-ONCE_DIFFERENTIABLE = (
-    "fastce_torch.cross_entropy is differentiable once (its backward is a kernel); for second-order gradients "
-    "(gradient penalties, Hessian-vector products) use backend='reference'"
-)
-
-
-FORWARD_MODE_UNSUPPORTED = (
-    "fastce_torch.cross_entropy has no forward-mode derivative (torch.func.jvp, jacfwd, hessian, "
-    "torch.autograd.forward_ad); use backend='reference'"
-)
 VMAP_UNSUPPORTED = (
     "fastce_torch.cross_entropy's kernels have no torch.func.vmap rule: a vmapped batch is only more rows, so "
     "flatten it into the rows instead (logits.reshape(-1, V), labels.reshape(-1), reduction='none', then reduce "
@@ -58,12 +48,31 @@ def _unwrapped(tensor):
     return tensor
 
 
-def _once_differentiable(grad):
-    """With create_graph=True, hand autograd a gradient whose own backward raises ONCE_DIFFERENTIABLE (a zero or
-    missing second derivative would be silently wrong: the true one depends on the logits)."""
-    if not torch.is_grad_enabled():
-        return grad
-    return torch._C._functions.DelayedError(ONCE_DIFFERENTIABLE, 1)(grad.detach().requires_grad_())
+def _differentiated_again(tensors):
+    """Whether the gradient this backward returns will itself be differentiated, so it must be built from
+    differentiable torch ops rather than by a kernel (whose output autograd would take for a constant): under
+    create_graph=True (grad mode on inside backward) when the saved logits or the upstream gradient are tracked
+    beneath the torch.func wrappers, or inside an outer torch.func transform that differentiates again (grad of
+    grad, jvp of grad) or batches the cotangent (vmap: jacrev, per-example gradients)."""
+    if torch.is_grad_enabled() and any(_unwrapped(tensor).requires_grad for tensor in tensors[:2]):
+        return True
+    if not _under_functorch():
+        return False
+    transforms = _functorch_transforms()
+    kind = torch._C._functorch.TransformType
+    return kind.Vmap in transforms or sum(key in (kind.Grad, kind.Jvp) for key in transforms) > 1
+
+
+def _differentiable_gradient(grad_output, logits, labels, denominator, options):
+    """The kernel backward's gradient in plain torch from the saved inputs: the contract's d loss / d logits,
+    differentiable again (Hessian-vector products, gradient penalties)."""
+    upstream = grad_output.float()
+    if denominator.numel():
+        upstream = upstream / denominator.reshape(())
+    vocab = logits.shape[-1]
+    rows = logits.reshape(-1, vocab)
+    grad = distributed.local_gradient(upstream.expand(labels.shape), rows, labels, None, options, 0, vocab)
+    return grad.to(logits.dtype).reshape(logits.shape)
 
 
 class _CrossEntropyFunction(torch.autograd.Function):
@@ -82,6 +91,8 @@ class _CrossEntropyFunction(torch.autograd.Function):
         _, lse, denominator = output
         ctx.mark_non_differentiable(lse, denominator)
         ctx.save_for_backward(logits, labels, lse, denominator)
+        if _under_functorch() or torch.autograd.forward_ad._current_level >= 0:  # forward mode may ask for jvp
+            ctx.save_for_forward(logits, labels, lse, denominator)
         ctx.inplace_backward, ctx.options, ctx.consumed = inplace_backward, options, False
 
     @staticmethod
@@ -96,24 +107,31 @@ class _CrossEntropyFunction(torch.autograd.Function):
             raise
         tensors = (grad_output, *saved)
         transformed = _under_functorch()
-        if not transformed and not any(map(torch._C._functorch.is_functorch_wrapped_tensor, tensors)):
-            return _once_differentiable(_CrossEntropyFunction._gradient(ctx, *tensors)), *[None] * 5
+        plain = not transformed and not any(map(torch._C._functorch.is_functorch_wrapped_tensor, tensors))
+        if plain and not torch.is_grad_enabled():  # the first-order path: one kernel launch
+            return _CrossEntropyFunction._gradient(ctx, *tensors), *[None] * 5
+        # Decided before anything is written in place: a gradient that is differentiated again is computed in plain
+        # torch from the intact logits.
+        if _differentiated_again(tensors):
+            grad_output, logits, labels, _, denominator = tensors
+            if not transformed and not plain:
+                # The function torch.func.vjp returned, called after the transform: its wrappers are dead, the
+                # tracked tensors beneath them are what create_graph differentiates.
+                with torch._C._DisableFuncTorch():
+                    grad_output, logits, labels, denominator = map(
+                        _unwrapped, (grad_output, logits, labels, denominator)
+                    )
+                    return _differentiable_gradient(grad_output, logits, labels, denominator, ctx.options), *[None] * 5
+            return _differentiable_gradient(grad_output, logits, labels, denominator, ctx.options), *[None] * 5
+        if plain:
+            return _CrossEntropyFunction._gradient(ctx, *tensors), *[None] * 5
         # torch.func.grad / vjp run this backward on their wrapped tensors, inside the transform (grad) or after it
-        # (the function vjp returns). An outer transform that differentiates again (grad of grad, jvp of grad)
-        # would see the kernel's output as a constant: a silently zero second derivative, so refuse it; under vmap
-        # (jacrev, per-example gradients) the cotangent is batched, which the kernel cannot read. Otherwise the
-        # kernel runs on the plain tensors with the transforms switched off (anything allocated under them,
-        # Triton's interpreter copies included, would be a wrapper without storage).
-        if transformed:
-            transforms = _functorch_transforms()
-            kind = torch._C._functorch.TransformType
-            if kind.Vmap in transforms:
-                raise RuntimeError(VMAP_UNSUPPORTED)
-            if sum(key in (kind.Grad, kind.Jvp) for key in transforms) > 1:
-                raise RuntimeError(ONCE_DIFFERENTIABLE)
+        # (the function vjp returns). Differentiated once, the kernel runs on the plain tensors with the transforms
+        # switched off (anything allocated under them, Triton's interpreter copies included, would be a wrapper
+        # without storage).
         with torch._C._DisableFuncTorch():
             grad = _CrossEntropyFunction._gradient(ctx, *map(_unwrapped, tensors))
-        return (grad if transformed else _once_differentiable(grad)), *[None] * 5
+        return grad, *[None] * 5
 
     @staticmethod
     def _gradient(ctx, grad_output, logits, labels, lse, denominator):
@@ -136,8 +154,15 @@ class _CrossEntropyFunction(torch.autograd.Function):
         )
 
     @staticmethod
-    def jvp(ctx, *tangents):
-        raise RuntimeError(FORWARD_MODE_UNSUPPORTED)
+    def jvp(ctx, logits_tangent, *unused_tangents):
+        # Forward mode (torch.func.jvp, jacfwd, hessian): the loss's tangent is <d loss / d logits, tangent>, with
+        # that gradient in differentiable plain torch, so transforms around this one differentiate it again.
+        logits, labels, _, denominator = ctx.saved_tensors
+        reduced = denominator.numel() > 0
+        ones = torch.ones((() if reduced else labels.shape), dtype=torch.float32, device=logits.device)
+        grad = _differentiable_gradient(ones, logits, labels, denominator, ctx.options)
+        product = (grad.float() * logits_tangent.float()).reshape(labels.shape[0], -1)
+        return (product.sum() if reduced else product.sum(-1)), None, None
 
     @staticmethod
     def vmap(info, in_dims, *args):

@@ -79,10 +79,19 @@ def _shard_statistics_torch(logits, labels, options, vocab_start):
 
 
 def _shard_gradient_torch(grad_rows, logits, labels, lse, grad, options, vocab_start, vocab_total):
+    return grad.copy_(local_gradient(grad_rows, logits, labels, lse, options, vocab_start, vocab_total))
+
+
+def local_gradient(grad_rows, logits, labels, lse, options, vocab_start, vocab_total):
+    """d loss / d logits of the local columns (float32) in plain torch ops, so autograd and torch.func can
+    differentiate it again: grad_rows (N,) the per-token upstream, lse (N,) the global logsumexp, or None for the
+    logsumexp of these logits themselves (one shard holding the whole vocabulary)."""
     ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss = options
     ignored = labels == ignore_index
     in_range = (labels >= 0) & (labels < vocab_total)
     z, tanh_z = _transform(torch.where(ignored.unsqueeze(-1), 0.0, logits), logit_softcapping, logit_scaling)
+    if lse is None:
+        lse = torch.logsumexp(z, dim=-1)
     dz = torch.exp(z - lse.unsqueeze(-1))
     if z_loss != 0.0:
         dz = dz * (1.0 + 2.0 * z_loss * lse.unsqueeze(-1))
@@ -96,8 +105,7 @@ def _shard_gradient_torch(grad_rows, logits, labels, lse, grad, options, vocab_s
     if logit_scaling != 0.0:
         dz = dz * logit_scaling
     scale = torch.where(in_range, grad_rows.float(), float("nan"))  # a bad label's whole row is NaN
-    dz = torch.where(ignored.unsqueeze(-1), 0.0, dz * scale.unsqueeze(-1))
-    return grad.copy_(dz)
+    return torch.where(ignored.unsqueeze(-1), 0.0, dz * scale.unsqueeze(-1))
 
 
 # --- the collectives -----------------------------------------------------------------------------------------
@@ -172,12 +180,12 @@ class _VocabParallelFunction(torch.autograd.Function):
         denominator = _denominator(labels, reduction, n_items, options[0])
         ctx.save_for_backward(logits, labels, lse, denominator)
         ctx.inplace_backward, ctx.options, ctx.use_kernel = inplace_backward, options, use_kernel
-        ctx.vocab_start, ctx.vocab_total, ctx.consumed = vocab_start, vocab_total, False
+        ctx.vocab_start, ctx.vocab_total, ctx.consumed, ctx.group = vocab_start, vocab_total, False, group
         return losses if denominator is None else losses.sum() / denominator
 
     @staticmethod
     def backward(ctx, grad_output):
-        from .cross_entropy import LOGITS_REUSED, _once_differentiable  # (cross_entropy imports this module)
+        from .cross_entropy import LOGITS_REUSED  # (cross_entropy imports this module)
 
         if ctx.consumed:
             raise RuntimeError(LOGITS_REUSED)
@@ -187,6 +195,11 @@ class _VocabParallelFunction(torch.autograd.Function):
             if ctx.inplace_backward and "modified by an inplace operation" in str(error):
                 raise RuntimeError(LOGITS_REUSED) from error
             raise
+        if torch.is_grad_enabled():
+            # create_graph=True: the gradient is differentiated again, so it is built from differentiable ops (and
+            # one differentiable all-reduce) on the intact logits, before anything is written in place.
+            grad = _differentiable_shard_gradient(grad_output, denominator, logits, labels, lse, ctx)
+            return grad, None, None, None, None, None, None, None
         if ctx.inplace_backward:
             grad = logits
             # The logits are about to hold the gradient: another op that saved them fails loudly instead.
@@ -199,7 +212,45 @@ class _VocabParallelFunction(torch.autograd.Function):
                 grad_output, denominator, logits, labels, lse, grad, ctx.options, ctx.vocab_start, ctx.vocab_total,
                 ctx.use_kernel,
             )  # fmt: skip
-        return _once_differentiable(grad), None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """all_reduce(SUM) that autograd differentiates: its backward sums the cotangents over the ranks, which is the
+    gradient of the sum over ranks of each rank's objective."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        total = tensor.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        return _SumOverRanks.apply(grad_total, ctx.group), None
+
+
+def _differentiable_shard_gradient(grad_output, denominator, logits, labels, lse, ctx):
+    """This rank's columns of d loss / d logits in plain torch, differentiable again with respect to every rank's
+    logits: the global logsumexp is recomputed as the saved one (a constant shift, detached) plus the log of a
+    differentiable sum over the ranks of exp(local logsumexp - shift). A second backward through it therefore runs
+    the same all-reduce on every rank: each rank must differentiate (all ranks call backward together, as they do
+    for the loss). The rank's result is the gradient of the sum over the ranks of each rank's objective (for a
+    Hessian-vector product, sum over ranks of <v_rank, grad_rank>, each rank gets its columns of H v)."""
+    ignore_index, logit_softcapping, logit_scaling, _, _ = ctx.options
+    ignored = labels == ignore_index
+    z, _ = _transform(torch.where(ignored.unsqueeze(-1), 0.0, logits), logit_softcapping, logit_scaling)
+    shift = torch.where(torch.isfinite(lse), lse, 0.0).detach()
+    local = torch.exp(torch.logsumexp(z, dim=-1) - shift)
+    global_lse = shift + torch.log(_SumOverRanks.apply(local, ctx.group))
+    global_lse = torch.where(torch.isnan(lse), lse, global_lse)  # unequal widths: NaN stays NaN
+    grad_rows = grad_output.float()
+    if denominator is not None:
+        grad_rows = grad_rows / denominator
+    grad_rows = grad_rows.expand(labels.shape)
+    grad = local_gradient(grad_rows, logits, labels, global_lse, ctx.options, ctx.vocab_start, ctx.vocab_total)
+    return grad.to(logits.dtype)
 
 
 # --- layouts: where this rank's columns sit in the global vocabulary ------------------------------------------

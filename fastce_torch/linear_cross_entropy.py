@@ -37,12 +37,11 @@ import contextlib
 
 import torch
 
-from . import kernels
+from . import distributed, kernels
 from .cross_entropy import (
     KERNEL_DTYPES,
     _check_arguments,
     _check_shift,
-    _once_differentiable,
     _reduce,
     _reference_token_losses,
     _shifted_labels,
@@ -205,6 +204,24 @@ def _fused_backward(grad_losses, hidden, weight, bias, labels, lse, options, nee
         return _finish_grads(grads, weight, bias)
 
 
+def _differentiable_grads(grad_rows, hidden, weight, bias, labels, options, needs):
+    """The gradients of sum_t grad_rows_t * loss_t in plain torch (F.linear, then the contract's d loss / d logits
+    and the two products), so that autograd can differentiate them again (create_graph=True: gradient penalties,
+    Hessian-vector products). It materialises the (N, V) logits; only a second-order computation comes here."""
+    # Under autocast a float32 master weight meets bf16 hidden here: compute in hidden's dtype, as the kernels did.
+    weight = weight.to(hidden.dtype)
+    bias = None if bias is None else bias.to(hidden.dtype)
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    vocab = weight.shape[0]
+    dlogits = distributed.local_gradient(grad_rows, logits, labels, None, options, 0, vocab).to(logits.dtype)
+    need_hidden, need_weight, need_bias = needs
+    return (
+        dlogits @ weight if need_hidden else None,
+        dlogits.t() @ hidden if need_weight else None,
+        dlogits.sum(0, dtype=torch.float32).to(bias.dtype) if need_bias else None,
+    )
+
+
 # --- eager autograd -------------------------------------------------------------------------------------------
 
 
@@ -216,10 +233,19 @@ class _ReducedFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, denominator, options, needs):
         token_losses, _, grads = _fused_forward(hidden, weight, bias, labels, options, denominator, needs)
         ctx.grads = grads
+        # References, no copies: read only by a backward that must be differentiable again.
+        ctx.save_for_backward(hidden, weight, bias, labels, denominator)
+        ctx.options, ctx.needs = options, needs
         return token_losses.sum() / denominator[0]
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if torch.is_grad_enabled():
+            # create_graph=True: the gradients computed in the forward are constants to autograd; these are not.
+            hidden, weight, bias, labels, denominator = ctx.saved_tensors
+            grad_rows = (grad_loss.float() / denominator[0]).expand(labels.shape)
+            grads = _differentiable_grads(grad_rows, hidden, weight, bias, labels, ctx.options, ctx.needs)
+            return (*grads, None, None, None, None)
         grads, ctx.grads = ctx.grads, None
         if grads is None:
             raise RuntimeError(
@@ -231,7 +257,6 @@ class _ReducedFunction(torch.autograd.Function):
         for grad in grads:
             if grad is not None:
                 _scale_in_place(grad, grad_loss)
-        grads = [None if grad is None else _once_differentiable(grad) for grad in grads]
         return (*grads, None, None, None, None)
 
 
@@ -249,10 +274,12 @@ class _PerTokenFunction(torch.autograd.Function):
     def backward(ctx, grad_losses):
         hidden, weight, bias, labels, lse = ctx.saved_tensors
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        if torch.is_grad_enabled():  # create_graph=True: a gradient that autograd can differentiate again
+            grads = _differentiable_grads(grad_losses.float(), hidden, weight, bias, labels, ctx.options, needs)
+            return (*grads, None, None)
         grads = _fused_backward(
             grad_losses.detach().contiguous(), hidden, weight, bias, labels, lse, ctx.options, needs
         )
-        grads = [None if grad is None else _once_differentiable(grad) for grad in grads]
         return (*grads, None, None)
 
 

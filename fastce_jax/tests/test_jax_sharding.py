@@ -238,6 +238,32 @@ def test_bad_labels_give_nan_rows_only(devices, layout):
     check_against_reference(loss, grad, x, y, ALL, reduction="none", upstream=w)
 
 
+@pytest.mark.parametrize("layout", ["rows", "vocab", "2d"])
+def test_second_order_under_sharding(devices, layout):
+    """Grad of grad and jvp of grad through the sharded kernels (the launchers' jvp rules, the reference's, applied
+    to the sharded arrays) equal the unsharded reference backend's."""
+    mesh, spec = mesh_for(devices, layout)
+    x, y = make_inputs((N_ROWS, VOCAB), seed=9)
+    v = jnp.asarray(np.random.default_rng(10).standard_normal(x.shape), jnp.float32)
+
+    def second_order(backend):
+        def loss(a, b):
+            return cross_entropy(a, b, backend=backend, **ALL)
+
+        def run(a, b, t):
+            penalty = jax.grad(lambda a: jnp.sum(jax.grad(loss)(a, b) ** 2))(a)
+            return penalty, jax.jvp(lambda a: jax.grad(loss)(a, b), (a,), (t,))[1]
+
+        return jax.jit(run)
+
+    got = second_order("kernel")(put(x, mesh, spec), put(y, mesh, P(spec[0])), put(v, mesh, spec))
+    want = second_order("reference")(x, y, v)
+    for name, g, w in zip(("grad of grad", "jvp of grad"), got, want):
+        scale = float(jnp.max(jnp.abs(w)))
+        assert scale > 1e-4, name
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5 * scale, err_msg=name)
+
+
 def test_bfloat16_vocab_parallel(devices):
     mesh, spec = mesh_for(devices, "vocab")
     x, y = make_inputs((N_ROWS, VOCAB), seed=7, dtype=jnp.bfloat16)

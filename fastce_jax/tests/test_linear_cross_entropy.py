@@ -290,6 +290,33 @@ def test_mixed_dtypes_keep_each_gradient_dtype(put, chunk_rows):
 # ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_second_order_equals_the_reference(put, chunk_rows, reduction):
+    """Grad of grad (a gradient penalty through hidden, differentiated with respect to hidden, weight and bias) and a
+    Hessian-vector product (jvp of grad) through the chunked kernels, several chunks, equal the reference backend's."""
+    chunk_rows(5)
+    hidden, weight, bias, labels = make_inputs(put, 12, 8, 30, seed=21)
+    y = put(labels, jnp.int32)
+    kw = dict(logit_softcapping=4.0, z_loss=1e-3, label_smoothing=0.1, reduction=reduction)
+    directions = tuple(
+        put(np.random.default_rng(22).standard_normal(t.shape), jnp.float32) for t in (hidden, weight, bias)
+    )
+
+    def second_order(backend):
+        def loss(h, w, b):
+            return jnp.sum(linear_cross_entropy(h, w, y, bias=b, backend=backend, **kw))
+
+        grad = jax.grad(loss, argnums=(0, 1, 2))
+        penalty = jax.grad(lambda h, w, b: jnp.sum(grad(h, w, b)[0] ** 2), argnums=(0, 1, 2))(hidden, weight, bias)
+        hvp = jax.jvp(grad, (hidden, weight, bias), directions)[1]
+        return (*penalty, *hvp)
+
+    for got, want in zip(second_order("kernel"), second_order("reference")):
+        scale = float(jnp.max(jnp.abs(want)))
+        assert scale > 1e-4
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5 * scale)
+
+
 def test_reference_backend_matches(put):
     hidden, weight, bias, labels = make_inputs(put, 16, 16, 50, seed=12)
     y = put(labels, jnp.int32)

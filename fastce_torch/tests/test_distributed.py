@@ -60,11 +60,29 @@ def test_four_ranks_2d_mesh():
     run_ranks(4, "--device=cpu", "--backend=reference", "--local-vocab=10")
 
 
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+def test_two_ranks_hessian_vector_product(backend):
+    # create_graph=True through the vocab-parallel loss (process group and DTensor): each rank's columns of H v
+    # against the float64 reference's, the cross-rank terms through a differentiable all-reduce.
+    run_ranks(2, "--device=cpu", f"--backend={backend}", "--local-vocab=20", "--second-order")
+
+
+def test_three_ranks_unequal_slices_hessian_vector_product():
+    run_ranks(3, "--device=cpu", "--backend=reference", "--widths=10,15,12", "--second-order")
+
+
 @pytest.mark.gpu
 def test_two_gpus_nccl():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     run_ranks(2, "--device=cuda", "--backend=kernel", "--size=mid")
+
+
+@pytest.mark.gpu
+def test_two_gpus_nccl_hessian_vector_product():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    run_ranks(2, "--device=cuda", "--backend=kernel", "--local-vocab=300", "--rows=16", "--second-order")
 
 
 def test_arguments_without_a_process_group():

@@ -206,15 +206,30 @@ def test_sliced_3d_logits_peak_memory(device):
 
 
 @pytest.mark.parametrize("inplace_backward", [True, False])
-def test_double_backward_raises_a_clear_error(device, inplace_backward):
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gradient_penalty_through_the_kernel_equals_the_reference(device, inplace_backward, reduction):
+    """create_graph=True through the kernel path: the penalty's gradient (through the logits, to the leaf and to a
+    weight upstream of them) equals the plain-torch reference's, and the logits are not consumed by it."""
     logits, labels = problem(device)
-    leaf = logits.clone().requires_grad_()
-    x = intermediate(leaf)
-    loss = cross_entropy(x, labels, backend="kernel", inplace_backward=inplace_backward)
-    (grad,) = torch.autograd.grad(loss, x, create_graph=True)
-    penalty = grad.pow(2).sum()
-    with pytest.raises(RuntimeError, match="differentiable once.*backend='reference'"):
-        penalty.backward()
+    weight = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(3)).to(device) / VOCAB**0.5
+    options = dict(label_smoothing=0.1, z_loss=1e-3, logit_softcapping=5.0)
+    upstream = torch.rand(labels.shape, generator=torch.Generator().manual_seed(4)).to(device)
+
+    def penalty_gradients(backend):
+        leaf, w = logits.clone().requires_grad_(), weight.clone().requires_grad_()
+        x = leaf @ w
+        loss = cross_entropy(
+            x, labels, backend=backend, inplace_backward=inplace_backward, reduction=reduction, **options
+        )
+        loss = (loss * upstream).sum() if reduction == "none" else loss
+        (grad,) = torch.autograd.grad(loss, x, create_graph=True)
+        return torch.autograd.grad(grad.pow(2).sum(), (leaf, w))
+
+    got, want = penalty_gradients("kernel"), penalty_gradients("reference")
+    for g, r in zip(got, want):
+        scale = float(r.abs().max())
+        assert scale > 1e-5  # a second derivative that is not trivially zero
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5 * scale)
 
 
 def test_reference_backend_gives_the_second_order_gradient(device):
@@ -310,15 +325,47 @@ def test_torch_func_unsupported_transforms_raise_clear_errors(device):
         torch.func.vmap(loss)(batched)
     with pytest.raises(RuntimeError, match="vmap.*flatten"):
         torch.func.vmap(torch.func.grad(loss))(batched)
-    with pytest.raises(RuntimeError, match="vmap.*flatten"):
-        torch.func.jacrev(lambda x: loss(x, "none"))(logits)
-    with pytest.raises(RuntimeError, match="differentiable once.*backend='reference'"):
-        torch.func.grad(lambda x: torch.func.grad(loss)(x).pow(2).sum())(logits)
-    with pytest.raises(RuntimeError, match="forward-mode.*backend='reference'"):
-        torch.func.jvp(loss, (logits,), (torch.ones_like(logits),))
     # The reference backend composes with all of them.
     hessian_diag = torch.func.vmap(torch.func.grad(lambda x: cross_entropy(x, labels, backend="reference")))(batched)
     assert hessian_diag.shape == batched.shape
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_torch_func_higher_order_and_forward_mode_through_the_kernel(device, reduction):
+    """Grad of grad, jacrev (the backward under vmap), forward mode (jvp, jacfwd, forward_ad) and what combines them
+    (jvp of grad, hessian) through the kernel path equal the reference backend's."""
+    logits, labels = problem(device, shape=(2, 3), vocab=17)
+    tangent = torch.randn(logits.shape, generator=torch.Generator().manual_seed(8)).to(device)
+    options = dict(z_loss=1e-3, logit_scaling=1.5, label_smoothing=0.1, logit_softcapping=4.0)
+
+    def loss(backend):
+        def f(x):
+            out = cross_entropy(x, labels, reduction=reduction, backend=backend, **options)
+            return out if reduction == "mean" else (out * torch.linspace(0.5, 2.0, out.numel()).view(out.shape)).sum()
+
+        return f
+
+    def forward_ad(f):
+        def run(x):
+            with torch.autograd.forward_ad.dual_level():
+                return torch.autograd.forward_ad.unpack_dual(f(torch.autograd.forward_ad.make_dual(x, tangent)))[1]
+
+        return run
+
+    transforms = {
+        "grad_of_grad": lambda f: torch.func.grad(lambda x: torch.func.grad(f)(x).pow(2).sum()),
+        "jacrev_of_grad": lambda f: torch.func.jacrev(torch.func.grad(f)),
+        "jvp": lambda f: lambda x: torch.func.jvp(f, (x,), (tangent,))[1],
+        "jvp_of_grad": lambda f: lambda x: torch.func.jvp(torch.func.grad(f), (x,), (tangent,))[1],
+        "jacfwd": torch.func.jacfwd,
+        "hessian": torch.func.hessian,
+        "forward_ad": forward_ad,
+    }
+    for name, transform in transforms.items():
+        got, want = transform(loss("kernel"))(logits), transform(loss("reference"))(logits)
+        scale = float(want.abs().max())
+        assert scale > 1e-5, name
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale, msg=name)
 
 
 # --- batch invariance ------------------------------------------------------------------------------------------
