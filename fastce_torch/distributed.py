@@ -256,6 +256,26 @@ def vocab_parallel_cross_entropy(logits, labels, reduction, n_items, inplace_bac
     return loss.view(labels.shape) if reduction == "none" else loss
 
 
+class _LocalShard(torch.autograd.Function):
+    """dtensor.to_local(), with a backward that hands the gradient back as a DTensor of the input's own placements,
+    global shape and strides. to_local's own backward derives the global strides from the local gradient; with
+    uneven shards (V not a multiple of the mesh size) those differ from the input's (13 local columns of V = 37 on
+    3 ranks give a row stride of 39, not 37), and torch 2.11's gradient accumulation then re-lays the .grad out
+    through a replicated DTensor, handing back a Replicate gradient instead of the logits' placements."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        ctx.spec = (tensor.device_mesh, tuple(tensor.placements), tensor.shape, tensor.stride())
+        return tensor.to_local()
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride = ctx.spec
+        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
 def dtensor_cross_entropy(logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start):
     """A DTensor whose last dimension is sharded on exactly one mesh dimension (the tensor-parallel one); the other
     mesh dimensions may shard leading (batch) dimensions or replicate. Returns a DTensor with loss_parallel's
@@ -302,7 +322,7 @@ def dtensor_cross_entropy(logits, labels, reduction, n_items, options, use_kerne
     vocab_total, n_ranks, rank = logits.shape[-1], mesh.size(tp_dim), mesh.get_local_rank(tp_dim)
     chunk = -(-vocab_total // n_ranks)
     start = min(rank * chunk, vocab_total)
-    local = logits.to_local()
+    local = _LocalShard.apply(logits)
     if local.shape[-1] != min(chunk, vocab_total - start):
         raise NotImplementedError(
             f"this rank holds {local.shape[-1]} columns where Shard's chunking gives "
