@@ -39,15 +39,15 @@ def shard_gradient(grad_output, denominator, logits, labels, lse, grad, options,
             grad_output, logits, labels, lse, grad, options, denominator, vocab_start=vocab_start,
             vocab_total=vocab_total,
         )  # fmt: skip
-    grad_rows = grad_output.float()
+    grad_rows = grad_output.to(lse.dtype)
     if denominator is not None:
         grad_rows = (grad_rows / denominator).expand(labels.shape)
     return _shard_gradient_torch(grad_rows, logits, labels, lse, grad, options, vocab_start, vocab_total)
 
 
 def _transform(x, logit_softcapping, logit_scaling):
-    """(z, tanh of the capped argument or None) in float32."""
-    z = x.float()
+    """(z, tanh of the capped argument or None) in float32, float64 for float64 logits (never sent to the kernels)."""
+    z = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
     if logit_scaling != 0.0:
         z = z * logit_scaling
     if logit_softcapping > 0.0:
@@ -87,7 +87,7 @@ def _shard_gradient_torch(grad_rows, logits, labels, lse, grad, options, vocab_s
     if z_loss != 0.0:
         dz = dz * (1.0 + 2.0 * z_loss * lse.unsqueeze(-1))
     column, owned = _local_label_columns(labels, vocab_start, logits.shape[-1], ignore_index)
-    label_mass = torch.where(owned, 1.0 - label_smoothing, 0.0)
+    label_mass = owned.to(dz.dtype) * (1.0 - label_smoothing)
     dz = dz.scatter_add(-1, column.unsqueeze(-1), -label_mass.unsqueeze(-1))
     if label_smoothing > 0.0:
         dz = dz - label_smoothing / vocab_total
@@ -95,7 +95,7 @@ def _shard_gradient_torch(grad_rows, logits, labels, lse, grad, options, vocab_s
         dz = dz * (1.0 - tanh_z * tanh_z)
     if logit_scaling != 0.0:
         dz = dz * logit_scaling
-    scale = torch.where(in_range, grad_rows.float(), float("nan"))  # a bad label's whole row is NaN
+    scale = torch.where(in_range, grad_rows, float("nan"))  # a bad label's whole row is NaN
     dz = torch.where(ignored.unsqueeze(-1), 0.0, dz * scale.unsqueeze(-1))
     return grad.copy_(dz)
 
@@ -111,7 +111,7 @@ def combine_statistics(lse_local, z_label, sum_z, group, local_width, check_equa
     gradient show it) without a host synchronisation."""
     n_rows = lse_local.shape[0]
     # Fills, not a host-to-device copy: nothing here waits for the GPU.
-    maxima = torch.empty(n_rows + 2 * check_equal_widths, dtype=torch.float32, device=lse_local.device)
+    maxima = torch.empty(n_rows + 2 * check_equal_widths, dtype=lse_local.dtype, device=lse_local.device)
     maxima[:n_rows].copy_(lse_local)
     if check_equal_widths:
         maxima[n_rows].fill_(local_width)
@@ -130,7 +130,7 @@ def combine_statistics(lse_local, z_label, sum_z, group, local_width, check_equa
 
 
 def token_losses(lse, z_label, sum_z, labels, options, vocab_total):
-    """The contract's per-token loss from the global per-row numbers (float32, O(N))."""
+    """The contract's per-token loss from the global per-row numbers (O(N), in the statistics' dtype)."""
     ignore_index, _, _, label_smoothing, z_loss = options
     loss = lse - z_label
     if label_smoothing > 0.0:
