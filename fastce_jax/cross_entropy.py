@@ -456,6 +456,6 @@ def cross_entropy(
 
 def cross_entropy_reference(logits, labels, **options):
     """Pure-jnp ``cross_entropy``: the same keywords (``backend`` is ignored),
-    differentiable by plain autodiff; float32 math, so it materialises (N, V)
-    float32 values."""
+    differentiable by plain autodiff; float32 math (float64 for float64 logits),
+    so it materialises (N, V) float32 values."""
     return cross_entropy(logits, labels, **dict(options, backend="reference"))

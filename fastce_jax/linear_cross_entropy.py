@@ -337,8 +337,9 @@ def linear_cross_entropy(
         (cross_entropy, whose fallback needs no matmul, decides that when the computation is lowered).
 
     The logits are computed in the inputs' common dtype (with float32 accumulation inside the matmul, as XLA's
-    GPU matmuls do); the loss is float32 (float64 for a float64 common dtype). Gradients flow to hidden, weight and bias, in their dtypes. The
-    extra memory is the gradients plus one chunk of logits (at most ``WORKSPACE_BYTES``; see the module docstring).
+    GPU matmuls do); the loss is float32 (float64 for a float64 common dtype). Gradients flow to hidden, weight
+    and bias, in their dtypes. The extra memory is the gradients plus one chunk of logits (at most
+    ``WORKSPACE_BYTES``; see the module docstring).
 
     Returns:
       float32 loss: a scalar, or shaped like ``labels`` for reduction="none".

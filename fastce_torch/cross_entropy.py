@@ -449,7 +449,7 @@ def _vocab_parallel(
 
 def cross_entropy_reference(logits, labels, **options):
     """`cross_entropy` in plain torch (the same keywords; `backend` is ignored): differentiable by autograd, float32
-    math, so it materialises (N, V) float32 values."""
+    math (float64 for float64 logits), so it materialises (N, V) float32 values."""
     return cross_entropy(logits, labels, **dict(options, backend="reference"))
 
 

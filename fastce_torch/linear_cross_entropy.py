@@ -443,8 +443,9 @@ def linear_cross_entropy(
     promoted dtype (a cast copy of the narrower ones), each gradient in its own tensor's dtype; a float64 promoted
     dtype is computed in float64 by plain torch, whatever `backend` says. Every keyword is cross_entropy's
     (CONTRACT.md). Returns a float32 scalar ("mean", "sum") or per-token losses shaped like labels ("none"), float64
-    when computed in float64. backend: "auto" = the chunked kernels for CUDA tensors, plain torch (matmul + the reference loss)
-    elsewhere; "kernel" = the chunked kernels always (CPU: Triton's interpreter); "reference" = plain torch.
+    when computed in float64. backend: "auto" = the chunked kernels for CUDA tensors, plain torch (matmul + the
+    reference loss) elsewhere; "kernel" = the chunked kernels always (CPU: Triton's interpreter); "reference" =
+    plain torch.
 
     For "mean"/"sum" with gradients enabled the gradients are computed during the forward (see the module
     docstring), so a second backward through the same loss (retain_graph=True) raises.
