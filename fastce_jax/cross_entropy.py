@@ -17,7 +17,7 @@ from fastce_jax import kernels, sharding
 from fastce_jax.kernels import Options
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # the kernels' dtypes
-# float64 logits are accepted too, and computed in float32 (see _cross_entropy).
+# float64 logits are accepted too, and computed in float64 by the reference (see _cross_entropy).
 LOGITS_DTYPES = FLOAT_DTYPES + (jnp.dtype(jnp.float64),)
 REDUCTIONS = ("none", "sum", "mean")
 BACKENDS = ("auto", "kernel", "reference")
@@ -245,9 +245,14 @@ def _route(x, backend: str) -> str:
 # ----------------------------------------------------------------------------
 
 
+def _compute_dtype(dtype):
+    """The dtype the loss is computed and returned in: float64 for float64 logits, float32 for every other dtype."""
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+
+
 def _reference_token_losses(logits, labels, options: Options):
-    """Per-token float32 losses of logits (..., V), labels (...) (no reshape, so any sharding of the leading
-    axes stays where it is)."""
+    """Per-token losses of logits (..., V), labels (...) (no reshape, so any sharding of the leading axes stays
+    where it is): float32 math and losses, float64 for float64 logits."""
     vocab = logits.shape[-1]
     in_range = (labels >= 0) & (labels < vocab)
     ign = kernels._ignore_index_for(labels, options.ignore_index)
@@ -255,7 +260,7 @@ def _reference_token_losses(logits, labels, options: Options):
     # Zero ignored rows *before* any math, so their gradient is exactly 0 even
     # when the row holds NaN/inf (0 * NaN would otherwise leak through).
     x = jnp.where(ignored[..., None], jnp.zeros((), logits.dtype), logits)
-    z = kernels._transform(x.astype(jnp.float32), options.logit_scaling, options.logit_softcapping)
+    z = kernels._transform(x.astype(_compute_dtype(x.dtype)), options.logit_scaling, options.logit_softcapping)
     m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
     # Same convention as the kernels: shift an all -inf row by 0; +inf gives NaN.
     m = jnp.where(m == -jnp.inf, 0.0, m)
@@ -386,13 +391,13 @@ def _reduce(losses, labels, reduction: str, n_items, ignore_index: int):
         return losses.reshape(labels.shape)
     total = jnp.sum(losses)
     if n_items is not None:  # overrides the denominator of "mean" and "sum" alike
-        return total / jnp.asarray(n_items).astype(jnp.float32)
+        return total / jnp.asarray(n_items).astype(losses.dtype)
     if reduction == "sum":
         return total
     ign = kernels._ignore_index_for(labels, ignore_index)
     count = labels.size if ign is None else jnp.sum(labels != ign)
     # Every token ignored: 0 / 1 = 0, and the kernels zero those rows' gradient.
-    return total / jnp.maximum(count, 1).astype(jnp.float32)
+    return total / jnp.maximum(count, 1).astype(losses.dtype)
 
 
 def _cross_entropy(logits, labels, kwargs):
@@ -404,9 +409,9 @@ def _cross_entropy(logits, labels, kwargs):
     options = Options(ignore_index, softcap, scaling, smoothing, z_loss)
     logits = jnp.asarray(logits)
     if logits.dtype == jnp.float64:
-        # Computed in float32 like every other dtype: the loss is float32; autodiff through this cast hands back a
-        # float64 gradient (the float32 one, widened).
-        logits = logits.astype(jnp.float32)
+        # The kernels compute in float32: float64 logits (which exist only with x64 on; without it jnp.asarray made
+        # them float32 above) go to the reference, computed in float64, whatever the backend says.
+        route = "reference"
     if route != "reference" and labels.size > 0:
         inplace = bool(kwargs["inplace_backward"])
         losses = _kernel_token_losses(logits, jnp.asarray(labels), options, inplace, route)
@@ -439,12 +444,12 @@ def cross_entropy(
     -inf logits, reductions, n_items).
 
     Args:
-      logits: float32/bfloat16/float16 array (..., V); float64 is accepted and computed in float32 (a float32
-        loss, a float64 gradient).
+      logits: float32/bfloat16/float16 array (..., V); float64 (with x64 on) is computed in float64 by the
+        jnp reference whatever ``backend`` says (a float64 loss and gradient).
       labels: int32/int64 array shaped like ``logits.shape[:-1]``.
       ignore_index: label value whose tokens get loss 0 and gradient 0.
       reduction: "mean" (over non-ignored tokens, or over ``n_items``), "sum"
-        or "none" (float32 per-token losses shaped like ``labels``).
+        or "none" (per-token losses shaped like ``labels``).
       n_items: optional denominator for "mean" and "sum": a Python number > 0 or a 0-d
         (possibly traced) array, e.g. transformers' ``num_items_in_batch``.
       logit_softcapping: t > 0 applies ``z = t * tanh(z / t)`` (Gemma 2).
@@ -474,8 +479,8 @@ def cross_entropy(
         sequence length leaves no token (as the slice does).
 
     Returns:
-      float32 loss (scalar, or shaped like ``labels`` for reduction="none").
-      Its gradient w.r.t. logits has logits' dtype (float64 for float64 logits).
+      float32 loss (scalar, or shaped like ``labels`` for reduction="none"); float64 for float64 logits.
+      Its gradient w.r.t. logits has logits' dtype.
     """
     kwargs = dict(
         ignore_index=ignore_index,
@@ -499,6 +504,6 @@ def cross_entropy(
 
 def cross_entropy_reference(logits, labels, **options):
     """Pure-jnp ``cross_entropy``: the same keywords (``backend`` is ignored),
-    differentiable by plain autodiff; float32 math, so it materialises (N, V)
-    float32 values."""
+    differentiable by plain autodiff; float32 math (float64 for float64 logits),
+    so it materialises (N, V) float32 values."""
     return cross_entropy(logits, labels, **dict(options, backend="reference"))

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from fastce_jax import kernels
 from fastce_jax.cross_entropy import (
-    FLOAT_DTYPES,
+    LOGITS_DTYPES,
     _as_array,
     _check_args,
     _check_shift,
@@ -307,8 +307,9 @@ def _check_tensors(hidden, weight, bias):
     hidden = _as_array(hidden, "hidden")
     weight = _as_array(weight, "weight")
     for name, x in (("hidden", hidden), ("weight", weight)) + ((("bias", bias),) if bias is not None else ()):
-        if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+        # float64 is accepted as in cross_entropy: computed in float64 by the reference, whatever the backend.
+        if jnp.dtype(x.dtype) not in LOGITS_DTYPES:
+            raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {x.dtype}")
     if hidden.ndim < 1 or hidden.shape[-1] < 1:
         raise ValueError(f"hidden must have shape (..., H) with H >= 1, got {tuple(hidden.shape)}")
     if weight.ndim != 2 or weight.shape[0] < 1 or weight.shape[1] != hidden.shape[-1]:
@@ -350,7 +351,8 @@ def linear_cross_entropy(
     """``cross_entropy(hidden @ weight.T + bias, labels, ...)`` without the (N, V) logits.
 
     Args:
-      hidden: float32/bfloat16/float16 (..., H), e.g. the final hidden states.
+      hidden: float32/bfloat16/float16/float64 (..., H), e.g. the final hidden states (a float64 common dtype is
+        computed in float64 by the reference, whatever ``backend`` says).
       weight: (V, H), the LM head as ``nn.Linear`` / transformers' ``lm_head`` store it (a Flax
         ``Dense`` kernel is (H, V): pass its ``.T``).
       labels: int32/int64 (...), hidden's leading shape.
@@ -366,8 +368,9 @@ def linear_cross_entropy(
         (cross_entropy, whose fallback needs no matmul, decides that when the computation is lowered).
 
     The logits are computed in the inputs' common dtype (with float32 accumulation inside the matmul, as XLA's
-    GPU matmuls do); the loss is float32. Gradients flow to hidden, weight and bias, in their dtypes. The
-    extra memory is the gradients plus one chunk of logits (at most ``WORKSPACE_BYTES``; see the module docstring).
+    GPU matmuls do); the loss is float32 (float64 for a float64 common dtype). Gradients flow to hidden, weight
+    and bias, in their dtypes. The extra memory is the gradients plus one chunk of logits (at most
+    ``WORKSPACE_BYTES``; see the module docstring).
 
     Returns:
       float32 loss: a scalar, or shaped like ``labels`` for reduction="none".
@@ -414,7 +417,8 @@ def linear_cross_entropy(
     lead = tuple(hidden.shape[:-1])
     h2 = hidden.reshape(-1, dim)
     n = h2.shape[0]
-    if backend == "reference" or n == 0:  # no tokens: no chunk to launch
+    # No tokens: no chunk to launch; float64: the chunks compute in float32.
+    if backend == "reference" or n == 0 or jnp.dtype(dtype) == jnp.float64:
         logits = jax.lax.dot_general(
             h2.astype(dtype), weight.astype(dtype), (((1,), (1,)), ((), ())), preferred_element_type=dtype
         )

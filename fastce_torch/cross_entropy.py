@@ -340,26 +340,33 @@ def _is_intermediate(tensor):
     return tensor.requires_grad and not tensor.is_leaf and not base.is_leaf
 
 
+def _compute_dtype(dtype):
+    """The dtype the loss is computed and returned in: float64 for float64 logits, float32 for every other dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _reduce(token_losses, labels, reduction, n_items, ignore_index):
     """The reduction in plain torch (reference and torch.compile paths; the eager kernels reduce in-kernel)."""
     if reduction == "none":
         return token_losses
+    dtype = token_losses.dtype
     if n_items is not None:
-        denominator = n_items.to(token_losses.device, torch.float32) if torch.is_tensor(n_items) else float(n_items)
+        denominator = n_items.to(token_losses.device, dtype) if torch.is_tensor(n_items) else float(n_items)
     elif reduction == "mean":
         # At least 1: an all-ignored batch gives 0 with a zero gradient.
-        denominator = (labels != ignore_index).sum().clamp_min(1).to(torch.float32)
+        denominator = (labels != ignore_index).sum().clamp_min(1).to(dtype)
     else:
         denominator = 1.0
     return token_losses.sum() / denominator
 
 
 def _reference_token_losses(logits, labels, options):
-    """Per-token float32 losses of the contract in plain torch (differentiable by autograd; backend='reference')."""
+    """Per-token losses of the contract in plain torch (differentiable by autograd; backend='reference'): float32
+    math and losses, float64 for float64 logits."""
     ignored = labels == options.ignore_index
     in_range = (labels >= 0) & (labels < logits.shape[-1])
     # Ignored rows are zeroed before any arithmetic, so NaN there cannot leak into their (zero) gradient.
-    z = torch.where(ignored.unsqueeze(-1), 0.0, logits.float())
+    z = torch.where(ignored.unsqueeze(-1), 0.0, logits.to(_compute_dtype(logits.dtype)))
     if options.logit_scaling != 0.0:
         z = z * options.logit_scaling
     if options.logit_softcapping > 0.0:
@@ -371,7 +378,8 @@ def _reference_token_losses(logits, labels, options):
         loss = (1.0 - options.label_smoothing) * loss + options.label_smoothing * (lse - z.mean(dim=-1))
     if options.z_loss != 0.0:
         loss = loss + options.z_loss * lse * lse
-    loss = torch.where(in_range, loss, float("nan"))
+    # Multiply (not where) so that an out-of-range row's gradient is NaN too, as the kernels give it.
+    loss = loss * torch.where(in_range | ignored, 1.0, float("nan")).to(loss.dtype)
     return torch.where(ignored, 0.0, loss)
 
 
@@ -395,7 +403,8 @@ def cross_entropy(
 ):
     """Cross-entropy of logits (..., V) against integer labels (...), fused on the GPU.
 
-    Returns a float32 scalar ("mean", "sum") or per-token losses shaped like labels ("none"). See CONTRACT.md.
+    Returns a float32 scalar ("mean", "sum") or per-token losses shaped like labels ("none"), float64 for float64
+    logits (computed in float64 by the plain-torch reference, whatever `backend` says). See CONTRACT.md.
     With inplace_backward=True (the default) the backward writes the gradient into the logits' own buffer when
     logits is an intermediate (non-leaf) tensor, so the loss costs no gradient-sized allocation: the logits are
     consumed by backward. Leaf tensors are never overwritten.
@@ -460,7 +469,7 @@ def cross_entropy(
         )  # fmt: skip
     if validate_labels:
         _validate_labels(labels, vocab, ignore_index)
-    if not (backend == "kernel" or (backend == "auto" and logits.is_cuda)):
+    if not _use_kernel(logits, backend):
         token_losses = _reference_token_losses(logits, labels, options)
         return _reduce(token_losses, labels, reduction, n_items, ignore_index)
     logits = _in_kernel_dtype(logits)
@@ -483,13 +492,17 @@ def cross_entropy(
     return loss.view(labels.shape) if reduction == "none" else loss
 
 
-def _in_kernel_dtype(logits):
-    """float64 logits are computed in float32 like every other dtype (as the reference does): the loss is float32 and
-    autograd through this cast hands back a float64 gradient (the float32 one, widened)."""
+def _use_kernel(logits, backend):
+    """Whether the kernels compute this call. float64 logits never reach them (the kernels compute in float32):
+    whatever `backend` says, they go to the plain-torch reference, which computes in float64."""
     if logits.dtype == torch.float64:
-        return logits.float()
+        return False
+    return backend == "kernel" or (backend == "auto" and logits.is_cuda)
+
+
+def _in_kernel_dtype(logits):
     if logits.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"logits must be float32, bfloat16, float16 or float64 for the kernels, got {logits.dtype}")
+        raise TypeError(f"logits must be float32, bfloat16, float16 or float64, got {logits.dtype}")
     return logits
 
 
@@ -498,7 +511,7 @@ def _vocab_parallel(
     logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group, vocab_start
 ):
     """Eager even under torch.compile (a graph break): the collectives run in the autograd.Function's forward."""
-    use_kernel = backend == "kernel" or (backend == "auto" and logits.is_cuda)
+    use_kernel = _use_kernel(logits, backend)
     if use_kernel:
         logits = _in_kernel_dtype(logits)
     if distributed.is_dtensor(logits):
@@ -519,7 +532,7 @@ def _vocab_parallel(
 
 def cross_entropy_reference(logits, labels, **options):
     """`cross_entropy` in plain torch (the same keywords; `backend` is ignored): differentiable by autograd, float32
-    math, so it materialises (N, V) float32 values."""
+    math (float64 for float64 logits), so it materialises (N, V) float32 values."""
     return cross_entropy(logits, labels, **dict(options, backend="reference"))
 
 

@@ -39,15 +39,15 @@ def shard_gradient(grad_output, denominator, logits, labels, lse, grad, options,
             grad_output, logits, labels, lse, grad, options, denominator, vocab_start=vocab_start,
             vocab_total=vocab_total,
         )  # fmt: skip
-    grad_rows = grad_output.float()
+    grad_rows = grad_output.to(lse.dtype)
     if denominator is not None:
         grad_rows = (grad_rows / denominator).expand(labels.shape)
     return _shard_gradient_torch(grad_rows, logits, labels, lse, grad, options, vocab_start, vocab_total)
 
 
 def _transform(x, logit_softcapping, logit_scaling):
-    """(z, tanh of the capped argument or None) in float32."""
-    z = x.float()
+    """(z, tanh of the capped argument or None) in float32, float64 for float64 logits (never sent to the kernels)."""
+    z = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
     if logit_scaling != 0.0:
         z = z * logit_scaling
     if logit_softcapping > 0.0:
@@ -83,7 +83,7 @@ def _shard_gradient_torch(grad_rows, logits, labels, lse, grad, options, vocab_s
 
 
 def local_gradient(grad_rows, logits, labels, lse, options, vocab_start, vocab_total):
-    """d loss / d logits of the local columns (float32) in plain torch ops, so autograd and torch.func can
+    """d loss / d logits of the local columns (float32; float64 for float64 logits) in plain torch ops, so autograd and torch.func can
     differentiate it again: grad_rows (N,) the per-token upstream, lse (N,) the global logsumexp, or None for the
     logsumexp of these logits themselves (one shard holding the whole vocabulary)."""
     ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss = options
@@ -96,7 +96,7 @@ def local_gradient(grad_rows, logits, labels, lse, options, vocab_start, vocab_t
     if z_loss != 0.0:
         dz = dz * (1.0 + 2.0 * z_loss * lse.unsqueeze(-1))
     column, owned = _local_label_columns(labels, vocab_start, logits.shape[-1], ignore_index)
-    label_mass = torch.where(owned, 1.0 - label_smoothing, 0.0)
+    label_mass = owned.to(dz.dtype) * (1.0 - label_smoothing)
     dz = dz.scatter_add(-1, column.unsqueeze(-1), -label_mass.unsqueeze(-1))
     if label_smoothing > 0.0:
         dz = dz - label_smoothing / vocab_total
@@ -104,7 +104,7 @@ def local_gradient(grad_rows, logits, labels, lse, options, vocab_start, vocab_t
         dz = dz * (1.0 - tanh_z * tanh_z)
     if logit_scaling != 0.0:
         dz = dz * logit_scaling
-    scale = torch.where(in_range, grad_rows.float(), float("nan"))  # a bad label's whole row is NaN
+    scale = torch.where(in_range, grad_rows.to(dz.dtype), float("nan"))  # a bad label's whole row is NaN
     return torch.where(ignored.unsqueeze(-1), 0.0, dz * scale.unsqueeze(-1))
 
 
@@ -119,7 +119,7 @@ def combine_statistics(lse_local, z_label, sum_z, group, local_width, check_equa
     gradient show it) without a host synchronisation."""
     n_rows = lse_local.shape[0]
     # Fills, not a host-to-device copy: nothing here waits for the GPU.
-    maxima = torch.empty(n_rows + 2 * check_equal_widths, dtype=torch.float32, device=lse_local.device)
+    maxima = torch.empty(n_rows + 2 * check_equal_widths, dtype=lse_local.dtype, device=lse_local.device)
     maxima[:n_rows].copy_(lse_local)
     if check_equal_widths:
         maxima[n_rows].fill_(local_width)
@@ -138,7 +138,7 @@ def combine_statistics(lse_local, z_label, sum_z, group, local_width, check_equa
 
 
 def token_losses(lse, z_label, sum_z, labels, options, vocab_total):
-    """The contract's per-token loss from the global per-row numbers (float32, O(N))."""
+    """The contract's per-token loss from the global per-row numbers (O(N), in the statistics' dtype)."""
     ignore_index, _, _, label_smoothing, z_loss = options
     loss = lse - z_label
     if label_smoothing > 0.0:
@@ -307,6 +307,26 @@ def vocab_parallel_cross_entropy(logits, labels, reduction, n_items, inplace_bac
     return loss.view(labels.shape) if reduction == "none" else loss
 
 
+class _LocalShard(torch.autograd.Function):
+    """dtensor.to_local(), with a backward that hands the gradient back as a DTensor of the input's own placements,
+    global shape and strides. to_local's own backward derives the global strides from the local gradient; with
+    uneven shards (V not a multiple of the mesh size) those differ from the input's (13 local columns of V = 37 on
+    3 ranks give a row stride of 39, not 37), and torch 2.11's gradient accumulation then re-lays the .grad out
+    through a replicated DTensor, handing back a Replicate gradient instead of the logits' placements."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        ctx.spec = (tensor.device_mesh, tuple(tensor.placements), tensor.shape, tensor.stride())
+        return tensor.to_local()
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride = ctx.spec
+        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
 def dtensor_cross_entropy(logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start):
     """A DTensor whose last dimension is sharded on exactly one mesh dimension (the tensor-parallel one); the other
     mesh dimensions may shard leading (batch) dimensions or replicate. Returns a DTensor with loss_parallel's
@@ -353,7 +373,7 @@ def dtensor_cross_entropy(logits, labels, reduction, n_items, options, use_kerne
     vocab_total, n_ranks, rank = logits.shape[-1], mesh.size(tp_dim), mesh.get_local_rank(tp_dim)
     chunk = -(-vocab_total // n_ranks)
     start = min(rank * chunk, vocab_total)
-    local = logits.to_local()
+    local = _LocalShard.apply(logits)
     if local.shape[-1] != min(chunk, vocab_total - start):
         raise NotImplementedError(
             f"this rank holds {local.shape[-1]} columns where Shard's chunking gives "

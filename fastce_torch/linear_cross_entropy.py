@@ -423,11 +423,15 @@ torch.library.register_autograd(
 # --- the function -----------------------------------------------------------------------------------------------
 
 
+# float64 is accepted as in cross_entropy: computed in float64 by the plain-torch reference, whatever the backend.
+LINEAR_DTYPES = (*KERNEL_DTYPES, torch.float64)
+
+
 def _check_tensors(hidden, weight, bias, labels):
     for name, tensor in (("hidden", hidden), ("weight", weight)):
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in KERNEL_DTYPES:
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in LINEAR_DTYPES:
             got = getattr(tensor, "dtype", type(tensor))
-            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {got}")
+            raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {got}")
     if hidden.dim() < 1:
         raise ValueError("hidden must have at least one dimension (..., H)")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -442,8 +446,8 @@ def _check_tensors(hidden, weight, bias, labels):
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"bias must be None or a (V,) = ({weight.shape[0]},) tensor, got {bias!r:.80}")
-        if bias.dtype not in KERNEL_DTYPES:
-            raise TypeError(f"bias must be float32, bfloat16 or float16, got {bias.dtype}")
+        if bias.dtype not in LINEAR_DTYPES:
+            raise TypeError(f"bias must be float32, bfloat16, float16 or float64, got {bias.dtype}")
         if bias.device != hidden.device:
             raise ValueError(f"bias is on {bias.device} but hidden on {hidden.device}")
     if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int32, torch.int64):
@@ -506,11 +510,13 @@ def linear_cross_entropy(
     """fastce_torch.cross_entropy(hidden @ weight.T + bias, labels, ...) without ever allocating the logits.
 
     hidden (..., H), weight (V, H) as nn.Linear / lm_head store it, bias (V,) or None, labels (...) int32/int64;
-    hidden, weight and bias are float32, bfloat16 or float16 on one device; mixed dtypes compute in the promoted
-    dtype (a cast copy of the narrower ones), each gradient in its own tensor's dtype. Every keyword is
-    cross_entropy's (CONTRACT.md). Returns a float32 scalar ("mean", "sum") or per-token losses shaped like labels
-    ("none"). backend: "auto" = the chunked kernels for CUDA tensors, plain torch (matmul + the reference loss)
-    elsewhere; "kernel" = the chunked kernels always (CPU: Triton's interpreter); "reference" = plain torch.
+    hidden, weight and bias are float32, bfloat16, float16 or float64 on one device; mixed dtypes compute in the
+    promoted dtype (a cast copy of the narrower ones), each gradient in its own tensor's dtype; a float64 promoted
+    dtype is computed in float64 by plain torch, whatever `backend` says. Every keyword is cross_entropy's
+    (CONTRACT.md). Returns a float32 scalar ("mean", "sum") or per-token losses shaped like labels ("none"), float64
+    when computed in float64. backend: "auto" = the chunked kernels for CUDA tensors, plain torch (matmul + the
+    reference loss) elsewhere; "kernel" = the chunked kernels always (CPU: Triton's interpreter); "reference" =
+    plain torch.
 
     For "mean"/"sum" with gradients enabled the gradients are computed during the forward (see the module
     docstring), so a second backward through the same loss (retain_graph=True) raises.
@@ -559,7 +565,7 @@ def linear_cross_entropy(
         ignore_index, float(logit_softcapping), float(logit_scaling), float(label_smoothing), float(z_loss)
     )
     hidden, weight, bias = _autocast_or_common_dtype(hidden, weight, bias)
-    use_kernel = backend == "kernel" or (backend == "auto" and hidden.is_cuda)
+    use_kernel = hidden.dtype != torch.float64 and (backend == "kernel" or (backend == "auto" and hidden.is_cuda))
     if not use_kernel:
         token_losses = _reference_token_losses(torch.nn.functional.linear(hidden, weight, bias), labels, options)
         return _reduce(token_losses, labels, reduction, n_items, ignore_index)

@@ -14,7 +14,12 @@ import torch
 from . import exchange, reference, summary
 from .tolerances import ULPS_PAIR, check, grad_bound, loss_bound, reference_ulps, ulp
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 
 
 @dataclass(frozen=True)
@@ -248,7 +253,7 @@ def compare(case, inputs, torch_out, jax_out, ref):
 
 def bits(tensor):
     """The tensor's bit pattern (NaN == NaN), to check that a buffer was not written."""
-    ints = {2: torch.int16, 4: torch.int32}[tensor.element_size()]
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
     return tensor.detach().contiguous().view(ints)
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from . import reference
+from . import reference, tolerances
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::RuntimeWarning")
 
@@ -292,7 +292,7 @@ def test_mid_shapes_on_gpu(case, package, device):
 @pytest.mark.parametrize("package", ["fastce_torch", "fastce_jax"])
 def test_mixed_dtypes_compute_promoted_and_keep_each_gradient_dtype(package, device, small_chunks):
     """bf16 hidden states with a float32 LM head and bias (mixed-precision training): both packages compute in the
-    promoted dtype (float32) and hand each gradient back in its own tensor's dtype; float64 is refused."""
+    promoted dtype (float32) and hand each gradient back in its own tensor's dtype."""
     runner = package_runner(package)
     case = LinearCase("mixed", bias=True, reduction="sum", scalar_upstream=1.0)
     chunks = small_chunks(package, int(np.prod(case.shape)))
@@ -308,6 +308,64 @@ def test_mixed_dtypes_compute_promoted_and_keep_each_gradient_dtype(package, dev
     assert_within(loss, exact.logits.loss, u * np.sum(np.abs(exact.logits.token_loss) + 1) * case.width, "loss")
     for got, want, unit in zip(grads, (exact.grad_hidden, exact.grad_weight, exact.grad_bias), (2.0**-8, u, u)):
         assert_within(got, want, unit * (np.abs(want).max() + np.abs(want)), "gradient")
-    if package == "fastce_torch":  # JAX without x64 has no float64 to pass (its own tests check the error with x64)
-        with pytest.raises(TypeError, match="weight"):
-            runner(case, (hidden.float(), weight.double(), None, labels, upstream, n_items))
+
+
+@pytest.mark.parametrize("backend", ["auto", "kernel", "reference"])
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+@pytest.mark.parametrize("package", ["fastce_torch", "fastce_jax"])
+def test_float64_is_computed_in_float64(package, reduction, backend, device):
+    """A float64 promoted dtype (here a float64 LM head over float32 hidden states) is computed in float64 by the
+    plain-framework path whatever the backend: a float64 loss within RTOL64 of the float64 reference, and each
+    gradient in its own tensor's dtype (the float64 ones within RTOL64 too)."""
+    pytest.importorskip(package)
+    opts = reference.Options(logit_softcapping=4.0, label_smoothing=0.1, z_loss=1e-3)
+    gen = torch.Generator().manual_seed(41)
+    hidden = torch.randn(6, 8, generator=gen, dtype=torch.float64).float()
+    weight = torch.randn(11, 8, generator=gen, dtype=torch.float64)
+    bias = torch.randn(11, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, 11, (6,), generator=gen)
+    labels[2] = -100
+    upstream = torch.rand(6, generator=gen, dtype=torch.float64) + 0.5
+    kwargs = dict(reduction=reduction, backend=backend, **opts.as_kwargs())
+    cotangent = upstream if reduction == "none" else torch.ones((), dtype=torch.float64)
+    if package == "fastce_torch":
+        leaves = [t.detach().clone().to(device).requires_grad_() for t in (hidden, weight, bias)]
+        loss = fastce_torch.linear_cross_entropy(leaves[0], leaves[1], labels.to(device), bias=leaves[2], **kwargs)
+        loss.backward(cotangent.to(device))
+        loss, grads = loss.detach().cpu().numpy(), [leaf.grad.cpu().numpy() for leaf in leaves]
+    else:
+        import jax
+        import jax.numpy as jnp
+
+        from . import exchange
+
+        fastce_jax = sys.modules["fastce_jax"]
+        with jax.enable_x64(True):
+            h, w, b, g = (exchange.to_jax(t.to(device)) for t in (hidden, weight, bias, cotangent))
+            y = exchange.labels_to_jax(labels.to(device))
+            assert w.dtype == jnp.float64
+
+            def run(h, w, b):
+                return fastce_jax.linear_cross_entropy(h, w, y, bias=b, **kwargs)
+
+            loss, vjp = jax.vjp(run, h, w, b)
+            grads = [np.asarray(grad) for grad in vjp(g)]
+            loss = np.asarray(loss)
+    assert loss.dtype == np.float64
+    assert [grad.dtype for grad in grads] == [np.float32, np.float64, np.float64]
+    exact = reference.linear_cross_entropy(
+        hidden.numpy(),
+        weight.numpy(),
+        labels.numpy(),
+        bias=bias.numpy(),
+        reduction=reduction,
+        upstream=upstream.numpy() if reduction == "none" else None,
+        opts=opts,
+    )
+    rtol = tolerances.RTOL64
+    tolerances.check(loss, exact.logits.loss, tolerances.loss_bound(exact.logits, rtol), "loss")
+    want_hidden = exact.grad_hidden
+    # float32 hidden's gradient is the float64 one rounded once to float32.
+    assert_within(grads[0], want_hidden, 2.0**-24 * np.abs(want_hidden) + 1e-300, "hidden gradient")
+    for got, want, what in ((grads[1], exact.grad_weight, "weight"), (grads[2], exact.grad_bias, "bias")):
+        assert_within(got, want, rtol * (np.abs(want).max() + np.abs(want)), f"{what} gradient")

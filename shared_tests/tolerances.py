@@ -14,15 +14,18 @@ reference (reference.py), for the loss and for the gradient, per output dtype. N
     adjacent representable numbers: one ulp apart (ULPS_PAIR). The loss is float32 whatever the logits' dtype.
   * FLOOR = 2**-125: float32 results below the normal range (p_j = exp(z_j - lse) < 2**-126) may be flushed to
     zero on the GPU.
+float64 inputs are computed in float64 (the packages' plain-framework references): RTOL64 replaces RTOL there, with
+the ulps taken in float64.
 NaN passes only where the expected value has NaN (the pattern must match exactly), infinities must match exactly.
 """
 
 import numpy as np
 
-MANTISSA_BITS = {"float32": 23, "bfloat16": 7, "float16": 10}
-MIN_EXPONENT = {"float32": -126, "bfloat16": -126, "float16": -14}
+MANTISSA_BITS = {"float32": 23, "bfloat16": 7, "float16": 10, "float64": 52}
+MIN_EXPONENT = {"float32": -126, "bfloat16": -126, "float16": -14, "float64": -1022}
 EPS32 = 2.0**-23
 RTOL = 4 * EPS32
+RTOL64 = 1e-12  # a float64 computation: ~4500 eps64 times the error scale, room for long float64 sums
 ULPS, ULPS_PAIR = 0.5, 1.0
 FLOOR = 2.0**-125
 

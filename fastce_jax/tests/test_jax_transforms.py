@@ -1,6 +1,7 @@
-"""fastce_jax where real training code puts it: float64 logits, what autodiff supports (reverse mode through the
-kernels, higher order through the reference's jvp rules, JAX's TypeError for forward mode on the loss), where
-backend="auto" runs under jit, and batch invariance (vmap and batch size never change a row's bits).
+"""fastce_jax where real training code puts it: float64 logits (computed in float64), what autodiff supports
+(reverse mode through the kernels, higher order through the reference's jvp rules, JAX's TypeError for forward mode
+on the loss), where backend="auto" runs under jit, and batch invariance (vmap and batch size never change a row's
+bits).
 
 On CPU the kernels run in interpret mode; with --gpu the same tests run the compiled kernels, plus the `gpu` ones.
 """
@@ -9,10 +10,12 @@ import importlib
 
 import jax
 import jax.numpy as jnp
+import jax.test_util
 import numpy as np
 import pytest
 
 from fastce_jax import cross_entropy, kernels
+from shared_tests import reference as float64_reference
 from shared_tests import tolerances
 
 from .checks import as_float64, assert_grad, assert_loss, expected
@@ -46,43 +49,57 @@ def vjp_none(x, labels, w, **kwargs):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# float64 logits: accepted, computed in float32 (loss float32, gradient float64).
+# float64 logits: computed in float64 by the reference whatever the backend (loss and gradient float64).
 # ----------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("backend", ["auto", "kernel", "reference"])
-def test_float64_logits_are_computed_in_float32_with_a_float64_gradient(put, backend):
+def test_float64_logits_are_computed_in_float64(put, backend):
     x, y, w = random_inputs(6, 300, seed=1)
+    opts = dict(label_smoothing=0.1, z_loss=1e-3, logit_softcapping=4.0)
     with jax.enable_x64(True):
-        x64 = put(x, jnp.float64)
-        labels = put(y, jnp.int32)
-        w32 = put(w, jnp.float32)
-        loss, grad = vjp_none(x64, labels, w32, backend=backend, label_smoothing=0.1)
-        assert loss.dtype == jnp.float32 and grad.dtype == jnp.float64 and grad.shape == x64.shape
-        # Exactly the float32 computation on the logits rounded to float32, its gradient widened.
-        loss32, grad32 = vjp_none(x64.astype(jnp.float32), labels, w32, backend=backend, label_smoothing=0.1)
-        np.testing.assert_array_equal(np.asarray(loss), np.asarray(loss32))
-        np.testing.assert_array_equal(np.asarray(grad), np.asarray(grad32).astype(np.float64))
-        ref = expected(x64.astype(jnp.float32), y, upstream=w, label_smoothing=0.1)
-        assert_loss(loss, ref)
-        assert_grad(grad32, ref)  # grad is grad32 widened (checked above): float32's tolerance
+        x64, labels, w64 = put(x, jnp.float64), put(y, jnp.int32), put(w, jnp.float64)
+        loss, grad = vjp_none(x64, labels, w64, backend=backend, **opts)
+        assert loss.dtype == jnp.float64 and grad.dtype == jnp.float64 and grad.shape == x64.shape
+        loss, grad = np.asarray(loss), np.asarray(grad)
         # The mean, the way optax users call their loss.
-        mean = cross_entropy(x64, labels, backend=backend)
-        assert mean.dtype == jnp.float32 and np.isfinite(float(mean))
+        mean = cross_entropy(x64, labels, backend=backend, **opts)
+        assert mean.dtype == jnp.float64
+        mean = np.asarray(mean)
+    ref = float64_reference.cross_entropy(x, y, reduction="none", upstream=w, opts=float64_reference.Options(**opts))
+    rtol = tolerances.RTOL64
+    tolerances.check(loss, ref.loss, tolerances.loss_bound(ref, rtol), "loss")
+    tolerances.check(grad, ref.grad, tolerances.grad_bound(ref, grad, "float64", rtol=rtol), "grad")
+    ref_mean = float64_reference.cross_entropy(x, y, opts=float64_reference.Options(**opts))
+    tolerances.check(mean, ref_mean.loss, tolerances.loss_bound(ref_mean, rtol), "mean")
 
 
-def test_float64_matches_optax_to_float32_precision(put):
+@pytest.mark.parametrize("backend", ["auto", "kernel", "reference"])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_float64_gradients_pass_check_grads(put, backend, reduction):
+    """jax.test_util.check_grads (finite differences in float64, x64 on in this test only), every option on."""
+    x, y, _ = random_inputs(4, 9, seed=5)
+    opts = dict(logit_softcapping=3.0, logit_scaling=0.7, label_smoothing=0.1, z_loss=1e-3)
+    with jax.enable_x64(True):
+        x64, labels = put(x, jnp.float64), put(y, jnp.int32)
+        f = lambda a: cross_entropy(a, labels, reduction=reduction, backend=backend, **opts)  # noqa: E731
+        jax.test_util.check_grads(f, (x64,), order=1, modes=["rev"])
+        jax.test_util.check_grads(jax.jit(f), (x64,), order=1, modes=["rev"])
+    assert not jax.config.jax_enable_x64  # the scope ended
+
+
+def test_float64_matches_optax_in_float64(put):
     optax = pytest.importorskip("optax")
     x, y, _ = random_inputs(5, 200, seed=2, n_ignored=0)
     with jax.enable_x64(True):
         x64, labels = put(x, jnp.float64), put(y, jnp.int32)
-        ours = cross_entropy(x64, labels, reduction="none", backend="kernel")
-        theirs = optax.softmax_cross_entropy_with_integer_labels(x64, labels)
-        assert theirs.dtype == jnp.float64
-        # optax in float64 on the unrounded logits is within float32's tolerance of the reference on the rounded ones
-        ref = expected(x64, y)
-        assert_loss(ours, ref)
-        tolerances.check(np.asarray(theirs), ref.loss, tolerances.loss_bound(ref), "optax loss")
+        ours = np.asarray(cross_entropy(x64, labels, reduction="none", backend="kernel"))
+        theirs = np.asarray(optax.softmax_cross_entropy_with_integer_labels(x64, labels))
+    assert ours.dtype == theirs.dtype == np.float64
+    ref = float64_reference.cross_entropy(x, y, reduction="none")
+    bound = tolerances.loss_bound(ref, tolerances.RTOL64)
+    tolerances.check(ours, ref.loss, bound, "our loss")
+    tolerances.check(theirs, ref.loss, bound, "optax loss")
 
 
 def test_numpy_float64_without_x64_is_accepted():
