@@ -83,9 +83,9 @@ def _shard_gradient_torch(grad_rows, logits, labels, lse, grad, options, vocab_s
 
 
 def local_gradient(grad_rows, logits, labels, lse, options, vocab_start, vocab_total):
-    """d loss / d logits of the local columns (float32; float64 for float64 logits) in plain torch ops, so autograd and torch.func can
-    differentiate it again: grad_rows (N,) the per-token upstream, lse (N,) the global logsumexp, or None for the
-    logsumexp of these logits themselves (one shard holding the whole vocabulary)."""
+    """d loss / d logits of the local columns (float32; float64 for float64 logits) in plain torch ops, so autograd
+    and torch.func can differentiate it again: grad_rows (N,) the per-token upstream, lse (N,) the global logsumexp,
+    or None for the logsumexp of these logits themselves (one shard holding the whole vocabulary)."""
     ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss = options
     ignored = labels == ignore_index
     in_range = (labels >= 0) & (labels < vocab_total)
