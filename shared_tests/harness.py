@@ -149,7 +149,7 @@ def run_torch(case, inputs, **extra):
         **case.opts.as_kwargs(),
         **extra,
     )
-    assert loss.dtype == torch.float32
+    assert loss.dtype == (torch.float64 if inputs.logits.dtype == torch.float64 else torch.float32)
     if case.reduction == "none":
         loss.backward(inputs.upstream)
     else:

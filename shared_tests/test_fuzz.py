@@ -68,7 +68,9 @@ def cases(draw):
         name="fuzz",
         shape=shape,
         vocab=vocab,
-        dtype=draw(st.sampled_from(list(harness.TORCH_DTYPES))),
+        # float64 never reaches the kernels (the plain reference computes it; its own tests are in
+        # test_shared_training.py), and only crosses into JAX with x64 on.
+        dtype=draw(st.sampled_from([name for name in harness.TORCH_DTYPES if name != "float64"])),
         label_dtype=draw(st.sampled_from(["int64", "int32"])),
         reduction=reduction,
         n_items=n_items,

@@ -202,7 +202,8 @@ def test_host_cost_breakdown_runs():
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()[1:]
-    assert len(lines) == 17 and all(line.endswith(" us") and float(line.split()[-2]) > 0 for line in lines)
+    # 17 rows; a GPU process adds the launch-cache rows.
+    assert len(lines) >= 17 and all(line.endswith(" us") and float(line.split()[-2]) > 0 for line in lines)
     assert any(line.startswith("cross_entropy forward+backward, launches stubbed") for line in lines)
 
 

@@ -25,6 +25,7 @@ def test_signature_is_the_contract():
         backend="auto",
         inplace_backward=True,
         validate_labels=False,
+        shift=0,
     )
     assert list(params)[:2] == ["logits", "labels"]
     assert {k: p.default for k, p in params.items() if k not in ("logits", "labels")} == expected

@@ -341,7 +341,11 @@ def test_torch_func_higher_order_and_forward_mode_through_the_kernel(device, red
     def loss(backend):
         def f(x):
             out = cross_entropy(x, labels, reduction=reduction, backend=backend, **options)
-            return out if reduction == "mean" else (out * torch.linspace(0.5, 2.0, out.numel()).view(out.shape)).sum()
+            return (
+                out
+                if reduction == "mean"
+                else (out * torch.linspace(0.5, 2.0, out.numel(), device=out.device).view(out.shape)).sum()
+            )
 
         return f
 
