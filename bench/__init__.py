@@ -4,8 +4,7 @@
 a GPU it runs a small interpreted correctness-and-timing demo of the fastce kernels instead.
 """
 
-# Every implementation the benchmark knows, in table order. Torch ones run first, then JAX ones, so the two
-# frameworks never hold large buffers at the same time.
+# Every implementation the benchmark knows, in table order (each runs in a worker process of its own, bench/runner.py).
 TORCH_IMPLS = ("fastce_torch", "torch_eager_fp32", "torch_eager", "torch_compile", "liger")
 JAX_IMPLS = ("fastce_jax", "fastce_jax_noalias", "xla")
 ALL_IMPLS = TORCH_IMPLS + JAX_IMPLS

@@ -4,7 +4,7 @@ import os
 
 
 def configure(interpret_only=False):
-    # Allocate on demand instead of grabbing 75% of the GPU up front: torch runs in the same process.
+    # Allocate on demand instead of grabbing 75% of the GPU up front: bench tests and tools run torch beside JAX.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if interpret_only:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -300,8 +300,3 @@ def unpatch_transformers():
         setattr(module, _LOSS_NAME, original)
     _state["original"] = None
     _state["options"] = {"backend": "auto", "inplace_backward": True}
-
-
-def is_patched():
-    """True while patch_transformers() is in effect."""
-    return _state["original"] is not None
