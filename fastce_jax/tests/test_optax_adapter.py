@@ -7,8 +7,8 @@ the installed optax and nothing of it is copied here; an optax without that modu
 adapter maps optax's signature (logits, labels, axis=-1, where=None) onto the contract: any `axis` (an int or a
 tuple of axes, flattened into one class axis as optax does) is a transpose and reshape to classes-last; a per-row
 `where` (shape of labels) is ignore_index on the masked rows (loss 0, gradient 0, as optax gives them). A per-logit
-`where` (shape of logits: classes left out of the softmax) is not in the contract: the adapter raises
-NotImplementedError, and optax's test of it is a strict xfail on that error (reported, not skipped).
+`where` (shape of logits: classes left out of the softmax) is -inf on the masked logits (the contract gives them
+zero probability and zero gradient), with the rows that keep no logit at all ignored (loss 0).
 """
 
 import jax
@@ -24,11 +24,6 @@ _classification_test = pytest.importorskip(
 )
 _classification = _classification_test._classification
 _IGNORED = -1  # never a class: optax's labels are in [0, num_classes)
-
-PER_LOGIT_MASK = (
-    "fastce_jax.cross_entropy has no per-logit mask (optax's `where` of the logits' shape leaves classes out of the "
-    "softmax); a per-row `where` (the labels' shape) is supported, as ignore_index"
-)
 
 
 def _classes_last(logits, axis):
@@ -47,13 +42,17 @@ def _classes_last(logits, axis):
 def adapter(backend):
     def softmax_cross_entropy_with_integer_labels(logits, labels, axis=-1, where=None):
         logits, labels = jnp.asarray(logits), jnp.asarray(labels)
-        logits = _classes_last(logits, axis)
+        classes_last = _classes_last(logits, axis)
         if where is not None:
-            where = jnp.asarray(where)
-            if where.shape != labels.shape:
-                raise NotImplementedError(PER_LOGIT_MASK)
+            where = jnp.asarray(where, bool)
+            if where.shape == logits.shape:  # per logit: the masked classes leave the softmax
+                kept = _classes_last(where, axis)
+                classes_last = jnp.where(kept, classes_last, -jnp.inf)
+                where = jnp.any(kept, axis=-1)
+            elif where.shape != labels.shape:
+                raise ValueError(f"where must have the labels' or the logits' shape, got {where.shape}")
             labels = jnp.where(where, labels, _IGNORED)
-        return fastce_jax.cross_entropy(logits, labels, reduction="none", ignore_index=_IGNORED, backend=backend)
+        return fastce_jax.cross_entropy(classes_last, labels, reduction="none", ignore_index=_IGNORED, backend=backend)
 
     return softmax_cross_entropy_with_integer_labels
 
@@ -75,10 +74,6 @@ class _Adapted(_classification_test.SoftmaxCrossEntropyWithIntegerLabelsTest):
         assert _classification.softmax_cross_entropy_with_integer_labels.__module__ == __name__
         loss = _classification.softmax_cross_entropy_with_integer_labels(self.ys, self.ts)
         np.testing.assert_allclose(loss, fastce_jax.cross_entropy(self.ys, self.ts, reduction="none"), rtol=0)
-
-    @pytest.mark.xfail(raises=NotImplementedError, strict=True, reason=PER_LOGIT_MASK)
-    def test_per_logit_mask(self):
-        super().test_per_logit_mask()
 
     def test_gradient_reverse_mode(self):
         """optax's test_gradient in reverse mode only (the kernels' one derivative)."""
