@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# The H200 checks, by stage; a device call allows 600 s, so give each call stages that fit (minutes measured on
-# 2026-11-30): `tests` (fastce_torch and examples with --gpu; ~2.5), `tests-jax` (fastce_jax --gpu; ~3),
+# The H200 checks, by stage; a device call allows 600 s, so give each call stages that fit. Measured on 2026-12-01
+# (af33d15): `tests`, `tests-jax` and `shared` run together in one call all hit 470 s at 87% / 91% / 73% of their
+# tests (compiles dominate), so give each suite a call of its own (timeout 560 s below), or set XDIST=N to spread one
+# suite over N pytest-xdist workers (untried here). Stages: `tests` (fastce_torch, examples, bench/tests with --gpu),
+# `tests-jax` (fastce_jax --gpu), `shared` (shared_tests --gpu),
 # `two-gpus` (the tests that need two GPUs: NCCL vocab-parallel, cuda:1 placement, JAX sharding; kind nvidia-h200-x2),
-# `shared` (shared_tests --gpu; ~3),
-# `transformers` (training-step comparison; ~1.5), `bench` (the side-by-side benchmark, every pass and
-# implementation in a worker process of its own; ~4-6, estimated), or the same in two calls: `bench-torch` (~3-4)
-# and `bench-jax` (~1.5-2), their JSON joined afterwards on any machine (no GPU needed) with
+# `transformers` (training-step comparison, four modes; ~2-3, estimated), `bench` (the side-by-side benchmark, every
+# pass and implementation in a worker process of its own; 5.5 measured), or the same in two calls: `bench-torch`
+# and `bench-jax`, their JSON joined afterwards on any machine (no GPU needed) with
 #   python -m bench --merge bench-torch.json bench-jax.json --results-md
 # `capture-probe` (which CUDA-graph capture variant fails and why; < 1, bench/tools/capture_probe.py),
 # `sanitizer` (compute-sanitizer memcheck over GPU tests of both packages; ~1), `linear-quick` (fused linear CE at
-# one shape with a float32 check; ~1, estimated), `linear` (the fused linear CE table, 3 shapes; ~4-6, estimated).
+# one shape with a float32 check; ~1, estimated), `linear-a` and `linear-b` (the fused linear CE table's five shapes
+# in two calls, ~4-5 each, estimated; two JSON files: --merge joins only the standard bench).
 # Logs and results land in ${OUT:-/tmp/fastce-h200}. Usage from the repo root, liger wheel in .whl/:
 #   BENCH_COMMIT=$(git rev-parse HEAD) bash bench/tools/run_h200.sh tests transformers bench
 set -uo pipefail
@@ -21,23 +24,23 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=.
 fi
-PYTEST="python3 -m pytest --gpu -q -p no:cacheprovider -W ignore::DeprecationWarning"
+PYTEST="python3 -m pytest --gpu -q -p no:cacheprovider -W ignore::DeprecationWarning${XDIST:+ -n $XDIST}"
 for stage in "$@"; do
   case "$stage" in
     tests)
-      timeout -s INT 300 $PYTEST -rfE fastce_torch examples bench/tests >"$OUT/gpu-tests.log" 2>&1
+      timeout -s INT 560 $PYTEST -rfE fastce_torch examples bench/tests >"$OUT/gpu-tests.log" 2>&1
       tail -8 "$OUT/gpu-tests.log" ;;
     tests-jax)
-      timeout -s INT 300 $PYTEST -rfE fastce_jax >"$OUT/gpu-tests-jax.log" 2>&1; tail -8 "$OUT/gpu-tests-jax.log" ;;
+      timeout -s INT 560 $PYTEST -rfE fastce_jax >"$OUT/gpu-tests-jax.log" 2>&1; tail -8 "$OUT/gpu-tests-jax.log" ;;
     two-gpus)
       timeout -s INT 300 $PYTEST -rfE fastce_torch/tests/test_distributed.py fastce_jax/tests/test_jax_sharding.py \
         fastce_torch/tests/test_training_loops.py -k "two_gpus or second_gpu or sharding or shard_map" \
         >"$OUT/gpu-tests-two.log" 2>&1; tail -8 "$OUT/gpu-tests-two.log" ;;
     shared)
-      FASTCE_SHARED_SUMMARY="$OUT/shared-summary.json" timeout 300 $PYTEST shared_tests >"$OUT/shared-tests.log" 2>&1
+      FASTCE_SHARED_SUMMARY="$OUT/shared-summary.json" timeout -s INT 560 $PYTEST shared_tests >"$OUT/shared-tests.log" 2>&1
       tail -15 "$OUT/shared-tests.log" ;;
     transformers)
-      timeout 150 python3 -m bench.tools.transformers_step --json "$OUT/transformers-step.json" 2>&1 | tail -12 ;;
+      timeout 400 python3 -m bench.tools.transformers_step --json "$OUT/transformers-step.json" 2>&1 | tail -12 ;;
     bench)
       timeout 560 python3 -m bench --results-md 2>"$OUT/bench-progress.log" | tail -50
       grep -E "FAILED|Traceback|killed|exited with|no CUDA graph|no leaf|priming" "$OUT/bench-progress.log" | tail -20
@@ -54,6 +57,11 @@ for stage in "$@"; do
       grep -E "vs float32|FAILED" "$OUT/linear-quick.log" ;;
     linear)
       timeout 590 python3 -m bench --linear --json "$OUT/linear.json" 2>"$OUT/linear-progress.log" | tail -24 ;;
+    linear-a|linear-b)
+      shapes=4096x4096x128256,8192x4096x128256,8192x3584x152064
+      [ "$stage" = linear-b ] && shapes=8192x2304x256000,32768x4096x128256
+      timeout 560 python3 -m bench --linear --linear-shapes "$shapes" --json "$OUT/$stage.json" \
+        2>"$OUT/$stage-progress.log" | tail -24 ;;
     sanitizer)
       timeout 300 compute-sanitizer --tool memcheck --print-limit 20 $PYTEST fastce_torch/tests/test_cross_entropy.py \
         -k "vocab_sizes or out_of_range or minus_inf or nan_or_inf or strided or options or many_rows" \
