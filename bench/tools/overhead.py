@@ -22,7 +22,7 @@ import triton.testing
 import fastce_torch
 from fastce_torch import kernels
 
-from .host_cost import _ThreeOutputs  # the same no-work stand-in for fastce's Function
+from .host_cost import _ThreeOutputs, _ThreeOutputsUnmaterialized  # no-work stand-ins for fastce's Function
 
 OPTIONS = kernels.Options()
 
@@ -94,6 +94,9 @@ def host_costs():
         ),
         "fastce-shaped autograd.Function fwd+bwd": lambda: torch.autograd.grad(
             _ThreeOutputs.apply(leaf, labels)[0], leaf, allow_unused=True
+        ),
+        "  the same, output grads not materialised": lambda: torch.autograd.grad(
+            _ThreeOutputsUnmaterialized.apply(leaf, labels)[0], leaf, allow_unused=True
         ),
         "F.cross_entropy forward+backward": lambda: torch.autograd.grad(
             torch.nn.functional.cross_entropy(logits, labels), logits
