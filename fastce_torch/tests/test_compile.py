@@ -136,7 +136,8 @@ def counting_backend():
 
 
 class SlicedHead(torch.nn.Module):
-    """README's example: the loss of logits[:, :-1] against input_ids[:, 1:] (strided 3-D logits)."""
+    """The slice form of the shifted loss (README now shows shift=1): logits[:, :-1] against input_ids[:, 1:]
+    (strided 3-D logits)."""
 
     def __init__(self, **options):
         super().__init__()

@@ -161,8 +161,8 @@ def spy_on_launchers(monkeypatch):
 
 
 def test_sliced_3d_logits_reach_the_kernels_without_a_copy(device, monkeypatch):
-    """README's `cross_entropy(logits[:, :-1], input_ids[:, 1:])` with batch > 1: the kernels read the lm_head
-    output where it is and write the gradient back into it."""
+    """The slice form `cross_entropy(logits[:, :-1], input_ids[:, 1:])` with batch > 1: the kernels read the
+    lm_head output where it is and write the gradient back into it."""
     generator = torch.Generator().manual_seed(4)
     hidden = torch.randn(3, 8, 16, generator=generator).to(device)
     weight = (torch.randn(VOCAB, 16, generator=generator) * 0.5).to(device).requires_grad_()
