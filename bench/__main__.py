@@ -64,7 +64,7 @@ def parse_args(argv):
     )
     parser.add_argument(
         "--linear-shapes",
-        help="with --linear: comma-separated NxHxV[:dtype] instead of bench.linear.LINEAR_SHAPES (split a full run)",
+        help="with --linear: comma-separated NxHxV[:dtype] instead of the standard linear shapes (split a full run)",
     )
     parser.add_argument("--plot", type=Path, help="PNG of time vs V with the memory floors (needs matplotlib)")
     parser.add_argument(
@@ -156,7 +156,8 @@ def main(argv=None) -> int:
         if not gpu_available():
             print("--linear measures cuBLAS matmuls: it needs a GPU (the CPU tests cover correctness)")
             return 2
-        from .linear import main_linear, parse_linear_shapes
+        from .linear import main_linear
+        from .linear_shapes import parse_linear_shapes
 
         shapes = parse_linear_shapes(args.linear_shapes) if args.linear_shapes else None
         return main_linear(args.quick, args.json, shapes)

@@ -26,12 +26,6 @@ TORCH_CASES = (("fastce_torch", "kernel"), ("fastce_torch", "reference"), ("torc
 JAX_CASES = (("fastce_jax", "kernel"), ("fastce_jax", "reference"), ("xla", None))
 
 
-def _expected(logits, labels):
-    """The reference's mean loss over kept tokens (ignore_index -100, as every implementation here uses) and its
-    gradient, from exactly the values the implementations read."""
-    return reference.cross_entropy(np.asarray(logits, np.float64), np.asarray(labels), reduction="mean")
-
-
 def _tolerance_used(actual, expected, bound, what):
     """Largest |actual - expected| / tolerance (1 = at the limit), and the mismatch message when over it."""
     try:
@@ -100,7 +94,7 @@ def _torch_cases(shapes, impls, runs, rows, failures):
 
             try:
                 logits, labels = fresh()
-                ref = _expected(logits.detach().double().numpy(), labels.numpy())
+                ref = reference.expected(logits.detach().double().numpy(), labels.numpy(), "mean")
                 loss = loss_fn(logits, labels)
                 (grad,) = torch.autograd.grad(loss, logits)
                 fwd_ms = _median_ms(loss_fn, fresh, runs)
@@ -142,7 +136,7 @@ def _jax_cases(shapes, impls, runs, rows, failures):
         for shape in shapes:
             try:
                 logits, labels = jax_impls.make_inputs(shape)
-                ref = _expected(np.asarray(logits.astype("float32")), np.asarray(labels))
+                ref = reference.expected(np.asarray(logits.astype("float32"), np.float64), labels, "mean")
                 fwd = jax.jit(loss_fn)
                 fwdbwd = jax.jit(jax.value_and_grad(loss_fn))
                 loss, grad = fwdbwd(logits, labels)

@@ -7,9 +7,9 @@ before jax is first imported, or JAX grabs 75% of the GPU that torch also needs)
 import jax
 import jax.numpy as jnp
 
-from .progress import fastce_loss
+from . import fastce_loss
+from .shapes import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 JAX_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
 

@@ -1,8 +1,4 @@
-"""JAX rows of the fused linear cross-entropy benchmark (issue 14): the loss from hidden states and the LM head.
-
-    python -m bench.jax_linear                      # GPU: bench.linear.LINEAR_SHAPES, every implementation below
-    python -m bench.jax_linear --shapes 8192x4096x128256 --impls fastce_jax_linear,xla_linear --json out.json
-    python -m bench.jax_linear --cpu                # tiny interpreted smoke run (checks the plumbing only)
+"""The JAX rows of `python -m bench --linear`: fused linear cross-entropy, the loss from hidden states and the LM head.
 
 Implementations, all `jit(value_and_grad(loss, argnums=(0, 1)))(hidden, weight, labels)` (gradients for the
 hidden states and the weight, nothing donated: both are live parameters / activations in training):
@@ -10,7 +6,7 @@ hidden states and the weight, nothing donated: both are live parameters / activa
                             summed over chunks in bf16)
   fastce_jax_linear_f32acc  the same with the float32 weight-gradient accumulator
   fastce_jax_linear_1GiB    the same with a 1 GiB workspace
-                            (these three are bench.linear.FASTCE_SETTINGS, the configurations fastce_torch is timed in)
+                            (these three are bench.linear_shapes.FASTCE_SETTINGS, as for fastce_torch)
   xla_linear                hidden @ weight.T, then XLA's float32-upcast CE (optax's formula), mean over kept tokens
   matmul+fastce_jax         hidden @ weight.T, then fastce_jax.cross_entropy on the materialised logits
 Plus `matmul` (not a loss): the three matmuls of the step alone (logits = h W^T, dh = G W, dW = G^T h with a given
@@ -23,19 +19,17 @@ Time: host-timed like bench/jax_impls.py (K calls queued, one block_until_ready,
 Effective TFLOP/s = 6 N H V / time.  Memory: temp_size_in_bytes of the compiled step (XLA scratch; the
 gradients are outputs and are not in it).  Each row's loss is compared with xla_linear's on the same inputs.
 
-`run(...)` returns {"rows": [...], "failures": [...]} for the main bench to merge.
+`run(...)` returns {"rows": [...], "failures": [...]} for bench.linear to merge into its table. Import this module
+only after bench.jax_setup.configure().
 """
 
-import argparse
-import importlib
-import json
 import sys
 
-from .linear import FASTCE_SETTINGS, IGNORE_INDEX, LINEAR_SHAPES, LinearShape, package_settings, parse_linear_shapes
+from .linear_shapes import FASTCE_SETTINGS, LINEAR_SHAPES
+from .shapes import IGNORE_INDEX
 
 FASTCE_IMPLS = {f"fastce_jax_linear{suffix}": settings for suffix, settings in FASTCE_SETTINGS.items()}
 LINEAR_IMPLS = (*FASTCE_IMPLS, "xla_linear", "matmul+fastce_jax")
-CPU_SHAPES = (LinearShape(96, 32, 1000, "float32"),)
 
 
 def make_inputs(shape, seed=0):
@@ -103,11 +97,12 @@ def _rel_rms(got, ref):
 
 
 def loss_fn(impl, backend="auto"):
-    """(hidden, weight, labels) -> scalar loss; fastce_jax's settings (FASTCE_IMPLS) are applied in `measure`."""
+    """(hidden, weight, labels) -> scalar loss."""
     import fastce_jax
 
     if impl in FASTCE_IMPLS:
-        return lambda h, w, y: fastce_jax.linear_cross_entropy(h, w, y, backend=backend)
+        settings = FASTCE_IMPLS[impl]
+        return lambda h, w, y: fastce_jax.linear_cross_entropy(h, w, y, backend=backend, **settings)
     if impl == "xla_linear":
         return lambda h, w, y: _xla_ce(h @ w.T, y)
     if impl == "matmul+fastce_jax":
@@ -120,11 +115,9 @@ def measure(impl, shape, inputs, batch_target_ms=50.0, backend="auto", reference
 
     from .jax_measure import bench_ms
 
-    module = importlib.import_module("fastce_jax.linear_cross_entropy")
-    with package_settings(module, FASTCE_IMPLS.get(impl, {})):  # read while tracing: compile both programs inside
-        fn = loss_fn(impl, backend)
-        fwd = jax.jit(fn).lower(*inputs).compile()
-        step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(*inputs).compile()
+    fn = loss_fn(impl, backend)
+    fwd = jax.jit(fn).lower(*inputs).compile()
+    step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(*inputs).compile()
     temp = int(step.memory_analysis().temp_size_in_bytes)
     loss, (dh, dw) = step(*inputs)
     finite = bool(jax.numpy.isfinite(loss)) and all(
@@ -231,58 +224,3 @@ def run(
         del inputs, reference
         gc.collect()
     return {"rows": rows, "failures": failures}
-
-
-def text_table(rows) -> str:
-    header = (
-        f"{'impl':24s} {'N':>6s} {'H':>5s} {'V':>7s} {'fwd ms':>8s} {'fwd+bwd ms':>10s} {'TFLOP/s':>8s} "
-        f"{'of matmul':>9s} {'temp MiB':>9s} {'dW err':>8s} {'dh err':>8s} ok"
-    )
-    lines = [header]
-    for r in rows:
-        lines.append(
-            f"{r['impl']:24s} {r['N']:6d} {r['H']:5d} {r['V']:7d} {r.get('fwd_ms', float('nan')):8.2f} "
-            f"{r['fwdbwd_ms']:10.2f} {r['TFLOPs']:8.0f} {r.get('of_matmul', float('nan')):9.2f} "
-            f"{r.get('peak_extra_bytes', 0) / 2**20:9.0f} {r.get('grad_weight_rel_rms', float('nan')):8.1e} "
-            f"{r.get('grad_hidden_rel_rms', float('nan')):8.1e} {r.get('ok', '')}"
-        )
-    return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.jax_linear", description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", type=parse_linear_shapes, help="comma-separated NxHxV[:dtype]")
-    parser.add_argument("--impls", default=",".join(LINEAR_IMPLS))
-    parser.add_argument("--cpu", action="store_true", help="tiny shapes, Pallas interpret mode (plumbing check)")
-    parser.add_argument("--json", help="write the rows here")
-    args = parser.parse_args(argv)
-
-    from . import jax_setup
-
-    jax_setup.configure(interpret_only=args.cpu)
-    impls = tuple(i.strip() for i in args.impls.split(",") if i.strip())
-    unknown = sorted(set(impls) - set(LINEAR_IMPLS))
-    if unknown:
-        parser.error(f"--impls: unknown {unknown}; known: {', '.join(LINEAR_IMPLS)}")
-    if args.cpu:
-        result = run(args.shapes or CPU_SHAPES, impls, batch_target_ms=5.0, backend="kernel")
-    else:
-        from .jax_measure import has_gpu
-
-        if not has_gpu():
-            parser.error("JAX sees no GPU; use --cpu for the interpreted smoke run")
-        result = run(args.shapes or LINEAR_SHAPES, impls)
-    print(text_table(result["rows"]))
-    for f in result["failures"]:
-        print(f"not measured: {f['impl']} {f['N']}x{f['H']}x{f['V']}: {f['error']}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
-        print(f"wrote {args.json}")
-    bad = [f for f in result["failures"] if f["impl"].startswith("fastce")]
-    bad += [r for r in result["rows"] if r["impl"].startswith("fastce") and not r.get("ok", True)]
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

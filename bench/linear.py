@@ -33,91 +33,26 @@ import contextlib
 import gc
 import json
 import sys
-from dataclasses import dataclass
 
+from .linear_shapes import FASTCE_SETTINGS, LINEAR_SHAPES, QUICK_SHAPE, LinearShape
 from .progress import Unavailable, error_text, failure, say
+from .shapes import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 MiB = 1 << 20
 DEVICE = "cuda"  # the CPU tests of this module set "cpu" (with the CUDA timers stubbed)
-
-
-@dataclass(frozen=True)
-class LinearShape:
-    N: int
-    H: int
-    V: int
-    dtype: str = "bfloat16"
-
-    @property
-    def flops(self) -> float:
-        return 6.0 * self.N * self.H * self.V
-
-    def __str__(self):
-        return f"N={self.N} H={self.H} V={self.V} {self.dtype}"
-
-
-LINEAR_SHAPES = (
-    LinearShape(4096, 4096, 128256),
-    LinearShape(8192, 4096, 128256),
-    LinearShape(8192, 3584, 152064),
-    LinearShape(8192, 2304, 256000),
-    LinearShape(32768, 4096, 128256),
-)
-QUICK_SHAPE = LinearShape(8192, 4096, 128256)
 # The card's peak: a plain square bf16 matmul (2·M·K·N flops) measured in the same run; every row's effective
 # TFLOP/s is also given as a fraction of it (of_peak).
 PEAK_MATMUL = (8192, 8192, 8192)
-
-
-def parse_linear_shapes(text):
-    """'NxHxV[:dtype],...' -> LinearShapes (dtype defaults to bfloat16)."""
-    shapes = []
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        dims, _, dtype = item.partition(":")
-        parts = dims.lower().split("x")
-        if len(parts) != 3 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"--shapes: cannot read {item!r}; expected NxHxV or NxHxV:dtype")
-        shapes.append(LinearShape(*map(int, parts), dtype or "bfloat16"))
-    return tuple(shapes)
-
-
-# The configurations both packages' linear_cross_entropy are timed in, as row-name suffixes and module settings
-# (bench.jax_linear uses the same table): the defaults, the float32 weight-gradient accumulator, a 1 GiB workspace.
-FASTCE_SETTINGS = {
-    "": {},
-    "_f32acc": {"ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32": True},
-    "_1GiB": {"WORKSPACE_BYTES": 1 << 30},
-}
-
-
-@contextlib.contextmanager
-def package_settings(module, settings):
-    """The module's settings (e.g. WORKSPACE_BYTES) changed for the duration, then restored."""
-    saved = {name: getattr(module, name) for name in settings}
-    for name, value in settings.items():
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
 
 
 # --- implementations: each (hidden, weight, labels) -> mean loss ----------------------------------------------
 
 
 def fastce_linear(settings):
-    """fastce_torch.linear_cross_entropy with `settings` (see FASTCE_SETTINGS) applied to its module for each call."""
+    """fastce_torch.linear_cross_entropy called with `settings` (a FASTCE_SETTINGS entry) as keywords."""
     import fastce_torch
 
-    module = sys.modules["fastce_torch.linear_cross_entropy"]
-
-    def loss_fn(hidden, weight, labels):
-        with package_settings(module, settings):
-            return fastce_torch.linear_cross_entropy(hidden, weight, labels)
-
-    return loss_fn
+    return lambda hidden, weight, labels: fastce_torch.linear_cross_entropy(hidden, weight, labels, **settings)
 
 
 def matmul_fastce():

@@ -1,6 +1,6 @@
-"""Progress lines on stderr (stdout keeps only the table), and failure records."""
+"""What a run reports besides its rows: progress lines on stderr (stdout keeps only the table) and failure
+records (Unavailable: a package that is not installed, a note rather than a failure)."""
 
-import importlib
 import sys
 import time
 
@@ -33,17 +33,6 @@ def error_text(exc: BaseException) -> str:
 
 class Unavailable(ImportError):
     """The implementation's package is not installed: a note, not a failure."""
-
-
-def fastce_loss(package_name, backend="auto", **options):
-    """(logits, labels) -> loss with fastce_torch's or fastce_jax's cross_entropy (options: its keywords)."""
-    try:
-        cross_entropy = importlib.import_module(package_name).cross_entropy
-    except ModuleNotFoundError as exc:
-        if exc.name != package_name:
-            raise  # the package is there but broken: a real failure
-        raise Unavailable(f"{package_name} is not installed") from exc
-    return lambda logits, labels: cross_entropy(logits, labels, backend=backend, **options)
 
 
 def failure(impl, shape, stage, exc) -> dict:

@@ -1,6 +1,9 @@
-"""Benchmark shapes: (N tokens, V vocabulary, logits dtype)."""
+"""Benchmark shapes: (N tokens, V vocabulary, logits dtype), and the label every implementation ignores."""
 
 from dataclasses import dataclass
+
+# Every bench input ignores every 7th token with this label.
+IGNORE_INDEX = -100
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "fp32": "float32", "f32": "float32"}
@@ -20,7 +23,7 @@ class Shape:
         return f"{self.N}x{self.V} {self.dtype}"
 
 
-# The standard set (issue 5): a vocabulary sweep at N=8192 bf16, a short batch with a huge vocabulary, and float32.
+# The standard set: a vocabulary sweep at N=8192 bf16, a short batch with a huge vocabulary, and float32.
 STANDARD_SHAPES = (
     Shape(8192, 32000),
     Shape(8192, 128256),

@@ -7,9 +7,10 @@ moves on.
 import torch
 import torch.nn.functional as F
 
-from .progress import Unavailable, fastce_loss
+from . import fastce_loss
+from .progress import Unavailable
+from .shapes import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 

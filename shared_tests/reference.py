@@ -85,6 +85,22 @@ def denominator(labels, reduction, n_items, ignore_index):
     return 1.0
 
 
+def expected(logits, labels, reduction="none", n_items=None, upstream=None, **options):
+    """The reference result every package test compares with: `cross_entropy` on host arrays (pass exactly the
+    values the kernels read, i.e. logits already rounded to their dtype), the options as keywords; n_items may be a
+    0-d array of any framework (anything with `.item()`)."""
+    if n_items is not None and hasattr(n_items, "item"):
+        n_items = n_items.item()
+    return cross_entropy(
+        logits,
+        np.asarray(labels),
+        reduction=reduction,
+        n_items=n_items,
+        upstream=upstream,
+        opts=Options(**options),
+    )
+
+
 def cross_entropy(logits, labels, *, reduction="mean", n_items=None, upstream=None, opts=Options()):
     """The contract in float64.
 

@@ -100,8 +100,10 @@ def grad_bound(ref, magnitude, dtype, rtol=RTOL, ulps=ULPS):
     return rtol * ref.grad_scale + ulps * ulp(magnitude, dtype) + FLOOR
 
 
-def assert_loss(actual, ref, what="loss"):
-    """The loss against the reference; returns the largest fraction of the tolerance used."""
+def assert_loss(actual, ref, what="loss", dtype=None):
+    """The loss against the reference; returns the largest fraction of the tolerance used. dtype: the loss's own
+    dtype where the caller converted it, which must be float32 (the contract's loss dtype for every logits dtype)."""
+    assert dtype is None or dtype_name(dtype) == "float32", f"{what}: dtype {dtype}"
     actual = np.asarray(actual, np.float64)
     return check(actual, ref.loss, loss_bound(ref), what)[1]
 

@@ -23,7 +23,7 @@ def test_parse_shapes():
 
 
 def test_floors_match_the_anchor_numbers():
-    # h200-2026-11-30.md: at 4.27 TB/s, N=8192 bf16 V=32000: 0.123 / 0.246 / 0.369 ms.
+    # At 4.27 TB/s (an H200's copy bandwidth), N=8192 bf16 V=32000: 0.123 / 0.246 / 0.369 ms.
     row = report.add_ratios({"N": 8192, "V": 32000, "dtype": "bfloat16", "fwd_ms": 0.246, "fwdbwd_ms": 0.738}, 4.27)
     assert report.floor_ms(row, 1, 4.27) == pytest.approx(0.1228, abs=1e-3)
     assert row["fwd_over_1pass"] == pytest.approx(2.0, rel=1e-2)

@@ -1,22 +1,31 @@
 """CPU check of bench.jax_linear's plumbing: every implementation runs (Pallas interpret mode) on a tiny shape,
 rows carry the documented keys, the losses agree, and a failing implementation is recorded, not raised."""
 
+import inspect
+
 from bench import jax_setup
 
 jax_setup.configure(interpret_only=True)
 
+import fastce_jax  # noqa: E402
 from bench import jax_linear  # noqa: E402
+from bench.linear_shapes import FASTCE_SETTINGS, LinearShape  # noqa: E402
+
+# The _f32acc / _1GiB rows pass their settings as keywords of linear_cross_entropy; a package without them runs
+# the default rows only.
+KEYWORDS = set(inspect.signature(fastce_jax.linear_cross_entropy).parameters)
+IMPLS = tuple(i for i in jax_linear.LINEAR_IMPLS if set(jax_linear.FASTCE_IMPLS.get(i, {})) <= KEYWORDS)
 
 ROW_KEYS = {"impl", "N", "H", "V", "dtype", "fwd_ms", "fwdbwd_ms", "TFLOPs", "peak_extra_bytes", "loss", "ok"}
 
 
 def test_run_on_cpu(monkeypatch):
-    shape = jax_linear.LinearShape(40, 16, 300, "float32")
-    result = jax_linear.run((shape,), jax_linear.LINEAR_IMPLS, batch_target_ms=1.0, backend="kernel", say=print)
+    shape = LinearShape(40, 16, 300, "float32")
+    result = jax_linear.run((shape,), IMPLS, batch_target_ms=1.0, backend="kernel", say=print)
     assert result["failures"] == []
     rows = {r["impl"]: r for r in result["rows"]}
-    assert set(rows) == {"matmul", *jax_linear.LINEAR_IMPLS}
-    for impl in jax_linear.LINEAR_IMPLS:
+    assert set(rows) == {"matmul", *IMPLS}
+    for impl in IMPLS:
         assert ROW_KEYS <= set(rows[impl]) and rows[impl]["ok"] is True, rows[impl]
         assert isinstance(rows[impl]["peak_extra_bytes"], int) and rows[impl]["fwdbwd_ms"] > 0
         # float32 inputs: every implementation is the float32 computation up to float32 rounding.
@@ -29,13 +38,10 @@ def test_failure_is_recorded(monkeypatch):
         raise MemoryError("out of memory")
 
     monkeypatch.setattr(jax_linear, "measure", broken)
-    shape = jax_linear.LinearShape(8, 16, 50, "float32")
+    shape = LinearShape(8, 16, 50, "float32")
     result = jax_linear.run((shape,), ("fastce_jax_linear",), batch_target_ms=1.0, backend="kernel", say=print)
     assert [f["impl"] for f in result["failures"]] == ["fastce_jax_linear"]
 
 
-def test_parse_shapes():
-    assert jax_linear.parse_linear_shapes("8192x4096x128256, 16x8x100:float32") == (
-        jax_linear.LinearShape(8192, 4096, 128256),
-        jax_linear.LinearShape(16, 8, 100, "float32"),
-    )
+def test_every_fastce_setting_is_a_row():
+    assert set(jax_linear.FASTCE_IMPLS) == {f"fastce_jax_linear{suffix}" for suffix in FASTCE_SETTINGS}

@@ -10,15 +10,15 @@ the whole exception chain is printed: torch.cuda.graph's exit reports only "oper
 error during capture", the body's own error is its __context__.
 
 Variants (inputs: the bench's non-leaf logits, bench.torch_impls.make_inputs, unless said otherwise):
-  old-harness               the bench up to 44864b0: inputs and 2 eager calls on the default stream, 3 warm-up calls
-                            on a side stream, capture on torch.cuda.graph's own (never used) capture stream
+  old-harness               inputs and 2 eager calls on the default stream, 3 warm-up calls on a side stream,
+                            capture on torch.cuda.graph's own (never used) capture stream
   old-harness-no-sync       the same without the explicit torch.cuda.synchronize() before the capture
                             (torch.cuda.graph's __enter__ still synchronises)
   default-stream-warmup     warm-up on the default stream only, capture on torch.cuda.graph's own stream
   same-stream               warm-up on a side stream and capture on that stream; inputs on the default stream
   inputs-on-capture-stream  inputs, eager calls, warm-up and capture all on one side stream
   primed-old-harness        a trivial capture (x.add_(1)) first, then old-harness
-  bench-recipe              what bench.torch_measure.measure_graph does now: primed, inputs-on-capture-stream
+  bench-recipe              what bench.torch_measure.measure_graph does: primed, inputs-on-capture-stream
   inputs-inside-capture     the non-leaf logits made inside the captured region (from static values)
   leaf-backward             leaf logits, `loss.backward()` into .grad (set to None before warm-up and capture)
   thread-local-mode         old-harness, capture_error_mode="thread_local"

@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# The H200 checks, by stage; a device call allows 600 s, so give each call stages that fit. Measured on 2026-12-01
-# (af33d15): `tests`, `tests-jax` and `shared` run together in one call all hit 470 s at 87% / 91% / 73% of their
-# tests (compiles dominate), so give each suite a call of its own (timeout 560 s below), or set XDIST=N to spread one
-# suite over N pytest-xdist workers (untried here). Stages: `tests` (fastce_torch, examples, bench/tests with --gpu),
-# `tests-jax` (fastce_jax --gpu), `shared` (shared_tests --gpu),
+# The H200 checks, by stage; a device call allows 600 s, so give each call stages that fit: `tests`, `tests-jax` and
+# `shared` each take close to the whole 560 s timeout below (compiles dominate), so give each suite a call of its own,
+# or set XDIST=N to spread one suite over N pytest-xdist workers. Stages: `tests` (fastce_torch, examples, bench/tests
+# with --gpu), `tests-jax` (fastce_jax --gpu), `shared` (shared_tests --gpu),
 # `two-gpus` (the tests that need two GPUs: NCCL vocab-parallel, cuda:1 placement, JAX sharding; kind nvidia-h200-x2),
 # `transformers` (training-step comparison, four modes; ~2-3, estimated), `bench` (the side-by-side benchmark, every
-# pass and implementation in a worker process of its own; 5.5 measured), or the same in two calls: `bench-torch`
+# pass and implementation in a worker process of its own; about 5.5), or the same in two calls: `bench-torch`
 # and `bench-jax`, their JSON joined afterwards on any machine (no GPU needed) with
 #   python -m bench --merge bench-torch.json bench-jax.json --results-md
 # `capture-probe` (which CUDA-graph capture variant fails and why; < 1, bench/tools/capture_probe.py),
@@ -33,7 +32,7 @@ for stage in "$@"; do
     tests-jax)
       timeout -s INT 560 $PYTEST -rfE fastce_jax >"$OUT/gpu-tests-jax.log" 2>&1; tail -8 "$OUT/gpu-tests-jax.log" ;;
     two-gpus)
-      timeout -s INT 300 $PYTEST -rfE fastce_torch/tests/test_distributed.py fastce_jax/tests/test_jax_sharding.py \
+      timeout -s INT 300 $PYTEST -rfE fastce_torch/tests/test_sharding.py fastce_jax/tests/test_sharding.py \
         fastce_torch/tests/test_training_loops.py -k "two_gpus or second_gpu or sharding or shard_map" \
         >"$OUT/gpu-tests-two.log" 2>&1; tail -8 "$OUT/gpu-tests-two.log" ;;
     shared)
@@ -67,7 +66,7 @@ for stage in "$@"; do
         -k "vocab_sizes or out_of_range or minus_inf or nan_or_inf or strided or options or many_rows" \
         >"$OUT/memcheck.log" 2>&1
       grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -4
-      timeout 200 compute-sanitizer --tool memcheck --print-limit 20 $PYTEST fastce_jax/tests/test_jax_kernels.py \
+      timeout 200 compute-sanitizer --tool memcheck --print-limit 20 $PYTEST fastce_jax/tests/test_kernels.py \
         -k "vocab or out_of_range or reduc" >"$OUT/memcheck-jax.log" 2>&1
       grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck-jax.log" | tail -4 ;;
   esac

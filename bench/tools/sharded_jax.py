@@ -73,8 +73,9 @@ def main(argv=None):
     import fastce_jax
 
     from .. import envinfo
-    from ..jax_impls import IGNORE_INDEX, xla_loss
+    from ..jax_impls import xla_loss
     from ..jax_measure import bench_ms
+    from ..shapes import IGNORE_INDEX
 
     devices = jax.devices()
     if len(devices) < 2:

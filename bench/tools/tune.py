@@ -1,6 +1,8 @@
 """`python -m bench.tools.tune`: sweep fastce's launch parameters on the GPU.
 
-fastce_torch: delegates to bench/tools/tune_kernels.py (kernel-level times of the forward and backward launchers).
+fastce_torch: kernel-level times of the forward and backward launchers for each candidate tile size, warp count,
+chunk and stage count, against the same run's copy bandwidth, so the constants at the top of fastce_torch/kernels.py
+can be chosen from measurements (--json: every row).
 fastce_jax: the kernels read module constants of fastce_jax.kernels (FWD_MAX_BLOCK, ...) when a jit traces, so
 this sets each candidate, re-traces, times the stage it affects (host timing as in bench.jax_measure; "bwd" is
 fwd+bwd minus the default fwd), restores the defaults and prints the best per shape. Knobs the package does not
@@ -9,7 +11,7 @@ have are reported and skipped; edit SEARCH to change the candidates.
 
 import argparse
 import itertools
-import sys
+import json
 
 from .. import jax_setup
 from ..progress import say
@@ -83,11 +85,89 @@ def tune_fastce_jax(shapes):
                 print(f"fastce_jax {shape} {stage}: best {best} {best_ms:.3f} ms (defaults {defaults})")
 
 
+TORCH_SHAPES = [(8192, 32000), (8192, 128256), (8192, 256000), (512, 256000)]
+
+
+def tune_fastce_torch(json_path=None):
+    """The forward and backward launchers of fastce_torch.kernels timed for every candidate of their module
+    constants (tiles, warps, chunk, stages), against the same run's copy bandwidth; the best four per shape printed,
+    every row written to json_path."""
+    import torch
+    import triton.testing
+
+    from fastce_torch import kernels
+
+    from ..torch_measure import copy_bandwidth_TBps
+
+    bandwidth = copy_bandwidth_TBps()
+    print(f"copy bandwidth {bandwidth:.2f} TB/s")
+    rows = []
+    for n_rows, vocab in TORCH_SHAPES:
+        logits = torch.randn(n_rows, vocab, device="cuda", dtype=torch.bfloat16)
+        labels = torch.randint(0, vocab, (n_rows,), device="cuda")
+        labels[::7] = -100
+        grad_loss = torch.ones((), device="cuda").expand(n_rows)
+        one_pass_ms = logits.numel() * 2 / bandwidth / 1e9
+        options = kernels.Options()
+        for block, warps, chunk, stages in itertools.product(
+            [2048, 4096, 8192], [2, 4, 8], [8192, 16384, 65536], [1, 3]
+        ):
+            kernels.FORWARD_BLOCK, kernels.CHUNK, kernels.FORWARD_STAGES = block, max(chunk, block), stages
+            kernels.FORWARD_WARPS = warps
+            ms = triton.testing.do_bench(lambda: kernels.forward(logits, labels, options), return_mode="median")
+            rows.append(
+                dict(
+                    kernel="forward",
+                    N=n_rows,
+                    V=vocab,
+                    block=block,
+                    warps=warps,
+                    chunk=chunk,
+                    stages=stages,
+                    ms=ms,
+                    ratio=ms / one_pass_ms,
+                )
+            )
+        _, lse, _ = kernels.forward(logits, labels, options)
+        for block, warps in itertools.product([1024, 2048, 4096, 8192], [4, 8]):
+            kernels.BACKWARD_BLOCK, kernels.BACKWARD_WARPS = block, warps
+            ms = triton.testing.do_bench(
+                lambda: kernels.backward(grad_loss, logits, labels, lse, logits, options), return_mode="median"
+            )
+            rows.append(
+                dict(
+                    kernel="backward",
+                    N=n_rows,
+                    V=vocab,
+                    block=block,
+                    warps=warps,
+                    chunk=0,
+                    ms=ms,
+                    ratio=ms / (2 * one_pass_ms),
+                )
+            )
+        del logits
+        for kernel in ("forward", "backward"):
+            best = sorted(
+                (r for r in rows if r["kernel"] == kernel and r["V"] == vocab and r["N"] == n_rows),
+                key=lambda r: r["ms"],
+            )[:4]
+            for r in best:
+                print(
+                    f"{kernel:8s} N={n_rows} V={vocab} block={r['block']} warps={r['warps']} chunk={r['chunk']} "
+                    f"stages={r.get('stages', '-')}: "
+                    f"{r['ms']:.3f} ms = {r['ratio']:.2f}x floor"
+                )
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(dict(copy_bandwidth_TBps=bandwidth, rows=rows), f, indent=1)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.tools.tune", description=__doc__.split("\n")[0])
     parser.add_argument("--package", choices=("fastce_torch", "fastce_jax"), default="fastce_torch")
     parser.add_argument("--shapes", type=parse_shapes, default=STANDARD_SHAPES, help="fastce_jax only")
-    parser.add_argument("--json", help="fastce_torch only: passed to bench.tools.tune_kernels")
+    parser.add_argument("--json", help="fastce_torch only: write every timed candidate here")
     args = parser.parse_args(argv)
     jax_setup.configure()
     import torch
@@ -95,10 +175,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("bench.tools.tune needs a GPU (interpreted kernel times mean nothing)")
     if args.package == "fastce_torch":
-        from . import tune_kernels
-
-        sys.argv = ["python -m bench.tools.tune_kernels"] + (["--json", args.json] if args.json else [])
-        tune_kernels.main()
+        tune_fastce_torch(args.json)
     else:
         tune_fastce_jax(args.shapes)
 
