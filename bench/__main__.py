@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from . import ALL_IMPLS, JAX_IMPLS, TORCH_IMPLS, jax_setup
-from .runner import PASSES
 from .shapes import CPU_DEMO_SHAPES, CPU_DEMO_SHAPES_QUICK, QUICK_GPU_SHAPES, STANDARD_SHAPES, parse_shapes
+from .worker import PASSES
 
 
 def parse_args(argv):
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     from . import envinfo, report
 
     if args.worker:
-        from .runner import worker_main
+        from .worker import worker_main
 
         shapes = args.shapes or (QUICK_GPU_SHAPES if args.quick else STANDARD_SHAPES)
         return worker_main(args.worker, args.impls, shapes, args.quick, args.json)

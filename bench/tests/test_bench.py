@@ -9,7 +9,7 @@ from bench import jax_setup
 
 jax_setup.configure(interpret_only=True)
 
-from bench import TORCH_IMPLS, report, runner, shapes  # noqa: E402
+from bench import TORCH_IMPLS, report, runner, shapes, worker  # noqa: E402
 from bench.shapes import Shape  # noqa: E402
 
 TOP_KEYS = {"device", "date", "commit", "versions", "copy_bandwidth_TBps", "rows"}
@@ -344,12 +344,12 @@ def test_capture_probe_reports_every_error_of_the_chain():
 def test_worker_main_writes_its_part(fake_gpu, tmp_path):
     """What a worker process leaves for the parent: its rows in the JSON, rewritten after every shape."""
     path = tmp_path / "part.json"
-    assert runner.worker_main("torch-eager", ["torch_eager_fp32"], (Shape(8, 300), Shape(4, 200)), True, path) == 0
+    assert worker.worker_main("torch-eager", ["torch_eager_fp32"], (Shape(8, 300), Shape(4, 200)), True, path) == 0
     part = json.loads(path.read_text())
     assert part["complete"] and part["pass"] == "torch-eager" and not part["failures"]
     assert [(r["N"], r["V"]) for r in part["rows"]] == [(8, 300), (4, 200)]
     assert all(r["fwdbwd_leaf_ms"] == 1.5 and "fwdbwd_graph_ms" not in r for r in part["rows"])
-    assert runner.worker_main("torch-graph", ["torch_eager_fp32"], (Shape(8, 300),), True, path) == 0
+    assert worker.worker_main("torch-graph", ["torch_eager_fp32"], (Shape(8, 300),), True, path) == 0
     assert json.loads(path.read_text())["rows"] == [
         {"impl": "torch_eager_fp32", "N": 8, "V": 300, "dtype": "bfloat16", "fwdbwd_graph_ms": 0.75}
     ]
