@@ -71,6 +71,16 @@ def _check(impl, backend, shape, loss, grad, ref, fwd_ms, fwdbwd_ms, ulps=tolera
     return row
 
 
+def _load(impl, backend, loaders, fastce_loader, failures):
+    """The implementation's loss function, or None (the failure recorded) when it does not load."""
+    try:
+        return fastce_loader(backend) if impl.startswith("fastce") else loaders[impl]()
+    except Exception as exc:  # noqa: BLE001
+        failures.append(failure(f"{impl}[{backend}]", None, "load", exc))
+        say(f"{impl}[{backend}]: skipped ({failures[-1]['error']})")
+        return None
+
+
 def _torch_cases(shapes, impls, runs, rows, failures):
     import torch  # fastce_torch itself turns the interpreter on when torch sees no CUDA
 
@@ -81,11 +91,8 @@ def _torch_cases(shapes, impls, runs, rows, failures):
     for impl, backend in TORCH_CASES:
         if impl not in impls:
             continue
-        try:
-            loss_fn = torch_impls.fastce_torch_loss(backend) if impl == "fastce_torch" else torch_impls.LOADERS[impl]()
-        except Exception as exc:  # noqa: BLE001
-            failures.append(failure(f"{impl}[{backend}]", None, "load", exc))
-            say(f"{impl}[{backend}]: skipped ({failures[-1]['error']})")
+        loss_fn = _load(impl, backend, torch_impls.LOADERS, torch_impls.fastce_torch_loss, failures)
+        if loss_fn is None:
             continue
         for shape in shapes:
 
@@ -127,11 +134,8 @@ def _jax_cases(shapes, impls, runs, rows, failures):
     for impl, backend in JAX_CASES:
         if impl not in impls:
             continue
-        try:
-            loss_fn = jax_impls.fastce_jax_loss(backend) if impl == "fastce_jax" else jax_impls.LOADERS[impl]()
-        except Exception as exc:  # noqa: BLE001
-            failures.append(failure(f"{impl}[{backend}]", None, "load", exc))
-            say(f"{impl}[{backend}]: skipped ({failures[-1]['error']})")
+        loss_fn = _load(impl, backend, jax_impls.LOADERS, jax_impls.fastce_jax_loss, failures)
+        if loss_fn is None:
             continue
         for shape in shapes:
             try:

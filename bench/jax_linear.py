@@ -45,32 +45,25 @@ def make_inputs(shape, seed=0):
     return hidden, weight, labels.at[::7].set(IGNORE_INDEX)
 
 
-def _xla_ce(logits, labels):
-    import jax
-    import jax.numpy as jnp
-
-    z = logits.astype(jnp.float32)
-    keep = labels != IGNORE_INDEX
-    lse = jax.nn.logsumexp(z, axis=-1)
-    z_label = jnp.take_along_axis(z, jnp.where(keep, labels, 0)[:, None], axis=-1)[:, 0]
-    return jnp.sum(jnp.where(keep, lse - z_label, 0.0)) / jnp.maximum(keep.sum(), 1)
-
-
 def float32_reference(hidden, weight, labels, chunk=1024):
     """The same mean loss on float32 copies of hidden and weight with float32 matmuls (precision HIGHEST) and the
-    float32 CE formula above, row chunk by row chunk (a scan, so it fits): (d hidden, d weight), float32."""
+    float32 CE formula of xla_linear (bench.jax_impls.xla_loss), row chunk by row chunk (a scan, so it fits):
+    (d hidden, d weight), float32."""
     import math
 
     import jax
     import jax.numpy as jnp
 
+    from .jax_impls import xla_loss
+
+    xla_ce = xla_loss()
     n, width = hidden.shape
     chunk = math.gcd(n, chunk)
     kept = jnp.maximum((labels != IGNORE_INDEX).sum(), 1).astype(jnp.float32)
 
     def chunk_sum(h, w, y):
         z = jnp.dot(h, w.T, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-        return _xla_ce(z, y) * jnp.maximum((y != IGNORE_INDEX).sum(), 1) / kept
+        return xla_ce(z, y) * jnp.maximum((y != IGNORE_INDEX).sum(), 1) / kept
 
     @jax.jit
     def grads(hidden, weight, labels):
@@ -100,11 +93,14 @@ def loss_fn(impl, backend="auto"):
     """(hidden, weight, labels) -> scalar loss."""
     import fastce_jax
 
+    from .jax_impls import xla_loss
+
     if impl in FASTCE_IMPLS:
         settings = FASTCE_IMPLS[impl]
         return lambda h, w, y: fastce_jax.linear_cross_entropy(h, w, y, backend=backend, **settings)
     if impl == "xla_linear":
-        return lambda h, w, y: _xla_ce(h @ w.T, y)
+        xla_ce = xla_loss()
+        return lambda h, w, y: xla_ce(h @ w.T, y)
     if impl == "matmul+fastce_jax":
         return lambda h, w, y: fastce_jax.cross_entropy(h @ w.T, y, backend=backend)
     raise ValueError(f"unknown implementation {impl!r}; known: {', '.join(LINEAR_IMPLS)}")

@@ -163,25 +163,28 @@ def results_markdown(result, plot_name=None) -> str:
         markdown_table(sort_rows(result["rows"])),
         "",
     ]
-    failures = result.get("failures") or []
-    if failures:
-        parts += ["Not measured:", ""]
-        parts += [
-            f"- {f['impl']} {f.get('N', '')}x{f.get('V', '')} {f.get('dtype', '')}: {f['error']}" for f in failures
-        ]
-        parts += [""]
-    uncaptured = [r for r in result["rows"] if r.get("fwdbwd_graph_ms", 0) is None]
-    if uncaptured:
-        parts += ["Not captured in a CUDA graph:", ""]
-        parts += [
-            f"- {r['impl']} {r['N']}x{r['V']} {r['dtype']}: {r.get('fwdbwd_graph_error', '?')}" for r in uncaptured
-        ]
-        parts += [""]
-    no_leaf = [r for r in result["rows"] if r.get("fwdbwd_leaf_ms", 0) is None]
-    if no_leaf:
-        parts += ["Leaf .backward() not measured:", ""]
-        parts += [f"- {r['impl']} {r['N']}x{r['V']} {r['dtype']}: {r.get('fwdbwd_leaf_error', '?')}" for r in no_leaf]
-        parts += [""]
+    rows = result["rows"]
+    sections = (
+        ("Not measured:", result.get("failures") or [], "error"),
+        (
+            "Not captured in a CUDA graph:",
+            [r for r in rows if r.get("fwdbwd_graph_ms", 0) is None],
+            "fwdbwd_graph_error",
+        ),
+        (
+            "Leaf .backward() not measured:",
+            [r for r in rows if r.get("fwdbwd_leaf_ms", 0) is None],
+            "fwdbwd_leaf_error",
+        ),
+    )
+    for title, entries, why in sections:
+        if entries:
+            parts += [title, ""]
+            parts += [
+                f"- {e['impl']} {e.get('N', '')}x{e.get('V', '')} {e.get('dtype', '')}: {e.get(why, '?')}"
+                for e in entries
+            ]
+            parts += [""]
     if plot_name:
         parts += [f"![forward and forward+backward time vs V]({plot_name})", ""]
     parts += [NOTES]

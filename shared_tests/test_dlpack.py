@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from . import exchange, harness
+from . import exchange, harness, reference, tolerances
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::RuntimeWarning")
 
@@ -148,16 +148,19 @@ def test_int64_label_beyond_int32_is_nan_in_both_packages(device):
         x, y = exchange.to_jax(logits), exchange.labels_to_jax(labels)
         j_loss, vjp = jax.vjp(lambda a: fastce_jax.cross_entropy(a, y, reduction="none", backend="kernel"), x)
         (j_grad,) = vjp(jnp.ones_like(j_loss))
-    for loss, grad in ((t_loss.detach(), leaf.grad), (exchange.to_torch(j_loss), exchange.to_torch(j_grad))):
-        loss, grad = loss.cpu(), grad.cpu()
-        assert torch.isnan(loss[0]) and torch.isfinite(loss[1]) and loss[2] == 0
-        assert torch.isnan(grad[0]).all() and torch.isfinite(grad[1]).all() and (grad[2] == 0).all()
-    assert torch.allclose(t_loss.detach().cpu()[1], exchange.to_torch(j_loss).cpu()[1], rtol=1e-6)
+    ref = reference.expected(harness.as_f64(logits), labels.cpu().numpy())
+    assert np.isnan(ref.loss[0]) and np.isfinite(ref.loss[1]) and ref.loss[2] == 0
+    for package, loss, grad in (
+        ("torch", t_loss, leaf.grad),
+        ("jax", exchange.to_torch(j_loss), exchange.to_torch(j_grad)),
+    ):
+        tolerances.assert_loss(harness.as_f64(loss), ref, f"{package} loss", dtype=loss.dtype)
+        tolerances.assert_grad(harness.as_f64(grad), ref, grad.dtype, f"{package} grad")
 
 
 def test_fastce_jax_does_not_wrap_numpy_int64_labels_without_x64():
-    """Regression (fixed in b30c21e): jnp.asarray used to truncate 2**32 + 3 to class 3, a plausible loss instead
-    of NaN."""
+    """NumPy int64 labels reach the kernel unwrapped without x64: truncating 2**32 + 3 to int32 would make it class
+    3, a plausible loss instead of NaN."""
     fastce_jax = pytest.importorskip("fastce_jax")
     gen = np.random.default_rng(4)
     logits = gen.standard_normal((2, 10)).astype(np.float32)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import fastce_torch
 
-from .. import envinfo
+from .. import envinfo, torch_measure
 
 IGNORE_INDEX = -100
 
@@ -64,16 +64,7 @@ class Timer:
 
 
 def peak_extra_bytes(fn, device):
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    result = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
-    del result
-    return int(peak)
+    return torch_measure.peak_extra_bytes(fn) if device.type == "cuda" else None
 
 
 def copy_bandwidth_TBps(timer, device, nbytes=2 << 30):
