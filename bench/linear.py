@@ -11,19 +11,19 @@ matmul, the card's peak as this run measures it (PEAK_MATMUL: of_peak), the peak
 to the rms of a float32 computation of the same loss (float32_reference: float32 copies of the same inputs, float32
 matmuls with TF32 off, fastce's torch reference loss; one per shape).
 
-Shapes: LINEAR_SHAPES, (N, H, V) = (4096, 4096, 128256), (8192, 4096, 128256), (8192, 3584, 152064),
-(8192, 2304, 256000), (32768, 4096, 128256); `--linear-shapes NxHxV,...` picks others (a full run of every row is
-close to ten minutes on an H200: split it in two invocations).
+Shapes (bench/linear_shapes.py): LINEAR_SHAPES, (N, H, V) = (4096, 4096, 128256), (8192, 4096, 128256),
+(8192, 3584, 152064), (8192, 2304, 256000), (32768, 4096, 128256); `--linear-shapes NxHxV,...` picks others (a full
+run of every row is close to ten minutes on an H200: split it in two invocations).
 
-Implementations (torch): fastce_torch.linear_cross_entropy in the FASTCE_SETTINGS configurations, which both
-packages are timed in (fastce_torch_linear: the defaults, a 256 MiB workspace and the weight gradient summed in
-bf16; ..._f32acc: the float32 weight-gradient accumulator; ..._1GiB: a 1 GiB workspace), matmul +
-fastce_torch.cross_entropy (logits materialised, gradient in place), torch.compile of matmul + F.cross_entropy on
-upcast logits, Liger's fused linear CE, Apple's Cut Cross-Entropy (skipped when not installed) and
-torch.nn.functional.linear_cross_entropy's chunked path (torch_linear_ce; absent, with a note, where the installed
-torch has none). Then bench.jax_linear's JAX rows on the same shapes (fastce_jax_linear, ..._f32acc, ..._1GiB, XLA
-matmul + CE, matmul + fastce_jax.cross_entropy, the three matmuls alone), host-timed as there, with XLA's temp size
-as memory and their own float32 reference for the accuracy.
+Implementations (torch): fastce_torch.linear_cross_entropy in the FASTCE_SETTINGS configurations (keyword arguments
+of the call), which both packages are timed in (fastce_torch_linear: the defaults, a 256 MiB workspace and the
+weight gradient summed in bf16; ..._f32acc: the float32 weight-gradient accumulator; ..._1GiB: a 1 GiB workspace),
+matmul + fastce_torch.cross_entropy (logits materialised, gradient in place), torch.compile of matmul +
+F.cross_entropy on upcast logits, Liger's fused linear CE, Apple's Cut Cross-Entropy (skipped when not installed)
+and torch.nn.functional.linear_cross_entropy's chunked path (torch_linear_ce; absent, with a note, where the
+installed torch has none). Then bench.jax_linear's JAX rows on the same shapes (fastce_jax_linear, ..._f32acc,
+..._1GiB, XLA matmul + CE, matmul + fastce_jax.cross_entropy, the three matmuls alone), host-timed as there, with
+XLA's temp size as memory and their own float32 reference for the accuracy.
 
 `python -m bench --linear --quick`: one shape (8192, 4096, 128256), fastce_torch only, and a correctness check of
 its loss and gradients against float32_reference: exit status 1 when it fails.

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from . import exchange, reference, tolerances
+from .harness import as_f64 as f64
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::RuntimeWarning")
 
@@ -47,10 +48,6 @@ def make(device, dtype, seed):
     labels[3] = -100
     upstream = torch.rand(N, generator=g) + 0.5
     return logits.to(device), labels.to(device), v.to(device), upstream.to(device)
-
-
-def f64(tensor):
-    return tensor.detach().cpu().float().numpy().astype(np.float64)
 
 
 def exact_hvp(logits, labels, v, upstream, reduction, n_items, opts):
