@@ -53,6 +53,21 @@ COLUMNS = [
 ]
 
 
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)  # a pytest-xdist worker: hand the summary over
+    if workeroutput is not None:
+        workeroutput["fastce_summary"] = json.dumps(summary.RESULTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: fold each worker's summary into this process's."""
+    for dtype, entry in json.loads(getattr(node, "workeroutput", {}).get("fastce_summary", "{}")).items():
+        cases = entry.pop("cases")
+        summary.record(dtype, entry.pop("device"), entry)
+        summary.RESULTS[dtype]["cases"] += cases - 1
+
+
 def pytest_terminal_summary(terminalreporter):
     if not summary.RESULTS:
         return
