@@ -44,6 +44,7 @@ class FakeJIT:
         jit = JITFunction(jit_function.fn)
         backend = make_backend(GPUTarget("cuda", 90, 32))
         self.binder = create_function_from_signature(jit.signature, jit.params, backend)
+        self.params = jit.params
         self.kernel_cache, self.kernel_key_cache = {}, {}
         self.device_caches = {0: (self.kernel_cache, self.kernel_key_cache, None, backend, self.binder)}
         self.debug, self.pre_run_hooks, self.used_global_vals = None, [], {}
