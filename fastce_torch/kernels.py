@@ -589,10 +589,7 @@ class _ArgumentLayout:
 
     @classmethod
     def build(cls, params, types, backend):
-        if (
-            len(params) != len(types)
-            or getattr(type(backend), "supports_native_tensor_specialization", None) is not True
-        ):
+        if len(params) != len(types) or getattr(backend, "supports_native_tensor_specialization", None) is not True:
             return None
         parts, elements = [], []
         for index, (param, kind) in enumerate(zip(params, types)):
