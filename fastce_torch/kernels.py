@@ -497,11 +497,13 @@ def _guard_capture(variant, tensor):
 # Triton's `kernel[grid](*args)` costs ~26 us of host time per launch on the H200 machine (bench/NOTES.md): it reads
 # its options, binds and specialises every argument, builds a string key, checks the kernel's globals and builds a
 # launch-metadata record, before calling the compiled variant's launcher (~8 us). After Triton has compiled and
-# launched a variant once, `_Launcher` calls that launcher itself, keyed on Triton's own specialisation of the
-# arguments (its binder: dtypes, 16-byte alignment of pointers, integers equal to 1, divisible by 16, 32 or 64 bits,
-# the constexprs) and on the options Triton adds to its key, so a cached variant is exactly the one Triton would
-# launch. Written against Triton 3.6.0's runtime (JITFunction.run, CompiledKernel); any other version, the
-# interpreter, or FASTCE_TORCH_LAUNCH_CACHE=0 (read once, at import) keeps the generic path.
+# launched a variant once, `_Launcher` calls that launcher itself, keyed on what Triton's specialisation of the
+# arguments depends on (dtypes, 16-byte alignment of pointers, integers equal to 1, divisible by 16, 32 or 64 bits,
+# the constexprs), computed by `_ArgumentLayout` without Triton's binder (2.5 us against 6.2 us for the forward's
+# 38 arguments, helpers' CPU) and checked against the binder at every variant recorded, and on the options Triton
+# adds to its key, so a cached variant is exactly the one Triton would launch. Written against Triton 3.6.0's runtime
+# (JITFunction.run, CompiledKernel, native_specialize_impl); any other version, the interpreter, or
+# FASTCE_TORCH_LAUNCH_CACHE=0 (read once, at import) keeps the generic path.
 LAUNCH_CACHE_VARIABLE = "FASTCE_TORCH_LAUNCH_CACHE"
 LAUNCH_CACHE_TRITON = "3.6.0"  # the Triton release whose launch path _Launcher reproduces
 
@@ -548,13 +550,125 @@ def launch_cache(enabled):
 
 _MISSING = object()
 
+# What Triton's CUDA driver asks for the current device and stream (driver.active.get_current_device is
+# torch.cuda.current_device, get_current_stream torch._C._cuda_getCurrentRawStream), as the C getters themselves: a
+# cached launch skips torch.cuda.current_device's lazy-initialisation check, which cannot matter there, since a
+# variant is only known after a generic launch initialised CUDA in this process, and a forked child forgets every
+# variant (_forget_variants_after_fork). CPU builds of torch have neither getter; nothing is cached there.
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda device: torch.cuda.current_stream(device).cuda_stream
+)
 
-def _current_device():
-    return torch.cuda.current_device()  # what Triton's CUDA driver asks (driver.active.get_current_device)
+# Triton 3.6's integer specialisation (native_specialize_impl, handle_long_type): an int equal to 1 becomes the
+# constexpr 1 (unless do_not_specialize), else "i32" within the int32 range, "i64" within int64, "u64" up to 2**64 - 1
+# (anything beyond raises); its attribute is "D" when divisible by 16 (unless do_not_specialize_on_alignment), else "".
+_INT_TYPES = ("i32", "i64", "u64")
+_INT_CLASS = (
+    "(0 if -0x80000000 <= {a} <= 0x7FFFFFFF else 1 if -0x8000000000000000 <= {a} <= 0x7FFFFFFFFFFFFFFF "
+    "else 2 if 0 <= {a} <= 0xFFFFFFFFFFFFFFFF else 3)"
+)
+_KEYED_CONSTEXPR_TYPES = (int, bool)  # constexpr values keyed by value: for these, equal values print alike
 
 
-def _current_stream(device):
-    return torch._C._cuda_getCurrentRawStream(device)  # what Triton's CUDA driver asks (get_current_stream)
+class _ArgumentLayout:
+    """Triton 3.6's specialisation of one kernel's arguments, for argument sets whose exact types are `types`,
+    computed without its binder. `key(args, *options)` is a flat tuple of what the specialisation depends on, per
+    parameter in order: a constexpr's value; a tensor's dtype, and whether its data pointer is 16-byte aligned; an
+    int's == 1, divisibility by 16 and int32/int64/uint64 range (each only where Triton looks at it); nothing for a
+    bool, float or None (Triton gives them "u1", "fp32", constexpr None whatever the value); then the options.
+    `specialization(key)` rebuilds Triton's own specialisation list from a key, so equal keys mean equal
+    specialisations, and the launcher checks it against the binder's at every variant it records.
+
+    `build` returns None where this reproduction is not certain (another argument type, a tensor subclass, an
+    annotated parameter, a constexpr neither int nor bool, a backend whose tensor specialisation is not Triton's
+    native one): those argument sets are keyed by the binder."""
+
+    def __init__(self, parts, key):
+        self.parts, self.key = parts, key
+
+    @classmethod
+    def build(cls, params, types, backend):
+        if len(params) != len(types) or getattr(backend, "supports_native_tensor_specialization", None) is not True:
+            return None
+        parts, elements = [], []
+        for index, (param, kind) in enumerate(zip(params, types)):
+            a = f"a{index}"
+            if param.is_constexpr:
+                if kind not in _KEYED_CONSTEXPR_TYPES:
+                    return None
+                parts.append(("constexpr", None, False, False))
+                elements.append(a)
+                continue
+            if param.annotation_type:
+                return None
+            specialize, align = not param.do_not_specialize, not param.do_not_specialize_on_alignment
+            if kind is torch.Tensor:
+                parts.append(("tensor", param.is_const, specialize, align))
+                elements.append(f"{a}.dtype")
+                if specialize and align:
+                    elements.append(f"not {a}.data_ptr() & 15")
+            elif kind is int:
+                parts.append(("int", None, specialize, align))
+                if specialize:
+                    elements.append(f"{a} == 1")
+                    if align:
+                        elements.append(f"not {a} & 15")
+                elements.append(_INT_CLASS.format(a=a))
+            elif kind in (bool, float, type(None)):
+                parts.append((kind.__name__, None, False, False))
+            else:
+                return None
+        names = [f"a{index}" for index in range(len(params))]
+        source = (
+            "def key(args, num_warps, num_stages, debug, instrumentation_mode):\n"
+            f"    {', '.join(names)}, = args\n"
+            f"    return ({''.join(e + ', ' for e in elements)}num_warps, num_stages, debug, instrumentation_mode)\n"
+        )
+        namespace = {}
+        exec(compile(source, f"<fastce launch key of {len(params)} arguments>", "exec"), namespace)
+        return cls(tuple(parts), namespace["key"])
+
+    def specialization(self, key):
+        """Triton's specialisation list (its binder's second result) of the arguments that gave `key`."""
+        from triton._utils import canonicalize_ptr_dtype
+
+        result, values = [], iter(key)
+        for kind, is_const, specialize, align in self.parts:
+            if kind == "constexpr":
+                result.append(("constexpr", next(values)))
+            elif kind == "tensor":
+                dtype = canonicalize_ptr_dtype(next(values), is_const)
+                attribute = None
+                if specialize:
+                    attribute = "D" if align and next(values) else ""
+                result.append((dtype, attribute))
+            elif kind == "int":
+                one = next(values) if specialize else False
+                divisible = next(values) if specialize and align else False
+                int_class = next(values)
+                if int_class == 3:
+                    raise OverflowError("integer to be specialized too large to represent")
+                if one:
+                    result.append(("constexpr", 1))
+                else:
+                    result.append((_INT_TYPES[int_class], ("D" if divisible else "") if specialize else None))
+            elif kind == "bool":
+                result.append(("u1", None))
+            elif kind == "float":
+                result.append(("fp32", None))
+            else:
+                result.append(("constexpr", None))
+        return result
+
+
+def _binder_key(binder):
+    """The launch key through Triton's binder itself, for argument sets _ArgumentLayout does not cover."""
+
+    def key(args, num_warps, num_stages, debug, instrumentation_mode):
+        return tuple(binder(*args)[1]), num_warps, num_stages, debug, instrumentation_mode
+
+    return key
 
 
 class _Launcher:
@@ -566,26 +680,29 @@ class _Launcher:
     them to a compiled launcher; grid is (x, y, z). What the cached launch keeps from JITFunction.run: the current
     device and stream as Triton reads them, its check that the kernel's globals did not change (a change takes the
     generic path, which raises Triton's error), and launch hooks (any registered hook, or a pre-run hook, takes the
-    generic path). What it skips: the option parsing, the string key, the launch-metadata record (built only for
-    launch hooks), the grid canonicalisation. A variant is recorded only after checking that the key maps to the
-    CompiledKernel Triton keeps under its own key for the same arguments; any failure while recording turns this
-    launcher's cache off for good (`failure` says why) and every launch takes the generic path."""
+    generic path). What it skips: the option parsing, the binder (the key comes from _ArgumentLayout, per exact
+    argument types, or from Triton's binder for types it does not cover), the string key, the launch-metadata record
+    (built only for launch hooks), the grid canonicalisation. A variant is recorded only after checking that Triton's
+    own key for the arguments maps to the CompiledKernel it launched and that the layout's key rebuilds the binder's
+    specialisation; any failure while recording turns this launcher's cache off for good (`failure` says why) and
+    every launch takes the generic path."""
 
     def __init__(
         self, kernel, setting=_launch_cache_setting, current_device=_current_device, current_stream=_current_stream
     ):
         self.kernel, self.setting = kernel, setting
-        self.variants = {}  # device -> (Triton's binder, {key: (launcher, function, packed metadata)})
+        # device -> {exact argument types: (key function, _ArgumentLayout or None, {key: (launcher, function,
+        # packed metadata)})}
+        self.variants = {}
         self.failure = None
         self.hits = 0  # cached launches, for tests and bench tools
         self._current_device, self._current_stream = current_device, current_stream
 
-    def _key(self, binder, args, num_warps, num_stages):
+    def _key(self, layout, args, num_warps, num_stages):
         # Triton keys its compiled variants on (its specialisation of the arguments, str(the options)), where the
         # options are the launch's keywords (num_warps, num_stages) plus debug and instrumentation_mode.
-        specialization = binder(*args)[1]
         debug = self.kernel.debug or knobs.runtime.debug
-        return tuple(specialization), num_warps, num_stages, debug, knobs.compilation.instrumentation_mode
+        return layout[0](args, num_warps, num_stages, debug, knobs.compilation.instrumentation_mode)
 
     def cached(self, grid, args, num_warps=None, num_stages=None):
         if not self.setting.enabled or self.failure is not None:
@@ -599,11 +716,17 @@ class _Launcher:
         ):
             return False
         device = self._current_device()
-        state = self.variants.get(device)
-        if state is None:
+        layouts = self.variants.get(device)
+        if layouts is None:
             return False
-        binder, compiled = state
-        entry = compiled.get(self._key(binder, args, num_warps, num_stages))
+        layout = layouts.get(tuple(map(type, args)))
+        if layout is None:
+            return False
+        entry = layout[2].get(
+            layout[0](
+                args, num_warps, num_stages, self.kernel.debug or runtime.debug, knobs.compilation.instrumentation_mode
+            )
+        )
         if entry is None:
             return False
         for (name, _), (value, globals_dict) in self.kernel.used_global_vals.items():
@@ -629,6 +752,19 @@ class _Launcher:
                 self.failure = f"{type(error).__name__}: {error}"
         return compiled
 
+    def layout(self, args, device=0):
+        """The (key function, _ArgumentLayout or None, entries) this launcher keys these arguments' types with on
+        `device` (made if new): for tests and bench tools."""
+        kernel_cache, kernel_key_cache, _, backend, binder = self.kernel.device_caches[device]
+        layouts = self.variants.setdefault(device, {})
+        types = tuple(map(type, args))
+        layout = layouts.get(types)
+        if layout is None:
+            argument_layout = _ArgumentLayout.build(self.kernel.params, types, backend)
+            key = _binder_key(binder) if argument_layout is None else argument_layout.key
+            layout = layouts[types] = (key, argument_layout, {})
+        return layout
+
     def _record(self, compiled, args, options, num_warps, num_stages):
         from triton.compiler import CompiledKernel
         from triton.runtime.jit import compute_cache_key
@@ -643,12 +779,14 @@ class _Launcher:
         triton_options["instrumentation_mode"] = knobs.compilation.instrumentation_mode
         if kernel_cache.get(compute_cache_key(kernel_key_cache, specialization, triton_options)) is not compiled:
             raise RuntimeError("Triton's own key for these arguments does not give the kernel it launched")
-        state = self.variants.setdefault(device, (binder, {}))
-        state[1][self._key(binder, args, num_warps, num_stages)] = (
-            compiled.run,
-            compiled.function,
-            compiled.packed_metadata,
-        )
+        layout = self.layout(args, device)
+        key = self._key(layout, args, num_warps, num_stages)
+        if layout[1] is not None and layout[1].specialization(key) != specialization:
+            raise RuntimeError("the launch key does not rebuild Triton's specialisation of these arguments")
+        known = layout[2].get(key)
+        if known is not None and known[2] is not compiled.packed_metadata:
+            raise RuntimeError("two compiled variants under one launch key")
+        layout[2][key] = (compiled.run, compiled.function, compiled.packed_metadata)
 
     def forget(self):
         self.variants.clear()
@@ -665,6 +803,17 @@ def forget_launches():
     _launched.clear()
     for launcher in (_forward_launcher, _backward_launcher, _scale_launcher):
         launcher.forget()
+
+
+def _forget_variants_after_fork():
+    # A forked child cannot use its parent's CUDA context: its first launch must take Triton's generic path (and
+    # torch.cuda's checks), not a cached launcher whose device getter skips them.
+    for launcher in (_forward_launcher, _backward_launcher, _scale_launcher):
+        launcher.forget()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_variants_after_fork)
 
 
 def row_layout(logits):

@@ -5,8 +5,8 @@ The two kernels are replaced by no-op launch objects, so what is timed is everyt
 besides Triton's own launch path (argument checks, Options, the layout checks, the autograd.Function with its
 three outputs, the launchers' allocations and argument marshalling, the backward through the autograd engine).
 Triton's launch (its dispatch on the arguments, then the driver call) comes on top: bench/tools/overhead.py measures
-it on the GPU. The "cached launch" rows take kernels._Launcher's cached path instead (Triton's binder for the key,
-the lookup, the call), with only the compiled launcher's C call stubbed. Minimum over repeats of the mean over
+it on the GPU. The "cached launch" rows take kernels._Launcher's cached path instead (the launch key, the lookup, the
+call), with only the compiled launcher's C call stubbed. Minimum over repeats of the mean over
 `number` calls: the minimum is the least disturbed by other processes on a shared machine. On CPU tensors the
 autograd engine runs the backward on the calling thread; with CUDA tensors it hands it to a device thread, which
 costs more (bench/NOTES.md).
@@ -251,9 +251,12 @@ def breakdown(device="cpu", n_rows=64, vocab=1000, number=2000, repeat=7):
             lambda: kernels.backward(grad_loss, raw, labels, lse, raw, options, denominator=denominator),
         )
         forward = launchers["_forward_launcher"]
-        binder = next(iter(forward.variants.values()))[0]
         _, _, args = _forward_args(raw, labels, options)
-        time("  _Launcher._key of the forward (Triton's binder)", lambda: forward._key(binder, args, 4, 3))
+        layout = forward.layout(args)
+        binder = forward.kernel.device_caches[0][4]
+        assert layout[1] is not None  # the real arguments are keyed without the binder
+        time("  the forward's launch key (kernels._ArgumentLayout)", lambda: forward._key(layout, args, 4, 3))
+        time("  the forward's key through Triton's binder", lambda: kernels._binder_key(binder)(args, 4, 3, False, ""))
         time(
             "cross_entropy forward+backward, cached launches",
             lambda: torch.autograd.grad(ce_module.cross_entropy(logits, labels, backend=backend), logits),

@@ -11,11 +11,13 @@ and must agree bitwise (test_cached_launches_match_generic_launches_bitwise).
 """
 
 import os
+import random
 import subprocess
 import sys
 
 import pytest
 import torch
+import triton.language as tl
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import CompiledKernel, make_backend
@@ -41,9 +43,10 @@ class FakeJIT:
     CompiledKernel for a new key; a CompiledKernel's launcher records its call."""
 
     def __init__(self, jit_function):
-        jit = JITFunction(jit_function.fn)
+        jit = jit_function if isinstance(jit_function, JITFunction) else JITFunction(jit_function.fn)
         backend = make_backend(GPUTarget("cuda", 90, 32))
         self.binder = create_function_from_signature(jit.signature, jit.params, backend)
+        self.params = jit.params
         self.kernel_cache, self.kernel_key_cache = {}, {}
         self.device_caches = {0: (self.kernel_cache, self.kernel_key_cache, None, backend, self.binder)}
         self.debug, self.pre_run_hooks, self.used_global_vals = None, [], {}
@@ -296,6 +299,270 @@ def test_the_interpreter_never_uses_the_cache():
             pass
     with kernels.launch_cache(False):
         assert not kernels.launch_cache_enabled()
+
+
+# --- the launch key against Triton's binder, over random argument sets ---------------------------------------------
+
+# Values at every edge of Triton's integer specialisation: 1, divisibility by 16, the int32 / int64 / uint64 ranges
+# and beyond (where Triton raises).
+EDGE_INTS = [0, 1, 2, -1, 15, 16, 17, 32, 48, -16, -17, 1000, 4096]
+EDGE_INTS += [2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -(2**31), -(2**31) - 1, -(2**31) - 16, 2**32, 2**32 + 1]
+EDGE_INTS += [2**63 - 16, 2**63 - 1, 2**63, 2**63 + 16, -(2**63), -(2**63) - 1, -(2**63) - 16, 2**64 - 16]
+EDGE_INTS += [2**64 - 1, 2**64, 2**70, -(2**70)]
+KEY_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64, torch.int8]
+KEY_DTYPES += [torch.uint8, torch.int16, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+def random_tensor(rng):
+    dtype = rng.choice(KEY_DTYPES)
+    base = torch.zeros(64, dtype=dtype)
+    return base[rng.randrange(17) :]  # every alignment of the data pointer, whatever the element size
+
+
+def random_int(rng):
+    return rng.choice(EDGE_INTS) if rng.random() < 0.7 else rng.randrange(-(2**40), 2**40) * rng.choice((1, 16))
+
+
+def random_like(value, rng, constexpr):
+    """A random argument of the same kind as `value` (a tensor, int, bool, float), now and then another kind."""
+    if rng.random() < 0.06:  # another type: each such set must take a layout of its own, or the binder
+        return rng.choice([None, 1.5, 7, True, random_tensor(rng), torch.zeros(4).as_subclass(_Subclass)])
+    if isinstance(value, torch.Tensor):
+        return random_tensor(rng)
+    if isinstance(value, bool):
+        return rng.random() < 0.5
+    if isinstance(value, int):
+        return rng.choice([1, 2, 16, 64, 1024, 4096, 0]) if constexpr else random_int(rng)
+    if isinstance(value, float):
+        return rng.choice([0.0, -0.0, 1.0, 0.5, float("nan"), float("inf"), rng.uniform(-10, 10)])
+    return value
+
+
+def binder_outcome(binder, args):
+    try:
+        return binder(*args)[1]
+    except (OverflowError, KeyError) as error:  # a value Triton refuses (int beyond uint64, unknown dtype)
+        return type(error)
+
+
+def layout_outcome(argument_layout, key):
+    try:
+        return argument_layout.specialization(key)
+    except (OverflowError, KeyError) as error:
+        return type(error)
+
+
+def captured_arguments(monkeypatch):
+    """Argument tuples kernels.forward / backward / scale_unless_one really build, per launcher name."""
+    fakes = fake_launchers(monkeypatch)
+    for case in FORWARD_CASES:
+        run_forward(case)
+    for n_rows, vocab, offset in ((16, 1000, 0), (17, 3000, 1)):
+        logits = logits_of(n_rows, vocab, torch.bfloat16, offset)
+        ones = torch.ones(2 * n_rows, device=STAND_IN_DEVICE)
+        lse = torch.randn(n_rows, device=STAND_IN_DEVICE)
+        for grad_loss, denominator in ((ones[0], ones[:1]), (ones[::2], None)):
+            grad = torch.empty(logits.shape, dtype=logits.dtype, device=STAND_IN_DEVICE)
+            kernels.backward(grad_loss, logits, labels_of(n_rows, vocab), lse, grad, Options(), denominator)
+    kernels.scale_unless_one(torch.randn(17, device=STAND_IN_DEVICE), torch.ones((), device=STAND_IN_DEVICE))
+    return {name: [call[1] for call in fake.generic] for name, fake in fakes.items()}
+
+
+def check_keys_against_binder(fake, launcher, argument_sets, rng):
+    """For every argument set and random options: the launcher's key rebuilds the binder's specialisation (or both
+    refuse the arguments), and within one layout of argument types equal keys <=> equal Triton keys."""
+    by_key, by_triton = {}, {}
+    fast = 0
+    for args in argument_sets:
+        options = (rng.choice((None, 1, 4, 8)), rng.choice((None, 1, 3)), rng.choice((False, True)), "")
+        layout = launcher.layout(args)
+        spec = binder_outcome(fake.binder, args)
+        if layout[1] is None and isinstance(spec, type):
+            continue  # keyed by the binder itself, which refuses these
+        key = layout[0](args, *options)
+        if layout[1] is not None:
+            fast += 1
+            assert layout_outcome(layout[1], key) == spec, (args, key)
+        else:
+            assert key[0] == tuple(spec)
+        if isinstance(spec, type):
+            continue  # Triton raises: never recorded, so never launched from the cache
+        types = tuple(map(type, args))
+        triton = (tuple(spec), options)
+        assert by_key.setdefault((types, key), triton) == triton, args
+        assert by_triton.setdefault((types, triton), key) == key, args
+    return fast, len(by_key)
+
+
+@pytest.mark.parametrize("name", ["_forward_launcher", "_backward_launcher", "_scale_launcher"])
+def test_launch_keys_are_tritons_specialisation_over_random_arguments(monkeypatch, name):
+    real = captured_arguments(monkeypatch)[name]
+    fake = FakeJIT(
+        {
+            "_forward_launcher": kernels._forward_kernel,
+            "_backward_launcher": kernels._backward_kernel,
+            "_scale_launcher": kernels._scale_unless_one_kernel,
+        }[name]
+    )
+    launcher = kernels._Launcher(fake, FakeSetting(), current_device=lambda: 0, current_stream=lambda d: STREAM)
+    constexpr = [param.is_constexpr for param in fake.params]
+    rng = random.Random(f"keys {name}")
+    sets = list(real)
+    for _ in range(1500):
+        template = rng.choice(real)
+        # Most sets change a few arguments of a real one (nearby variants), some change every argument.
+        share = 1.0 if rng.random() < 0.3 else 0.15
+        sets.append(
+            tuple(
+                random_like(value, rng, is_constexpr) if rng.random() < share else value
+                for value, is_constexpr in zip(template, constexpr)
+            )
+        )
+    fast, distinct = check_keys_against_binder(fake, launcher, sets, rng)
+    assert all(launcher.layout(args)[1] is not None for args in real)  # the real launches never need the binder
+    assert fast > 1000 and distinct > 300, (fast, distinct)
+
+
+def _toy_kernel(p, q, n, m, s, x, flag, nothing, annotated: tl.int32, K: tl.constexpr, L: tl.constexpr):
+    pass
+
+
+def test_launch_keys_follow_do_not_specialize_and_fall_back_where_unsure():
+    """Flags Triton's binder honours (do_not_specialize, do_not_specialize_on_alignment), a const pointer, and the
+    cases the key leaves to the binder: an annotated parameter, a tensor subclass, a constexpr neither int nor
+    bool, a backend without Triton's native tensor specialisation."""
+    jit = JITFunction(_toy_kernel, do_not_specialize=["n", "s"], do_not_specialize_on_alignment=["p", "m"])
+    fake = FakeJIT(jit)
+    launcher = kernels._Launcher(fake, FakeSetting(), current_device=lambda: 0, current_stream=lambda d: STREAM)
+    rng = random.Random("toy")
+    sets = []
+    for _ in range(3000):
+        sets.append(
+            (
+                random_tensor(rng),
+                random_tensor(rng),
+                random_int(rng),
+                random_int(rng),
+                random_int(rng) if rng.random() < 0.9 else random_tensor(rng),
+                rng.uniform(-1, 1),
+                rng.random() < 0.5,
+                None,
+                random_int(rng),
+                rng.choice([1, 16, 3, True, False]),
+                rng.choice([0, 1, 2]),
+            )
+        )
+    # The annotated parameter sends every set to the binder; the layout of the first eight parameters alone (no
+    # annotation there) keys every set without it, and rebuilds the binder's specialisation of those eight.
+    assert all(launcher.layout(args)[1] is None for args in sets[:50])
+    check_keys_against_binder(fake, launcher, sets, rng)
+    backend = fake.device_caches[0][3]
+    assert kernels._ArgumentLayout.build(fake.params[:8], tuple(map(type, sets[0][:8])), backend) is not None
+    for args in sets:
+        layout = kernels._ArgumentLayout.build(fake.params[:8], tuple(map(type, args[:8])), backend)
+        key = layout.key(args[:8], None, None, False, "")
+        full = binder_outcome(fake.binder, args)
+        if not isinstance(full, type):
+            assert layout_outcome(layout, key) == full[:8], args
+    subclass = (torch.zeros(4).as_subclass(_Subclass),) + sets[0][1:8]
+    assert kernels._ArgumentLayout.build(fake.params[:8], tuple(map(type, subclass)), backend) is None
+    float_constexpr = tuple(map(type, sets[0][:9])) + (float, int)
+    assert kernels._ArgumentLayout.build(fake.params, float_constexpr, backend) is None
+
+    class OtherBackend:
+        supports_native_tensor_specialization = False
+
+    assert kernels._ArgumentLayout.build(fake.params[:8], tuple(map(type, sets[0][:8])), OtherBackend()) is None
+
+
+def test_a_key_that_does_not_rebuild_tritons_specialisation_turns_the_cache_off(monkeypatch):
+    fake = fake_launchers(monkeypatch)["_forward_launcher"]
+    monkeypatch.setattr(kernels._ArgumentLayout, "specialization", lambda self, key: [("i32", "D")])
+    case = dict(n_rows=16, vocab=1000)
+    run_forward(case)
+    assert "rebuild" in kernels._forward_launcher.failure
+    run_forward(case)
+    assert (len(fake.generic), len(fake.direct)) == (2, 0)  # the generic path, every time
+
+
+def test_argument_types_outside_the_layout_are_keyed_by_the_binder(monkeypatch):
+    """A tensor subclass (here the logits): its launches go through the binder's key, still cached, still Triton's
+    own choice of variant."""
+    fake = fake_launchers(monkeypatch)["_forward_launcher"]
+    for seed in (0, 1):
+        logits = logits_of(16, 1000, seed=seed).as_subclass(_Subclass)
+        kernels.forward(logits, labels_of(16, 1000), Options(), "mean")
+    assert (len(fake.generic), len(fake.direct)) == (1, 1)
+    check_last_direct_call(fake, tuple(fake.direct[-1][:3]), FORWARD_OPTIONS)
+    (layout,) = kernels._forward_launcher.variants[0].values()
+    assert layout[1] is None
+    run_forward(dict(n_rows=16, vocab=1000))  # plain tensors: a layout of their own, keyed without the binder
+    run_forward(dict(n_rows=16, vocab=1000))
+    assert [layout[1] is None for layout in kernels._forward_launcher.variants[0].values()] == [True, False]
+    assert len(fake.direct) == 2
+
+
+def test_a_forked_child_forgets_the_variants(monkeypatch):
+    fake_launchers(monkeypatch)
+    run_forward(dict(n_rows=16, vocab=1000))
+    assert kernels._forward_launcher.variants
+    kernels._forget_variants_after_fork()  # what os.register_at_fork runs in the child
+    assert not kernels._forward_launcher.variants
+
+
+class RunningJIT(FakeJIT):
+    """FakeJIT whose generic launch and whose compiled variants' launchers both run the real (interpreted)
+    kernel: the cached path's grid and arguments reach the kernel exactly as the generic path's."""
+
+    def __init__(self, interpreted):
+        super().__init__(interpreted)
+        self.interpreted = interpreted
+
+    def __getitem__(self, grid):
+        record = super().__getitem__(grid)
+
+        def run(*args, **options):
+            compiled = record(*args, **options)
+            self.interpreted[grid](*args, **options)
+
+            def direct(grid_0, grid_1, grid_2, stream, function, metadata, *call):
+                self.interpreted[(grid_0, grid_1, grid_2)](*call[3:], **options)
+
+            compiled._run = direct
+            return compiled
+
+        return run
+
+
+def test_cached_launches_match_generic_launches_bitwise_in_the_interpreter(monkeypatch):
+    if not kernels.INTERPRETED:
+        pytest.skip("the CPU run (Triton's interpreter) only")
+    setting = FakeSetting()
+    for name, kernel in (
+        ("_forward_launcher", kernels._forward_kernel),
+        ("_backward_launcher", kernels._backward_kernel),
+    ):
+        launcher = kernels._Launcher(RunningJIT(kernel), setting, current_device=lambda: 0, current_stream=lambda d: 0)
+        monkeypatch.setattr(kernels, name, launcher)
+    monkeypatch.setattr(kernels, "_launched", set())
+    for n_rows, vocab, options in ((16, 300, Options()), (5, 40000, Options(label_smoothing=0.1, z_loss=1e-4))):
+        results = []
+        for enabled in (False, True, True):  # generic; first cached call records; second one is cached
+            setting.enabled = enabled
+            logits = logits_of(n_rows, vocab, seed=3)
+            labels = labels_of(n_rows, vocab, seed=4)
+            loss, lse, denominator = kernels.forward(logits, labels, options, "mean")
+            grad = torch.empty_like(logits)
+            kernels.backward(torch.ones(()), logits, labels, lse, grad, options, denominator)
+            results.append((loss, lse, grad))
+        for got in results[1:]:
+            for a, b in zip(got, results[0]):
+                assert torch.equal(bits(a), bits(b))
+    assert kernels._forward_launcher.hits == 2 and kernels._backward_launcher.hits == 2
 
 
 # --- on the GPU: the real kernels, cached and generic, bitwise ---------------------------------------------------
