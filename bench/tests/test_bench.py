@@ -2,6 +2,7 @@
 timers stubbed, the implementations real), the JSON schema and RESULTS.md. Run: pytest bench/tests"""
 
 import json
+import os
 
 import pytest
 
@@ -356,10 +357,13 @@ def test_worker_main_writes_its_part(fake_gpu, tmp_path):
 
 
 @pytest.mark.gpu
-def test_isolated_gpu_run_end_to_end():
+def test_isolated_gpu_run_end_to_end(monkeypatch):
     """On a GPU: the real worker processes for a small shape: eager, leaf and CUDA-graph columns for the torch
     implementations (the first capture of each graph worker included), donated and not donated for JAX, nothing
     failed, and each framework's two losses agree (the frameworks draw different random inputs)."""
+    # This module pins JAX to the CPU for its own interpreted tests; the workers it starts must see the GPU.
+    if os.environ.get("JAX_PLATFORMS") == "cpu":
+        monkeypatch.delenv("JAX_PLATFORMS")
     shape = Shape(1024, 32000)
     result = runner.run_gpu((shape,), ["fastce_torch", "torch_eager_fp32", "fastce_jax", "xla"], quick=True)
     assert "failures" not in result, result["failures"]

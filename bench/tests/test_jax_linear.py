@@ -7,6 +7,8 @@ from bench import jax_setup
 
 jax_setup.configure(interpret_only=True)
 
+import jax  # noqa: E402
+
 import fastce_jax  # noqa: E402
 from bench import jax_linear  # noqa: E402
 from bench.linear_shapes import FASTCE_SETTINGS, LinearShape  # noqa: E402
@@ -20,6 +22,11 @@ ROW_KEYS = {"impl", "N", "H", "V", "dtype", "fwd_ms", "fwdbwd_ms", "TFLOPs", "pe
 
 
 def test_run_on_cpu(monkeypatch):
+    with jax.default_device(jax.devices("cpu")[0]):  # float32 matmuls on a GPU would round through TF32
+        _run_on_cpu()
+
+
+def _run_on_cpu():
     shape = LinearShape(40, 16, 300, "float32")
     result = jax_linear.run((shape,), IMPLS, batch_target_ms=1.0, backend="kernel", say=print)
     assert result["failures"] == []

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The H200 checks, by stage; a device call allows 600 s, so give each call stages that fit: `tests`, `tests-jax` and
-# `shared` each take close to the whole 560 s timeout below (compiles dominate), so give each suite a call of its own,
-# or set XDIST=N to spread one suite over N pytest-xdist workers. Stages: `tests` (fastce_torch, examples, bench/tests
-# with --gpu), `tests-jax` (fastce_jax --gpu), `shared` (shared_tests --gpu),
+# The H200 checks, by stage; a device call allows 600 s, so give each call stages that fit. The suites run over
+# XDIST pytest-xdist workers (default 8 of the machine's 16 cores; XDIST=0 runs them in one process, where each takes
+# close to the whole 560 s timeout: compiles dominate). With 8 workers the torch stage took 130 s. Stages: `tests`
+# (fastce_torch, examples, bench/tests with --gpu), `tests-jax` (fastce_jax --gpu), `shared` (shared_tests --gpu),
+# `host` (host time per call: bench.tools.overhead, host_cost on CUDA, bench.tools.jax_dispatch; ~2),
 # `two-gpus` (the tests that need two GPUs: NCCL vocab-parallel, cuda:1 placement, JAX sharding; kind nvidia-h200-x2),
 # `transformers` (training-step comparison, four modes; ~2-3, estimated), `bench` (the side-by-side benchmark, every
 # pass and implementation in a worker process of its own; about 5.5), or the same in two calls: `bench-torch`
@@ -23,7 +24,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=.
 fi
-PYTEST="python3 -m pytest --gpu -q -p no:cacheprovider -W ignore::DeprecationWarning${XDIST:+ -n $XDIST}"
+XDIST=${XDIST:-8}
+PYTEST="python3 -m pytest --gpu -q -p no:cacheprovider -W ignore::DeprecationWarning"
+[ "$XDIST" != 0 ] && PYTEST="$PYTEST -n $XDIST"
 for stage in "$@"; do
   case "$stage" in
     tests)
@@ -38,6 +41,10 @@ for stage in "$@"; do
     shared)
       FASTCE_SHARED_SUMMARY="$OUT/shared-summary.json" timeout -s INT 560 $PYTEST shared_tests >"$OUT/shared-tests.log" 2>&1
       tail -15 "$OUT/shared-tests.log" ;;
+    host)
+      timeout 200 python3 -m bench.tools.overhead >"$OUT/overhead.log" 2>&1; tail -45 "$OUT/overhead.log"
+      timeout 100 python3 -m bench.tools.host_cost --device cuda >"$OUT/host-cost.log" 2>&1; tail -25 "$OUT/host-cost.log"
+      [ -f bench/tools/jax_dispatch.py ] && timeout 120 python3 -m bench.tools.jax_dispatch 2>&1 | tail -12 ;;
     transformers)
       timeout 400 python3 -m bench.tools.transformers_step --json "$OUT/transformers-step.json" 2>&1 | tail -12 ;;
     bench)
