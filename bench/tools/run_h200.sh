@@ -33,7 +33,7 @@ for stage in "$@"; do
     tests-jax)
       timeout -s INT 560 $PYTEST -rfE fastce_jax >"$OUT/gpu-tests-jax.log" 2>&1; tail -8 "$OUT/gpu-tests-jax.log" ;;
     two-gpus)
-      timeout -s INT 300 $PYTEST -rfE fastce_torch/tests/test_distributed.py fastce_jax/tests/test_jax_sharding.py \
+      timeout -s INT 300 $PYTEST -rfE fastce_torch/tests/test_sharding.py fastce_jax/tests/test_jax_sharding.py \
         fastce_torch/tests/test_training_loops.py -k "two_gpus or second_gpu or sharding or shard_map" \
         >"$OUT/gpu-tests-two.log" 2>&1; tail -8 "$OUT/gpu-tests-two.log" ;;
     shared)
