@@ -68,14 +68,15 @@ def check_n_items(n_items):
         raise ValueError(f"n_items must be positive, got {n_items}")
 
 
-def check_options(*, ignore_index, reduction, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend):
-    """Checks the keywords every loss takes and returns them as Options (floats as floats)."""
+def check_options(ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend):
+    """Checks the keywords every loss takes and returns the loss options as Options (floats as floats)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_n_items(n_items)
     if not _is_finite(logit_softcapping) or logit_softcapping < 0:
         raise ValueError(f"logit_softcapping must be >= 0 (0 disables it), got {logit_softcapping}")
     if not _is_finite(logit_scaling):

@@ -216,17 +216,11 @@ def cross_entropy(
     _check_logits(logits)
     contract.check_labels(labels, "logits", logits.shape, logits.device)
     options = contract.check_options(
-        ignore_index=ignore_index,
-        reduction=reduction,
-        logit_softcapping=logit_softcapping,
-        logit_scaling=logit_scaling,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        backend=backend,
+        ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
     )
-    contract.check_n_items(n_items)
     if vocab_start is not None and process_group is None:
         raise ValueError("vocab_start is only meaningful with process_group (vocab-parallel logits)")
+    kept = None
     if shift := contract.check_shift(shift, labels):
         if sharding.is_dtensor(logits) or sharding.is_dtensor(labels):
             raise NotImplementedError(
@@ -234,23 +228,17 @@ def cross_entropy(
                 "ignore_index), or pass plain tensors with process_group"
             )
         labels, kept = contract.shifted_labels(labels, shift, ignore_index)
-        loss = cross_entropy(
-            logits,
-            labels,
-            ignore_index=ignore_index,
-            reduction=reduction,
-            n_items=n_items,
-            logit_softcapping=logit_softcapping,
-            logit_scaling=logit_scaling,
-            label_smoothing=label_smoothing,
-            z_loss=z_loss,
-            backend=backend,
-            inplace_backward=inplace_backward,
-            validate_labels=validate_labels,
-            process_group=process_group,
-            vocab_start=vocab_start,
-        )
-        return loss[..., :kept] if reduction == "none" else loss
+    loss = _cross_entropy(
+        logits, labels, options, reduction, n_items, backend, inplace_backward, validate_labels, process_group,
+        vocab_start,
+    )  # fmt: skip
+    return loss[..., :kept] if kept is not None and reduction == "none" else loss
+
+
+def _cross_entropy(
+    logits, labels, options, reduction, n_items, backend, inplace_backward, validate_labels, process_group, vocab_start
+):
+    ignore_index = options.ignore_index
     if process_group is not None or sharding.is_dtensor(logits):
         return _vocab_parallel(
             logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group,

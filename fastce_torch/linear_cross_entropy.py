@@ -512,41 +512,21 @@ def linear_cross_entropy(
     in a float32 accumulator (one rounding instead of one per chunk, 4·V·H more bytes).
     """
     _check_tensors(hidden, weight, bias, labels)
-    vocab = weight.shape[0]
     options = contract.check_options(
-        ignore_index=ignore_index,
-        reduction=reduction,
-        logit_softcapping=logit_softcapping,
-        logit_scaling=logit_scaling,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        backend=backend,
+        ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
     )
-    contract.check_n_items(n_items)
     chunking = _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32)
+    kept = None
     if shift := contract.check_shift(shift, labels):
         labels, kept = contract.shifted_labels(labels, shift, ignore_index)
-        loss = linear_cross_entropy(
-            hidden,
-            weight,
-            labels,
-            bias=bias,
-            ignore_index=ignore_index,
-            reduction=reduction,
-            n_items=n_items,
-            logit_softcapping=logit_softcapping,
-            logit_scaling=logit_scaling,
-            label_smoothing=label_smoothing,
-            z_loss=z_loss,
-            backend=backend,
-            validate_labels=validate_labels,
-            workspace_bytes=workspace_bytes,
-            chunk_rows=chunk_rows,
-            accumulate_in_float32=accumulate_in_float32,
-        )
-        return loss[..., :kept] if reduction == "none" else loss
     if validate_labels:
-        contract.validate_labels(labels, vocab, ignore_index)
+        contract.validate_labels(labels, weight.shape[0], ignore_index)
+    loss = _linear_cross_entropy(hidden, weight, bias, labels, options, reduction, n_items, backend, chunking)
+    return loss[..., :kept] if kept is not None and reduction == "none" else loss
+
+
+def _linear_cross_entropy(hidden, weight, bias, labels, options, reduction, n_items, backend, chunking):
+    ignore_index = options.ignore_index
     hidden, weight, bias = _autocast_or_common_dtype(hidden, weight, bias)
     if not contract.use_kernel(hidden, backend):
         token_losses = contract.reference_token_losses(
