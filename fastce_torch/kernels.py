@@ -32,17 +32,9 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from .contract import Options  # noqa: F401  (the launchers' `options` argument; bench tools build it from here)
+
 INTERPRETED = bool(knobs.runtime.interpret)
-
-
-class Options(NamedTuple):
-    """The loss options, in the contract's order; the same record (fields and order) as fastce_jax.kernels.Options."""
-
-    ignore_index: int = -100
-    logit_softcapping: float = 0.0
-    logit_scaling: float = 0.0
-    label_smoothing: float = 0.0
-    z_loss: float = 0.0
 
 
 # Tiles and warps from bench/tools/tune_kernels.py on the H200 (2026-11-30, bench/NOTES.md): forward tiles of 4096
@@ -105,6 +97,8 @@ def _token_loss(
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
 ):
+    """The per-token loss of a row from its label's z (z_label), its label, logsumexp (lse) and sum of z (sum_z)
+    over V columns: NaN for a label outside [0, V), 0 for ignore_index (contract.token_loss_from_statistics)."""
     ignored = label == ignore_index
     in_range = (label >= 0) & (label < V)
     loss = lse - z_label
@@ -190,6 +184,26 @@ def _forward_kernel(
     ROWS_PER_GROUP: tl.constexpr,
     VOCAB_PARALLEL: tl.constexpr,
 ):
+    """Program (row, chunk) of the forward: the running max / sum of exp / sum of z over the chunk's columns.
+
+    logits_ptr, logits_batch_stride, logits_row_stride, rows_per_batch: the logits, row r at
+        (r // rows_per_batch) * batch stride + (r % rows_per_batch) * row stride (`row_layout`).
+    labels_ptr: (n_rows,) int labels. loss_ptr: (n_rows,) float32 per-token losses (vocab-parallel: the label's z
+        where this slice holds it, else 0). lse_ptr: (n_rows,) float32 logsumexp. sum_z_out_ptr: (n_rows,) float32
+        sum of z (written in vocab-parallel mode only).
+    scratch_ptr: the float32 scratch (chunk partials at partials_offset, partials_stride apart; the row groups'
+        loss sums then kept counts at groups_offset). arrivals_ptr: the same buffer as int32 counters: [row] the
+        row's finished chunks, [n_rows] the finished groups, [n_rows + 1 + g] group g's finished rows.
+    reduced_ptr: the 0-d reduced loss (REDUCE). denominator_out_ptr: the divisor it used (REDUCE).
+        n_items_ptr: a device n_items (DENOMINATOR == 2).
+    n_rows, V (this launch's columns), chunk_width, n_chunks: the grid's extent.
+    ignore_index, scaling, softcap, label_smoothing, z_loss: the options (their flags below switch them on).
+    denominator_value: the divisor when DENOMINATOR == 1. vocab_start: the slice's first global column.
+    BLOCK: the tile width. CHUNKS_BLOCK: n_chunks rounded up to a power of 2. HAS_SCALING, HAS_SOFTCAP,
+    HAS_SMOOTHING, HAS_Z_LOSS: which options apply. REDUCE: reduce "mean"/"sum" in-kernel. DENOMINATOR: 0 the
+    kept-token count, 1 denominator_value, 2 *n_items_ptr. GROUPS_BLOCK: groups summed per step by the last group.
+    ROWS_PER_GROUP: rows per group. VOCAB_PARALLEL: write the slice's statistics instead of the loss.
+    """
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     # The float32 scratch: the chunks' three partials (max, sum of exp, sum of z; partials_stride apart) and the row
@@ -363,6 +377,18 @@ def _backward_kernel(
     HAS_DENOMINATOR: tl.constexpr,
     VOCAB_PARALLEL: tl.constexpr,
 ):
+    """Program (row, tile) of the backward: d loss / d logits of BLOCK columns of one row, written to the gradient.
+
+    logits_ptr, logits_batch_stride, logits_row_stride / grad_ptr, grad_batch_stride, grad_row_stride: the logits
+        and the gradient (may be the same buffer), both with rows_per_batch rows per batch (`row_layout`).
+    labels_ptr: (n_rows,) int labels. lse_ptr: (n_rows,) float32 logsumexp (vocab-parallel: the global one).
+    grad_loss_ptr, grad_loss_stride: the upstream gradient per token (stride 1) or one scalar (stride 0).
+    denominator_ptr: the 1-element divisor of a reduced loss (HAS_DENOMINATOR).
+    V: this launch's columns. ignore_index, scaling, softcap, label_smoothing, z_loss: the options.
+    vocab_start, vocab_total: the slice's first global column and the global vocabulary (VOCAB_PARALLEL).
+    BLOCK: the tile width. HAS_SCALING, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS: which options apply.
+    HAS_DENOMINATOR: divide the upstream by *denominator_ptr. VOCAB_PARALLEL: columns are a slice of vocab_total.
+    """
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < V
@@ -436,16 +462,38 @@ def _next_power_of_2(n):
     return 1 << max(n - 1, 0).bit_length()
 
 
-def forward_config(vocab):
-    """(tile width, chunk width, number of chunks, warps) of the forward kernel; V alone decides (batch invariance)."""
-    block = min(FORWARD_BLOCK, _next_power_of_2(vocab))
-    chunk = max(block, min(CHUNK, _next_power_of_2(vocab)))
-    return block, chunk, _cdiv(vocab, chunk), FORWARD_WARPS
+class ForwardConfig(NamedTuple):
+    """The forward kernel's decomposition of a row: tile width, chunk width, number of chunks, warps, stages."""
+
+    block: int
+    chunk: int
+    n_chunks: int
+    warps: int
+    stages: int
 
 
-def backward_config(vocab):
-    """(tile width, warps) of the backward kernel."""
-    return min(BACKWARD_BLOCK, _next_power_of_2(vocab)), BACKWARD_WARPS
+class BackwardConfig(NamedTuple):
+    """The backward kernel's tile width and warps."""
+
+    block: int
+    warps: int
+
+
+def forward_config(vocab, block=None, chunk=None, warps=None, stages=None):
+    """The forward's ForwardConfig at V = vocab; V alone decides (batch invariance). Each setting left None is the
+    module's tuned constant (FORWARD_BLOCK, CHUNK, FORWARD_WARPS, FORWARD_STAGES, read at the call); block and chunk
+    are capped at V rounded up to a power of 2."""
+    width = _next_power_of_2(vocab)
+    block = min(FORWARD_BLOCK if block is None else block, width)
+    chunk = max(block, min(CHUNK if chunk is None else chunk, width))
+    warps = FORWARD_WARPS if warps is None else warps
+    return ForwardConfig(block, chunk, _cdiv(vocab, chunk), warps, FORWARD_STAGES if stages is None else stages)
+
+
+def backward_config(vocab, block=None, warps=None):
+    """The backward's BackwardConfig at V = vocab (None: BACKWARD_BLOCK, BACKWARD_WARPS, read at the call)."""
+    block = min(BACKWARD_BLOCK if block is None else block, _next_power_of_2(vocab))
+    return BackwardConfig(block, BACKWARD_WARPS if warps is None else warps)
 
 
 def _flags(options):
@@ -858,14 +906,15 @@ def rows_overlap(logits):
     return False
 
 
-def forward(logits, labels, options, reduction="none", n_items=None, vocab_start=0, vocab_total=None):
+def forward(logits, labels, options, reduction="none", n_items=None, vocab_start=0, vocab_total=None, config=None):
     """One launch: (loss, lse, denominator) of logits (..., V) laid out as `row_layout` allows and flat labels (N,).
     loss is the per-token float32 losses (N,) for reduction "none", else a 0-d tensor of its own (the reduced loss),
     and denominator the 1-element divisor the backward needs for "mean"/"sum" (None for "none").
 
     Vocab-parallel mode (vocab_total given: the logits are columns [vocab_start, vocab_start + V) of a vocabulary of
     vocab_total): per-row float32 (lse over the local columns, transformed label logit where the label is local
-    else 0, local sum of z (0 without smoothing)); ignored rows give (-inf, 0, 0). reduction must be "none"."""
+    else 0, local sum of z (0 without smoothing)); ignored rows give (-inf, 0, 0). reduction must be "none".
+    config: a ForwardConfig for these logits' V (default forward_config(V))."""
     vocab_parallel = vocab_total is not None
     if vocab_parallel and reduction != "none":
         raise ValueError("the vocab-parallel forward returns per-row statistics: reduction must be 'none'")
@@ -873,7 +922,7 @@ def forward(logits, labels, options, reduction="none", n_items=None, vocab_start
     vocab = logits.shape[-1]
     n_rows = labels.shape[0]
     batch_stride, row_stride, rows_per_batch = row_layout(logits)  # the caller copies logits that have none
-    block, chunk, n_chunks, warps = forward_config(vocab)
+    block, chunk, n_chunks, warps, stages = forward_config(vocab) if config is None else config
     reduce = reduction != "none"
     device = logits.device
     # The returned loss owns its storage (in-place ops on it are ordinary autograd). Everything else lives in one
@@ -959,23 +1008,26 @@ def forward(logits, labels, options, reduction="none", n_items=None, vocab_start
     )
     grid = (n_rows, n_chunks, 1)
     with on_device(logits):
-        if not _forward_launcher.cached(grid, args, warps, FORWARD_STAGES):
+        if not _forward_launcher.cached(grid, args, warps, stages):
             _guard_capture(
-                ("forward", device, logits.dtype, labels.dtype, block, n_chunks > 1, reduce, denominator_mode, *flags),
+                ("forward", device, logits.dtype, labels.dtype, block, n_chunks > 1, reduce, denominator_mode, *flags)
+                + (warps, stages),
                 logits,
             )
-            _forward_launcher.launch(grid, args, warps, FORWARD_STAGES)
+            _forward_launcher.launch(grid, args, warps, stages)
     if vocab_parallel:
         return lse, loss, sum_z
     return loss, lse, (denominator if reduce else None)
 
 
-def backward(grad_loss, logits, labels, lse, grad, options, denominator=None, vocab_start=0, vocab_total=None):
+def backward(
+    grad_loss, logits, labels, lse, grad, options, denominator=None, vocab_start=0, vocab_total=None, config=None
+):
     """Writes d(sum_t grad_loss_t * loss_t / denominator)/d logits into `grad` (the shape of logits; it may be
     `logits` itself). grad_loss is per token (N,), or 0-d (one upstream scalar for all tokens); denominator a
     1-element tensor or None. Vocab-parallel mode (vocab_total given): the logits are columns
     [vocab_start, vocab_start + V) of vocab_total, lse the global logsumexp; labels outside [0, vocab_total) give
-    NaN rows."""
+    NaN rows. config: a BackwardConfig (default backward_config(V))."""
     _checked(logits)
     vocab = logits.shape[-1]
     n_rows = labels.shape[0]
@@ -994,7 +1046,7 @@ def backward(grad_loss, logits, labels, lse, grad, options, denominator=None, vo
             batch_stride, rows_per_batch = row_stride * grad_rows_per_batch, grad_rows_per_batch
         else:
             raise ValueError("grad and logits split their rows into batches differently")
-    block, warps = backward_config(vocab)
+    block, warps = backward_config(vocab) if config is None else config
     flags = _flags(options)
     args = (
         logits,
@@ -1034,6 +1086,7 @@ def backward(grad_loss, logits, labels, lse, grad, options, denominator=None, vo
                     grad_loss.dtype,
                     labels.dtype,
                     block,
+                    warps,
                     denominator is not None,
                     *flags,
                 ),

@@ -1,8 +1,9 @@
 """Fused linear cross-entropy: the loss of `cross_entropy(hidden @ weight.T + bias, labels)` without the (N, V) logits.
 
-Chunks. The rows are processed in chunks of `chunk_rows(n_rows, vocab, itemsize)` rows: the workspace budget
-(`WORKSPACE_BYTES` = 256 MiB of logits) split evenly over as few chunks as it allows, rounded up to a multiple of
-`ROWS_MULTIPLE` (whole matmul tiles); `CHUNK_ROWS`, when set, overrides it. Per chunk: the logits come from one
+Chunks. The rows are processed in chunks of `rows_per_chunk(n_rows, vocab, itemsize, workspace_bytes, chunk_rows)`
+rows: the workspace budget (the `workspace_bytes` keyword, by default `DEFAULT_WORKSPACE_BYTES` = 256 MiB of
+logits) split evenly over as few chunks as it allows, rounded up to a multiple of `ROWS_MULTIPLE` (whole matmul
+tiles); the `chunk_rows` keyword, when given, overrides it. Per chunk: the logits come from one
 matmul into the workspace, fastce's forward kernel gives each row's loss and log-sum-exp (`_ce_forward`), the
 backward kernel overwrites the same fresh logits with d loss / d logits (`_ce_backward_in_place`), and two matmuls
 fold that into the chunk's rows of d hidden and into d weight (a column sum into d bias). The last chunk is
@@ -17,11 +18,11 @@ Reductions.
   floats) and the backward recomputes each chunk's logits: 8·N·H·V flops.
 
 Memory beyond the inputs: the gradients (hidden's, weight's, bias's, in their dtypes), the workspace (chunk rows x V
-in the inputs' dtype, at most WORKSPACE_BYTES) and O(N + V) floats.
+in the inputs' dtype, at most workspace_bytes) and O(N + V) floats.
 
 Precision: each chunk's matmuls accumulate in float32 and round once to the input dtype. By default the weight
 gradient is summed across chunks in the weight's own dtype (one rounding per chunk); a float32 accumulator
-(ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 = True: one rounding at the end) costs 4·V·H more bytes (2 GiB at V=128256,
+(accumulate_in_float32=True: one rounding at the end) costs 4·V·H more bytes (2 GiB at V=128256,
 H=4096), twice a bf16 gradient. Measured (bf16 weight gradient of a softmax-gradient sum over 4096 rows, float64 as
 truth; fastce_torch/tests/test_linear_cross_entropy.py::test_weight_gradient_accumulation_error), its rms error
 relative to its rms is 2.2e-3 with one rounding (the float32 accumulator), 3.7e-3 with 8 chunks, 6.5e-3 with 32 and
@@ -34,28 +35,34 @@ dtype. The kernels' own code runs with autocast off.
 """
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 
-from . import distributed, kernels
-from .cross_entropy import (
-    KERNEL_DTYPES,
-    _check_arguments,
-    _check_shift,
-    _reduce,
-    _reference_token_losses,
-    _shifted_labels,
-    _validate_labels,
-)
-from .kernels import Options
+from . import contract, kernels
+from .contract import Options
 
-# Module settings, read at each call. The workspace (chunk rows x V logits)
-# is at most WORKSPACE_BYTES: at 256 MiB, 1024 rows of bf16 logits at V=128256, 512 at V=256000.
-WORKSPACE_BYTES = 256 << 20
+# At 256 MiB the workspace holds 1024 rows of bf16 logits at V=128256, 512 at V=256000.
+DEFAULT_WORKSPACE_BYTES = 256 << 20
 ROWS_MULTIPLE = 128  # chunk rows are a multiple of this (whole matmul tiles) when the budget allows that many
-CHUNK_ROWS = None  # an int: the rows per chunk regardless of the budget (tests force several chunks)
-# A float32 accumulator for a bf16/fp16 weight's gradient: one rounding instead of one per chunk, 4·V·H more bytes.
-ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 = False
+
+
+class Chunking(NamedTuple):
+    """linear_cross_entropy's settings keywords, as the custom ops take them (contract.op_schema)."""
+
+    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES
+    chunk_rows: int | None = None
+    accumulate_in_float32: bool = False
+
+
+def _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32):
+    workspace_bytes = DEFAULT_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
+    for name, value in (("workspace_bytes", workspace_bytes), ("chunk_rows", chunk_rows)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    if not isinstance(accumulate_in_float32, bool):
+        raise TypeError(f"accumulate_in_float32 must be a bool, got {accumulate_in_float32!r}")
+    return Chunking(workspace_bytes, chunk_rows, accumulate_in_float32)
 
 
 # --- the one place that calls fastce's launchers ----------------------------------------------------------------
@@ -72,21 +79,17 @@ def _ce_backward_in_place(logits, labels, lse, grad_loss, options, denominator=N
     kernels.backward(grad_loss, logits, labels, lse, logits, options, denominator)
 
 
-def _scale_in_place(tensor, factor):
-    """tensor *= factor (a 0-d device tensor), on the device, doing nothing when factor is exactly 1."""
-    return kernels.scale_unless_one(tensor, factor)
-
-
 # --- the chunked computation ------------------------------------------------------------------------------------
 
 
-def chunk_rows(n_rows, vocab, itemsize):
-    """Rows per chunk: CHUNK_ROWS when set; else the workspace budget split evenly over as few chunks as it allows
-    (every chunk nearly full), rounded up to ROWS_MULTIPLE when the budget holds that many rows; never more than
-    n_rows, at least 1."""
-    if CHUNK_ROWS is not None:
-        return max(1, min(int(CHUNK_ROWS), n_rows))
-    max_rows = max(1, WORKSPACE_BYTES // (vocab * itemsize))
+def rows_per_chunk(n_rows, vocab, itemsize, workspace_bytes=None, chunk_rows=None):
+    """Rows per chunk: chunk_rows when given; else the workspace budget (DEFAULT_WORKSPACE_BYTES when None) split
+    evenly over as few chunks as it allows (every chunk nearly full), rounded up to ROWS_MULTIPLE when the budget
+    holds that many rows; never more than n_rows, at least 1."""
+    if chunk_rows is not None:
+        return max(1, min(int(chunk_rows), n_rows))
+    workspace_bytes = DEFAULT_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
+    max_rows = max(1, workspace_bytes // (vocab * itemsize))
     multiple = ROWS_MULTIPLE if max_rows >= ROWS_MULTIPLE else 1
     max_rows -= max_rows % multiple
     n_chunks = -(-n_rows // max_rows)
@@ -119,13 +122,13 @@ def _interior(hidden):
     return stack
 
 
-def _new_grads(hidden, weight, bias, needs):
+def _new_grads(hidden, weight, bias, needs, chunking):
     need_hidden, need_weight, need_bias = needs
     grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
     # Accumulated over chunks (addmm with beta=1), so it starts at zero. A weight that is not in the compute dtype
     # (a float32 master weight under autocast) gets a float32 accumulator: its gradient is float32 anyway, and one
     # rounding at the end is more accurate than rounding every chunk to the compute dtype and casting back.
-    float32_accumulator = ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 or weight.dtype != hidden.dtype
+    float32_accumulator = chunking.accumulate_in_float32 or weight.dtype != hidden.dtype
     accumulate_dtype = torch.float32 if float32_accumulator else weight.dtype
     grad_weight = torch.zeros(weight.shape, dtype=accumulate_dtype, device=weight.device) if need_weight else None
     grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
@@ -156,20 +159,20 @@ def _finish_grads(grads, weight, bias):
     return grad_hidden, grad_weight, grad_bias
 
 
-def _chunks(hidden, weight, bias, labels):
+def _chunks(hidden, weight, bias, labels, chunking):
     """Yields (rows, hidden_chunk, labels_chunk, logits) chunk by chunk; logits is a view of one workspace that the
     next chunk overwrites."""
     n_rows, vocab = hidden.shape[0], weight.shape[0]
-    rows_per_chunk = chunk_rows(n_rows, vocab, hidden.element_size())
-    workspace = torch.empty(rows_per_chunk, vocab, dtype=hidden.dtype, device=hidden.device)
-    for start in range(0, n_rows, rows_per_chunk):
-        rows = slice(start, min(start + rows_per_chunk, n_rows))
+    step = rows_per_chunk(n_rows, vocab, hidden.element_size(), chunking.workspace_bytes, chunking.chunk_rows)
+    workspace = torch.empty(step, vocab, dtype=hidden.dtype, device=hidden.device)
+    for start in range(0, n_rows, step):
+        rows = slice(start, min(start + step, n_rows))
         hidden_chunk = hidden[rows]
         logits = _chunk_logits(workspace[: rows.stop - start], hidden_chunk, weight, bias)
         yield rows, hidden_chunk, labels[rows], logits
 
 
-def _fused_forward(hidden, weight, bias, labels, options, denominator=None, needs=(False, False, False)):
+def _fused_forward(hidden, weight, bias, labels, options, chunking, denominator=None, needs=(False, False, False)):
     """Token losses (N,) and lse (N,) of 2-D hidden; with any of `needs` (hidden, weight, bias) also the gradients of
     sum_t loss_t / denominator (a 1-element float32 device tensor) computed chunk by chunk. Returns
     (token_losses, lse, (grad_hidden, grad_weight, grad_bias)), None for gradients not needed."""
@@ -178,9 +181,9 @@ def _fused_forward(hidden, weight, bias, labels, options, denominator=None, need
         weight_c, bias_c = _in_compute_dtype(hidden, weight, bias)
         token_losses = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
-        grads = _new_grads(hidden, weight, bias, needs)
+        grads = _new_grads(hidden, weight, bias, needs, chunking)
         one = torch.ones((), dtype=torch.float32, device=hidden.device)
-        for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight_c, bias_c, labels):
+        for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight_c, bias_c, labels, chunking):
             loss_chunk, lse_chunk = _ce_forward(logits, labels_chunk, options)
             token_losses[rows] = loss_chunk
             lse[rows] = lse_chunk
@@ -190,15 +193,15 @@ def _fused_forward(hidden, weight, bias, labels, options, denominator=None, need
         return token_losses, lse, _finish_grads(grads, weight, bias)
 
 
-def _fused_backward(grad_losses, hidden, weight, bias, labels, lse, options, needs):
+def _fused_backward(grad_losses, hidden, weight, bias, labels, lse, options, chunking, needs):
     """Gradients of sum_t grad_losses_t * loss_t, recomputing each chunk's logits from hidden and weight."""
     # no_grad: under create_graph=True autograd runs backward with grad mode on, and these are kernels and out= ops.
     with _interior(hidden):
-        grads = _new_grads(hidden, weight, bias, needs)
+        grads = _new_grads(hidden, weight, bias, needs, chunking)
         if not any(needs):
             return grads
         weight_c, bias_c = _in_compute_dtype(hidden, weight, bias)
-        for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight_c, bias_c, labels):
+        for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight_c, bias_c, labels, chunking):
             _ce_backward_in_place(logits, labels_chunk, lse[rows], grad_losses[rows], options)
             _accumulate_grads(logits, hidden_chunk, weight_c, rows, grads)
         return _finish_grads(grads, weight, bias)
@@ -212,8 +215,7 @@ def _differentiable_grads(grad_rows, hidden, weight, bias, labels, options, need
     weight = weight.to(hidden.dtype)
     bias = None if bias is None else bias.to(hidden.dtype)
     logits = torch.nn.functional.linear(hidden, weight, bias)
-    vocab = weight.shape[0]
-    dlogits = distributed.local_gradient(grad_rows, logits, labels, None, options, 0, vocab).to(logits.dtype)
+    dlogits = contract.logits_gradient(grad_rows, logits, labels, None, options).to(logits.dtype)
     need_hidden, need_weight, need_bias = needs
     return (
         dlogits @ weight if need_hidden else None,
@@ -224,14 +226,19 @@ def _differentiable_grads(grad_rows, hidden, weight, bias, labels, options, need
 
 # --- eager autograd -------------------------------------------------------------------------------------------
 
+BACKWARD_TWICE = (
+    "fastce_torch.linear_cross_entropy: backward through the same loss twice is not supported (its gradients are "
+    "computed in the forward and handed over once); compute the loss again instead of retain_graph=True"
+)
+
 
 class _ReducedFunction(torch.autograd.Function):
     """ "mean"/"sum": the gradients are computed in the forward; backward scales them in place by the upstream
     scalar (nothing else holds them, so the caller's .grad takes them over without a copy)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, denominator, options, needs):
-        token_losses, _, grads = _fused_forward(hidden, weight, bias, labels, options, denominator, needs)
+    def forward(ctx, hidden, weight, bias, labels, denominator, options, chunking, needs):
+        token_losses, _, grads = _fused_forward(hidden, weight, bias, labels, options, chunking, denominator, needs)
         ctx.grads = grads
         # References, no copies: read only by a backward that must be differentiable again.
         ctx.save_for_backward(hidden, weight, bias, labels, denominator)
@@ -245,29 +252,25 @@ class _ReducedFunction(torch.autograd.Function):
             hidden, weight, bias, labels, denominator = ctx.saved_tensors
             grad_rows = (grad_loss.float() / denominator[0]).expand(labels.shape)
             grads = _differentiable_grads(grad_rows, hidden, weight, bias, labels, ctx.options, ctx.needs)
-            return (*grads, None, None, None, None)
+            return (*grads, None, None, None, None, None)
         grads, ctx.grads = ctx.grads, None
         if grads is None:
-            raise RuntimeError(
-                "fastce_torch.linear_cross_entropy: backward through the same loss twice is not supported (its "
-                "gradients are computed in the forward and handed over once); compute the loss again instead of "
-                "retain_graph=True"
-            )
+            raise RuntimeError(BACKWARD_TWICE)
         grad_loss = grad_loss.detach().to(torch.float32)
         for grad in grads:
             if grad is not None:
-                _scale_in_place(grad, grad_loss)
-        return (*grads, None, None, None, None)
+                kernels.scale_unless_one(grad, grad_loss)
+        return (*grads, None, None, None, None, None)
 
 
 class _PerTokenFunction(torch.autograd.Function):
     """ "none": the forward keeps lse; the backward recomputes the logits chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, options):
-        token_losses, lse, _ = _fused_forward(hidden, weight, bias, labels, options)
+    def forward(ctx, hidden, weight, bias, labels, options, chunking):
+        token_losses, lse, _ = _fused_forward(hidden, weight, bias, labels, options, chunking)
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
-        ctx.options = options
+        ctx.options, ctx.chunking = options, chunking
         return token_losses
 
     @staticmethod
@@ -276,42 +279,37 @@ class _PerTokenFunction(torch.autograd.Function):
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         if torch.is_grad_enabled():  # create_graph=True: a gradient that autograd can differentiate again
             grads = _differentiable_grads(grad_losses.float(), hidden, weight, bias, labels, ctx.options, needs)
-            return (*grads, None, None)
+            return (*grads, None, None, None)
         grads = _fused_backward(
-            grad_losses.detach().contiguous(), hidden, weight, bias, labels, lse, ctx.options, needs
+            grad_losses.detach().contiguous(), hidden, weight, bias, labels, lse, ctx.options, ctx.chunking, needs
         )
-        return (*grads, None, None)
+        return (*grads, None, None, None)
 
 
 # --- custom ops for torch.compile -----------------------------------------------------------------------------
-# A custom op cannot return None: gradients that are not needed come back as empty tensors.
+# A custom op cannot return None: gradients that are not needed come back as empty tensors. Each op takes, after its
+# tensors, the fields of Options, of Chunking and of _Needs, spelled out once by contract.op_schema.
+
+
+class _Needs(NamedTuple):
+    need_hidden: bool
+    need_weight: bool
+    need_bias: bool
+
+
+_SETTINGS = ", ".join(contract.op_schema(record) for record in (Options, Chunking, _Needs))
+_N_SETTINGS = len(Options._fields) + len(Chunking._fields) + len(_Needs._fields)
+
+
+def _settings(settings):
+    """(Options, Chunking, needs) from an op's trailing scalars."""
+    n_options, n_chunking = len(Options._fields), len(Chunking._fields)
+    chunking = Chunking(*settings[n_options : n_options + n_chunking])
+    return Options(*settings[:n_options]), chunking, tuple(settings[n_options + n_chunking :])
 
 
 def _or_empty(tensor, like):
     return like.new_empty(0) if tensor is None else tensor
-
-
-@torch.library.custom_op("fastce::linear_cross_entropy_reduced", mutates_args=())
-def _reduced_op(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    denominator: torch.Tensor,
-    ignore_index: int,
-    logit_softcapping: float,
-    logit_scaling: float,
-    label_smoothing: float,
-    z_loss: float,
-    need_hidden: bool,
-    need_weight: bool,
-    need_bias: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    options = Options(ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss)
-    needs = (need_hidden, need_weight, need_bias)
-    token_losses, _, grads = _fused_forward(hidden, weight, bias, labels, options, denominator, needs)
-    loss = token_losses.sum() / denominator[0]
-    return (loss, *(_or_empty(grad, hidden) for grad in grads))
 
 
 def _fake_grads(hidden, weight, bias, needs):
@@ -324,13 +322,26 @@ def _fake_grads(hidden, weight, bias, needs):
     )
 
 
+@torch.library.custom_op(
+    "fastce::linear_cross_entropy_reduced",
+    mutates_args=(),
+    schema="(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, Tensor denominator, "
+    f"{_SETTINGS}) -> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _reduced_op(hidden, weight, bias, labels, denominator, *settings):
+    options, chunking, needs = _settings(settings)
+    token_losses, _, grads = _fused_forward(hidden, weight, bias, labels, options, chunking, denominator, needs)
+    loss = token_losses.sum() / denominator[0]
+    return (loss, *(_or_empty(grad, hidden) for grad in grads))
+
+
 @_reduced_op.register_fake
-def _(hidden, weight, bias, labels, denominator, *options_and_needs):
-    return (hidden.new_empty((), dtype=torch.float32), *_fake_grads(hidden, weight, bias, options_and_needs[-3:]))
+def _(hidden, weight, bias, labels, denominator, *settings):
+    return (hidden.new_empty((), dtype=torch.float32), *_fake_grads(hidden, weight, bias, _settings(settings)[2]))
 
 
 def _reduced_setup_context(ctx, inputs, output):
-    ctx.needs = inputs[-3:]
+    ctx.needs = _settings(inputs[5:])[2]
     ctx.save_for_backward(*output[1:])
 
 
@@ -341,7 +352,7 @@ def _reduced_backward(ctx, grad_loss, *unused_grads_of_grads):
         torch.where(g == 0, 0, g * grad_loss.to(g.dtype)) if need else None
         for g, need in zip(ctx.saved_tensors, ctx.needs)
     ]
-    return (*grads, None, None, None, None, None, None, None, None, None, None)
+    return (*grads, None, None, *[None] * _N_SETTINGS)
 
 
 torch.library.register_autograd(
@@ -349,60 +360,44 @@ torch.library.register_autograd(
 )
 
 
-@torch.library.custom_op("fastce::linear_cross_entropy_forward", mutates_args=())
-def _per_token_forward_op(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    ignore_index: int,
-    logit_softcapping: float,
-    logit_scaling: float,
-    label_smoothing: float,
-    z_loss: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    options = Options(ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss)
-    token_losses, lse, _ = _fused_forward(hidden, weight, bias, labels, options)
+@torch.library.custom_op(
+    "fastce::linear_cross_entropy_forward",
+    mutates_args=(),
+    schema="(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, "
+    f"{contract.op_schema(Options)}, {contract.op_schema(Chunking)}) -> (Tensor, Tensor)",
+)
+def _per_token_forward_op(hidden, weight, bias, labels, *settings):
+    options, chunking, _ = _settings(settings)
+    token_losses, lse, _ = _fused_forward(hidden, weight, bias, labels, options, chunking)
     return token_losses, lse
 
 
 @_per_token_forward_op.register_fake
-def _(hidden, weight, bias, labels, *options):
+def _(hidden, weight, bias, labels, *settings):
     n_rows = hidden.shape[0]
     return hidden.new_empty(n_rows, dtype=torch.float32), hidden.new_empty(n_rows, dtype=torch.float32)
 
 
-@torch.library.custom_op("fastce::linear_cross_entropy_backward", mutates_args=())
-def _per_token_backward_op(
-    grad_losses: torch.Tensor,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    lse: torch.Tensor,
-    ignore_index: int,
-    logit_softcapping: float,
-    logit_scaling: float,
-    label_smoothing: float,
-    z_loss: float,
-    need_hidden: bool,
-    need_weight: bool,
-    need_bias: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    options = Options(ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss)
-    needs = (need_hidden, need_weight, need_bias)
-    grads = _fused_backward(grad_losses.contiguous(), hidden, weight, bias, labels, lse, options, needs)
+@torch.library.custom_op(
+    "fastce::linear_cross_entropy_backward",
+    mutates_args=(),
+    schema="(Tensor grad_losses, Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, Tensor lse, "
+    f"{_SETTINGS}) -> (Tensor, Tensor, Tensor)",
+)
+def _per_token_backward_op(grad_losses, hidden, weight, bias, labels, lse, *settings):
+    options, chunking, needs = _settings(settings)
+    grads = _fused_backward(grad_losses.contiguous(), hidden, weight, bias, labels, lse, options, chunking, needs)
     return tuple(_or_empty(grad, hidden) for grad in grads)
 
 
 @_per_token_backward_op.register_fake
-def _(grad_losses, hidden, weight, bias, labels, lse, *options_and_needs):
-    return _fake_grads(hidden, weight, bias, options_and_needs[-3:])
+def _(grad_losses, hidden, weight, bias, labels, lse, *settings):
+    return _fake_grads(hidden, weight, bias, _settings(settings)[2])
 
 
 def _per_token_setup_context(ctx, inputs, output):
-    hidden, weight, bias, labels, *options = inputs
-    ctx.options = options
+    hidden, weight, bias, labels, *settings = inputs
+    ctx.settings = settings
     ctx.has_bias = bias is not None
     ctx.save_for_backward(hidden, weight, bias, labels, output[1])
 
@@ -410,9 +405,9 @@ def _per_token_setup_context(ctx, inputs, output):
 def _per_token_backward(ctx, grad_losses, unused_grad_lse):
     hidden, weight, bias, labels, lse = ctx.saved_tensors
     needs = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
-    grads = _per_token_backward_op(grad_losses, hidden, weight, bias, labels, lse, *ctx.options, *needs)
+    grads = _per_token_backward_op(grad_losses, hidden, weight, bias, labels, lse, *ctx.settings, *needs)
     grads = [grad if need else None for grad, need in zip(grads, needs)]
-    return (*grads, None, None, None, None, None, None)
+    return (*grads, None, *[None] * len(ctx.settings))
 
 
 torch.library.register_autograd(
@@ -424,7 +419,7 @@ torch.library.register_autograd(
 
 
 # float64 is accepted as in cross_entropy: computed in float64 by the plain-torch reference, whatever the backend.
-LINEAR_DTYPES = (*KERNEL_DTYPES, torch.float64)
+LINEAR_DTYPES = (*contract.KERNEL_DTYPES, torch.float64)
 
 
 def _check_tensors(hidden, weight, bias, labels):
@@ -450,12 +445,7 @@ def _check_tensors(hidden, weight, bias, labels):
             raise TypeError(f"bias must be float32, bfloat16, float16 or float64, got {bias.dtype}")
         if bias.device != hidden.device:
             raise ValueError(f"bias is on {bias.device} but hidden on {hidden.device}")
-    if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"labels must be an int32 or int64 tensor, got {getattr(labels, 'dtype', type(labels))}")
-    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(
-            f"labels must have the leading shape of hidden: hidden {tuple(hidden.shape)}, labels {tuple(labels.shape)}"
-        )
+    contract.check_labels(labels, "hidden", hidden.shape, hidden.device)
 
 
 def _common_dtype(hidden, weight, bias):
@@ -479,17 +469,6 @@ def _autocast_or_common_dtype(hidden, weight, bias):
     return hidden.to(torch.get_autocast_dtype(device_type)), weight, bias
 
 
-def _denominator(labels, reduction, n_items, ignore_index):
-    """What the summed loss is divided by, as a 1-element float32 tensor on labels' device, without a host sync."""
-    if n_items is not None:
-        if torch.is_tensor(n_items):
-            return n_items.to(device=labels.device, dtype=torch.float32).reshape(1)
-        return torch.full((1,), float(n_items), dtype=torch.float32, device=labels.device)
-    if reduction == "mean":
-        return (labels != ignore_index).sum().clamp_min(1).to(torch.float32).reshape(1)
-    return torch.ones(1, dtype=torch.float32, device=labels.device)
-
-
 def linear_cross_entropy(
     hidden,
     weight,
@@ -506,6 +485,9 @@ def linear_cross_entropy(
     backend="auto",
     validate_labels=False,
     shift=0,
+    workspace_bytes=None,
+    chunk_rows=None,
+    accumulate_in_float32=False,
 ):
     """fastce_torch.cross_entropy(hidden @ weight.T + bias, labels, ...) without ever allocating the logits.
 
@@ -523,60 +505,42 @@ def linear_cross_entropy(
 
     shift=k (True = 1): cross_entropy's, along hidden's second-to-last (the sequence) dimension: the loss of
     `linear_cross_entropy(hidden[..., :-k, :], weight, labels[..., k:])` without slicing (or copying) hidden.
+
+    Chunking (the kernels only; neither changes the loss beyond rounding): `workspace_bytes` bounds the chunk of
+    logits materialised at a time (None: DEFAULT_WORKSPACE_BYTES = 256 MiB), `chunk_rows` (an int) forces the rows
+    per chunk whatever the budget; `accumulate_in_float32=True` sums a bf16/fp16 weight's gradient over the chunks
+    in a float32 accumulator (one rounding instead of one per chunk, 4·V·H more bytes).
     """
     _check_tensors(hidden, weight, bias, labels)
-    vocab = weight.shape[0]
-    # The option checks of cross_entropy, on a stand-in for the logits that holds no memory.
-    logits_shape = (*hidden.shape[:-1], vocab)
-    stand_in = hidden.new_empty(1).as_strided(logits_shape, (0,) * len(logits_shape))
-    _check_arguments(
-        stand_in,
-        labels,
-        ignore_index,
-        reduction,
-        n_items,
-        logit_softcapping,
-        logit_scaling,
-        label_smoothing,
-        z_loss,
-        backend,
+    options = contract.check_options(
+        ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
     )
-    if shift := _check_shift(shift, labels):
-        labels, kept = _shifted_labels(labels, shift, ignore_index)
-        loss = linear_cross_entropy(
-            hidden,
-            weight,
-            labels,
-            bias=bias,
-            ignore_index=ignore_index,
-            reduction=reduction,
-            n_items=n_items,
-            logit_softcapping=logit_softcapping,
-            logit_scaling=logit_scaling,
-            label_smoothing=label_smoothing,
-            z_loss=z_loss,
-            backend=backend,
-            validate_labels=validate_labels,
-        )
-        return loss[..., :kept] if reduction == "none" else loss
+    chunking = _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32)
+    kept = None
+    if shift := contract.check_shift(shift, labels):
+        labels, kept = contract.shifted_labels(labels, shift, ignore_index)
     if validate_labels:
-        _validate_labels(labels, vocab, ignore_index)
-    options = Options(
-        ignore_index, float(logit_softcapping), float(logit_scaling), float(label_smoothing), float(z_loss)
-    )
+        contract.validate_labels(labels, weight.shape[0], ignore_index)
+    loss = _linear_cross_entropy(hidden, weight, bias, labels, options, reduction, n_items, backend, chunking)
+    return loss[..., :kept] if kept is not None and reduction == "none" else loss
+
+
+def _linear_cross_entropy(hidden, weight, bias, labels, options, reduction, n_items, backend, chunking):
+    ignore_index = options.ignore_index
     hidden, weight, bias = _autocast_or_common_dtype(hidden, weight, bias)
-    use_kernel = hidden.dtype != torch.float64 and (backend == "kernel" or (backend == "auto" and hidden.is_cuda))
-    if not use_kernel:
-        token_losses = _reference_token_losses(torch.nn.functional.linear(hidden, weight, bias), labels, options)
-        return _reduce(token_losses, labels, reduction, n_items, ignore_index)
+    if not contract.use_kernel(hidden, backend):
+        token_losses = contract.reference_token_losses(
+            torch.nn.functional.linear(hidden, weight, bias), labels, options
+        )
+        return contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     labels_1d = labels.reshape(-1).contiguous()
     compiling = torch.compiler.is_compiling()
     if reduction == "none":
         if compiling:
-            token_losses = _per_token_forward_op(hidden_2d, weight, bias, labels_1d, *options)[0]
+            token_losses = _per_token_forward_op(hidden_2d, weight, bias, labels_1d, *options, *chunking)[0]
         else:
-            token_losses = _PerTokenFunction.apply(hidden_2d, weight, bias, labels_1d, options)
+            token_losses = _PerTokenFunction.apply(hidden_2d, weight, bias, labels_1d, options, chunking)
         return token_losses.view(labels.shape)
     grad_enabled = torch.is_grad_enabled()
     needs = (
@@ -584,7 +548,7 @@ def linear_cross_entropy(
         grad_enabled and weight.requires_grad,
         grad_enabled and bias is not None and bias.requires_grad,
     )
-    denominator = _denominator(labels_1d, reduction, n_items, ignore_index)
+    denominator = contract.loss_divisor(labels_1d, reduction, n_items, ignore_index).reshape(1)
     if compiling:
-        return _reduced_op(hidden_2d, weight, bias, labels_1d, denominator, *options, *needs)[0]
-    return _ReducedFunction.apply(hidden_2d, weight, bias, labels_1d, denominator, options, needs)
+        return _reduced_op(hidden_2d, weight, bias, labels_1d, denominator, *options, *chunking, *needs)[0]
+    return _ReducedFunction.apply(hidden_2d, weight, bias, labels_1d, denominator, options, chunking, needs)

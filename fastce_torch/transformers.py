@@ -54,7 +54,8 @@ import sys
 
 import torch
 
-from .cross_entropy import BACKENDS, cross_entropy
+from .contract import BACKENDS
+from .cross_entropy import cross_entropy
 from .linear_cross_entropy import linear_cross_entropy
 
 _LOSS_NAME = "ForCausalLMLoss"

@@ -5,7 +5,7 @@ Each package is called the way users call it: torch's `(loss * upstream).sum().b
 "mean"/"sum", so the backward's scaling is checked too) and JAX's `jax.value_and_grad` of the same objective, with
 float32 matmuls at full precision (no TF32). Inputs are made once in torch (the values each package sees, already
 rounded to the case's dtype) and handed to JAX through DLPack. A package without linear_cross_entropy is skipped.
-The rows are split into chunks of CHUNK_ROWS_SMALL (each package's CHUNK_ROWS setting), so several chunks run, the
+The rows are split into chunks of CHUNK_ROWS_SMALL (the packages' chunk_rows keyword), so several chunks run, the
 last one partial (torch) or clamped onto the one before (JAX).
 
 Tolerances follow from the arithmetic, as in harness.py, with u the unit roundoff of the computation that dominates
@@ -21,6 +21,8 @@ unfused lm_head output and its gradient are).
 NaN must appear exactly where the reference has it (a bad label makes its row of d hidden NaN, and all of d weight).
 """
 
+import dataclasses
+import inspect
 import sys
 from dataclasses import dataclass, field
 
@@ -60,6 +62,7 @@ class LinearCase:
     label_dtype: str = "int64"
     scalar_upstream: float = 1.0  # d objective / d loss for "mean"/"sum" (1 takes the backward's skip-the-scaling path)
     shift: int = 0  # passed on as the packages' shift keyword when not 0 (test_shift.py)
+    chunk_rows: int | None = None  # passed on as the packages' chunk_rows keyword when set
     seed: int = 0
 
     @property
@@ -122,7 +125,8 @@ def make_inputs(case, device):
 
 def kwargs_of(case, n_items):
     shift = {"shift": case.shift} if case.shift else {}
-    return dict(reduction=case.reduction, n_items=n_items, **case.opts.as_kwargs(), **shift)
+    chunking = {} if case.chunk_rows is None else {"chunk_rows": case.chunk_rows}
+    return dict(reduction=case.reduction, n_items=n_items, **case.opts.as_kwargs(), **shift, **chunking)
 
 
 def run_torch(case, inputs):
@@ -228,43 +232,43 @@ def check_result(case, inputs, result, chunks):
         assert_within(grad_bias, scalar * exact.grad_bias, u * (1 + chunks) * (S + G).sum(axis=0), "grad_bias")
 
 
-@pytest.fixture
-def small_chunks(monkeypatch):
-    """Sets a package's CHUNK_ROWS to CHUNK_ROWS_SMALL; returns how many chunks it then runs, which bounds the weight
+def small_chunks(case):
+    """The case with chunk_rows=CHUNK_ROWS_SMALL, and how many chunks it then runs, which bounds the weight
     gradient's roundings."""
-
-    def set_for(package, n_rows):
-        monkeypatch.setattr(sys.modules[f"{package}.linear_cross_entropy"], "CHUNK_ROWS", CHUNK_ROWS_SMALL)
-        return -(-n_rows // CHUNK_ROWS_SMALL)
-
-    return set_for
+    return dataclasses.replace(case, chunk_rows=CHUNK_ROWS_SMALL), -(-int(np.prod(case.shape)) // CHUNK_ROWS_SMALL)
 
 
 @pytest.mark.parametrize("package", ["fastce_torch", "fastce_jax"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_against_float64_reference(case, package, device, small_chunks):
+def test_against_float64_reference(case, package, device):
     runner = package_runner(package)
-    chunks = small_chunks(package, int(np.prod(case.shape)))
+    case, chunks = small_chunks(case)
     check(case, device, runner, chunks)
 
 
 @pytest.mark.parametrize("package", ["fastce_torch", "fastce_jax"])
-def test_chunk_rows_from_the_budget(package, monkeypatch):
+def test_chunk_rows_from_the_budget(package):
     """The same defaults and chunking rule in both packages."""
     package_runner(package)
     module = sys.modules[f"{package}.linear_cross_entropy"]
-    assert module.WORKSPACE_BYTES == 256 << 20 and module.ROWS_MULTIPLE == 128 and module.CHUNK_ROWS is None
-    assert module.ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32 is False
-    assert module.chunk_rows(8192, 128256, 2) == 1024  # 1046 rows fit: 8 even chunks of a multiple of 128
-    assert module.chunk_rows(8192, 256000, 2) == 512
-    assert module.chunk_rows(100, 128256, 2) == 100  # fits: one chunk, never more than the rows there are
-    assert module.chunk_rows(8192, 2**31, 4) == 1  # at least one row, whatever the budget
+    assert module.DEFAULT_WORKSPACE_BYTES == 256 << 20 and module.ROWS_MULTIPLE == 128
+    for name in ("WORKSPACE_BYTES", "CHUNK_ROWS", "ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32"):
+        assert not hasattr(module, name), f"{name} is a keyword of linear_cross_entropy, not a module setting"
+    keywords = inspect.signature(module.linear_cross_entropy).parameters
+    assert [keywords[name].default for name in ("workspace_bytes", "chunk_rows", "accumulate_in_float32")] == [
+        None,
+        None,
+        False,
+    ]
+    rows = module.rows_per_chunk
+    assert rows(8192, 128256, 2) == 1024  # 1046 rows fit: 8 even chunks of a multiple of 128
+    assert rows(8192, 256000, 2) == 512
+    assert rows(100, 128256, 2) == 100  # fits: one chunk, never more than the rows there are
+    assert rows(8192, 2**31, 4) == 1  # at least one row, whatever the budget
     # 4096 rows fit at V=32000; 8292 rows take 3 chunks, split evenly (2816, 2816, 2660), not 4096, 4096, 100.
-    assert module.chunk_rows(8292, 32000, 2) == 2816
-    monkeypatch.setattr(module, "WORKSPACE_BYTES", 1 << 30)
-    assert module.chunk_rows(8192, 32000, 2) == 8192
-    monkeypatch.setattr(module, "CHUNK_ROWS", 5)
-    assert module.chunk_rows(8192, 32000, 2) == 5 and module.chunk_rows(3, 32000, 2) == 3
+    assert rows(8292, 32000, 2) == 2816
+    assert rows(8192, 32000, 2, workspace_bytes=1 << 30) == 8192
+    assert rows(8192, 32000, 2, chunk_rows=5) == 5 and rows(3, 32000, 2, chunk_rows=5) == 3
 
 
 @pytest.mark.gpu
@@ -285,17 +289,16 @@ def test_mid_shapes_on_gpu(case, package, device):
     runner = package_runner(package)
     n_rows = int(np.prod(case.shape))
     itemsize = TORCH_DTYPES[case.dtype].itemsize
-    chunks = -(-n_rows // sys.modules[f"{package}.linear_cross_entropy"].chunk_rows(n_rows, case.vocab, itemsize))
+    chunks = -(-n_rows // sys.modules[f"{package}.linear_cross_entropy"].rows_per_chunk(n_rows, case.vocab, itemsize))
     check(case, device, runner, chunks)
 
 
 @pytest.mark.parametrize("package", ["fastce_torch", "fastce_jax"])
-def test_mixed_dtypes_compute_promoted_and_keep_each_gradient_dtype(package, device, small_chunks):
+def test_mixed_dtypes_compute_promoted_and_keep_each_gradient_dtype(package, device):
     """bf16 hidden states with a float32 LM head and bias (mixed-precision training): both packages compute in the
     promoted dtype (float32) and hand each gradient back in its own tensor's dtype."""
     runner = package_runner(package)
-    case = LinearCase("mixed", bias=True, reduction="sum", scalar_upstream=1.0)
-    chunks = small_chunks(package, int(np.prod(case.shape)))
+    case, chunks = small_chunks(LinearCase("mixed", bias=True, reduction="sum", scalar_upstream=1.0))
     hidden, weight, bias, labels, upstream, n_items = make_inputs(case, device)
     hidden = hidden.bfloat16()
     loss, grads = runner(case, (hidden, weight, bias, labels, upstream, n_items))

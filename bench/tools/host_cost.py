@@ -20,7 +20,7 @@ import timeit
 
 import torch
 
-from fastce_torch import kernels
+from fastce_torch import contract, kernels
 
 ce_module = importlib.import_module("fastce_torch.cross_entropy")  # the module (the package exports the function)
 
@@ -186,20 +186,23 @@ def breakdown(device="cpu", n_rows=64, vocab=1000, number=2000, repeat=7):
 
     with no_launches():
         time(
-            "argument checks (_check_arguments)",
-            lambda: ce_module._check_arguments(logits, labels, -100, "mean", None, 0.0, 0.0, 0.0, 0.0, backend),
+            "argument checks (contract.check_labels + check_options)",
+            lambda: (
+                contract.check_labels(labels, "logits", logits.shape, logits.device),
+                contract.check_options(-100, "mean", None, 0.0, 0.0, 0.0, 0.0, backend),
+            ),
         )
         zero = 0.0
-        time("Options(...) with four float() calls", lambda: kernels.Options(-100, *map(float, (zero,) * 4)))
+        time("Options(...) with four float() calls", lambda: contract.Options(-100, *map(float, (zero,) * 4)))
         time("row_layout + rows_overlap", lambda: (kernels.row_layout(logits), kernels.rows_overlap(logits)))
         time(
-            "_is_intermediate + _under_functorch",
-            lambda: (ce_module._is_intermediate(logits), ce_module._under_functorch()),
+            "is_intermediate + under_functorch",
+            lambda: (contract.is_intermediate(logits), contract.under_functorch()),
         )
         time("labels.reshape(-1).contiguous()", lambda: labels.reshape(-1).contiguous())
         time(
             "is_dtensor + is_compiling",
-            lambda: (ce_module.distributed.is_dtensor(logits), torch.compiler.is_compiling()),
+            lambda: (ce_module.sharding.is_dtensor(logits), torch.compiler.is_compiling()),
         )
         time(
             "launcher allocations (empty, empty, zeros)",

@@ -20,16 +20,6 @@ pytestmark = pytest.mark.filterwarnings(
 module = sys.modules["fastce_torch.linear_cross_entropy"]
 
 
-@pytest.fixture
-def chunk_rows(monkeypatch):
-    """Forces `rows` rows per chunk (CHUNK_ROWS), so tiny problems still run in several chunks."""
-
-    def set_rows(rows):
-        monkeypatch.setattr(module, "CHUNK_ROWS", rows)
-
-    return set_rows
-
-
 def problem(device, n=18, width=20, vocab=70, bias=True, dtype=torch.float32, seed=0, shape=None):
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(*(shape or (n,)), width, generator=gen)
@@ -67,12 +57,11 @@ OPTION_SETS = [
 
 
 @pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "mean")
-def test_kernel_matches_unfused_loss_under_poisoned_buffers(options, device, chunk_rows, poisoned):
+def test_kernel_matches_unfused_loss_under_poisoned_buffers(options, device, poisoned):
     """Every buffer the function allocates starts as NaN: each must be fully written (chunks of 4 rows + a tail)."""
     hidden, weight, bias, labels = problem(device)
-    chunk_rows(4)
     upstream = torch.randn(labels.shape, device=device) if options.get("reduction") == "none" else None
-    fused = linear_cross_entropy(hidden, weight, labels, bias=bias, backend="kernel", **options)
+    fused = linear_cross_entropy(hidden, weight, labels, bias=bias, backend="kernel", chunk_rows=4, **options)
     expected = unfused(hidden, weight, labels, bias, **options)
     torch.testing.assert_close(fused, expected, rtol=2e-6, atol=2e-6)
     assert_same(grads_of(fused, (hidden, weight, bias), upstream), grads_of(expected, (hidden, weight, bias), upstream))
@@ -127,12 +116,11 @@ def test_no_grad_gives_the_same_loss(device):
     torch.testing.assert_close(loss, unfused(hidden, weight, labels, bias).detach(), rtol=2e-6, atol=2e-6)
 
 
-def test_gradient_accumulation_over_micro_batches(device, chunk_rows):
+def test_gradient_accumulation_over_micro_batches(device):
     """Two losses, two backward calls: .grad sums them (the precomputed gradients are handed over, not aliased)."""
     hidden, weight, bias, labels = problem(device)
-    chunk_rows(5)
     for half in (slice(0, 9), slice(9, 18)):
-        linear_cross_entropy(hidden[half], weight, labels[half], bias=bias, backend="kernel").backward()
+        linear_cross_entropy(hidden[half], weight, labels[half], bias=bias, backend="kernel", chunk_rows=5).backward()
     got = (hidden.grad, weight.grad, bias.grad)
     expected = sum(unfused(hidden[h], weight, labels[h], bias) for h in (slice(0, 9), slice(9, 18)))
     assert_same(got, grads_of(expected, (hidden, weight, bias)))
@@ -146,15 +134,14 @@ def test_second_backward_raises(device):
         loss.backward()
 
 
-def test_three_dims_and_strided_hidden(device, chunk_rows):
+def test_three_dims_and_strided_hidden(device):
     gen = torch.Generator().manual_seed(4)
     base = torch.randn(3, 5, 40, generator=gen).to(device)
     hidden = base[:, :, 4:28].requires_grad_()  # strided rows: a non-contiguous (3, 5, 24) view
     _, weight, _, _ = problem(device, width=24, vocab=50)
     labels = torch.randint(0, 50, (3, 5), generator=gen).to(device)
-    chunk_rows(4)
     for reduction in ("mean", "none"):
-        fused = linear_cross_entropy(hidden, weight, labels.int(), reduction=reduction, backend="kernel")
+        fused = linear_cross_entropy(hidden, weight, labels.int(), reduction=reduction, backend="kernel", chunk_rows=4)
         expected = unfused(hidden, weight, labels, reduction=reduction)
         assert fused.shape == expected.shape
         torch.testing.assert_close(fused, expected, rtol=2e-6, atol=2e-6)
@@ -234,13 +221,12 @@ def test_float64_passes_gradcheck(backend, reduction, device):
 
 
 @pytest.mark.parametrize("float32_accumulator", [False, True])
-def test_float32_weight_grad_accumulator(float32_accumulator, device, chunk_rows, monkeypatch):
+def test_float32_weight_grad_accumulator(float32_accumulator, device):
     """Both accumulators give the weight's dtype and the right gradient for bf16 weights."""
     dtype = torch.bfloat16
     hidden, weight, bias, labels = problem(device, dtype=dtype)
-    chunk_rows(4)
-    monkeypatch.setattr(module, "ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32", float32_accumulator)
-    loss = linear_cross_entropy(hidden, weight, labels, bias=bias, backend="kernel")
+    settings = dict(chunk_rows=4, accumulate_in_float32=float32_accumulator)
+    loss = linear_cross_entropy(hidden, weight, labels, bias=bias, backend="kernel", **settings)
     (grad_weight,) = torch.autograd.grad(loss, weight)
     assert grad_weight.dtype == dtype
     weight64 = weight.detach().double().requires_grad_()
@@ -303,17 +289,16 @@ class Head(torch.nn.Module):
     ],
     ids=["mean", "none-softcap", "sum-zloss"],
 )
-def test_fullgraph_compile_matches_eager(options, device, chunk_rows):
+def test_fullgraph_compile_matches_eager(options, device):
     from fastce_torch.tests.test_compile import ops_in, recording_backend
 
     torch.manual_seed(0)
-    head = Head(16, 60, **options).to(device)
+    head = Head(16, 60, chunk_rows=4, **options).to(device)
     gen = torch.Generator().manual_seed(1)
     hidden = torch.randn(2, 7, 16, generator=gen).to(device).requires_grad_()
     labels = torch.randint(0, 60, (2, 7), generator=gen).to(device)
     labels[0, :3] = -100
     n_items = torch.tensor(9.0, device=device) if options.get("reduction") == "sum" else None
-    chunk_rows(4)
 
     def run(fn):
         head.zero_grad(set_to_none=True)
@@ -358,7 +343,7 @@ def test_peak_memory_is_gradients_plus_workspace(reduction, device):
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
     gradients = hidden.numel() * 2 + weight.numel() * 2
-    workspace = module.chunk_rows(n, vocab, 2) * vocab * 2
+    workspace = module.rows_per_chunk(n, vocab, 2) * vocab * 2
     assert peak <= gradients + workspace + (8 << 20), (peak, gradients, workspace)
     assert peak < gradients + n * vocab * 2
     del grads
@@ -423,27 +408,28 @@ def _check_autocast_result(loss, got, inputs, labels, upstream, reduction):
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
-def test_autocast_matmuls_in_the_autocast_dtype(reduction, with_bias, device, chunk_rows):
+def test_autocast_matmuls_in_the_autocast_dtype(reduction, with_bias, device):
     """Under torch.autocast(bfloat16) with float32 master weights the matmuls run in bf16, as F.linear's do, and
     each gradient comes back in its own tensor's float32."""
     inputs, labels, upstream = _autocast_case(device, with_bias, reduction)
-    chunk_rows(8)
     with torch.autocast(device.type, dtype=torch.bfloat16):
-        loss = linear_cross_entropy(*inputs[:2], labels, bias=inputs[2], reduction=reduction, backend="kernel")
+        loss = linear_cross_entropy(
+            *inputs[:2], labels, bias=inputs[2], reduction=reduction, backend="kernel", chunk_rows=8
+        )
     got = grads_of(loss, inputs, upstream)
     _check_autocast_result(loss, got, inputs, labels, upstream, reduction)
 
 
-def test_autocast_weight_gradient_accumulates_in_float32(device, chunk_rows, monkeypatch):
+def test_autocast_weight_gradient_accumulates_in_float32(device):
     """A float32 master weight's gradient is accumulated in float32 (not rounded to bf16 per chunk): with float32
     accumulation forced on or left off it is the same tensor."""
     inputs, labels, _ = _autocast_case(device, True, "mean")
-    chunk_rows(4)
     results = []
     for flag in (False, True):
-        monkeypatch.setattr(module, "ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32", flag)
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = linear_cross_entropy(*inputs[:2], labels, bias=inputs[2], backend="kernel")
+            loss = linear_cross_entropy(
+                *inputs[:2], labels, bias=inputs[2], backend="kernel", chunk_rows=4, accumulate_in_float32=flag
+            )
         results.append(torch.autograd.grad(loss, inputs[1]))
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
     # Not a bf16 value cast up: a float32 accumulator leaves low mantissa bits set.
@@ -463,16 +449,17 @@ def test_autocast_disabled_or_other_device_type_is_float32(device):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_autocast_under_torch_compile(reduction, device, chunk_rows):
+def test_autocast_under_torch_compile(reduction, device):
     """The custom-op path follows autocast the same way (fullgraph, the fastce ops in the graph)."""
     from fastce_torch.tests.test_compile import ops_in, recording_backend
 
     inputs, labels, upstream = _autocast_case(device, True, reduction)
-    chunk_rows(8)
 
     def fn(hidden, weight, bias, labels):
         with torch.autocast(hidden.device.type, dtype=torch.bfloat16):
-            return linear_cross_entropy(hidden, weight, labels, bias=bias, reduction=reduction, backend="kernel")
+            return linear_cross_entropy(
+                hidden, weight, labels, bias=bias, reduction=reduction, backend="kernel", chunk_rows=8
+            )
 
     torch._dynamo.reset()
     backend, graphs = recording_backend()
@@ -484,3 +471,47 @@ def test_autocast_under_torch_compile(reduction, device, chunk_rows):
     name = "linear_cross_entropy_forward" if reduction == "none" else "linear_cross_entropy_reduced"
     assert f"fastce.{name}.default" in ops_in(graphs["forward"])
     _check_autocast_result(loss, got, inputs, labels, upstream, reduction)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_chunking_keywords_reach_the_custom_ops(reduction, device, monkeypatch):
+    """Under torch.compile the ops run the chunk loop with the caller's chunk_rows / workspace_bytes."""
+    seen = []
+    original = module.rows_per_chunk
+
+    def spy(n_rows, vocab, itemsize, workspace_bytes=None, chunk_rows=None):
+        seen.append((workspace_bytes, chunk_rows))
+        return original(n_rows, vocab, itemsize, workspace_bytes, chunk_rows)
+
+    monkeypatch.setattr(module, "rows_per_chunk", spy)
+    hidden, weight, bias, labels = problem(device)
+    settings = dict(workspace_bytes=12345, chunk_rows=3, accumulate_in_float32=True)
+
+    def fn(hidden, weight, bias, labels):
+        return linear_cross_entropy(
+            hidden, weight, labels, bias=bias, reduction=reduction, backend="kernel", **settings
+        )
+
+    torch._dynamo.reset()
+    try:
+        loss = torch.compile(fn, fullgraph=True)(hidden, weight, bias, labels)
+        grads_of(loss.sum(), (hidden, weight, bias))
+    finally:
+        torch._dynamo.reset()
+    assert seen and set(seen) == {(12345, 3)}
+
+
+@pytest.mark.parametrize(
+    "keyword, value, error",
+    [
+        ("workspace_bytes", 0, ValueError),
+        ("workspace_bytes", 1.5, ValueError),
+        ("chunk_rows", -1, ValueError),
+        ("chunk_rows", True, ValueError),
+        ("accumulate_in_float32", 1, TypeError),
+    ],
+)
+def test_bad_chunking_keywords_raise(keyword, value, error, device):
+    hidden, weight, bias, labels = problem(device)
+    with pytest.raises(error, match=keyword):
+        linear_cross_entropy(hidden, weight, labels, bias=bias, backend="kernel", **{keyword: value})

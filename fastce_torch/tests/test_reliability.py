@@ -1,4 +1,4 @@
-"""Reliability (issue 7): precision near p = 1, determinism, batch invariance, huge vocabularies, devices."""
+"""Reliability: precision near p = 1, determinism, batch invariance, huge vocabularies, devices."""
 
 import numpy as np
 import pytest

@@ -134,7 +134,7 @@ def test_compile_dynamic_fullgraph_equals_the_sliced_eager_call(device, options)
 def test_dtensor_is_refused(device, monkeypatch):
     """DTensor inputs with shift raise NotImplementedError (a real DTensor: vocab_parallel_check's shift case)."""
     logits, labels = inputs(device)
-    monkeypatch.setattr(fastce_torch.distributed, "is_dtensor", lambda tensor: tensor is logits)
+    monkeypatch.setattr(fastce_torch.sharding, "is_dtensor", lambda tensor: tensor is logits)
     with pytest.raises(NotImplementedError, match="shift"):
         cross_entropy(logits, labels, shift=1)
 

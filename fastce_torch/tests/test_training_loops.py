@@ -1,4 +1,4 @@
-"""fastce_torch used the way training loops use a loss (issue 12): in-place ops on the returned loss, masks written
+"""fastce_torch used the way training loops use a loss: in-place ops on the returned loss, masks written
 into per-token losses, overlapping and strided logits, second-order and repeated backward, torch.func, the
 transformers Trainer and MoE router losses, devices and streams. Gradients are checked against the float64 reference
 of shared_tests/reference.py (CPU: Triton's interpreter; --gpu: CUDA)."""
@@ -9,9 +9,8 @@ import torch
 
 import fastce_torch
 from fastce_torch import cross_entropy, kernels
-from shared_tests import reference
 
-from .checks import tiny_causal_lm
+from .checks import assert_grad, assert_loss, expected, tiny_causal_lm
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:divide by zero:RuntimeWarning", "ignore::DeprecationWarning", "ignore:invalid value:RuntimeWarning"
@@ -27,17 +26,6 @@ def problem(device, shape=(2, 5), vocab=VOCAB, seed=0, dtype=torch.float32):
     labels = torch.randint(0, vocab, shape, generator=generator)
     labels.view(-1)[::4] = -100
     return logits.to(device), labels.to(device)
-
-
-def expected(logits, labels, reduction="mean", upstream=None, **options):
-    """The float64 reference's loss and gradient (upstream: the cotangent of per-token losses)."""
-    return reference.cross_entropy(
-        logits.detach().double().cpu().numpy(),
-        labels.cpu().numpy(),
-        reduction=reduction,
-        upstream=None if upstream is None else upstream.double().cpu().numpy(),
-        opts=reference.Options(**options),
-    )
 
 
 def assert_close(actual, wanted, rtol=RTOL, atol=1e-7):
@@ -62,7 +50,7 @@ def test_inplace_arithmetic_on_the_reduced_loss(device, op, inplace_backward):
     logits, labels = problem(device)
     leaf = logits.clone().requires_grad_()
     loss = cross_entropy(intermediate(leaf), labels, backend="kernel", inplace_backward=inplace_backward)
-    ref = expected(logits, labels)
+    ref = expected(logits, labels, reduction="mean")
     if op == "loss /= accum":
         loss /= 4
         want_loss, want_grad = ref.loss / 4, ref.grad / 4
@@ -99,7 +87,7 @@ def test_writes_into_per_token_losses(device, op, inplace_backward):
     per_token.sum().backward()
     ref = expected(logits, labels, reduction="none", upstream=upstream)
     assert_close(per_token, ref.loss * upstream.double().cpu().numpy())
-    assert_close(leaf.grad, ref.grad)
+    assert_grad(leaf.grad, ref)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -135,7 +123,7 @@ def test_as_strided_overlapping_rows_get_the_out_of_place_gradient(device):
     rows = intermediate(leaf).as_strided((n_rows, VOCAB), (step, 1))
     labels = torch.tensor([0, 150, 299, 42], device=device)
     cross_entropy(rows, labels, backend="kernel").backward()
-    ref = expected(flat.as_strided((n_rows, VOCAB), (step, 1)), labels)
+    ref = expected(flat.as_strided((n_rows, VOCAB), (step, 1)), labels, reduction="mean")
     want = np.zeros(flat.numel())
     for r in range(n_rows):
         want[r * step : r * step + VOCAB] += ref.grad[r]
@@ -172,11 +160,11 @@ def test_sliced_3d_logits_reach_the_kernels_without_a_copy(device, monkeypatch):
     logits = full[:, :-1]
     assert not logits.is_contiguous()
     loss = cross_entropy(logits, ids[:, 1:], backend="kernel")
-    ref = expected(full[:, :-1], ids[:, 1:])
+    ref = expected(full[:, :-1], ids[:, 1:], reduction="mean")
     loss.backward()
     assert seen["forward"] == [(full.data_ptr(), logits.stride())]
     assert seen["backward"] == [(full.data_ptr(), full.data_ptr())]  # the gradient lands in lm_head's output
-    assert_close(loss, ref.loss)
+    assert_loss(loss, ref)
     h = hidden[:, :-1].double().cpu().numpy().reshape(-1, 16)
     assert_close(weight.grad, ref.grad.reshape(-1, VOCAB).T @ h, rtol=1e-4, atol=1e-6)
 
@@ -284,7 +272,7 @@ def test_two_losses_and_second_backward_work_out_of_place(device):
     )
     total.backward(retain_graph=True)
     total.backward()  # accumulates a second time
-    want = 2 * (expected(logits, labels).grad + expected(logits, other).grad)
+    want = 2 * (expected(logits, labels, reduction="mean").grad + expected(logits, other, reduction="mean").grad)
     assert_close(leaf.grad, want)
 
 
@@ -296,12 +284,12 @@ def test_torch_func_grad_and_grad_and_value(device, reduction):
     logits, labels = problem(device)
     ref = expected(logits, labels, reduction=reduction)
     grad = torch.func.grad(lambda x: cross_entropy(x, labels, reduction=reduction, backend="kernel"))(logits)
-    assert_close(grad, ref.grad)
+    assert_grad(grad, ref)
     grad, value = torch.func.grad_and_value(
         lambda x: cross_entropy(intermediate(x), labels, reduction=reduction, backend="kernel")
     )(logits)
-    assert_close(grad, ref.grad)
-    assert_close(value, ref.loss)
+    assert_grad(grad, ref)
+    assert_loss(value, ref)
 
 
 def test_torch_func_vjp(device):
@@ -310,8 +298,8 @@ def test_torch_func_vjp(device):
     value, vjp_fn = torch.func.vjp(lambda x: cross_entropy(x, labels, reduction="none", backend="kernel"), logits)
     (grad,) = vjp_fn(cotangent)
     ref = expected(logits, labels, reduction="none", upstream=cotangent)
-    assert_close(value, ref.loss)
-    assert_close(grad, ref.grad)
+    assert_loss(value, ref)
+    assert_grad(grad, ref)
 
 
 def test_torch_func_unsupported_transforms_raise_clear_errors(device):
@@ -375,19 +363,21 @@ def test_torch_func_higher_order_and_forward_mode_through_the_kernel(device, red
 # --- batch invariance ------------------------------------------------------------------------------------------
 
 
-def test_batch_invariance_with_several_chunks(device, monkeypatch):
+def test_batch_invariance_with_several_chunks(device):
     """A row's loss and gradient are bitwise the same alone and inside batches of other sizes, with the rows split
-    into several chunks (small tiles and chunks forced, so V=300 takes five chunks of 64)."""
-    monkeypatch.setattr(kernels, "FORWARD_BLOCK", 32)
-    monkeypatch.setattr(kernels, "CHUNK", 64)
-    assert kernels.forward_config(VOCAB)[2] == 5
+    into several chunks (small tiles and chunks passed to the launchers, so V=300 takes five chunks of 64)."""
+    forward_config = kernels.forward_config(VOCAB, block=32, chunk=64)
+    backward_config = kernels.backward_config(VOCAB, block=32)
+    assert forward_config.n_chunks == 5
     logits, labels = problem(device, shape=(70,), seed=8)
+    options = kernels.Options(label_smoothing=0.1)
 
     def run(rows):
-        leaf = logits[rows].clone().requires_grad_()
-        loss = cross_entropy(leaf, labels[rows], reduction="none", backend="kernel", label_smoothing=0.1)
-        loss.backward(torch.ones_like(loss))
-        return loss.detach(), leaf.grad
+        x, y = logits[rows].contiguous(), labels[rows].contiguous()
+        loss, lse, _ = kernels.forward(x, y, options, config=forward_config)
+        grad = torch.empty_like(x)
+        kernels.backward(torch.ones_like(loss), x, y, lse, grad, options, config=backward_config)
+        return loss, grad
 
     full_loss, full_grad = run(list(range(70)))  # more than one group of 64 rows
     for rows in ([5], [5, 69, 0], list(range(69, -1, -2))):
@@ -438,9 +428,9 @@ def test_logits_on_the_second_gpu_while_the_first_is_current(compiled):
     loss = fn(leaf)
     loss.backward()
     assert torch.cuda.current_device() == 0 and loss.device == leaf.grad.device == torch.device("cuda:1")
-    ref = expected(logits, labels, z_loss=1e-4)
-    assert_close(loss, ref.loss, rtol=1e-5)
-    assert_close(leaf.grad.float(), ref.grad, rtol=1.6e-2, atol=1e-6)
+    ref = expected(logits, labels, z_loss=1e-4, reduction="mean")
+    assert_loss(loss, ref)
+    assert_grad(leaf.grad, ref)
 
 
 @pytest.mark.gpu
@@ -454,7 +444,7 @@ def test_launches_follow_the_current_stream(device):
         x = logits * 1.0
         loss = cross_entropy(x, labels, reduction="none")
     torch.cuda.current_stream().wait_stream(side)
-    assert_close(loss, expected(logits, labels, reduction="none").loss)
+    assert_loss(loss, expected(logits, labels, reduction="none"))
 
 
 # --- CUDA graphs ---------------------------------------------------------------------------------------------------
@@ -488,9 +478,9 @@ def test_cuda_graph_capture_and_replay(device):
             static_logits.copy_(logits)
         static_labels.copy_(labels)
         graph.replay()
-        ref = expected(logits, labels, z_loss=1e-4)
-        assert_close(static_loss, ref.loss, rtol=1e-5)
-        assert_close(static_grad, ref.grad, rtol=1e-4, atol=1e-8)
+        ref = expected(logits, labels, z_loss=1e-4, reduction="mean")
+        assert_loss(static_loss, ref)
+        assert_grad(static_grad, ref)
 
 
 @pytest.mark.gpu

@@ -149,7 +149,7 @@ def run_process_group(case, device, widths, explicit, group, backend):
         vocab_start=start if explicit else None,
         **case.opts.as_kwargs(),
     )
-    assert not fastce_torch.distributed.is_dtensor(loss)
+    assert not fastce_torch.sharding.is_dtensor(loss)
     backward(loss, case, inputs)
     grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
     assert grad.dtype == x.dtype and grad.shape == x.shape

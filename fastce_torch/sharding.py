@@ -16,14 +16,15 @@ import sys
 import torch
 import torch.distributed as dist
 
-from . import kernels
+from . import contract, kernels
 
 # --- per-shard statistics and gradient: the only calls into the kernels ------------------------------------------
 
 
 def shard_statistics(logits, labels, options, vocab_start, vocab_total, use_kernel):
     """Per-row float32 (lse over the local columns, transformed label logit where the label column is local else 0,
-    sum of z over the local columns (zeros without smoothing)). Ignored rows: lse -inf, label logit 0, sum 0."""
+    sum of z over the local columns (zeros without smoothing)). Ignored rows' values are ignored by the loss (the
+    kernels give them lse -inf, label logit 0, sum 0)."""
     if use_kernel:
         return kernels.forward(logits, labels, options, vocab_start=vocab_start, vocab_total=vocab_total)
     return _shard_statistics_torch(logits, labels, options, vocab_start)
@@ -45,67 +46,13 @@ def shard_gradient(grad_output, denominator, logits, labels, lse, grad, options,
     return _shard_gradient_torch(grad_rows, logits, labels, lse, grad, options, vocab_start, vocab_total)
 
 
-def _transform(x, logit_softcapping, logit_scaling):
-    """(z, tanh of the capped argument or None) in float32, float64 for float64 logits (never sent to the kernels)."""
-    z = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-    if logit_scaling != 0.0:
-        z = z * logit_scaling
-    if logit_softcapping > 0.0:
-        tanh_z = torch.tanh(z / logit_softcapping)
-        return logit_softcapping * tanh_z, tanh_z
-    return z, None
-
-
-def _local_label_columns(labels, vocab_start, local_width, ignore_index):
-    """(local column of each label clamped into the slice, whether this rank owns the label)."""
-    column = labels.long() - vocab_start
-    owned = (column >= 0) & (column < local_width) & (labels != ignore_index)
-    return column.clamp(0, max(local_width - 1, 0)), owned
-
-
 def _shard_statistics_torch(logits, labels, options, vocab_start):
-    ignore_index, logit_softcapping, logit_scaling, label_smoothing, _ = options
-    ignored = labels == ignore_index
-    # Ignored rows take no part in any arithmetic (NaN there must not leak).
-    z, _ = _transform(torch.where(ignored.unsqueeze(-1), 0.0, logits), logit_softcapping, logit_scaling)
-    lse_local = torch.where(ignored, float("-inf"), torch.logsumexp(z, dim=-1))
-    column, owned = _local_label_columns(labels, vocab_start, logits.shape[-1], ignore_index)
-    z_label = torch.where(owned, z.gather(-1, column.unsqueeze(-1)).squeeze(-1), 0.0)
-    if label_smoothing > 0.0:
-        sum_z = torch.where(ignored, 0.0, z.sum(dim=-1))
-    else:
-        sum_z = torch.zeros_like(lse_local)
-    return lse_local, z_label, sum_z
+    z = contract.transform(logits, options, labels)
+    return contract.row_statistics(z, labels, options, vocab_start)
 
 
 def _shard_gradient_torch(grad_rows, logits, labels, lse, grad, options, vocab_start, vocab_total):
-    return grad.copy_(local_gradient(grad_rows, logits, labels, lse, options, vocab_start, vocab_total))
-
-
-def local_gradient(grad_rows, logits, labels, lse, options, vocab_start, vocab_total):
-    """d loss / d logits of the local columns (float32; float64 for float64 logits) in plain torch ops, so autograd
-    and torch.func can differentiate it again: grad_rows (N,) the per-token upstream, lse (N,) the global logsumexp,
-    or None for the logsumexp of these logits themselves (one shard holding the whole vocabulary)."""
-    ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss = options
-    ignored = labels == ignore_index
-    in_range = (labels >= 0) & (labels < vocab_total)
-    z, tanh_z = _transform(torch.where(ignored.unsqueeze(-1), 0.0, logits), logit_softcapping, logit_scaling)
-    if lse is None:
-        lse = torch.logsumexp(z, dim=-1)
-    dz = torch.exp(z - lse.unsqueeze(-1))
-    if z_loss != 0.0:
-        dz = dz * (1.0 + 2.0 * z_loss * lse.unsqueeze(-1))
-    column, owned = _local_label_columns(labels, vocab_start, logits.shape[-1], ignore_index)
-    label_mass = owned.to(dz.dtype) * (1.0 - label_smoothing)
-    dz = dz.scatter_add(-1, column.unsqueeze(-1), -label_mass.unsqueeze(-1))
-    if label_smoothing > 0.0:
-        dz = dz - label_smoothing / vocab_total
-    if tanh_z is not None:
-        dz = dz * (1.0 - tanh_z * tanh_z)
-    if logit_scaling != 0.0:
-        dz = dz * logit_scaling
-    scale = torch.where(in_range, grad_rows.to(dz.dtype), float("nan"))  # a bad label's whole row is NaN
-    return torch.where(ignored.unsqueeze(-1), 0.0, dz * scale.unsqueeze(-1))
+    return grad.copy_(contract.logits_gradient(grad_rows, logits, labels, lse, options, vocab_start, vocab_total))
 
 
 # --- the collectives -----------------------------------------------------------------------------------------
@@ -137,33 +84,6 @@ def combine_statistics(lse_local, z_label, sum_z, group, local_width, check_equa
     return lse, sums[1], (sums[2] if with_sum_z else None)
 
 
-def token_losses(lse, z_label, sum_z, labels, options, vocab_total):
-    """The contract's per-token loss from the global per-row numbers (O(N), in the statistics' dtype)."""
-    ignore_index, _, _, label_smoothing, z_loss = options
-    loss = lse - z_label
-    if label_smoothing > 0.0:
-        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - sum_z / vocab_total)
-    if z_loss != 0.0:
-        loss = loss + z_loss * lse * lse
-    loss = torch.where((labels >= 0) & (labels < vocab_total), loss, float("nan"))
-    return torch.where(labels == ignore_index, 0.0, loss)
-
-
-def _denominator(labels, reduction, n_items, ignore_index):
-    """A 0-d float32 tensor on the labels' device, or None for "none"."""
-    if reduction == "none":
-        return None
-    if n_items is not None:
-        if isinstance(n_items, torch.Tensor):
-            return n_items.to(device=labels.device, dtype=torch.float32)
-        return torch.full((), float(n_items), dtype=torch.float32, device=labels.device)
-    if reduction == "mean":
-        # At least 1: an all-ignored batch gives 0 with a zero gradient. Labels are the same on every rank, so the
-        # local count is the global one.
-        return (labels != ignore_index).sum().clamp_min(1).to(torch.float32)
-    return torch.ones((), dtype=torch.float32, device=labels.device)
-
-
 class _VocabParallelFunction(torch.autograd.Function):
     """Collectives in the forward only; the backward is local."""
 
@@ -172,12 +92,13 @@ class _VocabParallelFunction(torch.autograd.Function):
         group, vocab_start, vocab_total, check_equal_widths = layout
         with kernels.on_device(logits):
             lse_local, z_label, sum_z = shard_statistics(logits, labels, options, vocab_start, vocab_total, use_kernel)
-        with_sum_z = options[3] > 0.0
+        with_sum_z = options.label_smoothing > 0.0
         lse, z_label, sum_z = combine_statistics(
             lse_local, z_label, sum_z, group, logits.shape[-1], check_equal_widths, with_sum_z
         )
-        losses = token_losses(lse, z_label, sum_z, labels, options, vocab_total)
-        denominator = _denominator(labels, reduction, n_items, options[0])
+        losses = contract.token_loss_from_statistics(lse, z_label, sum_z, labels, options, vocab_total)
+        # Labels are the same on every rank, so the local kept-token count is the global one.
+        denominator = contract.loss_divisor(labels, reduction, n_items, options.ignore_index)
         ctx.save_for_backward(logits, labels, lse, denominator)
         ctx.inplace_backward, ctx.options, ctx.use_kernel = inplace_backward, options, use_kernel
         ctx.vocab_start, ctx.vocab_total, ctx.consumed, ctx.group = vocab_start, vocab_total, False, group
@@ -185,28 +106,13 @@ class _VocabParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        from .cross_entropy import LOGITS_REUSED  # (cross_entropy imports this module)
-
-        if ctx.consumed:
-            raise RuntimeError(LOGITS_REUSED)
-        try:
-            logits, labels, lse, denominator = ctx.saved_tensors
-        except RuntimeError as error:
-            if ctx.inplace_backward and "modified by an inplace operation" in str(error):
-                raise RuntimeError(LOGITS_REUSED) from error
-            raise
+        logits, labels, lse, denominator = contract.saved_logits(ctx)
         if torch.is_grad_enabled():
             # create_graph=True: the gradient is differentiated again, so it is built from differentiable ops (and
             # one differentiable all-reduce) on the intact logits, before anything is written in place.
             grad = _differentiable_shard_gradient(grad_output, denominator, logits, labels, lse, ctx)
             return grad, None, None, None, None, None, None, None
-        if ctx.inplace_backward:
-            grad = logits
-            # The logits are about to hold the gradient: another op that saved them fails loudly instead.
-            torch.autograd.graph.increment_version(logits)
-            ctx.consumed = True
-        else:
-            grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        grad = contract.gradient_buffer(ctx, logits)
         with kernels.on_device(logits):
             shard_gradient(
                 grad_output, denominator, logits, labels, lse, grad, ctx.options, ctx.vocab_start, ctx.vocab_total,
@@ -238,9 +144,7 @@ def _differentiable_shard_gradient(grad_output, denominator, logits, labels, lse
     the same all-reduce on every rank: each rank must differentiate (all ranks call backward together, as they do
     for the loss). The rank's result is the gradient of the sum over the ranks of each rank's objective (for a
     Hessian-vector product, sum over ranks of <v_rank, grad_rank>, each rank gets its columns of H v)."""
-    ignore_index, logit_softcapping, logit_scaling, _, _ = ctx.options
-    ignored = labels == ignore_index
-    z, _ = _transform(torch.where(ignored.unsqueeze(-1), 0.0, logits), logit_softcapping, logit_scaling)
+    z = contract.transform(logits, ctx.options, labels)
     shift = torch.where(torch.isfinite(lse), lse, 0.0).detach()
     local = torch.exp(torch.logsumexp(z, dim=-1) - shift)
     global_lse = shift + torch.log(_SumOverRanks.apply(local, ctx.group))
@@ -249,7 +153,9 @@ def _differentiable_shard_gradient(grad_output, denominator, logits, labels, lse
     if denominator is not None:
         grad_rows = grad_rows / denominator
     grad_rows = grad_rows.expand(labels.shape)
-    grad = local_gradient(grad_rows, logits, labels, global_lse, ctx.options, ctx.vocab_start, ctx.vocab_total)
+    grad = contract.logits_gradient(
+        grad_rows, logits, labels, global_lse, ctx.options, ctx.vocab_start, ctx.vocab_total
+    )
     return grad.to(logits.dtype)
 
 

@@ -1,0 +1,330 @@
+"""The contract of fastce_torch in plain torch, shared by every entry point (cross_entropy, linear_cross_entropy,
+the vocab-parallel path in sharding.py): the options record and its checks, the reduction's divisor, the per-token
+loss and its gradient in framework ops (the reference, the vocab-parallel statistics and linear's plain path all
+use the same formulas), the error messages and the autograd guards. Imports no sibling module."""
+
+import math
+from typing import NamedTuple
+
+import torch
+
+
+class Options(NamedTuple):
+    """The loss options, in the contract's order; the same record (fields and order) as fastce_jax's Options."""
+
+    ignore_index: int = -100
+    logit_softcapping: float = 0.0
+    logit_scaling: float = 0.0
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+
+
+REDUCTIONS = ("none", "mean", "sum")
+BACKENDS = ("auto", "kernel", "reference")
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LABEL_DTYPES = (torch.int32, torch.int64)
+FLOAT32_TINY = torch.finfo(torch.float32).tiny  # 2**-126: options between 0 and this are refused
+
+LOGITS_REUSED = (
+    "fastce_torch.cross_entropy wrote its gradient into the logits' buffer (inplace_backward=True), and these "
+    "logits were needed again: by a second backward through the same loss, by a second loss over the same logits, "
+    "or by another op that saved them. Pass inplace_backward=False to keep the logits intact."
+)
+VMAP_UNSUPPORTED = (
+    "fastce_torch.cross_entropy's kernels have no torch.func.vmap rule: a vmapped batch is only more rows, so "
+    "flatten it into the rows instead (logits.reshape(-1, V), labels.reshape(-1), reduction='none', then reduce "
+    "per example), or use backend='reference'"
+)
+KERNEL_DTYPE_REQUIRED = "logits must be float32, bfloat16, float16 or float64, got {}"
+
+
+# --- argument checks on plain values -----------------------------------------------------------------------------
+
+
+def _is_finite(value):
+    # Comparisons, not math.isfinite: under torch.compile(dynamic=True) dynamo cannot trace math.isfinite (a graph
+    # break, an error with fullgraph=True), while float comparisons fold to constants. NaN fails both.
+    return -math.inf < value < math.inf
+
+
+def check_labels(labels, name, shape, device):
+    """labels must be int32/int64 with the leading shape of `name`'s `shape` (its last dimension is V) on `device`."""
+    if not isinstance(labels, torch.Tensor) or labels.dtype not in LABEL_DTYPES:
+        raise TypeError(f"labels must be an int32 or int64 tensor, got {getattr(labels, 'dtype', type(labels))}")
+    if len(shape) < 1 or tuple(labels.shape) != tuple(shape[:-1]):
+        raise ValueError(
+            f"labels must have the leading shape of {name}: {name} {tuple(shape)}, labels {tuple(labels.shape)}"
+        )
+    if labels.device != device:
+        raise ValueError(f"labels are on {labels.device} but {name} on {device}")
+
+
+def check_n_items(n_items):
+    if isinstance(n_items, bool) or not (n_items is None or isinstance(n_items, (int, float, torch.Tensor))):
+        raise TypeError(f"n_items must be a number or a 0-d tensor, got {n_items!r}")
+    if isinstance(n_items, torch.Tensor) and n_items.dim() != 0:
+        raise ValueError(f"n_items must be 0-d, got shape {tuple(n_items.shape)}")
+    if isinstance(n_items, (int, float)) and not n_items > 0:
+        raise ValueError(f"n_items must be positive, got {n_items}")
+
+
+def check_options(ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend):
+    """Checks the keywords every loss takes and returns the loss options as Options (floats as floats)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_n_items(n_items)
+    if not _is_finite(logit_softcapping) or logit_softcapping < 0:
+        raise ValueError(f"logit_softcapping must be >= 0 (0 disables it), got {logit_softcapping}")
+    if not _is_finite(logit_scaling):
+        raise ValueError(f"logit_scaling must be finite (0 disables it), got {logit_scaling}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not _is_finite(z_loss):
+        raise ValueError(f"z_loss must be finite, got {z_loss}")
+    options = Options(
+        ignore_index, float(logit_softcapping), float(logit_scaling), float(label_smoothing), float(z_loss)
+    )
+    for name in Options._fields[1:]:
+        value = getattr(options, name)
+        if value != 0.0 and abs(value) < FLOAT32_TINY:
+            raise ValueError(
+                f"{name}={value} is below float32's normal range (the kernels compute in float32); use 0 to disable it"
+            )
+    return options
+
+
+def check_shift(shift, labels):
+    """shift as an int: True is 1, False 0; position t of the sequence (labels' last dimension) is then scored
+    against label t + shift."""
+    if not isinstance(shift, int):
+        raise TypeError(f"shift must be a non-negative int (True means 1), got {shift!r}")
+    if shift < 0:
+        raise ValueError(f"shift must be >= 0, got {shift}")
+    if shift and labels.dim() < 1:
+        raise ValueError("shift needs labels with a sequence dimension (their last), got 0-d labels")
+    return int(shift)
+
+
+def shifted_labels(labels, shift, ignore_index):
+    """labels[..., shift:] followed by `shift` ignore_index columns (all ignore_index when shift >= the sequence
+    length), and the length of the kept part. The kernels then run on the full, unsliced logits: their last `shift`
+    positions are ignored rows, never read and given a zero gradient, so the loss equals that of
+    (logits[..., :-shift, :], labels[..., shift:]) with no logits-sized slice or gradient. O(N) integers."""
+    info = torch.iinfo(labels.dtype)
+    if not info.min <= ignore_index <= info.max:
+        raise ValueError(
+            f"shift pads the labels with ignore_index ({ignore_index}), which {labels.dtype} labels cannot hold; "
+            "pass int64 labels"
+        )
+    kept = labels[..., shift:]
+    pad = labels.new_full((*labels.shape[:-1], labels.shape[-1] - kept.shape[-1]), ignore_index)
+    return torch.cat((kept, pad), dim=-1), kept.shape[-1]
+
+
+def validate_labels(labels, vocab, ignore_index):
+    """Eager, opt-in (it synchronises): raise on the first label outside [0, V) that is not ignore_index."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if bool(bad.any()):
+        position = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"labels{list(position)} = {int(labels[position])} is outside [0, {vocab}) "
+            f"and is not ignore_index ({ignore_index})"
+        )
+
+
+def use_kernel(tensor, backend):
+    """Whether the kernels compute this call. float64 never reaches them (they compute in float32): whatever
+    `backend` says, it goes to the plain-torch formulas below, which compute in float64."""
+    if tensor.dtype == torch.float64:
+        return False
+    return backend == "kernel" or (backend == "auto" and tensor.is_cuda)
+
+
+def op_schema(record):
+    """A NamedTuple's fields as torch.library schema arguments ("int ignore_index, float logit_softcapping, ..."),
+    so that a custom op takes a record's fields in the one order the record defines."""
+    types = {int: "int", float: "float", bool: "bool", int | None: "int?"}
+    return ", ".join(f"{types[record.__annotations__[name]]} {name}" for name in record._fields)
+
+
+# --- the reduction -----------------------------------------------------------------------------------------------
+
+
+def loss_divisor(labels, reduction, n_items, ignore_index, dtype=torch.float32):
+    """What the summed loss is divided by: a 0-d tensor on labels' device (no host synchronisation), None for
+    "none". n_items when given; for "mean" the kept-token count, at least 1 (an all-ignored batch gives 0 with a
+    zero gradient); for "sum" 1."""
+    if reduction == "none":
+        return None
+    if n_items is not None:
+        if isinstance(n_items, torch.Tensor):
+            return n_items.to(device=labels.device, dtype=dtype)
+        return torch.full((), float(n_items), dtype=dtype, device=labels.device)
+    if reduction == "mean":
+        return (labels != ignore_index).sum().clamp_min(1).to(dtype)
+    return torch.ones((), dtype=dtype, device=labels.device)
+
+
+def reduce_losses(token_losses, labels, reduction, n_items, ignore_index):
+    """The reduction in plain torch (the reference and torch.compile paths; the eager kernels reduce in-kernel)."""
+    divisor = loss_divisor(labels, reduction, n_items, ignore_index, token_losses.dtype)
+    return token_losses if divisor is None else token_losses.sum() / divisor
+
+
+# --- the per-token loss and its gradient in framework ops ----------------------------------------------------------
+
+
+def compute_dtype(dtype):
+    """The dtype the loss is computed and returned in: float64 for float64 logits, float32 for every other dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def transform(logits, options, labels=None):
+    """z: the logits in the compute dtype, scaled, then soft-capped. With labels, ignored rows are zeroed first, so
+    that NaN there cannot leak into any arithmetic (or their zero gradient)."""
+    if labels is not None:
+        logits = torch.where((labels == options.ignore_index).unsqueeze(-1), 0.0, logits)
+    z = logits.to(compute_dtype(logits.dtype))
+    if options.logit_scaling != 0.0:
+        z = z * options.logit_scaling
+    if options.logit_softcapping > 0.0:
+        z = options.logit_softcapping * torch.tanh(z / options.logit_softcapping)
+    return z
+
+
+def label_columns(labels, vocab_start, width, ignore_index):
+    """(the column of each label in a slice [vocab_start, vocab_start + width), clamped into it; whether the slice
+    holds the label)."""
+    column = labels.long() - vocab_start
+    owned = (column >= 0) & (column < width) & (labels != ignore_index)
+    return column.clamp(0, max(width - 1, 0)), owned
+
+
+def row_statistics(z, labels, options, vocab_start=0):
+    """Per row of z (..., width), the columns [vocab_start, vocab_start + width) of the vocabulary: (logsumexp,
+    the label's z where the slice holds the label else 0, sum of z (zeros without label smoothing)). Ignored rows
+    give finite values that the loss ignores."""
+    lse = torch.logsumexp(z, dim=-1)
+    column, owned = label_columns(labels, vocab_start, z.shape[-1], options.ignore_index)
+    label_logit = torch.where(owned, z.gather(-1, column.unsqueeze(-1)).squeeze(-1), 0.0)
+    sum_z = z.sum(dim=-1) if options.label_smoothing > 0.0 else torch.zeros_like(lse)
+    return lse, label_logit, sum_z
+
+
+def token_loss_from_statistics(lse, label_logit, sum_z, labels, options, vocab):
+    """The contract's per-token loss from a row's (logsumexp, label z, sum of z) over the whole vocabulary."""
+    _, _, _, label_smoothing, z_loss = options
+    loss = lse - label_logit
+    if label_smoothing > 0.0:
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - sum_z / vocab)
+    if z_loss != 0.0:
+        loss = loss + z_loss * lse * lse
+    ignored = labels == options.ignore_index
+    # Multiply (not where) so that an out-of-range row's gradient is NaN too, as the kernels give it.
+    loss = loss * torch.where(((labels >= 0) & (labels < vocab)) | ignored, 1.0, float("nan")).to(loss.dtype)
+    return torch.where(ignored, 0.0, loss)
+
+
+def reference_token_losses(logits, labels, options):
+    """Per-token losses of the contract in plain torch (differentiable by autograd; backend='reference'): float32
+    math and losses, float64 for float64 logits."""
+    z = transform(logits, options, labels)
+    return token_loss_from_statistics(*row_statistics(z, labels, options), labels, options, logits.shape[-1])
+
+
+def logits_gradient(grad_rows, logits, labels, lse, options, vocab_start=0, vocab_total=None):
+    """d loss / d logits of the columns [vocab_start, vocab_start + V) (float32; float64 for float64 logits) in
+    plain torch ops, so that autograd and torch.func can differentiate it again: grad_rows (N,) the per-token
+    upstream, lse (N,) the logsumexp over the whole vocabulary of vocab_total (default V), or None for that of these
+    logits themselves."""
+    ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss = options
+    vocab_total = logits.shape[-1] if vocab_total is None else vocab_total
+    ignored = labels == ignore_index
+    z = transform(logits, options, labels)
+    if lse is None:
+        lse = torch.logsumexp(z, dim=-1)
+    dz = torch.exp(z - lse.unsqueeze(-1))
+    if z_loss != 0.0:
+        dz = dz * (1.0 + 2.0 * z_loss * lse.unsqueeze(-1))
+    column, owned = label_columns(labels, vocab_start, logits.shape[-1], ignore_index)
+    label_mass = owned.to(dz.dtype) * (1.0 - label_smoothing)
+    dz = dz.scatter_add(-1, column.unsqueeze(-1), -label_mass.unsqueeze(-1))
+    if label_smoothing > 0.0:
+        dz = dz - label_smoothing / vocab_total
+    if logit_softcapping > 0.0:
+        tanh_z = z / logit_softcapping
+        dz = dz * (1.0 - tanh_z * tanh_z)
+    if logit_scaling != 0.0:
+        dz = dz * logit_scaling
+    in_range = (labels >= 0) & (labels < vocab_total)
+    scale = torch.where(in_range, grad_rows.to(dz.dtype), float("nan"))  # a bad label's whole row is NaN
+    return torch.where(ignored.unsqueeze(-1), 0.0, dz * scale.unsqueeze(-1))
+
+
+# --- autograd guards ---------------------------------------------------------------------------------------------
+
+
+def is_intermediate(tensor):
+    """True when the tensor's storage belongs to the autograd graph alone (not a leaf, not a view of one)."""
+    base = tensor if tensor._base is None else tensor._base
+    return tensor.requires_grad and not tensor.is_leaf and not base.is_leaf
+
+
+def saved_logits(ctx):
+    """ctx.saved_tensors, or LOGITS_REUSED when an in-place backward already overwrote the logits (a second backward)
+    or another op changed them since the forward."""
+    if ctx.consumed:
+        raise RuntimeError(LOGITS_REUSED)
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as error:
+        if ctx.inplace_backward and "modified by an inplace operation" in str(error):
+            raise RuntimeError(LOGITS_REUSED) from error
+        raise
+
+
+def gradient_buffer(ctx, logits):
+    """Where the backward writes d loss / d logits: the logits themselves with ctx.inplace_backward, else a new
+    tensor."""
+    if not ctx.inplace_backward:
+        return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    # The logits are about to hold the gradient: any other op that saved them for its own backward then fails
+    # loudly ("modified by an inplace operation") instead of reading gradients as logits.
+    torch.autograd.graph.increment_version(logits)
+    ctx.consumed = True
+    return logits
+
+
+def functorch_transforms():
+    """The torch.func transforms (grad, vjp, jvp, vmap, ...) the current call runs under, outermost first."""
+    return [interpreter.key() for interpreter in torch._functorch.pyfunctorch.retrieve_all_functorch_interpreters()]
+
+
+def under_functorch():
+    return torch._C._functorch.maybe_current_level() is not None
+
+
+def unwrapped(tensor):
+    """The plain tensor inside torch.func's wrappers (grad/vjp run the backward on them; a kernel needs memory)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return tensor
+
+
+def differentiated_again(tensors):
+    """Whether the gradient a backward returns will itself be differentiated, so it must be built from
+    differentiable torch ops rather than by a kernel (whose output autograd would take for a constant): under
+    create_graph=True (grad mode on inside backward) when the saved logits or the upstream gradient are tracked
+    beneath the torch.func wrappers, or inside an outer torch.func transform that differentiates again (grad of
+    grad, jvp of grad) or batches the cotangent (vmap: jacrev, per-example gradients)."""
+    if torch.is_grad_enabled() and any(unwrapped(tensor).requires_grad for tensor in tensors[:2]):
+        return True
+    if not under_functorch():
+        return False
+    transforms = functorch_transforms()
+    kind = torch._C._functorch.TransformType
+    return kind.Vmap in transforms or sum(key in (kind.Grad, kind.Jvp) for key in transforms) > 1
