@@ -33,7 +33,7 @@ for stage in "$@"; do
     tests-jax)
       timeout -s INT 560 $PYTEST -rfE fastce_jax >"$OUT/gpu-tests-jax.log" 2>&1; tail -8 "$OUT/gpu-tests-jax.log" ;;
     two-gpus)
-      timeout -s INT 300 $PYTEST -rfE fastce_torch/tests/test_distributed.py fastce_jax/tests/test_jax_sharding.py \
+      timeout -s INT 300 $PYTEST -rfE fastce_torch/tests/test_distributed.py fastce_jax/tests/test_sharding.py \
         fastce_torch/tests/test_training_loops.py -k "two_gpus or second_gpu or sharding or shard_map" \
         >"$OUT/gpu-tests-two.log" 2>&1; tail -8 "$OUT/gpu-tests-two.log" ;;
     shared)
@@ -67,7 +67,7 @@ for stage in "$@"; do
         -k "vocab_sizes or out_of_range or minus_inf or nan_or_inf or strided or options or many_rows" \
         >"$OUT/memcheck.log" 2>&1
       grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -4
-      timeout 200 compute-sanitizer --tool memcheck --print-limit 20 $PYTEST fastce_jax/tests/test_jax_kernels.py \
+      timeout 200 compute-sanitizer --tool memcheck --print-limit 20 $PYTEST fastce_jax/tests/test_kernels.py \
         -k "vocab or out_of_range or reduc" >"$OUT/memcheck-jax.log" 2>&1
       grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck-jax.log" | tail -4 ;;
   esac
