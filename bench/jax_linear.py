@@ -27,11 +27,10 @@ gradients are outputs and are not in it).  Each row's loss is compared with xla_
 """
 
 import argparse
-import importlib
 import json
 import sys
 
-from .linear import FASTCE_SETTINGS, IGNORE_INDEX, LINEAR_SHAPES, LinearShape, package_settings, parse_linear_shapes
+from .linear import FASTCE_SETTINGS, IGNORE_INDEX, LINEAR_SHAPES, LinearShape, parse_linear_shapes
 
 FASTCE_IMPLS = {f"fastce_jax_linear{suffix}": settings for suffix, settings in FASTCE_SETTINGS.items()}
 LINEAR_IMPLS = (*FASTCE_IMPLS, "xla_linear", "matmul+fastce_jax")
@@ -103,11 +102,12 @@ def _rel_rms(got, ref):
 
 
 def loss_fn(impl, backend="auto"):
-    """(hidden, weight, labels) -> scalar loss; fastce_jax's settings (FASTCE_IMPLS) are applied in `measure`."""
+    """(hidden, weight, labels) -> scalar loss; fastce_jax's rows pass their keywords (FASTCE_IMPLS)."""
     import fastce_jax
 
     if impl in FASTCE_IMPLS:
-        return lambda h, w, y: fastce_jax.linear_cross_entropy(h, w, y, backend=backend)
+        settings = FASTCE_IMPLS[impl]
+        return lambda h, w, y: fastce_jax.linear_cross_entropy(h, w, y, backend=backend, **settings)
     if impl == "xla_linear":
         return lambda h, w, y: _xla_ce(h @ w.T, y)
     if impl == "matmul+fastce_jax":
@@ -120,11 +120,9 @@ def measure(impl, shape, inputs, batch_target_ms=50.0, backend="auto", reference
 
     from .jax_measure import bench_ms
 
-    module = importlib.import_module("fastce_jax.linear_cross_entropy")
-    with package_settings(module, FASTCE_IMPLS.get(impl, {})):  # read while tracing: compile both programs inside
-        fn = loss_fn(impl, backend)
-        fwd = jax.jit(fn).lower(*inputs).compile()
-        step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(*inputs).compile()
+    fn = loss_fn(impl, backend)
+    fwd = jax.jit(fn).lower(*inputs).compile()
+    step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(*inputs).compile()
     temp = int(step.memory_analysis().temp_size_in_bytes)
     loss, (dh, dw) = step(*inputs)
     finite = bool(jax.numpy.isfinite(loss)) and all(
