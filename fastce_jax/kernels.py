@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .contract import Options, ignore_value, transform
+from .contract import Options, ignore_value, token_loss_from_statistics, transform
 
 # jax 0.11 deprecates the Pallas Triton backend and warns each time a Triton
 # pallas_call is *lowered*.  See ``_quiet_triton`` for how it is filtered.
@@ -191,14 +191,14 @@ def _forward_kernel(x_ref, y_ref, m_ref, s_ref, sz_ref, *, vocab, chunk, block, 
     plgpu.store(sz_ref, sz)
 
 
-def _finish_kernel(m_ref, s_ref, sz_ref, y_ref, x_ref, *refs, vocab, n_chunks, ignore_index, options, vocab_parallel):
+def _finish_kernel(m_ref, s_ref, sz_ref, y_ref, x_ref, *refs, vocab, n_chunks, options, vocab_parallel):
     """Grid (N,): a row's C partials combined into its lse, and its loss.
 
     m_ref, s_ref, sz_ref: the row's partials (C,); y_ref: its label (0-d); x_ref: its logits (V,), of which only
     the label's column is read. refs, default: loss_ref, lse_ref (0-d outputs); vocab-parallel: start_ref (1,),
     the first global column held here, then the outputs lse_ref, z_label_ref, sum_z_ref (this shard's statistics).
-    vocab: V (this shard's columns); n_chunks: C; ignore_index: as in _forward_kernel; options: Options;
-    vocab_parallel: which of the two ref layouts.
+    vocab: V (this shard's columns); n_chunks: C; options: Options (the loss is contract.token_loss_from_statistics,
+    the formula of the jnp paths); vocab_parallel: which of the two ref layouts.
     """
     c_pad = _next_pow2(n_chunks)
     cmask = jnp.arange(c_pad) < n_chunks
@@ -233,17 +233,7 @@ def _finish_kernel(m_ref, s_ref, sz_ref, y_ref, x_ref, *refs, vocab, n_chunks, i
         plgpu.store(z_label_ref, jnp.where(in_range, z_y, 0.0))
         plgpu.store(sum_z_ref, jnp.float32(0.0) if sum_z is None else sum_z)
         return
-    loss = jnp.float32(0.0)
-    if smoothing != 1.0:
-        loss = loss + (1.0 - smoothing) * (lse - z_y)
-    if smoothing != 0.0:
-        loss = loss + smoothing * (lse - sum_z * (1.0 / vocab))
-    if options.z_loss != 0.0:
-        loss = loss + options.z_loss * lse * lse
-    loss = jnp.where(in_range, loss, jnp.nan)
-    if ignore_index is not None:
-        loss = jnp.where(y == ignore_index, 0.0, loss)
-    plgpu.store(loss_ref, loss)
+    plgpu.store(loss_ref, token_loss_from_statistics(lse, z_y, sum_z, y, options, vocab))
     plgpu.store(lse_ref, lse)
 
 
@@ -396,7 +386,6 @@ def forward(
             _finish_kernel,
             vocab=vocab,
             n_chunks=n_chunks,
-            ignore_index=ignore,
             options=options,
             vocab_parallel=vocab_parallel,
         ),

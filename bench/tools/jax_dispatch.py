@@ -58,7 +58,7 @@ def rows(backend, rows_, vocab, dim):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0].rstrip(':'))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0].rstrip(":"))
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=1000)
     parser.add_argument("--dim", type=int, default=64)

@@ -1,4 +1,4 @@
-"""Argument checks, validate_labels, and the scoped Triton-deprecation filter."""
+"""Argument checks, validate_labels, the scoped Triton-deprecation filter, and eager calls reusing their trace."""
 
 import inspect
 import warnings
