@@ -272,7 +272,7 @@ def token_loss_from_statistics(lse, label_logit, sum_z, labels, options: Options
     if options.z_loss != 0.0:
         loss = loss + options.z_loss * lse * lse
     # Multiply (not where) so an out-of-range row's gradient is NaN too.
-    loss = loss * jnp.where((labels >= 0) & (labels < vocab), 1.0, jnp.nan).astype(loss.dtype)
+    loss = loss * jnp.where((labels >= 0) & (labels < vocab), jnp.ones_like(loss), jnp.full_like(loss, jnp.nan))
     ign = ignore_value(labels.dtype, options.ignore_index)
     return loss if ign is None else jnp.where(labels == ign, 0.0, loss)
 
