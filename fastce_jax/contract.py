@@ -205,7 +205,10 @@ def validate_labels(labels, vocab: int, ignore_index: int) -> None:
 
 def loss_divisor(labels, reduction: str, n_items, ignore_index: int, dtype=jnp.float32):
     """What the summed loss is divided by ("mean" / "sum"): n_items when given (for both), else 1 for "sum" and the
-    number of non-ignored labels for "mean" (at least 1: all ignored gives 0 / 1 = 0). Traced; no host sync."""
+    number of non-ignored labels for "mean" (at least 1: all ignored gives 0 / 1 = 0); None for "none". Traced; no
+    host sync."""
+    if reduction == "none":
+        return None
     if n_items is not None:
         return jnp.asarray(n_items).astype(dtype)
     if reduction == "sum":
