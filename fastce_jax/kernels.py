@@ -99,8 +99,9 @@ def _cdiv(a, b):
 
 
 class ForwardConfig(NamedTuple):
-    """Tiles of the forward and finish kernels: each row is split into ``n_chunks`` chunks of ``chunk`` columns
-    (one program each), walked in ``block``-wide tiles."""
+    """Tiles of the forward and finish kernels: each row is split into chunks of ``chunk`` columns (one program
+    each), walked in ``block``-wide tiles; ``n_chunks`` is cdiv(V, chunk) for the V the config was made for (the
+    launcher derives it from the logits it is given)."""
 
     block: int
     chunk: int
