@@ -82,12 +82,12 @@ def parse_linear_shapes(text):
     return tuple(shapes)
 
 
-# The configurations both packages' linear_cross_entropy are timed in, as row-name suffixes and module settings
+# The configurations both packages' linear_cross_entropy are timed in, as row-name suffixes and keywords
 # (bench.jax_linear uses the same table): the defaults, the float32 weight-gradient accumulator, a 1 GiB workspace.
 FASTCE_SETTINGS = {
     "": {},
-    "_f32acc": {"ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32": True},
-    "_1GiB": {"WORKSPACE_BYTES": 1 << 30},
+    "_f32acc": {"accumulate_in_float32": True},
+    "_1GiB": {"workspace_bytes": 1 << 30},
 }
 
 
