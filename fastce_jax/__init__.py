@@ -8,9 +8,9 @@
 The loss contract is CONTRACT.md; the kernels are in fastce_jax/kernels.py.
 """
 
-from fastce_jax.cross_entropy import cross_entropy, cross_entropy_reference
-from fastce_jax.linear_cross_entropy import linear_cross_entropy
-from fastce_jax.unsloth import fast_cross_entropy_loss
+from .cross_entropy import cross_entropy, cross_entropy_reference
+from .linear_cross_entropy import linear_cross_entropy
+from .unsloth import fast_cross_entropy_loss
 
 __all__ = ["cross_entropy", "cross_entropy_reference", "fast_cross_entropy_loss", "linear_cross_entropy"]
 __version__ = "0.1.0"

@@ -12,7 +12,7 @@ Three kernels, as in CONTRACT.md "Kernel design":
   ignored row's load is fully masked (no memory traffic); it writes zeros.
 
 All launchers take 2-D logits (N, V) and 1-D labels (N,); reshaping, argument
-checks, reductions and the custom_vjp live in ``cross_entropy.py``.
+checks, reductions and the custom_vjp live in ``cross_entropy.py`` (options and formulas in ``contract.py``).
 
 64-bit offsets.  The Triton lowering (jax/_src/pallas/triton/lowering.py,
 ``_compute_offsets_from_indices``) computes every load/store offset in int64
@@ -25,7 +25,7 @@ already happens at 2**30 elements).  Below the threshold every offset is < 2**31
 and int32 is exact.  The in-row parts (``j * W`` from a Blocked dim, our
 ``pl.ds`` starts and the label) are < V + W, far below 2**31.  Hence the logits
 are passed as a plain (N, V) array; no flat view or manual int64 product is
-needed.  ``tests/test_jax_lowering.py`` checks the emitted Triton IR for i64
+needed.  ``tests/test_lowering.py`` checks the emitted Triton IR for i64
 offsets on a >2**31-element abstract input.
 """
 
@@ -41,19 +41,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .contract import Options, ignore_value, token_loss_from_statistics, transform
+
 # jax 0.11 deprecates the Pallas Triton backend and warns each time a Triton
 # pallas_call is *lowered*.  See ``_quiet_triton`` for how it is filtered.
 TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
-
-
-class Options(NamedTuple):
-    """The loss options, in the contract's order; the same record (fields and order) as fastce_torch.kernels.Options."""
-
-    ignore_index: int = -100
-    logit_softcapping: float = 0.0
-    logit_scaling: float = 0.0
-    label_smoothing: float = 0.0
-    z_loss: float = 0.0
 
 
 # From the H200 sweeps (bench/tools/tune.py, bench/NOTES.md): forward tiles of 4096 beat 2048 and 8192; 2 warps
@@ -100,21 +92,43 @@ def _cdiv(a, b):
 
 
 # ----------------------------------------------------------------------------
-# Heuristics (module constants so that bench/tools/tune.py can sweep them; they are
-# read when a jit traces).
+# Tile settings.  forward_config / backward_config read the module constants
+# above when called (bench/tools/tune.py sweeps them); the launchers take a
+# config= to override them.
 # ----------------------------------------------------------------------------
 
 
-def forward_config(vocab: int) -> tuple[int, int, int, int]:
-    """(tile width, chunk width, number of chunks, warps) of the forward kernel; V alone decides (batch invariance)."""
+class ForwardConfig(NamedTuple):
+    """Tiles of the forward and finish kernels: each row is split into chunks of ``chunk`` columns (one program
+    each), walked in ``block``-wide tiles; ``n_chunks`` is cdiv(V, chunk) for the V the config was made for (the
+    launcher derives it from the logits it is given)."""
+
+    block: int
+    chunk: int
+    n_chunks: int
+    warps: int
+    stages: int = 1
+    finish_warps: int = 1
+
+
+class BackwardConfig(NamedTuple):
+    """Tiles of the backward kernel: one program per ``block`` columns of a row."""
+
+    block: int
+    warps: int
+    stages: int = 1
+
+
+def forward_config(vocab: int) -> ForwardConfig:
+    """The forward kernel's tiles for V = vocab; V alone decides (batch invariance)."""
     block = min(FORWARD_BLOCK, _next_pow2(vocab))
     chunk = max(block, min(CHUNK, _next_pow2(vocab)))
-    return block, chunk, _cdiv(vocab, chunk), FORWARD_WARPS
+    return ForwardConfig(block, chunk, _cdiv(vocab, chunk), FORWARD_WARPS, FORWARD_STAGES, FINISH_WARPS)
 
 
-def backward_config(vocab: int) -> tuple[int, int]:
-    """(tile width, warps) of the backward kernel."""
-    return min(BACKWARD_BLOCK, _next_pow2(vocab)), BACKWARD_WARPS
+def backward_config(vocab: int) -> BackwardConfig:
+    """The backward kernel's tiles for V = vocab."""
+    return BackwardConfig(min(BACKWARD_BLOCK, _next_pow2(vocab)), BACKWARD_WARPS, BACKWARD_STAGES)
 
 
 # ----------------------------------------------------------------------------
@@ -123,45 +137,26 @@ def backward_config(vocab: int) -> tuple[int, int]:
 # ----------------------------------------------------------------------------
 
 
-def _transform(x, scaling: float, softcap: float):
-    """z(x) in float32: Cohere scaling, then Gemma-2 softcapping."""
-    z = x
-    if scaling != 0.0:
-        z = z * scaling
-    if softcap > 0.0:
-        # jnp.tanh lowers to libdevice __nv_tanhf on Triton and maps -inf to -1,
-        # so -inf padding becomes -softcap with a zero derivative.
-        z = softcap * jnp.tanh(z * (1.0 / softcap))
-    return z
-
-
-def _dz_dx(z, scaling: float, softcap: float):
-    """dz/dx written with z only, so the backward needs no second tanh."""
+def _dz_dx(z, options: Options):
+    """dz/dx written with z only, so the backward needs no second tanh (None when z = x)."""
     d = None
-    if softcap > 0.0:
-        t = z * (1.0 / softcap)
+    if options.logit_softcapping > 0.0:
+        t = z * (1.0 / options.logit_softcapping)
         d = 1.0 - t * t
-    if scaling != 0.0:
-        d = scaling if d is None else d * scaling
+    if options.logit_scaling != 0.0:
+        d = options.logit_scaling if d is None else d * options.logit_scaling
     return d
 
 
-def _forward_kernel(
-    x_ref,
-    y_ref,
-    m_ref,
-    s_ref,
-    sz_ref,
-    *,
-    vocab: int,
-    chunk: int,
-    block: int,
-    ignore_index: int | None,
-    scaling: float,
-    softcap: float,
-    need_sum_z: bool,
-):
-    # x_ref: this row's chunk, shape (chunk,); the last chunk may run past V.
+def _forward_kernel(x_ref, y_ref, m_ref, s_ref, sz_ref, *, vocab, chunk, block, ignore_index, options, need_sum_z):
+    """Grid (N rows, C chunks): one chunk of one row's partial statistics.
+
+    x_ref: the row's chunk of logits (chunk,), the last chunk may run past V; y_ref: the row's label (0-d);
+    m_ref, s_ref, sz_ref: outputs (0-d), the chunk's max m of z, sum exp(z - m) and sum z.
+    vocab: V; chunk: columns per chunk; block: tile width of the walk; ignore_index: the label that reads nothing
+    (None: no label of the labels' dtype can equal it); options: Options (the transform's fields are read);
+    need_sum_z: whether sum z is computed (label smoothing), else it stays 0.
+    """
     base = pl.program_id(1) * chunk
     # Python ints stay int32 here even with jax_enable_x64 (explicit int32).
     n_tiles = _cdiv(jnp.minimum(vocab - base, chunk), jnp.int32(block))
@@ -178,7 +173,7 @@ def _forward_kernel(
         mask = cols < vocab
         x = plgpu.load(x_ref.at[pl.ds(start, block)], mask=mask, other=-jnp.inf).astype(jnp.float32)
         # Re-mask after the transform: softcap maps the -inf filler to -softcap.
-        z = jnp.where(mask, _transform(x, scaling, softcap), neg_inf)
+        z = jnp.where(mask, transform(x, options), neg_inf)
         # One exp per element: take the tile max first, rescale the scalar sum.
         m_new = jnp.maximum(m, jnp.max(z))
         # A tile (and everything so far) at -inf: shift by 0, not by -inf, so
@@ -197,22 +192,15 @@ def _forward_kernel(
     plgpu.store(sz_ref, sz)
 
 
-def _finish_kernel(
-    m_ref,
-    s_ref,
-    sz_ref,
-    y_ref,
-    x_ref,
-    *refs,
-    vocab: int,
-    n_chunks: int,
-    ignore_index: int | None,
-    scaling: float,
-    softcap: float,
-    smoothing: float,
-    z_loss: float,
-    vocab_parallel: bool,
-):
+def _finish_kernel(m_ref, s_ref, sz_ref, y_ref, x_ref, *refs, vocab, n_chunks, options, vocab_parallel):
+    """Grid (N,): a row's C partials combined into its lse, and its loss.
+
+    m_ref, s_ref, sz_ref: the row's partials (C,); y_ref: its label (0-d); x_ref: its logits (V,), of which only
+    the label's column is read. refs, default: loss_ref, lse_ref (0-d outputs); vocab-parallel: start_ref (1,),
+    the first global column held here, then the outputs lse_ref, z_label_ref, sum_z_ref (this shard's statistics).
+    vocab: V (this shard's columns); n_chunks: C; options: Options (the loss is contract.token_loss_from_statistics,
+    the formula of the jnp paths); vocab_parallel: which of the two ref layouts.
+    """
     c_pad = _next_pow2(n_chunks)
     cmask = jnp.arange(c_pad) < n_chunks
     m = plgpu.load(m_ref.at[pl.ds(0, c_pad)], mask=cmask, other=-jnp.inf)
@@ -223,8 +211,6 @@ def _finish_kernel(
 
     y = y_ref[...]
     if vocab_parallel:
-        # This device holds global columns [vocab_start, vocab_start + vocab); it
-        # reports its partial statistics and the devices combine them.
         start_ref, lse_ref, z_label_ref, sum_z_ref = refs
         start = start_ref[0]
         in_range = (y >= start) & (y < start + vocab)
@@ -237,7 +223,8 @@ def _finish_kernel(
     # clamped as well, so a bad label never touches memory.
     y_safe = jnp.where(in_range, y_local, 0)
     x_y = plgpu.load(x_ref.at[y_safe], mask=in_range, other=0.0)
-    z_y = _transform(x_y.astype(jnp.float32), scaling, softcap)
+    z_y = transform(x_y.astype(jnp.float32), options)
+    smoothing = options.label_smoothing
     sum_z = None
     if smoothing != 0.0:
         sum_z = jnp.sum(plgpu.load(sz_ref.at[pl.ds(0, c_pad)], mask=cmask, other=0.0))
@@ -247,38 +234,21 @@ def _finish_kernel(
         plgpu.store(z_label_ref, jnp.where(in_range, z_y, 0.0))
         plgpu.store(sum_z_ref, jnp.float32(0.0) if sum_z is None else sum_z)
         return
-    loss = jnp.float32(0.0)
-    if smoothing != 1.0:
-        loss = loss + (1.0 - smoothing) * (lse - z_y)
-    if smoothing != 0.0:
-        loss = loss + smoothing * (lse - sum_z * (1.0 / vocab))
-    if z_loss != 0.0:
-        loss = loss + z_loss * lse * lse
-    loss = jnp.where(in_range, loss, jnp.nan)
-    if ignore_index is not None:
-        loss = jnp.where(y == ignore_index, 0.0, loss)
-    plgpu.store(loss_ref, loss)
+    plgpu.store(loss_ref, token_loss_from_statistics(lse, z_y, sum_z, y, options, vocab))
     plgpu.store(lse_ref, lse)
 
 
 def _backward_kernel(
-    x_ref,
-    y_ref,
-    lse_ref,
-    g_ref,
-    *refs,
-    vocab: int,
-    vocab_total: int,
-    block: int,
-    ignore_index: int | None,
-    scaling: float,
-    softcap: float,
-    smoothing: float,
-    z_loss: float,
-    vocab_parallel: bool,
+    x_ref, y_ref, lse_ref, g_ref, *refs, vocab, vocab_total, block, ignore_index, options, vocab_parallel
 ):
-    # vocab: this device's columns; vocab_total: the whole vocabulary (equal
-    # unless vocab-parallel, where lse is already the global one).
+    """Grid (N, cdiv(V, block)): one tile of one row's dL/dx, in one pass.
+
+    x_ref: the tile of logits (block,); y_ref, lse_ref, g_ref: the row's label, lse (the global one when
+    vocab-parallel) and upstream factor (0-d). refs, default: dx_ref (the output tile); vocab-parallel: start_ref
+    (1,), the first global column held here, then dx_ref. vocab: this shard's columns; vocab_total: the whole
+    vocabulary (equal unless vocab-parallel); block: tile width; ignore_index: as in _forward_kernel; options:
+    Options; vocab_parallel: which of the two ref layouts.
+    """
     if vocab_parallel:
         start_ref, dx_ref = refs
         y_col = y_ref[...] - start_ref[0]
@@ -292,14 +262,15 @@ def _backward_kernel(
     read = mask if ignore_index is None else mask & (y != ignore_index)
     x = plgpu.load(x_ref.at[pl.ds(0, block)], mask=read, other=0.0).astype(jnp.float32)
     lse = lse_ref[...]
-    z = _transform(x, scaling, softcap)
+    z = transform(x, options)
     p = jnp.exp(z - lse)
-    if z_loss != 0.0:
-        p = p * (1.0 + 2.0 * z_loss * lse)
+    if options.z_loss != 0.0:
+        p = p * (1.0 + 2.0 * options.z_loss * lse)
+    smoothing = options.label_smoothing
     d = p - jnp.where(cols == y_col, 1.0 - smoothing, 0.0)
     if smoothing != 0.0:
         d = d - smoothing / vocab_total
-    dz = _dz_dx(z, scaling, softcap)
+    dz = _dz_dx(z, options)
     if dz is not None:
         d = d * dz
     d = d * g_ref[...]
@@ -313,12 +284,6 @@ def _backward_kernel(
 # ----------------------------------------------------------------------------
 # Launchers.
 # ----------------------------------------------------------------------------
-
-
-def _ignore_index_for(labels, ignore_index: int) -> int | None:
-    """ignore_index, or None when no label of this dtype can equal it."""
-    info = jnp.iinfo(labels.dtype)
-    return ignore_index if info.min <= ignore_index <= info.max else None
 
 
 def _vary(x, axes: frozenset):
@@ -362,7 +327,16 @@ def _vocab_start_operand(vocab_start):
     return jnp.asarray(vocab_start, dtype=jnp.int32).reshape(1)
 
 
-def forward(logits, labels, options: Options, *, interpret: bool, vocab_start=None, vocab_total: int | None = None):
+def forward(
+    logits,
+    labels,
+    options: Options,
+    *,
+    interpret: bool,
+    vocab_start=None,
+    vocab_total: int | None = None,
+    config: ForwardConfig | None = None,
+):
     """Per-token statistics of logits (N, V), labels (N,).
 
     Default: (loss, lse), both float32 (N,).  Vocab-parallel mode (vocab_start
@@ -371,15 +345,15 @@ def forward(logits, labels, options: Options, *, interpret: bool, vocab_start=No
     shard's float32 (N,) (lse_local, z_label_local, sum_z_local): the logsumexp
     of its columns, the transformed label logit where this shard owns the label
     (else 0), and the sum of its transformed logits (0 without label smoothing).
+    config: the tiles (default ``forward_config(V)``).
     """
     n, vocab = logits.shape
     vocab_parallel = vocab_start is not None
     if vocab_parallel and vocab_total is None:
         raise ValueError("vocab_start needs vocab_total (the global vocabulary size)")
-    block, chunk, n_chunks, warps = forward_config(vocab)
-    ignore = _ignore_index_for(labels, options.ignore_index)
-    scaling, softcap = options.logit_scaling, options.logit_softcapping
-    smoothing, z_loss = options.label_smoothing, options.z_loss
+    config = forward_config(vocab) if config is None else config
+    n_chunks = _cdiv(vocab, config.chunk)
+    ignore = ignore_value(labels.dtype, options.ignore_index)
     f32 = jnp.float32
     operands = (logits, labels) + ((_vocab_start_operand(vocab_start),) if vocab_parallel else ())
     operands, mat = _same_variance(*operands)
@@ -390,18 +364,17 @@ def forward(logits, labels, options: Options, *, interpret: bool, vocab_start=No
         functools.partial(
             _forward_kernel,
             vocab=vocab,
-            chunk=chunk,
-            block=block,
+            chunk=config.chunk,
+            block=config.block,
             ignore_index=ignore,
-            scaling=scaling,
-            softcap=softcap,
-            need_sum_z=smoothing != 0.0,
+            options=options,
+            need_sum_z=options.label_smoothing != 0.0,
         ),
         grid=(n, n_chunks),
-        in_specs=[pl.BlockSpec((None, chunk), lambda i, j: (i, j)), pl.BlockSpec((None,), lambda i, j: (i,))],
+        in_specs=[pl.BlockSpec((None, config.chunk), lambda i, j: (i, j)), pl.BlockSpec((None,), lambda i, j: (i,))],
         out_specs=[part_spec] * 3,
         out_shape=[part] * 3,
-        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=FORWARD_STAGES),
+        compiler_params=plgpu.CompilerParams(num_warps=config.warps, num_stages=config.stages),
         interpret=interpret,
         name="fastce_forward",
     )
@@ -414,18 +387,14 @@ def forward(logits, labels, options: Options, *, interpret: bool, vocab_start=No
             _finish_kernel,
             vocab=vocab,
             n_chunks=n_chunks,
-            ignore_index=ignore,
-            scaling=scaling,
-            softcap=softcap,
-            smoothing=smoothing,
-            z_loss=z_loss,
+            options=options,
             vocab_parallel=vocab_parallel,
         ),
         grid=(n,),
         in_specs=[parts_spec] * 3 + [row_spec, pl.BlockSpec((None, vocab), lambda i: (i, 0))] + extra_specs,
         out_specs=[row_spec] * n_out,
         out_shape=[jax.ShapeDtypeStruct((n,), f32, manual_axis_type=mat)] * n_out,
-        compiler_params=plgpu.CompilerParams(num_warps=FINISH_WARPS, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=config.finish_warps, num_stages=1),
         interpret=interpret,
         name="fastce_finish",
     )
@@ -445,6 +414,7 @@ def backward(
     interpret: bool,
     vocab_start=None,
     vocab_total: int | None = None,
+    config: BackwardConfig | None = None,
 ):
     """dL/dlogits (N, V) in logits' dtype; g is the per-token upstream (N,).
 
@@ -452,16 +422,15 @@ def backward(
     logsumexp, labels are global ids, the label's column here is
     label - vocab_start, a label outside [0, vocab_total) gives a NaN row and
     label smoothing spreads eps / vocab_total over every column.
+    config: the tiles (default ``backward_config(V)``).
     """
     n, vocab = logits.shape
     vocab_parallel = vocab_start is not None
     if vocab_parallel and vocab_total is None:
         raise ValueError("vocab_start needs vocab_total (the global vocabulary size)")
-    block, warps = backward_config(vocab)
-    scaling, softcap = options.logit_scaling, options.logit_softcapping
-    smoothing, z_loss = options.label_smoothing, options.z_loss
+    config = backward_config(vocab) if config is None else config
     row_spec = pl.BlockSpec((None,), lambda i, j: (i,))
-    tile_spec = pl.BlockSpec((None, block), lambda i, j: (i, j))
+    tile_spec = pl.BlockSpec((None, config.block), lambda i, j: (i, j))
     operands = (logits, labels, lse, g.astype(jnp.float32))
     operands += (_vocab_start_operand(vocab_start),) if vocab_parallel else ()
     operands, mat = _same_variance(*operands)
@@ -470,15 +439,12 @@ def backward(
             _backward_kernel,
             vocab=vocab,
             vocab_total=vocab_total if vocab_parallel else vocab,
-            block=block,
-            ignore_index=_ignore_index_for(labels, options.ignore_index),
-            scaling=scaling,
-            softcap=softcap,
-            smoothing=smoothing,
-            z_loss=z_loss,
+            block=config.block,
+            ignore_index=ignore_value(labels.dtype, options.ignore_index),
+            options=options,
             vocab_parallel=vocab_parallel,
         ),
-        grid=(n, _cdiv(vocab, block)),
+        grid=(n, _cdiv(vocab, config.block)),
         in_specs=[tile_spec, row_spec, row_spec, row_spec]
         + ([pl.BlockSpec((1,), lambda i, j: (0,))] if vocab_parallel else []),
         out_specs=tile_spec,
@@ -486,7 +452,7 @@ def backward(
         # Each program reads its tile before writing the same tile, so the
         # gradient may overwrite the logits residual (XLA copies when it can't).
         input_output_aliases={0: 0} if inplace else {},
-        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=BACKWARD_STAGES),
+        compiler_params=plgpu.CompilerParams(num_warps=config.warps, num_stages=config.stages),
         interpret=interpret,
         name="fastce_backward",
     )

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +44,8 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fastce_jax import kernels
-from fastce_jax.kernels import Options
+from . import kernels
+from .contract import Options, reference_backward, reference_token_losses, token_loss_from_statistics
 
 # ----------------------------------------------------------------------------
 # What one device computes.
@@ -60,30 +61,15 @@ def _shard_index(mesh: Mesh, axes: tuple[str, ...]):
     return index
 
 
-def token_loss_from_statistics(lse, z_label, sum_z, labels, options: Options, vocab_total: int):
-    """The contract's per-token loss from global row statistics (float32 (N,)),
-    the same arithmetic as the finish kernel."""
-    smoothing = options.label_smoothing
-    loss = jnp.zeros_like(lse)
-    if smoothing != 1.0:
-        loss = loss + (1.0 - smoothing) * (lse - z_label)
-    if smoothing != 0.0:
-        loss = loss + smoothing * (lse - sum_z * (1.0 / vocab_total))
-    if options.z_loss != 0.0:
-        loss = loss + options.z_loss * lse * lse
-    loss = jnp.where((labels >= 0) & (labels < vocab_total), loss, jnp.nan)
-    ignore = kernels._ignore_index_for(labels, options.ignore_index)
-    if ignore is not None:
-        loss = jnp.where(labels == ignore, 0.0, loss)
-    return loss
-
-
-def _local_forward(logits, labels, options: Options, interpret: bool, mesh=None, vocab_axes=(), vocab_total=None):
-    """(loss, lse) shaped like labels, of this device's block of logits (..., V_local)."""
+def _local_forward(
+    logits, labels, options: Options, interpret: bool, config, mesh=None, vocab_axes=(), vocab_total=None
+):
+    """(loss, lse) shaped like labels, of this device's block of logits (..., V_local); config: the kernels' tiles
+    for the whole rows (a vocab-parallel block takes the default tiles of its own width)."""
     v_local = logits.shape[-1]
     x2, y1 = logits.reshape(-1, v_local), labels.reshape(-1)
     if not vocab_axes:
-        loss, lse = kernels.forward(x2, y1, options, interpret=interpret)
+        loss, lse = kernels.forward(x2, y1, options, interpret=interpret, config=config)
     else:
         start = _shard_index(mesh, vocab_axes) * v_local
         lse_local, z_label, sum_z = kernels.forward(
@@ -100,13 +86,23 @@ def _local_forward(logits, labels, options: Options, interpret: bool, mesh=None,
 
 
 def _local_backward(
-    logits, labels, lse, g, options: Options, inplace: bool, interpret: bool, mesh=None, vocab_axes=(), vocab_total=None
+    logits,
+    labels,
+    lse,
+    g,
+    options: Options,
+    inplace: bool,
+    interpret: bool,
+    config,
+    mesh=None,
+    vocab_axes=(),
+    vocab_total=None,
 ):
     """dL/dlogits of this device's block; lse is the global one, so nothing is communicated."""
     v_local = logits.shape[-1]
     flat = (logits.reshape(-1, v_local), labels.reshape(-1), lse.reshape(-1), g.reshape(-1))
     if not vocab_axes:
-        d = kernels.backward(*flat, options, inplace=inplace, interpret=interpret)
+        d = kernels.backward(*flat, options, inplace=inplace, interpret=interpret, config=config)
     else:
         start = _shard_index(mesh, vocab_axes) * v_local
         d = kernels.backward(
@@ -157,7 +153,7 @@ def _shardings(mesh, rows, vocab_axes):
     return NamedSharding(mesh, P(*rows, vocab_entry)), NamedSharding(mesh, P(*rows))
 
 
-def _partition_forward(options, interpret, mesh, arg_shapes, result_shape):
+def _partition_forward(options, interpret, config, mesh, arg_shapes, result_shape):
     del result_shape
     mesh, rows, vocab_axes = _plan(arg_shapes[0])
     logits_sharding, row_sharding = _shardings(mesh, rows, vocab_axes)
@@ -165,6 +161,7 @@ def _partition_forward(options, interpret, mesh, arg_shapes, result_shape):
         _local_forward,
         options=options,
         interpret=interpret,
+        config=config,
         mesh=mesh,
         vocab_axes=vocab_axes,
         vocab_total=arg_shapes[0].shape[-1],
@@ -172,13 +169,13 @@ def _partition_forward(options, interpret, mesh, arg_shapes, result_shape):
     return mesh, lower, (row_sharding, row_sharding), (logits_sharding, row_sharding)
 
 
-def _infer_forward(options, interpret, mesh, arg_shapes, result_shape):
-    del options, interpret, mesh, result_shape
+def _infer_forward(options, interpret, config, mesh, arg_shapes, result_shape):
+    del options, interpret, config, mesh, result_shape
     _, row_sharding = _shardings(*_plan(arg_shapes[0]))
     return row_sharding, row_sharding
 
 
-def _partition_backward(options, inplace, interpret, mesh, arg_shapes, result_shape):
+def _partition_backward(options, inplace, interpret, config, mesh, arg_shapes, result_shape):
     del result_shape
     mesh, rows, vocab_axes = _plan(arg_shapes[0])
     logits_sharding, row_sharding = _shardings(mesh, rows, vocab_axes)
@@ -187,6 +184,7 @@ def _partition_backward(options, inplace, interpret, mesh, arg_shapes, result_sh
         options=options,
         inplace=inplace,
         interpret=interpret,
+        config=config,
         mesh=mesh,
         vocab_axes=vocab_axes,
         vocab_total=arg_shapes[0].shape[-1],
@@ -194,8 +192,8 @@ def _partition_backward(options, inplace, interpret, mesh, arg_shapes, result_sh
     return mesh, lower, logits_sharding, (logits_sharding,) + (row_sharding,) * 3
 
 
-def _infer_backward(options, inplace, interpret, mesh, arg_shapes, result_shape):
-    del options, inplace, interpret, mesh, result_shape
+def _infer_backward(options, inplace, interpret, config, mesh, arg_shapes, result_shape):
+    del options, inplace, interpret, config, mesh, result_shape
     return _shardings(*_plan(arg_shapes[0]))[0]
 
 
@@ -210,14 +208,14 @@ def _as_leading_batch(axis_size, in_batched, args):
 
 
 @functools.cache
-def _forward_op(options: Options, interpret: bool):
+def _forward_op(options: Options, interpret: bool, config):
     @custom_partitioning
     def op(logits, labels):
-        return _local_forward(logits, labels, options, interpret)
+        return _local_forward(logits, labels, options, interpret, config)
 
     op.def_partition(
-        partition=functools.partial(_partition_forward, options, interpret),
-        infer_sharding_from_operands=functools.partial(_infer_forward, options, interpret),
+        partition=functools.partial(_partition_forward, options, interpret, config),
+        infer_sharding_from_operands=functools.partial(_infer_forward, options, interpret, config),
         sharding_rule="... v, ... -> ..., ...",
     )
 
@@ -235,14 +233,14 @@ def _forward_op(options: Options, interpret: bool):
 
 
 @functools.cache
-def _backward_op(options: Options, inplace: bool, interpret: bool):
+def _backward_op(options: Options, inplace: bool, interpret: bool, config):
     @custom_partitioning
     def op(logits, labels, lse, g):
-        return _local_backward(logits, labels, lse, g, options, inplace, interpret)
+        return _local_backward(logits, labels, lse, g, options, inplace, interpret, config)
 
     op.def_partition(
-        partition=functools.partial(_partition_backward, options, inplace, interpret),
-        infer_sharding_from_operands=functools.partial(_infer_backward, options, inplace, interpret),
+        partition=functools.partial(_partition_backward, options, inplace, interpret, config),
+        infer_sharding_from_operands=functools.partial(_infer_backward, options, inplace, interpret, config),
         sharding_rule="... v, ..., ..., ... -> ... v",
     )
 
@@ -262,15 +260,63 @@ def _single_device() -> bool:
     return jax.device_count() == 1
 
 
-def forward(logits, labels, options: Options, *, interpret: bool):
-    """(loss, lse), float32 shaped like labels, of logits (..., V) however they are sharded."""
-    if _single_device():
-        return _local_forward(logits, labels, options, interpret)
-    return _forward_op(options, interpret)(logits, labels)
+class _Launch(NamedTuple):
+    """The static arguments of one launch (hashable: custom_jvp nondiff arguments)."""
+
+    options: Options
+    interpret: bool
+    config: object  # kernels.ForwardConfig / BackwardConfig, or None for the defaults
+    partitioned: bool  # through custom_partitioning (sharded logits) or the kernels on the whole array
+    inplace: bool = False
 
 
-def backward(logits, labels, lse, g, options: Options, *, inplace: bool, interpret: bool):
-    """dL/dlogits (..., V), sharded like logits; g is the per-token upstream shaped like labels."""
-    if _single_device():
-        return _local_backward(logits, labels, lse, g, options, inplace, interpret)
-    return _backward_op(options, inplace, interpret)(logits, labels, lse, g)
+# Each launch has a jvp rule that is the jvp of the reference: first derivatives go through the callers'
+# custom_vjp and run the kernels; differentiating *through* a launch (only higher-order autodiff does: grad of
+# grad, jax.hessian, jvp of grad) gets the reference's exact derivative instead of failing inside Pallas.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _forward(logits, labels, st: _Launch):
+    if not st.partitioned or _single_device():
+        return _local_forward(logits, labels, st.options, st.interpret, st.config)
+    return _forward_op(st.options, st.interpret, st.config)(logits, labels)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
+def _backward(logits, labels, lse, g, st: _Launch):
+    if not st.partitioned or _single_device():
+        return _local_backward(logits, labels, lse, g, st.options, st.inplace, st.interpret, st.config)
+    return _backward_op(st.options, st.inplace, st.interpret, st.config)(logits, labels, lse, g)
+
+
+@_forward.defjvp
+def _forward_jvp(st: _Launch, primals, tangents):
+    logits, labels = primals
+    loss, lse = _forward(logits, labels, st)
+    _, loss_dot = jax.jvp(lambda x: reference_token_losses(x, labels, st.options), (logits,), (tangents[0],))
+    # lse is read only by the backward launch, whose rule recomputes it from the logits.
+    return (loss, lse), (loss_dot, jnp.zeros_like(lse))
+
+
+@_backward.defjvp
+def _backward_jvp(st: _Launch, primals, tangents):
+    logits, labels, lse, g = primals
+    dlogits = _backward(logits, labels, lse, g, st)
+    # lse is a function of the logits: the reference backward recomputes it, so lse's own tangent is not added.
+    _, dlogits_dot = jax.jvp(
+        lambda x, w: reference_backward(x, labels, w, st.options), (logits, g), (tangents[0], tangents[3])
+    )
+    return dlogits, dlogits_dot
+
+
+def forward(logits, labels, options: Options, *, interpret: bool, config=None, partitioned: bool = True):
+    """(loss, lse), float32 shaped like labels, of logits (..., V) however they are sharded; config: the forward
+    kernel's tiles (default ``kernels.forward_config(V)``); partitioned=False runs the kernels on the whole array
+    (linear_cross_entropy's chunks)."""
+    return _forward(logits, labels, _Launch(options, interpret, config, partitioned))
+
+
+def backward(
+    logits, labels, lse, g, options: Options, *, inplace: bool, interpret: bool, config=None, partitioned: bool = True
+):
+    """dL/dlogits (..., V), sharded like logits; g is the per-token upstream shaped like labels; config: the
+    backward kernel's tiles (default ``kernels.backward_config(V)``)."""
+    return _backward(logits, labels, lse, g, _Launch(options, interpret, config, partitioned, inplace))

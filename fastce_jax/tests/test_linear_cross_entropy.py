@@ -2,7 +2,7 @@
 np_cross_entropy's per-token loss and gradient, chained through the matmul by hand).
 
 On CPU backend="kernel" runs the chunked path with the Pallas kernels in interpret mode, on tiny shapes, with
-the chunk size forced small (CHUNK_ROWS) so that several chunks and the clamped, overlapping last chunk run.
+the chunk size forced small (the chunk_rows keyword) so that several chunks and the clamped, overlapping last chunk run.
 With --gpu the same tests run the compiled kernels; the tests marked gpu add bf16 at a mid shape and the
 compiled memory at the benchmark shapes.
 """
@@ -43,15 +43,7 @@ def _exact_float32_matmuls():
         yield
 
 
-@pytest.fixture
-def chunk_rows(monkeypatch):
-    """Force the chunk size (several chunks on tiny shapes)."""
-
-    def set_rows(rows):
-        monkeypatch.setattr(LCE, "CHUNK_ROWS", rows)
-
-    set_rows(8)
-    return set_rows
+ROWS = 8  # the chunk_rows the tests pass: several chunks on tiny shapes
 
 
 def make_inputs(put, n, h, v, *, seed, dtype=jnp.float32, ignore_index=-100, n_ignored=3, lead=None):
@@ -105,21 +97,35 @@ def grad_tol(expected, rtol):
     return dict(rtol=rtol, atol=rtol * 0.1 * scale)
 
 
-def check(put, hidden, weight, labels, *, bias=None, reduction="mean", grad_rtol=2e-4, cotangent=None, **kwargs):
+def check(
+    put,
+    hidden,
+    weight,
+    labels,
+    *,
+    bias=None,
+    reduction="mean",
+    grad_rtol=2e-4,
+    cotangent=None,
+    chunk_rows=ROWS,
+    **kwargs,
+):
     """value_and_grad of UPSTREAM * loss (or sum(cotangent * loss) for "none") w.r.t. hidden, weight (and bias),
     against the float64 reference.  Returns the loss and gradients."""
     y = put(labels, jnp.int32)
     argnums = (0, 1) if bias is None else (0, 1, 2)
 
     def f(h, w, b):
-        loss = linear_cross_entropy(h, w, y, bias=b, reduction=reduction, backend="kernel", **kwargs)
+        loss = linear_cross_entropy(
+            h, w, y, bias=b, reduction=reduction, backend="kernel", chunk_rows=chunk_rows, **kwargs
+        )
         if reduction == "none":
             return jnp.sum(loss * cotangent), loss
         return UPSTREAM * loss, loss
 
     (_, loss), grads = jax.value_and_grad(f, argnums=argnums, has_aux=True)(hidden, weight, bias)
     upstream = cotangent if reduction == "none" else UPSTREAM
-    opts = {k: v for k, v in kwargs.items() if k != "n_items"}
+    opts = {k: v for k, v in kwargs.items() if k not in ("n_items", "accumulate_in_float32")}
     ref = reference(
         hidden, weight, labels, bias=bias, reduction=reduction, n_items=kwargs.get("n_items"), upstream=upstream, **opts
     )
@@ -137,7 +143,7 @@ def check(put, hidden, weight, labels, *, bias=None, reduction="mean", grad_rtol
 
 
 @pytest.mark.parametrize("option_set", list(OPTION_SETS))
-def test_options_and_reductions(put, chunk_rows, option_set):
+def test_options_and_reductions(put, option_set):
     opts = OPTION_SETS[option_set]
     seed = list(OPTION_SETS).index(option_set)
     hidden, weight, bias, labels = make_inputs(put, 21, 16, 67, seed=seed, ignore_index=opts.get("ignore_index", -100))
@@ -158,14 +164,13 @@ def test_options_and_reductions(put, chunk_rows, option_set):
 
 
 @pytest.mark.parametrize("rows", [1, 5, 8, 20, 40])
-def test_chunk_sizes(put, chunk_rows, rows):
+def test_chunk_sizes(put, rows):
     """One row per chunk, a last chunk overlapping the one before (40 = 8 * 5 and 40 = 7 * 5 + 5), one chunk."""
-    chunk_rows(rows)
     hidden, weight, bias, labels = make_inputs(put, 40 if rows != 5 else 37, 16, 50, seed=rows)
-    check(put, hidden, weight, labels, bias=bias, label_smoothing=0.05)
+    check(put, hidden, weight, labels, bias=bias, label_smoothing=0.05, chunk_rows=rows)
 
 
-def test_n_items_int_and_traced(put, chunk_rows):
+def test_n_items_int_and_traced(put):
     hidden, weight, bias, labels = make_inputs(put, 19, 16, 60, seed=11)
     for reduction in ("mean", "sum"):
         check(put, hidden, weight, labels, reduction=reduction, n_items=7)
@@ -173,7 +178,10 @@ def test_n_items_int_and_traced(put, chunk_rows):
 
     @jax.jit
     def step(h, w, n):
-        return jax.value_and_grad(lambda h, w: linear_cross_entropy(h, w, y, n_items=n, backend="kernel"), (0, 1))(h, w)
+        return jax.value_and_grad(
+            lambda h, w: linear_cross_entropy(h, w, y, n_items=n, backend="kernel", chunk_rows=ROWS),
+            (0, 1),
+        )(h, w)
 
     loss, (dh, dw) = step(hidden, weight, jnp.asarray(7, jnp.int32))
     ref = reference(hidden, weight, labels, n_items=7)
@@ -183,13 +191,13 @@ def test_n_items_int_and_traced(put, chunk_rows):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_all_ignored(put, chunk_rows, reduction):
+def test_all_ignored(put, reduction):
     hidden, weight, bias, labels = make_inputs(put, 12, 16, 50, seed=3)
     labels[:] = -100
     y = put(labels, jnp.int32)
 
     def f(h, w, b):
-        return jnp.sum(linear_cross_entropy(h, w, y, bias=b, reduction=reduction, backend="kernel"))
+        return jnp.sum(linear_cross_entropy(h, w, y, bias=b, reduction=reduction, backend="kernel", chunk_rows=ROWS))
 
     loss, grads = jax.value_and_grad(f, argnums=(0, 1, 2))(hidden, weight, bias)
     assert float(loss) == 0.0
@@ -197,7 +205,7 @@ def test_all_ignored(put, chunk_rows, reduction):
         assert np.array_equal(np.asarray(g), np.zeros(g.shape)), "all-ignored batch must have zero gradients"
 
 
-def test_bad_label_is_nan(put, chunk_rows):
+def test_bad_label_is_nan(put):
     """A label outside [0, V): that token's loss and dhidden row are NaN, and so (through the sum over tokens)
     are dweight and dbias; the other tokens' dhidden rows are untouched."""
     hidden, weight, bias, labels = make_inputs(put, 18, 16, 50, seed=4)
@@ -208,20 +216,20 @@ def test_bad_label_is_nan(put, chunk_rows):
     assert np.isnan(np.asarray(loss)[[2, 9]]).all() and np.isfinite(np.delete(np.asarray(loss), [2, 9])).all()
     assert np.isnan(np.asarray(dh)[[2, 9]]).all() and np.isfinite(np.delete(np.asarray(dh), [2, 9], axis=0)).all()
     assert np.isnan(np.asarray(dw)).all() and np.isnan(np.asarray(db)).all()
-    mean = linear_cross_entropy(hidden, weight, put(labels, jnp.int32), backend="kernel")
+    mean = linear_cross_entropy(hidden, weight, put(labels, jnp.int32), backend="kernel", chunk_rows=ROWS)
     assert np.isnan(float(mean))
 
 
-def test_int64_labels_beyond_int32_are_nan(put, chunk_rows):
+def test_int64_labels_beyond_int32_are_nan(put):
     """A NumPy int64 label of 2**32 + 3 must not wrap into the vocabulary as class 3."""
     hidden, weight, _, labels = make_inputs(put, 10, 16, 50, seed=5)
     labels = labels.astype(np.int64)
     labels[1] = 2**32 + 3
-    losses = linear_cross_entropy(hidden, weight, labels, reduction="none", backend="kernel")
+    losses = linear_cross_entropy(hidden, weight, labels, reduction="none", backend="kernel", chunk_rows=ROWS)
     assert np.isnan(np.asarray(losses)[1]) and np.isfinite(np.delete(np.asarray(losses), 1)).all()
 
 
-def test_3d_hidden(put, chunk_rows):
+def test_3d_hidden(put):
     hidden, weight, bias, labels = make_inputs(put, 24, 16, 60, seed=6, lead=(3, 8))
     check(put, hidden, weight, labels, bias=bias)
     cotangent = put(np.random.default_rng(6).uniform(0.5, 2, (3, 8)), jnp.float32)
@@ -229,7 +237,7 @@ def test_3d_hidden(put, chunk_rows):
     assert loss.shape == (3, 8)
 
 
-def test_jit_and_vmap(put, chunk_rows):
+def test_jit_and_vmap(put):
     """vmap over a batch of (hidden, labels) with a shared weight: each member's loss and gradients."""
     batch, n, dim, vocab = 3, 10, 16, 50
     rng = np.random.default_rng(7)
@@ -240,7 +248,7 @@ def test_jit_and_vmap(put, chunk_rows):
     labels[2, :4] = -100
 
     def one(h, w, y):
-        return linear_cross_entropy(h, w, y, backend="kernel", label_smoothing=0.1)
+        return linear_cross_entropy(h, w, y, backend="kernel", chunk_rows=ROWS, label_smoothing=0.1)
 
     run = jax.jit(jax.vmap(jax.value_and_grad(one, argnums=(0, 1)), in_axes=(0, None, 0)))
     loss, (dh, dw) = run(hidden, weight, put(labels, jnp.int32))
@@ -251,22 +259,22 @@ def test_jit_and_vmap(put, chunk_rows):
         assert_close(dw[b], ref[2], what="dweight", **grad_tol(ref[2], 2e-4))
 
 
-def test_float32_weight_grad_accumulator(put, chunk_rows, monkeypatch):
-    """ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32=True (the opt-in float32 accumulator) gives the same float32 gradients."""
-    monkeypatch.setattr(LCE, "ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32", True)
+def test_float32_weight_grad_accumulator(put):
+    """accumulate_in_float32=True (the opt-in float32 accumulator) gives the same float32 gradients."""
     hidden, weight, bias, labels = make_inputs(put, 30, 16, 50, seed=8)
-    check(put, hidden, weight, labels, bias=bias, z_loss=1e-3)
+    check(put, hidden, weight, labels, bias=bias, z_loss=1e-3, accumulate_in_float32=True)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision(put, chunk_rows, dtype):
+def test_half_precision(put, dtype):
     """bf16/f16 inputs: logits rounded to the dtype before the loss, gradients in the dtype.  The reference
     sees the rounded inputs, not the rounded logits, so the tolerance is the dtype's."""
     hidden, weight, bias, labels = make_inputs(put, 24, 32, 70, seed=9, dtype=jnp.dtype(dtype))
     rtol = 3e-2 if dtype == "bfloat16" else 4e-3
     y = put(labels, jnp.int32)
     loss, grads = jax.value_and_grad(
-        lambda h, w, b: linear_cross_entropy(h, w, y, bias=b, backend="kernel"), argnums=(0, 1, 2)
+        lambda h, w, b: linear_cross_entropy(h, w, y, bias=b, backend="kernel", chunk_rows=ROWS),
+        argnums=(0, 1, 2),
     )(hidden, weight, bias)
     ref = reference(hidden, weight, labels, bias=bias)
     assert_close(loss, ref[0], what="loss", rtol=rtol, atol=rtol)
@@ -275,13 +283,14 @@ def test_half_precision(put, chunk_rows, dtype):
         assert_close(got, want, what=name, **grad_tol(want, 4 * rtol))
 
 
-def test_mixed_dtypes_keep_each_gradient_dtype(put, chunk_rows):
+def test_mixed_dtypes_keep_each_gradient_dtype(put):
     hidden, weight, bias, labels = make_inputs(put, 12, 16, 50, seed=10)
     hidden16 = hidden.astype(jnp.bfloat16)
     y = put(labels, jnp.int32)
-    grads = jax.grad(lambda h, w, b: linear_cross_entropy(h, w, y, bias=b, backend="kernel"), argnums=(0, 1, 2))(
-        hidden16, weight, bias
-    )
+    grads = jax.grad(
+        lambda h, w, b: linear_cross_entropy(h, w, y, bias=b, backend="kernel", chunk_rows=ROWS),
+        argnums=(0, 1, 2),
+    )(hidden16, weight, bias)
     assert [g.dtype for g in grads] == [jnp.bfloat16, jnp.float32, jnp.float32]
 
 
@@ -291,10 +300,9 @@ def test_mixed_dtypes_keep_each_gradient_dtype(put, chunk_rows):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_second_order_equals_the_reference(put, chunk_rows, reduction):
+def test_second_order_equals_the_reference(put, reduction):
     """Grad of grad (a gradient penalty through hidden, differentiated with respect to hidden, weight and bias) and a
     Hessian-vector product (jvp of grad) through the chunked kernels, several chunks, equal the reference backend's."""
-    chunk_rows(5)
     hidden, weight, bias, labels = make_inputs(put, 12, 8, 30, seed=21)
     y = put(labels, jnp.int32)
     kw = dict(logit_softcapping=4.0, z_loss=1e-3, label_smoothing=0.1, reduction=reduction)
@@ -304,7 +312,7 @@ def test_second_order_equals_the_reference(put, chunk_rows, reduction):
 
     def second_order(backend):
         def loss(h, w, b):
-            return jnp.sum(linear_cross_entropy(h, w, y, bias=b, backend=backend, **kw))
+            return jnp.sum(linear_cross_entropy(h, w, y, bias=b, backend=backend, chunk_rows=5, **kw))
 
         grad = jax.grad(loss, argnums=(0, 1, 2))
         penalty = jax.grad(lambda h, w, b: jnp.sum(grad(h, w, b)[0] ** 2), argnums=(0, 1, 2))(hidden, weight, bias)
@@ -366,25 +374,29 @@ def test_empty_batch(put):
     hidden = put(np.zeros((0, 16)), jnp.float32)
     weight = put(np.random.default_rng(16).standard_normal((50, 16)), jnp.float32)
     labels = np.zeros((0,), np.int32)
-    assert float(linear_cross_entropy(hidden, weight, labels, backend="kernel")) == 0.0
-    assert linear_cross_entropy(hidden, weight, labels, reduction="none", backend="kernel").shape == (0,)
+    assert float(linear_cross_entropy(hidden, weight, labels, backend="kernel", chunk_rows=ROWS)) == 0.0
+    assert linear_cross_entropy(hidden, weight, labels, reduction="none", backend="kernel", chunk_rows=ROWS).shape == (
+        0,
+    )
 
 
-def compiled_temp_bytes(n, dim, vocab, dtype):
+def compiled_temp_bytes(n, dim, vocab, dtype, **settings):
     """XLA's scratch for jit(value_and_grad) w.r.t. hidden and weight (inputs and outputs not counted)."""
     hidden = jax.ShapeDtypeStruct((n, dim), dtype)
     weight = jax.ShapeDtypeStruct((vocab, dim), dtype)
     labels = jax.ShapeDtypeStruct((n,), jnp.int32)
-    fn = jax.value_and_grad(lambda h, w, y: linear_cross_entropy(h, w, y, backend="kernel"), argnums=(0, 1))
+    fn = jax.value_and_grad(
+        lambda h, w, y: linear_cross_entropy(h, w, y, backend="kernel", **settings),
+        argnums=(0, 1),
+    )
     return jax.jit(fn).lower(hidden, weight, labels).compile().memory_analysis().temp_size_in_bytes
 
 
-def test_compiled_memory_does_not_grow_with_rows(monkeypatch):
+def test_compiled_memory_does_not_grow_with_rows():
     """CPU (interpret mode keeps a few copies of each chunk): the scratch is a function of the chunk, not of N,
     and far below one (N, V) array of logits."""
-    monkeypatch.setattr(LCE, "CHUNK_ROWS", 64)
     dim, vocab = 32, 4096
-    small, large = (compiled_temp_bytes(n, dim, vocab, jnp.float32) for n in (512, 2048))
+    small, large = (compiled_temp_bytes(n, dim, vocab, jnp.float32, chunk_rows=64) for n in (512, 2048))
     assert large - small <= 64 * 2048, (small, large)  # a few float32 vectors of N
     assert large < 2048 * vocab * 4 / 4, large
 
@@ -392,30 +404,28 @@ def test_compiled_memory_does_not_grow_with_rows(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("f32_weight_grad", [True, False])
 @pytest.mark.parametrize("n, dim, vocab", [(8192, 4096, 128256), (8192, 2304, 256000), (32768, 4096, 128256)])
-def test_gpu_compiled_memory(monkeypatch, capsys, n, dim, vocab, f32_weight_grad):
-    """bf16 on the GPU: the scratch is one chunk of logits (WORKSPACE_BYTES), the float32 weight-gradient carry
-    when enabled, and a little more; never the (N, V) logits."""
-    monkeypatch.setattr(LCE, "ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32", f32_weight_grad)
-    temp = compiled_temp_bytes(n, dim, vocab, jnp.bfloat16)
+def test_gpu_compiled_memory(capsys, n, dim, vocab, f32_weight_grad):
+    """bf16 on the GPU: the scratch is one chunk of logits (DEFAULT_WORKSPACE_BYTES), the float32 weight-gradient
+    carry when enabled, and a little more; never the (N, V) logits."""
+    temp = compiled_temp_bytes(n, dim, vocab, jnp.bfloat16, accumulate_in_float32=f32_weight_grad)
     logits_bytes = n * vocab * 2
     carry = vocab * dim * 4 if f32_weight_grad else 0
-    budget = carry + LCE.WORKSPACE_BYTES + (256 << 20)
+    budget = carry + LCE.DEFAULT_WORKSPACE_BYTES + (256 << 20)
     with capsys.disabled():
         print(
             f"\n[fastce_jax linear] {n}x{dim}x{vocab} bf16 f32_weight_grad={f32_weight_grad}: temp "
             f"{temp / 2**20:.0f} MiB (budget {budget / 2**20:.0f}, logits {logits_bytes / 2**20:.0f})"
         )
     assert temp <= budget
-    if carry + LCE.WORKSPACE_BYTES < logits_bytes:
+    if carry + LCE.DEFAULT_WORKSPACE_BYTES < logits_bytes:
         assert temp < logits_bytes
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gpu_bf16_mid_shape(put, monkeypatch, with_bias):
+def test_gpu_bf16_mid_shape(put, with_bias):
     """bf16 against float64 at a mid shape, chunked by the budget (64 MiB here: 7 chunks of 640 rows, the last
     one clamped), as users call it (backend "auto", jit)."""
-    monkeypatch.setattr(LCE, "WORKSPACE_BYTES", 64 << 20)
     n, dim, vocab = 4000, 512, 50257
     rng = np.random.default_rng(20)
     hidden = put(rng.standard_normal((n, dim)), jnp.bfloat16)
@@ -424,10 +434,11 @@ def test_gpu_bf16_mid_shape(put, monkeypatch, with_bias):
     labels = rng.integers(0, vocab, n)
     labels[::7] = -100
     y = put(labels, jnp.int32)
-    rows = LCE.chunk_rows(n, vocab, 2)
+    rows = LCE.rows_per_chunk(n, vocab, 2, workspace_bytes=64 << 20)
     fn = jax.jit(
         jax.value_and_grad(
-            lambda h, w, b: linear_cross_entropy(h, w, y, bias=b, logit_softcapping=30.0), argnums=(0, 1, 2)
+            lambda h, w, b: linear_cross_entropy(h, w, y, bias=b, logit_softcapping=30.0, workspace_bytes=64 << 20),
+            argnums=(0, 1, 2),
         )
     )
     loss, grads = fn(hidden, weight, bias)

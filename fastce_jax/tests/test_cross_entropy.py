@@ -1,4 +1,4 @@
-"""Argument checks, validate_labels, and the scoped Triton-deprecation filter."""
+"""Argument checks, validate_labels, the scoped Triton-deprecation filter, and eager calls reusing their trace."""
 
 import inspect
 import warnings
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import fastce_jax
-from fastce_jax import cross_entropy, kernels
+from fastce_jax import cross_entropy, kernels, sharding
 
 
 def test_signature_is_the_contract():
@@ -38,7 +38,7 @@ Y = np.array([1, 2, -100, 9], np.int32)
 
 BAD = [
     (dict(logits=X.astype(np.int32)), TypeError, "logits"),
-    (dict(logits=X.astype(jnp.float8_e4m3fn)), TypeError, "logits"),  # float64 is accepted (test_jax_transforms)
+    (dict(logits=X.astype(jnp.float8_e4m3fn)), TypeError, "logits"),  # float64 is accepted (test_transforms.py)
     (dict(labels=Y.astype(np.float32)), TypeError, "labels"),
     (dict(labels=Y.astype(np.uint32)), TypeError, "labels"),
     (dict(labels=Y[:3]), ValueError, "labels"),
@@ -120,3 +120,50 @@ def test_no_warnings_from_kernels_on_cpu():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jax.value_and_grad(lambda a: cross_entropy(a, Y, backend="kernel"))(x)
+
+
+def test_eager_calls_reuse_their_trace(monkeypatch):
+    """A second eager call with the same shapes and options neither traces nor lowers the kernels again (each
+    retrace re-lowers the Pallas kernels: hundreds of milliseconds per eager call)."""
+    traced = []
+    launch = sharding.forward
+
+    def counting(*args, **kwargs):
+        traced.append(1)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(sharding, "forward", counting)
+    rng = np.random.default_rng(23)
+    # A shape and options no other test uses, so the first call traces here.
+    x = jnp.asarray(rng.standard_normal((5, 29)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, 29, 5), jnp.int32)
+    options = dict(backend="kernel", z_loss=3.25e-3, n_items=4)
+    first = cross_entropy(x, y, **options)
+    assert len(traced) == 1
+    second = cross_entropy(x + 1.0, y, **options)
+    assert len(traced) == 1, "the second eager call traced the kernels again"
+    np.testing.assert_allclose(float(second), float(cross_entropy(x + 1.0, y, **dict(options, backend="reference"))))
+    assert float(first) != float(second)
+    cross_entropy(x, y, **dict(options, z_loss=1e-3))  # other options: a trace of their own
+    assert len(traced) == 2
+
+
+def test_eager_linear_calls_reuse_their_trace(monkeypatch):
+    traced = []
+    launch = sharding.forward
+
+    def counting(*args, **kwargs):
+        traced.append(1)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(sharding, "forward", counting)
+    rng = np.random.default_rng(24)
+    h = jnp.asarray(rng.standard_normal((7, 6)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((31, 6)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, 31, 7), jnp.int32)
+    options = dict(backend="kernel", label_smoothing=0.125, chunk_rows=4)
+    fastce_jax.linear_cross_entropy(h, w, y, **options)
+    count = len(traced)
+    assert count >= 1
+    fastce_jax.linear_cross_entropy(h * 2.0, w, y, **options)
+    assert len(traced) == count

@@ -6,7 +6,6 @@ accepts (non-power-of-two load shapes, unsupported primitives).  The inputs are
 abstract (ShapeDtypeStruct), so even N*V > 2**31 costs nothing.
 """
 
-import importlib
 import re
 
 import jax
@@ -14,10 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastce_jax import cross_entropy, kernels
+from fastce_jax import contract, cross_entropy, kernels
 
-# The package's `cross_entropy` attribute is the function; get the module.
-ce_module = importlib.import_module("fastce_jax.cross_entropy")
 ALL = dict(label_smoothing=0.1, z_loss=1e-4, logit_softcapping=30.0, logit_scaling=0.5)
 TRITON = "__gpu$xla.gpu.triton"
 
@@ -26,7 +23,7 @@ TRITON = "__gpu$xla.gpu.triton"
 def compiled(monkeypatch):
     """Pretend this process has a GPU: traced logits then take the platform-dependent route, and lowering for cuda
     keeps the compiled kernels (the other branch is never lowered)."""
-    monkeypatch.setattr(ce_module, "_gpu_available", lambda: True)
+    monkeypatch.setattr(contract, "gpu_available", lambda: True)
 
 
 def lower_value_and_grad(shape, dtype, label_dtype=jnp.int32, **opts):
@@ -125,23 +122,25 @@ def test_small_arrays_keep_int32_offsets(compiled):
 
 def test_forward_config():
     for v in [1, 1000, 32000, 262147, 256000]:
-        block, chunk, n_chunks, warps = kernels.forward_config(v)
+        config = kernels.forward_config(v)
+        block, chunk = config.block, config.chunk
         for value in (block, chunk):
             assert value & (value - 1) == 0
-        assert block <= chunk <= kernels.CHUNK and block <= 4096 and n_chunks == -(-v // chunk)
-        assert warps == kernels.FORWARD_WARPS
-    assert kernels.forward_config(256000)[1:3] == (16384, 16)
-    block, warps = kernels.backward_config(262147)
-    assert block == 2048 and warps == 4
+        assert block <= chunk <= kernels.CHUNK and block <= 4096 and config.n_chunks == -(-v // chunk)
+        assert config.warps == kernels.FORWARD_WARPS
+    config = kernels.forward_config(256000)
+    assert (config.chunk, config.n_chunks) == (16384, 16)
+    config = kernels.backward_config(262147)
+    assert config.block == 2048 and config.warps == 4
     assert np.all(
-        [kernels.backward_config(v)[0] & (kernels.backward_config(v)[0] - 1) == 0 for v in (1, 3, 1000, 50257)]
+        [kernels.backward_config(v).block & (kernels.backward_config(v).block - 1) == 0 for v in (1, 3, 1000, 50257)]
     )
 
 
 @pytest.mark.parametrize("opts", [{}, ALL], ids=["plain", "all"])
 def test_vocab_parallel_mode_lowers_to_triton(opts):
     """The kernels' vocab-parallel mode (a traced vocab_start read from a (1,) operand) lowers to Triton."""
-    options = kernels.Options(**opts)
+    options = contract.Options(**opts)
 
     def f(x, y, lse, g, start):
         stats = kernels.forward(x, y, options, interpret=False, vocab_start=start, vocab_total=2 * x.shape[1])

@@ -20,10 +20,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fastce_jax import cross_entropy, kernels
-from fastce_jax.kernels import Options
-from shared_tests import reference
+from fastce_jax.contract import Options
+from shared_tests import reference, tolerances
 
-EPS32 = float(np.finfo(np.float32).eps)
+from . import checks
+
+EPS32 = tolerances.EPS32
 N_ROWS, VOCAB = 8, 64  # tiny: the interpreter is slow; divisible by 4 devices either way
 ALL = dict(label_smoothing=0.2, z_loss=1e-3, logit_softcapping=7.0, logit_scaling=1.3)
 OPTION_SETS = {
@@ -102,34 +104,13 @@ def put(x, mesh, spec):
 
 
 def expected(x, y, opts, reduction="mean", n_items=None, upstream=None):
-    exact = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
-    kw = {k: opts[k] for k in opts}
-    return reference.cross_entropy(
-        exact, y, reduction=reduction, n_items=n_items, upstream=upstream, opts=reference.Options(**kw)
-    )
-
-
-def check_close(actual, want, bound, what):
-    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
-    nan = np.isnan(want)
-    assert np.array_equal(np.isnan(actual), nan), f"{what}: NaN where the reference has none (or vice versa)"
-    err = np.abs(actual - want)[~nan]
-    limit = np.broadcast_to(bound, want.shape)[~nan]
-    assert (err <= limit).all(), (
-        f"{what}: max error {err.max():.3g} above its bound {limit[np.argmax(err - limit)]:.3g}"
-    )
+    return checks.expected(x, y, reduction=reduction, n_items=n_items, upstream=upstream, **opts)
 
 
 def check_against_reference(loss, grad, x, y, opts, reduction="mean", n_items=None, upstream=None):
     ref = expected(x, y, opts, reduction, n_items, upstream)
-    if reduction == "none":
-        loss_bound = 32 * EPS32 * ref.loss_scale.reshape(y.shape) + 1e-30
-    else:
-        loss_bound = 32 * EPS32 * np.nansum(ref.loss_scale * ref.upstream) + 1e-30
-    check_close(loss, ref.loss, loss_bound, "loss")
-    dtype_eps = float(jnp.finfo(jnp.asarray(x).dtype).eps)
-    grad_bound = 32 * EPS32 * ref.grad_scale + dtype_eps * np.abs(ref.grad) + 1e-30
-    check_close(grad, ref.grad, grad_bound, "gradient")
+    checks.assert_loss(loss, ref)
+    checks.assert_grad(grad, ref)
 
 
 def collectives(compiled_text):
@@ -343,7 +324,9 @@ def test_inside_shard_map(devices, use_gpu, backend, check_vma):
     check_against_reference(jnp.sum(losses), grad, x, y, ALL, reduction="sum")
     # Each device's block is the sum of its own rows.
     blocks = ref.token_loss.reshape(len(devices), -1).sum(axis=1)
-    check_close(losses, blocks, 32 * EPS32 * ref.loss_scale.reshape(len(devices), -1).sum(axis=1), "per-device sums")
+    tolerances.check(
+        losses, blocks, 32 * EPS32 * ref.loss_scale.reshape(len(devices), -1).sum(axis=1), "per-device sums"
+    )
 
 
 def test_inside_shard_map_2d_with_psum(devices, use_gpu):
@@ -395,14 +378,14 @@ def test_vocab_parallel_kernel_mode(name, splits):
     sum_z = sum(np.asarray(s[2], np.float64) for s in stats)
     keep = y != options.ignore_index
     bound = 32 * EPS32 * ref.loss_scale
-    check_close(lse[keep], ref.lse[keep], bound[keep], "combined lse")
+    tolerances.check(lse[keep], ref.lse[keep], bound[keep], "combined lse")
     in_range = (y >= 0) & (y < VOCAB) & keep
     zref = reference.transform(np.asarray(x, np.float64), reference.Options(**opts))
     want_label = np.take_along_axis(zref, np.where(in_range, y, 0)[:, None], axis=-1)[:, 0]
-    check_close(z_label[in_range], want_label[in_range], bound[in_range], "label logit")
+    tolerances.check(z_label[in_range], want_label[in_range], bound[in_range], "label logit")
     if options.label_smoothing:
         sum_bound = 32 * EPS32 * (np.abs(zref).sum(axis=-1) + 1.0)
-        check_close(sum_z[keep], zref.sum(axis=-1)[keep], sum_bound[keep], "sum of z")
+        tolerances.check(sum_z[keep], zref.sum(axis=-1)[keep], sum_bound[keep], "sum of z")
     else:
         assert (sum_z == 0).all()
     # Backward with the global lse: the shards' gradients side by side are the full gradient.
@@ -423,4 +406,4 @@ def test_vocab_parallel_kernel_mode(name, splits):
         for s, w in zip(starts, splits)
     ]
     grad = np.concatenate([np.asarray(d) for d in grads], axis=1)
-    check_close(grad, ref.grad, 32 * EPS32 * ref.grad_scale + 1e-30, "gradient")
+    tolerances.check(grad, ref.grad, 32 * EPS32 * ref.grad_scale + 1e-30, "gradient")

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastce_jax import cross_entropy, cross_entropy_reference, kernels
+from fastce_jax import contract, cross_entropy, cross_entropy_reference, kernels
 
 from .checks import as_float64, assert_grad, assert_loss, expected
 
@@ -84,14 +84,22 @@ def test_vocab_sizes(put, v, dtype):
 
 
 @pytest.mark.parametrize("width", [65536, 32768])
-def test_wide_chunks(put, monkeypatch, width):
-    # Wider chunks than the default: 16 tiles, 5 chunks and a 3-column last chunk (65536), or 9 chunks (32768).
-    monkeypatch.setattr(kernels, "CHUNK", width)
+def test_wide_chunks(put, width):
+    # Wider chunks than the default, passed to the launchers as a config: 16 tiles, 5 chunks and a 3-column last
+    # chunk (65536), or 9 chunks (32768).
     v = 262147
-    assert kernels.forward_config(v)[1:3] == (width, -(-v // width))
+    config = kernels.forward_config(v)._replace(chunk=width, n_chunks=-(-v // width))
     x, y = make_inputs(put, 2, v, "bfloat16", seed=width, n_ignored=0)
     y[0] = v - 2
-    check_vjp(put, x, y, "bfloat16", dict(label_smoothing=0.05))
+    opts = dict(label_smoothing=0.05)
+    options, labels = contract.Options(**opts), put(y, jnp.int32)
+    interpret = all(d.platform != "gpu" for d in x.devices())
+    w = np.random.default_rng(1).uniform(0.5, 2.0, y.shape)
+    loss, lse = kernels.forward(x, labels, options, interpret=interpret, config=config)
+    g = kernels.backward(x, labels, lse, put(w, jnp.float32), options, inplace=False, interpret=interpret)
+    ref = expected(x, y, upstream=w, **opts)
+    assert_loss(loss, ref)
+    assert_grad(g, ref)
 
 
 @pytest.mark.parametrize("v", [1, 2, 7, 4097])

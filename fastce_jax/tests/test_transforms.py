@@ -14,14 +14,12 @@ import jax.test_util
 import numpy as np
 import pytest
 
-from fastce_jax import cross_entropy, kernels
+from fastce_jax import contract, cross_entropy, kernels
 from shared_tests import reference as float64_reference
 from shared_tests import tolerances
 
 from .checks import as_float64, assert_grad, assert_loss, expected
 
-# The package's `cross_entropy` attribute is the function; get the module.
-ce_module = importlib.import_module("fastce_jax.cross_entropy")
 FORWARD_MODE = "forward-mode"  # JAX's own message for jvp of a custom_vjp function
 
 
@@ -219,7 +217,7 @@ def test_auto_under_jit_on_cpu_arrays_is_the_reference():
 def pretend_gpu_machine(monkeypatch):
     """A process with a GPU backend: traced logits take the platform-dependent route (as on the H200), and this
     CPU-only test then lowers it for the CPU, like committed CPU arrays under jit on a GPU machine."""
-    monkeypatch.setattr(ce_module, "_gpu_available", lambda: True)
+    monkeypatch.setattr(contract, "gpu_available", lambda: True)
 
 
 def test_auto_under_jit_decides_at_lowering(pretend_gpu_machine):
@@ -257,8 +255,9 @@ def test_eager_committed_cpu_arrays_take_the_reference(pretend_gpu_machine, monk
     def no_kernels(*args, **kwargs):
         raise AssertionError("auto picked the kernels for concrete CPU arrays")
 
-    # Concrete arrays say where they are: the reference, without tracing any kernel.
+    # Concrete arrays say where they are: the reference, without tracing (or reusing a trace of) any kernel.
     monkeypatch.setattr(kernels, "forward", no_kernels)
+    monkeypatch.setattr(importlib.import_module("fastce_jax.cross_entropy"), "_kernel_loss", no_kernels)
     np.testing.assert_allclose(float(cross_entropy(x, labels, z_loss=1e-4)), float(ref_loss), rtol=1e-6)
 
 
@@ -314,7 +313,8 @@ def several_chunks(monkeypatch):
     monkeypatch.setattr(kernels, "CHUNK", 1024)
     monkeypatch.setattr(kernels, "FORWARD_BLOCK", 256)
     monkeypatch.setattr(kernels, "BACKWARD_BLOCK", 2048)
-    assert kernels.forward_config(5000)[:3] == (256, 1024, 5)
+    config = kernels.forward_config(5000)
+    assert (config.block, config.chunk, config.n_chunks) == (256, 1024, 5)
     return 5000
 
 

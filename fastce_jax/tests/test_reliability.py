@@ -1,4 +1,4 @@
-"""Reliability (issue 7), as in fastce_torch/tests/test_reliability.py:
+"""Reliability, as in fastce_torch/tests/test_reliability.py:
 precision near p = 1, batch invariance, determinism and V = 2**20."""
 
 import jax

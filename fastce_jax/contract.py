@@ -1,0 +1,328 @@
+"""The loss contract (CONTRACT.md) in JAX terms: the options record and its checks on plain values, the reduction's
+divisor, and the per-token loss formula in jnp (the reference, the sharded paths and linear's plain path use it).
+
+Imports no sibling module; every other module of the package may import from here.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class Options(NamedTuple):
+    """The loss options, in the contract's order; the same record (fields and order) as fastce_torch's Options."""
+
+    ignore_index: int = -100
+    logit_softcapping: float = 0.0
+    logit_scaling: float = 0.0
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+
+
+REDUCTIONS = ("none", "mean", "sum")
+BACKENDS = ("auto", "kernel", "reference")
+KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# float64 is accepted too and computed in float64 by the reference, whatever the backend says.
+INPUT_DTYPES = KERNEL_DTYPES + (jnp.dtype(jnp.float64),)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # 2**-126
+
+# What a tracer raises when asked for its values or devices (public jax.errors, rather than isinstance checks on
+# jax.core.Tracer, whose jax.core is shrinking).
+TRACED = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError)
+
+FLOAT_DTYPE_ERROR = "{name} must be float32, bfloat16, float16 or float64, got {dtype}"
+LABEL_DTYPE_ERROR = "labels must be int32 or int64, got {dtype}"
+TRACED_LABELS_ERROR = (
+    "validate_labels=True needs concrete labels, but labels is traced (jit/vmap/scan); validate outside the "
+    "transformation or pass validate_labels=False (bad labels then give a NaN loss)."
+)
+BAD_LABEL_ERROR = "labels{position} = {label} is outside [0, {vocab}) and is not ignore_index={ignore_index}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checks (at trace time: shapes, dtypes and Python values only).
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def as_array(x, name: str):
+    if isinstance(x, (jax.Array, np.ndarray)):
+        return x
+    try:
+        return jnp.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}") from e
+
+
+def check_float_array(x, name: str):
+    """x as an array of one of INPUT_DTYPES."""
+    x = as_array(x, name)
+    if jnp.dtype(x.dtype) not in INPUT_DTYPES:
+        raise TypeError(FLOAT_DTYPE_ERROR.format(name=name, dtype=x.dtype))
+    return x
+
+
+def check_labels(labels, leading_shape: tuple, ignore_index: int):
+    """labels as an int32/int64 array shaped ``leading_shape``; narrower integers widen to int32 (losslessly), and a
+    host int64 array that JAX would cut to int32 (x64 off) keeps its out-of-range labels out of range."""
+    labels = as_array(labels, "labels")
+    dtype = jnp.dtype(labels.dtype)
+    if not jnp.issubdtype(dtype, jnp.integer) or (dtype.itemsize >= 4 and not jnp.issubdtype(dtype, jnp.signedinteger)):
+        raise TypeError(LABEL_DTYPE_ERROR.format(dtype=labels.dtype))  # uint32/uint64 do not fit int32
+    if tuple(labels.shape) != tuple(leading_shape):
+        raise ValueError(f"labels shape {tuple(labels.shape)} must equal logits' leading shape {tuple(leading_shape)}")
+    if dtype.itemsize < 4:
+        labels = labels.astype(jnp.int32)
+    return _narrow_host_int64(labels, ignore_index)
+
+
+def _narrow_host_int64(labels, ignore_index: int):
+    """Without x64, JAX would cut a NumPy int64 array to int32, silently moving a label like 2**32 + 3 into the
+    vocabulary as class 3. Such a label is out of range for every vocabulary, so it becomes INT32_MIN (or
+    INT32_MAX when that is the ignore_index): still out of range, so still a NaN loss."""
+    if not isinstance(labels, np.ndarray) or labels.dtype.itemsize <= 4 or jax.config.jax_enable_x64:
+        return labels
+    info = np.iinfo(np.int32)
+    wide = (labels < info.min) | (labels > info.max)
+    sentinel = info.min if ignore_index != info.min else info.max
+    return np.where(wide, sentinel, labels).astype(np.int32)
+
+
+def _real(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a Python float, got {value!r}")
+    value = float(value)
+    if not np.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if value != 0.0 and abs(value) < FLOAT32_TINY:
+        raise ValueError(
+            f"{name}={value} is below float32's normal range (the kernels compute in float32); use 0 to disable it"
+        )
+    return value
+
+
+def check_flag(value, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def check_options(
+    *, ignore_index, reduction, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
+) -> Options:
+    """The options as an Options record of Python numbers; reduction and backend are checked, not stored."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    softcap = _real(logit_softcapping, "logit_softcapping")
+    if softcap < 0:
+        raise ValueError(f"logit_softcapping must be >= 0, got {softcap}")
+    smoothing = _real(label_smoothing, "label_smoothing")
+    if not 0.0 <= smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {smoothing}")
+    scaling = _real(logit_scaling, "logit_scaling")
+    return Options(int(ignore_index), softcap, scaling, smoothing, _real(z_loss, "z_loss"))
+
+
+def check_n_items(n_items):
+    """None, a Python number > 0, or a 0-d numeric array (possibly traced)."""
+    if n_items is None:
+        return None
+    if isinstance(n_items, bool):
+        raise TypeError(f"n_items must be an int or a 0-d array, got {n_items!r}")
+    if isinstance(n_items, numbers.Real):
+        if not n_items > 0:
+            raise ValueError(f"n_items must be > 0, got {n_items}")
+        return n_items
+    if not hasattr(n_items, "shape") or not hasattr(n_items, "dtype"):
+        raise TypeError(f"n_items must be an int or a 0-d array, got {type(n_items).__name__}")
+    if tuple(n_items.shape) != ():
+        raise ValueError(f"n_items must be 0-d, got shape {tuple(n_items.shape)}")
+    if not (jnp.issubdtype(n_items.dtype, jnp.integer) or jnp.issubdtype(n_items.dtype, jnp.floating)):
+        raise TypeError(f"n_items must be numeric, got dtype {n_items.dtype}")
+    return n_items
+
+
+def check_shift(shift) -> int:
+    """shift as an int: True is 1, False 0; position t of the sequence (labels' last axis) is then scored against
+    label t + shift."""
+    if not isinstance(shift, numbers.Integral):
+        raise TypeError(f"shift must be a non-negative int (True means 1), got {shift!r}")
+    if shift < 0:
+        raise ValueError(f"shift must be >= 0, got {shift}")
+    return int(shift)
+
+
+def ignore_value(dtype, ignore_index: int) -> int | None:
+    """ignore_index, or None when no label of this dtype can equal it."""
+    info = jnp.iinfo(dtype)
+    return ignore_index if info.min <= ignore_index <= info.max else None
+
+
+def shifted_labels(labels, shift: int, ignore_index: int):
+    """labels[..., shift:] followed by `shift` ignore_index columns (all ignore_index when shift >= the sequence
+    length), and the length of the kept part. The kernels then run on the full, unsliced logits: their last `shift`
+    positions are ignored rows (a zero gradient), so the loss equals that of (logits[..., :-shift, :],
+    labels[..., shift:]) without slicing the logits (a logits-sized copy, and a padded gradient). O(N) integers."""
+    if labels.ndim < 1:
+        raise ValueError("shift needs labels with a sequence axis (their last), got 0-d labels")
+    if ignore_value(labels.dtype, ignore_index) is None:
+        raise ValueError(
+            f"shift pads the labels with ignore_index ({ignore_index}), which {labels.dtype} labels cannot hold; "
+            "pass an ignore_index in int32's range"
+        )
+    xp = np if isinstance(labels, np.ndarray) else jnp  # host labels stay on the host (validate_labels reads them)
+    kept = labels[..., shift:]
+    pad = xp.full((*labels.shape[:-1], labels.shape[-1] - kept.shape[-1]), ignore_index, labels.dtype)
+    return xp.concatenate((kept, pad), axis=-1), kept.shape[-1]
+
+
+def validate_labels(labels, vocab: int, ignore_index: int) -> None:
+    """Raise ValueError naming the first label neither in [0, vocab) nor ignore_index (concrete labels only)."""
+    try:
+        y = np.asarray(labels)
+    except TRACED as e:
+        raise ValueError(TRACED_LABELS_ERROR) from e
+    bad = (y != ignore_index) & ((y < 0) | (y >= vocab))
+    if bad.any():
+        pos = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            BAD_LABEL_ERROR.format(position=list(pos), label=int(y[pos]), vocab=vocab, ignore_index=ignore_index)
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reductions.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def loss_divisor(labels, reduction: str, n_items, ignore_index: int, dtype=jnp.float32):
+    """What the summed loss is divided by ("mean" / "sum"): n_items when given (for both), else 1 for "sum" and the
+    number of non-ignored labels for "mean" (at least 1: all ignored gives 0 / 1 = 0); None for "none". Traced; no
+    host sync."""
+    if reduction == "none":
+        return None
+    if n_items is not None:
+        return jnp.asarray(n_items).astype(dtype)
+    if reduction == "sum":
+        return jnp.ones((), dtype)
+    ign = ignore_value(labels.dtype, ignore_index)
+    count = labels.size if ign is None else jnp.sum(labels != ign)
+    return jnp.maximum(count, 1).astype(dtype)
+
+
+def reduce_losses(token_losses, labels, reduction: str, n_items, ignore_index: int):
+    """The reduced loss of per-token losses shaped like labels (or flat)."""
+    if reduction == "none":
+        return token_losses.reshape(labels.shape)
+    return jnp.sum(token_losses) / loss_divisor(labels, reduction, n_items, ignore_index, token_losses.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The loss formula in jnp (also traced inside the Pallas kernels: transform).
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def compute_dtype(dtype):
+    """The dtype the loss is computed and returned in: float64 for float64 logits, float32 for every other dtype."""
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+
+
+def transform(logits, options: Options):
+    """z(x): Cohere scaling, then Gemma-2 softcapping (a zero option removes its code)."""
+    z = logits
+    if options.logit_scaling != 0.0:
+        z = z * options.logit_scaling
+    if options.logit_softcapping > 0.0:
+        # jnp.tanh lowers to libdevice __nv_tanhf on Triton and maps -inf to -1, so -inf padding becomes -softcap
+        # with a zero derivative.
+        z = options.logit_softcapping * jnp.tanh(z * (1.0 / options.logit_softcapping))
+    return z
+
+
+def row_statistics(z, labels, options: Options, vocab_start=0):
+    """(lse, label_logit, sum_z) of transformed logits z (..., V_local) holding columns [vocab_start, vocab_start +
+    V_local): the row's logsumexp, z at the label where these columns hold it (else 0), and the sum of z (0 without
+    label smoothing)."""
+    m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+    m = jnp.where(m == -jnp.inf, 0.0, m)  # an all -inf row shifts by 0, as in the kernels; +inf gives NaN
+    lse = m[..., 0] + jnp.log(jnp.sum(jnp.exp(z - m), axis=-1))
+    column = labels - vocab_start
+    here = (column >= 0) & (column < z.shape[-1])
+    label_logit = jnp.take_along_axis(z, jnp.where(here, column, 0).astype(jnp.int32)[..., None], axis=-1)[..., 0]
+    label_logit = jnp.where(here, label_logit, 0.0)
+    sum_z = jnp.sum(z, axis=-1) if options.label_smoothing != 0.0 else jnp.zeros_like(lse)
+    return lse, label_logit, sum_z
+
+
+def token_loss_from_statistics(lse, label_logit, sum_z, labels, options: Options, vocab: int):
+    """The contract's per-token loss from a row's global statistics, the same arithmetic as the finish kernel:
+    ``(1 - eps)(lse - z_y) + eps (lse - sum_z / V) + z_loss lse**2``; NaN for a label outside [0, V), 0 where
+    ignored."""
+    smoothing = options.label_smoothing
+    loss = jnp.zeros_like(lse)
+    if smoothing != 1.0:
+        loss = loss + (1.0 - smoothing) * (lse - label_logit)
+    if smoothing != 0.0:
+        loss = loss + smoothing * (lse - sum_z * (1.0 / vocab))
+    if options.z_loss != 0.0:
+        loss = loss + options.z_loss * lse * lse
+    # Multiply (not where) so an out-of-range row's gradient is NaN too.
+    loss = loss * jnp.where((labels >= 0) & (labels < vocab), jnp.ones_like(loss), jnp.full_like(loss, jnp.nan))
+    ign = ignore_value(labels.dtype, options.ignore_index)
+    return loss if ign is None else jnp.where(labels == ign, 0.0, loss)
+
+
+def reference_token_losses(logits, labels, options: Options):
+    """Per-token losses of logits (..., V), labels (...) in jnp (no reshape, so any sharding of the leading axes
+    stays where it is): float32 math and losses, float64 for float64 logits. Differentiable by plain autodiff."""
+    ign = ignore_value(labels.dtype, options.ignore_index)
+    if ign is not None:
+        # Zero ignored rows before any math, so their gradient is exactly 0 even when the row holds NaN/inf.
+        logits = jnp.where((labels == ign)[..., None], jnp.zeros((), logits.dtype), logits)
+    z = transform(logits.astype(compute_dtype(logits.dtype)), options)
+    lse, label_logit, sum_z = row_statistics(z, labels, options)
+    return token_loss_from_statistics(lse, label_logit, sum_z, labels, options, z.shape[-1])
+
+
+def reference_backward(logits, labels, g, options: Options):
+    """d(sum_t g_t loss_t)/d logits of reference_token_losses (g shaped like labels)."""
+    _, vjp = jax.vjp(lambda x: reference_token_losses(x, labels, options), logits)
+    return vjp(g.astype(jnp.float32))[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Where the arrays are (the "auto" backend's rule).
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def placement(x) -> bool | None:
+    """Whether x lives on GPUs; None when x is traced (jit, grad, vmap): where a traced computation runs is only
+    known when it is lowered (committed CPU arrays under jit run on the CPU even on a GPU machine)."""
+    if isinstance(x, jax.Array):
+        try:
+            return all(d.platform == "gpu" for d in x.devices())
+        except TRACED:
+            return None
+    return jax.default_backend() == "gpu"  # a NumPy array goes to the default device
+
+
+def on_gpu(x) -> bool:
+    """placement, with a traced x assumed to run on the default backend (linear_cross_entropy's rule)."""
+    where = placement(x)
+    return jax.default_backend() == "gpu" if where is None else where
+
+
+def gpu_available() -> bool:
+    """Whether this process has a GPU backend at all (if not, nothing can be lowered for one)."""
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
