@@ -170,6 +170,67 @@ def cross_entropy(logits, labels, *, reduction="mean", n_items=None, upstream=No
     )
 
 
+@dataclass
+class Outputs:
+    """What a call with return_z_loss / return_lse / return_accuracy / return_entropy returns besides the loss.
+
+    Reduced outputs follow `reduction`: "none" gives one value per token (shaped like labels), "mean" / "sum" one
+    number. Ignored rows (label == ignore_index) take no part: 0 in every per-token output except lse, which is
+    -inf there, and they are not counted. A row with an out-of-range label (its loss is NaN) is NaN in z_loss and
+    accuracy (both need a valid row of the loss); lse and entropy depend on the logits only and stay finite there.
+    A row holding NaN or +inf is NaN in all four.
+    """
+
+    z_loss: np.ndarray  # z_loss * lse^2 per token, reduced like the loss ("mean": / denominator, "sum": / n_items)
+    lse: np.ndarray  # per token, of the transformed logits; -inf where ignored (never reduced)
+    accuracy: np.ndarray  # per token 1.0 / 0.0 (argmax of the transformed logits, first index on ties == label);
+    #                        "mean" and "sum": the fraction over non-ignored rows (0 when there are none)
+    entropy: np.ndarray  # -sum_j p_j log p_j of softmax(transformed logits), reduced like the loss
+
+
+def outputs(logits, labels, *, reduction="mean", n_items=None, opts=Options()):
+    """The contract's extra outputs in float64 (see Outputs); the arguments as cross_entropy's."""
+    if n_items is not None and hasattr(n_items, "item"):
+        n_items = n_items.item()
+    x = np.asarray(logits, dtype=np.float64)
+    y_full = np.asarray(labels).astype(np.int64)
+    lead, vocab = x.shape[:-1], x.shape[-1]
+    x = x.reshape(-1, vocab)
+    y = y_full.reshape(-1)
+    ignored = y == opts.ignore_index
+    in_range = (y >= 0) & (y < vocab)
+    z = transform(np.where(ignored[:, None], 0.0, x), opts)
+    lse = logsumexp_rows(z)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        p = np.exp(z - lse[:, None])
+        # p log p with p = 0 (a -inf logit) contributes 0, not 0 * -inf.
+        entropy = lse - np.sum(np.where(p > 0, p * z, 0.0), axis=-1)
+        entropy = np.where(np.isnan(lse), np.nan, entropy)
+        z_term = np.where(in_range, opts.z_loss * lse * lse, np.nan)
+    bad_row = np.isnan(lse)
+    if x.shape[0] and vocab:
+        hit = (np.argmax(z, axis=-1) == y).astype(np.float64)
+    else:
+        hit = np.zeros(y.shape)
+    hit = np.where(in_range & ~bad_row, hit, np.nan)
+    per_token = dict(
+        z_loss=np.where(ignored, 0.0, z_term),
+        lse=np.where(ignored, -np.inf, lse),
+        accuracy=np.where(ignored, 0.0, hit),
+        entropy=np.where(ignored, 0.0, entropy),
+    )
+    if reduction == "none":
+        return Outputs(**{k: v.reshape(lead) for k, v in per_token.items()})
+    den = denominator(y, reduction, n_items, opts.ignore_index)
+    kept = max(1, int(np.sum(~ignored)))
+    return Outputs(
+        z_loss=np.asarray(np.sum(per_token["z_loss"]) / den),
+        lse=per_token["lse"].reshape(lead),
+        accuracy=np.asarray(np.sum(per_token["accuracy"]) / kept),
+        entropy=np.asarray(np.sum(per_token["entropy"]) / den),
+    )
+
+
 def error_scales(z, lse, p, onehot, g, opts):
     """Magnitudes that bound the rounding error of a float32 implementation (up to a constant times eps32).
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from . import reference
 from .reference import Options, cross_entropy
 
 RNG_SEED = 1234
@@ -131,3 +132,40 @@ def test_labels_are_never_wrapped():
     x, _ = problem(2, 4, seed=RNG_SEED + 5)
     ref = cross_entropy(x, np.array([2**40 + 1, 1], dtype=np.int64), reduction="none")
     assert np.isnan(ref.loss[0]) and np.isfinite(ref.loss[1])
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_outputs_from_first_principles(reduction):
+    """reference.outputs against direct formulas: z_loss is the loss's z-loss share, entropy -sum p log p,
+    accuracy argmax == label over kept rows, lse -inf where ignored; a bad label is NaN in z_loss and accuracy."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((9, 13)) * 3
+    y = rng.integers(0, 13, 9)
+    y[1], y[4] = -100, -100
+    x[5, :] = x[5, 0]  # a row of ties: argmax takes the first index
+    y[5] = 0
+    opts = Options(z_loss=0.25, logit_softcapping=5.0)
+    out = reference.outputs(x, y, reduction=reduction, opts=opts)
+    with_z = reference.cross_entropy(x, y, reduction=reduction, opts=opts)
+    without_z = reference.cross_entropy(x, y, reduction=reduction, opts=Options(logit_softcapping=5.0))
+    np.testing.assert_allclose(out.z_loss, with_z.loss - without_z.loss, rtol=1e-12, atol=1e-12)
+    z = reference.transform(x, opts)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    kept = y != -100
+    entropy = np.where(kept, -(p * np.log(p)).sum(-1), 0.0)
+    hits = np.where(kept, (z.argmax(-1) == y).astype(float), 0.0)
+    assert hits[5] == 1.0
+    if reduction == "none":
+        np.testing.assert_allclose(out.entropy, entropy, rtol=1e-12)
+        np.testing.assert_array_equal(out.accuracy, hits)
+    else:
+        den = kept.sum() if reduction == "mean" else 1
+        np.testing.assert_allclose(out.entropy, entropy.sum() / den, rtol=1e-12)
+        assert out.accuracy == hits.sum() / kept.sum()
+    assert np.all(out.lse[~kept] == -np.inf) and np.all(np.isfinite(out.lse[kept]))
+    y_bad = y.copy()
+    y_bad[0] = 13
+    bad = reference.outputs(x, y_bad, reduction="none", opts=opts)
+    assert np.isnan(bad.z_loss[0]) and np.isnan(bad.accuracy[0])
+    assert np.isfinite(bad.entropy[0]) and np.isfinite(bad.lse[0])
