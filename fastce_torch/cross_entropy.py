@@ -275,8 +275,34 @@ def _in_kernel_dtype(logits):
     return logits
 
 
-@torch.compiler.disable
 def _vocab_parallel(
+    logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group, vocab_start
+):
+    """Eager: an autograd.Function with the collectives in its forward. Under torch.compile: functional collectives
+    around custom ops, traced without a graph break, for a process group whose ranks' slices start at
+    rank * V_local; explicit vocab_start (its layout check synchronises), validate_labels and DTensor logits run the
+    eager path there (a graph break)."""
+    if (
+        torch.compiler.is_compiling()
+        and vocab_start is None
+        and not validate_labels
+        and not sharding.is_dtensor(logits)
+    ):
+        use_kernel = contract.use_kernel(logits, backend)
+        if use_kernel:
+            logits = _in_kernel_dtype(logits)
+        layout = sharding.layout_of(process_group, None, logits.shape[-1], logits.device)
+        return sharding.traced_vocab_parallel_cross_entropy(
+            logits, labels, reduction, n_items, options, layout, use_kernel
+        )
+    return _eager_vocab_parallel(
+        logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group,
+        vocab_start,
+    )  # fmt: skip
+
+
+@torch.compiler.disable
+def _eager_vocab_parallel(
     logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group, vocab_start
 ):
     """Eager even under torch.compile (a graph break): the collectives run in the autograd.Function's forward."""

@@ -58,12 +58,28 @@ def _shard_gradient_torch(grad_rows, logits, labels, lse, grad, options, vocab_s
 # --- the collectives -----------------------------------------------------------------------------------------
 
 
-def combine_statistics(lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z):
+def _all_reduce_in_place(tensor, op, group):
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def _functional_all_reduce(tensor, op, group):
+    # Functional collectives are ops dynamo traces into the graph (an in-place dist.all_reduce is a graph break);
+    # wait_tensor makes the result an ordinary tensor, so the eager fallback of a graph break computes the same.
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_reduce(tensor, op, group))
+
+
+def combine_statistics(
+    lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z, all_reduce=_all_reduce_in_place
+):
     """Global (lse, z_label, sum_z) per row from every rank's local statistics: two all-reduces of O(N) floats.
 
     With check_equal_widths (offsets derived from the rank), the MAX all-reduce also carries the local width and its
     negation: if the ranks' widths differ, the derived offsets are wrong, and every lse becomes NaN (so the loss and
-    gradient show it) without a host synchronisation."""
+    gradient show it) without a host synchronisation. all_reduce(tensor, "max" | "sum", group) returns the reduced
+    tensor: in place in eager calls, functional collectives under torch.compile."""
     n_rows = lse_local.shape[0]
     # Fills, not a host-to-device copy: nothing here waits for the GPU.
     maxima = torch.empty(n_rows + 2 * check_equal_widths, dtype=lse_local.dtype, device=lse_local.device)
@@ -71,13 +87,13 @@ def combine_statistics(lse_local, z_label, sum_z, group, local_width, check_equa
     if check_equal_widths:
         maxima[n_rows].fill_(local_width)
         maxima[n_rows + 1].fill_(-local_width)
-    dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+    maxima = all_reduce(maxima, "max", group)
     row_max = maxima[:n_rows]
     # Rows that are -inf on every rank (ignored rows, all -inf logits) shift by 0 (-inf - -inf would be NaN).
     shift = torch.where(row_max == float("-inf"), 0.0, row_max)
     parts = [torch.exp(lse_local - shift), z_label] + ([sum_z] if with_sum_z else [])
     sums = torch.stack(parts)
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    sums = all_reduce(sums, "sum", group)
     lse = shift + torch.log(sums[0])
     if check_equal_widths:
         lse = torch.where(maxima[n_rows] == -maxima[n_rows + 1], lse, float("nan"))
@@ -157,6 +173,117 @@ def _differentiable_shard_gradient(grad_output, denominator, logits, labels, lse
         grad_rows, logits, labels, global_lse, ctx.options, ctx.vocab_start, ctx.vocab_total
     )
     return grad.to(logits.dtype)
+
+
+# --- under torch.compile: functional collectives around custom ops, no graph break -------------------------------
+#
+# The compiler sees the local statistics kernel and the loss as opaque ops and the two all-reduces as functional
+# collectives between them. The collectives carry no gradient: the loss op's backward gives each rank's columns of
+# d loss / d logits from the global logsumexp directly (the eager backward's kernel, no communication), which is the
+# derivative through the combined statistics.
+
+_LAYOUT_SCHEMA = f"{contract.op_schema(contract.Options)}, int vocab_start, int vocab_total"
+
+
+@torch.library.custom_op(
+    "fastce::vocab_parallel_statistics",
+    mutates_args=(),
+    schema=f"(Tensor logits, Tensor labels, {_LAYOUT_SCHEMA}) -> (Tensor, Tensor, Tensor)",
+)
+def _statistics_op(logits, labels, *options_and_layout):
+    *options, vocab_start, vocab_total = options_and_layout
+    lse, z_label, sum_z = kernels.forward(
+        logits, labels, contract.Options(*options), vocab_start=vocab_start, vocab_total=vocab_total
+    )
+    return lse.clone(), z_label, sum_z  # lse is a view of the launch's scratch buffer; an op's output owns its storage
+
+
+@_statistics_op.register_fake
+def _(logits, labels, *options_and_layout):
+    n_rows = labels.shape[0]
+    return tuple(logits.new_empty(n_rows, dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.custom_op(
+    "fastce::vocab_parallel_loss",
+    mutates_args=(),
+    schema=f"(Tensor logits, Tensor labels, Tensor lse, Tensor z_label, Tensor? sum_z, {_LAYOUT_SCHEMA}, "
+    "bool use_kernel) -> Tensor",
+)
+def _loss_op(logits, labels, lse, z_label, sum_z, *options_and_layout):
+    """The per-token loss from the global statistics; `logits` is only there for the backward."""
+    *options, _, vocab_total, _ = options_and_layout
+    return contract.token_loss_from_statistics(lse, z_label, sum_z, labels, contract.Options(*options), vocab_total)
+
+
+@_loss_op.register_fake
+def _(logits, labels, lse, z_label, sum_z, *options_and_layout):
+    return lse.new_empty(labels.shape)
+
+
+@torch.library.custom_op(
+    "fastce::vocab_parallel_backward",
+    mutates_args=(),
+    schema=f"(Tensor grad_loss, Tensor logits, Tensor labels, Tensor lse, {_LAYOUT_SCHEMA}) -> Tensor",
+)
+def _backward_op(grad_loss, logits, labels, lse, *options_and_layout):
+    *options, vocab_start, vocab_total = options_and_layout
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    return kernels.backward(
+        grad_loss, logits, labels, lse, grad, contract.Options(*options), vocab_start=vocab_start,
+        vocab_total=vocab_total,
+    )  # fmt: skip
+
+
+@_backward_op.register_fake
+def _(grad_loss, logits, labels, lse, *options_and_layout):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+def _loss_setup_context(ctx, inputs, output):
+    logits, labels, lse, _, _, *options_and_layout = inputs
+    ctx.save_for_backward(logits, labels, lse)
+    *ctx.options_and_layout, ctx.use_kernel = options_and_layout
+
+
+def _loss_backward(ctx, grad_loss):
+    logits, labels, lse = ctx.saved_tensors
+    if ctx.use_kernel:
+        grad = _backward_op(grad_loss, logits, labels, lse, *ctx.options_and_layout)
+    else:
+        *options, vocab_start, vocab_total = ctx.options_and_layout
+        grad = contract.logits_gradient(
+            grad_loss, logits, labels, lse, contract.Options(*options), vocab_start, vocab_total
+        ).to(logits.dtype)
+    return grad, *[None] * (4 + len(ctx.options_and_layout) + 1)
+
+
+torch.library.register_autograd("fastce::vocab_parallel_loss", _loss_backward, setup_context=_loss_setup_context)
+
+
+def traced_vocab_parallel_cross_entropy(logits, labels, reduction, n_items, options, layout, use_kernel):
+    """vocab_parallel_cross_entropy as torch.compile traces it (no graph break, no host synchronisation): the
+    statistics op, two functional all-reduces of O(N) floats, the loss op, the reduction in plain torch. The compiler
+    plans the gradient's memory itself (inplace_backward does not apply), and a second backward through the compiled
+    graph is refused by torch.compile."""
+    group, vocab_start, vocab_total, check_equal_widths = layout
+    local_width = logits.shape[-1]
+    logits_2d = logits.reshape(-1, local_width)
+    if logits_2d.stride(-1) != 1 and local_width > 1:
+        logits_2d = logits_2d.contiguous()
+    labels_1d = labels.reshape(-1).contiguous()
+    # The statistics carry no gradient (the loss op's backward accounts for them).
+    if use_kernel:
+        statistics = _statistics_op(logits_2d.detach(), labels_1d, *options, vocab_start, vocab_total)
+    else:
+        statistics = _shard_statistics_torch(logits_2d.detach(), labels_1d, options, vocab_start)
+    with_sum_z = options.label_smoothing > 0.0
+    lse, z_label, sum_z = combine_statistics(
+        *statistics, group, local_width, check_equal_widths, with_sum_z, all_reduce=_functional_all_reduce
+    )
+    losses = _loss_op(logits_2d, labels_1d, lse, z_label, sum_z, *options, vocab_start, vocab_total, use_kernel)
+    loss = contract.reduce_losses(losses, labels_1d, reduction, n_items, options.ignore_index)
+    return loss.view(labels.shape) if reduction == "none" else loss
 
 
 # --- layouts: where this rank's columns sit in the global vocabulary ------------------------------------------
