@@ -182,7 +182,8 @@ def _differentiable_shard_gradient(grad_output, denominator, logits, labels, lse
 # d loss / d logits from the global logsumexp directly (the eager backward's kernel, no communication), which is the
 # derivative through the combined statistics.
 
-_LAYOUT_SCHEMA = f"{contract.op_schema(contract.Options)}, int vocab_start, int vocab_total"
+# SymInt: under dynamic shapes the offsets are symbolic (rank * V_local).
+_LAYOUT_SCHEMA = f"{contract.op_schema(contract.Options)}, SymInt vocab_start, SymInt vocab_total"
 
 
 @torch.library.custom_op(
@@ -415,7 +416,10 @@ def dtensor_cross_entropy(logits, labels, reduction, n_items, options, use_kerne
     if local.shape[-1] == 0:
         raise NotImplementedError("a rank holds no vocabulary columns (V < mesh size); not supported")
     layout = (mesh.get_group(tp_dim), start, vocab_total, False)
-    loss = vocab_parallel_cross_entropy(local, local_labels, reduction, n_items, False, options, layout, use_kernel)
+    if torch.compiler.is_compiling():
+        loss = traced_vocab_parallel_cross_entropy(local, local_labels, reduction, n_items, options, layout, use_kernel)
+    else:
+        loss = vocab_parallel_cross_entropy(local, local_labels, reduction, n_items, False, options, layout, use_kernel)
     if reduction == "none":
         out_placements = label_placements
     else:
