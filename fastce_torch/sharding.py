@@ -274,10 +274,11 @@ def traced_vocab_parallel_cross_entropy(logits, labels, reduction, n_items, opti
         logits_2d = logits_2d.contiguous()
     labels_1d = labels.reshape(-1).contiguous()
     # The statistics carry no gradient (the loss op's backward accounts for them).
-    if use_kernel:
-        statistics = _statistics_op(logits_2d.detach(), labels_1d, *options, vocab_start, vocab_total)
-    else:
-        statistics = _shard_statistics_torch(logits_2d.detach(), labels_1d, options, vocab_start)
+    with torch.no_grad():
+        if use_kernel:
+            statistics = _statistics_op(logits_2d, labels_1d, *options, vocab_start, vocab_total)
+        else:
+            statistics = _shard_statistics_torch(logits_2d, labels_1d, options, vocab_start)
     with_sum_z = options.label_smoothing > 0.0
     lse, z_label, sum_z = combine_statistics(
         *statistics, group, local_width, check_equal_widths, with_sum_z, all_reduce=_functional_all_reduce
