@@ -159,7 +159,7 @@ def compiled(fn, compile_backend):
     return torch.compile(fn, fullgraph=True, backend=compile_backend), graphs
 
 
-def check_graphs(graphs, n_rows, backend):
+def check_graphs(graphs, n_rows, backend, dtype):
     """The compiled forward communicates two all-reduces of O(N) floats (at most 3 N + 2: the row statistics and
     the width check), the backward nothing; no host synchronisation (no tensor read back as a number); with the
     kernels, the statistics op in the forward and the gradient op in the backward."""
@@ -177,9 +177,9 @@ def check_graphs(graphs, n_rows, backend):
     assert not communicating, f"the backward communicates: {communicating}"
     synchronising = {str(n.target) for n in forward + backward_nodes if "_local_scalar_dense" in str(n.target)}
     assert not synchronising, f"a host synchronisation: {synchronising}"
-    if backend == "kernel":
-        assert "fastce.vocab_parallel_statistics.default" in {str(n.target) for n in forward}
-        assert "fastce.vocab_parallel_backward.default" in {str(n.target) for n in backward_nodes}
+    if backend == "kernel" and dtype != "float64":  # float64 is computed by the plain-torch formulas
+        assert "fastce.vocab_parallel_statistics.default" in {str(n.target) for n in forward}, "no statistics op"
+        assert "fastce.vocab_parallel_backward.default" in {str(n.target) for n in backward_nodes}, "no backward op"
 
 
 def close_to_eager(value, eager, what):
@@ -231,7 +231,7 @@ def run_process_group(case, device, widths, explicit, group, backend, compile_ba
         eager = loss, grad
         loss, grad, graphs = group_loss_and_grad(case, inputs, widths, explicit, group, backend, compile_backend)
         assert same_on_every_rank(loss, group), "ranks disagree on the compiled loss"
-        check_graphs(graphs, inputs.labels.numel(), backend)
+        check_graphs(graphs, inputs.labels.numel(), backend, case.dtype)
         close_to_eager(loss, eager[0], "compiled loss")
         close_to_eager(grad, eager[1], "compiled grad")
     compare(case, inputs, loss, gather_columns(grad, widths, group))
@@ -268,7 +268,7 @@ def run_dtensor(case, device, mesh, backend, compile_backend=""):
     if compile_backend:
         eager = loss, grad
         loss, grad, graphs = dtensor_loss_and_grad(case, inputs, mesh, backend, compile_backend)
-        check_graphs(graphs, inputs.labels.numel(), backend)
+        check_graphs(graphs, inputs.labels.numel(), backend, case.dtype)
         close_to_eager(loss, eager[0], "compiled loss")
         close_to_eager(grad, eager[1], "compiled grad")
     compare(case, inputs, loss, grad)
