@@ -74,12 +74,21 @@ def _functional_all_reduce(tensor, op, group):
 def combine_statistics(
     lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z, all_reduce=_all_reduce_in_place
 ):
-    """Global (lse, z_label, sum_z) per row from every rank's local statistics: two all-reduces of O(N) floats.
+    """Global (lse, z_label, sum_z) per row from every rank's local statistics: two all-reduces of O(N) floats."""
+    maxima, sums = reduced_statistics(
+        lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z, all_reduce
+    )
+    return global_statistics(maxima, sums, lse_local.shape[0])
+
+
+def reduced_statistics(lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z, all_reduce):
+    """The two all-reduces: (MAX over the ranks of the local logsumexps, SUM of [exp(lse_local - max), z_label,
+    sum_z]). all_reduce(tensor, "max" | "sum", group) returns the reduced tensor: in place in eager calls,
+    functional collectives under torch.compile.
 
     With check_equal_widths (offsets derived from the rank), the MAX all-reduce also carries the local width and its
     negation: if the ranks' widths differ, the derived offsets are wrong, and every lse becomes NaN (so the loss and
-    gradient show it) without a host synchronisation. all_reduce(tensor, "max" | "sum", group) returns the reduced
-    tensor: in place in eager calls, functional collectives under torch.compile."""
+    gradient show it) without a host synchronisation."""
     n_rows = lse_local.shape[0]
     # Fills, not a host-to-device copy: nothing here waits for the GPU.
     maxima = torch.empty(n_rows + 2 * check_equal_widths, dtype=lse_local.dtype, device=lse_local.device)
@@ -88,16 +97,24 @@ def combine_statistics(
         maxima[n_rows].fill_(local_width)
         maxima[n_rows + 1].fill_(-local_width)
     maxima = all_reduce(maxima, "max", group)
-    row_max = maxima[:n_rows]
+    parts = [torch.exp(lse_local - _row_shift(maxima, n_rows)), z_label] + ([sum_z] if with_sum_z else [])
+    sums = all_reduce(torch.stack(parts), "sum", group)
+    return maxima, sums
+
+
+def _row_shift(maxima, n_rows):
     # Rows that are -inf on every rank (ignored rows, all -inf logits) shift by 0 (-inf - -inf would be NaN).
-    shift = torch.where(row_max == float("-inf"), 0.0, row_max)
-    parts = [torch.exp(lse_local - shift), z_label] + ([sum_z] if with_sum_z else [])
-    sums = torch.stack(parts)
-    sums = all_reduce(sums, "sum", group)
-    lse = shift + torch.log(sums[0])
-    if check_equal_widths:
+    row_max = maxima[:n_rows]
+    return torch.where(row_max == float("-inf"), 0.0, row_max)
+
+
+def global_statistics(maxima, sums, n_rows):
+    """(lse, z_label, sum_z or None) per row from reduced_statistics' two reduced tensors (maxima holds 2 more
+    entries, the widths, when they are checked; sums a third row, sum_z, with label smoothing)."""
+    lse = _row_shift(maxima, n_rows) + torch.log(sums[0])
+    if maxima.shape[0] > n_rows:
         lse = torch.where(maxima[n_rows] == -maxima[n_rows + 1], lse, float("nan"))
-    return lse, sums[1], (sums[2] if with_sum_z else None)
+    return lse, sums[1], (sums[2] if sums.shape[0] > 2 else None)
 
 
 class _VocabParallelFunction(torch.autograd.Function):
@@ -208,18 +225,21 @@ def _(logits, labels, *options_and_layout):
 @torch.library.custom_op(
     "fastce::vocab_parallel_loss",
     mutates_args=(),
-    schema=f"(Tensor logits, Tensor labels, Tensor lse, Tensor z_label, Tensor? sum_z, {_LAYOUT_SCHEMA}, "
-    "bool use_kernel) -> Tensor",
+    schema=f"(Tensor logits, Tensor labels, Tensor maxima, Tensor sums, {_LAYOUT_SCHEMA}, bool use_kernel) -> Tensor",
 )
-def _loss_op(logits, labels, lse, z_label, sum_z, *options_and_layout):
-    """The per-token loss from the global statistics; `logits` is only there for the backward."""
+def _loss_op(logits, labels, maxima, sums, *options_and_layout):
+    """The per-token loss from reduced_statistics' reduced tensors; `logits` is only there for the backward. The
+    op takes the all-reduces' outputs themselves (not the lse derived from them) and its backward derives the lse
+    again: were anything computed from the logits before the all-reduces saved for the backward, a partitioner
+    could recompute it there, collectives included (torch never eliminates a collective as dead code)."""
     *options, _, vocab_total, _ = options_and_layout
+    lse, z_label, sum_z = global_statistics(maxima, sums, labels.shape[0])
     return contract.token_loss_from_statistics(lse, z_label, sum_z, labels, contract.Options(*options), vocab_total)
 
 
 @_loss_op.register_fake
-def _(logits, labels, lse, z_label, sum_z, *options_and_layout):
-    return lse.new_empty(labels.shape)
+def _(logits, labels, maxima, sums, *options_and_layout):
+    return sums.new_empty(labels.shape)
 
 
 @torch.library.custom_op(
@@ -242,13 +262,14 @@ def _(grad_loss, logits, labels, lse, *options_and_layout):
 
 
 def _loss_setup_context(ctx, inputs, output):
-    logits, labels, lse, _, _, *options_and_layout = inputs
-    ctx.save_for_backward(logits, labels, lse)
+    logits, labels, maxima, sums, *options_and_layout = inputs
+    ctx.save_for_backward(logits, labels, maxima, sums)
     *ctx.options_and_layout, ctx.use_kernel = options_and_layout
 
 
 def _loss_backward(ctx, grad_loss):
-    logits, labels, lse = ctx.saved_tensors
+    logits, labels, maxima, sums = ctx.saved_tensors
+    lse = global_statistics(maxima, sums, labels.shape[0])[0]
     if ctx.use_kernel:
         grad = _backward_op(grad_loss, logits, labels, lse, *ctx.options_and_layout)
     else:
@@ -256,7 +277,7 @@ def _loss_backward(ctx, grad_loss):
         grad = contract.logits_gradient(
             grad_loss, logits, labels, lse, contract.Options(*options), vocab_start, vocab_total
         ).to(logits.dtype)
-    return grad, *[None] * (4 + len(ctx.options_and_layout) + 1)
+    return grad, *[None] * (3 + len(ctx.options_and_layout) + 1)
 
 
 torch.library.register_autograd("fastce::vocab_parallel_loss", _loss_backward, setup_context=_loss_setup_context)
@@ -280,10 +301,10 @@ def traced_vocab_parallel_cross_entropy(logits, labels, reduction, n_items, opti
         else:
             statistics = _shard_statistics_torch(logits_2d, labels_1d, options, vocab_start)
     with_sum_z = options.label_smoothing > 0.0
-    lse, z_label, sum_z = combine_statistics(
-        *statistics, group, local_width, check_equal_widths, with_sum_z, all_reduce=_functional_all_reduce
+    maxima, sums = reduced_statistics(
+        *statistics, group, local_width, check_equal_widths, with_sum_z, _functional_all_reduce
     )
-    losses = _loss_op(logits_2d, labels_1d, lse, z_label, sum_z, *options, vocab_start, vocab_total, use_kernel)
+    losses = _loss_op(logits_2d, labels_1d, maxima, sums, *options, vocab_start, vocab_total, use_kernel)
     loss = contract.reduce_losses(losses, labels_1d, reduction, n_items, options.ignore_index)
     return loss.view(labels.shape) if reduction == "none" else loss
 

@@ -137,8 +137,7 @@ def backward(loss, case, inputs):
 def compiled(fn, compile_backend):
     """torch.compile(fn, fullgraph=True): a graph break raises. With aot_eager the forward and backward graphs are
     kept (the returned dict) for check_graphs, partitioned as inductor partitions them (min-cut: aot_eager's
-    default partitioner copies the forward's statistics and first all-reduce into the backward as dead code, which
-    torch keeps, since it never eliminates a collective)."""
+    default partitioner leaves the forward's statistics op in the backward as dead code)."""
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
