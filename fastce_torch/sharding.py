@@ -9,6 +9,9 @@ is computed from the combined per-row numbers; the backward needs no communicati
 columns depend only on its own logits, the global logsumexp and the label.
 
 `cross_entropy(..., process_group=group)` and a DTensor sharded on its last dimension (`Shard(-1)`) come here.
+Eager calls run `_VocabParallelFunction` (in-place collectives, the kernels launched directly); under torch.compile
+the same statistics and gradient are custom ops around functional collectives (traced_vocab_parallel_cross_entropy),
+so that the compiler traces the whole call.
 """
 
 import sys
@@ -71,12 +74,10 @@ def _functional_all_reduce(tensor, op, group):
     return funcol.wait_tensor(funcol.all_reduce(tensor, op, group))
 
 
-def combine_statistics(
-    lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z, all_reduce=_all_reduce_in_place
-):
+def combine_statistics(lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z):
     """Global (lse, z_label, sum_z) per row from every rank's local statistics: two all-reduces of O(N) floats."""
     maxima, sums = reduced_statistics(
-        lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z, all_reduce
+        lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z, _all_reduce_in_place
     )
     return global_statistics(maxima, sums, lse_local.shape[0])
 
