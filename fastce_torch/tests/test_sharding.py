@@ -116,8 +116,9 @@ def test_two_gpus_nccl_compiled():
 def test_two_gpus_nccl_inductor():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    run_ranks(2, "--device=cuda", "--backend=kernel", "--size=mid", "--compile=inductor",
-              "--only=mean,none,all-options,n-items-tensor,bad-labels-none")  # fmt: skip
+    # Every dtype of all-options-mean (float64 by the plain-torch path) plus the compile-only checks: a few inductor
+    # compiles, so that the two-GPU stage keeps to its time.
+    run_ranks(2, "--device=cuda", "--backend=kernel", "--size=mid", "--compile=inductor", "--only=all-options-mean")
 
 
 @pytest.mark.gpu
