@@ -76,16 +76,16 @@ def _functional_all_reduce(tensor, op, group):
 
 def combine_statistics(lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z):
     """Global (lse, z_label, sum_z) per row from every rank's local statistics: two all-reduces of O(N) floats."""
-    maxima, sums = reduced_statistics(
+    maxima, sums, shift = reduced_statistics(
         lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z, _all_reduce_in_place
     )
-    return global_statistics(maxima, sums, lse_local.shape[0])
+    return global_statistics(maxima, sums, lse_local.shape[0], shift)
 
 
 def reduced_statistics(lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z, all_reduce):
     """The two all-reduces: (MAX over the ranks of the local logsumexps, SUM of [exp(lse_local - max), z_label,
-    sum_z]). all_reduce(tensor, "max" | "sum", group) returns the reduced tensor: in place in eager calls,
-    functional collectives under torch.compile.
+    sum_z], the rows' shift: the max, 0 where it is -inf). all_reduce(tensor, "max" | "sum", group) returns the
+    reduced tensor: in place in eager calls, functional collectives under torch.compile.
 
     With check_equal_widths (offsets derived from the rank), the MAX all-reduce also carries the local width and its
     negation: if the ranks' widths differ, the derived offsets are wrong, and every lse becomes NaN (so the loss and
@@ -98,9 +98,10 @@ def reduced_statistics(lse_local, z_label, sum_z, group, local_width, check_equa
         maxima[n_rows].fill_(local_width)
         maxima[n_rows + 1].fill_(-local_width)
     maxima = all_reduce(maxima, "max", group)
-    parts = [torch.exp(lse_local - _row_shift(maxima, n_rows)), z_label] + ([sum_z] if with_sum_z else [])
+    shift = _row_shift(maxima, n_rows)
+    parts = [torch.exp(lse_local - shift), z_label] + ([sum_z] if with_sum_z else [])
     sums = all_reduce(torch.stack(parts), "sum", group)
-    return maxima, sums
+    return maxima, sums, shift
 
 
 def _row_shift(maxima, n_rows):
@@ -109,10 +110,12 @@ def _row_shift(maxima, n_rows):
     return torch.where(row_max == float("-inf"), 0.0, row_max)
 
 
-def global_statistics(maxima, sums, n_rows):
+def global_statistics(maxima, sums, n_rows, shift=None):
     """(lse, z_label, sum_z or None) per row from reduced_statistics' two reduced tensors (maxima holds 2 more
-    entries, the widths, when they are checked; sums a third row, sum_z, with label smoothing)."""
-    lse = _row_shift(maxima, n_rows) + torch.log(sums[0])
+    entries, the widths, when they are checked; sums a third row, sum_z, with label smoothing) and its shift
+    (derived again from maxima when None)."""
+    shift = _row_shift(maxima, n_rows) if shift is None else shift
+    lse = shift + torch.log(sums[0])
     if maxima.shape[0] > n_rows:
         lse = torch.where(maxima[n_rows] == -maxima[n_rows + 1], lse, float("nan"))
     return lse, sums[1], (sums[2] if sums.shape[0] > 2 else None)
@@ -302,7 +305,7 @@ def traced_vocab_parallel_cross_entropy(logits, labels, reduction, n_items, opti
         else:
             statistics = _shard_statistics_torch(logits_2d, labels_1d, options, vocab_start)
     with_sum_z = options.label_smoothing > 0.0
-    maxima, sums = reduced_statistics(
+    maxima, sums, _ = reduced_statistics(
         *statistics, group, local_width, check_equal_widths, with_sum_z, _functional_all_reduce
     )
     losses = _loss_op(logits_2d, labels_1d, maxima, sums, *options, vocab_start, vocab_total, use_kernel)
