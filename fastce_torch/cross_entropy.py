@@ -275,8 +275,42 @@ def _in_kernel_dtype(logits):
     return logits
 
 
-@torch.compiler.disable
 def _vocab_parallel(
+    logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group, vocab_start
+):
+    """Eager: an autograd.Function with the collectives in its forward. Under torch.compile (process group or
+    DTensor): functional collectives around custom ops, traced without a graph break; explicit vocab_start (its
+    layout check synchronises) and validate_labels run the eager path there (a graph break)."""
+    if torch.compiler.is_compiling() and vocab_start is None and not validate_labels:
+        use_kernel = contract.use_kernel(logits, backend)
+        if use_kernel:
+            logits = _in_kernel_dtype(logits)
+        if sharding.is_dtensor(logits):  # traces sharding's compiled path too
+            return sharding.dtensor_cross_entropy(
+                logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start
+            )
+        layout = sharding.layout_of(process_group, None, logits.shape[-1], logits.device)
+        return sharding.traced_vocab_parallel_cross_entropy(
+            logits, labels, reduction, n_items, options, layout, use_kernel
+        )
+    return _eager_vocab_parallel(
+        logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group,
+        vocab_start,
+    )  # fmt: skip
+
+
+def _compiler_disable(reason):
+    try:
+        return torch.compiler.disable(reason=reason)
+    except TypeError:  # a torch whose disable() takes no reason
+        return torch.compiler.disable
+
+
+@_compiler_disable(
+    "fastce_torch vocab-parallel with vocab_start= or validate_labels=True synchronises with the host (the slices' "
+    "layout check, the label check); under torch.compile pass neither (slices then start at rank * V_local)"
+)
+def _eager_vocab_parallel(
     logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group, vocab_start
 ):
     """Eager even under torch.compile (a graph break): the collectives run in the autograd.Function's forward."""

@@ -9,6 +9,9 @@ is computed from the combined per-row numbers; the backward needs no communicati
 columns depend only on its own logits, the global logsumexp and the label.
 
 `cross_entropy(..., process_group=group)` and a DTensor sharded on its last dimension (`Shard(-1)`) come here.
+Eager calls run `_VocabParallelFunction` (in-place collectives, the kernels launched directly); under torch.compile
+the same statistics and gradient are custom ops around functional collectives (traced_vocab_parallel_cross_entropy),
+so that the compiler traces the whole call.
 """
 
 import sys
@@ -58,8 +61,31 @@ def _shard_gradient_torch(grad_rows, logits, labels, lse, grad, options, vocab_s
 # --- the collectives -----------------------------------------------------------------------------------------
 
 
+def _all_reduce_in_place(tensor, op, group):
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def _functional_all_reduce(tensor, op, group):
+    # Functional collectives are ops dynamo traces into the graph (an in-place dist.all_reduce is a graph break);
+    # wait_tensor makes the result an ordinary tensor, so the eager fallback of a graph break computes the same.
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_reduce(tensor, op, group))
+
+
 def combine_statistics(lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z):
-    """Global (lse, z_label, sum_z) per row from every rank's local statistics: two all-reduces of O(N) floats.
+    """Global (lse, z_label, sum_z) per row from every rank's local statistics: two all-reduces of O(N) floats."""
+    maxima, sums, shift = reduced_statistics(
+        lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z, _all_reduce_in_place
+    )
+    return global_statistics(maxima, sums, lse_local.shape[0], shift)
+
+
+def reduced_statistics(lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z, all_reduce):
+    """The two all-reduces: (MAX over the ranks of the local logsumexps, SUM of [exp(lse_local - max), z_label,
+    sum_z], the rows' shift: the max, 0 where it is -inf). all_reduce(tensor, "max" | "sum", group) returns the
+    reduced tensor: in place in eager calls, functional collectives under torch.compile.
 
     With check_equal_widths (offsets derived from the rank), the MAX all-reduce also carries the local width and its
     negation: if the ranks' widths differ, the derived offsets are wrong, and every lse becomes NaN (so the loss and
@@ -71,17 +97,28 @@ def combine_statistics(lse_local, z_label, sum_z, group, local_width, check_equa
     if check_equal_widths:
         maxima[n_rows].fill_(local_width)
         maxima[n_rows + 1].fill_(-local_width)
-    dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
-    row_max = maxima[:n_rows]
-    # Rows that are -inf on every rank (ignored rows, all -inf logits) shift by 0 (-inf - -inf would be NaN).
-    shift = torch.where(row_max == float("-inf"), 0.0, row_max)
+    maxima = all_reduce(maxima, "max", group)
+    shift = _row_shift(maxima, n_rows)
     parts = [torch.exp(lse_local - shift), z_label] + ([sum_z] if with_sum_z else [])
-    sums = torch.stack(parts)
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    sums = all_reduce(torch.stack(parts), "sum", group)
+    return maxima, sums, shift
+
+
+def _row_shift(maxima, n_rows):
+    # Rows that are -inf on every rank (ignored rows, all -inf logits) shift by 0 (-inf - -inf would be NaN).
+    row_max = maxima[:n_rows]
+    return torch.where(row_max == float("-inf"), 0.0, row_max)
+
+
+def global_statistics(maxima, sums, n_rows, shift=None):
+    """(lse, z_label, sum_z or None) per row from reduced_statistics' two reduced tensors (maxima holds 2 more
+    entries, the widths, when they are checked; sums a third row, sum_z, with label smoothing) and its shift
+    (derived again from maxima when None)."""
+    shift = _row_shift(maxima, n_rows) if shift is None else shift
     lse = shift + torch.log(sums[0])
-    if check_equal_widths:
+    if maxima.shape[0] > n_rows:
         lse = torch.where(maxima[n_rows] == -maxima[n_rows + 1], lse, float("nan"))
-    return lse, sums[1], (sums[2] if with_sum_z else None)
+    return lse, sums[1], (sums[2] if sums.shape[0] > 2 else None)
 
 
 class _VocabParallelFunction(torch.autograd.Function):
@@ -157,6 +194,123 @@ def _differentiable_shard_gradient(grad_output, denominator, logits, labels, lse
         grad_rows, logits, labels, global_lse, ctx.options, ctx.vocab_start, ctx.vocab_total
     )
     return grad.to(logits.dtype)
+
+
+# --- under torch.compile: functional collectives around custom ops, no graph break -------------------------------
+#
+# The compiler sees the local statistics kernel and the loss as opaque ops and the two all-reduces as functional
+# collectives between them. The collectives carry no gradient: the loss op's backward gives each rank's columns of
+# d loss / d logits from the global logsumexp directly (the eager backward's kernel, no communication), which is the
+# derivative through the combined statistics.
+
+# SymInt: under dynamic shapes the offsets are symbolic (rank * V_local).
+_LAYOUT_SCHEMA = f"{contract.op_schema(contract.Options)}, SymInt vocab_start, SymInt vocab_total"
+
+
+@torch.library.custom_op(
+    "fastce::vocab_parallel_statistics",
+    mutates_args=(),
+    schema=f"(Tensor logits, Tensor labels, {_LAYOUT_SCHEMA}) -> (Tensor, Tensor, Tensor)",
+)
+def _statistics_op(logits, labels, *options_and_layout):
+    *options, vocab_start, vocab_total = options_and_layout
+    lse, z_label, sum_z = kernels.forward(
+        logits, labels, contract.Options(*options), vocab_start=vocab_start, vocab_total=vocab_total
+    )
+    return lse.clone(), z_label, sum_z  # lse is a view of the launch's scratch buffer; an op's output owns its storage
+
+
+@_statistics_op.register_fake
+def _(logits, labels, *options_and_layout):
+    n_rows = labels.shape[0]
+    return tuple(logits.new_empty(n_rows, dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.custom_op(
+    "fastce::vocab_parallel_loss",
+    mutates_args=(),
+    schema=f"(Tensor logits, Tensor labels, Tensor maxima, Tensor sums, {_LAYOUT_SCHEMA}, bool use_kernel) -> Tensor",
+)
+def _loss_op(logits, labels, maxima, sums, *options_and_layout):
+    """The per-token loss from reduced_statistics' reduced tensors; `logits` is only there for the backward. The
+    op takes the all-reduces' outputs themselves (not the lse derived from them) and its backward derives the lse
+    again: were anything computed from the logits before the all-reduces saved for the backward, a partitioner
+    could recompute it there, collectives included (torch never eliminates a collective as dead code)."""
+    *options, _, vocab_total, _ = options_and_layout
+    lse, z_label, sum_z = global_statistics(maxima, sums, labels.shape[0])
+    return contract.token_loss_from_statistics(lse, z_label, sum_z, labels, contract.Options(*options), vocab_total)
+
+
+@_loss_op.register_fake
+def _(logits, labels, maxima, sums, *options_and_layout):
+    return sums.new_empty(labels.shape)
+
+
+@torch.library.custom_op(
+    "fastce::vocab_parallel_backward",
+    mutates_args=(),
+    schema=f"(Tensor grad_loss, Tensor logits, Tensor labels, Tensor lse, {_LAYOUT_SCHEMA}) -> Tensor",
+)
+def _backward_op(grad_loss, logits, labels, lse, *options_and_layout):
+    *options, vocab_start, vocab_total = options_and_layout
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    return kernels.backward(
+        grad_loss, logits, labels, lse, grad, contract.Options(*options), vocab_start=vocab_start,
+        vocab_total=vocab_total,
+    )  # fmt: skip
+
+
+@_backward_op.register_fake
+def _(grad_loss, logits, labels, lse, *options_and_layout):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+def _loss_setup_context(ctx, inputs, output):
+    logits, labels, maxima, sums, *options_and_layout = inputs
+    ctx.save_for_backward(logits, labels, maxima, sums)
+    *ctx.options_and_layout, ctx.use_kernel = options_and_layout
+
+
+def _loss_backward(ctx, grad_loss):
+    logits, labels, maxima, sums = ctx.saved_tensors
+    lse = global_statistics(maxima, sums, labels.shape[0])[0]
+    if ctx.use_kernel:
+        grad = _backward_op(grad_loss, logits, labels, lse, *ctx.options_and_layout)
+    else:
+        *options, vocab_start, vocab_total = ctx.options_and_layout
+        grad = contract.logits_gradient(
+            grad_loss, logits, labels, lse, contract.Options(*options), vocab_start, vocab_total
+        ).to(logits.dtype)
+    return grad, *[None] * (3 + len(ctx.options_and_layout) + 1)
+
+
+torch.library.register_autograd("fastce::vocab_parallel_loss", _loss_backward, setup_context=_loss_setup_context)
+
+
+def traced_vocab_parallel_cross_entropy(logits, labels, reduction, n_items, options, layout, use_kernel):
+    """vocab_parallel_cross_entropy as torch.compile traces it (no graph break, no host synchronisation): the
+    statistics op, two functional all-reduces of O(N) floats, the loss op, the reduction in plain torch. The compiler
+    plans the gradient's memory itself (inplace_backward does not apply), and a second backward through the compiled
+    graph is refused by torch.compile."""
+    group, vocab_start, vocab_total, check_equal_widths = layout
+    local_width = logits.shape[-1]
+    logits_2d = logits.reshape(-1, local_width)
+    if logits_2d.stride(-1) != 1 and local_width > 1:
+        logits_2d = logits_2d.contiguous()
+    labels_1d = labels.reshape(-1).contiguous()
+    # The statistics carry no gradient (the loss op's backward accounts for them).
+    with torch.no_grad():
+        if use_kernel:
+            statistics = _statistics_op(logits_2d, labels_1d, *options, vocab_start, vocab_total)
+        else:
+            statistics = _shard_statistics_torch(logits_2d, labels_1d, options, vocab_start)
+    with_sum_z = options.label_smoothing > 0.0
+    maxima, sums, _ = reduced_statistics(
+        *statistics, group, local_width, check_equal_widths, with_sum_z, _functional_all_reduce
+    )
+    losses = _loss_op(logits_2d, labels_1d, maxima, sums, *options, vocab_start, vocab_total, use_kernel)
+    loss = contract.reduce_losses(losses, labels_1d, reduction, n_items, options.ignore_index)
+    return loss.view(labels.shape) if reduction == "none" else loss
 
 
 # --- layouts: where this rank's columns sit in the global vocabulary ------------------------------------------
@@ -288,7 +442,10 @@ def dtensor_cross_entropy(logits, labels, reduction, n_items, options, use_kerne
     if local.shape[-1] == 0:
         raise NotImplementedError("a rank holds no vocabulary columns (V < mesh size); not supported")
     layout = (mesh.get_group(tp_dim), start, vocab_total, False)
-    loss = vocab_parallel_cross_entropy(local, local_labels, reduction, n_items, False, options, layout, use_kernel)
+    if torch.compiler.is_compiling():
+        loss = traced_vocab_parallel_cross_entropy(local, local_labels, reduction, n_items, options, layout, use_kernel)
+    else:
+        loss = vocab_parallel_cross_entropy(local, local_labels, reduction, n_items, False, options, layout, use_kernel)
     if reduction == "none":
         out_placements = label_placements
     else:

@@ -8,6 +8,11 @@ Every rank makes the same full inputs (seeded), takes its columns, runs fastce_t
 process group (and with a DTensor sharded on the vocabulary), and the loss and the gathered gradient are compared
 with the float64 reference of shared_tests/reference.py on the full logits, with the shared suite's tolerances.
 Every rank must return the same loss bits. Exit status 0 only when every case passed on every rank.
+
+With --compile=aot_eager (or inductor) every call runs under torch.compile(fullgraph=True) as well (a graph break
+raises): the compiled loss and gradient against the float64 reference and against the eager call's; with aot_eager
+the recorded graphs must hold the two all-reduces of O(N) floats in the forward, nothing communicating in the
+backward and no host synchronisation.
 """
 
 import argparse
@@ -129,48 +134,123 @@ def backward(loss, case, inputs):
         loss.backward()
 
 
-def run_process_group(case, device, widths, explicit, group, backend):
+def compiled(fn, compile_backend):
+    """torch.compile(fn, fullgraph=True): a graph break raises. With aot_eager the forward and backward graphs are
+    kept (the returned dict) for check_graphs, partitioned as inductor partitions them (min-cut: aot_eager's
+    default partitioner leaves the forward's statistics op in the backward as dead code)."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch._dynamo.reset()
+    graphs = {"forward": [], "backward": []}
+    if compile_backend == "aot_eager":
+
+        def keep(kind):
+            def compiler(gm, example_inputs):
+                graphs[kind].append(gm)
+                return make_boxed_func(gm.forward)
+
+            return compiler
+
+        compile_backend = aot_autograd(
+            fw_compiler=keep("forward"), bw_compiler=keep("backward"), partition_fn=min_cut_rematerialization_partition
+        )
+    return torch.compile(fn, fullgraph=True, backend=compile_backend), graphs
+
+
+def check_graphs(graphs, n_rows, backend, dtype):
+    """The compiled forward communicates two all-reduces of O(N) floats (at most 3 N + 2: the row statistics and
+    the width check), the backward nothing; no host synchronisation (no tensor read back as a number); with the
+    kernels, the statistics op in the forward and the gradient op in the backward."""
+    if not graphs["forward"]:
+        return  # inductor: nothing recorded
+
+    def calls(kind):
+        return [node for gm in graphs[kind] for node in gm.graph.nodes if node.op == "call_function"]
+
+    forward, backward_nodes = calls("forward"), calls("backward")
+    collectives = [node for node in forward if str(node.target).startswith("_c10d_functional.all_reduce")]
+    sizes = [node.args[0].meta["val"].numel() for node in collectives]
+    assert len(collectives) == 2 and all(size <= 3 * n_rows + 2 for size in sizes), f"forward all-reduces {sizes}"
+    communicating = {str(n.target) for n in backward_nodes if "c10d" in str(n.target)}
+    assert not communicating, f"the backward communicates: {communicating}"
+    synchronising = {str(n.target) for n in forward + backward_nodes if "_local_scalar_dense" in str(n.target)}
+    assert not synchronising, f"a host synchronisation: {synchronising}"
+    if backend == "kernel" and dtype != "float64":  # float64 is computed by the plain-torch formulas
+        assert "fastce.vocab_parallel_statistics.default" in {str(n.target) for n in forward}, "no statistics op"
+        assert "fastce.vocab_parallel_backward.default" in {str(n.target) for n in backward_nodes}, "no backward op"
+
+
+def close_to_eager(value, eager, what):
+    """Compiled vs eager: the same kernels and formulas, so equal up to the rounding of a reordered sum."""
+    loose = value.dtype in (torch.bfloat16, torch.float16)
+    tolerance = {} if loose else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(value, eager, equal_nan=True, **tolerance, msg=lambda m: f"{what} vs eager: {m}")
+
+
+def group_loss_and_grad(case, inputs, widths, explicit, group, backend, compile_backend=""):
+    """(loss, this rank's gradient columns, the compiled graphs) of one process-group call."""
     rank = dist.get_rank(group)
     start, width = sum(widths[:rank]), widths[rank]
-    inputs = harness.make_inputs(case, device)
     local = inputs.logits[..., start : start + width]
     # Inplace: the local columns are an intermediate (a copy of a leaf), as an LM head's output would be; otherwise a
     # leaf whose rows are strided (a column slice of the full logits).
     leaf = local.detach().clone().requires_grad_() if case.inplace else local.detach().requires_grad_()
     x = leaf.clone() if case.inplace else leaf
-    loss = fastce_torch.cross_entropy(
-        x,
-        inputs.labels,
-        reduction=case.reduction,
-        n_items=inputs.n_items,
-        backend=backend,
-        inplace_backward=case.inplace,
-        process_group=group,
-        vocab_start=start if explicit else None,
-        **case.opts.as_kwargs(),
-    )
+
+    def loss_of(x, labels, n_items):
+        return fastce_torch.cross_entropy(
+            x,
+            labels,
+            reduction=case.reduction,
+            n_items=n_items,
+            backend=backend,
+            inplace_backward=case.inplace,
+            process_group=group,
+            vocab_start=start if explicit else None,
+            **case.opts.as_kwargs(),
+        )
+
+    graphs = None
+    if compile_backend:
+        loss_of, graphs = compiled(loss_of, compile_backend)
+    loss = loss_of(x, inputs.labels, inputs.n_items)
     assert not fastce_torch.sharding.is_dtensor(loss)
     backward(loss, case, inputs)
     grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
     assert grad.dtype == x.dtype and grad.shape == x.shape
-    assert same_on_every_rank(loss.detach(), group), "ranks disagree on the loss"
-    compare(case, inputs, loss.detach(), gather_columns(grad, widths, group))
+    return loss.detach(), grad, graphs
 
 
-def run_dtensor(case, device, mesh, backend):
+def run_process_group(case, device, widths, explicit, group, backend, compile_backend=""):
+    inputs = harness.make_inputs(case, device)
+    loss, grad, _ = group_loss_and_grad(case, inputs, widths, explicit, group, backend)
+    assert same_on_every_rank(loss, group), "ranks disagree on the loss"
+    if compile_backend:
+        eager = loss, grad
+        loss, grad, graphs = group_loss_and_grad(case, inputs, widths, explicit, group, backend, compile_backend)
+        assert same_on_every_rank(loss, group), "ranks disagree on the compiled loss"
+        check_graphs(graphs, inputs.labels.numel(), backend, case.dtype)
+        close_to_eager(loss, eager[0], "compiled loss")
+        close_to_eager(grad, eager[1], "compiled grad")
+    compare(case, inputs, loss, gather_columns(grad, widths, group))
+
+
+def dtensor_loss_and_grad(case, inputs, mesh, backend, compile_backend=""):
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    inputs = harness.make_inputs(case, device)
     full = inputs.logits.detach().contiguous()
     logits = distribute_tensor(full, mesh, [Shard(full.dim() - 1)]).requires_grad_()
-    loss = fastce_torch.cross_entropy(
-        logits,
-        inputs.labels,
-        reduction=case.reduction,
-        n_items=inputs.n_items,
-        backend=backend,
-        **case.opts.as_kwargs(),
-    )
+
+    def loss_of(logits, labels, n_items):
+        return fastce_torch.cross_entropy(
+            logits, labels, reduction=case.reduction, n_items=n_items, backend=backend, **case.opts.as_kwargs()
+        )
+
+    graphs = None
+    if compile_backend:
+        loss_of, graphs = compiled(loss_of, compile_backend)
+    loss = loss_of(logits, inputs.labels, inputs.n_items)
     assert isinstance(loss, DTensor) and tuple(loss.placements) == (Replicate(),), loss
     if case.reduction == "none":
         loss.backward(DTensor.from_local(inputs.upstream, mesh, [Replicate()], run_check=False))
@@ -178,10 +258,22 @@ def run_dtensor(case, device, mesh, backend):
         loss.backward()
     assert isinstance(logits.grad, DTensor) and tuple(logits.grad.placements) == (Shard(full.dim() - 1),)
     assert torch.equal(harness.bits(full), harness.bits(inputs.logits)), "the DTensor's storage was overwritten"
-    compare(case, inputs, loss.to_local().detach(), logits.grad.full_tensor())
+    return loss.to_local().detach(), logits.grad.full_tensor(), graphs
 
 
-def run_dtensor_2d(case, device, mesh, backend):
+def run_dtensor(case, device, mesh, backend, compile_backend=""):
+    inputs = harness.make_inputs(case, device)
+    loss, grad, _ = dtensor_loss_and_grad(case, inputs, mesh, backend)
+    if compile_backend:
+        eager = loss, grad
+        loss, grad, graphs = dtensor_loss_and_grad(case, inputs, mesh, backend, compile_backend)
+        check_graphs(graphs, inputs.labels.numel(), backend, case.dtype)
+        close_to_eager(loss, eager[0], "compiled loss")
+        close_to_eager(grad, eager[1], "compiled grad")
+    compare(case, inputs, loss, grad)
+
+
+def run_dtensor_2d(case, device, mesh, backend, compile_backend=""):
     """A (data, tensor) mesh: rows sharded on the first mesh dimension, the vocabulary on the second; labels a
     DTensor placed (Shard(0), Replicate()). "sum"/"mean" give Partial on the data dimension; full_tensor() sums it."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -190,9 +282,15 @@ def run_dtensor_2d(case, device, mesh, backend):
     full = inputs.logits.detach().contiguous()
     logits = distribute_tensor(full, mesh, [Shard(0), Shard(full.dim() - 1)]).requires_grad_()
     labels = distribute_tensor(inputs.labels, mesh, [Shard(0), Replicate()])
-    loss = fastce_torch.cross_entropy(
-        logits, labels, reduction=case.reduction, n_items=inputs.n_items, backend=backend, **case.opts.as_kwargs()
-    )
+
+    def loss_of(logits, labels, n_items):
+        return fastce_torch.cross_entropy(
+            logits, labels, reduction=case.reduction, n_items=n_items, backend=backend, **case.opts.as_kwargs()
+        )
+
+    if compile_backend:
+        loss_of, _ = compiled(loss_of, compile_backend)
+    loss = loss_of(logits, labels, inputs.n_items)
     expected = (Shard(0), Replicate()) if case.reduction == "none" else (Partial("sum"), Replicate())
     assert isinstance(loss, DTensor) and tuple(loss.placements) == expected, loss.placements
     total = loss.full_tensor()
@@ -297,8 +395,85 @@ def run_errors(device, widths, explicit, group, backend):
             raise AssertionError("overlapping slices (every rank at vocab_start=0) did not raise")
 
 
-def run_shift(device, widths, explicit, group, mesh, backend):
-    """shift=2 with a process group equals the sliced call (loss and this rank's gradient); a DTensor refuses it."""
+def run_compile_checks(device, widths, explicit, group, backend, compile_backend):
+    """Under torch.compile(fullgraph=True): unequal widths without vocab_start give NaN; vocab_start= (its layout
+    check synchronises) is refused as a graph break naming it; a second backward through the compiled loss raises
+    (torch.compile does not differentiate its backward again); dynamic=True serves three shapes from one graph."""
+    rank = dist.get_rank(group)
+    start, width = sum(widths[:rank]), widths[rank]
+    case = Case("compile-errors", shape=(4,), vocab=sum(widths), opts=ALL, seed=50)
+    inputs = harness.make_inputs(case, device)
+    local = inputs.logits[..., start : start + width].detach()
+    if len(set(widths)) > 1:
+        loss_of, _ = compiled(
+            lambda x, y: fastce_torch.cross_entropy(x, y, process_group=group, backend=backend), compile_backend
+        )
+        loss = loss_of(local, inputs.labels)
+        assert torch.isnan(loss), f"unequal widths without vocab_start must give NaN under compile, got {loss}"
+    loss_of, _ = compiled(
+        lambda x, y: fastce_torch.cross_entropy(x, y, process_group=group, vocab_start=start, backend=backend),
+        compile_backend,
+    )
+    try:
+        loss_of(local, inputs.labels)
+    except torch._dynamo.exc.Unsupported as e:
+        assert "disable" in str(e), e
+    else:
+        raise AssertionError("vocab_start= under torch.compile(fullgraph=True) did not raise")
+    if not explicit:
+        loss_of, _ = compiled(
+            lambda x, y: fastce_torch.cross_entropy(x, y, process_group=group, backend=backend, **ALL.as_kwargs()),
+            compile_backend,
+        )
+        leaf = local.clone().requires_grad_()
+        try:
+            (grad,) = torch.autograd.grad(loss_of(leaf * 1.0, inputs.labels), leaf, create_graph=True)
+            torch.autograd.grad(grad.sum(), leaf)
+        except RuntimeError as e:
+            # torch's own refusals: donated buffers (create_graph=True), "does not currently support double
+            # backward", or, differentiating with respect to an input, that input "not used in the graph".
+            assert any(words in str(e) for words in ("double backward", "create_graph", "not have been used")), e
+        else:
+            raise AssertionError("a second backward through the compiled vocab-parallel loss did not raise")
+        run_dynamic(device, width, group, backend, compile_backend)
+
+
+def run_dynamic(device, width, group, backend, compile_backend):
+    """torch.compile(dynamic=True, fullgraph=True): rows and the local width symbolic, one graph for every shape."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def loss_of(x, labels):
+        return fastce_torch.cross_entropy(x, labels, reduction="sum", process_group=group, backend=backend,
+                                          **ALL.as_kwargs())  # fmt: skip
+
+    torch._dynamo.reset()
+    compiled_loss = torch.compile(loss_of, dynamic=True, fullgraph=True, backend=counting if compile_backend ==
+                                  "aot_eager" else compile_backend)  # fmt: skip
+    for rows, local_width in ((5, width), (7, width + 3), (3, width + 1)):
+        case = Case("dynamic", shape=(rows,), vocab=local_width * world, opts=ALL, reduction="sum", seed=rows)
+        inputs = harness.make_inputs(case, device)
+        results = []
+        for fn in (loss_of, compiled_loss):
+            leaf = inputs.logits[..., rank * local_width : (rank + 1) * local_width].detach().clone()
+            leaf.requires_grad_()
+            loss = fn(leaf * 1.0, inputs.labels)
+            loss.backward()
+            results.append((loss.detach(), leaf.grad))
+        (want_loss, want_grad), (loss, grad) = results
+        close_to_eager(loss, want_loss, f"dynamic {rows}x{local_width} loss")
+        close_to_eager(grad, want_grad, f"dynamic {rows}x{local_width} grad")
+    computing = [gm for gm in graphs if any(node.op == "call_function" for node in gm.graph.nodes)]
+    assert compile_backend != "aot_eager" or len(computing) == 1, f"{len(computing)} graphs for dynamic shapes"
+
+
+def run_shift(device, widths, explicit, group, mesh, backend, compile_backend=""):
+    """shift=2 with a process group equals the sliced call (loss and this rank's gradient; the shifted call compiled
+    with --compile); a DTensor refuses it."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     rank = dist.get_rank(group)
@@ -311,16 +486,22 @@ def run_shift(device, widths, explicit, group, mesh, backend):
         leaf = local.clone().requires_grad_()
         x = leaf.clone()
         logits, labels = (x, inputs.labels) if shifted else (x[:, :-2], inputs.labels[:, 2:])
-        loss = fastce_torch.cross_entropy(
-            logits,
-            labels,
-            reduction="none",
-            backend=backend,
-            process_group=group,
-            vocab_start=start if explicit else None,
-            shift=2 if shifted else 0,
-            **case.opts.as_kwargs(),
-        )
+
+        def loss_of(logits, labels, shifted=shifted):
+            return fastce_torch.cross_entropy(
+                logits,
+                labels,
+                reduction="none",
+                backend=backend,
+                process_group=group,
+                vocab_start=start if explicit else None,
+                shift=2 if shifted else 0,
+                **case.opts.as_kwargs(),
+            )
+
+        if shifted and compile_backend and not explicit:
+            loss_of, _ = compiled(loss_of, compile_backend)
+        loss = loss_of(logits, labels)
         loss.backward(inputs.upstream[:, :-2])
         results.append((loss.detach(), leaf.grad))
     (loss, grad), (want_loss, want_grad) = results
@@ -346,7 +527,12 @@ def main():
     parser.add_argument("--size", choices=("tiny", "mid"), default="tiny", help="mid: 128 rows x 40000 per rank")
     parser.add_argument("--only", default="", help="comma-separated case names")
     parser.add_argument("--second-order", action="store_true", help="only the Hessian-vector product cases")
+    parser.add_argument(
+        "--compile", default="", choices=("", "aot_eager", "inductor"), help="also under torch.compile(fullgraph=True)"
+    )
     args = parser.parse_args()
+    if args.compile and args.second_order:
+        raise SystemExit("--second-order runs eagerly (under --compile a second backward is checked to raise)")
     if args.size == "mid":
         args.rows, args.local_vocab = 128, 40000  # three chunks per local row
     if args.device == "cuda":
@@ -379,12 +565,14 @@ def main():
         for how in ("group", "dtensor"):
             if how == "dtensor" and case.dtype != "float32" and case.name != "all-options":
                 continue
+            if how == "group" and explicit and args.compile:
+                continue  # vocab_start= under compile is a graph break: run_compile_checks
             ran += 1
             try:
                 if how == "group":
-                    run_process_group(case, device, widths, explicit, group, args.backend)
+                    run_process_group(case, device, widths, explicit, group, args.backend, args.compile)
                 else:
-                    run_dtensor(case, device, mesh, args.backend)
+                    run_dtensor(case, device, mesh, args.backend, args.compile)
             except AssertionError as e:
                 failures.append(f"{case.id} [{how}]: {e}")
     if world == 4 and not args.only and not args.second_order:
@@ -394,7 +582,7 @@ def main():
                 continue
             ran += 1
             try:
-                run_dtensor_2d(case, device, mesh_2d, args.backend)
+                run_dtensor_2d(case, device, mesh_2d, args.backend, args.compile)
             except AssertionError as e:
                 failures.append(f"{case.id} [dtensor 2-D]: {e}")
     try:
@@ -402,16 +590,26 @@ def main():
     except AssertionError as e:
         failures.append(f"errors: {e}")
     try:
-        run_shift(device, widths, explicit, group, mesh, args.backend)
+        run_shift(device, widths, explicit, group, mesh, args.backend, args.compile)
     except AssertionError as e:
         failures.append(f"shift: {e}")
+    if args.compile:
+        ran += 1
+        try:
+            run_compile_checks(device, widths, explicit, group, args.backend, args.compile)
+        except AssertionError as e:
+            failures.append(f"compile checks: {e}")
     counts = torch.tensor([len(failures)], device=device)
     dist.all_reduce(counts)
     for line in failures:
         print(f"rank {rank} FAIL {line}", flush=True)
     if rank == 0:
         status = "ok" if int(counts) == 0 else f"{int(counts)} failures"
-        print(f"vocab-parallel: {ran} cases x {world} ranks (widths {widths}, {args.backend}, {args.device}): {status}")
+        how = f", torch.compile {args.compile}" if args.compile else ""
+        print(
+            f"vocab-parallel: {ran} cases x {world} ranks (widths {widths}, {args.backend}, {args.device}{how}): "
+            f"{status}"
+        )
     dist.barrier()
     # Skip the process groups' teardown: gloo's sometimes aborts at exit ("terminate called without an active
     # exception") after every check has passed, which would fail the run for nothing.
