@@ -108,13 +108,22 @@ class _CrossEntropyFunction(torch.autograd.Function):
         raise RuntimeError(contract.VMAP_UNSUPPORTED)
 
 
-def _apply(function, *args):
-    """function.apply(*args) without torch.autograd.Function.apply's per-call inspect.signature binding (~15 us of
-    host time, bench/NOTES.md), which only fills in default arguments: every argument here is positional and none has
-    a default. Under torch.func transforms the full path runs."""
+def _apply(function, logits, labels, reduction, n_items, *rest):
+    """function.apply(logits, labels, reduction, n_items, *rest) without torch.autograd.Function.apply's per-call
+    inspect.signature binding (~15 us of host time, bench/NOTES.md), which only fills in default arguments: every
+    argument is passed here, positionally. Under torch.func transforms the full path runs. As Function.apply does, a
+    dead torch.func wrapper (left over from a finished transform) is passed as its plain tensor; only logits, labels
+    and a tensor n_items can be one (torch's unwrap_dead_wrappers over all the arguments costs ~4 us, this ~0.4)."""
     if torch._C._are_functorch_transforms_active():
-        return function.apply(*args)
-    return super(torch.autograd.Function, function).apply(*torch._functorch.utils.unwrap_dead_wrappers(args))
+        return function.apply(logits, labels, reduction, n_items, *rest)
+    if isinstance(n_items, torch.Tensor):
+        n_items = _unwrap_if_dead(n_items)
+    return super(torch.autograd.Function, function).apply(
+        _unwrap_if_dead(logits), _unwrap_if_dead(labels), reduction, n_items, *rest
+    )
+
+
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 # --- custom ops for torch.compile: opaque to the compiler, fake implementations for tracing, no graph break ------
