@@ -958,9 +958,9 @@ def forward(
     reduce = reduction != "none"
     device = logits.device
     # The returned loss owns its storage (in-place ops on it are ordinary autograd). Everything else lives in one
-    # zeroed int32 buffer (one allocation, one fill): the int32 arrival counters, which must start at zero, then
-    # float32 (zero bits are 0.0; the kernel writes every float before reading it) lse, the per-token losses when
-    # reduced, the denominator, the row groups' loss sums and kept counts, and the three chunk partials. Only what
+    # int32 buffer (one allocation, one fill when counters are used): the int32 arrival counters, which must start at
+    # zero, then float32 (the kernel writes every float before reading it) lse, the per-token losses when reduced,
+    # the denominator, the row groups' loss sums and kept counts, and the three chunk partials. Only what
     # is returned or read as a tensor gets a view (each costs a tensor object, ~1 us of host time); the kernel finds
     # the rest at element offsets from the buffer. Every piece starts at a multiple of 16 elements, so the pointers
     # keep the buffer's 16-byte alignment and the offsets stay divisible by 16 whatever N is: Triton specialises on
