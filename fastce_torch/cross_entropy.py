@@ -27,19 +27,23 @@ def _differentiable_gradient(grad_output, logits, labels, denominator, options):
     return grad.to(logits.dtype).reshape(logits.shape)
 
 
+_NO_GRADS = (None,) * 6  # no gradient for labels, reduction, n_items, inplace_backward, options, layout
+
+
 class _CrossEntropyFunction(torch.autograd.Function):
     """The eager path, reduction included, with the fewest host-side steps: one launch forward, one launch
     backward, and no autograd nodes besides this one (each costs host time per step). Outputs: the loss (it owns
     its storage), lse and the reduction's denominator (both non-differentiable, for the backward)."""
 
     @staticmethod
-    def forward(logits, labels, reduction, n_items, inplace_backward, options):
-        loss, lse, denominator = kernels.forward(logits, labels, options, reduction, n_items)
+    def forward(logits, labels, reduction, n_items, inplace_backward, options, layout=None):
+        # layout: kernels.row_layout(logits), found by the caller while deciding whether to copy the logits.
+        loss, lse, denominator = kernels.forward(logits, labels, options, reduction, n_items, layout=layout)
         return loss, lse, (lse[:0] if denominator is None else denominator)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        logits, labels, _, _, inplace_backward, options = inputs
+        logits, labels, _, _, inplace_backward, options = inputs[:6]
         _, lse, denominator = output
         ctx.mark_non_differentiable(lse, denominator)
         # lse and denominator never get a gradient: no zero-filled stand-ins for them.
@@ -53,12 +57,12 @@ class _CrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_output, grad_lse, grad_denominator):
         saved = contract.saved_logits(ctx)
         if grad_output is None:
-            return None, *[None] * 5
+            return None, *_NO_GRADS
         tensors = (grad_output, *saved)
         transformed = under_functorch()
         plain = not transformed and not any(map(torch._C._functorch.is_functorch_wrapped_tensor, tensors))
         if plain and not torch.is_grad_enabled():  # the first-order path: one kernel launch
-            return _CrossEntropyFunction._gradient(ctx, *tensors), *[None] * 5
+            return _CrossEntropyFunction._gradient(ctx, *tensors), *_NO_GRADS
         # Decided before anything is written in place: a gradient that is differentiated again is computed in plain
         # torch from the intact logits.
         if differentiated_again(tensors):
@@ -70,17 +74,17 @@ class _CrossEntropyFunction(torch.autograd.Function):
                     grad_output, logits, labels, denominator = map(
                         unwrapped, (grad_output, logits, labels, denominator)
                     )
-                    return _differentiable_gradient(grad_output, logits, labels, denominator, ctx.options), *[None] * 5
-            return _differentiable_gradient(grad_output, logits, labels, denominator, ctx.options), *[None] * 5
+                    return _differentiable_gradient(grad_output, logits, labels, denominator, ctx.options), *_NO_GRADS
+            return _differentiable_gradient(grad_output, logits, labels, denominator, ctx.options), *_NO_GRADS
         if plain:
-            return _CrossEntropyFunction._gradient(ctx, *tensors), *[None] * 5
+            return _CrossEntropyFunction._gradient(ctx, *tensors), *_NO_GRADS
         # torch.func.grad / vjp run this backward on their wrapped tensors, inside the transform (grad) or after it
         # (the function vjp returns). Differentiated once, the kernel runs on the plain tensors with the transforms
         # switched off (anything allocated under them, Triton's interpreter copies included, would be a wrapper
         # without storage).
         with torch._C._DisableFuncTorch():
             grad = _CrossEntropyFunction._gradient(ctx, *map(unwrapped, tensors))
-        return grad, *[None] * 5
+        return grad, *_NO_GRADS
 
     @staticmethod
     def _gradient(ctx, grad_output, logits, labels, lse, denominator):
@@ -104,13 +108,22 @@ class _CrossEntropyFunction(torch.autograd.Function):
         raise RuntimeError(contract.VMAP_UNSUPPORTED)
 
 
-def _apply(function, *args):
-    """function.apply(*args) without torch.autograd.Function.apply's per-call inspect.signature binding (~15 us of
-    host time, bench/NOTES.md), which only fills in default arguments: every argument here is positional and none has
-    a default. Under torch.func transforms the full path runs."""
+def _apply(function, logits, labels, reduction, n_items, *rest):
+    """function.apply(logits, labels, reduction, n_items, *rest) without torch.autograd.Function.apply's per-call
+    inspect.signature binding (~15 us of host time, bench/NOTES.md), which only fills in default arguments: every
+    argument is passed here, positionally. Under torch.func transforms the full path runs. As Function.apply does, a
+    dead torch.func wrapper (left over from a finished transform) is passed as its plain tensor; only logits, labels
+    and a tensor n_items can be one (torch's unwrap_dead_wrappers over all the arguments costs ~4 us, this ~0.4)."""
     if torch._C._are_functorch_transforms_active():
-        return function.apply(*args)
-    return super(torch.autograd.Function, function).apply(*torch._functorch.utils.unwrap_dead_wrappers(args))
+        return function.apply(logits, labels, reduction, n_items, *rest)
+    if isinstance(n_items, torch.Tensor):
+        n_items = _unwrap_if_dead(n_items)
+    return super(torch.autograd.Function, function).apply(
+        _unwrap_if_dead(logits), _unwrap_if_dead(labels), reduction, n_items, *rest
+    )
+
+
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 # --- custom ops for torch.compile: opaque to the compiler, fake implementations for tracing, no graph break ------
@@ -215,7 +228,7 @@ def cross_entropy(
     """
     _check_logits(logits)
     contract.check_labels(labels, "logits", logits.shape, logits.device)
-    options = contract.check_options(
+    options = _checked_options(
         ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
     )
     if vocab_start is not None and process_group is None:
@@ -235,6 +248,42 @@ def cross_entropy(
     return loss[..., :kept] if kept is not None and reduction == "none" else loss
 
 
+# Options already checked, for calls with plain keyword values (exact int / float / str types, no n_items): the
+# checks are a pure function of those values, and values equal under == give the same Options (-0.0 and 0.0, or 1
+# and 1.0, only differ where every kernel treats them alike). Bounded: past its size, calls just check again. Not
+# used while torch.compile traces.
+_OPTIONS_CACHE = {}
+_OPTIONS_CACHE_SIZE = 64
+_PLAIN_TYPES = {int: True, float: True}
+
+
+def _checked_options(
+    ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
+):
+    key = (ignore_index, reduction, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend)
+    plain = (
+        n_items is None
+        and not torch.compiler.is_compiling()  # no dict side effects for dynamo to trace
+        and type(ignore_index) is int
+        and type(reduction) is str
+        and type(backend) is str
+        and type(logit_softcapping) in _PLAIN_TYPES
+        and type(logit_scaling) in _PLAIN_TYPES
+        and type(label_smoothing) in _PLAIN_TYPES
+        and type(z_loss) in _PLAIN_TYPES
+    )
+    if plain:
+        options = _OPTIONS_CACHE.get(key)
+        if options is not None:
+            return options
+    options = contract.check_options(
+        ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
+    )
+    if plain and len(_OPTIONS_CACHE) < _OPTIONS_CACHE_SIZE:
+        _OPTIONS_CACHE[key] = options
+    return options
+
+
 def _cross_entropy(
     logits, labels, options, reduction, n_items, backend, inplace_backward, validate_labels, process_group, vocab_start
 ):
@@ -252,8 +301,12 @@ def _cross_entropy(
     logits = _in_kernel_dtype(logits)
     # Logits whose rows form one or two strided dimensions (any contiguous tensor, logits[:, :-1]) go to the kernels
     # as they are; anything else is copied once.
-    kernel_logits = logits if kernels.row_layout(logits) is not None else logits.contiguous()
-    labels_1d = labels.reshape(-1).contiguous()
+    kernel_logits, layout = logits, kernels.row_layout(logits)
+    if layout is None:
+        kernel_logits = logits.contiguous()
+        layout = kernels.row_layout(kernel_logits)
+    # Flat contiguous labels as they are: reshape(-1) would make a view object (~0.5 us) of the same memory.
+    labels_1d = labels if labels.dim() == 1 and labels.is_contiguous() else labels.reshape(-1).contiguous()
     if torch.compiler.is_compiling():
         token_losses = _forward_op(kernel_logits, labels_1d, *options)[0].view(labels.shape)
         return contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index)
@@ -265,7 +318,7 @@ def _cross_entropy(
         and not kernels.rows_overlap(kernel_logits)
         and not under_functorch()
     )
-    loss = _apply(_CrossEntropyFunction, kernel_logits, labels_1d, reduction, n_items, inplace, options)[0]
+    loss = _apply(_CrossEntropyFunction, kernel_logits, labels_1d, reduction, n_items, inplace, options, layout)[0]
     return loss.view(labels.shape) if reduction == "none" else loss
 
 

@@ -24,6 +24,7 @@ variant's own launcher directly (see `_Launcher`; FASTCE_TORCH_LAUNCH_CACHE=0 at
 """
 
 import contextlib
+import functools
 import os
 from typing import NamedTuple
 
@@ -479,10 +480,13 @@ class BackwardConfig(NamedTuple):
     warps: int
 
 
+@functools.lru_cache(maxsize=1024)
 def forward_config(vocab, block=None, chunk=None, warps=None, stages=None):
     """The forward's ForwardConfig at V = vocab; V alone decides (batch invariance). Each setting left None is the
-    module's tuned constant (FORWARD_BLOCK, CHUNK, FORWARD_WARPS, FORWARD_STAGES, read at the call); block and chunk
-    are capped at V rounded up to a power of 2."""
+    module's tuned constant (FORWARD_BLOCK, CHUNK, FORWARD_WARPS, FORWARD_STAGES); block and chunk are capped at V
+    rounded up to a power of 2. Cached per argument set (the launchers ask on every call): the constants are read
+    once per vocab, so a sweep over other settings passes them here or builds its own ForwardConfig and gives it to
+    `forward(config=...)` rather than changing the constants."""
     width = _next_power_of_2(vocab)
     block = min(FORWARD_BLOCK if block is None else block, width)
     chunk = max(block, min(CHUNK if chunk is None else chunk, width))
@@ -490,14 +494,17 @@ def forward_config(vocab, block=None, chunk=None, warps=None, stages=None):
     return ForwardConfig(block, chunk, _cdiv(vocab, chunk), warps, FORWARD_STAGES if stages is None else stages)
 
 
+@functools.lru_cache(maxsize=1024)
 def backward_config(vocab, block=None, warps=None):
-    """The backward's BackwardConfig at V = vocab (None: BACKWARD_BLOCK, BACKWARD_WARPS, read at the call)."""
+    """The backward's BackwardConfig at V = vocab (None: BACKWARD_BLOCK, BACKWARD_WARPS); cached as forward_config."""
     block = min(BACKWARD_BLOCK if block is None else block, _next_power_of_2(vocab))
     return BackwardConfig(block, BACKWARD_WARPS if warps is None else warps)
 
 
+@functools.lru_cache(maxsize=256)
 def _flags(options):
-    """The kernels' option constexprs, in their order: HAS_SCALING, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS."""
+    """The kernels' option constexprs, in their order: HAS_SCALING, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS (cached
+    per Options: a pure function of its values, and equal Options give equal flags)."""
     return (
         options.logit_scaling != 0.0,
         options.logit_softcapping > 0.0,
@@ -514,12 +521,16 @@ def _checked(tensor):
         )
 
 
+_SAME_DEVICE = contextlib.nullcontext()  # stateless: one instance serves every call
+
+
 def on_device(tensor):
     """Triton launches on the current device's current stream: make the tensor's device current for the launch
-    (logits on cuda:1 while cuda:0 is current). A no-op when it already is."""
-    if tensor.is_cuda and tensor.device.index != torch.cuda.current_device():
+    (logits on cuda:1 while cuda:0 is current). A no-op (one shared nullcontext) when it already is; the current
+    device comes from torch's C getter, as the launch cache reads it (a CUDA tensor means CUDA is initialised)."""
+    if tensor.is_cuda and tensor.get_device() != _current_device():
         return torch.cuda.device(tensor.device)
-    return contextlib.nullcontext()
+    return _SAME_DEVICE
 
 
 FIRST_LAUNCH_IN_CAPTURE = (
@@ -906,35 +917,10 @@ def rows_overlap(logits):
     return False
 
 
-def forward(logits, labels, options, reduction="none", n_items=None, vocab_start=0, vocab_total=None, config=None):
-    """One launch: (loss, lse, denominator) of logits (..., V) laid out as `row_layout` allows and flat labels (N,).
-    loss is the per-token float32 losses (N,) for reduction "none", else a 0-d tensor of its own (the reduced loss),
-    and denominator the 1-element divisor the backward needs for "mean"/"sum" (None for "none").
-
-    Vocab-parallel mode (vocab_total given: the logits are columns [vocab_start, vocab_start + V) of a vocabulary of
-    vocab_total): per-row float32 (lse over the local columns, transformed label logit where the label is local
-    else 0, local sum of z (0 without smoothing)); ignored rows give (-inf, 0, 0). reduction must be "none".
-    config: a ForwardConfig for these logits' V (default forward_config(V))."""
-    vocab_parallel = vocab_total is not None
-    if vocab_parallel and reduction != "none":
-        raise ValueError("the vocab-parallel forward returns per-row statistics: reduction must be 'none'")
-    _checked(logits)
-    vocab = logits.shape[-1]
-    n_rows = labels.shape[0]
-    batch_stride, row_stride, rows_per_batch = row_layout(logits)  # the caller copies logits that have none
-    block, chunk, n_chunks, warps, stages = forward_config(vocab) if config is None else config
-    reduce = reduction != "none"
-    device = logits.device
-    # The returned loss owns its storage (in-place ops on it are ordinary autograd). Everything else lives in one
-    # zeroed int32 buffer (one allocation, one fill): the int32 arrival counters, which must start at zero, then
-    # float32 (zero bits are 0.0; the kernel writes every float before reading it) lse, the per-token losses when
-    # reduced, the denominator, the row groups' loss sums and kept counts, and the three chunk partials. Only what
-    # is returned or read as a tensor gets a view (each costs a tensor object, ~1 us of host time); the kernel finds
-    # the rest at element offsets from the buffer. Every piece starts at a multiple of 16 elements, so the pointers
-    # keep the buffer's 16-byte alignment and the offsets stay divisible by 16 whatever N is: Triton specialises on
-    # both, and a variant per N modulo 16 would mean more compiles and more launch-cache entries.
-    # arrivals[row] counts a row's finished chunks, arrivals[N] the finished groups of ROWS_PER_GROUP rows and
-    # arrivals[N + 1 + g] the finished rows of group g.
+@functools.lru_cache(maxsize=1024)
+def _scratch_offsets(n_rows, n_chunks, reduce):
+    """The forward scratch buffer's layout (see forward): the element offsets of lse, the per-token losses, the
+    denominator, the row groups' partials and the chunk partials, the partials' stride and the buffer's size."""
     n_groups = _cdiv(n_rows, ROWS_PER_GROUP) if reduce else 0
     n_counters = n_rows + 1 + n_groups if n_chunks > 1 or reduce else 1
     rows_padded = -(-n_rows // 16) * 16
@@ -944,8 +930,51 @@ def forward(logits, labels, options, reduction="none", n_items=None, vocab_start
     groups_offset = denominator_offset + 16
     partials_offset = groups_offset + -(-2 * n_groups // 16) * 16
     partials_stride = -(-n_rows * n_chunks // 16) * 16 if n_chunks > 1 else 16
+    size = partials_offset + 3 * partials_stride
+    return lse_offset, token_losses_offset, denominator_offset, groups_offset, partials_offset, partials_stride, size
+
+
+def forward(
+    logits, labels, options, reduction="none", n_items=None, vocab_start=0, vocab_total=None, config=None, layout=None
+):
+    """One launch: (loss, lse, denominator) of logits (..., V) laid out as `row_layout` allows and flat labels (N,).
+    loss is the per-token float32 losses (N,) for reduction "none", else a 0-d tensor of its own (the reduced loss),
+    and denominator the 1-element divisor the backward needs for "mean"/"sum" (None for "none").
+
+    Vocab-parallel mode (vocab_total given: the logits are columns [vocab_start, vocab_start + V) of a vocabulary of
+    vocab_total): per-row float32 (lse over the local columns, transformed label logit where the label is local
+    else 0, local sum of z (0 without smoothing)); ignored rows give (-inf, 0, 0). reduction must be "none".
+    config: a ForwardConfig for these logits' V (default forward_config(V)). layout: row_layout(logits), when the
+    caller has it already."""
+    vocab_parallel = vocab_total is not None
+    if vocab_parallel and reduction != "none":
+        raise ValueError("the vocab-parallel forward returns per-row statistics: reduction must be 'none'")
+    _checked(logits)
+    vocab = logits.shape[-1]
+    n_rows = labels.shape[0]
+    # The caller copies logits that have no row layout.
+    batch_stride, row_stride, rows_per_batch = row_layout(logits) if layout is None else layout
+    block, chunk, n_chunks, warps, stages = forward_config(vocab) if config is None else config
+    reduce = reduction != "none"
+    device = logits.device
+    # The returned loss owns its storage (in-place ops on it are ordinary autograd). Everything else lives in one
+    # int32 buffer (one allocation, one fill when counters are used): the int32 arrival counters, which must start at
+    # zero, then float32 (the kernel writes every float before reading it) lse, the per-token losses when reduced,
+    # the denominator, the row groups' loss sums and kept counts, and the three chunk partials. Only what
+    # is returned or read as a tensor gets a view (each costs a tensor object, ~1 us of host time); the kernel finds
+    # the rest at element offsets from the buffer. Every piece starts at a multiple of 16 elements, so the pointers
+    # keep the buffer's 16-byte alignment and the offsets stay divisible by 16 whatever N is: Triton specialises on
+    # both, and a variant per N modulo 16 would mean more compiles and more launch-cache entries.
+    # Without chunk partials and without the in-kernel reduction no counter is used (the kernel reads arrivals only
+    # under n_chunks > 1 or REDUCE), so the buffer needs no fill: on a GPU that is one fill launch less.
+    # arrivals[row] counts a row's finished chunks, arrivals[N] the finished groups of ROWS_PER_GROUP rows and
+    # arrivals[N + 1 + g] the finished rows of group g.
+    lse_offset, token_losses_offset, denominator_offset, groups_offset, partials_offset, partials_stride, size = (
+        _scratch_offsets(n_rows, n_chunks, reduce)
+    )
     loss = torch.empty(() if reduce else (n_rows,), dtype=torch.float32, device=device)
-    arrivals = torch.zeros(partials_offset + 3 * partials_stride, dtype=torch.int32, device=device)
+    allocate = torch.zeros if n_chunks > 1 or reduce else torch.empty
+    arrivals = allocate(size, dtype=torch.int32, device=device)
     scratch = arrivals.view(torch.float32)
     lse = scratch[lse_offset : lse_offset + n_rows]
     if reduce:

@@ -2,6 +2,8 @@
 other sizes, with rows split into several chunks (small tiles and chunks forced so that V=300 takes five chunks of 64
 in the interpreters). The chunking depends on V alone, so the same forced configuration holds for every N."""
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -33,9 +35,12 @@ def inputs(seed=8):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(torch_kernels, "FORWARD_BLOCK", 32)
-    monkeypatch.setattr(torch_kernels, "CHUNK", 64)
-    assert torch_kernels.forward_config(VOCAB)[2] == 5
+    # The launchers take forward_config(V) when given no config: the fixture swaps in the tuned function with the
+    # small settings (the module constants are read once per V and cached, so they are never changed).
+    monkeypatch.setattr(
+        torch_kernels, "forward_config", functools.partial(torch_kernels.forward_config, block=32, chunk=64)
+    )
+    assert torch_kernels.forward_config(VOCAB).n_chunks == 5
 
 
 def test_torch_rows_alone_and_in_batches(device, small_chunks):

@@ -2,6 +2,8 @@
 and gradient, whatever the backend), and a row's loss and gradient are the same bits whatever batch it is in (and,
 in JAX, under vmap). Inputs are made once in torch and handed to JAX through DLPack."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,9 +115,14 @@ def several_chunks(monkeypatch, device):
     own configuration at V=128256."""
     if device.type == "cuda":
         return 128256
+    # fastce_torch caches its tuned configuration per V: its launchers' forward_config is swapped for one with these
+    # settings instead of changing the module constants.
+    monkeypatch.setattr(
+        torch_kernels, "forward_config", functools.partial(torch_kernels.forward_config, block=256, chunk=1024)
+    )
+    monkeypatch.setattr(jax_kernels, "CHUNK", 1024)
+    monkeypatch.setattr(jax_kernels, "FORWARD_BLOCK", 256)
     for module in (torch_kernels, jax_kernels):
-        monkeypatch.setattr(module, "CHUNK", 1024)
-        monkeypatch.setattr(module, "FORWARD_BLOCK", 256)
         assert module.forward_config(5000)[:3] == (256, 1024, 5)
     return 5000
 

@@ -192,6 +192,11 @@ def breakdown(device="cpu", n_rows=64, vocab=1000, number=2000, repeat=7):
                 contract.check_options(-100, "mean", None, 0.0, 0.0, 0.0, 0.0, backend),
             ),
         )
+        if hasattr(ce_module, "_checked_options"):  # cross_entropy's cache of checked Options
+            time(
+                "  check_options through cross_entropy's cache",
+                lambda: ce_module._checked_options(-100, "mean", None, 0.0, 0.0, 0.0, 0.0, backend),
+            )
         zero = 0.0
         time("Options(...) with four float() calls", lambda: contract.Options(-100, *map(float, (zero,) * 4)))
         time("row_layout + rows_overlap", lambda: (kernels.row_layout(logits), kernels.rows_overlap(logits)))
@@ -213,6 +218,7 @@ def breakdown(device="cpu", n_rows=64, vocab=1000, number=2000, repeat=7):
             ),
         )
         time("kernels.forward, launch stubbed", lambda: kernels.forward(raw, labels, options, "mean"))
+        time("kernels.forward 'none' (no counters), launch stubbed", lambda: kernels.forward(raw, labels, options))
         time(
             "kernels.backward, launch stubbed",
             lambda: kernels.backward(grad_loss, raw, labels, lse, raw, options, denominator=denominator),
@@ -244,6 +250,13 @@ def breakdown(device="cpu", n_rows=64, vocab=1000, number=2000, repeat=7):
         time(
             "cross_entropy forward+backward, launches stubbed",
             lambda: torch.autograd.grad(ce_module.cross_entropy(logits, labels, backend=backend), logits),
+        )
+        ones = torch.ones(n_rows, device=device)
+        time(
+            "cross_entropy 'none' forward+backward, launches stubbed",
+            lambda: torch.autograd.grad(
+                ce_module.cross_entropy(logits, labels, reduction="none", backend=backend), logits, ones
+            ),
         )
     with cached_launches() as launchers:
         time(

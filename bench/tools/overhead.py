@@ -12,6 +12,9 @@ launcher's C call alone, the device and stream getters), the forward's allocatio
 Function forward only, forward+backward, engine threads off), leaf `.backward()` rows (as Unsloth's and most users'
 code call a loss), and a closing summary of what remains of the eager forward+backward, computed from the rows.
 `--part1-only --device cpu --calls 2 --repeat 1` (TRITON_INTERPRET=1) is a smoke run of part 1 on a CPU.
+Then linear_cross_entropy forward+backward at a tiny shape against F.linear + F.cross_entropy, and the
+vocab-parallel call on a one-rank process group (NCCL on a GPU, gloo on a CPU) with the share of its collectives
+(the same all-reduces replayed alone); each row is skipped, with its reason, when it cannot run here.
 Part 2 times forward+backward of real shapes: eager (do_bench, as `python -m bench`) with and without the cache, the
 two kernels launched back to back without autograd, and the two kernels replayed from a CUDA graph (kernel time
 alone: no host work at all).
@@ -19,6 +22,8 @@ Part 3 checks that cached and generic launches give bitwise the same loss and gr
 and options (as fastce_torch/tests/test_launch_cache.py does under pytest --gpu).
 """
 
+import contextlib
+import socket
 import time
 
 import torch
@@ -128,6 +133,14 @@ def host_costs(device="cuda", n=300, repeat=5):
     _both_paths(rows, "cross_entropy forward", lambda: fastce_torch.cross_entropy(logits, labels), n, repeat)
     fwd_bwd = _both_paths(rows, "cross_entropy forward+backward", step, n, repeat)
     leaf_bwd = _both_paths(rows, "cross_entropy(leaf).backward()", leaf_step, n, repeat)
+    ones = torch.ones(labels.shape, device=device)
+    _both_paths(
+        rows,
+        "cross_entropy(reduction='none') fwd+bwd",  # no counters: the forward's scratch is not filled
+        lambda: torch.autograd.grad(fastce_torch.cross_entropy(logits, labels, reduction="none"), logits, ones),
+        n,
+        repeat,
+    )
 
     print("  the launch path, forward kernel (64x1000, reduction 'mean'):")
     with host_cost.no_launches():
@@ -228,7 +241,123 @@ def host_costs(device="cuda", n=300, repeat=5):
     finally:
         torch.autograd.set_multithreading_enabled(True)
     summary(rows, fwd_bwd, leaf_bwd, cached_path)
+    other_entry_points(rows, device, n, repeat)
     return rows
+
+
+def _skip(name, why):
+    print(f"{name:50s} skipped: {why}")
+
+
+def other_entry_points(rows, device, n, repeat):
+    """linear_cross_entropy and the vocab-parallel call, each beside the plain-torch equivalent it replaces."""
+    print("  other entry points (default backend: the kernels on CUDA, plain torch on a CPU):")
+    try:
+        _linear_rows(rows, device, n, repeat)
+    except Exception as error:  # a row that cannot run here is reported, never fatal to the other rows
+        _skip("linear_cross_entropy fwd+bwd", f"{type(error).__name__}: {error}")
+    try:
+        _vocab_parallel_rows(rows, device, n, repeat)
+    except Exception as error:
+        _skip("vocab-parallel cross_entropy fwd+bwd", f"{type(error).__name__}: {error}")
+
+
+def _linear_rows(rows, device, n, repeat, n_rows=64, hidden_size=64, vocab=1000):
+    hidden = torch.randn(n_rows, hidden_size, device=device, requires_grad=True)
+    weight = (torch.randn(vocab, hidden_size, device=device) / hidden_size**0.5).requires_grad_()
+    labels = torch.randint(0, vocab, (n_rows,), device=device)
+    inputs = (hidden, weight)
+
+    def fused():
+        return torch.autograd.grad(fastce_torch.linear_cross_entropy(hidden, weight, labels), inputs)
+
+    def unfused():
+        logits = torch.nn.functional.linear(hidden, weight)
+        return torch.autograd.grad(torch.nn.functional.cross_entropy(logits, labels), inputs)
+
+    shape = f"{n_rows}x{hidden_size}x{vocab}"
+    _both_paths(rows, f"linear_cross_entropy fwd+bwd ({shape})", fused, n, repeat)
+    _row(rows, "  F.linear + F.cross_entropy fwd+bwd", per_call_us(unfused, n, repeat))
+
+
+def _free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _one_rank_group(backend):
+    """A process group of this process alone (rank 0 of 1) on a free local port, destroyed afterwards."""
+    dist = torch.distributed
+    if dist.is_initialized():  # someone else's group: use it as it is
+        yield dist.group.WORLD
+        return
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _recorded_all_reduces(record):
+    """torch.distributed.all_reduce, recording (a copy of the tensor, op, group) for every call."""
+    dist = torch.distributed
+    original = dist.all_reduce
+
+    def recording(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        record.append((tensor.detach().clone(), op, group))
+        return original(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = recording
+    try:
+        yield
+    finally:
+        dist.all_reduce = original
+
+
+def _vocab_parallel_rows(rows, device, n, repeat, n_rows=64, vocab=1000):
+    name = f"vocab-parallel cross_entropy fwd+bwd ({n_rows}x{vocab}, 1 rank)"
+    dist = torch.distributed
+    if not dist.is_available():
+        return _skip(name, "torch.distributed is not available")
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    if backend == "nccl" and not dist.is_nccl_available():
+        return _skip(name, "this torch has no NCCL")
+    if backend == "gloo" and not dist.is_gloo_available():
+        return _skip(name, "this torch has no gloo")
+    logits = torch.randn(n_rows, vocab, device=device, requires_grad=True) * 1
+    labels = torch.randint(0, vocab, (n_rows,), device=device)
+    with _one_rank_group(backend) as group:
+
+        def step():
+            loss = fastce_torch.cross_entropy(logits, labels, process_group=group)
+            return torch.autograd.grad(loss, logits)
+
+        step()  # the communicator is made on the first collective
+        collectives = []
+        with _recorded_all_reduces(collectives):
+            step()
+
+        def collectives_alone():
+            for tensor, op, group_of_call in collectives:
+                dist.all_reduce(tensor, op=op, group=group_of_call)
+
+        total = _both_paths(rows, name + f", {backend}", step, n, repeat)
+        alone = per_call_us(collectives_alone, n, repeat)
+        sizes = ", ".join(f"{tuple(t.shape)} {str(op).rsplit('.', 1)[-1]}" for t, op, _ in collectives)
+        _row(
+            rows,
+            f"  its {len(collectives)} all-reduces alone",
+            alone,
+            f"   ({alone / total:.0%} of the call; {sizes})",
+        )
+        _row(
+            rows,
+            "  the same call without process_group",
+            per_call_us(lambda: torch.autograd.grad(fastce_torch.cross_entropy(logits, labels), logits), n, repeat),
+        )
 
 
 def summary(rows, fwd_bwd, leaf_bwd, cached_path):

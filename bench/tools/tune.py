@@ -112,9 +112,11 @@ def tune_fastce_torch(json_path=None):
         for block, warps, chunk, stages in itertools.product(
             [2048, 4096, 8192], [2, 4, 8], [8192, 16384, 65536], [1, 3]
         ):
-            kernels.FORWARD_BLOCK, kernels.CHUNK, kernels.FORWARD_STAGES = block, max(chunk, block), stages
-            kernels.FORWARD_WARPS = warps
-            ms = triton.testing.do_bench(lambda: kernels.forward(logits, labels, options), return_mode="median")
+            # Each candidate as a config of its own (the module constants are cached per V, never changed here).
+            config = kernels.forward_config(vocab, block=block, chunk=max(chunk, block), warps=warps, stages=stages)
+            ms = triton.testing.do_bench(
+                lambda: kernels.forward(logits, labels, options, config=config), return_mode="median"
+            )
             rows.append(
                 dict(
                     kernel="forward",
@@ -130,9 +132,10 @@ def tune_fastce_torch(json_path=None):
             )
         _, lse, _ = kernels.forward(logits, labels, options)
         for block, warps in itertools.product([1024, 2048, 4096, 8192], [4, 8]):
-            kernels.BACKWARD_BLOCK, kernels.BACKWARD_WARPS = block, warps
+            config = kernels.backward_config(vocab, block=block, warps=warps)
             ms = triton.testing.do_bench(
-                lambda: kernels.backward(grad_loss, logits, labels, lse, logits, options), return_mode="median"
+                lambda: kernels.backward(grad_loss, logits, labels, lse, logits, options, config=config),
+                return_mode="median",
             )
             rows.append(
                 dict(

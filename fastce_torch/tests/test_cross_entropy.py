@@ -226,6 +226,28 @@ def test_bad_arguments_are_named(call, error, match, device):
         call(logits, labels)
 
 
+def test_checked_options_are_reused_but_never_skip_a_check(device):
+    """Options checked once are reused for equal plain values; values equal to a cached key but of another type, or
+    invalid ones, still go through every check, however often the valid call ran before."""
+    import numpy as np
+
+    logits, labels = random_problem((4,), 100, torch.float32, device, seed=16)
+    calls = [
+        (dict(ignore_index=-100.0), TypeError, "ignore_index"),
+        (dict(ignore_index=np.int64(-100)), TypeError, "ignore_index"),
+        (dict(ignore_index=True), TypeError, "ignore_index"),
+        (dict(label_smoothing=float("nan")), ValueError, "label_smoothing"),
+        (dict(z_loss=1e-40), ValueError, "float32"),
+    ]
+    for _ in range(2):
+        want = cross_entropy(logits, labels, backend="reference", label_smoothing=0.1)
+        got = cross_entropy(logits, labels, backend="reference", label_smoothing=0.1)
+        assert torch.equal(want, got)
+        for kwargs, error, match in calls:
+            with pytest.raises(error, match=match):
+                cross_entropy(logits, labels, backend="reference", **kwargs)
+
+
 def test_reference_backend_matches_float64(device):
     logits, labels = random_problem((2, 3), 1000, torch.bfloat16, device, seed=17)
     labels[0, 1] = 5000
