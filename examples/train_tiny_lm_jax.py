@@ -15,7 +15,6 @@ Four losses are trained side by side:
 """
 
 import argparse
-import importlib
 import json
 import math
 import sys
@@ -105,12 +104,14 @@ def per_token_loss(logits, labels, backend):
     return jnp.sum(jnp.where(mask, per_token, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
 
 
-def fused_loss(params, tokens, labels, heads, dtype, backend):
+def fused_loss(params, tokens, labels, heads, dtype, backend, chunk_rows=None):
     # The LM head's (V, D) weight is the transpose of this model's (D, V) unembedding; XLA folds the transpose
     # into the matmuls. Gradients reach the hidden states (so the whole model) and the unembedding.
     hidden = hidden_states(params, tokens, heads, dtype)
     weight = params["unembed"].astype(dtype).T
-    return fastce_jax.linear_cross_entropy(hidden, weight, labels, ignore_index=IGNORE, backend=backend)
+    return fastce_jax.linear_cross_entropy(
+        hidden, weight, labels, ignore_index=IGNORE, backend=backend, chunk_rows=chunk_rows
+    )
 
 
 # --- data: a fixed random bigram language, so the model has something to learn ---------------------------------
@@ -147,7 +148,7 @@ def train(loss_name, args, batches):
 
     def model_loss(p, tokens, labels):
         if loss_name == "fused":
-            return fused_loss(p, tokens, labels, args.heads, dtype, backend)
+            return fused_loss(p, tokens, labels, args.heads, dtype, backend, args.fused_chunk_rows)
         return logits_loss[loss_name](forward(p, tokens, args.heads, dtype), labels)
 
     params = init_params(jax.random.PRNGKey(args.seed), args.vocab, args.dim, args.layers, args.seq_len)
@@ -210,13 +211,7 @@ def main(argv=None):
     args = parse_args(argv)
     rtol = args.rtol if args.rtol is not None else (1e-4 if args.dtype == "float32" else 5e-3)
     batches = make_batches(args.seed, args.steps, args.batch, args.seq_len, args.vocab)
-    fused_module = importlib.import_module("fastce_jax.linear_cross_entropy")  # the package attribute is the function
-    default_rows = fused_module.CHUNK_ROWS
-    fused_module.CHUNK_ROWS = args.fused_chunk_rows if args.fused_chunk_rows is not None else default_rows
-    try:  # read when the step is traced
-        curves = {name: train(name, args, batches) for name in ("xla", "fastce", "per_token", "fused")}
-    finally:
-        fused_module.CHUNK_ROWS = default_rows
+    curves = {name: train(name, args, batches) for name in ("xla", "fastce", "per_token", "fused")}
     reference = np.array(curves["xla"])
     gaps = {name: float(np.max(np.abs(np.array(c) - reference) / np.abs(reference))) for name, c in curves.items()}
     print(f"{'step':>5} " + " ".join(f"{name:>10}" for name in curves))

@@ -122,16 +122,17 @@ def _cross_entropy(logits, labels, options: Options, reduction, n_items, backend
         return contract.reduce_losses(losses, labels, reduction, n_items, options.ignore_index)
     vocab = logits.shape[-1]
     configs = (kernels.forward_config(vocab), kernels.backward_config(vocab))
-    return _kernel_loss(
-        logits,
-        labels,
-        n_items,
-        options=options,
-        reduction=reduction,
-        inplace=inplace_backward,
-        mode=route,
-        configs=configs,
-    )
+    with kernels.quiet_triton(interpret=route == INTERPRETED):
+        return _kernel_loss(
+            logits,
+            labels,
+            n_items,
+            options=options,
+            reduction=reduction,
+            inplace=inplace_backward,
+            mode=route,
+            configs=configs,
+        )
 
 
 def cross_entropy(

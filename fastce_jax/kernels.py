@@ -44,7 +44,7 @@ from jax.experimental.pallas import triton as plgpu
 from .contract import Options, ignore_value, token_loss_from_statistics, transform
 
 # jax 0.11 deprecates the Pallas Triton backend and warns each time a Triton
-# pallas_call is *lowered*.  See ``_quiet_triton`` for how it is filtered.
+# pallas_call is *lowered*.  See ``quiet_triton`` for how it is filtered.
 TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
 
 
@@ -69,11 +69,11 @@ def _ignore_triton_deprecation_globally() -> None:
 
 
 @contextlib.contextmanager
-def _quiet_triton(interpret: bool):
-    """Silences the Triton deprecation around our own pallas_call sites.
-
-    Eager calls lower inside this block, so the scoped filter catches them; under
-    an outer jit see ``_ignore_triton_deprecation_globally``.
+def quiet_triton(interpret: bool):
+    """Silences the Triton deprecation around our own pallas_call sites and around
+    the entry points' eager calls of their jitted kernel paths (which lower on the
+    call, after tracing returned: the block must span the call); under an outer
+    jit see ``_ignore_triton_deprecation_globally``.
     """
     if not interpret:
         _ignore_triton_deprecation_globally()
@@ -398,7 +398,7 @@ def forward(
         interpret=interpret,
         name="fastce_finish",
     )
-    with _quiet_triton(interpret):
+    with quiet_triton(interpret):
         m, s, sz = _launch(fwd, (logits, labels), mat, interpret)
         return tuple(_launch(finish, (m, s, sz, labels, logits, *operands[2:]), mat, interpret))
 
@@ -456,7 +456,7 @@ def backward(
         interpret=interpret,
         name="fastce_backward",
     )
-    with _quiet_triton(interpret):
+    with quiet_triton(interpret):
         return _launch(bwd, operands, mat, interpret)
 
 

@@ -401,6 +401,7 @@ def linear_cross_entropy(
             forward_config=kernels.forward_config(vocab),
             backward_config=kernels.backward_config(vocab),
         )
-        loss = _kernel_loss(h2, weight, bias, labels.reshape(-1), n_items, st=st)
+        with kernels.quiet_triton(st.interpret):
+            loss = _kernel_loss(h2, weight, bias, labels.reshape(-1), n_items, st=st)
         loss = loss.reshape(lead) if reduction == "none" else loss
     return loss[..., :kept] if kept is not None and reduction == "none" else loss

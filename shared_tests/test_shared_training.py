@@ -80,7 +80,7 @@ def test_float64_logits_are_computed_in_float64_in_both_packages(device, backend
         upstream=as_numpy(upstream) if reduction == "none" else None,
         opts=opts,
     )
-    cotangent = upstream if reduction == "none" else torch.ones((), dtype=torch.float64)
+    cotangent = upstream if reduction == "none" else torch.ones((), dtype=torch.float64, device=device)
 
     x = x64.detach().clone().requires_grad_(True)
     t_loss = fastce_torch.cross_entropy(x, labels, **kwargs)

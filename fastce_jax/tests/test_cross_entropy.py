@@ -107,7 +107,7 @@ MESSAGE = "The Pallas Triton backend is deprecated and will be removed in a futu
 def test_triton_deprecation_filter_is_scoped():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with kernels._quiet_triton(interpret=True):
+        with kernels.quiet_triton(interpret=True):
             warnings.warn(MESSAGE, DeprecationWarning, stacklevel=1)
             warnings.warn("some other deprecation", DeprecationWarning, stacklevel=1)
         warnings.warn(MESSAGE, DeprecationWarning, stacklevel=1)

@@ -239,18 +239,12 @@ def test_auto_under_jit_decides_at_lowering(pretend_gpu_machine):
 def test_eager_committed_cpu_arrays_take_the_reference(pretend_gpu_machine, monkeypatch):
     x, labels, _ = _cpu_inputs()
     ref_loss, ref_grad = _value_and_grad("reference")(x, labels)
-    # Under jax.grad (traced, even without jit) the choice is staged out. Applied op by op, the platform index is
-    # computed on the default backend: in a process whose default backend really is a GPU it selects the compiled
-    # branch for these CPU arrays, which cannot lower there (seen with jax 0.11.2 on the H200). The README states
-    # the limitation and its way out (jit the step, or backend="reference"); this pins it down until JAX changes.
-    eager_grad = jax.value_and_grad(lambda a: cross_entropy(a, labels, z_loss=1e-4))
-    if jax.default_backend() == "gpu":
-        with pytest.raises(Exception, match="Only interpret mode is supported on CPU"):
-            eager_grad(x)
-    else:
-        loss, grad = eager_grad(x)
-        np.testing.assert_allclose(np.asarray(loss), np.asarray(ref_loss), rtol=1e-6)
-        np.testing.assert_allclose(np.asarray(grad), np.asarray(ref_grad), rtol=1e-6, atol=1e-9)
+    # Under jax.grad without jit the choice is staged out too; the kernel path is jitted inside the call, so it is
+    # made when that jit lowers for the CPU arrays, even in a process whose default backend is a GPU (applied op by
+    # op it used to pick the compiled branch there and fail to lower it).
+    loss, grad = jax.value_and_grad(lambda a: cross_entropy(a, labels, z_loss=1e-4))(x)
+    np.testing.assert_allclose(np.asarray(loss), np.asarray(ref_loss), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(ref_grad), rtol=1e-6, atol=1e-9)
 
     def no_kernels(*args, **kwargs):
         raise AssertionError("auto picked the kernels for concrete CPU arrays")
