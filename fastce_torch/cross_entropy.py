@@ -12,7 +12,7 @@ torch.compile the custom ops give the compiler opaque per-token ops and the redu
 import torch
 
 from . import contract, kernels, sharding
-from .contract import Options, differentiated_again, under_functorch, unwrapped
+from .contract import Extras, Options, differentiated_again, under_functorch, unwrapped
 
 
 def _differentiable_gradient(grad_output, logits, labels, denominator, options):
@@ -27,38 +27,90 @@ def _differentiable_gradient(grad_output, logits, labels, denominator, options):
     return grad.to(logits.dtype).reshape(logits.shape)
 
 
+def _lse_options(options):
+    # The gradient of lse alone is the loss's with neither smoothing nor z-loss and no label column: the label is
+    # placed outside the columns (vocab_start = V below), so no one-hot term is subtracted.
+    return options._replace(label_smoothing=0.0, z_loss=0.0)
+
+
+def _lse_gradient_reference(grad_lse, logits, labels, options):
+    """d(sum_t grad_lse_t * lse_t) / d logits in differentiable plain torch (float32; float64 for float64)."""
+    vocab = logits.shape[-1]
+    rows = logits.reshape(-1, vocab)
+    grad = contract.logits_gradient(
+        grad_lse.reshape(-1), rows, labels.reshape(-1), None, _lse_options(options), vocab_start=vocab,
+        vocab_total=vocab,
+    )  # fmt: skip
+    return grad.to(logits.dtype).reshape(logits.shape)
+
+
+def _lse_gradient(grad_lse, logits, labels, lse, options):
+    """d(sum_t grad_lse_t * lse_t) / d logits by the backward kernel (a new buffer): the z_loss output's gradient."""
+    vocab = logits.shape[-1]
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    grad_lse = grad_lse.float().contiguous()
+    return kernels.backward(
+        grad_lse, logits, labels, lse, grad, _lse_options(options), vocab_start=vocab, vocab_total=vocab
+    )
+
+
 class _CrossEntropyFunction(torch.autograd.Function):
     """The eager path, reduction included, with the fewest host-side steps: one launch forward, one launch
     backward, and no autograd nodes besides this one (each costs host time per step). Outputs: the loss (it owns
     its storage), lse and the reduction's denominator (both non-differentiable, for the backward)."""
 
     @staticmethod
-    def forward(logits, labels, reduction, n_items, inplace_backward, options):
-        loss, lse, denominator = kernels.forward(logits, labels, options, reduction, n_items)
-        return loss, lse, (lse[:0] if denominator is None else denominator)
+    def forward(logits, labels, reduction, n_items, inplace_backward, options, extras=None):
+        if extras is None:
+            loss, lse, denominator = kernels.forward(logits, labels, options, reduction, n_items)
+            return loss, lse, (lse[:0] if denominator is None else denominator)
+        # The extra outputs: argmax and the mean of z per row as well; lse is differentiable when the z_loss
+        # output is asked (its gradient is that of z_loss * lse^2).
+        loss, lse, denominator, argmax, mean_z = kernels.forward(
+            logits, labels, options, reduction, n_items, outputs=True
+        )
+        return loss, lse, (lse[:0] if denominator is None else denominator), argmax, mean_z
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        logits, labels, _, _, inplace_backward, options = inputs
-        _, lse, denominator = output
-        ctx.mark_non_differentiable(lse, denominator)
-        # lse and denominator never get a gradient: no zero-filled stand-ins for them.
+        logits, labels, _, _, inplace_backward, options, *extras = inputs
+        _, lse, denominator, *statistics = output
+        ctx.z_grad = bool(extras) and extras[0] is not None and extras[0].z_loss
+        ctx.mark_non_differentiable(denominator, *statistics, *(() if ctx.z_grad else (lse,)))
+        # The non-differentiable outputs never get a gradient: no zero-filled stand-ins for them.
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, labels, lse, denominator)
         if under_functorch() or torch.autograd.forward_ad._current_level >= 0:  # forward mode may ask for jvp
             ctx.save_for_forward(logits, labels, lse, denominator)
         ctx.inplace_backward, ctx.options, ctx.consumed = inplace_backward, options, False
+        ctx.needs_extras = extras[0] if extras else None
 
     @staticmethod
-    def backward(ctx, grad_output, grad_lse, grad_denominator):
+    def backward(ctx, grad_output, grad_lse, *unused):
         saved = contract.saved_logits(ctx)
+        if grad_lse is None or not ctx.z_grad:
+            if grad_output is None:
+                return None, *[None] * 6
+            return _CrossEntropyFunction._loss_backward(ctx, grad_output, saved)
+        # The z_loss output's gradient, from the intact logits before an in-place backward overwrites them.
+        logits, labels, lse, _ = saved
+        tensors = (grad_lse, *saved)
+        if any(map(torch._C._functorch.is_functorch_wrapped_tensor, tensors)) or torch.is_grad_enabled():
+            lse_part = _lse_gradient_reference(grad_lse, logits, labels, ctx.options)
+        else:
+            lse_part = _lse_gradient(grad_lse, logits, labels, lse, ctx.options)
         if grad_output is None:
-            return None, *[None] * 5
+            return lse_part, *[None] * 6
+        grad = _CrossEntropyFunction._loss_backward(ctx, grad_output, saved)[0]
+        return grad + lse_part, *[None] * 6
+
+    @staticmethod
+    def _loss_backward(ctx, grad_output, saved):
         tensors = (grad_output, *saved)
         transformed = under_functorch()
         plain = not transformed and not any(map(torch._C._functorch.is_functorch_wrapped_tensor, tensors))
         if plain and not torch.is_grad_enabled():  # the first-order path: one kernel launch
-            return _CrossEntropyFunction._gradient(ctx, *tensors), *[None] * 5
+            return _CrossEntropyFunction._gradient(ctx, *tensors), *[None] * 6
         # Decided before anything is written in place: a gradient that is differentiated again is computed in plain
         # torch from the intact logits.
         if differentiated_again(tensors):
@@ -70,17 +122,17 @@ class _CrossEntropyFunction(torch.autograd.Function):
                     grad_output, logits, labels, denominator = map(
                         unwrapped, (grad_output, logits, labels, denominator)
                     )
-                    return _differentiable_gradient(grad_output, logits, labels, denominator, ctx.options), *[None] * 5
-            return _differentiable_gradient(grad_output, logits, labels, denominator, ctx.options), *[None] * 5
+                    return _differentiable_gradient(grad_output, logits, labels, denominator, ctx.options), *[None] * 6
+            return _differentiable_gradient(grad_output, logits, labels, denominator, ctx.options), *[None] * 6
         if plain:
-            return _CrossEntropyFunction._gradient(ctx, *tensors), *[None] * 5
+            return _CrossEntropyFunction._gradient(ctx, *tensors), *[None] * 6
         # torch.func.grad / vjp run this backward on their wrapped tensors, inside the transform (grad) or after it
         # (the function vjp returns). Differentiated once, the kernel runs on the plain tensors with the transforms
         # switched off (anything allocated under them, Triton's interpreter copies included, would be a wrapper
         # without storage).
         with torch._C._DisableFuncTorch():
             grad = _CrossEntropyFunction._gradient(ctx, *map(unwrapped, tensors))
-        return grad, *[None] * 5
+        return grad, *[None] * 6
 
     @staticmethod
     def _gradient(ctx, grad_output, logits, labels, lse, denominator):
@@ -97,7 +149,15 @@ class _CrossEntropyFunction(torch.autograd.Function):
         ones = torch.ones((() if reduced else labels.shape), dtype=torch.float32, device=logits.device)
         grad = _differentiable_gradient(ones, logits, labels, denominator, ctx.options)
         product = (grad.float() * logits_tangent.float()).reshape(labels.shape[0], -1)
-        return (product.sum() if reduced else product.sum(-1)), None, None
+        loss_tangent = product.sum() if reduced else product.sum(-1)
+        if ctx.needs_extras is None:
+            return loss_tangent, None, None
+        lse_tangent = None
+        if ctx.z_grad:
+            ones = torch.ones(labels.shape, dtype=torch.float32, device=logits.device)
+            lse_grad = _lse_gradient_reference(ones, logits, labels, ctx.options)
+            lse_tangent = (lse_grad.float() * logits_tangent.float()).reshape(labels.shape[0], -1).sum(-1)
+        return loss_tangent, lse_tangent, None, None, None
 
     @staticmethod
     def vmap(info, in_dims, *args):
@@ -166,7 +226,48 @@ def _backward(ctx, grad_loss, grad_lse):
 torch.library.register_autograd("fastce::cross_entropy_forward", _backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op(
+    "fastce::cross_entropy_forward_outputs",
+    mutates_args=(),
+    schema=f"(Tensor logits, Tensor labels, {OPTIONS_SCHEMA}, bool z_grad) -> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _forward_outputs_op(logits, labels, *settings):
+    """The forward with the extra outputs' statistics: (losses, lse, argmax, mean of z) per row. z_grad: lse is
+    differentiated (the z_loss output asked)."""
+    loss, lse, _, argmax, mean_z = kernels.forward(logits, labels, Options(*settings[:-1]), outputs=True)
+    return loss, lse.clone(), argmax, mean_z
+
+
+@_forward_outputs_op.register_fake
+def _(logits, labels, *settings):
+    n_rows = labels.shape[0]
+    floats = [logits.new_empty(n_rows, dtype=torch.float32) for _ in range(3)]
+    return floats[0], floats[1], logits.new_empty(n_rows, dtype=torch.int32), floats[2]
+
+
+def _outputs_setup_context(ctx, inputs, output):
+    logits, labels, *settings = inputs
+    ctx.save_for_backward(logits, labels, output[1])
+    ctx.options, ctx.z_grad = settings[:-1], settings[-1]
+    ctx.mark_non_differentiable(output[2], output[3])
+
+
+def _outputs_backward(ctx, grad_loss, grad_lse, *unused):
+    logits, labels, lse = ctx.saved_tensors
+    grad = _backward_op(grad_loss, logits, labels, lse, *ctx.options)
+    if ctx.z_grad and grad_lse is not None:  # the z_loss output's part, in plain torch for the compiler to fuse
+        grad = grad + _lse_gradient_reference(grad_lse, logits, labels, Options(*ctx.options))
+    return grad, None, *[None] * (len(Options._fields) + 1)
+
+
+torch.library.register_autograd(
+    "fastce::cross_entropy_forward_outputs", _outputs_backward, setup_context=_outputs_setup_context
+)
+
+
 # --- the functions -------------------------------------------------------------------------------------------
+
+NO_EXTRAS = Extras()
 
 
 def _check_logits(logits):
@@ -193,6 +294,10 @@ def cross_entropy(
     process_group=None,
     vocab_start=None,
     shift=0,
+    return_z_loss=False,
+    return_lse=False,
+    return_accuracy=False,
+    return_entropy=False,
 ):
     """Cross-entropy of logits (..., V) against integer labels (...), fused on the GPU.
 
@@ -212,6 +317,10 @@ def cross_entropy(
     loss of `cross_entropy(logits[..., :-k, :], labels[..., k:])` ("none": shaped like labels[..., k:]) without that
     slice, whose backward allocates a zero-filled logits-sized gradient: the kernels run on the full logits with
     the last k positions ignored. k >= the sequence length leaves no token (as the slice does).
+
+    return_z_loss, return_lse, return_accuracy, return_entropy: any True returns CrossEntropyOutput(loss, z_loss,
+    lse, accuracy, entropy), None for what was not asked, computed in the same forward pass (CONTRACT.md, "Extra
+    outputs"); only loss and z_loss are differentiable.
     """
     _check_logits(logits)
     contract.check_labels(labels, "logits", logits.shape, logits.device)
@@ -220,6 +329,7 @@ def cross_entropy(
     )
     if vocab_start is not None and process_group is None:
         raise ValueError("vocab_start is only meaningful with process_group (vocab-parallel logits)")
+    extras = contract.check_extras(return_z_loss, return_lse, return_accuracy, return_entropy)
     kept = None
     if shift := contract.check_shift(shift, labels):
         if sharding.is_dtensor(logits) or sharding.is_dtensor(labels):
@@ -230,15 +340,23 @@ def cross_entropy(
         labels, kept = contract.shifted_labels(labels, shift, ignore_index)
     loss = _cross_entropy(
         logits, labels, options, reduction, n_items, backend, inplace_backward, validate_labels, process_group,
-        vocab_start,
+        vocab_start, extras,
     )  # fmt: skip
+    if isinstance(loss, contract.CrossEntropyOutput):
+        return contract.unshifted(loss, kept, reduction)
     return loss[..., :kept] if kept is not None and reduction == "none" else loss
 
 
 def _cross_entropy(
-    logits, labels, options, reduction, n_items, backend, inplace_backward, validate_labels, process_group, vocab_start
-):
+    logits, labels, options, reduction, n_items, backend, inplace_backward, validate_labels, process_group, vocab_start,
+    extras=NO_EXTRAS,
+):  # fmt: skip
     ignore_index = options.ignore_index
+    if any(extras) and (process_group is not None or sharding.is_dtensor(logits)):
+        raise NotImplementedError(
+            "return_z_loss / return_lse / return_accuracy / return_entropy are not supported yet with vocab-parallel "
+            "logits (process_group or a DTensor); compute them from the full logits or without the return_* keywords"
+        )
     if process_group is not None or sharding.is_dtensor(logits):
         return _vocab_parallel(
             logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group,
@@ -248,12 +366,20 @@ def _cross_entropy(
         contract.validate_labels(labels, logits.shape[-1], ignore_index)
     if not contract.use_kernel(logits, backend):
         token_losses = contract.reference_token_losses(logits, labels, options)
-        return contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index)
+        loss = contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index)
+        if any(extras):
+            return contract.reference_outputs(logits, labels, options, extras, reduction, n_items, loss)
+        return loss
     logits = _in_kernel_dtype(logits)
     # Logits whose rows form one or two strided dimensions (any contiguous tensor, logits[:, :-1]) go to the kernels
     # as they are; anything else is copied once.
     kernel_logits = logits if kernels.row_layout(logits) is not None else logits.contiguous()
     labels_1d = labels.reshape(-1).contiguous()
+    if torch.compiler.is_compiling() and any(extras):
+        token_losses, lse, argmax, mean_z = _forward_outputs_op(kernel_logits, labels_1d, *options, extras.z_loss)
+        loss = contract.reduce_losses(token_losses.view(labels.shape), labels, reduction, n_items, ignore_index)
+        vocab = logits.shape[-1]
+        return contract.extra_outputs(loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab)
     if torch.compiler.is_compiling():
         token_losses = _forward_op(kernel_logits, labels_1d, *options)[0].view(labels.shape)
         return contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index)
@@ -265,6 +391,13 @@ def _cross_entropy(
         and not kernels.rows_overlap(kernel_logits)
         and not under_functorch()
     )
+    if any(extras):
+        loss, lse, _, argmax, mean_z = _apply(
+            _CrossEntropyFunction, kernel_logits, labels_1d, reduction, n_items, inplace, options, extras
+        )
+        loss = loss.view(labels.shape) if reduction == "none" else loss
+        vocab = logits.shape[-1]
+        return contract.extra_outputs(loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab)
     loss = _apply(_CrossEntropyFunction, kernel_logits, labels_1d, reduction, n_items, inplace, options)[0]
     return loss.view(labels.shape) if reduction == "none" else loss
 
@@ -324,6 +457,10 @@ class CrossEntropyLoss(torch.nn.Module):
         process_group=None,
         vocab_start=None,
         shift=0,
+        return_z_loss=False,
+        return_lse=False,
+        return_accuracy=False,
+        return_entropy=False,
     ):
         super().__init__()
         if weight is not None:
@@ -342,6 +479,14 @@ class CrossEntropyLoss(torch.nn.Module):
             vocab_start=vocab_start,
             shift=shift,
         )
+        # Only the keywords given: the repr of a plain loss stays as it was.
+        returns = dict(
+            return_z_loss=return_z_loss,
+            return_lse=return_lse,
+            return_accuracy=return_accuracy,
+            return_entropy=return_entropy,
+        )
+        self.options.update({name: value for name, value in returns.items() if value is not False})
 
     def forward(self, input, target, n_items=None):
         return cross_entropy(

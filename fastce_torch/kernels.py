@@ -153,6 +153,8 @@ def _forward_kernel(
     loss_ptr,
     lse_ptr,
     sum_z_out_ptr,
+    argmax_ptr,
+    mean_z_ptr,
     scratch_ptr,
     arrivals_ptr,
     reduced_ptr,
@@ -183,6 +185,7 @@ def _forward_kernel(
     GROUPS_BLOCK: tl.constexpr,
     ROWS_PER_GROUP: tl.constexpr,
     VOCAB_PARALLEL: tl.constexpr,
+    OUTPUTS: tl.constexpr,
 ):
     """Program (row, chunk) of the forward: the running max / sum of exp / sum of z over the chunk's columns.
 
@@ -190,7 +193,8 @@ def _forward_kernel(
         (r // rows_per_batch) * batch stride + (r % rows_per_batch) * row stride (`row_layout`).
     labels_ptr: (n_rows,) int labels. loss_ptr: (n_rows,) float32 per-token losses (vocab-parallel: the label's z
         where this slice holds it, else 0). lse_ptr: (n_rows,) float32 logsumexp. sum_z_out_ptr: (n_rows,) float32
-        sum of z (written in vocab-parallel mode only).
+        sum of z (written in vocab-parallel mode only). argmax_ptr: (n_rows,) int32 first column of the row's
+        largest z; mean_z_ptr: (n_rows,) float32 mean of z under softmax(z) (both written with OUTPUTS only).
     scratch_ptr: the float32 scratch (chunk partials at partials_offset, partials_stride apart; the row groups'
         loss sums then kept counts at groups_offset). arrivals_ptr: the same buffer as int32 counters: [row] the
         row's finished chunks, [n_rows] the finished groups, [n_rows + 1 + g] group g's finished rows.
@@ -203,6 +207,9 @@ def _forward_kernel(
     HAS_SMOOTHING, HAS_Z_LOSS: which options apply. REDUCE: reduce "mean"/"sum" in-kernel. DENOMINATOR: 0 the
     kept-token count, 1 denominator_value, 2 *n_items_ptr. GROUPS_BLOCK: groups summed per step by the last group.
     ROWS_PER_GROUP: rows per group. VOCAB_PARALLEL: write the slice's statistics instead of the loss.
+    OUTPUTS: also keep, per chunk, the first column of the largest z and sum_j e^(z_j - max) z_j (rescaled like the
+    sum of exponentials; -inf logits contribute 0), two more partials (the int32 one at arrivals_ptr), and write the
+    row's argmax and mean of z (the extra outputs: accuracy and entropy).
     """
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -211,6 +218,9 @@ def _forward_kernel(
     max_ptr = scratch_ptr + partials_offset
     sumexp_ptr = max_ptr + partials_stride
     sumz_ptr = sumexp_ptr + partials_stride
+    if OUTPUTS:
+        argmax_part_ptr = arrivals_ptr + partials_offset + 3 * partials_stride  # int32: the same buffer
+        sumez_ptr = sumz_ptr + 2 * partials_stride
     group_partials_ptr = scratch_ptr + groups_offset
     row_ptr = logits_ptr + _row_offset(row, logits_batch_stride, logits_row_stride, rows_per_batch)
     label = tl.load(labels_ptr + row).to(tl.int64)
@@ -223,6 +233,9 @@ def _forward_kernel(
     run_max = -float("inf")
     run_sum = 0.0
     run_sumz = 0.0
+    if OUTPUTS:
+        run_argmax = start
+        run_sumez = 0.0
     for tile_start in tl.range(start, end, BLOCK):
         cols = tile_start + tl.arange(0, BLOCK)
         in_row = cols < end
@@ -232,7 +245,16 @@ def _forward_kernel(
         new_max = tl.maximum(run_max, tl.max(z, 0))
         # While everything seen is -inf, shift by 0 instead (-inf - -inf would be NaN).
         shift = tl.where(new_max == -float("inf"), 0.0, new_max)
-        run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(z - shift), 0)
+        if OUTPUTS:
+            tile_max = tl.max(z, 0)
+            # The first column holding the tile's max; a later tile takes over only with a strictly larger max.
+            tile_argmax = tl.min(tl.where(z == tile_max, cols, end), 0)
+            run_argmax = tl.where(tile_max > run_max, tile_argmax, run_argmax)
+            e = tl.exp(z - shift)
+            run_sumez = run_sumez * tl.exp(run_max - shift) + tl.sum(tl.where(z == -float("inf"), 0.0, e * z), 0)
+            run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(e, 0)
+        else:
+            run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(z - shift), 0)
         run_max = new_max
         if HAS_SMOOTHING:
             run_sumz += tl.sum(tl.where(in_row, z, 0.0), 0)
@@ -240,6 +262,9 @@ def _forward_kernel(
     shift = tl.where(run_max == -float("inf"), 0.0, run_max)
     lse = shift + tl.log(run_sum)
     sum_z = run_sumz
+    if OUTPUTS:
+        argmax = run_argmax
+        mean_z = run_sumez / run_sum
     is_last = True
     if n_chunks > 1:
         # Publish this chunk; the row's last chunk to arrive combines all of them in chunk order, so the result
@@ -248,6 +273,9 @@ def _forward_kernel(
         tl.store(max_ptr + slot, run_max)
         tl.store(sumexp_ptr + slot, run_sum)
         tl.store(sumz_ptr + slot, run_sumz)
+        if OUTPUTS:
+            tl.store(argmax_part_ptr + slot, run_argmax)
+            tl.store(sumez_ptr + slot, run_sumez)
         tl.debug_barrier()  # every thread's stores precede the release below
         is_last = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel") == n_chunks - 1
         if is_last:
@@ -258,6 +286,17 @@ def _forward_kernel(
                 tl.load(sumexp_ptr + slots, mask=slot_mask, other=0.0, volatile=True),
             )
             sum_z = tl.sum(tl.load(sumz_ptr + slots, mask=slot_mask, other=0.0, volatile=True), 0)
+            if OUTPUTS:
+                part_max = tl.load(max_ptr + slots, mask=slot_mask, other=-float("inf"), volatile=True)
+                part_argmax = tl.load(argmax_part_ptr + slots, mask=slot_mask, other=V, volatile=True)
+                row_max = tl.max(part_max, 0)
+                # Chunks are in column order: the smallest index among the chunks holding the max is the first.
+                argmax = tl.min(tl.where(part_max == row_max, part_argmax, V), 0)
+                argmax = tl.where(row_max == -float("inf"), 0, argmax)
+                rescale = tl.exp(part_max - tl.where(row_max == -float("inf"), 0.0, row_max))
+                part_sum = tl.load(sumexp_ptr + slots, mask=slot_mask, other=0.0, volatile=True)
+                part_sumez = tl.load(sumez_ptr + slots, mask=slot_mask, other=0.0, volatile=True)
+                mean_z = tl.sum(part_sumez * rescale, 0) / tl.sum(part_sum * rescale, 0)
     if VOCAB_PARALLEL and is_last:
         # This rank's share: the label logit only where the label column is one of its own (0 elsewhere, so the
         # ranks' values sum to the label logit), the local lse and sum of z. The loss is the caller's, after the
@@ -281,6 +320,9 @@ def _forward_kernel(
         )
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, lse)
+        if OUTPUTS:
+            tl.store(argmax_ptr + row, argmax.to(tl.int32))
+            tl.store(mean_z_ptr + row, mean_z)
         if REDUCE:
             # In this same launch, in a fixed order (deterministic): the last row to finish in each group of
             # ROWS_PER_GROUP rows sums the group's losses (and counts its kept tokens) while other rows still run;
@@ -906,7 +948,9 @@ def rows_overlap(logits):
     return False
 
 
-def forward(logits, labels, options, reduction="none", n_items=None, vocab_start=0, vocab_total=None, config=None):
+def forward(
+    logits, labels, options, reduction="none", n_items=None, vocab_start=0, vocab_total=None, config=None, outputs=False
+):
     """One launch: (loss, lse, denominator) of logits (..., V) laid out as `row_layout` allows and flat labels (N,).
     loss is the per-token float32 losses (N,) for reduction "none", else a 0-d tensor of its own (the reduced loss),
     and denominator the 1-element divisor the backward needs for "mean"/"sum" (None for "none").
@@ -914,10 +958,15 @@ def forward(logits, labels, options, reduction="none", n_items=None, vocab_start
     Vocab-parallel mode (vocab_total given: the logits are columns [vocab_start, vocab_start + V) of a vocabulary of
     vocab_total): per-row float32 (lse over the local columns, transformed label logit where the label is local
     else 0, local sum of z (0 without smoothing)); ignored rows give (-inf, 0, 0). reduction must be "none".
-    config: a ForwardConfig for these logits' V (default forward_config(V))."""
+    config: a ForwardConfig for these logits' V (default forward_config(V)).
+    outputs=True (not in vocab-parallel mode): two more results, per row the int32 argmax of the transformed
+    logits (first column on ties) and the float32 mean of z under softmax(z) (entropy = lse - it), NaN where
+    ignored."""
     vocab_parallel = vocab_total is not None
     if vocab_parallel and reduction != "none":
         raise ValueError("the vocab-parallel forward returns per-row statistics: reduction must be 'none'")
+    if vocab_parallel and outputs:
+        raise NotImplementedError("the vocab-parallel forward has no extra outputs")
     _checked(logits)
     vocab = logits.shape[-1]
     n_rows = labels.shape[0]
@@ -945,7 +994,8 @@ def forward(logits, labels, options, reduction="none", n_items=None, vocab_start
     partials_offset = groups_offset + -(-2 * n_groups // 16) * 16
     partials_stride = -(-n_rows * n_chunks // 16) * 16 if n_chunks > 1 else 16
     loss = torch.empty(() if reduce else (n_rows,), dtype=torch.float32, device=device)
-    arrivals = torch.zeros(partials_offset + 3 * partials_stride, dtype=torch.int32, device=device)
+    n_partials = 5 if outputs else 3
+    arrivals = torch.zeros(partials_offset + n_partials * partials_stride, dtype=torch.int32, device=device)
     scratch = arrivals.view(torch.float32)
     lse = scratch[lse_offset : lse_offset + n_rows]
     if reduce:
@@ -954,13 +1004,17 @@ def forward(logits, labels, options, reduction="none", n_items=None, vocab_start
     else:
         token_losses, denominator = loss, scratch  # the kernel writes no denominator without REDUCE
     sum_z = torch.empty(n_rows, dtype=torch.float32, device=device) if vocab_parallel else lse
+    argmax, mean_z = lse, lse  # placeholders: the kernel writes neither without OUTPUTS
+    if outputs:
+        argmax = torch.empty(n_rows, dtype=torch.int32, device=device)
+        mean_z = torch.empty(n_rows, dtype=torch.float32, device=device)
     if n_rows == 0:
         if vocab_parallel:
             return lse, loss, sum_z
         if reduce:
             loss.zero_()
             denominator.fill_(1.0)
-        return loss, lse, (denominator if reduce else None)
+        return (loss, lse, (denominator if reduce else None)) + ((argmax, mean_z) if outputs else ())
     denominator_value, n_items_ptr = 1.0, denominator
     if n_items is None:
         denominator_mode = 0 if reduction == "mean" else 1
@@ -978,6 +1032,8 @@ def forward(logits, labels, options, reduction="none", n_items=None, vocab_start
         token_losses,
         lse,
         sum_z,
+        argmax,
+        mean_z,
         scratch,
         arrivals,
         loss,
@@ -1005,19 +1061,20 @@ def forward(logits, labels, options, reduction="none", n_items=None, vocab_start
         GROUPS_BLOCK,
         ROWS_PER_GROUP,
         vocab_parallel,
+        outputs,
     )
     grid = (n_rows, n_chunks, 1)
     with on_device(logits):
         if not _forward_launcher.cached(grid, args, warps, stages):
             _guard_capture(
                 ("forward", device, logits.dtype, labels.dtype, block, n_chunks > 1, reduce, denominator_mode, *flags)
-                + (warps, stages),
+                + (warps, stages, outputs),
                 logits,
             )
             _forward_launcher.launch(grid, args, warps, stages)
     if vocab_parallel:
         return lse, loss, sum_z
-    return loss, lse, (denominator if reduce else None)
+    return (loss, lse, (denominator if reduce else None)) + ((argmax, mean_z) if outputs else ())
 
 
 def backward(
