@@ -369,6 +369,16 @@ def reference_outputs(logits, labels, options, extras, reduction, n_items, loss)
     )  # fmt: skip
 
 
+def lse_gradient(grad_lse, logits, labels, options):
+    """d(sum_t grad_lse_t * lse_t) / d logits (..., V) in differentiable plain torch (float32; float64 for
+    float64 logits): the z_loss output's gradient, as kernels.lse_backward computes it."""
+    vocab = logits.shape[-1]
+    options = options._replace(label_smoothing=0.0, z_loss=0.0)
+    rows, flat = logits.reshape(-1, vocab), labels.reshape(-1)
+    grad = logits_gradient(grad_lse.reshape(-1), rows, flat, None, options, vocab_start=vocab, vocab_total=vocab)
+    return grad.to(logits.dtype).reshape(logits.shape)
+
+
 # --- autograd guards ---------------------------------------------------------------------------------------------
 
 

@@ -27,33 +27,6 @@ def _differentiable_gradient(grad_output, logits, labels, denominator, options):
     return grad.to(logits.dtype).reshape(logits.shape)
 
 
-def _lse_options(options):
-    # The gradient of lse alone is the loss's with neither smoothing nor z-loss and no label column: the label is
-    # placed outside the columns (vocab_start = V below), so no one-hot term is subtracted.
-    return options._replace(label_smoothing=0.0, z_loss=0.0)
-
-
-def _lse_gradient_reference(grad_lse, logits, labels, options):
-    """d(sum_t grad_lse_t * lse_t) / d logits in differentiable plain torch (float32; float64 for float64)."""
-    vocab = logits.shape[-1]
-    rows = logits.reshape(-1, vocab)
-    grad = contract.logits_gradient(
-        grad_lse.reshape(-1), rows, labels.reshape(-1), None, _lse_options(options), vocab_start=vocab,
-        vocab_total=vocab,
-    )  # fmt: skip
-    return grad.to(logits.dtype).reshape(logits.shape)
-
-
-def _lse_gradient(grad_lse, logits, labels, lse, options):
-    """d(sum_t grad_lse_t * lse_t) / d logits by the backward kernel (a new buffer): the z_loss output's gradient."""
-    vocab = logits.shape[-1]
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    grad_lse = grad_lse.float().contiguous()
-    return kernels.backward(
-        grad_lse, logits, labels, lse, grad, _lse_options(options), vocab_start=vocab, vocab_total=vocab
-    )
-
-
 class _CrossEntropyFunction(torch.autograd.Function):
     """The eager path, reduction included, with the fewest host-side steps: one launch forward, one launch
     backward, and no autograd nodes besides this one (each costs host time per step). Outputs: the loss (it owns
@@ -96,9 +69,10 @@ class _CrossEntropyFunction(torch.autograd.Function):
         logits, labels, lse, _ = saved
         tensors = (grad_lse, *saved)
         if any(map(torch._C._functorch.is_functorch_wrapped_tensor, tensors)) or torch.is_grad_enabled():
-            lse_part = _lse_gradient_reference(grad_lse, logits, labels, ctx.options)
+            lse_part = contract.lse_gradient(grad_lse, logits, labels, ctx.options)
         else:
-            lse_part = _lse_gradient(grad_lse, logits, labels, lse, ctx.options)
+            buffer = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+            lse_part = kernels.lse_backward(grad_lse, logits, labels, lse, buffer, ctx.options)
         if grad_output is None:
             return lse_part, *[None] * 6
         grad = _CrossEntropyFunction._loss_backward(ctx, grad_output, saved)[0]
@@ -155,7 +129,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         lse_tangent = None
         if ctx.z_grad:
             ones = torch.ones(labels.shape, dtype=torch.float32, device=logits.device)
-            lse_grad = _lse_gradient_reference(ones, logits, labels, ctx.options)
+            lse_grad = contract.lse_gradient(ones, logits, labels, ctx.options)
             lse_tangent = (lse_grad.float() * logits_tangent.float()).reshape(labels.shape[0], -1).sum(-1)
         return loss_tangent, lse_tangent, None, None, None
 
@@ -256,7 +230,7 @@ def _outputs_backward(ctx, grad_loss, grad_lse, *unused):
     logits, labels, lse = ctx.saved_tensors
     grad = _backward_op(grad_loss, logits, labels, lse, *ctx.options)
     if ctx.z_grad and grad_lse is not None:  # the z_loss output's part, in plain torch for the compiler to fuse
-        grad = grad + _lse_gradient_reference(grad_lse, logits, labels, Options(*ctx.options))
+        grad = grad + contract.lse_gradient(grad_lse, logits, labels, Options(*ctx.options))
     return grad, None, *[None] * (len(Options._fields) + 1)
 
 

@@ -1153,6 +1153,16 @@ def backward(
     return grad
 
 
+def lse_backward(grad_lse, logits, labels, lse, grad, options, config=None):
+    """Writes d(sum_t grad_lse_t * lse_t) / d logits into `grad` (it may be `logits`): the gradient of the
+    z_loss output. The backward kernel with neither smoothing nor z-loss and the label placed outside the columns
+    (vocab_start = V), so that no one-hot term is subtracted; bad labels give NaN rows as in `backward`."""
+    vocab = logits.shape[-1]
+    options = options._replace(label_smoothing=0.0, z_loss=0.0)
+    grad_lse = grad_lse.float().contiguous()
+    return backward(grad_lse, logits, labels, lse, grad, options, vocab_start=vocab, vocab_total=vocab, config=config)
+
+
 def scale_unless_one(tensor, factor):
     """tensor *= factor (a 0-d float32 device tensor) in place, without a host synchronisation; a factor of
     exactly 1 costs one launch and no memory traffic. tensor must be contiguous."""
