@@ -27,6 +27,10 @@ def _differentiable_gradient(grad_output, logits, labels, denominator, options):
     return grad.to(logits.dtype).reshape(logits.shape)
 
 
+def _float32_like(tensor):
+    return torch.empty(tensor.shape, dtype=torch.float32, device=tensor.device)
+
+
 class _CrossEntropyFunction(torch.autograd.Function):
     """The eager path, reduction included, with the fewest host-side steps: one launch forward, one launch
     backward, and no autograd nodes besides this one (each costs host time per step). Outputs: the loss (it owns
@@ -68,11 +72,15 @@ class _CrossEntropyFunction(torch.autograd.Function):
         # The z_loss output's gradient, from the intact logits before an in-place backward overwrites them.
         logits, labels, lse, _ = saved
         tensors = (grad_lse, *saved)
-        if any(map(torch._C._functorch.is_functorch_wrapped_tensor, tensors)) or torch.is_grad_enabled():
-            lse_part = contract.lse_gradient(grad_lse, logits, labels, ctx.options)
-        else:
-            buffer = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-            lse_part = kernels.lse_backward(grad_lse, logits, labels, lse, buffer, ctx.options)
+        if not any(map(torch._C._functorch.is_functorch_wrapped_tensor, tensors)) and not torch.is_grad_enabled():
+            # Both parts in float32, rounded to the logits' dtype once.
+            grad = kernels.lse_backward(grad_lse, logits, labels, lse, _float32_like(logits), ctx.options)
+            if grad_output is not None:
+                denominator = saved[3] if saved[3].numel() else None
+                loss_part = _float32_like(logits)
+                grad += kernels.backward(grad_output, logits, labels, lse, loss_part, ctx.options, denominator)
+            return grad.to(logits.dtype), *[None] * 6
+        lse_part = contract.lse_gradient(grad_lse, logits, labels, ctx.options)
         if grad_output is None:
             return lse_part, *[None] * 6
         grad = _CrossEntropyFunction._loss_backward(ctx, grad_output, saved)[0]
@@ -326,15 +334,15 @@ def _cross_entropy(
     extras=NO_EXTRAS,
 ):  # fmt: skip
     ignore_index = options.ignore_index
-    if any(extras) and (process_group is not None or sharding.is_dtensor(logits)):
+    if any(extras) and sharding.is_dtensor(logits):
         raise NotImplementedError(
-            "return_z_loss / return_lse / return_accuracy / return_entropy are not supported yet with vocab-parallel "
-            "logits (process_group or a DTensor); compute them from the full logits or without the return_* keywords"
+            "return_z_loss / return_lse / return_accuracy / return_entropy are not supported yet with DTensor "
+            "logits; pass logits.to_local() with process_group= (and vocab_start=) instead"
         )
     if process_group is not None or sharding.is_dtensor(logits):
         return _vocab_parallel(
             logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group,
-            vocab_start,
+            vocab_start, extras if any(extras) else None,
         )  # fmt: skip
     if validate_labels:
         contract.validate_labels(labels, logits.shape[-1], ignore_index)
@@ -384,8 +392,9 @@ def _in_kernel_dtype(logits):
 
 @torch.compiler.disable
 def _vocab_parallel(
-    logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group, vocab_start
-):
+    logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group, vocab_start,
+    extras=None,
+):  # fmt: skip
     """Eager even under torch.compile (a graph break): the collectives run in the autograd.Function's forward."""
     use_kernel = contract.use_kernel(logits, backend)
     if use_kernel:
@@ -402,7 +411,7 @@ def _vocab_parallel(
         contract.validate_labels(labels, layout[2], options.ignore_index)
     inplace = bool(inplace_backward) and contract.is_intermediate(logits)
     return sharding.vocab_parallel_cross_entropy(
-        logits, labels, reduction, n_items, inplace, options, layout, use_kernel
+        logits, labels, reduction, n_items, inplace, options, layout, use_kernel, extras
     )
 
 

@@ -194,7 +194,8 @@ def _forward_kernel(
     labels_ptr: (n_rows,) int labels. loss_ptr: (n_rows,) float32 per-token losses (vocab-parallel: the label's z
         where this slice holds it, else 0). lse_ptr: (n_rows,) float32 logsumexp. sum_z_out_ptr: (n_rows,) float32
         sum of z (written in vocab-parallel mode only). argmax_ptr: (n_rows,) int32 first column of the row's
-        largest z; mean_z_ptr: (n_rows,) float32 mean of z under softmax(z) (both written with OUTPUTS only).
+        largest z; mean_z_ptr: (n_rows,) float32 mean of z under softmax(z) (both written with OUTPUTS only;
+        vocab-parallel: the global column, and mean_z_ptr (2, n_rows) then also holds the slice's largest z).
     scratch_ptr: the float32 scratch (chunk partials at partials_offset, partials_stride apart; the row groups'
         loss sums then kept counts at groups_offset). arrivals_ptr: the same buffer as int32 counters: [row] the
         row's finished chunks, [n_rows] the finished groups, [n_rows + 1 + g] group g's finished rows.
@@ -265,6 +266,7 @@ def _forward_kernel(
     if OUTPUTS:
         argmax = run_argmax
         mean_z = run_sumez / run_sum
+        z_max = run_max
     is_last = True
     if n_chunks > 1:
         # Publish this chunk; the row's last chunk to arrive combines all of them in chunk order, so the result
@@ -290,6 +292,7 @@ def _forward_kernel(
                 part_max = tl.load(max_ptr + slots, mask=slot_mask, other=-float("inf"), volatile=True)
                 part_argmax = tl.load(argmax_part_ptr + slots, mask=slot_mask, other=V, volatile=True)
                 row_max = tl.max(part_max, 0)
+                z_max = row_max
                 # Chunks are in column order: the smallest index among the chunks holding the max is the first.
                 argmax = tl.min(tl.where(part_max == row_max, part_argmax, V), 0)
                 argmax = tl.where(row_max == -float("inf"), 0, argmax)
@@ -309,6 +312,10 @@ def _forward_kernel(
         tl.store(loss_ptr + row, tl.where(owned, z_label, 0.0))
         tl.store(lse_ptr + row, lse)
         tl.store(sum_z_out_ptr + row, sum_z)
+        if OUTPUTS:
+            tl.store(argmax_ptr + row, (argmax + vocab_start).to(tl.int32))
+            tl.store(mean_z_ptr + row, mean_z)
+            tl.store(mean_z_ptr + n_rows + row, z_max)
     elif is_last:
         # The only data-dependent address: loaded only for a label inside [0, V).
         load_label = (label >= 0) & (label < V) & (label != ignore_index)
@@ -959,14 +966,12 @@ def forward(
     vocab_total): per-row float32 (lse over the local columns, transformed label logit where the label is local
     else 0, local sum of z (0 without smoothing)); ignored rows give (-inf, 0, 0). reduction must be "none".
     config: a ForwardConfig for these logits' V (default forward_config(V)).
-    outputs=True (not in vocab-parallel mode): two more results, per row the int32 argmax of the transformed
-    logits (first column on ties) and the float32 mean of z under softmax(z) (entropy = lse - it), NaN where
-    ignored."""
+    outputs=True: two more results, per row the int32 argmax of the transformed logits (first column on ties) and
+    the float32 mean of z under softmax(z) (entropy = lse - it), NaN where ignored; in vocab-parallel mode three:
+    the argmax as a global column, the mean of z over the slice's softmax, and the slice's largest z."""
     vocab_parallel = vocab_total is not None
     if vocab_parallel and reduction != "none":
         raise ValueError("the vocab-parallel forward returns per-row statistics: reduction must be 'none'")
-    if vocab_parallel and outputs:
-        raise NotImplementedError("the vocab-parallel forward has no extra outputs")
     _checked(logits)
     vocab = logits.shape[-1]
     n_rows = labels.shape[0]
@@ -1007,10 +1012,11 @@ def forward(
     argmax, mean_z = lse, lse  # placeholders: the kernel writes neither without OUTPUTS
     if outputs:
         argmax = torch.empty(n_rows, dtype=torch.int32, device=device)
-        mean_z = torch.empty(n_rows, dtype=torch.float32, device=device)
+        mean_z = torch.empty((1 + vocab_parallel) * n_rows, dtype=torch.float32, device=device)
+    vocab_parallel_outputs = (argmax, mean_z[:n_rows], mean_z[n_rows:]) if outputs and vocab_parallel else ()
     if n_rows == 0:
         if vocab_parallel:
-            return lse, loss, sum_z
+            return lse, loss, sum_z, *vocab_parallel_outputs
         if reduce:
             loss.zero_()
             denominator.fill_(1.0)
@@ -1073,7 +1079,7 @@ def forward(
             )
             _forward_launcher.launch(grid, args, warps, stages)
     if vocab_parallel:
-        return lse, loss, sum_z
+        return lse, loss, sum_z, *vocab_parallel_outputs
     return (loss, lse, (denominator if reduce else None)) + ((argmax, mean_z) if outputs else ())
 
 
@@ -1153,11 +1159,12 @@ def backward(
     return grad
 
 
-def lse_backward(grad_lse, logits, labels, lse, grad, options, config=None):
+def lse_backward(grad_lse, logits, labels, lse, grad, options, vocab_total=None, config=None):
     """Writes d(sum_t grad_lse_t * lse_t) / d logits into `grad` (it may be `logits`): the gradient of the
     z_loss output. The backward kernel with neither smoothing nor z-loss and the label placed outside the columns
-    (vocab_start = V), so that no one-hot term is subtracted; bad labels give NaN rows as in `backward`."""
-    vocab = logits.shape[-1]
+    (vocab_start = the vocabulary's size), so that no one-hot term is subtracted; bad labels give NaN rows as in
+    `backward`. Vocab-parallel (vocab_total given): lse is the global logsumexp, the columns this rank's."""
+    vocab = logits.shape[-1] if vocab_total is None else vocab_total
     options = options._replace(label_smoothing=0.0, z_loss=0.0)
     grad_lse = grad_lse.float().contiguous()
     return backward(grad_lse, logits, labels, lse, grad, options, vocab_start=vocab, vocab_total=vocab, config=config)

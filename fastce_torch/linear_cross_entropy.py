@@ -86,9 +86,11 @@ def _ce_chunk_backward(logits, labels, lse, grad_loss, grad_lse, options, denomi
         return _ce_backward_in_place(logits, labels, lse, grad_loss, options, denominator)
     if grad_loss is None:
         return kernels.lse_backward(grad_lse, logits, labels, lse, logits, options)
-    lse_part = kernels.lse_backward(grad_lse, logits, labels, lse, torch.empty_like(logits), options)
-    _ce_backward_in_place(logits, labels, lse, grad_loss, options, denominator)
-    logits += lse_part
+    # Both parts in float32, rounded to the logits' dtype once.
+    grad = kernels.lse_backward(grad_lse, logits, labels, lse, torch.empty_like(logits, dtype=torch.float32), options)
+    loss_part = torch.empty_like(logits, dtype=torch.float32)
+    grad += kernels.backward(grad_loss, logits, labels, lse, loss_part, options, denominator)
+    logits.copy_(grad)
 
 
 # --- the chunked computation ------------------------------------------------------------------------------------
