@@ -367,9 +367,15 @@ def test_torch_keyword_checks(device):
 
 
 @pytest.mark.parametrize(
-    "n_ranks,backend,widths", [(2, "reference", "15,15"), (2, "kernel", "20,20"), (3, "kernel", "10,15,12")]
+    "n_ranks,backend,widths,extra",
+    [
+        (2, "reference", "15,15", ()),
+        (2, "kernel", "20,20", ()),
+        (3, "kernel", "10,15,12", ()),
+        (2, "kernel", "20,17", ("--small-chunks",)),
+    ],
 )
-def test_torch_vocab_parallel(n_ranks, backend, widths, device):
+def test_torch_vocab_parallel(n_ranks, backend, widths, extra, device):
     """process_group=: every output and the z_loss output's gradient over gloo ranks on the CPU
     (fastce_torch/tests/vocab_parallel_outputs_check.py; with --gpu, NCCL needs as many GPUs)."""
     if device.type == "cuda" and torch.cuda.device_count() < n_ranks:
@@ -378,7 +384,7 @@ def test_torch_vocab_parallel(n_ranks, backend, widths, device):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n_ranks}",
         "-m", "fastce_torch.tests.vocab_parallel_outputs_check", f"--device={device.type}", f"--backend={backend}",
-        f"--widths={widths}",
+        f"--widths={widths}", *extra,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     env.setdefault("OMP_NUM_THREADS", "1")

@@ -89,7 +89,12 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", default="kernel")
     parser.add_argument("--widths", default="10,15,12")
+    parser.add_argument("--small-chunks", action="store_true", help="tiles of 4 and chunks of 8 columns")
     args = parser.parse_args()
+    if args.small_chunks:  # several chunks per slice: the kernel's in-launch combine, then the ranks'
+        from fastce_torch import kernels
+
+        kernels.FORWARD_BLOCK, kernels.CHUNK = 4, 8
     cuda = args.device == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10))
     rank = dist.get_rank()
