@@ -34,7 +34,9 @@ def _float32_like(tensor):
 class _CrossEntropyFunction(torch.autograd.Function):
     """The eager path, reduction included, with the fewest host-side steps: one launch forward, one launch
     backward, and no autograd nodes besides this one (each costs host time per step). Outputs: the loss (it owns
-    its storage), lse and the reduction's denominator (both non-differentiable, for the backward)."""
+    its storage), lse and the reduction's denominator (both non-differentiable, for the backward); with `extras`
+    (the return_* keywords) also the per-row argmax and mean of z (non-differentiable), and lse differentiable when
+    the z_loss output is asked."""
 
     @staticmethod
     def forward(logits, labels, reduction, n_items, inplace_backward, options, extras=None):
