@@ -328,11 +328,14 @@ def extra_outputs(loss, lse, argmax, mean_z, labels, options, extras, reduction,
         return values if divisor is None else values.sum() / divisor
 
     if extras.z_loss:
-        z_term = (options.z_loss * lse * lse) * torch.where(in_range | ignored, 1.0, float("nan")).to(lse.dtype)
-        out["z_loss"] = reduced(torch.where(ignored, 0.0, z_term))
+        kept_lse = torch.where(ignored, 0.0, lse)  # ignored rows' lse is -inf: no inf * 0 in the gradient
+        z_term = (options.z_loss * kept_lse * kept_lse) * torch.where(in_range | ignored, 1.0, float("nan")).to(
+            lse.dtype
+        )
+        out["z_loss"] = reduced(z_term)
     lse = lse.detach()
     if extras.lse:
-        out["lse"] = torch.where(ignored, -float("inf"), lse).float()
+        out["lse"] = torch.where(ignored, -float("inf"), lse)
     if extras.accuracy:
         hit = (argmax.view(shape) == labels).to(lse.dtype)
         hit = torch.where(in_range & ~bad_row, hit, float("nan"))

@@ -78,6 +78,7 @@ CASES = [
     case("not-inplace", inplace=False, opts=Z, seed=26),
     case("bf16", dtype="bfloat16", opts=ALL, reduction="none", seed=27),
     case("f16-mean", dtype="float16", seed=28),
+    case("f64", dtype="float64", opts=ALL, reduction="none", bad_labels=(37,), seed=30),
     case("wide", vocab=300, reduction="none", seed=29),
 ]
 
