@@ -336,11 +336,6 @@ def _cross_entropy(
     extras=NO_EXTRAS,
 ):  # fmt: skip
     ignore_index = options.ignore_index
-    if any(extras) and sharding.is_dtensor(logits):
-        raise NotImplementedError(
-            "return_z_loss / return_lse / return_accuracy / return_entropy are not supported yet with DTensor "
-            "logits; pass logits.to_local() with process_group= (and vocab_start=) instead"
-        )
     if process_group is not None or sharding.is_dtensor(logits):
         return _vocab_parallel(
             logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group,
@@ -406,7 +401,7 @@ def _vocab_parallel(
             full_labels = labels.full_tensor() if sharding.is_dtensor(labels) else labels
             contract.validate_labels(full_labels, logits.shape[-1], options.ignore_index)
         return sharding.dtensor_cross_entropy(
-            logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start
+            logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start, extras
         )
     layout = sharding.layout_of(process_group, vocab_start, logits.shape[-1], logits.device)
     if validate_labels:

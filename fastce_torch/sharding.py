@@ -317,12 +317,16 @@ class _LocalShard(torch.autograd.Function):
         return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
-def dtensor_cross_entropy(logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start):
+def dtensor_cross_entropy(
+    logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start, extras=None
+):
     """A DTensor whose last dimension is sharded on exactly one mesh dimension (the tensor-parallel one); the other
     mesh dimensions may shard leading (batch) dimensions or replicate. Returns a DTensor with loss_parallel's
     placements: "none" per-token losses placed like the labels, "sum"/"mean" a scalar replicated on the
     tensor-parallel dimension and Partial(sum) on batch-sharded ones. The gradient is a fresh DTensor with the
-    logits' placements (the DTensor's storage is never overwritten)."""
+    logits' placements (the DTensor's storage is never overwritten). With extras: a CrossEntropyOutput of DTensors,
+    per-token fields placed like the labels, reduced ones like the loss (a reduced accuracy, a fraction of this
+    shard's rows, needs rows that are not sharded)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     if process_group is not None or vocab_start is not None:
@@ -345,6 +349,11 @@ def dtensor_cross_entropy(logits, labels, reduction, n_items, options, use_kerne
         )
     tp_dim = vocab_dims[0]
     batch_sharded = any(p.is_shard() and i != tp_dim for i, p in enumerate(placements))
+    if extras is not None and extras.accuracy and reduction != "none" and batch_sharded:
+        raise NotImplementedError(
+            "return_accuracy with a reduced loss over batch-sharded DTensor logits (a fraction of each shard's rows "
+            "does not add up over the shards): use reduction='none' and reduce the per-token accuracy yourself"
+        )
     if reduction == "mean" and batch_sharded and n_items is None:
         raise ValueError(
             "reduction='mean' over a batch-sharded DTensor needs the global token count: pass n_items "
@@ -372,11 +381,24 @@ def dtensor_cross_entropy(logits, labels, reduction, n_items, options, use_kerne
     if local.shape[-1] == 0:
         raise NotImplementedError("a rank holds no vocabulary columns (V < mesh size); not supported")
     layout = (mesh.get_group(tp_dim), start, vocab_total, False)
-    loss = vocab_parallel_cross_entropy(local, local_labels, reduction, n_items, False, options, layout, use_kernel)
+    loss = vocab_parallel_cross_entropy(
+        local, local_labels, reduction, n_items, False, options, layout, use_kernel, extras
+    )
     if reduction == "none":
         out_placements = label_placements
     else:
         out_placements = tuple(
             Replicate() if i == tp_dim or p.is_replicate() else Partial("sum") for i, p in enumerate(placements)
         )
-    return DTensor.from_local(loss, mesh, out_placements, run_check=False)
+    if extras is None:
+        return DTensor.from_local(loss, mesh, out_placements, run_check=False)
+    fields = {}
+    for name, value in loss._asdict().items():
+        if value is not None:
+            per_token = name == "lse" or reduction == "none"
+            placed = label_placements if per_token else out_placements
+            if name == "accuracy" and not per_token:
+                placed = tuple(Replicate() for _ in placements)  # rows not sharded (checked above)
+            value = DTensor.from_local(value, mesh, placed, run_check=False)
+        fields[name] = value
+    return contract.CrossEntropyOutput(**fields)

@@ -6,7 +6,8 @@
 Every rank makes the same full inputs (seeded), takes its columns and asks for every output; each output is checked
 against reference.outputs on the full logits (shared_tests/test_outputs.py's tolerances), must be the same bits on
 every rank, and the gradient of the z_loss output (and of loss + z_loss), gathered over the ranks, against the
-reference's z-loss part. Exit status 0 only when every case passed on every rank.
+reference's z-loss part; then the same through a DTensor sharded on the vocabulary. Exit status 0 only when every
+case passed on every rank.
 """
 
 import argparse
@@ -84,6 +85,35 @@ def run_case(case, device, widths, group, backend):
         np.testing.assert_array_equal(harness.as_f64(out.accuracy), expected)
 
 
+def run_dtensor_case(case, device, mesh, backend):
+    """A DTensor sharded on the vocabulary (Shard's own chunking): every output a DTensor placed like the loss (or
+    the labels), the same values, and the z_loss output's gradient a DTensor placed like the logits."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    inputs = harness.make_inputs(case, device)
+    full = inputs.logits.detach().contiguous()
+    logits = distribute_tensor(full, mesh, [Shard(full.dim() - 1)]).requires_grad_()
+    out = fastce_torch.cross_entropy(
+        logits, inputs.labels, reduction=case.reduction, n_items=inputs.n_items, backend=backend,
+        **case.opts.as_kwargs(), **ALL_RETURNS,
+    )  # fmt: skip
+    for name in ("loss", *FIELDS):
+        value = getattr(out, name)
+        assert isinstance(value, DTensor) and tuple(value.placements) == (Replicate(),), (name, value)
+    local = type(out)(*(value.to_local().detach() for value in out))
+    x, y = harness.as_f64(full), inputs.labels.cpu().numpy()
+    n_items = inputs.n_items.item() if isinstance(inputs.n_items, torch.Tensor) else inputs.n_items
+    check_outputs(local, x, y, case.reduction, n_items, case.opts, what="DTensor ")
+    upstream = inputs.upstream if case.reduction == "none" else torch.ones((), device=device)
+    (out.z_loss.to_local() * upstream).sum().backward()
+    assert isinstance(logits.grad, DTensor) and tuple(logits.grad.placements) == (Shard(full.dim() - 1),)
+    up = inputs.upstream.cpu().numpy() if case.reduction == "none" else None
+    with_z, z_part = z_loss_gradient_reference(x, y, case.reduction, n_items, case.opts, up)
+    grad = harness.as_f64(logits.grad.full_tensor())
+    bound = tolerances.grad_bound(with_z, grad, case.dtype, ulps=1.0) + tolerances.FLOOR
+    tolerances.check(grad, z_part, bound, "DTensor d z_loss")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
@@ -104,9 +134,14 @@ def main():
     widths = [int(w) for w in args.widths.split(",")]
     assert len(widths) == dist.get_world_size(), "--widths needs one entry per rank"
     failures = 0
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for case in cases(sum(widths)):
         try:
             run_case(case, device, widths, dist.group.WORLD, args.backend)
+            if case.std != 0.0:  # the ties case places its maxima by the explicit widths
+                run_dtensor_case(case, device, mesh, args.backend)
         except Exception as error:  # report every case, not only the first
             failures += 1
             print(f"rank {rank} FAIL {case.id}: {type(error).__name__}: {error}", flush=True)
