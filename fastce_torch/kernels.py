@@ -19,6 +19,10 @@ Vocab-parallel mode (VOCAB_PARALLEL, a constexpr: the single-device path compile
 rank's columns [vocab_start, vocab_start + V) of a vocabulary of vocab_total; the forward writes per row the local
 logsumexp, the transformed label logit (0 unless this slice holds the label) and the local sum of z, for the caller
 to combine across ranks; the backward takes the global logsumexp and places the label at column label - vocab_start.
+Extra outputs (OUTPUTS, a constexpr: the default variants compile without it, bench/tools/same_ptx.py checks that
+their instructions are unchanged): the forward also keeps per chunk the first column of the largest z and
+sum_j e^(z_j - max) z_j, combines them like the other partials and writes per row the argmax and the mean of z
+(accuracy and entropy in cross_entropy's CrossEntropyOutput); `lse_backward` is the z_loss output's gradient.
 Launches go through `_Launcher`: Triton's generic `kernel[grid](...)` the first time a variant runs, then that compiled
 variant's own launcher directly (see `_Launcher`; FASTCE_TORCH_LAUNCH_CACHE=0 at import turns this off).
 """
