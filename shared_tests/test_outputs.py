@@ -9,7 +9,10 @@ Tolerances, from the shared model (tolerances.py), per token t with M_t the loss
   accuracy: exact (argmax of float32 values; the cases are checked to hold no near-ties, where float32 rounding may
             pick another column than float64 does)
 reduced like the outputs (the sum of per-token bounds over the denominator, plus the float32 summation).
-fastce_jax's cases are skipped until fastce_jax.CrossEntropyOutput exists.
+Also: each keyword alone, exact ties, several vocabulary chunks, the z_loss output's gradient (alone and with the
+loss's), no gradient on the others, linear_cross_entropy over several row chunks, torch.compile(fullgraph=True),
+vocab-parallel and DTensor over gloo ranks (fastce_torch/tests/vocab_parallel_outputs_check.py) and, with --gpu,
+CUDA-graph capture. fastce_jax's cases are skipped until fastce_jax.CrossEntropyOutput exists.
 """
 
 import dataclasses
