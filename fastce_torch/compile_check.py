@@ -41,7 +41,7 @@ def signature(fn, logits_type, index_type):
             types[name] = logits_type
         elif name == "labels_ptr":
             types[name] = "*i64"
-        elif name in ("arrivals_ptr", "argmax_ptr"):
+        elif name == "arrivals_ptr":
             types[name] = "*i32"
         elif name.endswith("_ptr"):
             types[name] = "*fp32"

@@ -219,7 +219,7 @@ def _forward_outputs_op(logits, labels, *settings):
     """The forward with the extra outputs' statistics: (losses, lse, argmax, mean of z) per row. z_grad: lse is
     differentiated (the z_loss output asked)."""
     loss, lse, _, argmax, mean_z = kernels.forward(logits, labels, Options(*settings[:-1]), outputs=True)
-    return loss, lse.clone(), argmax, mean_z
+    return loss, lse.clone(), argmax.clone(), mean_z.clone()  # views of the launch's scratch buffer
 
 
 @_forward_outputs_op.register_fake

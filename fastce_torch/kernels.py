@@ -157,8 +157,6 @@ def _forward_kernel(
     loss_ptr,
     lse_ptr,
     sum_z_out_ptr,
-    argmax_ptr,
-    mean_z_ptr,
     scratch_ptr,
     arrivals_ptr,
     reduced_ptr,
@@ -197,11 +195,11 @@ def _forward_kernel(
         (r // rows_per_batch) * batch stride + (r % rows_per_batch) * row stride (`row_layout`).
     labels_ptr: (n_rows,) int labels. loss_ptr: (n_rows,) float32 per-token losses (vocab-parallel: the label's z
         where this slice holds it, else 0). lse_ptr: (n_rows,) float32 logsumexp. sum_z_out_ptr: (n_rows,) float32
-        sum of z (written in vocab-parallel mode only). argmax_ptr: (n_rows,) int32 first column of the row's
-        largest z; mean_z_ptr: (n_rows,) float32 mean of z under softmax(z) (both written with OUTPUTS only;
-        vocab-parallel: the global column, and mean_z_ptr (2, n_rows) then also holds the slice's largest z).
+        sum of z (written in vocab-parallel mode only).
     scratch_ptr: the float32 scratch (chunk partials at partials_offset, partials_stride apart; the row groups'
-        loss sums then kept counts at groups_offset). arrivals_ptr: the same buffer as int32 counters: [row] the
+        loss sums then kept counts at groups_offset; with OUTPUTS, after the five partials, rows padded to 16
+        apart: the int32 argmax per row (a global column in vocab-parallel mode), the mean of z under softmax(z),
+        and in vocab-parallel mode the slice's largest z). arrivals_ptr: the same buffer as int32 counters: [row] the
         row's finished chunks, [n_rows] the finished groups, [n_rows + 1 + g] group g's finished rows.
     reduced_ptr: the 0-d reduced loss (REDUCE). denominator_out_ptr: the divisor it used (REDUCE).
         n_items_ptr: a device n_items (DENOMINATOR == 2).
@@ -226,6 +224,13 @@ def _forward_kernel(
     if OUTPUTS:
         argmax_part_ptr = arrivals_ptr + partials_offset + 3 * partials_stride  # int32: the same buffer
         sumez_ptr = sumz_ptr + 2 * partials_stride
+        # The per-row outputs, in the same buffer after the partials (no kernel argument of their own, so the
+        # default variant's arguments are what they were).
+        outputs_offset = partials_offset + 5 * partials_stride
+        rows_padded = (n_rows + 15) // 16 * 16
+        argmax_out_ptr = arrivals_ptr + outputs_offset
+        mean_z_out_ptr = scratch_ptr + outputs_offset + rows_padded
+        z_max_out_ptr = mean_z_out_ptr + rows_padded
     group_partials_ptr = scratch_ptr + groups_offset
     row_ptr = logits_ptr + _row_offset(row, logits_batch_stride, logits_row_stride, rows_per_batch)
     label = tl.load(labels_ptr + row).to(tl.int64)
@@ -317,9 +322,9 @@ def _forward_kernel(
         tl.store(lse_ptr + row, lse)
         tl.store(sum_z_out_ptr + row, sum_z)
         if OUTPUTS:
-            tl.store(argmax_ptr + row, (argmax + vocab_start).to(tl.int32))
-            tl.store(mean_z_ptr + row, mean_z)
-            tl.store(mean_z_ptr + n_rows + row, z_max)
+            tl.store(argmax_out_ptr + row, (argmax + vocab_start).to(tl.int32))
+            tl.store(mean_z_out_ptr + row, mean_z)
+            tl.store(z_max_out_ptr + row, z_max)
     elif is_last:
         # The only data-dependent address: loaded only for a label inside [0, V).
         load_label = (label >= 0) & (label < V) & (label != ignore_index)
@@ -332,8 +337,8 @@ def _forward_kernel(
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, lse)
         if OUTPUTS:
-            tl.store(argmax_ptr + row, argmax.to(tl.int32))
-            tl.store(mean_z_ptr + row, mean_z)
+            tl.store(argmax_out_ptr + row, argmax.to(tl.int32))
+            tl.store(mean_z_out_ptr + row, mean_z)
         if REDUCE:
             # In this same launch, in a fixed order (deterministic): the last row to finish in each group of
             # ROWS_PER_GROUP rows sums the group's losses (and counts its kept tokens) while other rows still run;
@@ -1004,7 +1009,9 @@ def forward(
     partials_stride = -(-n_rows * n_chunks // 16) * 16 if n_chunks > 1 else 16
     loss = torch.empty(() if reduce else (n_rows,), dtype=torch.float32, device=device)
     n_partials = 5 if outputs else 3
-    arrivals = torch.zeros(partials_offset + n_partials * partials_stride, dtype=torch.int32, device=device)
+    outputs_offset = partials_offset + n_partials * partials_stride
+    n_outputs = (2 + vocab_parallel) if outputs else 0  # argmax, mean of z (, the slice's largest z)
+    arrivals = torch.zeros(outputs_offset + n_outputs * rows_padded, dtype=torch.int32, device=device)
     scratch = arrivals.view(torch.float32)
     lse = scratch[lse_offset : lse_offset + n_rows]
     if reduce:
@@ -1013,11 +1020,11 @@ def forward(
     else:
         token_losses, denominator = loss, scratch  # the kernel writes no denominator without REDUCE
     sum_z = torch.empty(n_rows, dtype=torch.float32, device=device) if vocab_parallel else lse
-    argmax, mean_z = lse, lse  # placeholders: the kernel writes neither without OUTPUTS
     if outputs:
-        argmax = torch.empty(n_rows, dtype=torch.int32, device=device)
-        mean_z = torch.empty((1 + vocab_parallel) * n_rows, dtype=torch.float32, device=device)
-    vocab_parallel_outputs = (argmax, mean_z[:n_rows], mean_z[n_rows:]) if outputs and vocab_parallel else ()
+        argmax = arrivals[outputs_offset : outputs_offset + n_rows]
+        mean_z = scratch[outputs_offset + rows_padded : outputs_offset + rows_padded + n_rows]
+        z_max = scratch[outputs_offset + 2 * rows_padded : outputs_offset + 2 * rows_padded + n_rows]
+    vocab_parallel_outputs = (argmax, mean_z, z_max) if outputs and vocab_parallel else ()
     if n_rows == 0:
         if vocab_parallel:
             return lse, loss, sum_z, *vocab_parallel_outputs
@@ -1042,8 +1049,6 @@ def forward(
         token_losses,
         lse,
         sum_z,
-        argmax,
-        mean_z,
         scratch,
         arrivals,
         loss,
