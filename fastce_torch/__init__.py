@@ -10,6 +10,7 @@ import torch
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from .contract import CrossEntropyOutput  # noqa: E402
 from .cross_entropy import CrossEntropyLoss, cross_entropy, cross_entropy_reference  # noqa: E402
 from .linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from .transformers import patch_transformers, unpatch_transformers  # noqa: E402
@@ -19,6 +20,7 @@ __all__ = [
     "cross_entropy",
     "cross_entropy_reference",
     "CrossEntropyLoss",
+    "CrossEntropyOutput",
     "linear_cross_entropy",
     "patch_transformers",
     "unpatch_transformers",

@@ -54,7 +54,8 @@ def signature(fn, logits_type, index_type):
 
 def variants():
     # Every dtype with no option, each option alone and all of them; 64-bit strides (huge tensors) and the
-    # vocab-parallel mode on the all-options set.
+    # vocab-parallel mode on the all-options set; the extra outputs (OUTPUTS) with no option and all of them,
+    # per-token and reduced.
     for dtype, flag_set in itertools.product(POINTER, FLAG_SETS):
         scaling, softcap, smoothing, z_loss = flag_set
         all_options = flag_set == FLAG_SETS[1]
@@ -63,10 +64,12 @@ def variants():
         flags = dict(HAS_SCALING=scaling, HAS_SOFTCAP=softcap, HAS_SMOOTHING=smoothing, HAS_Z_LOSS=z_loss)
         for block, warps in ((FORWARD_BLOCK, FORWARD_WARPS), (1024, FORWARD_WARPS)):
             modes = ((False, 0), (True, 0), (True, 1), (True, 2)) if flag_set == FLAG_SETS[0] else ((True, 0),)
-            modes = [(reduce, denominator, False) for reduce, denominator in modes]
+            modes = [(reduce, denominator, False, False) for reduce, denominator in modes]
             if all_options:
-                modes.append((False, 0, True))
-            for reduce, denominator, vocab_parallel in modes:
+                modes.append((False, 0, True, False))
+            if flag_set in FLAG_SETS[:2]:
+                modes += [(False, 0, False, True), (True, 0, False, True)]
+            for reduce, denominator, vocab_parallel, outputs in modes:
                 constexprs = dict(
                     BLOCK=block,
                     CHUNKS_BLOCK=4,
@@ -75,6 +78,7 @@ def variants():
                     GROUPS_BLOCK=GROUPS_BLOCK,
                     ROWS_PER_GROUP=ROWS_PER_GROUP,
                     VOCAB_PARALLEL=vocab_parallel,
+                    OUTPUTS=outputs,
                     **flags,
                 )
                 yield kernels._forward_kernel, signature(kernels._forward_kernel, logits, index), constexprs, warps

@@ -38,6 +38,29 @@ VMAP_UNSUPPORTED = (
 KERNEL_DTYPE_REQUIRED = "logits must be float32, bfloat16, float16 or float64, got {}"
 
 
+class CrossEntropyOutput(NamedTuple):
+    """What cross_entropy / linear_cross_entropy return when any return_* keyword is True (None where not asked):
+    loss as without them (z-loss term included); z_loss the z-loss term reduced like the loss (differentiable);
+    lse the per-token logsumexp of the transformed logits (-inf where ignored); accuracy per token ("none") or the
+    fraction of non-ignored rows whose argmax is the label; entropy of softmax(transformed logits) reduced like the
+    loss. lse, accuracy and entropy carry no gradient. CONTRACT.md, "Extra outputs"."""
+
+    loss: torch.Tensor
+    z_loss: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    accuracy: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+class Extras(NamedTuple):
+    """Which extra outputs a call asks for (the return_* keywords), in CrossEntropyOutput's order."""
+
+    z_loss: bool = False
+    lse: bool = False
+    accuracy: bool = False
+    entropy: bool = False
+
+
 # --- argument checks on plain values -----------------------------------------------------------------------------
 
 
@@ -95,6 +118,15 @@ def check_options(ignore_index, reduction, n_items, logit_softcapping, logit_sca
                 f"{name}={value} is below float32's normal range (the kernels compute in float32); use 0 to disable it"
             )
     return options
+
+
+def check_extras(return_z_loss, return_lse, return_accuracy, return_entropy):
+    """The return_* keywords as Extras; each must be a bool."""
+    extras = Extras(return_z_loss, return_lse, return_accuracy, return_entropy)
+    for name, value in zip(Extras._fields, extras):
+        if not isinstance(value, bool):
+            raise TypeError(f"return_{name} must be a bool, got {value!r}")
+    return extras
 
 
 def check_shift(shift, labels):
@@ -263,6 +295,91 @@ def logits_gradient(grad_rows, logits, labels, lse, options, vocab_start=0, voca
     in_range = (labels >= 0) & (labels < vocab_total)
     scale = torch.where(in_range, grad_rows.to(dz.dtype), float("nan"))  # a bad label's whole row is NaN
     return torch.where(ignored.unsqueeze(-1), 0.0, dz * scale.unsqueeze(-1))
+
+
+# --- the extra outputs (CrossEntropyOutput) from per-token statistics --------------------------------------------
+
+
+def row_extras(z):
+    """Per row of transformed logits z (..., V): (argmax, first index on ties, as int64; the mean of z under
+    softmax(z), with -inf logits contributing 0). Plain torch, for the reference paths."""
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    p = torch.exp(z - lse)
+    mean_z = torch.where(p > 0, p * z, 0.0).sum(-1)
+    return z.argmax(-1), mean_z
+
+
+def extra_outputs(loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab):
+    """CrossEntropyOutput from the loss and per-token (lse, argmax, mean of z under softmax) of flat rows (N,),
+    shaped like `labels`. Only z_loss is differentiable (through lse, when lse requires grad); the rest is computed
+    from detached values. O(N) framework ops."""
+    ignore_index = options.ignore_index
+    ignored = labels == ignore_index
+    in_range = (labels >= 0) & (labels < vocab)
+    shape = labels.shape
+    lse = lse.view(shape)
+    # A row holding +inf has no logsumexp (torch's gives +inf there, the kernels NaN): NaN in every output.
+    lse = torch.where(lse.detach() == float("inf"), float("nan"), lse)
+    bad_row = torch.isnan(lse.detach())
+    out = dict(loss=loss)
+    divisor = loss_divisor(labels, reduction, n_items, ignore_index, lse.dtype)
+
+    def reduced(values):
+        return values if divisor is None else values.sum() / divisor
+
+    if extras.z_loss:
+        kept_lse = torch.where(ignored, 0.0, lse)  # ignored rows' lse is -inf: no inf * 0 in the gradient
+        z_term = (options.z_loss * kept_lse * kept_lse) * torch.where(in_range | ignored, 1.0, float("nan")).to(
+            lse.dtype
+        )
+        out["z_loss"] = reduced(z_term)
+    lse = lse.detach()
+    if extras.lse:
+        out["lse"] = torch.where(ignored, -float("inf"), lse)
+    if extras.accuracy:
+        hit = (argmax.view(shape) == labels).to(lse.dtype)
+        hit = torch.where(in_range & ~bad_row, hit, float("nan"))
+        hit = torch.where(ignored, 0.0, hit)
+        if divisor is not None:
+            hit = hit.sum() / (~ignored).sum().clamp_min(1).to(hit.dtype)
+        out["accuracy"] = hit
+    if extras.entropy:
+        entropy = torch.where(bad_row, float("nan"), lse - mean_z.detach().view(shape))
+        out["entropy"] = reduced(torch.where(ignored, 0.0, entropy))
+    return CrossEntropyOutput(**out)
+
+
+def unshifted(output, kept, reduction):
+    """A CrossEntropyOutput of shifted labels cut to the kept positions (shift=): per-token fields only."""
+    if kept is None:
+        return output
+    fields = output._asdict()
+    for name, value in fields.items():
+        if value is not None and (name == "lse" or reduction == "none"):
+            fields[name] = value[..., :kept]
+    return CrossEntropyOutput(**fields)
+
+
+def reference_outputs(logits, labels, options, extras, reduction, n_items, loss):
+    """CrossEntropyOutput of the plain-torch path (the loss already computed by it)."""
+    z = transform(logits, options, labels)
+    lse = torch.logsumexp(z, dim=-1)
+    with torch.no_grad():
+        argmax, mean_z = row_extras(z.detach())
+    return extra_outputs(
+        loss, lse.reshape(-1), argmax.reshape(-1), mean_z.reshape(-1), labels, options, extras, reduction, n_items,
+        logits.shape[-1],
+    )  # fmt: skip
+
+
+def lse_gradient(grad_lse, logits, labels, options):
+    """d(sum_t grad_lse_t * lse_t) / d logits (..., V) in differentiable plain torch (float32; float64 for
+    float64 logits): the z_loss output's gradient, as kernels.lse_backward computes it."""
+    vocab = logits.shape[-1]
+    options = options._replace(label_smoothing=0.0, z_loss=0.0)
+    rows, flat = logits.reshape(-1, vocab), labels.reshape(-1)
+    grad = logits_gradient(grad_lse.reshape(-1), rows, flat, None, options, vocab_start=vocab, vocab_total=vocab)
+    return grad.to(logits.dtype).reshape(logits.shape)
 
 
 # --- autograd guards ---------------------------------------------------------------------------------------------

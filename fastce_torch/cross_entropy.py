@@ -12,7 +12,7 @@ torch.compile the custom ops give the compiler opaque per-token ops and the redu
 import torch
 
 from . import contract, kernels, sharding
-from .contract import Options, differentiated_again, under_functorch, unwrapped
+from .contract import Extras, Options, differentiated_again, under_functorch, unwrapped
 
 
 def _differentiable_gradient(grad_output, logits, labels, denominator, options):
@@ -27,37 +27,74 @@ def _differentiable_gradient(grad_output, logits, labels, denominator, options):
     return grad.to(logits.dtype).reshape(logits.shape)
 
 
-_NO_GRADS = (None,) * 6  # no gradient for labels, reduction, n_items, inplace_backward, options, layout
+_NO_GRADS = (None,) * 7  # no gradient for labels, reduction, n_items, inplace_backward, options, layout, extras
+
+
+def _float32_like(tensor):
+    return torch.empty(tensor.shape, dtype=torch.float32, device=tensor.device)
 
 
 class _CrossEntropyFunction(torch.autograd.Function):
     """The eager path, reduction included, with the fewest host-side steps: one launch forward, one launch
     backward, and no autograd nodes besides this one (each costs host time per step). Outputs: the loss (it owns
-    its storage), lse and the reduction's denominator (both non-differentiable, for the backward)."""
+    its storage), lse and the reduction's denominator (both non-differentiable, for the backward); with `extras`
+    (the return_* keywords) also the per-row argmax and mean of z (non-differentiable), and lse differentiable when
+    the z_loss output is asked."""
 
     @staticmethod
-    def forward(logits, labels, reduction, n_items, inplace_backward, options, layout=None):
+    def forward(logits, labels, reduction, n_items, inplace_backward, options, layout=None, extras=None):
         # layout: kernels.row_layout(logits), found by the caller while deciding whether to copy the logits.
-        loss, lse, denominator = kernels.forward(logits, labels, options, reduction, n_items, layout=layout)
-        return loss, lse, (lse[:0] if denominator is None else denominator)
+        if extras is None:
+            loss, lse, denominator = kernels.forward(logits, labels, options, reduction, n_items, layout=layout)
+            return loss, lse, (lse[:0] if denominator is None else denominator)
+        # The extra outputs: argmax and the mean of z per row as well; lse is differentiable when the z_loss
+        # output is asked (its gradient is that of z_loss * lse^2).
+        loss, lse, denominator, argmax, mean_z = kernels.forward(
+            logits, labels, options, reduction, n_items, layout=layout, outputs=True
+        )
+        return loss, lse, (lse[:0] if denominator is None else denominator), argmax, mean_z
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         logits, labels, _, _, inplace_backward, options = inputs[:6]
-        _, lse, denominator = output
-        ctx.mark_non_differentiable(lse, denominator)
-        # lse and denominator never get a gradient: no zero-filled stand-ins for them.
+        extras = inputs[7] if len(inputs) > 7 else None
+        _, lse, denominator, *statistics = output
+        ctx.z_grad = extras is not None and bool(extras.z_loss)
+        ctx.mark_non_differentiable(denominator, *statistics, *(() if ctx.z_grad else (lse,)))
+        # The non-differentiable outputs never get a gradient: no zero-filled stand-ins for them.
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, labels, lse, denominator)
         if under_functorch() or torch.autograd.forward_ad._current_level >= 0:  # forward mode may ask for jvp
             ctx.save_for_forward(logits, labels, lse, denominator)
         ctx.inplace_backward, ctx.options, ctx.consumed = inplace_backward, options, False
+        ctx.needs_extras = extras
 
     @staticmethod
-    def backward(ctx, grad_output, grad_lse, grad_denominator):
+    def backward(ctx, grad_output, grad_lse, *unused):
         saved = contract.saved_logits(ctx)
+        if grad_lse is None or not ctx.z_grad:
+            if grad_output is None:
+                return None, *_NO_GRADS
+            return _CrossEntropyFunction._loss_backward(ctx, grad_output, saved)
+        # The z_loss output's gradient, from the intact logits before an in-place backward overwrites them.
+        logits, labels, lse, _ = saved
+        tensors = (grad_lse, *saved)
+        if not any(map(torch._C._functorch.is_functorch_wrapped_tensor, tensors)) and not torch.is_grad_enabled():
+            # Both parts in float32, rounded to the logits' dtype once.
+            grad = kernels.lse_backward(grad_lse, logits, labels, lse, _float32_like(logits), ctx.options)
+            if grad_output is not None:
+                denominator = saved[3] if saved[3].numel() else None
+                loss_part = _float32_like(logits)
+                grad += kernels.backward(grad_output, logits, labels, lse, loss_part, ctx.options, denominator)
+            return grad.to(logits.dtype), *_NO_GRADS
+        lse_part = contract.lse_gradient(grad_lse, logits, labels, ctx.options)
         if grad_output is None:
-            return None, *_NO_GRADS
+            return lse_part, *_NO_GRADS
+        grad = _CrossEntropyFunction._loss_backward(ctx, grad_output, saved)[0]
+        return grad + lse_part, *_NO_GRADS
+
+    @staticmethod
+    def _loss_backward(ctx, grad_output, saved):
         tensors = (grad_output, *saved)
         transformed = under_functorch()
         plain = not transformed and not any(map(torch._C._functorch.is_functorch_wrapped_tensor, tensors))
@@ -101,7 +138,15 @@ class _CrossEntropyFunction(torch.autograd.Function):
         ones = torch.ones((() if reduced else labels.shape), dtype=torch.float32, device=logits.device)
         grad = _differentiable_gradient(ones, logits, labels, denominator, ctx.options)
         product = (grad.float() * logits_tangent.float()).reshape(labels.shape[0], -1)
-        return (product.sum() if reduced else product.sum(-1)), None, None
+        loss_tangent = product.sum() if reduced else product.sum(-1)
+        if ctx.needs_extras is None:
+            return loss_tangent, None, None
+        lse_tangent = None
+        if ctx.z_grad:
+            ones = torch.ones(labels.shape, dtype=torch.float32, device=logits.device)
+            lse_grad = contract.lse_gradient(ones, logits, labels, ctx.options)
+            lse_tangent = (lse_grad.float() * logits_tangent.float()).reshape(labels.shape[0], -1).sum(-1)
+        return loss_tangent, lse_tangent, None, None, None
 
     @staticmethod
     def vmap(info, in_dims, *args):
@@ -179,7 +224,48 @@ def _backward(ctx, grad_loss, grad_lse):
 torch.library.register_autograd("fastce::cross_entropy_forward", _backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op(
+    "fastce::cross_entropy_forward_outputs",
+    mutates_args=(),
+    schema=f"(Tensor logits, Tensor labels, {OPTIONS_SCHEMA}, bool z_grad) -> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _forward_outputs_op(logits, labels, *settings):
+    """The forward with the extra outputs' statistics: (losses, lse, argmax, mean of z) per row. z_grad: lse is
+    differentiated (the z_loss output asked)."""
+    loss, lse, _, argmax, mean_z = kernels.forward(logits, labels, Options(*settings[:-1]), outputs=True)
+    return loss, lse.clone(), argmax.clone(), mean_z.clone()  # views of the launch's scratch buffer
+
+
+@_forward_outputs_op.register_fake
+def _(logits, labels, *settings):
+    n_rows = labels.shape[0]
+    floats = [logits.new_empty(n_rows, dtype=torch.float32) for _ in range(3)]
+    return floats[0], floats[1], logits.new_empty(n_rows, dtype=torch.int32), floats[2]
+
+
+def _outputs_setup_context(ctx, inputs, output):
+    logits, labels, *settings = inputs
+    ctx.save_for_backward(logits, labels, output[1])
+    ctx.options, ctx.z_grad = settings[:-1], settings[-1]
+    ctx.mark_non_differentiable(output[2], output[3])
+
+
+def _outputs_backward(ctx, grad_loss, grad_lse, *unused):
+    logits, labels, lse = ctx.saved_tensors
+    grad = _backward_op(grad_loss, logits, labels, lse, *ctx.options)
+    if ctx.z_grad and grad_lse is not None:  # the z_loss output's part, in plain torch for the compiler to fuse
+        grad = grad + contract.lse_gradient(grad_lse, logits, labels, Options(*ctx.options))
+    return grad, None, *[None] * (len(Options._fields) + 1)
+
+
+torch.library.register_autograd(
+    "fastce::cross_entropy_forward_outputs", _outputs_backward, setup_context=_outputs_setup_context
+)
+
+
 # --- the functions -------------------------------------------------------------------------------------------
+
+NO_EXTRAS = Extras()
 
 
 def _check_logits(logits):
@@ -206,6 +292,10 @@ def cross_entropy(
     process_group=None,
     vocab_start=None,
     shift=0,
+    return_z_loss=False,
+    return_lse=False,
+    return_accuracy=False,
+    return_entropy=False,
 ):
     """Cross-entropy of logits (..., V) against integer labels (...), fused on the GPU.
 
@@ -225,6 +315,10 @@ def cross_entropy(
     loss of `cross_entropy(logits[..., :-k, :], labels[..., k:])` ("none": shaped like labels[..., k:]) without that
     slice, whose backward allocates a zero-filled logits-sized gradient: the kernels run on the full logits with
     the last k positions ignored. k >= the sequence length leaves no token (as the slice does).
+
+    return_z_loss, return_lse, return_accuracy, return_entropy: any True returns CrossEntropyOutput(loss, z_loss,
+    lse, accuracy, entropy), None for what was not asked, computed in the same forward pass (CONTRACT.md, "Extra
+    outputs"); only loss and z_loss are differentiable.
     """
     _check_logits(logits)
     contract.check_labels(labels, "logits", logits.shape, logits.device)
@@ -233,6 +327,7 @@ def cross_entropy(
     )
     if vocab_start is not None and process_group is None:
         raise ValueError("vocab_start is only meaningful with process_group (vocab-parallel logits)")
+    extras = contract.check_extras(return_z_loss, return_lse, return_accuracy, return_entropy)
     kept = None
     if shift := contract.check_shift(shift, labels):
         if sharding.is_dtensor(logits) or sharding.is_dtensor(labels):
@@ -243,8 +338,10 @@ def cross_entropy(
         labels, kept = contract.shifted_labels(labels, shift, ignore_index)
     loss = _cross_entropy(
         logits, labels, options, reduction, n_items, backend, inplace_backward, validate_labels, process_group,
-        vocab_start,
+        vocab_start, extras,
     )  # fmt: skip
+    if isinstance(loss, contract.CrossEntropyOutput):
+        return contract.unshifted(loss, kept, reduction)
     return loss[..., :kept] if kept is not None and reduction == "none" else loss
 
 
@@ -285,19 +382,23 @@ def _checked_options(
 
 
 def _cross_entropy(
-    logits, labels, options, reduction, n_items, backend, inplace_backward, validate_labels, process_group, vocab_start
-):
+    logits, labels, options, reduction, n_items, backend, inplace_backward, validate_labels, process_group, vocab_start,
+    extras=NO_EXTRAS,
+):  # fmt: skip
     ignore_index = options.ignore_index
     if process_group is not None or sharding.is_dtensor(logits):
         return _vocab_parallel(
             logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group,
-            vocab_start,
+            vocab_start, extras if any(extras) else None,
         )  # fmt: skip
     if validate_labels:
         contract.validate_labels(labels, logits.shape[-1], ignore_index)
     if not contract.use_kernel(logits, backend):
         token_losses = contract.reference_token_losses(logits, labels, options)
-        return contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index)
+        loss = contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index)
+        if any(extras):
+            return contract.reference_outputs(logits, labels, options, extras, reduction, n_items, loss)
+        return loss
     logits = _in_kernel_dtype(logits)
     # Logits whose rows form one or two strided dimensions (any contiguous tensor, logits[:, :-1]) go to the kernels
     # as they are; anything else is copied once.
@@ -307,6 +408,11 @@ def _cross_entropy(
         layout = kernels.row_layout(kernel_logits)
     # Flat contiguous labels as they are: reshape(-1) would make a view object (~0.5 us) of the same memory.
     labels_1d = labels if labels.dim() == 1 and labels.is_contiguous() else labels.reshape(-1).contiguous()
+    if torch.compiler.is_compiling() and any(extras):
+        token_losses, lse, argmax, mean_z = _forward_outputs_op(kernel_logits, labels_1d, *options, extras.z_loss)
+        loss = contract.reduce_losses(token_losses.view(labels.shape), labels, reduction, n_items, ignore_index)
+        vocab = logits.shape[-1]
+        return contract.extra_outputs(loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab)
     if torch.compiler.is_compiling():
         token_losses = _forward_op(kernel_logits, labels_1d, *options)[0].view(labels.shape)
         return contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index)
@@ -318,6 +424,13 @@ def _cross_entropy(
         and not kernels.rows_overlap(kernel_logits)
         and not under_functorch()
     )
+    if any(extras):
+        loss, lse, _, argmax, mean_z = _apply(
+            _CrossEntropyFunction, kernel_logits, labels_1d, reduction, n_items, inplace, options, layout, extras
+        )
+        loss = loss.view(labels.shape) if reduction == "none" else loss
+        vocab = logits.shape[-1]
+        return contract.extra_outputs(loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab)
     loss = _apply(_CrossEntropyFunction, kernel_logits, labels_1d, reduction, n_items, inplace, options, layout)[0]
     return loss.view(labels.shape) if reduction == "none" else loss
 
@@ -329,12 +442,14 @@ def _in_kernel_dtype(logits):
 
 
 def _vocab_parallel(
-    logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group, vocab_start
-):
+    logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group, vocab_start,
+    extras=None,
+):  # fmt: skip
     """Eager: an autograd.Function with the collectives in its forward. Under torch.compile (process group or
     DTensor): functional collectives around custom ops, traced without a graph break; explicit vocab_start (its
-    layout check synchronises) and validate_labels run the eager path there (a graph break)."""
-    if torch.compiler.is_compiling() and vocab_start is None and not validate_labels:
+    layout check synchronises), validate_labels and the return_* outputs run the eager path there (a graph
+    break)."""
+    if torch.compiler.is_compiling() and vocab_start is None and not validate_labels and extras is None:
         use_kernel = contract.use_kernel(logits, backend)
         if use_kernel:
             logits = _in_kernel_dtype(logits)
@@ -348,7 +463,7 @@ def _vocab_parallel(
         )
     return _eager_vocab_parallel(
         logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group,
-        vocab_start,
+        vocab_start, extras,
     )  # fmt: skip
 
 
@@ -361,11 +476,13 @@ def _compiler_disable(reason):
 
 @_compiler_disable(
     "fastce_torch vocab-parallel with vocab_start= or validate_labels=True synchronises with the host (the slices' "
-    "layout check, the label check); under torch.compile pass neither (slices then start at rank * V_local)"
+    "layout check, the label check); under torch.compile pass neither (slices then start at rank * V_local); the "
+    "return_* outputs of a vocab-parallel call run eagerly"
 )
 def _eager_vocab_parallel(
-    logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group, vocab_start
-):
+    logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group, vocab_start,
+    extras=None,
+):  # fmt: skip
     """Eager even under torch.compile (a graph break): the collectives run in the autograd.Function's forward."""
     use_kernel = contract.use_kernel(logits, backend)
     if use_kernel:
@@ -375,14 +492,14 @@ def _eager_vocab_parallel(
             full_labels = labels.full_tensor() if sharding.is_dtensor(labels) else labels
             contract.validate_labels(full_labels, logits.shape[-1], options.ignore_index)
         return sharding.dtensor_cross_entropy(
-            logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start
+            logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start, extras
         )
     layout = sharding.layout_of(process_group, vocab_start, logits.shape[-1], logits.device)
     if validate_labels:
         contract.validate_labels(labels, layout[2], options.ignore_index)
     inplace = bool(inplace_backward) and contract.is_intermediate(logits)
     return sharding.vocab_parallel_cross_entropy(
-        logits, labels, reduction, n_items, inplace, options, layout, use_kernel
+        logits, labels, reduction, n_items, inplace, options, layout, use_kernel, extras
     )
 
 
@@ -411,6 +528,10 @@ class CrossEntropyLoss(torch.nn.Module):
         process_group=None,
         vocab_start=None,
         shift=0,
+        return_z_loss=False,
+        return_lse=False,
+        return_accuracy=False,
+        return_entropy=False,
     ):
         super().__init__()
         if weight is not None:
@@ -429,6 +550,14 @@ class CrossEntropyLoss(torch.nn.Module):
             vocab_start=vocab_start,
             shift=shift,
         )
+        # Only the keywords given: the repr of a plain loss stays as it was.
+        returns = dict(
+            return_z_loss=return_z_loss,
+            return_lse=return_lse,
+            return_accuracy=return_accuracy,
+            return_entropy=return_entropy,
+        )
+        self.options.update({name: value for name, value in returns.items() if value is not False})
 
     def forward(self, input, target, n_items=None):
         return cross_entropy(

@@ -19,6 +19,10 @@ Vocab-parallel mode (VOCAB_PARALLEL, a constexpr: the single-device path compile
 rank's columns [vocab_start, vocab_start + V) of a vocabulary of vocab_total; the forward writes per row the local
 logsumexp, the transformed label logit (0 unless this slice holds the label) and the local sum of z, for the caller
 to combine across ranks; the backward takes the global logsumexp and places the label at column label - vocab_start.
+Extra outputs (OUTPUTS, a constexpr: the default variants compile without it, bench/tools/same_ptx.py checks that
+their instructions are unchanged): the forward also keeps per chunk the first column of the largest z and
+sum_j e^(z_j - max) z_j, combines them like the other partials and writes per row the argmax and the mean of z
+(accuracy and entropy in cross_entropy's CrossEntropyOutput); `lse_backward` is the z_loss output's gradient.
 Launches go through `_Launcher`: Triton's generic `kernel[grid](...)` the first time a variant runs, then that compiled
 variant's own launcher directly (see `_Launcher`; FASTCE_TORCH_LAUNCH_CACHE=0 at import turns this off).
 """
@@ -184,6 +188,7 @@ def _forward_kernel(
     GROUPS_BLOCK: tl.constexpr,
     ROWS_PER_GROUP: tl.constexpr,
     VOCAB_PARALLEL: tl.constexpr,
+    OUTPUTS: tl.constexpr,
 ):
     """Program (row, chunk) of the forward: the running max / sum of exp / sum of z over the chunk's columns.
 
@@ -193,7 +198,9 @@ def _forward_kernel(
         where this slice holds it, else 0). lse_ptr: (n_rows,) float32 logsumexp. sum_z_out_ptr: (n_rows,) float32
         sum of z (written in vocab-parallel mode only).
     scratch_ptr: the float32 scratch (chunk partials at partials_offset, partials_stride apart; the row groups'
-        loss sums then kept counts at groups_offset). arrivals_ptr: the same buffer as int32 counters: [row] the
+        loss sums then kept counts at groups_offset; with OUTPUTS, after the five partials, rows padded to 16
+        apart: the int32 argmax per row (a global column in vocab-parallel mode), the mean of z under softmax(z),
+        and in vocab-parallel mode the slice's largest z). arrivals_ptr: the same buffer as int32 counters: [row] the
         row's finished chunks, [n_rows] the finished groups, [n_rows + 1 + g] group g's finished rows.
     reduced_ptr: the 0-d reduced loss (REDUCE). denominator_out_ptr: the divisor it used (REDUCE).
         n_items_ptr: a device n_items (DENOMINATOR == 2).
@@ -204,6 +211,9 @@ def _forward_kernel(
     HAS_SMOOTHING, HAS_Z_LOSS: which options apply. REDUCE: reduce "mean"/"sum" in-kernel. DENOMINATOR: 0 the
     kept-token count, 1 denominator_value, 2 *n_items_ptr. GROUPS_BLOCK: groups summed per step by the last group.
     ROWS_PER_GROUP: rows per group. VOCAB_PARALLEL: write the slice's statistics instead of the loss.
+    OUTPUTS: also keep, per chunk, the first column of the largest z and sum_j e^(z_j - max) z_j (rescaled like the
+    sum of exponentials; -inf logits contribute 0), two more partials (the int32 one at arrivals_ptr), and write the
+    row's argmax and mean of z (the extra outputs: accuracy and entropy).
     """
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -212,6 +222,16 @@ def _forward_kernel(
     max_ptr = scratch_ptr + partials_offset
     sumexp_ptr = max_ptr + partials_stride
     sumz_ptr = sumexp_ptr + partials_stride
+    if OUTPUTS:
+        argmax_part_ptr = arrivals_ptr + partials_offset + 3 * partials_stride  # int32: the same buffer
+        sumez_ptr = sumz_ptr + 2 * partials_stride
+        # The per-row outputs, in the same buffer after the partials (no kernel argument of their own, so the
+        # default variant's arguments are what they were).
+        outputs_offset = partials_offset + 5 * partials_stride
+        rows_padded = (n_rows + 15) // 16 * 16
+        argmax_out_ptr = arrivals_ptr + outputs_offset
+        mean_z_out_ptr = scratch_ptr + outputs_offset + rows_padded
+        z_max_out_ptr = mean_z_out_ptr + rows_padded
     group_partials_ptr = scratch_ptr + groups_offset
     row_ptr = logits_ptr + _row_offset(row, logits_batch_stride, logits_row_stride, rows_per_batch)
     label = tl.load(labels_ptr + row).to(tl.int64)
@@ -224,6 +244,9 @@ def _forward_kernel(
     run_max = -float("inf")
     run_sum = 0.0
     run_sumz = 0.0
+    if OUTPUTS:
+        run_argmax = start
+        run_sumez = 0.0
     for tile_start in tl.range(start, end, BLOCK):
         cols = tile_start + tl.arange(0, BLOCK)
         in_row = cols < end
@@ -233,7 +256,16 @@ def _forward_kernel(
         new_max = tl.maximum(run_max, tl.max(z, 0))
         # While everything seen is -inf, shift by 0 instead (-inf - -inf would be NaN).
         shift = tl.where(new_max == -float("inf"), 0.0, new_max)
-        run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(z - shift), 0)
+        if OUTPUTS:
+            tile_max = tl.max(z, 0)
+            # The first column holding the tile's max; a later tile takes over only with a strictly larger max.
+            tile_argmax = tl.min(tl.where(z == tile_max, cols, end), 0)
+            run_argmax = tl.where(tile_max > run_max, tile_argmax, run_argmax)
+            e = tl.exp(z - shift)
+            run_sumez = run_sumez * tl.exp(run_max - shift) + tl.sum(tl.where(z == -float("inf"), 0.0, e * z), 0)
+            run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(e, 0)
+        else:
+            run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(z - shift), 0)
         run_max = new_max
         if HAS_SMOOTHING:
             run_sumz += tl.sum(tl.where(in_row, z, 0.0), 0)
@@ -241,6 +273,10 @@ def _forward_kernel(
     shift = tl.where(run_max == -float("inf"), 0.0, run_max)
     lse = shift + tl.log(run_sum)
     sum_z = run_sumz
+    if OUTPUTS:
+        argmax = run_argmax
+        mean_z = run_sumez / run_sum
+        z_max = run_max
     is_last = True
     if n_chunks > 1:
         # Publish this chunk; the row's last chunk to arrive combines all of them in chunk order, so the result
@@ -249,6 +285,9 @@ def _forward_kernel(
         tl.store(max_ptr + slot, run_max)
         tl.store(sumexp_ptr + slot, run_sum)
         tl.store(sumz_ptr + slot, run_sumz)
+        if OUTPUTS:
+            tl.store(argmax_part_ptr + slot, run_argmax)
+            tl.store(sumez_ptr + slot, run_sumez)
         tl.debug_barrier()  # every thread's stores precede the release below
         is_last = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel") == n_chunks - 1
         if is_last:
@@ -259,6 +298,18 @@ def _forward_kernel(
                 tl.load(sumexp_ptr + slots, mask=slot_mask, other=0.0, volatile=True),
             )
             sum_z = tl.sum(tl.load(sumz_ptr + slots, mask=slot_mask, other=0.0, volatile=True), 0)
+            if OUTPUTS:
+                part_max = tl.load(max_ptr + slots, mask=slot_mask, other=-float("inf"), volatile=True)
+                part_argmax = tl.load(argmax_part_ptr + slots, mask=slot_mask, other=V, volatile=True)
+                row_max = tl.max(part_max, 0)
+                z_max = row_max
+                # Chunks are in column order: the smallest index among the chunks holding the max is the first.
+                argmax = tl.min(tl.where(part_max == row_max, part_argmax, V), 0)
+                argmax = tl.where(row_max == -float("inf"), 0, argmax)
+                rescale = tl.exp(part_max - tl.where(row_max == -float("inf"), 0.0, row_max))
+                part_sum = tl.load(sumexp_ptr + slots, mask=slot_mask, other=0.0, volatile=True)
+                part_sumez = tl.load(sumez_ptr + slots, mask=slot_mask, other=0.0, volatile=True)
+                mean_z = tl.sum(part_sumez * rescale, 0) / tl.sum(part_sum * rescale, 0)
     if VOCAB_PARALLEL and is_last:
         # This rank's share: the label logit only where the label column is one of its own (0 elsewhere, so the
         # ranks' values sum to the label logit), the local lse and sum of z. The loss is the caller's, after the
@@ -271,6 +322,10 @@ def _forward_kernel(
         tl.store(loss_ptr + row, tl.where(owned, z_label, 0.0))
         tl.store(lse_ptr + row, lse)
         tl.store(sum_z_out_ptr + row, sum_z)
+        if OUTPUTS:
+            tl.store(argmax_out_ptr + row, (argmax + vocab_start).to(tl.int32))
+            tl.store(mean_z_out_ptr + row, mean_z)
+            tl.store(z_max_out_ptr + row, z_max)
     elif is_last:
         # The only data-dependent address: loaded only for a label inside [0, V).
         load_label = (label >= 0) & (label < V) & (label != ignore_index)
@@ -282,6 +337,9 @@ def _forward_kernel(
         )
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, lse)
+        if OUTPUTS:
+            tl.store(argmax_out_ptr + row, argmax.to(tl.int32))
+            tl.store(mean_z_out_ptr + row, mean_z)
         if REDUCE:
             # In this same launch, in a fixed order (deterministic): the last row to finish in each group of
             # ROWS_PER_GROUP rows sums the group's losses (and counts its kept tokens) while other rows still run;
@@ -935,7 +993,16 @@ def _scratch_offsets(n_rows, n_chunks, reduce):
 
 
 def forward(
-    logits, labels, options, reduction="none", n_items=None, vocab_start=0, vocab_total=None, config=None, layout=None
+    logits,
+    labels,
+    options,
+    reduction="none",
+    n_items=None,
+    vocab_start=0,
+    vocab_total=None,
+    config=None,
+    layout=None,
+    outputs=False,
 ):
     """One launch: (loss, lse, denominator) of logits (..., V) laid out as `row_layout` allows and flat labels (N,).
     loss is the per-token float32 losses (N,) for reduction "none", else a 0-d tensor of its own (the reduced loss),
@@ -945,7 +1012,10 @@ def forward(
     vocab_total): per-row float32 (lse over the local columns, transformed label logit where the label is local
     else 0, local sum of z (0 without smoothing)); ignored rows give (-inf, 0, 0). reduction must be "none".
     config: a ForwardConfig for these logits' V (default forward_config(V)). layout: row_layout(logits), when the
-    caller has it already."""
+    caller has it already.
+    outputs=True: two more results, per row the int32 argmax of the transformed logits (first column on ties) and
+    the float32 mean of z under softmax(z) (entropy = lse - it), NaN where ignored; in vocab-parallel mode three:
+    the argmax as a global column, the mean of z over the slice's softmax, and the slice's largest z."""
     vocab_parallel = vocab_total is not None
     if vocab_parallel and reduction != "none":
         raise ValueError("the vocab-parallel forward returns per-row statistics: reduction must be 'none'")
@@ -973,7 +1043,13 @@ def forward(
         _scratch_offsets(n_rows, n_chunks, reduce)
     )
     loss = torch.empty(() if reduce else (n_rows,), dtype=torch.float32, device=device)
-    allocate = torch.zeros if n_chunks > 1 or reduce else torch.empty
+    rows_padded = -(-n_rows // 16) * 16
+    n_partials = 5 if outputs else 3
+    outputs_offset = partials_offset + n_partials * partials_stride
+    n_outputs = (2 + vocab_parallel) if outputs else 0  # argmax, mean of z (, the slice's largest z)
+    if outputs:
+        size = outputs_offset + n_outputs * rows_padded
+    allocate = torch.zeros if n_chunks > 1 or reduce or outputs else torch.empty
     arrivals = allocate(size, dtype=torch.int32, device=device)
     scratch = arrivals.view(torch.float32)
     lse = scratch[lse_offset : lse_offset + n_rows]
@@ -983,13 +1059,18 @@ def forward(
     else:
         token_losses, denominator = loss, scratch  # the kernel writes no denominator without REDUCE
     sum_z = torch.empty(n_rows, dtype=torch.float32, device=device) if vocab_parallel else lse
+    if outputs:
+        argmax = arrivals[outputs_offset : outputs_offset + n_rows]
+        mean_z = scratch[outputs_offset + rows_padded : outputs_offset + rows_padded + n_rows]
+        z_max = scratch[outputs_offset + 2 * rows_padded : outputs_offset + 2 * rows_padded + n_rows]
+    vocab_parallel_outputs = (argmax, mean_z, z_max) if outputs and vocab_parallel else ()
     if n_rows == 0:
         if vocab_parallel:
-            return lse, loss, sum_z
+            return lse, loss, sum_z, *vocab_parallel_outputs
         if reduce:
             loss.zero_()
             denominator.fill_(1.0)
-        return loss, lse, (denominator if reduce else None)
+        return (loss, lse, (denominator if reduce else None)) + ((argmax, mean_z) if outputs else ())
     denominator_value, n_items_ptr = 1.0, denominator
     if n_items is None:
         denominator_mode = 0 if reduction == "mean" else 1
@@ -1034,19 +1115,20 @@ def forward(
         GROUPS_BLOCK,
         ROWS_PER_GROUP,
         vocab_parallel,
+        outputs,
     )
     grid = (n_rows, n_chunks, 1)
     with on_device(logits):
         if not _forward_launcher.cached(grid, args, warps, stages):
             _guard_capture(
                 ("forward", device, logits.dtype, labels.dtype, block, n_chunks > 1, reduce, denominator_mode, *flags)
-                + (warps, stages),
+                + (warps, stages, outputs),
                 logits,
             )
             _forward_launcher.launch(grid, args, warps, stages)
     if vocab_parallel:
-        return lse, loss, sum_z
-    return loss, lse, (denominator if reduce else None)
+        return lse, loss, sum_z, *vocab_parallel_outputs
+    return (loss, lse, (denominator if reduce else None)) + ((argmax, mean_z) if outputs else ())
 
 
 def backward(
@@ -1123,6 +1205,17 @@ def backward(
             )
             _backward_launcher.launch(grid, args, warps)
     return grad
+
+
+def lse_backward(grad_lse, logits, labels, lse, grad, options, vocab_total=None, config=None):
+    """Writes d(sum_t grad_lse_t * lse_t) / d logits into `grad` (it may be `logits`): the gradient of the
+    z_loss output. The backward kernel with neither smoothing nor z-loss and the label placed outside the columns
+    (vocab_start = the vocabulary's size), so that no one-hot term is subtracted; bad labels give NaN rows as in
+    `backward`. Vocab-parallel (vocab_total given): lse is the global logsumexp, the columns this rank's."""
+    vocab = logits.shape[-1] if vocab_total is None else vocab_total
+    options = options._replace(label_smoothing=0.0, z_loss=0.0)
+    grad_lse = grad_lse.float().contiguous()
+    return backward(grad_lse, logits, labels, lse, grad, options, vocab_start=vocab, vocab_total=vocab, config=config)
 
 
 def scale_unless_one(tensor, factor):

@@ -68,15 +68,29 @@ def _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32):
 # --- the one place that calls fastce's launchers ----------------------------------------------------------------
 
 
-def _ce_forward(logits, labels, options):
-    """Per-token float32 (loss, lse) of a 2-D logits chunk."""
-    loss, lse, _ = kernels.forward(logits, labels, options)
-    return loss, lse
+def _ce_forward(logits, labels, options, outputs=False):
+    """Per-token float32 (loss, lse) of a 2-D logits chunk; with outputs, also (argmax, mean of z) per row."""
+    loss, lse, _, *statistics = kernels.forward(logits, labels, options, outputs=outputs)
+    return loss, lse, *statistics
 
 
 def _ce_backward_in_place(logits, labels, lse, grad_loss, options, denominator=None):
     """Overwrites `logits` with d(sum_t grad_loss_t * loss_t / denominator) / d logits; grad_loss is per row or 0-d."""
     kernels.backward(grad_loss, logits, labels, lse, logits, options, denominator)
+
+
+def _ce_chunk_backward(logits, labels, lse, grad_loss, grad_lse, options, denominator=None):
+    """Overwrites `logits` with the gradient of sum_t (grad_loss_t * loss_t / denominator + grad_lse_t * lse_t),
+    either upstream None for none of it (the z_loss output's gradient comes through lse)."""
+    if grad_lse is None:
+        return _ce_backward_in_place(logits, labels, lse, grad_loss, options, denominator)
+    if grad_loss is None:
+        return kernels.lse_backward(grad_lse, logits, labels, lse, logits, options)
+    # Both parts in float32, rounded to the logits' dtype once.
+    grad = kernels.lse_backward(grad_lse, logits, labels, lse, torch.empty_like(logits, dtype=torch.float32), options)
+    loss_part = torch.empty_like(logits, dtype=torch.float32)
+    grad += kernels.backward(grad_loss, logits, labels, lse, loss_part, options, denominator)
+    logits.copy_(grad)
 
 
 # --- the chunked computation ------------------------------------------------------------------------------------
@@ -172,29 +186,39 @@ def _chunks(hidden, weight, bias, labels, chunking):
         yield rows, hidden_chunk, labels[rows], logits
 
 
-def _fused_forward(hidden, weight, bias, labels, options, chunking, denominator=None, needs=(False, False, False)):
+def _fused_forward(
+    hidden, weight, bias, labels, options, chunking, denominator=None, needs=(False, False, False), outputs=False
+):
     """Token losses (N,) and lse (N,) of 2-D hidden; with any of `needs` (hidden, weight, bias) also the gradients of
     sum_t loss_t / denominator (a 1-element float32 device tensor) computed chunk by chunk. Returns
-    (token_losses, lse, (grad_hidden, grad_weight, grad_bias)), None for gradients not needed."""
+    (token_losses, lse, (grad_hidden, grad_weight, grad_bias)), None for gradients not needed; with outputs, then
+    also the per-row argmax (int32) and mean of z (the extra outputs' statistics, collected chunk by chunk)."""
     n_rows = hidden.shape[0]
     with _interior(hidden):
         weight_c, bias_c = _in_compute_dtype(hidden, weight, bias)
         token_losses = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
+        if outputs:
+            argmax = torch.empty(n_rows, dtype=torch.int32, device=hidden.device)
+            mean_z = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
         grads = _new_grads(hidden, weight, bias, needs, chunking)
         one = torch.ones((), dtype=torch.float32, device=hidden.device)
         for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight_c, bias_c, labels, chunking):
-            loss_chunk, lse_chunk = _ce_forward(logits, labels_chunk, options)
+            loss_chunk, lse_chunk, *statistics = _ce_forward(logits, labels_chunk, options, outputs)
             token_losses[rows] = loss_chunk
             lse[rows] = lse_chunk
+            if outputs:
+                argmax[rows], mean_z[rows] = statistics
             if any(needs):
                 _ce_backward_in_place(logits, labels_chunk, lse_chunk, one, options, denominator)
                 _accumulate_grads(logits, hidden_chunk, weight_c, rows, grads)
-        return token_losses, lse, _finish_grads(grads, weight, bias)
+        result = token_losses, lse, _finish_grads(grads, weight, bias)
+        return (*result, argmax, mean_z) if outputs else result
 
 
-def _fused_backward(grad_losses, hidden, weight, bias, labels, lse, options, chunking, needs):
-    """Gradients of sum_t grad_losses_t * loss_t, recomputing each chunk's logits from hidden and weight."""
+def _fused_backward(grad_losses, hidden, weight, bias, labels, lse, options, chunking, needs, grad_lse=None):
+    """Gradients of sum_t grad_losses_t * loss_t (+ grad_lse_t * lse_t: the z_loss output's), recomputing each
+    chunk's logits from hidden and weight; grad_losses None for the lse part alone."""
     # no_grad: under create_graph=True autograd runs backward with grad mode on, and these are kernels and out= ops.
     with _interior(hidden):
         grads = _new_grads(hidden, weight, bias, needs, chunking)
@@ -202,12 +226,16 @@ def _fused_backward(grad_losses, hidden, weight, bias, labels, lse, options, chu
             return grads
         weight_c, bias_c = _in_compute_dtype(hidden, weight, bias)
         for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight_c, bias_c, labels, chunking):
-            _ce_backward_in_place(logits, labels_chunk, lse[rows], grad_losses[rows], options)
+            if grad_lse is None:
+                _ce_backward_in_place(logits, labels_chunk, lse[rows], grad_losses[rows], options)
+            else:
+                grad_rows = None if grad_losses is None else grad_losses[rows]
+                _ce_chunk_backward(logits, labels_chunk, lse[rows], grad_rows, grad_lse[rows], options)
             _accumulate_grads(logits, hidden_chunk, weight_c, rows, grads)
         return _finish_grads(grads, weight, bias)
 
 
-def _differentiable_grads(grad_rows, hidden, weight, bias, labels, options, needs):
+def _differentiable_grads(grad_rows, hidden, weight, bias, labels, options, needs, grad_lse=None):
     """The gradients of sum_t grad_rows_t * loss_t in plain torch (F.linear, then the contract's d loss / d logits
     and the two products), so that autograd can differentiate them again (create_graph=True: gradient penalties,
     Hessian-vector products). It materialises the (N, V) logits; only a second-order computation comes here."""
@@ -215,7 +243,12 @@ def _differentiable_grads(grad_rows, hidden, weight, bias, labels, options, need
     weight = weight.to(hidden.dtype)
     bias = None if bias is None else bias.to(hidden.dtype)
     logits = torch.nn.functional.linear(hidden, weight, bias)
-    dlogits = contract.logits_gradient(grad_rows, logits, labels, None, options).to(logits.dtype)
+    if grad_rows is None:
+        dlogits = contract.lse_gradient(grad_lse, logits, labels, options)
+    else:
+        dlogits = contract.logits_gradient(grad_rows, logits, labels, None, options).to(logits.dtype)
+        if grad_lse is not None:
+            dlogits = dlogits + contract.lse_gradient(grad_lse, logits, labels, options)
     need_hidden, need_weight, need_bias = needs
     return (
         dlogits @ weight if need_hidden else None,
@@ -237,22 +270,41 @@ class _ReducedFunction(torch.autograd.Function):
     scalar (nothing else holds them, so the caller's .grad takes them over without a copy)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, denominator, options, chunking, needs):
+    def forward(ctx, hidden, weight, bias, labels, denominator, options, chunking, needs, extras=None):
+        ctx.options, ctx.needs, ctx.extras = options, needs, extras
+        if extras is not None:
+            return _ReducedFunction._forward_outputs(ctx, hidden, weight, bias, labels, denominator, chunking)
         token_losses, _, grads = _fused_forward(hidden, weight, bias, labels, options, chunking, denominator, needs)
         ctx.grads = grads
         # References, no copies: read only by a backward that must be differentiable again.
         ctx.save_for_backward(hidden, weight, bias, labels, denominator)
-        ctx.options, ctx.needs = options, needs
         return token_losses.sum() / denominator[0]
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def _forward_outputs(ctx, hidden, weight, bias, labels, denominator, chunking):
+        """With the extra outputs: (loss, lse, argmax, mean of z); lse is differentiable for the z_loss output."""
+        token_losses, lse, grads, argmax, mean_z = _fused_forward(
+            hidden, weight, bias, labels, ctx.options, chunking, denominator, ctx.needs, outputs=True
+        )
+        ctx.grads, ctx.chunking = grads, chunking
+        ctx.save_for_backward(hidden, weight, bias, labels, denominator, lse)
+        ctx.mark_non_differentiable(argmax, mean_z, *(() if ctx.extras.z_loss else (lse,)))
+        ctx.set_materialize_grads(False)
+        return token_losses.sum() / denominator[0], lse, argmax, mean_z
+
+    @staticmethod
+    def backward(ctx, grad_loss, *grad_outputs):
+        if ctx.extras is not None:
+            return _ReducedFunction._backward_outputs(ctx, grad_loss, grad_outputs[0])
+        return (*_ReducedFunction._loss_grads(ctx, grad_loss, ctx.saved_tensors), None, None, None, None, None)
+
+    @staticmethod
+    def _loss_grads(ctx, grad_loss, saved):
         if torch.is_grad_enabled():
             # create_graph=True: the gradients computed in the forward are constants to autograd; these are not.
-            hidden, weight, bias, labels, denominator = ctx.saved_tensors
+            hidden, weight, bias, labels, denominator = saved
             grad_rows = (grad_loss.float() / denominator[0]).expand(labels.shape)
-            grads = _differentiable_grads(grad_rows, hidden, weight, bias, labels, ctx.options, ctx.needs)
-            return (*grads, None, None, None, None, None)
+            return _differentiable_grads(grad_rows, hidden, weight, bias, labels, ctx.options, ctx.needs)
         grads, ctx.grads = ctx.grads, None
         if grads is None:
             raise RuntimeError(BACKWARD_TWICE)
@@ -260,30 +312,70 @@ class _ReducedFunction(torch.autograd.Function):
         for grad in grads:
             if grad is not None:
                 kernels.scale_unless_one(grad, grad_loss)
-        return (*grads, None, None, None, None, None)
+        return grads
+
+    @staticmethod
+    def _backward_outputs(ctx, grad_loss, grad_lse):
+        """The backward with extra outputs: the loss's gradients (computed in the forward) plus, when the z_loss
+        output is differentiated, its part (through lse), recomputing each chunk's logits."""
+        *saved, lse = ctx.saved_tensors
+        hidden, weight, bias, labels, denominator = saved
+        nones = (None,) * 6
+        if grad_lse is None or not ctx.extras.z_loss:
+            if grad_loss is None:
+                return (None,) * 3 + nones
+            return (*_ReducedFunction._loss_grads(ctx, grad_loss, saved), *nones)
+        if torch.is_grad_enabled():
+            grad_rows = None if grad_loss is None else (grad_loss.float() / denominator[0]).expand(labels.shape)
+            grads = _differentiable_grads(grad_rows, hidden, weight, bias, labels, ctx.options, ctx.needs, grad_lse)
+            return (*grads, *nones)
+        lse_grads = _fused_backward(
+            None, hidden, weight, bias, labels, lse, ctx.options, ctx.chunking, ctx.needs, grad_lse.detach()
+        )
+        if grad_loss is None:
+            ctx.grads = None
+            return (*lse_grads, *nones)
+        loss_grads = _ReducedFunction._loss_grads(ctx, grad_loss, saved)
+        grads = [a if b is None else (b if a is None else a + b) for a, b in zip(loss_grads, lse_grads)]
+        return (*grads, *nones)
 
 
 class _PerTokenFunction(torch.autograd.Function):
     """ "none": the forward keeps lse; the backward recomputes the logits chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, options, chunking):
-        token_losses, lse, _ = _fused_forward(hidden, weight, bias, labels, options, chunking)
+    def forward(ctx, hidden, weight, bias, labels, options, chunking, extras=None):
+        ctx.options, ctx.chunking, ctx.extras = options, chunking, extras
+        if extras is None:
+            token_losses, lse, _ = _fused_forward(hidden, weight, bias, labels, options, chunking)
+            ctx.save_for_backward(hidden, weight, bias, labels, lse)
+            return token_losses
+        # With the extra outputs: (losses, lse, argmax, mean of z); lse is differentiable for the z_loss output.
+        token_losses, lse, _, argmax, mean_z = _fused_forward(
+            hidden, weight, bias, labels, options, chunking, outputs=True
+        )
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
-        ctx.options, ctx.chunking = options, chunking
-        return token_losses
+        ctx.mark_non_differentiable(argmax, mean_z, *(() if extras.z_loss else (lse,)))
+        ctx.set_materialize_grads(False)
+        return token_losses, lse, argmax, mean_z
 
     @staticmethod
-    def backward(ctx, grad_losses):
+    def backward(ctx, grad_losses, *grad_outputs):
         hidden, weight, bias, labels, lse = ctx.saved_tensors
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        grad_lse = grad_outputs[0] if grad_outputs and ctx.extras.z_loss else None
+        if grad_losses is None and grad_lse is None:
+            return (None,) * 7
         if torch.is_grad_enabled():  # create_graph=True: a gradient that autograd can differentiate again
-            grads = _differentiable_grads(grad_losses.float(), hidden, weight, bias, labels, ctx.options, needs)
-            return (*grads, None, None, None)
+            grad_rows = None if grad_losses is None else grad_losses.float()
+            grads = _differentiable_grads(grad_rows, hidden, weight, bias, labels, ctx.options, needs, grad_lse)
+            return (*grads, None, None, None, None)
+        grad_losses = None if grad_losses is None else grad_losses.detach().contiguous()
+        grad_lse = None if grad_lse is None else grad_lse.detach()
         grads = _fused_backward(
-            grad_losses.detach().contiguous(), hidden, weight, bias, labels, lse, ctx.options, ctx.chunking, needs
+            grad_losses, hidden, weight, bias, labels, lse, ctx.options, ctx.chunking, needs, grad_lse
         )
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 # --- custom ops for torch.compile -----------------------------------------------------------------------------
@@ -415,6 +507,74 @@ torch.library.register_autograd(
 )
 
 
+# With the extra outputs (any return_* keyword) under torch.compile every reduction takes the per-token ops below
+# (the reduction in plain torch, the backward recomputing each chunk's logits): one op pair instead of a reduced
+# variant of each.
+@torch.library.custom_op(
+    "fastce::linear_cross_entropy_forward_outputs",
+    mutates_args=(),
+    schema="(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, "
+    f"{contract.op_schema(Options)}, {contract.op_schema(Chunking)}, bool z_grad) -> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _outputs_forward_op(hidden, weight, bias, labels, *settings):
+    options, chunking, _ = _settings(settings[:-1])
+    token_losses, lse, _, argmax, mean_z = _fused_forward(hidden, weight, bias, labels, options, chunking, outputs=True)
+    return token_losses, lse, argmax, mean_z
+
+
+@_outputs_forward_op.register_fake
+def _(hidden, weight, bias, labels, *settings):
+    n_rows = hidden.shape[0]
+    floats = [hidden.new_empty(n_rows, dtype=torch.float32) for _ in range(3)]
+    return floats[0], floats[1], hidden.new_empty(n_rows, dtype=torch.int32), floats[2]
+
+
+@torch.library.custom_op(
+    "fastce::linear_cross_entropy_backward_outputs",
+    mutates_args=(),
+    schema="(Tensor grad_losses, Tensor grad_lse, Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, "
+    f"Tensor lse, {_SETTINGS}, bool z_grad) -> (Tensor, Tensor, Tensor)",
+)
+def _outputs_backward_op(grad_losses, grad_lse, hidden, weight, bias, labels, lse, *settings):
+    options, chunking, needs = _settings(settings[:-1])
+    grad_lse = grad_lse.contiguous() if settings[-1] else None
+    grads = _fused_backward(
+        grad_losses.contiguous(), hidden, weight, bias, labels, lse, options, chunking, needs, grad_lse
+    )
+    return tuple(_or_empty(grad, hidden) for grad in grads)
+
+
+@_outputs_backward_op.register_fake
+def _(grad_losses, grad_lse, hidden, weight, bias, labels, lse, *settings):
+    return _fake_grads(hidden, weight, bias, _settings(settings[:-1])[2])
+
+
+def _outputs_setup_context(ctx, inputs, output):
+    hidden, weight, bias, labels, *settings = inputs
+    ctx.settings = settings
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(hidden, weight, bias, labels, output[1])
+    ctx.mark_non_differentiable(output[2], output[3])
+
+
+def _outputs_backward(ctx, grad_losses, grad_lse, *unused):
+    hidden, weight, bias, labels, lse = ctx.saved_tensors
+    needs = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+    *settings, z_grad = ctx.settings
+    if grad_losses is None:
+        grad_losses = torch.zeros_like(lse)
+    if grad_lse is None:
+        grad_lse, z_grad = lse, False
+    grads = _outputs_backward_op(grad_losses, grad_lse, hidden, weight, bias, labels, lse, *settings, *needs, z_grad)
+    grads = [grad if need else None for grad, need in zip(grads, needs)]
+    return (*grads, None, *[None] * len(ctx.settings))
+
+
+torch.library.register_autograd(
+    "fastce::linear_cross_entropy_forward_outputs", _outputs_backward, setup_context=_outputs_setup_context
+)
+
+
 # --- the function -----------------------------------------------------------------------------------------------
 
 
@@ -488,6 +648,10 @@ def linear_cross_entropy(
     workspace_bytes=None,
     chunk_rows=None,
     accumulate_in_float32=False,
+    return_z_loss=False,
+    return_lse=False,
+    return_accuracy=False,
+    return_entropy=False,
 ):
     """fastce_torch.cross_entropy(hidden @ weight.T + bias, labels, ...) without ever allocating the logits.
 
@@ -510,19 +674,64 @@ def linear_cross_entropy(
     logits materialised at a time (None: DEFAULT_WORKSPACE_BYTES = 256 MiB), `chunk_rows` (an int) forces the rows
     per chunk whatever the budget; `accumulate_in_float32=True` sums a bf16/fp16 weight's gradient over the chunks
     in a float32 accumulator (one rounding instead of one per chunk, 4·V·H more bytes).
+
+    return_z_loss, return_lse, return_accuracy, return_entropy: as cross_entropy's (CrossEntropyOutput), collected
+    chunk by chunk from the same forward kernels. Differentiating the z_loss output recomputes each chunk's logits
+    in the backward. Under torch.compile any of them sends "mean"/"sum" through the per-token ops (the backward
+    recomputes the logits: 8·N·H·V flops instead of 6).
     """
     _check_tensors(hidden, weight, bias, labels)
     options = contract.check_options(
         ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
     )
     chunking = _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32)
+    extras = contract.check_extras(return_z_loss, return_lse, return_accuracy, return_entropy)
     kept = None
     if shift := contract.check_shift(shift, labels):
         labels, kept = contract.shifted_labels(labels, shift, ignore_index)
     if validate_labels:
         contract.validate_labels(labels, weight.shape[0], ignore_index)
+    if any(extras):
+        output = _linear_outputs(hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras)
+        return contract.unshifted(output, kept, reduction)
     loss = _linear_cross_entropy(hidden, weight, bias, labels, options, reduction, n_items, backend, chunking)
     return loss[..., :kept] if kept is not None and reduction == "none" else loss
+
+
+def _linear_outputs(hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras):
+    """linear_cross_entropy with extra outputs: CrossEntropyOutput."""
+    ignore_index = options.ignore_index
+    hidden, weight, bias = _autocast_or_common_dtype(hidden, weight, bias)
+    vocab = weight.shape[0]
+    if not contract.use_kernel(hidden, backend):
+        logits = torch.nn.functional.linear(hidden, weight, bias)
+        token_losses = contract.reference_token_losses(logits, labels, options)
+        loss = contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index)
+        return contract.reference_outputs(logits, labels, options, extras, reduction, n_items, loss)
+    hidden_2d = hidden.reshape(-1, hidden.shape[-1])
+    labels_1d = labels.reshape(-1).contiguous()
+    if torch.compiler.is_compiling():
+        token_losses, lse, argmax, mean_z = _outputs_forward_op(
+            hidden_2d, weight, bias, labels_1d, *options, *chunking, extras.z_loss
+        )
+        loss = contract.reduce_losses(token_losses.view(labels.shape), labels, reduction, n_items, ignore_index)
+    elif reduction == "none":
+        token_losses, lse, argmax, mean_z = _PerTokenFunction.apply(
+            hidden_2d, weight, bias, labels_1d, options, chunking, extras
+        )
+        loss = token_losses.view(labels.shape)
+    else:
+        grad_enabled = torch.is_grad_enabled()
+        needs = (
+            grad_enabled and hidden.requires_grad,
+            grad_enabled and weight.requires_grad,
+            grad_enabled and bias is not None and bias.requires_grad,
+        )
+        denominator = contract.loss_divisor(labels_1d, reduction, n_items, ignore_index).reshape(1)
+        loss, lse, argmax, mean_z = _ReducedFunction.apply(
+            hidden_2d, weight, bias, labels_1d, denominator, options, chunking, needs, extras
+        )
+    return contract.extra_outputs(loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab)
 
 
 def _linear_cross_entropy(hidden, weight, bias, labels, options, reduction, n_items, backend, chunking):

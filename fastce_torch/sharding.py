@@ -24,13 +24,21 @@ from . import contract, kernels
 # --- per-shard statistics and gradient: the only calls into the kernels ------------------------------------------
 
 
-def shard_statistics(logits, labels, options, vocab_start, vocab_total, use_kernel):
+def shard_statistics(logits, labels, options, vocab_start, vocab_total, use_kernel, outputs=False):
     """Per-row float32 (lse over the local columns, transformed label logit where the label column is local else 0,
     sum of z over the local columns (zeros without smoothing)). Ignored rows' values are ignored by the loss (the
-    kernels give them lse -inf, label logit 0, sum 0)."""
+    kernels give them lse -inf, label logit 0, sum 0). With outputs (the extra outputs), then also the local argmax
+    as a global column, the mean of z under the slice's softmax and the slice's largest z."""
     if use_kernel:
-        return kernels.forward(logits, labels, options, vocab_start=vocab_start, vocab_total=vocab_total)
-    return _shard_statistics_torch(logits, labels, options, vocab_start)
+        return kernels.forward(
+            logits, labels, options, vocab_start=vocab_start, vocab_total=vocab_total, outputs=outputs
+        )
+    statistics = _shard_statistics_torch(logits, labels, options, vocab_start)
+    if not outputs:
+        return statistics
+    z = contract.transform(logits, options, labels)
+    argmax, mean_z = contract.row_extras(z)
+    return (*statistics, argmax + vocab_start, mean_z, z.max(-1).values)
 
 
 def shard_gradient(grad_output, denominator, logits, labels, lse, grad, options, vocab_start, vocab_total, use_kernel):
@@ -74,8 +82,15 @@ def _functional_all_reduce(tensor, op, group):
     return funcol.wait_tensor(funcol.all_reduce(tensor, op, group))
 
 
-def combine_statistics(lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z):
-    """Global (lse, z_label, sum_z) per row from every rank's local statistics: two all-reduces of O(N) floats."""
+def combine_statistics(
+    lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z, extras=None, vocab_total=0
+):
+    """Global (lse, z_label, sum_z) per row from every rank's local statistics: two all-reduces of O(N) floats
+    (with extras, the extra outputs' statistics as well: _combine_statistics_with_outputs)."""
+    if extras is not None:
+        return _combine_statistics_with_outputs(
+            lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z, extras, vocab_total
+        )
     maxima, sums, shift = reduced_statistics(
         lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z, _all_reduce_in_place
     )
@@ -121,29 +136,92 @@ def global_statistics(maxima, sums, n_rows, shift=None):
     return lse, sums[1], (sums[2] if sums.shape[0] > 2 else None)
 
 
+def _combine_statistics_with_outputs(
+    lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z, extras, vocab_total
+):
+    """Global (lse, z_label, sum_z) per row from every rank's local statistics: two all-reduces of O(N) floats.
+    With extras = (argmax, mean_z, z_max) local (the extra outputs), then also the global (argmax, mean_z): the
+    largest z rides on the MAX all-reduce, the mean of z (weighted by each slice's share of the softmax) on the SUM
+    one, and the argmax takes one more all-reduce (MIN of the columns holding the largest z: the first on ties).
+
+    With check_equal_widths (offsets derived from the rank), the MAX all-reduce also carries the local width and its
+    negation: if the ranks' widths differ, the derived offsets are wrong, and every lse becomes NaN (so the loss and
+    gradient show it) without a host synchronisation."""
+    n_rows = lse_local.shape[0]
+    # Fills, not a host-to-device copy: nothing here waits for the GPU.
+    n_extra = n_rows if extras is not None else 0
+    maxima = torch.empty(n_rows + n_extra + 2 * check_equal_widths, dtype=lse_local.dtype, device=lse_local.device)
+    maxima[:n_rows].copy_(lse_local)
+    if extras is not None:
+        maxima[n_rows : 2 * n_rows].copy_(extras[2])
+    if check_equal_widths:
+        maxima[n_rows + n_extra].fill_(local_width)
+        maxima[n_rows + n_extra + 1].fill_(-local_width)
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+    row_max = maxima[:n_rows]
+    # Rows that are -inf on every rank (ignored rows, all -inf logits) shift by 0 (-inf - -inf would be NaN).
+    shift = torch.where(row_max == float("-inf"), 0.0, row_max)
+    weight = torch.exp(lse_local - shift)
+    parts = [weight, z_label] + ([sum_z] if with_sum_z else [])
+    if extras is not None:
+        parts.append(torch.where(weight > 0, weight * extras[1], 0.0))  # a slice with no softmax mass adds 0
+    sums = torch.stack(parts)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    lse = shift + torch.log(sums[0])
+    if check_equal_widths:
+        equal = maxima[n_rows + n_extra] == -maxima[n_rows + n_extra + 1]
+        lse = torch.where(equal, lse, float("nan"))
+    combined = lse, sums[1], (sums[2] if with_sum_z else None)
+    if extras is None:
+        return combined
+    z_max = maxima[n_rows : 2 * n_rows]
+    candidates = torch.where(extras[2] == z_max, extras[0].long(), vocab_total)
+    dist.all_reduce(candidates, op=dist.ReduceOp.MIN, group=group)
+    return (*combined, candidates, sums[-1] / sums[0])
+
+
 class _VocabParallelFunction(torch.autograd.Function):
     """Collectives in the forward only; the backward is local."""
 
     @staticmethod
-    def forward(ctx, logits, labels, reduction, n_items, inplace_backward, options, layout, use_kernel):
+    def forward(ctx, logits, labels, reduction, n_items, inplace_backward, options, layout, use_kernel, extras=None):
         group, vocab_start, vocab_total, check_equal_widths = layout
+        outputs = extras is not None
         with kernels.on_device(logits):
-            lse_local, z_label, sum_z = shard_statistics(logits, labels, options, vocab_start, vocab_total, use_kernel)
+            lse_local, z_label, sum_z, *local_extras = shard_statistics(
+                logits, labels, options, vocab_start, vocab_total, use_kernel, outputs
+            )
         with_sum_z = options.label_smoothing > 0.0
-        lse, z_label, sum_z = combine_statistics(
-            lse_local, z_label, sum_z, group, logits.shape[-1], check_equal_widths, with_sum_z
-        )
+        lse, z_label, sum_z, *global_extras = combine_statistics(
+            lse_local, z_label, sum_z, group, logits.shape[-1], check_equal_widths, with_sum_z,
+            local_extras if outputs else None, vocab_total,
+        )  # fmt: skip
         losses = contract.token_loss_from_statistics(lse, z_label, sum_z, labels, options, vocab_total)
         # Labels are the same on every rank, so the local kept-token count is the global one.
         denominator = contract.loss_divisor(labels, reduction, n_items, options.ignore_index)
         ctx.save_for_backward(logits, labels, lse, denominator)
         ctx.inplace_backward, ctx.options, ctx.use_kernel = inplace_backward, options, use_kernel
         ctx.vocab_start, ctx.vocab_total, ctx.consumed, ctx.group = vocab_start, vocab_total, False, group
-        return losses if denominator is None else losses.sum() / denominator
+        ctx.extras = extras
+        loss = losses if denominator is None else losses.sum() / denominator
+        if not outputs:
+            return loss
+        # The extra outputs' statistics: lse is differentiable when the z_loss output is asked.
+        lse_out = lse.clone()
+        ctx.mark_non_differentiable(*global_extras, *(() if extras.z_loss else (lse_out,)))
+        ctx.set_materialize_grads(False)
+        return loss, lse_out, *global_extras
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output, *grad_extras):
         logits, labels, lse, denominator = contract.saved_logits(ctx)
+        grad_lse = grad_extras[0] if grad_extras and ctx.extras.z_loss else None
+        if grad_lse is not None:
+            return _VocabParallelFunction._backward_outputs(
+                ctx, grad_output, grad_lse, logits, labels, lse, denominator
+            )
+        if grad_output is None:
+            return (None,) * 9
         if torch.is_grad_enabled():
             # create_graph=True: the gradient is differentiated again, so it is built from differentiable ops (and
             # one differentiable all-reduce) on the intact logits, before anything is written in place.
@@ -156,6 +234,33 @@ class _VocabParallelFunction(torch.autograd.Function):
                 ctx.use_kernel,
             )  # fmt: skip
         return grad, None, None, None, None, None, None, None
+
+    @staticmethod
+    def _backward_outputs(ctx, grad_output, grad_lse, logits, labels, lse, denominator):
+        """With the z_loss output differentiated: its part (the gradient of the global lse on this rank's columns,
+        no communication) from the intact logits, then the loss's."""
+        if torch.is_grad_enabled():
+            raise NotImplementedError(
+                "create_graph=True through the z_loss output of vocab-parallel cross_entropy is not supported"
+            )
+        # Both parts in float32, rounded to the logits' dtype once.
+        grad = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        with kernels.on_device(logits):
+            if ctx.use_kernel:
+                kernels.lse_backward(grad_lse, logits, labels, lse, grad, ctx.options, vocab_total=ctx.vocab_total)
+            else:
+                lse_options = ctx.options._replace(label_smoothing=0.0, z_loss=0.0)
+                _shard_gradient_torch(
+                    grad_lse.to(lse.dtype), logits, labels, lse, grad, lse_options, ctx.vocab_total, ctx.vocab_total
+                )
+            if grad_output is not None:
+                loss_grad = torch.empty_like(grad)
+                shard_gradient(
+                    grad_output, denominator, logits, labels, lse, loss_grad, ctx.options, ctx.vocab_start,
+                    ctx.vocab_total, ctx.use_kernel,
+                )  # fmt: skip
+                grad += loss_grad
+        return grad.to(logits.dtype), *(None,) * 8
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -352,8 +457,11 @@ def is_dtensor(tensor):
     return module is not None and isinstance(tensor, module.DTensor)
 
 
-def vocab_parallel_cross_entropy(logits, labels, reduction, n_items, inplace_backward, options, layout, use_kernel):
-    """logits (..., V_local) this rank's columns, labels (...) global ids; returns the loss of the contract."""
+def vocab_parallel_cross_entropy(
+    logits, labels, reduction, n_items, inplace_backward, options, layout, use_kernel, extras=None
+):
+    """logits (..., V_local) this rank's columns, labels (...) global ids; returns the loss of the contract (with
+    extras, a contract.Extras asking for some: CrossEntropyOutput)."""
     local_width = logits.shape[-1]
     logits_2d = logits.reshape(-1, local_width)
     if logits_2d.stride(-1) != 1 and local_width > 1:
@@ -361,6 +469,15 @@ def vocab_parallel_cross_entropy(logits, labels, reduction, n_items, inplace_bac
     # In place only where no two rows share memory (expanded logits).
     inplace_backward = inplace_backward and not kernels.rows_overlap(logits_2d)
     labels_1d = labels.reshape(-1).contiguous()
+    if extras is not None:
+        loss, lse, argmax, mean_z = _VocabParallelFunction.apply(
+            logits_2d, labels_1d, reduction, n_items, inplace_backward, options, layout, use_kernel, extras
+        )
+        loss = loss.view(labels.shape) if reduction == "none" else loss
+        vocab_total = layout[2]
+        return contract.extra_outputs(
+            loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab_total
+        )
     loss = _VocabParallelFunction.apply(
         logits_2d, labels_1d, reduction, n_items, inplace_backward, options, layout, use_kernel
     )
@@ -387,12 +504,16 @@ class _LocalShard(torch.autograd.Function):
         return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
-def dtensor_cross_entropy(logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start):
+def dtensor_cross_entropy(
+    logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start, extras=None
+):
     """A DTensor whose last dimension is sharded on exactly one mesh dimension (the tensor-parallel one); the other
     mesh dimensions may shard leading (batch) dimensions or replicate. Returns a DTensor with loss_parallel's
     placements: "none" per-token losses placed like the labels, "sum"/"mean" a scalar replicated on the
     tensor-parallel dimension and Partial(sum) on batch-sharded ones. The gradient is a fresh DTensor with the
-    logits' placements (the DTensor's storage is never overwritten)."""
+    logits' placements (the DTensor's storage is never overwritten). With extras: a CrossEntropyOutput of DTensors,
+    per-token fields placed like the labels, reduced ones like the loss (a reduced accuracy, a fraction of this
+    shard's rows, needs rows that are not sharded)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     if process_group is not None or vocab_start is not None:
@@ -415,6 +536,11 @@ def dtensor_cross_entropy(logits, labels, reduction, n_items, options, use_kerne
         )
     tp_dim = vocab_dims[0]
     batch_sharded = any(p.is_shard() and i != tp_dim for i, p in enumerate(placements))
+    if extras is not None and extras.accuracy and reduction != "none" and batch_sharded:
+        raise NotImplementedError(
+            "return_accuracy with a reduced loss over batch-sharded DTensor logits (a fraction of each shard's rows "
+            "does not add up over the shards): use reduction='none' and reduce the per-token accuracy yourself"
+        )
     if reduction == "mean" and batch_sharded and n_items is None:
         raise ValueError(
             "reduction='mean' over a batch-sharded DTensor needs the global token count: pass n_items "
@@ -442,14 +568,27 @@ def dtensor_cross_entropy(logits, labels, reduction, n_items, options, use_kerne
     if local.shape[-1] == 0:
         raise NotImplementedError("a rank holds no vocabulary columns (V < mesh size); not supported")
     layout = (mesh.get_group(tp_dim), start, vocab_total, False)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and extras is None:
         loss = traced_vocab_parallel_cross_entropy(local, local_labels, reduction, n_items, options, layout, use_kernel)
     else:
-        loss = vocab_parallel_cross_entropy(local, local_labels, reduction, n_items, False, options, layout, use_kernel)
+        loss = vocab_parallel_cross_entropy(
+            local, local_labels, reduction, n_items, False, options, layout, use_kernel, extras
+        )
     if reduction == "none":
         out_placements = label_placements
     else:
         out_placements = tuple(
             Replicate() if i == tp_dim or p.is_replicate() else Partial("sum") for i, p in enumerate(placements)
         )
-    return DTensor.from_local(loss, mesh, out_placements, run_check=False)
+    if extras is None:
+        return DTensor.from_local(loss, mesh, out_placements, run_check=False)
+    fields = {}
+    for name, value in loss._asdict().items():
+        if value is not None:
+            per_token = name == "lse" or reduction == "none"
+            placed = label_placements if per_token else out_placements
+            if name == "accuracy" and not per_token:
+                placed = tuple(Replicate() for _ in placements)  # rows not sharded (checked above)
+            value = DTensor.from_local(value, mesh, placed, run_check=False)
+        fields[name] = value
+    return contract.CrossEntropyOutput(**fields)

@@ -1,0 +1,92 @@
+"""Whether fastce_torch's kernel variants compile to the same sm_90 instructions as at another commit:
+
+    TRITON_INTERPRET=0 PYTHONPATH=. python -m bench.tools.same_ptx BASE_COMMIT
+
+For each variant that fastce_torch/compile_check.py lists at BASE_COMMIT (compiled for the H200 without a GPU), the
+PTX of the kernel body here and there is compared, less parameter declarations and loads, register numbers and
+debug lines (a new kernel parameter or constexpr that the variant does not use changes only those). Constexprs that
+exist only here are given their default-off value (False). Prints one line per differing variant and a summary;
+exit status 1 when any differs.
+"""
+
+import re
+import subprocess
+import sys
+import tempfile
+
+BODY_LINE = re.compile(r"%[a-z]+[0-9]+")
+
+
+def kernel_body(ptx):
+    start = ptx.index(".entry")
+    end = ptx.find(".section", start)
+    lines = []
+    for line in ptx[start : end if end >= 0 else len(ptx)].splitlines():
+        text = line.split("//")[0].strip()
+        if text and "param" not in text and not text.startswith((".loc", ".file")):
+            lines.append(BODY_LINE.sub("%", text))
+    return "\n".join(lines)
+
+
+def digests(root, constexpr_names=None):
+    """(variant description, digest of its kernel body) for compile_check's variants of the tree at `root`; with
+    constexpr_names (the base's names per kernel), each variant is restricted to them and the rest set False."""
+    code = f"""
+import hashlib, json, sys
+sys.path.insert(0, {root!r})
+from fastce_torch import compile_check
+from bench.tools.same_ptx import kernel_body
+names = json.loads(sys.argv[1]) if len(sys.argv) > 1 else None
+out = []
+for fn, signature, constexprs, warps in compile_check.variants():
+    if names is not None:
+        base = set(names[fn.__name__])
+        mine = {{p.name for p in fn.params if p.is_constexpr}}
+        constexprs = {{k: v for k, v in constexprs.items() if k in base}}
+        constexprs.update({{k: False for k in mine - base}})
+    key = fn.__name__ + " " + ",".join(f"{{k}}={{v}}" for k, v in sorted(constexprs.items() if names is None else
+        ((k, v) for k, v in constexprs.items() if k in names[fn.__name__]))) + f" warps={{warps}} " + ",".join(
+        f"{{k}}={{v}}" for k, v in sorted(signature.items()) if k.endswith(("logits_ptr", "grad_ptr", "tensor_ptr"))
+        or "stride" in k)
+    body = kernel_body(compile_check.compile_for_h200(fn, signature, constexprs, warps).asm["ptx"])
+    out.append((key, hashlib.md5(body.encode()).hexdigest(),
+                [p.name for p in fn.params if p.is_constexpr]))
+print(json.dumps(out))
+"""
+    import json
+
+    args = [sys.executable, "-c", code] + ([json.dumps(constexpr_names)] if constexpr_names else [])
+    done = subprocess.run(args, capture_output=True, text=True, check=True, env=_env())
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _env():
+    import os
+
+    env = dict(os.environ)
+    env["TRITON_INTERPRET"] = "0"
+    env["PYTHONPATH"] = os.getcwd()
+    return env
+
+
+def main():
+    if len(sys.argv) != 2:
+        raise SystemExit(__doc__)
+    base_commit = sys.argv[1]
+    with tempfile.TemporaryDirectory() as base:
+        archive = subprocess.run(["git", "archive", base_commit, "fastce_torch"], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", base], input=archive.stdout, check=True)
+        before = digests(base)
+        names = {}
+        for key, _, constexprs in before:
+            names[key.split()[0]] = constexprs
+        after = {key: digest for key, digest, _ in digests(".", names)}
+    differ = [key for key, digest, _ in before if after.get(key) != digest]
+    for key in differ:
+        print(f"differs: {key}")
+    print(f"{len(before) - len(differ)} of {len(before)} variants of {base_commit} compile to the same instructions")
+    sys.exit(1 if differ else 0)
+
+
+if __name__ == "__main__":
+    main()
