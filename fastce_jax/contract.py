@@ -347,9 +347,11 @@ def outputs_from_statistics(lse, argmax, mean_z, labels, options: Options, vocab
     accuracy = entropy = None
     if argmax is not None:
         valid = (labels >= 0) & (labels < vocab) & (lse == lse)
-        accuracy = jnp.where(valid, jnp.where(argmax == labels, 1.0, 0.0), jnp.nan).astype(lse.dtype)
+        # Typed constants: the Triton lowering cannot make an integer-typed NaN.
+        hit = (argmax == labels).astype(lse.dtype)
+        accuracy = jnp.where(valid, hit, jnp.full_like(lse, jnp.nan))
         if ign is not None:
-            accuracy = jnp.where(labels == ign, 0.0, accuracy).astype(lse.dtype)
+            accuracy = jnp.where(labels == ign, jnp.zeros_like(lse), accuracy)
     if mean_z is not None:
         entropy = lse - mean_z
         if ign is not None:
