@@ -37,7 +37,7 @@ class CrossEntropyOutput(NamedTuple):
     entropy: jax.Array | None = None
 
 
-class Returns(NamedTuple):
+class Extras(NamedTuple):
     """Which extra outputs a call asked for (static: part of the jit and kernel cache keys). The kernels compute
     the argmax partials only for ``accuracy`` and the entropy partials only for ``entropy``; z_loss and lse come
     from the lse every variant computes."""
@@ -51,10 +51,10 @@ class Returns(NamedTuple):
         return any(self)
 
 
-NO_RETURNS = Returns()
+NO_EXTRAS = Extras()
 
 
-def lse_differentiated(options: Options, returns: Returns) -> bool:
+def lse_differentiated(options: Options, returns: Extras) -> bool:
     """Whether the kernels' lse gets a cotangent: a returned z_loss with a nonzero coefficient (its gradient flows
     through lse; with z_loss=0 it is 0 * lse**2, whose gradient is 0)."""
     return returns.z_loss and options.z_loss != 0.0
@@ -167,9 +167,9 @@ def check_options(
     return Options(int(ignore_index), softcap, scaling, smoothing, _real(z_loss, "z_loss"))
 
 
-def check_returns(*, return_z_loss, return_lse, return_accuracy, return_entropy) -> Returns:
-    """The return_* keywords as a Returns record (each must be a bool)."""
-    return Returns(
+def check_extras(return_z_loss, return_lse, return_accuracy, return_entropy) -> Extras:
+    """The return_* keywords as an Extras record (each must be a bool)."""
+    return Extras(
         check_flag(return_z_loss, "return_z_loss"),
         check_flag(return_lse, "return_lse"),
         check_flag(return_accuracy, "return_accuracy"),
@@ -446,7 +446,7 @@ def reference_backward(logits, labels, g, options: Options, g_lse=None):
     if g_lse is None:
         _, vjp = jax.vjp(lambda x: reference_token_losses(x, labels, options), logits)
         return vjp(g.astype(jnp.float32))[0]
-    _, vjp = jax.vjp(lambda x: reference_row_outputs(x, labels, options, NO_RETURNS)[:2], logits)
+    _, vjp = jax.vjp(lambda x: reference_row_outputs(x, labels, options, NO_EXTRAS)[:2], logits)
     return vjp((g.astype(jnp.float32), g_lse.astype(jnp.float32)))[0]
 
 

@@ -38,7 +38,7 @@ def _route(x, backend: str) -> str:
 # ----------------------------------------------------------------------------
 
 
-def _reference_forward(logits, labels, options: Options, returns=contract.NO_RETURNS):
+def _reference_forward(logits, labels, options: Options, returns=contract.NO_EXTRAS):
     if returns:
         loss, lse, accuracy, entropy = contract.reference_row_outputs(logits, labels, options, returns)
         return (loss, lse) + tuple(v for v in (accuracy, entropy) if v is not None)
@@ -47,7 +47,7 @@ def _reference_forward(logits, labels, options: Options, returns=contract.NO_RET
     return loss, jnp.zeros_like(loss)
 
 
-def _route_forward(logits, labels, options: Options, mode: str, configs, returns=contract.NO_RETURNS):
+def _route_forward(logits, labels, options: Options, mode: str, configs, returns=contract.NO_EXTRAS):
     kw = {"returns": returns} if returns else {}
 
     def compiled(x, y, interpret=False):
@@ -135,7 +135,7 @@ def _kernel_loss(
 
 
 def _cross_entropy(
-    logits, labels, options: Options, reduction, n_items, backend, inplace_backward, returns=contract.NO_RETURNS
+    logits, labels, options: Options, reduction, n_items, backend, inplace_backward, returns=contract.NO_EXTRAS
 ):
     """The loss of checked arguments (labels from contract.check_labels); a CrossEntropyOutput when ``returns``
     asks for any extra output."""
@@ -258,7 +258,7 @@ def cross_entropy(
     inplace_backward = contract.check_flag(inplace_backward, "inplace_backward")
     check = contract.check_flag(validate_labels, "validate_labels")
     n_items = contract.check_n_items(n_items)
-    returns = contract.check_returns(
+    returns = contract.check_extras(
         return_z_loss=return_z_loss,
         return_lse=return_lse,
         return_accuracy=return_accuracy,

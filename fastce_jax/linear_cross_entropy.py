@@ -83,7 +83,7 @@ class _Static(NamedTuple):
     with_bias: bool
     forward_config: kernels.ForwardConfig
     backward_config: kernels.BackwardConfig
-    returns: contract.Returns = contract.NO_RETURNS  # the extra outputs asked for
+    returns: contract.Extras = contract.NO_EXTRAS  # the extra outputs asked for
 
 
 def _ce_forward(logits, labels, st: _Static):
@@ -442,7 +442,7 @@ def linear_cross_entropy(
     labels = contract.check_labels(labels, hidden.shape[:-1], options.ignore_index)
     check = contract.check_flag(validate_labels, "validate_labels")
     n_items = contract.check_n_items(n_items)
-    returns = contract.check_returns(
+    returns = contract.check_extras(
         return_z_loss=return_z_loss,
         return_lse=return_lse,
         return_accuracy=return_accuracy,

@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import kernels
 from .contract import (
-    NO_RETURNS,
+    NO_EXTRAS,
     Options,
     lse_differentiated,
     outputs_from_statistics,
@@ -354,7 +354,7 @@ def _forward_jvp(st: _Launch, primals, tangents):
     rest = tuple(jnp.zeros_like(o) for o in outs[2:])
     if st.lse_cotangent:
         _, (loss_dot, lse_dot) = jax.jvp(
-            lambda x: reference_row_outputs(x, labels, st.options, NO_RETURNS)[:2], (logits,), (tangents[0],)
+            lambda x: reference_row_outputs(x, labels, st.options, NO_EXTRAS)[:2], (logits,), (tangents[0],)
         )
         return outs, (loss_dot, lse_dot) + rest
     _, loss_dot = jax.jvp(lambda x: reference_token_losses(x, labels, st.options), (logits,), (tangents[0],))
@@ -381,10 +381,10 @@ def _backward_jvp(st: _Launch, primals, tangents):
 
 
 def forward(
-    logits, labels, options: Options, *, interpret: bool, config=None, partitioned: bool = True, returns=NO_RETURNS
+    logits, labels, options: Options, *, interpret: bool, config=None, partitioned: bool = True, returns=NO_EXTRAS
 ):
     """(loss, lse), float32 shaped like labels, of logits (..., V) however they are sharded, then accuracy and / or
-    entropy per token where ``returns`` (contract.Returns) asks for them; config: the forward kernel's tiles
+    entropy per token where ``returns`` (contract.Extras) asks for them; config: the forward kernel's tiles
     (default ``kernels.forward_config(V)``); partitioned=False runs the kernels on the whole array
     (linear_cross_entropy's chunks)."""
     st = _Launch(options, interpret, config, partitioned)
