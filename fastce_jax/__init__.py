@@ -8,9 +8,16 @@
 The loss contract is CONTRACT.md; the kernels are in fastce_jax/kernels.py.
 """
 
+from .contract import CrossEntropyOutput
 from .cross_entropy import cross_entropy, cross_entropy_reference
 from .linear_cross_entropy import linear_cross_entropy
 from .unsloth import fast_cross_entropy_loss
 
-__all__ = ["cross_entropy", "cross_entropy_reference", "fast_cross_entropy_loss", "linear_cross_entropy"]
+__all__ = [
+    "CrossEntropyOutput",
+    "cross_entropy",
+    "cross_entropy_reference",
+    "fast_cross_entropy_loss",
+    "linear_cross_entropy",
+]
 __version__ = "0.1.0"

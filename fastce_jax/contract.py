@@ -24,6 +24,42 @@ class Options(NamedTuple):
     z_loss: float = 0.0
 
 
+class CrossEntropyOutput(NamedTuple):
+    """What ``cross_entropy`` / ``linear_cross_entropy`` return when any return_* keyword is True: the loss (as
+    without them; it still includes the z-loss term) and the outputs asked for, None for the others (CONTRACT.md
+    "Extra outputs"). Only ``loss`` and ``z_loss`` are differentiable; lse, accuracy and entropy carry a zero
+    gradient (stop_gradient)."""
+
+    loss: jax.Array
+    z_loss: jax.Array | None = None
+    lse: jax.Array | None = None
+    accuracy: jax.Array | None = None
+    entropy: jax.Array | None = None
+
+
+class Extras(NamedTuple):
+    """Which extra outputs a call asked for (static: part of the jit and kernel cache keys). The kernels compute
+    the argmax partials only for ``accuracy`` and the entropy partials only for ``entropy``; z_loss and lse come
+    from the lse every variant computes."""
+
+    z_loss: bool = False
+    lse: bool = False
+    accuracy: bool = False
+    entropy: bool = False
+
+    def __bool__(self):
+        return any(self)
+
+
+NO_EXTRAS = Extras()
+
+
+def lse_differentiated(options: Options, returns: Extras) -> bool:
+    """Whether the kernels' lse gets a cotangent: a returned z_loss with a nonzero coefficient (its gradient flows
+    through lse; with z_loss=0 it is 0 * lse**2, whose gradient is 0)."""
+    return returns.z_loss and options.z_loss != 0.0
+
+
 REDUCTIONS = ("none", "mean", "sum")
 BACKENDS = ("auto", "kernel", "reference")
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -131,6 +167,16 @@ def check_options(
     return Options(int(ignore_index), softcap, scaling, smoothing, _real(z_loss, "z_loss"))
 
 
+def check_extras(return_z_loss, return_lse, return_accuracy, return_entropy) -> Extras:
+    """The return_* keywords as an Extras record (each must be a bool)."""
+    return Extras(
+        check_flag(return_z_loss, "return_z_loss"),
+        check_flag(return_lse, "return_lse"),
+        check_flag(return_accuracy, "return_accuracy"),
+        check_flag(return_entropy, "return_entropy"),
+    )
+
+
 def check_n_items(n_items):
     """None, a Python number > 0, or a 0-d numeric array (possibly traced)."""
     if n_items is None:
@@ -182,6 +228,18 @@ def shifted_labels(labels, shift: int, ignore_index: int):
     kept = labels[..., shift:]
     pad = xp.full((*labels.shape[:-1], labels.shape[-1] - kept.shape[-1]), ignore_index, labels.dtype)
     return xp.concatenate((kept, pad), axis=-1), kept.shape[-1]
+
+
+def keep_positions(result, kept, reduction: str):
+    """A shifted call's result restricted to its first ``kept`` positions (labels' last axis): the loss for "none",
+    and the per-token fields of a CrossEntropyOutput (lse always, the others for "none"); unchanged when kept is
+    None."""
+    if kept is None:
+        return result
+    if not isinstance(result, CrossEntropyOutput):
+        return result[..., :kept] if reduction == "none" else result
+    fields = result._fields if reduction == "none" else ("lse",)
+    return result._replace(**{f: getattr(result, f)[..., :kept] for f in fields if getattr(result, f) is not None})
 
 
 def validate_labels(labels, vocab: int, ignore_index: int) -> None:
@@ -280,6 +338,96 @@ def token_loss_from_statistics(lse, label_logit, sum_z, labels, options: Options
     return loss if ign is None else jnp.where(labels == ign, 0.0, loss)
 
 
+def outputs_from_statistics(lse, argmax, mean_z, labels, options: Options, vocab: int):
+    """(accuracy, entropy) per token from a row's global statistics, the same arithmetic as the finish kernel;
+    argmax: the first column holding the row's largest z (None: no accuracy); mean_z: sum_j p_j z_j, -inf logits
+    contributing 0 (None: no entropy). Accuracy is 1.0 / 0.0, NaN for a label outside [0, V) or a row whose lse is
+    NaN (it holds NaN or +inf); entropy is lse - mean_z; both are 0 where ignored."""
+    ign = ignore_value(labels.dtype, options.ignore_index)
+    accuracy = entropy = None
+    if argmax is not None:
+        valid = (labels >= 0) & (labels < vocab) & (lse == lse)
+        # Typed constants: the Triton lowering cannot make an integer-typed NaN.
+        hit = (argmax == labels).astype(lse.dtype)
+        accuracy = jnp.where(valid, hit, jnp.full_like(lse, jnp.nan))
+        if ign is not None:
+            accuracy = jnp.where(labels == ign, jnp.zeros_like(lse), accuracy)
+    if mean_z is not None:
+        entropy = lse - mean_z
+        if ign is not None:
+            entropy = jnp.where(labels == ign, 0.0, entropy).astype(lse.dtype)
+    return accuracy, entropy
+
+
+def z_loss_from_lse(lse, labels, options: Options, vocab: int):
+    """z_loss * lse**2 per token, differentiable in lse: NaN for a label outside [0, V) (its gradient too), 0 where
+    ignored (that row's lse, -inf from the kernels, is replaced before squaring so no 0 * inf reaches the gradient)."""
+    ign = ignore_value(labels.dtype, options.ignore_index)
+    if ign is not None:
+        lse = jnp.where(labels == ign, 0.0, lse).astype(lse.dtype)
+    term = options.z_loss * lse * lse
+    term = term * jnp.where((labels >= 0) & (labels < vocab), jnp.ones_like(term), jnp.full_like(term, jnp.nan))
+    return term if ign is None else jnp.where(labels == ign, 0.0, term).astype(term.dtype)
+
+
+def reduce_outputs(
+    token_losses, lse, accuracy, entropy, labels, reduction: str, n_items, options: Options, returns, vocab: int
+):
+    """The call's result from per-token values shaped like labels: the reduced loss alone when no extra output was
+    asked for, else a CrossEntropyOutput (see with_outputs)."""
+    loss = reduce_losses(token_losses, labels, reduction, n_items, options.ignore_index)
+    if not returns:
+        return loss
+    return with_outputs(loss, lse, accuracy, entropy, labels, reduction, n_items, options, returns, vocab)
+
+
+def with_outputs(loss, lse, accuracy, entropy, labels, reduction: str, n_items, options: Options, returns, vocab: int):
+    """CrossEntropyOutput of the (reduced) loss and per-token lse / accuracy / entropy (None where not computed):
+    z_loss and entropy reduced like the loss, accuracy the fraction over non-ignored rows for "mean" / "sum", lse
+    per token, -inf where ignored. lse, accuracy and entropy leave through stop_gradient; z_loss is differentiable
+    through lse."""
+    ignore_index = options.ignore_index
+    ign = ignore_value(labels.dtype, ignore_index)
+    ignored = jnp.zeros(labels.shape, bool) if ign is None else labels == ign
+    lse = lse.reshape(labels.shape)
+    out = CrossEntropyOutput(loss)
+    if returns.z_loss:
+        out = out._replace(
+            z_loss=reduce_losses(z_loss_from_lse(lse, labels, options, vocab), labels, reduction, n_items, ignore_index)
+        )
+    if returns.lse:
+        out = out._replace(lse=jax.lax.stop_gradient(jnp.where(ignored, -jnp.inf, lse).astype(lse.dtype)))
+    if returns.accuracy:
+        acc = jax.lax.stop_gradient(accuracy.reshape(labels.shape))
+        if reduction != "none":
+            acc = jnp.sum(acc) / jnp.maximum(jnp.sum(~ignored), 1).astype(acc.dtype)
+        out = out._replace(accuracy=acc)
+    if returns.entropy:
+        ent = jax.lax.stop_gradient(entropy.reshape(labels.shape))
+        out = out._replace(entropy=reduce_losses(ent, labels, reduction, n_items, ignore_index))
+    return out
+
+
+def reference_row_outputs(logits, labels, options: Options, returns):
+    """(loss, lse, accuracy, entropy) per token of logits (..., V) in jnp, like reference_token_losses (whose loss
+    it is); accuracy / entropy None unless asked for. lse is differentiable (z_loss is computed from it); argmax
+    and entropy are computed from stop_gradient(z)."""
+    ign = ignore_value(labels.dtype, options.ignore_index)
+    if ign is not None:
+        logits = jnp.where((labels == ign)[..., None], jnp.zeros((), logits.dtype), logits)
+    z = transform(logits.astype(compute_dtype(logits.dtype)), options)
+    lse, label_logit, sum_z = row_statistics(z, labels, options)
+    loss = token_loss_from_statistics(lse, label_logit, sum_z, labels, options, z.shape[-1])
+    zs, lse_s = jax.lax.stop_gradient(z), jax.lax.stop_gradient(lse)
+    argmax = jnp.argmax(zs, axis=-1) if returns.accuracy else None
+    mean_z = None
+    if returns.entropy:
+        p = jnp.exp(zs - lse_s[..., None])
+        mean_z = jnp.sum(jnp.where(zs == -jnp.inf, 0.0, p * zs), axis=-1)
+    accuracy, entropy = outputs_from_statistics(lse_s, argmax, mean_z, labels, options, z.shape[-1])
+    return loss, lse, accuracy, entropy
+
+
 def reference_token_losses(logits, labels, options: Options):
     """Per-token losses of logits (..., V), labels (...) in jnp (no reshape, so any sharding of the leading axes
     stays where it is): float32 math and losses, float64 for float64 logits. Differentiable by plain autodiff."""
@@ -292,10 +440,14 @@ def reference_token_losses(logits, labels, options: Options):
     return token_loss_from_statistics(lse, label_logit, sum_z, labels, options, z.shape[-1])
 
 
-def reference_backward(logits, labels, g, options: Options):
-    """d(sum_t g_t loss_t)/d logits of reference_token_losses (g shaped like labels)."""
-    _, vjp = jax.vjp(lambda x: reference_token_losses(x, labels, options), logits)
-    return vjp(g.astype(jnp.float32))[0]
+def reference_backward(logits, labels, g, options: Options, g_lse=None):
+    """d(sum_t g_t loss_t + sum_t g_lse_t lse_t)/d logits of reference_row_outputs (g, g_lse shaped like labels;
+    g_lse None: the loss alone)."""
+    if g_lse is None:
+        _, vjp = jax.vjp(lambda x: reference_token_losses(x, labels, options), logits)
+        return vjp(g.astype(jnp.float32))[0]
+    _, vjp = jax.vjp(lambda x: reference_row_outputs(x, labels, options, NO_EXTRAS)[:2], logits)
+    return vjp((g.astype(jnp.float32), g_lse.astype(jnp.float32)))[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -38,69 +38,95 @@ def _route(x, backend: str) -> str:
 # ----------------------------------------------------------------------------
 
 
-def _reference_forward(logits, labels, options: Options):
+def _reference_forward(logits, labels, options: Options, returns=contract.NO_EXTRAS):
+    if returns:
+        loss, lse, accuracy, entropy = contract.reference_row_outputs(logits, labels, options, returns)
+        return (loss, lse) + tuple(v for v in (accuracy, entropy) if v is not None)
     # The reference backward recomputes from the logits; the lse slot only keeps both branches' outputs alike.
     loss = contract.reference_token_losses(logits, labels, options)
     return loss, jnp.zeros_like(loss)
 
 
-def _route_forward(logits, labels, options: Options, mode: str, configs):
+def _route_forward(logits, labels, options: Options, mode: str, configs, returns=contract.NO_EXTRAS):
+    kw = {"returns": returns} if returns else {}
+
     def compiled(x, y, interpret=False):
-        return sharding.forward(x, y, options, interpret=interpret, config=configs[0])
+        return sharding.forward(x, y, options, interpret=interpret, config=configs[0], **kw)
 
     if mode in (COMPILED, INTERPRETED):
         return compiled(logits, labels, mode == INTERPRETED)
 
     def elsewhere(x, y):
-        return _reference_forward(x, y, options)
+        return _reference_forward(x, y, options, returns)
 
     return jax.lax.platform_dependent(logits, labels, cuda=compiled, rocm=compiled, default=elsewhere)
 
 
-def _route_backward(logits, labels, lse, g, options: Options, inplace: bool, mode: str, configs):
-    def compiled(x, y, lse, g, interpret=False):
-        return sharding.backward(x, y, lse, g, options, inplace=inplace, interpret=interpret, config=configs[1])
+def _route_backward(logits, labels, lse, g, options: Options, inplace: bool, mode: str, configs, g_lse=None):
+    kw = {} if g_lse is None else {"g_lse": g_lse}
 
+    def compiled(x, y, lse, g, *gl, interpret=False):
+        return sharding.backward(
+            x, y, lse, g, options, inplace=inplace, interpret=interpret, config=configs[1], **dict(zip(kw, gl))
+        )
+
+    extra = tuple(kw.values())
     if mode in (COMPILED, INTERPRETED):
-        return compiled(logits, labels, lse, g, mode == INTERPRETED)
+        return compiled(logits, labels, lse, g, *extra, interpret=mode == INTERPRETED)
 
-    def elsewhere(x, y, lse, g):
-        return contract.reference_backward(x, y, g, options)
+    def elsewhere(x, y, lse, g, *gl):
+        return contract.reference_backward(x, y, g, options, *gl)
 
-    return jax.lax.platform_dependent(logits, labels, lse, g, cuda=compiled, rocm=compiled, default=elsewhere)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _kernel_token_losses(logits, labels, options: Options, inplace: bool, mode: str, configs):
-    return _kernel_fwd(logits, labels, options, inplace, mode, configs)[0]
+    return jax.lax.platform_dependent(logits, labels, lse, g, *extra, cuda=compiled, rocm=compiled, default=elsewhere)
 
 
-def _kernel_fwd(logits, labels, options: Options, inplace: bool, mode: str, configs):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _kernel_token_losses(logits, labels, options: Options, inplace: bool, mode: str, configs, returns):
+    """Per-token losses; with any extra output asked for, the tuple (loss, lse, accuracy?, entropy?) of the
+    forward kernels (lse differentiable when a returned z_loss needs it, the others not)."""
+    return _kernel_fwd(logits, labels, options, inplace, mode, configs, returns)[0]
+
+
+def _kernel_fwd(logits, labels, options: Options, inplace: bool, mode: str, configs, returns):
     # logits (..., V) and labels (...) keep their shape here so that a sharding
     # of any leading axis reaches sharding.py without a reshape across devices.
-    loss, lse = _route_forward(logits, labels, options, mode, configs)
+    outs = _route_forward(logits, labels, options, mode, configs, returns)
+    lse = outs[1]
     # Residuals: only what the backward reads.  logits stays in its own dtype
     # (no float32 copy); lse is N floats.
-    return loss, (logits, labels, lse)
+    return (tuple(outs) if returns else outs[0]), (logits, labels, lse)
 
 
-def _kernel_bwd(options: Options, inplace: bool, mode: str, configs, residuals, g):
+def _kernel_bwd(options: Options, inplace: bool, mode: str, configs, returns, residuals, g):
     logits, labels, lse = residuals
+    g_lse = None
+    if returns:
+        # Only lse's cotangent (from a returned z_loss) flows back; accuracy and entropy are not differentiable.
+        g, g_lse = g[0], (g[1] if contract.lse_differentiated(options, returns) else None)
     # g is the per-token upstream factor: 1/denominator (broadcast) for
     # "mean", 1 for "sum", the caller's cotangent for "none".
-    dlogits = _route_backward(logits, labels, lse, g, options, inplace, mode, configs)
+    dlogits = _route_backward(logits, labels, lse, g, options, inplace, mode, configs, g_lse)
     return dlogits, None
 
 
 _kernel_token_losses.defvjp(_kernel_fwd, _kernel_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("options", "reduction", "inplace", "mode", "configs"))
-def _kernel_loss(logits, labels, n_items, *, options: Options, reduction: str, inplace: bool, mode: str, configs):
+@functools.partial(jax.jit, static_argnames=("options", "reduction", "inplace", "mode", "configs", "returns"))
+def _kernel_loss(
+    logits, labels, n_items, *, options: Options, reduction: str, inplace: bool, mode: str, configs, returns
+):
     """The kernel path, jitted once per static configuration: an eager call reuses its trace and executable
     instead of tracing and lowering the Pallas kernels again (under an outer jit it is inlined)."""
-    losses = _kernel_token_losses(logits, labels, options, inplace, mode, configs)
-    return contract.reduce_losses(losses, labels, reduction, n_items, options.ignore_index)
+    outs = _kernel_token_losses(logits, labels, options, inplace, mode, configs, returns)
+    if not returns:
+        return contract.reduce_losses(outs, labels, reduction, n_items, options.ignore_index)
+    loss, lse, *rest = outs
+    accuracy = rest.pop(0) if returns.accuracy else None
+    entropy = rest.pop(0) if returns.entropy else None
+    return contract.reduce_outputs(
+        loss, lse, accuracy, entropy, labels, reduction, n_items, options, returns, logits.shape[-1]
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -108,8 +134,11 @@ def _kernel_loss(logits, labels, n_items, *, options: Options, reduction: str, i
 # ----------------------------------------------------------------------------
 
 
-def _cross_entropy(logits, labels, options: Options, reduction, n_items, backend, inplace_backward):
-    """The loss of checked arguments (labels from contract.check_labels)."""
+def _cross_entropy(
+    logits, labels, options: Options, reduction, n_items, backend, inplace_backward, returns=contract.NO_EXTRAS
+):
+    """The loss of checked arguments (labels from contract.check_labels); a CrossEntropyOutput when ``returns``
+    asks for any extra output."""
     route = _route(logits, backend)
     logits = jnp.asarray(logits)
     if logits.dtype == jnp.float64:
@@ -118,6 +147,12 @@ def _cross_entropy(logits, labels, options: Options, reduction, n_items, backend
         route = "reference"
     labels = jnp.asarray(labels)
     if route == "reference" or labels.size == 0:  # an empty grid has no kernel
+        if returns:
+            loss, lse, accuracy, entropy = contract.reference_row_outputs(logits, labels, options, returns)
+            vocab = logits.shape[-1]
+            return contract.reduce_outputs(
+                loss, lse, accuracy, entropy, labels, reduction, n_items, options, returns, vocab
+            )
         losses = contract.reference_token_losses(logits, labels, options)
         return contract.reduce_losses(losses, labels, reduction, n_items, options.ignore_index)
     vocab = logits.shape[-1]
@@ -132,6 +167,7 @@ def _cross_entropy(logits, labels, options: Options, reduction, n_items, backend
             inplace=inplace_backward,
             mode=route,
             configs=configs,
+            returns=returns,
         )
 
 
@@ -150,6 +186,10 @@ def cross_entropy(
     inplace_backward=True,
     validate_labels=False,
     shift=0,
+    return_z_loss=False,
+    return_lse=False,
+    return_accuracy=False,
+    return_entropy=False,
 ):
     """Cross-entropy of ``logits`` (..., V) against integer ``labels`` (...).
 
@@ -192,10 +232,16 @@ def cross_entropy(
         loss of ``cross_entropy(logits[..., :-k, :], labels[..., k:])`` ("none": shaped like ``labels[..., k:]``)
         without slicing the logits; the kernels run on the full logits with the last k positions ignored. k >= the
         sequence length leaves no token (as the slice does).
+      return_z_loss, return_lse, return_accuracy, return_entropy: extra outputs (CONTRACT.md "Extra outputs"),
+        computed in the same kernel passes: the z-loss term z_loss * lse**2 reduced like the loss
+        (differentiable), the per-token lse (-inf where ignored), the accuracy of the argmax (per token for
+        "none", else the fraction of non-ignored rows) and the entropy of softmax(z) reduced like the loss; the
+        last three carry no gradient (stop_gradient).
 
     Returns:
       float32 loss (scalar, or shaped like ``labels`` for reduction="none"); float64 for float64 logits.
-      Its gradient w.r.t. logits has logits' dtype.
+      Its gradient w.r.t. logits has logits' dtype. With any return_* True, a
+      ``CrossEntropyOutput(loss, z_loss, lse, accuracy, entropy)`` with None for what was not asked.
     """
     options = contract.check_options(
         ignore_index=ignore_index,
@@ -213,14 +259,20 @@ def cross_entropy(
     inplace_backward = contract.check_flag(inplace_backward, "inplace_backward")
     check = contract.check_flag(validate_labels, "validate_labels")
     n_items = contract.check_n_items(n_items)
+    returns = contract.check_extras(
+        return_z_loss=return_z_loss,
+        return_lse=return_lse,
+        return_accuracy=return_accuracy,
+        return_entropy=return_entropy,
+    )
     shift = contract.check_shift(shift)
     kept = None
     if shift:
         labels, kept = contract.shifted_labels(labels, shift, options.ignore_index)
     if check:
         contract.validate_labels(labels, logits.shape[-1], options.ignore_index)
-    loss = _cross_entropy(logits, labels, options, reduction, n_items, backend, inplace_backward)
-    return loss[..., :kept] if kept is not None and reduction == "none" else loss
+    loss = _cross_entropy(logits, labels, options, reduction, n_items, backend, inplace_backward, returns)
+    return contract.keep_positions(loss, kept, reduction)
 
 
 def cross_entropy_reference(logits, labels, **options):

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .contract import Options, ignore_value, token_loss_from_statistics, transform
+from .contract import Options, ignore_value, outputs_from_statistics, token_loss_from_statistics, transform
 
 # jax 0.11 deprecates the Pallas Triton backend and warns each time a Triton
 # pallas_call is *lowered*.  See ``quiet_triton`` for how it is filtered.
@@ -55,6 +55,7 @@ FORWARD_BLOCK, FORWARD_WARPS, FORWARD_STAGES = 4096, 2, 1
 FINISH_WARPS = 1  # the finish kernel touches C + 2 scalars per row
 BACKWARD_BLOCK, BACKWARD_WARPS, BACKWARD_STAGES = 2048, 4, 1  # one tile per program: nothing to pipeline
 CHUNK = 16384
+_INT32_MAX = 2**31 - 1  # the argmax partials' filler: larger than any column
 
 
 @functools.cache
@@ -148,15 +149,33 @@ def _dz_dx(z, options: Options):
     return d
 
 
-def _forward_kernel(x_ref, y_ref, m_ref, s_ref, sz_ref, *, vocab, chunk, block, ignore_index, options, need_sum_z):
+def _forward_kernel(
+    x_ref,
+    y_ref,
+    m_ref,
+    s_ref,
+    sz_ref,
+    *refs,
+    vocab,
+    chunk,
+    block,
+    ignore_index,
+    options,
+    need_sum_z,
+    extras=(False, False),
+):
     """Grid (N rows, C chunks): one chunk of one row's partial statistics.
 
     x_ref: the row's chunk of logits (chunk,), the last chunk may run past V; y_ref: the row's label (0-d);
-    m_ref, s_ref, sz_ref: outputs (0-d), the chunk's max m of z, sum exp(z - m) and sum z.
+    m_ref, s_ref, sz_ref: outputs (0-d), the chunk's max m of z, sum exp(z - m) and sum z; refs: the extra outputs
+    (0-d) that ``extras`` asks for, in this order: idx_ref, the first column holding m (int32, global in the row);
+    t_ref, sum exp(z - m) z with -inf logits contributing 0 (the entropy's partial).
     vocab: V; chunk: columns per chunk; block: tile width of the walk; ignore_index: the label that reads nothing
     (None: no label of the labels' dtype can equal it); options: Options (the transform's fields are read);
-    need_sum_z: whether sum z is computed (label smoothing), else it stays 0.
+    need_sum_z: whether sum z is computed (label smoothing), else it stays 0; extras: (argmax, entropy), whether
+    those partials are computed (all False: the plain kernel, refs is empty).
     """
+    want_argmax, want_entropy = extras
     base = pl.program_id(1) * chunk
     # Python ints stay int32 here even with jax_enable_x64 (explicit int32).
     n_tiles = _cdiv(jnp.minimum(vocab - base, chunk), jnp.int32(block))
@@ -167,7 +186,7 @@ def _forward_kernel(x_ref, y_ref, m_ref, s_ref, sz_ref, *, vocab, chunk, block, 
     neg_inf = jnp.float32(-jnp.inf)
 
     def body(k, carry):
-        m, s, sz = carry
+        m, s, sz = carry[:3]
         start = k * block
         cols = base + start + jnp.arange(block, dtype=jnp.int32)
         mask = cols < vocab
@@ -175,48 +194,87 @@ def _forward_kernel(x_ref, y_ref, m_ref, s_ref, sz_ref, *, vocab, chunk, block, 
         # Re-mask after the transform: softcap maps the -inf filler to -softcap.
         z = jnp.where(mask, transform(x, options), neg_inf)
         # One exp per element: take the tile max first, rescale the scalar sum.
-        m_new = jnp.maximum(m, jnp.max(z))
+        tile_max = jnp.max(z)
+        m_new = jnp.maximum(m, tile_max)
         # A tile (and everything so far) at -inf: shift by 0, not by -inf, so
         # exp(-inf - -inf) = NaN never appears; +inf/NaN rows still give NaN.
         m_safe = jnp.where(m_new == neg_inf, 0.0, m_new)
-        s = s * jnp.exp(m - m_safe) + jnp.sum(jnp.exp(z - m_safe))
+        out = []
+        if want_entropy:
+            rescale, e = jnp.exp(m - m_safe), jnp.exp(z - m_safe)
+            s = s * rescale + jnp.sum(e)
+            out.append(carry[-1] * rescale + jnp.sum(jnp.where(z == neg_inf, 0.0, e * z)))
+        else:
+            s = s * jnp.exp(m - m_safe) + jnp.sum(jnp.exp(z - m_safe))
         if need_sum_z:
             sz = sz + jnp.sum(jnp.where(mask, z, 0.0))
-        return m_new, s, sz
+        if want_argmax:
+            # The tile's first column at its max (masked columns are -inf and come last); a strictly larger max
+            # replaces the running one, an equal one keeps the earlier column (argmax's first index on ties).
+            first = jnp.min(jnp.where(mask & (z == tile_max), cols, jnp.int32(_INT32_MAX)))
+            out.insert(0, jnp.where(tile_max > m, first, carry[3]))
+        return (m_new, s, sz, *out)
 
     zero = jnp.float32(0.0)
-    m, s, sz = jax.lax.fori_loop(0, n_tiles, body, (neg_inf, zero, zero))
+    init = (neg_inf, zero, zero) + ((base,) if want_argmax else ()) + ((zero,) if want_entropy else ())
+    m, s, sz, *partials = jax.lax.fori_loop(0, n_tiles, body, init)
     # 0-d blocks: one scalar per (row, chunk) in the [N, C] partial buffers.
     plgpu.store(m_ref, m)
     plgpu.store(s_ref, s)
     plgpu.store(sz_ref, sz)
+    for ref, value in zip(refs, partials):
+        plgpu.store(ref, value)
 
 
-def _finish_kernel(m_ref, s_ref, sz_ref, y_ref, x_ref, *refs, vocab, n_chunks, options, vocab_parallel):
+def _finish_kernel(
+    m_ref, s_ref, sz_ref, y_ref, x_ref, *refs, vocab, n_chunks, options, vocab_parallel, extras=(False, False)
+):
     """Grid (N,): a row's C partials combined into its lse, and its loss.
 
     m_ref, s_ref, sz_ref: the row's partials (C,); y_ref: its label (0-d); x_ref: its logits (V,), of which only
-    the label's column is read. refs, default: loss_ref, lse_ref (0-d outputs); vocab-parallel: start_ref (1,),
-    the first global column held here, then the outputs lse_ref, z_label_ref, sum_z_ref (this shard's statistics).
+    the label's column is read. refs: vocab-parallel only, start_ref (1,), the first global column held here; then
+    the extra partials (C,) that ``extras`` asks for (idx_ref, t_ref, as _forward_kernel writes them); then the
+    outputs (0-d). Default outputs: loss_ref, lse_ref, then accuracy_ref and entropy_ref where asked for.
+    Vocab-parallel outputs (this shard's statistics): lse_ref, z_label_ref, sum_z_ref, then max_ref and
+    argmax_ref (the largest z here and the first global column holding it) and mean_z_ref (sum_j p_j z_j over
+    this shard's softmax) where asked for.
     vocab: V (this shard's columns); n_chunks: C; options: Options (the loss is contract.token_loss_from_statistics,
-    the formula of the jnp paths); vocab_parallel: which of the two ref layouts.
+    the formula of the jnp paths, accuracy and entropy contract.outputs_from_statistics); vocab_parallel: which of
+    the two ref layouts; extras: (argmax, entropy) as in _forward_kernel.
     """
+    want_argmax, want_entropy = extras
+    refs = list(refs)
+    start_ref = refs.pop(0) if vocab_parallel else None
+    idx_ref = refs.pop(0) if want_argmax else None
+    t_ref = refs.pop(0) if want_entropy else None
     c_pad = _next_pow2(n_chunks)
     cmask = jnp.arange(c_pad) < n_chunks
     m = plgpu.load(m_ref.at[pl.ds(0, c_pad)], mask=cmask, other=-jnp.inf)
     s = plgpu.load(s_ref.at[pl.ds(0, c_pad)], mask=cmask, other=0.0)
     big_m = jnp.max(m)
     m_safe = jnp.where(big_m == -jnp.inf, 0.0, big_m)
-    lse = m_safe + jnp.log(jnp.sum(s * jnp.exp(m - m_safe)))
+    mean_z = argmax = None
+    if want_entropy:
+        rescale = jnp.exp(m - m_safe)
+        total = jnp.sum(s * rescale)
+        lse = m_safe + jnp.log(total)
+        t = plgpu.load(t_ref.at[pl.ds(0, c_pad)], mask=cmask, other=0.0)
+        # No column counted (an ignored row, an all -inf row): mean 0, not 0 / 0.
+        mean_z = jnp.where(total > 0.0, jnp.sum(t * rescale) / total, 0.0)
+    else:
+        lse = m_safe + jnp.log(jnp.sum(s * jnp.exp(m - m_safe)))
+    if want_argmax:
+        idx = plgpu.load(idx_ref.at[pl.ds(0, c_pad)], mask=cmask, other=_INT32_MAX)
+        argmax = jnp.min(jnp.where(m == big_m, idx, _INT32_MAX))
 
     y = y_ref[...]
     if vocab_parallel:
-        start_ref, lse_ref, z_label_ref, sum_z_ref = refs
+        lse_ref, z_label_ref, sum_z_ref, *extra_refs = refs
         start = start_ref[0]
         in_range = (y >= start) & (y < start + vocab)
         y_local = y - start
     else:
-        loss_ref, lse_ref = refs
+        loss_ref, lse_ref, *extra_refs = refs
         in_range = (y >= 0) & (y < vocab)
         y_local = y
     # The one read of the label logit: a masked scalar load whose address is
@@ -233,28 +291,45 @@ def _finish_kernel(m_ref, s_ref, sz_ref, y_ref, x_ref, *refs, vocab, n_chunks, o
         plgpu.store(lse_ref, lse)
         plgpu.store(z_label_ref, jnp.where(in_range, z_y, 0.0))
         plgpu.store(sum_z_ref, jnp.float32(0.0) if sum_z is None else sum_z)
-        return
-    plgpu.store(loss_ref, token_loss_from_statistics(lse, z_y, sum_z, y, options, vocab))
-    plgpu.store(lse_ref, lse)
+        global_argmax = jnp.where(argmax == _INT32_MAX, argmax, argmax + start) if want_argmax else None
+        extra = ((big_m, global_argmax) if want_argmax else ()) + ((mean_z,) if want_entropy else ())
+    else:
+        plgpu.store(loss_ref, token_loss_from_statistics(lse, z_y, sum_z, y, options, vocab))
+        plgpu.store(lse_ref, lse)
+        accuracy, entropy = outputs_from_statistics(lse, argmax, mean_z, y, options, vocab)
+        extra = tuple(v for v in (accuracy, entropy) if v is not None)
+    for ref, value in zip(extra_refs, extra, strict=True):
+        plgpu.store(ref, value)
 
 
 def _backward_kernel(
-    x_ref, y_ref, lse_ref, g_ref, *refs, vocab, vocab_total, block, ignore_index, options, vocab_parallel
+    x_ref,
+    y_ref,
+    lse_ref,
+    g_ref,
+    *refs,
+    vocab,
+    vocab_total,
+    block,
+    ignore_index,
+    options,
+    vocab_parallel,
+    lse_cotangent=False,
 ):
     """Grid (N, cdiv(V, block)): one tile of one row's dL/dx, in one pass.
 
     x_ref: the tile of logits (block,); y_ref, lse_ref, g_ref: the row's label, lse (the global one when
-    vocab-parallel) and upstream factor (0-d). refs, default: dx_ref (the output tile); vocab-parallel: start_ref
-    (1,), the first global column held here, then dx_ref. vocab: this shard's columns; vocab_total: the whole
-    vocabulary (equal unless vocab-parallel); block: tile width; ignore_index: as in _forward_kernel; options:
-    Options; vocab_parallel: which of the two ref layouts.
+    vocab-parallel) and upstream factor (0-d). refs: vocab-parallel only, start_ref (1,), the first global column
+    held here; with lse_cotangent, glse_ref (0-d), the row's cotangent of lse; then dx_ref (the output tile).
+    vocab: this shard's columns; vocab_total: the whole vocabulary (equal unless vocab-parallel); block: tile
+    width; ignore_index: as in _forward_kernel; options: Options; vocab_parallel: which of the two ref layouts;
+    lse_cotangent: add glse * d lse / dx = glse * p * dz/dx (the returned z_loss's gradient flows through lse).
     """
-    if vocab_parallel:
-        start_ref, dx_ref = refs
-        y_col = y_ref[...] - start_ref[0]
-    else:
-        (dx_ref,) = refs
-        y_col = y_ref[...]
+    refs = list(refs)
+    start_ref = refs.pop(0) if vocab_parallel else None
+    glse_ref = refs.pop(0) if lse_cotangent else None
+    (dx_ref,) = refs
+    y_col = y_ref[...] - start_ref[0] if vocab_parallel else y_ref[...]
     cols = pl.program_id(1) * block + jnp.arange(block, dtype=jnp.int32)
     mask = cols < vocab
     y = y_ref[...]
@@ -264,16 +339,21 @@ def _backward_kernel(
     lse = lse_ref[...]
     z = transform(x, options)
     p = jnp.exp(z - lse)
+    p_lse = p
     if options.z_loss != 0.0:
         p = p * (1.0 + 2.0 * options.z_loss * lse)
     smoothing = options.label_smoothing
     d = p - jnp.where(cols == y_col, 1.0 - smoothing, 0.0)
     if smoothing != 0.0:
         d = d - smoothing / vocab_total
+    if lse_cotangent:
+        # Per row: g * (loss's d/dz) + glse * p, so the upstream factor applies to the loss's part only.
+        d = d * g_ref[...] + p_lse * glse_ref[...]
     dz = _dz_dx(z, options)
     if dz is not None:
         d = d * dz
-    d = d * g_ref[...]
+    if not lse_cotangent:
+        d = d * g_ref[...]
     # Out-of-range label: the whole gradient row is NaN, like its loss.
     d = jnp.where((y >= 0) & (y < vocab_total), d, jnp.nan)
     if ignore_index is not None:
@@ -336,6 +416,7 @@ def forward(
     vocab_start=None,
     vocab_total: int | None = None,
     config: ForwardConfig | None = None,
+    extras=(False, False),
 ):
     """Per-token statistics of logits (N, V), labels (N,).
 
@@ -346,6 +427,11 @@ def forward(
     of its columns, the transformed label logit where this shard owns the label
     (else 0), and the sum of its transformed logits (0 without label smoothing).
     config: the tiles (default ``forward_config(V)``).
+    extras: (argmax, entropy), the extra outputs' partials to compute (the default computes none, so its kernels
+    are the plain ones). Default mode then appends accuracy and / or entropy per token (float32 (N,),
+    contract.outputs_from_statistics); vocab-parallel mode appends (max_local, argmax_local) (float32, int32: this
+    shard's largest z and the first global column holding it) and / or mean_z_local (sum_j p_j z_j over this
+    shard's softmax).
     """
     n, vocab = logits.shape
     vocab_parallel = vocab_start is not None
@@ -354,11 +440,15 @@ def forward(
     config = forward_config(vocab) if config is None else config
     n_chunks = _cdiv(vocab, config.chunk)
     ignore = ignore_value(labels.dtype, options.ignore_index)
+    want_argmax, want_entropy = extras = tuple(bool(e) for e in extras)
     f32 = jnp.float32
     operands = (logits, labels) + ((_vocab_start_operand(vocab_start),) if vocab_parallel else ())
     operands, mat = _same_variance(*operands)
     logits, labels = operands[:2]
     part = jax.ShapeDtypeStruct((n, n_chunks), f32, manual_axis_type=mat)
+    extra_parts = ([jax.ShapeDtypeStruct((n, n_chunks), jnp.int32, manual_axis_type=mat)] if want_argmax else []) + (
+        [part] if want_entropy else []
+    )
     part_spec = pl.BlockSpec((None, None), lambda i, j: (i, j))
     fwd = pl.pallas_call(
         functools.partial(
@@ -369,11 +459,12 @@ def forward(
             ignore_index=ignore,
             options=options,
             need_sum_z=options.label_smoothing != 0.0,
+            **({"extras": extras} if any(extras) else {}),
         ),
         grid=(n, n_chunks),
         in_specs=[pl.BlockSpec((None, config.chunk), lambda i, j: (i, j)), pl.BlockSpec((None,), lambda i, j: (i,))],
-        out_specs=[part_spec] * 3,
-        out_shape=[part] * 3,
+        out_specs=[part_spec] * (3 + len(extra_parts)),
+        out_shape=[part] * 3 + extra_parts,
         compiler_params=plgpu.CompilerParams(num_warps=config.warps, num_stages=config.stages),
         interpret=interpret,
         name="fastce_forward",
@@ -382,6 +473,10 @@ def forward(
     parts_spec = pl.BlockSpec((None, n_chunks), lambda i: (i, 0))
     extra_specs = [pl.BlockSpec((1,), lambda i: (0,))] if vocab_parallel else []
     n_out = 3 if vocab_parallel else 2
+    if vocab_parallel:
+        out_dtypes = [f32] * 3 + ([f32, jnp.int32] if want_argmax else []) + ([f32] if want_entropy else [])
+    else:
+        out_dtypes = [f32] * (n_out + want_argmax + want_entropy)
     finish = pl.pallas_call(
         functools.partial(
             _finish_kernel,
@@ -389,18 +484,22 @@ def forward(
             n_chunks=n_chunks,
             options=options,
             vocab_parallel=vocab_parallel,
+            **({"extras": extras} if any(extras) else {}),
         ),
         grid=(n,),
-        in_specs=[parts_spec] * 3 + [row_spec, pl.BlockSpec((None, vocab), lambda i: (i, 0))] + extra_specs,
-        out_specs=[row_spec] * n_out,
-        out_shape=[jax.ShapeDtypeStruct((n,), f32, manual_axis_type=mat)] * n_out,
+        in_specs=[parts_spec] * 3
+        + [row_spec, pl.BlockSpec((None, vocab), lambda i: (i, 0))]
+        + extra_specs
+        + [parts_spec] * len(extra_parts),
+        out_specs=[row_spec] * len(out_dtypes),
+        out_shape=[jax.ShapeDtypeStruct((n,), dt, manual_axis_type=mat) for dt in out_dtypes],
         compiler_params=plgpu.CompilerParams(num_warps=config.finish_warps, num_stages=1),
         interpret=interpret,
         name="fastce_finish",
     )
     with quiet_triton(interpret):
-        m, s, sz = _launch(fwd, (logits, labels), mat, interpret)
-        return tuple(_launch(finish, (m, s, sz, labels, logits, *operands[2:]), mat, interpret))
+        m, s, sz, *partials = _launch(fwd, (logits, labels), mat, interpret)
+        return tuple(_launch(finish, (m, s, sz, labels, logits, *operands[2:], *partials), mat, interpret))
 
 
 def backward(
@@ -415,6 +514,7 @@ def backward(
     vocab_start=None,
     vocab_total: int | None = None,
     config: BackwardConfig | None = None,
+    g_lse=None,
 ):
     """dL/dlogits (N, V) in logits' dtype; g is the per-token upstream (N,).
 
@@ -423,6 +523,8 @@ def backward(
     label - vocab_start, a label outside [0, vocab_total) gives a NaN row and
     label smoothing spreads eps / vocab_total over every column.
     config: the tiles (default ``backward_config(V)``).
+    g_lse: None, or the per-token cotangent of lse (N,) (the returned z_loss's gradient flows through lse): its
+    term g_lse * p * dz/dx is added (a variant of the kernel; None runs the plain one).
     """
     n, vocab = logits.shape
     vocab_parallel = vocab_start is not None
@@ -433,6 +535,7 @@ def backward(
     tile_spec = pl.BlockSpec((None, config.block), lambda i, j: (i, j))
     operands = (logits, labels, lse, g.astype(jnp.float32))
     operands += (_vocab_start_operand(vocab_start),) if vocab_parallel else ()
+    operands += (g_lse.astype(jnp.float32),) if g_lse is not None else ()
     operands, mat = _same_variance(*operands)
     bwd = pl.pallas_call(
         functools.partial(
@@ -443,10 +546,12 @@ def backward(
             ignore_index=ignore_value(labels.dtype, options.ignore_index),
             options=options,
             vocab_parallel=vocab_parallel,
+            **({"lse_cotangent": True} if g_lse is not None else {}),
         ),
         grid=(n, _cdiv(vocab, config.block)),
         in_specs=[tile_spec, row_spec, row_spec, row_spec]
-        + ([pl.BlockSpec((1,), lambda i, j: (0,))] if vocab_parallel else []),
+        + ([pl.BlockSpec((1,), lambda i, j: (0,))] if vocab_parallel else [])
+        + ([row_spec] if g_lse is not None else []),
         out_specs=tile_spec,
         out_shape=jax.ShapeDtypeStruct(logits.shape, logits.dtype, manual_axis_type=mat),
         # Each program reads its tile before writing the same tile, so the

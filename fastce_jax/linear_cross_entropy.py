@@ -83,17 +83,19 @@ class _Static(NamedTuple):
     with_bias: bool
     forward_config: kernels.ForwardConfig
     backward_config: kernels.BackwardConfig
+    returns: contract.Extras = contract.NO_EXTRAS  # the extra outputs asked for
 
 
 def _ce_forward(logits, labels, st: _Static):
+    kw = {"returns": st.returns} if st.returns else {}
     return tuple(
         sharding.forward(
-            logits, labels, st.options, interpret=st.interpret, config=st.forward_config, partitioned=False
+            logits, labels, st.options, interpret=st.interpret, config=st.forward_config, partitioned=False, **kw
         )
     )
 
 
-def _ce_backward_in_place(logits, labels, lse, g, st: _Static):
+def _ce_backward_in_place(logits, labels, lse, g, st: _Static, g_lse=None):
     return sharding.backward(
         logits,
         labels,
@@ -104,7 +106,13 @@ def _ce_backward_in_place(logits, labels, lse, g, st: _Static):
         interpret=st.interpret,
         config=st.backward_config,
         partitioned=False,
+        **({} if g_lse is None else {"g_lse": g_lse}),
     )
+
+
+def _extra_names(st: _Static):
+    """The per-token extra outputs the forward kernels give besides (loss, lse), in their order."""
+    return tuple(name for name in ("accuracy", "entropy") if getattr(st.returns, name))
 
 
 # --- the chunked computation ---------------------------------------------------------------------------------------
@@ -169,17 +177,20 @@ def _loop(n_rows, st: _Static, first, body):
 
 def _fused_forward(hidden, weight, bias, labels, g_tokens, st: _Static):
     """Per-token losses and lse (N,) and, when g_tokens (N,) is given, the gradients of sum_t g_t * loss_t:
-    (dhidden in the compute dtype, dweight in float32 or the compute dtype, dbias float32 or None)."""
+    (dhidden in the compute dtype, dweight in float32 or the compute dtype, dbias float32 or None); then a dict of
+    the per-token extra outputs st.returns asks for (accuracy, entropy), collected chunk by chunk."""
     n = hidden.shape[0]
     want_grads = g_tokens is not None
+    extras = _extra_names(st)
 
     def step(k, carry, first):
         start, fresh, h_c, y_c = _chunk_inputs(k, hidden, labels, st)
         logits = _chunk_logits(h_c, weight, bias, st.dtype)
-        loss_c, lse_c = _ce_forward(logits, y_c, st)
+        loss_c, lse_c, *extra_c = _ce_forward(logits, y_c, st)
         out = dict(
             losses=_put_rows(carry["losses"], start, fresh, loss_c), lse=_put_rows(carry["lse"], start, fresh, lse_c)
         )
+        out.update({name: _put_rows(carry[name], start, fresh, v) for name, v in zip(extras, extra_c)})
         if want_grads:
             dlogits = _ce_backward_in_place(logits, y_c, lse_c, _chunk_upstream(g_tokens, start, fresh, st), st)
             out.update(_accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st))
@@ -187,24 +198,28 @@ def _fused_forward(hidden, weight, bias, labels, g_tokens, st: _Static):
 
     def first():
         carry = dict(losses=jnp.zeros((n,), jnp.float32), lse=jnp.zeros((n,), jnp.float32))
+        carry.update({name: jnp.zeros((n,), jnp.float32) for name in extras})
         if want_grads:
             carry["dh"] = jnp.zeros((n, hidden.shape[1]), st.dtype)
         return step(0, carry, first=True)
 
     carry = _loop(n, st, first, functools.partial(step, first=False))
     grads = (carry["dh"], carry["dw"], carry.get("db")) if want_grads else None
-    return carry["losses"], carry["lse"], grads
+    return carry["losses"], carry["lse"], grads, {name: carry[name] for name in extras}
 
 
-def _fused_backward(hidden, weight, bias, labels, lse, g_tokens, st: _Static):
-    """Gradients of sum_t g_t * loss_t from the saved lse: each chunk's logits are recomputed, no forward kernel."""
+def _fused_backward(hidden, weight, bias, labels, lse, g_tokens, st: _Static, g_lse=None):
+    """Gradients of sum_t g_t * loss_t (+ sum_t g_lse_t * lse_t when g_lse is given: a returned z_loss's) from the
+    saved lse: each chunk's logits are recomputed, no forward kernel."""
     n = hidden.shape[0]
 
     def step(k, carry, first):
         start, fresh, h_c, y_c = _chunk_inputs(k, hidden, labels, st)
         logits = _chunk_logits(h_c, weight, bias, st.dtype)
         lse_c = jax.lax.dynamic_slice_in_dim(lse, start, st.chunk_rows)
-        dlogits = _ce_backward_in_place(logits, y_c, lse_c, _chunk_upstream(g_tokens, start, fresh, st), st)
+        g_c = _chunk_upstream(g_tokens, start, fresh, st)
+        gl_c = None if g_lse is None else _chunk_upstream(g_lse, start, fresh, st)
+        dlogits = _ce_backward_in_place(logits, y_c, lse_c, g_c, st, gl_c)
         return _accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st)
 
     def first():
@@ -214,15 +229,23 @@ def _fused_backward(hidden, weight, bias, labels, lse, g_tokens, st: _Static):
     return carry["dh"], carry["dw"], carry.get("db")
 
 
-def _finish_grads(grads, hidden, weight, bias, scale=None):
-    """Scale (by the upstream, when given) and cast each gradient to its input's dtype: one fused pass each."""
+def _finish_grads(grads, hidden, weight, bias, scale=None, extra=None):
+    """Scale (by the upstream, when given) and cast each gradient to its input's dtype: one fused pass each; extra:
+    gradients to add before the cast (the returned z_loss's), or None."""
     dh, dw, db = grads
+    extra = (None, None, None) if extra is None else extra
 
-    def fin(g, like):
+    def fin(g, like, more):
         # A bf16 gradient times the float32 scale is computed in float32 and rounded once.
-        return (g if scale is None else g * scale).astype(like.dtype)
+        g = g if scale is None else g * scale
+        return (g if more is None else g + more).astype(like.dtype)
 
-    return fin(dh, hidden), fin(dw, weight), None if bias is None else fin(db, bias)
+    return fin(dh, hidden, extra[0]), fin(dw, weight, extra[1]), None if bias is None else fin(db, bias, extra[2])
+
+
+def _with_extras(loss, lse, extra: dict, st: _Static):
+    """What the custom_vjps return: the loss alone, or (loss, lse, *extras) when extra outputs are asked for."""
+    return (loss, lse, *extra.values()) if st.returns else loss
 
 
 # --- custom_vjp: "mean"/"sum" (the gradients are residuals) and "none" (lse is) ------------------------------------
@@ -236,22 +259,40 @@ def _token_scale(labels, n_items, st: _Static):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _reduced_loss(hidden, weight, bias, labels, n_items, st: _Static):
-    losses, _, _ = _fused_forward(hidden, weight, bias, labels, None, st)
-    return contract.reduce_losses(losses, labels, st.reduction, n_items, st.options.ignore_index)
+    losses, lse, _, extra = _fused_forward(hidden, weight, bias, labels, None, st)
+    loss = contract.reduce_losses(losses, labels, st.reduction, n_items, st.options.ignore_index)
+    return _with_extras(loss, lse, extra, st)
 
 
 def _reduced_fwd(hidden, weight, bias, labels, n_items, st: _Static):
     g_tokens = _token_scale(labels, n_items, st)
-    losses, _, grads = _fused_forward(hidden, weight, bias, labels, g_tokens, st)
+    losses, lse, grads, extra = _fused_forward(hidden, weight, bias, labels, g_tokens, st)
     loss = contract.reduce_losses(losses, labels, st.reduction, n_items, st.options.ignore_index)
     # Zero-size stand-ins keep the input dtypes for the backward's casts.
     likes = (jnp.zeros((0,), hidden.dtype), jnp.zeros((0,), weight.dtype), None if bias is None else bias[:0])
-    return loss, (grads, likes)
+    # A returned z_loss: its gradient (through lse) is only known in the backward, which recomputes the chunks.
+    inputs = (hidden, weight, bias, labels, lse) if contract.lse_differentiated(st.options, st.returns) else None
+    return _with_extras(loss, lse, extra, st), (grads, likes, inputs)
 
 
 def _reduced_bwd(st: _Static, residuals, g):
-    grads, (h_like, w_like, b_like) = residuals
-    dh, dw, db = _finish_grads(grads, h_like, w_like, b_like, scale=g)
+    grads, (h_like, w_like, b_like), inputs = residuals
+    extra = None
+    if st.returns:
+        g, g_lse = g[0], g[1]
+        if inputs is not None:
+            hidden, weight, bias, labels, lse = inputs
+
+            def z_loss_part():
+                zeros = jnp.zeros(labels.shape, jnp.float32)
+                return _fused_backward(hidden, weight, bias, labels, lse, zeros, st, g_lse.astype(jnp.float32))
+
+            def nothing():
+                return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(z_loss_part))
+
+            # Only a z_loss output that is differentiated costs the recomputing pass (logging it costs nothing).
+            extra = jax.lax.cond(jnp.any(g_lse != 0), z_loss_part, nothing)
+    dh, dw, db = _finish_grads(grads, h_like, w_like, b_like, scale=g, extra=extra)
     return dh, dw, db, None, None
 
 
@@ -260,17 +301,21 @@ _reduced_loss.defvjp(_reduced_fwd, _reduced_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _per_token_losses(hidden, weight, bias, labels, st: _Static):
-    return _fused_forward(hidden, weight, bias, labels, None, st)[0]
+    losses, lse, _, extra = _fused_forward(hidden, weight, bias, labels, None, st)
+    return _with_extras(losses, lse, extra, st)
 
 
 def _per_token_fwd(hidden, weight, bias, labels, st: _Static):
-    losses, lse, _ = _fused_forward(hidden, weight, bias, labels, None, st)
-    return losses, (hidden, weight, bias, labels, lse)
+    losses, lse, _, extra = _fused_forward(hidden, weight, bias, labels, None, st)
+    return _with_extras(losses, lse, extra, st), (hidden, weight, bias, labels, lse)
 
 
 def _per_token_bwd(st: _Static, residuals, g):
     hidden, weight, bias, labels, lse = residuals
-    grads = _fused_backward(hidden, weight, bias, labels, lse, g.astype(jnp.float32), st)
+    g_lse = None
+    if st.returns:
+        g, g_lse = g[0], (g[1].astype(jnp.float32) if contract.lse_differentiated(st.options, st.returns) else None)
+    grads = _fused_backward(hidden, weight, bias, labels, lse, g.astype(jnp.float32), st, g_lse)
     dh, dw, db = _finish_grads(grads, hidden, weight, bias)
     return dh, dw, db, None
 
@@ -302,8 +347,25 @@ def _check_tensors(hidden, weight, bias):
 def _kernel_loss(h2, weight, bias, labels, n_items, *, st: _Static):
     """The chunked kernel path, jitted once per static configuration (an eager call reuses its trace)."""
     if st.reduction == "none":
-        return _per_token_losses(h2, weight, bias, labels, st)
-    return _reduced_loss(h2, weight, bias, labels, n_items, st)
+        outs = _per_token_losses(h2, weight, bias, labels, st)
+    else:
+        outs = _reduced_loss(h2, weight, bias, labels, n_items, st)
+    if not st.returns:
+        return outs
+    loss, lse, *rest = outs
+    extra = dict(zip(_extra_names(st), rest))
+    return contract.with_outputs(
+        loss,
+        lse,
+        extra.get("accuracy"),
+        extra.get("entropy"),
+        labels,
+        st.reduction,
+        n_items,
+        st.options,
+        st.returns,
+        weight.shape[0],
+    )
 
 
 def linear_cross_entropy(
@@ -325,6 +387,10 @@ def linear_cross_entropy(
     workspace_bytes=None,
     chunk_rows=None,
     accumulate_in_float32=False,
+    return_z_loss=False,
+    return_lse=False,
+    return_accuracy=False,
+    return_entropy=False,
 ):
     """``cross_entropy(hidden @ weight.T + bias, labels, ...)`` without the (N, V) logits.
 
@@ -355,8 +421,13 @@ def linear_cross_entropy(
     rows per chunk whatever the budget; ``accumulate_in_float32=True`` sums a bf16/fp16 weight's gradient over the
     chunks in a float32 accumulator (one rounding instead of one per chunk, 4·V·H more bytes).
 
+    return_z_loss, return_lse, return_accuracy, return_entropy: as in ``fastce_jax.cross_entropy``, collected chunk
+    by chunk from the same forward kernels (no logits kept). Differentiating the returned z_loss (with z_loss != 0)
+    recomputes each chunk's logits in the backward ("mean" / "sum": only when its cotangent is nonzero).
+
     Returns:
-      float32 loss: a scalar, or shaped like ``labels`` for reduction="none".
+      float32 loss: a scalar, or shaped like ``labels`` for reduction="none"; with any return_* True a
+      ``CrossEntropyOutput(loss, z_loss, lse, accuracy, entropy)``, None for what was not asked.
     """
     hidden, weight, bias = _check_tensors(hidden, weight, bias)
     options = contract.check_options(
@@ -371,6 +442,12 @@ def linear_cross_entropy(
     labels = contract.check_labels(labels, hidden.shape[:-1], options.ignore_index)
     check = contract.check_flag(validate_labels, "validate_labels")
     n_items = contract.check_n_items(n_items)
+    returns = contract.check_extras(
+        return_z_loss=return_z_loss,
+        return_lse=return_lse,
+        return_accuracy=return_accuracy,
+        return_entropy=return_entropy,
+    )
     _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32)
     kept = None
     if shift := contract.check_shift(shift):
@@ -386,9 +463,15 @@ def linear_cross_entropy(
     labels = jnp.asarray(labels)
     # No tokens: no chunk to launch; float64: the chunks compute in float32.
     if backend == "reference" or h2.shape[0] == 0 or dtype == jnp.float64:
-        logits = _chunk_logits(h2, weight, bias, dtype)
-        losses = contract.reference_token_losses(logits.reshape(lead + (vocab,)), labels, options)
-        loss = contract.reduce_losses(losses, labels, reduction, n_items, options.ignore_index)
+        logits = _chunk_logits(h2, weight, bias, dtype).reshape(lead + (vocab,))
+        if returns:
+            losses, lse, accuracy, entropy = contract.reference_row_outputs(logits, labels, options, returns)
+            loss = contract.reduce_outputs(
+                losses, lse, accuracy, entropy, labels, reduction, n_items, options, returns, vocab
+            )
+        else:
+            losses = contract.reference_token_losses(logits, labels, options)
+            loss = contract.reduce_losses(losses, labels, reduction, n_items, options.ignore_index)
     else:
         st = _Static(
             options=options,
@@ -400,8 +483,15 @@ def linear_cross_entropy(
             with_bias=bias is not None,
             forward_config=kernels.forward_config(vocab),
             backward_config=kernels.backward_config(vocab),
+            returns=returns,
         )
         with kernels.quiet_triton(st.interpret):
             loss = _kernel_loss(h2, weight, bias, labels.reshape(-1), n_items, st=st)
-        loss = loss.reshape(lead) if reduction == "none" else loss
-    return loss[..., :kept] if kept is not None and reduction == "none" else loss
+        if isinstance(loss, contract.CrossEntropyOutput):
+            per_token = loss._fields if reduction == "none" else ("lse",)
+            loss = loss._replace(
+                **{f: getattr(loss, f).reshape(lead) for f in per_token if getattr(loss, f) is not None}
+            )
+        else:
+            loss = loss.reshape(lead) if reduction == "none" else loss
+    return contract.keep_positions(loss, kept, reduction)

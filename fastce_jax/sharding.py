@@ -45,7 +45,18 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import kernels
-from .contract import Options, reference_backward, reference_token_losses, token_loss_from_statistics
+from .contract import (
+    NO_EXTRAS,
+    Options,
+    lse_differentiated,
+    outputs_from_statistics,
+    reference_backward,
+    reference_row_outputs,
+    reference_token_losses,
+    token_loss_from_statistics,
+)
+
+_INT32_MAX = 2**31 - 1
 
 # ----------------------------------------------------------------------------
 # What one device computes.
@@ -62,27 +73,53 @@ def _shard_index(mesh: Mesh, axes: tuple[str, ...]):
 
 
 def _local_forward(
-    logits, labels, options: Options, interpret: bool, config, mesh=None, vocab_axes=(), vocab_total=None
+    logits,
+    labels,
+    options: Options,
+    interpret: bool,
+    config,
+    mesh=None,
+    vocab_axes=(),
+    vocab_total=None,
+    extras=(False, False),
 ):
-    """(loss, lse) shaped like labels, of this device's block of logits (..., V_local); config: the kernels' tiles
-    for the whole rows (a vocab-parallel block takes the default tiles of its own width)."""
+    """(loss, lse) shaped like labels, of this device's block of logits (..., V_local), then accuracy and / or
+    entropy per token where ``extras`` = (argmax, entropy) asks for them; config: the kernels' tiles for the whole
+    rows (a vocab-parallel block takes the default tiles of its own width)."""
     v_local = logits.shape[-1]
     x2, y1 = logits.reshape(-1, v_local), labels.reshape(-1)
+    want_argmax, want_entropy = extras
+    kw = {"extras": extras} if any(extras) else {}
     if not vocab_axes:
-        loss, lse = kernels.forward(x2, y1, options, interpret=interpret, config=config)
+        outs = kernels.forward(x2, y1, options, interpret=interpret, config=config, **kw)
     else:
         start = _shard_index(mesh, vocab_axes) * v_local
-        lse_local, z_label, sum_z = kernels.forward(
-            x2, y1, options, interpret=interpret, vocab_start=start, vocab_total=vocab_total
+        lse_local, z_label, sum_z, *rest = kernels.forward(
+            x2, y1, options, interpret=interpret, vocab_start=start, vocab_total=vocab_total, **kw
         )
         # lse = log sum_shards exp(lse_local), shifted by the largest (an all -inf
         # row shifts by 0, as in the kernels; NaN stays NaN).
-        top = jax.lax.pmax(lse_local, vocab_axes)
+        if want_argmax:
+            # The row's largest z rides along the lse's all-reduce: 2N floats.
+            top, big = jax.lax.pmax(jnp.stack([lse_local, rest[0]]), vocab_axes)
+        else:
+            top = jax.lax.pmax(lse_local, vocab_axes)
         top = jnp.where(top == -jnp.inf, 0.0, top)
-        sums = jax.lax.psum(jnp.stack([jnp.exp(lse_local - top), z_label, sum_z]), vocab_axes)
+        weight = jnp.exp(lse_local - top)
+        # The entropy's partial is this shard's softmax mean of z, weighted by its share of the row's mass.
+        parts = [weight, z_label, sum_z] + ([weight * rest[-1]] if want_entropy else [])
+        sums = jax.lax.psum(jnp.stack(parts), vocab_axes)
         lse = top + jnp.log(sums[0])
         loss = token_loss_from_statistics(lse, sums[1], sums[2], y1, options, vocab_total)
-    return loss.reshape(labels.shape), lse.reshape(labels.shape)
+        argmax = mean_z = None
+        if want_argmax:
+            # The smallest global column holding the row's max: argmax's first index on ties (N ints).
+            argmax = jax.lax.pmin(jnp.where(rest[0] == big, rest[1], _INT32_MAX), vocab_axes)
+        if want_entropy:
+            mean_z = jnp.where(sums[0] > 0.0, sums[3] / sums[0], 0.0)
+        accuracy, entropy = outputs_from_statistics(lse, argmax, mean_z, y1, options, vocab_total)
+        outs = (loss, lse) + tuple(v for v in (accuracy, entropy) if v is not None)
+    return tuple(o.reshape(labels.shape) for o in outs)
 
 
 def _local_backward(
@@ -97,16 +134,19 @@ def _local_backward(
     mesh=None,
     vocab_axes=(),
     vocab_total=None,
+    g_lse=None,
 ):
-    """dL/dlogits of this device's block; lse is the global one, so nothing is communicated."""
+    """dL/dlogits of this device's block; lse is the global one, so nothing is communicated. g_lse: the per-token
+    cotangent of lse too (the returned z_loss's gradient), or None."""
     v_local = logits.shape[-1]
     flat = (logits.reshape(-1, v_local), labels.reshape(-1), lse.reshape(-1), g.reshape(-1))
+    kw = {} if g_lse is None else {"g_lse": g_lse.reshape(-1)}
     if not vocab_axes:
-        d = kernels.backward(*flat, options, inplace=inplace, interpret=interpret, config=config)
+        d = kernels.backward(*flat, options, inplace=inplace, interpret=interpret, config=config, **kw)
     else:
         start = _shard_index(mesh, vocab_axes) * v_local
         d = kernels.backward(
-            *flat, options, inplace=inplace, interpret=interpret, vocab_start=start, vocab_total=vocab_total
+            *flat, options, inplace=inplace, interpret=interpret, vocab_start=start, vocab_total=vocab_total, **kw
         )
     return d.reshape(logits.shape)
 
@@ -153,7 +193,7 @@ def _shardings(mesh, rows, vocab_axes):
     return NamedSharding(mesh, P(*rows, vocab_entry)), NamedSharding(mesh, P(*rows))
 
 
-def _partition_forward(options, interpret, config, mesh, arg_shapes, result_shape):
+def _partition_forward(options, interpret, config, extras, mesh, arg_shapes, result_shape):
     del result_shape
     mesh, rows, vocab_axes = _plan(arg_shapes[0])
     logits_sharding, row_sharding = _shardings(mesh, rows, vocab_axes)
@@ -165,14 +205,20 @@ def _partition_forward(options, interpret, config, mesh, arg_shapes, result_shap
         mesh=mesh,
         vocab_axes=vocab_axes,
         vocab_total=arg_shapes[0].shape[-1],
+        extras=extras,
     )
-    return mesh, lower, (row_sharding, row_sharding), (logits_sharding, row_sharding)
+    return mesh, lower, (row_sharding,) * (2 + sum(extras)), (logits_sharding, row_sharding)
 
 
-def _infer_forward(options, interpret, config, mesh, arg_shapes, result_shape):
+def _infer_forward(options, interpret, config, extras, mesh, arg_shapes, result_shape):
     del options, interpret, config, mesh, result_shape
     _, row_sharding = _shardings(*_plan(arg_shapes[0]))
-    return row_sharding, row_sharding
+    return (row_sharding,) * (2 + sum(extras))
+
+
+def _local_backward_args(logits, labels, lse, g, *maybe_g_lse, **static):
+    """_local_backward with the optional lse cotangent as a fifth positional operand."""
+    return _local_backward(logits, labels, lse, g, g_lse=maybe_g_lse[0] if maybe_g_lse else None, **static)
 
 
 def _partition_backward(options, inplace, interpret, config, mesh, arg_shapes, result_shape):
@@ -180,7 +226,7 @@ def _partition_backward(options, inplace, interpret, config, mesh, arg_shapes, r
     mesh, rows, vocab_axes = _plan(arg_shapes[0])
     logits_sharding, row_sharding = _shardings(mesh, rows, vocab_axes)
     lower = functools.partial(
-        _local_backward,
+        _local_backward_args,
         options=options,
         inplace=inplace,
         interpret=interpret,
@@ -189,7 +235,7 @@ def _partition_backward(options, inplace, interpret, config, mesh, arg_shapes, r
         vocab_axes=vocab_axes,
         vocab_total=arg_shapes[0].shape[-1],
     )
-    return mesh, lower, logits_sharding, (logits_sharding,) + (row_sharding,) * 3
+    return mesh, lower, logits_sharding, (logits_sharding,) + (row_sharding,) * (len(arg_shapes) - 1)
 
 
 def _infer_backward(options, inplace, interpret, config, mesh, arg_shapes, result_shape):
@@ -208,15 +254,18 @@ def _as_leading_batch(axis_size, in_batched, args):
 
 
 @functools.cache
-def _forward_op(options: Options, interpret: bool, config):
+def _forward_op(options: Options, interpret: bool, config, extras=(False, False)):
+    kw = {"extras": extras} if any(extras) else {}
+
     @custom_partitioning
     def op(logits, labels):
-        return _local_forward(logits, labels, options, interpret, config)
+        return _local_forward(logits, labels, options, interpret, config, **kw)
 
+    n_out = 2 + sum(extras)
     op.def_partition(
-        partition=functools.partial(_partition_forward, options, interpret, config),
-        infer_sharding_from_operands=functools.partial(_infer_forward, options, interpret, config),
-        sharding_rule="... v, ... -> ..., ...",
+        partition=functools.partial(_partition_forward, options, interpret, config, extras),
+        infer_sharding_from_operands=functools.partial(_infer_forward, options, interpret, config, extras),
+        sharding_rule="... v, ... -> " + ", ".join(["..."] * n_out),
     )
 
     @jax.custom_batching.custom_vmap
@@ -225,7 +274,7 @@ def _forward_op(options: Options, interpret: bool, config):
 
     @batchable.def_vmap
     def _(axis_size, in_batched, logits, labels):
-        return batchable(*_as_leading_batch(axis_size, in_batched, (logits, labels))), (True, True)
+        return batchable(*_as_leading_batch(axis_size, in_batched, (logits, labels))), (True,) * n_out
 
     # jit: an eager call is partitioned too (custom_partitioning's eager
     # implementation would run the whole computation unpartitioned).
@@ -233,20 +282,20 @@ def _forward_op(options: Options, interpret: bool, config):
 
 
 @functools.cache
-def _backward_op(options: Options, inplace: bool, interpret: bool, config):
+def _backward_op(options: Options, inplace: bool, interpret: bool, config, lse_cotangent: bool = False):
     @custom_partitioning
-    def op(logits, labels, lse, g):
-        return _local_backward(logits, labels, lse, g, options, inplace, interpret, config)
+    def op(*args):
+        return _local_backward_args(*args, options=options, inplace=inplace, interpret=interpret, config=config)
 
     op.def_partition(
         partition=functools.partial(_partition_backward, options, inplace, interpret, config),
         infer_sharding_from_operands=functools.partial(_infer_backward, options, inplace, interpret, config),
-        sharding_rule="... v, ..., ..., ... -> ... v",
+        sharding_rule="... v, ..., ..., ..." + (", ..." if lse_cotangent else "") + " -> ... v",
     )
 
     @jax.custom_batching.custom_vmap
-    def batchable(logits, labels, lse, g):
-        return op(logits, labels, lse, g)
+    def batchable(*args):
+        return op(*args)
 
     @batchable.def_vmap
     def _(axis_size, in_batched, *args):
@@ -268,6 +317,12 @@ class _Launch(NamedTuple):
     config: object  # kernels.ForwardConfig / BackwardConfig, or None for the defaults
     partitioned: bool  # through custom_partitioning (sharded logits) or the kernels on the whole array
     inplace: bool = False
+    extras: tuple = (False, False)  # forward: (accuracy, entropy) per token besides (loss, lse)
+    lse_cotangent: bool = False  # lse is differentiated (a returned z_loss): its tangent / cotangent is real
+
+
+def _forward_kw(st: _Launch):
+    return {"extras": st.extras} if any(st.extras) else {}
 
 
 # Each launch has a jvp rule that is the jvp of the reference: first derivatives go through the callers'
@@ -276,47 +331,83 @@ class _Launch(NamedTuple):
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _forward(logits, labels, st: _Launch):
     if not st.partitioned or _single_device():
-        return _local_forward(logits, labels, st.options, st.interpret, st.config)
-    return _forward_op(st.options, st.interpret, st.config)(logits, labels)
+        return _local_forward(logits, labels, st.options, st.interpret, st.config, **_forward_kw(st))
+    return _forward_op(st.options, st.interpret, st.config, *((st.extras,) if any(st.extras) else ()))(logits, labels)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
-def _backward(logits, labels, lse, g, st: _Launch):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
+def _backward(logits, labels, lse, g, g_lse, st: _Launch):
+    args = (logits, labels, lse, g) + ((g_lse,) if st.lse_cotangent else ())
     if not st.partitioned or _single_device():
-        return _local_backward(logits, labels, lse, g, st.options, st.inplace, st.interpret, st.config)
-    return _backward_op(st.options, st.inplace, st.interpret, st.config)(logits, labels, lse, g)
+        return _local_backward_args(
+            *args, options=st.options, inplace=st.inplace, interpret=st.interpret, config=st.config
+        )
+    flag = (True,) if st.lse_cotangent else ()
+    return _backward_op(st.options, st.inplace, st.interpret, st.config, *flag)(*args)
 
 
 @_forward.defjvp
 def _forward_jvp(st: _Launch, primals, tangents):
     logits, labels = primals
-    loss, lse = _forward(logits, labels, st)
+    outs = _forward(logits, labels, st)
+    # accuracy and entropy are not differentiable (the callers stop their gradient).
+    rest = tuple(jnp.zeros_like(o) for o in outs[2:])
+    if st.lse_cotangent:
+        _, (loss_dot, lse_dot) = jax.jvp(
+            lambda x: reference_row_outputs(x, labels, st.options, NO_EXTRAS)[:2], (logits,), (tangents[0],)
+        )
+        return outs, (loss_dot, lse_dot) + rest
     _, loss_dot = jax.jvp(lambda x: reference_token_losses(x, labels, st.options), (logits,), (tangents[0],))
     # lse is read only by the backward launch, whose rule recomputes it from the logits.
-    return (loss, lse), (loss_dot, jnp.zeros_like(lse))
+    return outs, (loss_dot, jnp.zeros_like(outs[1])) + rest
 
 
 @_backward.defjvp
 def _backward_jvp(st: _Launch, primals, tangents):
-    logits, labels, lse, g = primals
-    dlogits = _backward(logits, labels, lse, g, st)
+    logits, labels, lse, g, g_lse = primals
+    dlogits = _backward(logits, labels, lse, g, g_lse, st)
     # lse is a function of the logits: the reference backward recomputes it, so lse's own tangent is not added.
-    _, dlogits_dot = jax.jvp(
-        lambda x, w: reference_backward(x, labels, w, st.options), (logits, g), (tangents[0], tangents[3])
-    )
+    if st.lse_cotangent:
+        _, dlogits_dot = jax.jvp(
+            lambda x, w, wl: reference_backward(x, labels, w, st.options, wl),
+            (logits, g, g_lse),
+            (tangents[0], tangents[3], tangents[4]),
+        )
+    else:
+        _, dlogits_dot = jax.jvp(
+            lambda x, w: reference_backward(x, labels, w, st.options), (logits, g), (tangents[0], tangents[3])
+        )
     return dlogits, dlogits_dot
 
 
-def forward(logits, labels, options: Options, *, interpret: bool, config=None, partitioned: bool = True):
-    """(loss, lse), float32 shaped like labels, of logits (..., V) however they are sharded; config: the forward
-    kernel's tiles (default ``kernels.forward_config(V)``); partitioned=False runs the kernels on the whole array
+def forward(
+    logits, labels, options: Options, *, interpret: bool, config=None, partitioned: bool = True, returns=NO_EXTRAS
+):
+    """(loss, lse), float32 shaped like labels, of logits (..., V) however they are sharded, then accuracy and / or
+    entropy per token where ``returns`` (contract.Extras) asks for them; config: the forward kernel's tiles
+    (default ``kernels.forward_config(V)``); partitioned=False runs the kernels on the whole array
     (linear_cross_entropy's chunks)."""
-    return _forward(logits, labels, _Launch(options, interpret, config, partitioned))
+    st = _Launch(options, interpret, config, partitioned)
+    if returns:
+        st = st._replace(extras=(returns.accuracy, returns.entropy), lse_cotangent=lse_differentiated(options, returns))
+    return _forward(logits, labels, st)
 
 
 def backward(
-    logits, labels, lse, g, options: Options, *, inplace: bool, interpret: bool, config=None, partitioned: bool = True
+    logits,
+    labels,
+    lse,
+    g,
+    options: Options,
+    *,
+    inplace: bool,
+    interpret: bool,
+    config=None,
+    partitioned: bool = True,
+    g_lse=None,
 ):
     """dL/dlogits (..., V), sharded like logits; g is the per-token upstream shaped like labels; config: the
-    backward kernel's tiles (default ``kernels.backward_config(V)``)."""
-    return _backward(logits, labels, lse, g, _Launch(options, interpret, config, partitioned, inplace))
+    backward kernel's tiles (default ``kernels.backward_config(V)``); g_lse: None, or the per-token cotangent of
+    lse (shaped like labels), whose gradient is added."""
+    st = _Launch(options, interpret, config, partitioned, inplace, lse_cotangent=g_lse is not None)
+    return _backward(logits, labels, lse, g, g_lse, st)

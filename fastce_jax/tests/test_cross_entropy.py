@@ -26,6 +26,10 @@ def test_signature_is_the_contract():
         inplace_backward=True,
         validate_labels=False,
         shift=0,
+        return_z_loss=False,
+        return_lse=False,
+        return_accuracy=False,
+        return_entropy=False,
     )
     assert list(params)[:2] == ["logits", "labels"]
     assert {k: p.default for k, p in params.items() if k not in ("logits", "labels")} == expected

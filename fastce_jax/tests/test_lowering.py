@@ -169,3 +169,67 @@ def test_lowers_inside_shard_map_with_check_vma(compiled):
     x, y = jax.ShapeDtypeStruct((16, 1000), jnp.bfloat16), jax.ShapeDtypeStruct((16,), jnp.int32)
     text = jax.jit(f).trace(x, y).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(TRITON) == 3
+
+
+RETURNS = dict(return_z_loss=True, return_lse=True, return_accuracy=True, return_entropy=True)
+
+
+def lower_outputs(shape, dtype, **kw):
+    """The lowering of value_and_grad of loss + z_loss (the z_loss output's gradient flows through lse), with the
+    other outputs computed too."""
+    x = jax.ShapeDtypeStruct(shape, dtype)
+    y = jax.ShapeDtypeStruct(shape[:-1], jnp.int32)
+
+    def f(a, b):
+        out = cross_entropy(a, b, backend="kernel", **kw)
+        if not isinstance(out, tuple):
+            return out
+        extras = sum(jnp.sum(v) for k, v in out._asdict().items() if v is not None and k != "loss")
+        return out.loss + 0.0 * extras
+
+    return jax.jit(jax.value_and_grad(f)).trace(x, y).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("v", [1000, 262147])
+@pytest.mark.parametrize("opts", [{}, ALL], ids=["plain", "all"])
+@pytest.mark.parametrize(
+    "asked", [RETURNS, dict(return_accuracy=True), dict(return_entropy=True), dict(return_z_loss=True)]
+)
+def test_outputs_lower_to_triton(compiled, v, opts, asked):
+    modules = triton_modules(lower_outputs((8, v), jnp.bfloat16, **opts, **asked))
+    assert sorted(modules) == ["fastce_backward", "fastce_finish", "fastce_forward"], sorted(modules)
+
+
+def test_outputs_without_partials_keep_the_default_kernels(compiled):
+    """lse, and z_loss with a zero coefficient, need no partial: the kernels are the default ones, byte for byte;
+    accuracy and entropy change the forward and finish kernels only, a differentiated z_loss the backward only."""
+    default = triton_modules(lower_outputs((8, 50257), jnp.bfloat16, **ALL))
+    plain = triton_modules(lower_outputs((8, 50257), jnp.bfloat16, **dict(ALL, z_loss=0.0), return_z_loss=True))
+    assert triton_modules(lower_outputs((8, 50257), jnp.bfloat16, **ALL, return_lse=True)) == default
+    assert plain == triton_modules(lower_outputs((8, 50257), jnp.bfloat16, **dict(ALL, z_loss=0.0)))
+    for asked, changed in [
+        (dict(return_accuracy=True), {"fastce_forward", "fastce_finish"}),
+        (dict(return_entropy=True), {"fastce_forward", "fastce_finish"}),
+        (dict(return_z_loss=True), {"fastce_backward"}),
+    ]:
+        variant = triton_modules(lower_outputs((8, 50257), jnp.bfloat16, **ALL, **asked))
+        assert {k for k in default if variant[k] != default[k]} == changed, asked
+
+
+@pytest.mark.parametrize("opts", [{}, ALL], ids=["plain", "all"])
+def test_vocab_parallel_outputs_lower_to_triton(opts):
+    """The vocab-parallel mode's extra partials and the backward's lse cotangent lower to Triton."""
+    options = contract.Options(**opts)
+
+    def f(x, y, lse, g, start):
+        stats = kernels.forward(
+            x, y, options, interpret=False, vocab_start=start, vocab_total=2 * x.shape[1], extras=(True, True)
+        )
+        dx = kernels.backward(
+            x, y, lse, g, options, inplace=True, interpret=False, vocab_start=start, vocab_total=2 * x.shape[1], g_lse=g
+        )
+        return stats, dx
+
+    shapes = [((8, 64128), jnp.bfloat16), ((8,), jnp.int32), ((8,), jnp.float32), ((8,), jnp.float32), ((), jnp.int32)]
+    lowered = jax.jit(f).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes)).lower(lowering_platforms=("cuda",))
+    assert sorted(triton_modules(lowered)) == ["fastce_backward", "fastce_finish", "fastce_forward"]
