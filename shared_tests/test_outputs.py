@@ -16,6 +16,7 @@ CUDA-graph capture. fastce_jax's cases are skipped until fastce_jax.CrossEntropy
 """
 
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -184,6 +185,8 @@ def jax_call(case, logits, labels, n_items, **returns):
         **case.opts.as_kwargs(),
         **returns,
     )
+    if not isinstance(out, tuple):  # no return_* keyword: the plain loss
+        return exchange.to_torch(out), None
     return type(out)(*(None if v is None else exchange.to_torch(v) for v in out)), None
 
 
@@ -241,8 +244,11 @@ def small_vocab_chunks(package, monkeypatch):
     else:
         jax_or_skip()
         from fastce_jax import kernels
-    monkeypatch.setattr(kernels, "FORWARD_BLOCK", 16)
-    monkeypatch.setattr(kernels, "CHUNK", 32)
+    if package == "torch":  # its forward_config is cached per argument set: the launchers get a small one
+        monkeypatch.setattr(kernels, "forward_config", functools.partial(kernels.forward_config, block=16, chunk=32))
+    else:  # fastce_jax reads the tile constants at each call (they are part of its jit key)
+        monkeypatch.setattr(kernels, "FORWARD_BLOCK", 16)
+        monkeypatch.setattr(kernels, "CHUNK", 32)
     return kernels
 
 
