@@ -351,7 +351,7 @@ def cross_entropy(
 # used while torch.compile traces.
 _OPTIONS_CACHE = {}
 _OPTIONS_CACHE_SIZE = 64
-_PLAIN_TYPES = {int: True, float: True}
+_PLAIN_TYPES = frozenset((int, float))
 
 
 def _checked_options(

@@ -7,6 +7,17 @@ import numpy as np
 
 from shared_tests import reference, tolerances
 
+# The option sets the kernel and fused linear tests run (each a set of cross_entropy keywords).
+OPTION_SETS = {
+    "plain": {},
+    "smoothing": dict(label_smoothing=0.1),
+    "z_loss": dict(z_loss=1e-2),
+    "softcap": dict(logit_softcapping=4.0),
+    "scaling": dict(logit_scaling=0.5),
+    "ignore5": dict(ignore_index=5),
+    "all": dict(label_smoothing=0.2, z_loss=1e-3, logit_softcapping=7.0, logit_scaling=1.3),
+}
+
 
 def as_float64(array):
     """The values an array holds (bf16 / fp16 / fp32 are exact in float64), on the host."""

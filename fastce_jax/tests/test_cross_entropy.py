@@ -126,17 +126,23 @@ def test_no_warnings_from_kernels_on_cpu():
         jax.value_and_grad(lambda a: cross_entropy(a, Y, backend="kernel"))(x)
 
 
-def test_eager_calls_reuse_their_trace(monkeypatch):
-    """A second eager call with the same shapes and options neither traces nor lowers the kernels again (each
-    retrace re-lowers the Pallas kernels: hundreds of milliseconds per eager call)."""
-    traced = []
+@pytest.fixture
+def traced(monkeypatch):
+    """One entry per trace of the kernels' launcher (sharding.forward runs only while a call is traced)."""
+    calls = []
     launch = sharding.forward
 
     def counting(*args, **kwargs):
-        traced.append(1)
+        calls.append(1)
         return launch(*args, **kwargs)
 
     monkeypatch.setattr(sharding, "forward", counting)
+    return calls
+
+
+def test_eager_calls_reuse_their_trace(traced):
+    """A second eager call with the same shapes and options neither traces nor lowers the kernels again (each
+    retrace re-lowers the Pallas kernels: hundreds of milliseconds per eager call)."""
     rng = np.random.default_rng(23)
     # A shape and options no other test uses, so the first call traces here.
     x = jnp.asarray(rng.standard_normal((5, 29)), jnp.float32)
@@ -152,15 +158,7 @@ def test_eager_calls_reuse_their_trace(monkeypatch):
     assert len(traced) == 2
 
 
-def test_eager_linear_calls_reuse_their_trace(monkeypatch):
-    traced = []
-    launch = sharding.forward
-
-    def counting(*args, **kwargs):
-        traced.append(1)
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(sharding, "forward", counting)
+def test_eager_linear_calls_reuse_their_trace(traced):
     rng = np.random.default_rng(24)
     h = jnp.asarray(rng.standard_normal((7, 6)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((31, 6)), jnp.float32)

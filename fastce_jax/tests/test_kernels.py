@@ -13,19 +13,9 @@ import pytest
 
 from fastce_jax import contract, cross_entropy, cross_entropy_reference, kernels
 
-from .checks import as_float64, assert_grad, assert_loss, expected
+from .checks import OPTION_SETS, as_float64, assert_grad, assert_loss, expected
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-OPTION_SETS = {
-    "plain": {},
-    "smoothing": dict(label_smoothing=0.1),
-    "z_loss": dict(z_loss=1e-2),
-    "softcap": dict(logit_softcapping=4.0),
-    "scaling": dict(logit_scaling=0.5),
-    "ignore5": dict(ignore_index=5),
-    "all": dict(label_smoothing=0.2, z_loss=1e-3, logit_softcapping=7.0, logit_scaling=1.3),
-}
 
 
 def make_inputs(put, n, v, dtype, seed, ignore_index=-100, n_ignored=2, scale=2.0):

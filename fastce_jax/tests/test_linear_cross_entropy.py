@@ -17,20 +17,11 @@ import pytest
 from fastce_jax import linear_cross_entropy
 from shared_tests import reference as float64_reference
 
-from .checks import as_float64
+from .checks import OPTION_SETS, as_float64
 
 # The module (the package attribute of the same name is the function).
 LCE = importlib.import_module("fastce_jax.linear_cross_entropy")
 
-OPTION_SETS = {
-    "plain": {},
-    "smoothing": dict(label_smoothing=0.1),
-    "z_loss": dict(z_loss=1e-2),
-    "softcap": dict(logit_softcapping=4.0),
-    "scaling": dict(logit_scaling=0.5),
-    "ignore5": dict(ignore_index=5),
-    "all": dict(label_smoothing=0.2, z_loss=1e-3, logit_softcapping=7.0, logit_scaling=1.3),
-}
 LOSS_TOL = dict(rtol=3e-5, atol=3e-5)
 UPSTREAM = 1.7  # the tests differentiate UPSTREAM * loss, so the backward's scaling is checked too
 
