@@ -58,14 +58,21 @@ CHUNK = 16384
 _INT32_MAX = 2**31 - 1  # the argmax partials' filler: larger than any column
 
 
-@functools.cache
 def _ignore_triton_deprecation_globally() -> None:
     # The deprecation is raised while the *enclosing* jit lowers, which happens
     # after our launcher has returned, with no fastce_jax frame on the stack: a
-    # catch_warnings around the pallas_call cannot see it.  So the first compiled
-    # (non-interpret) launch also installs a process filter for exactly this
-    # message and category.  Interpret mode (CPU) never lowers to Triton and
-    # never installs it.
+    # catch_warnings around the pallas_call cannot see it.  So every compiled
+    # (non-interpret) launch makes sure a process filter for exactly this
+    # message and category is installed (again, when a user's catch_warnings
+    # block that was open at the first launch dropped it on exit).  Interpret
+    # mode (CPU) never lowers to Triton and never installs it.
+    for action, message, category, _, _ in warnings.filters:
+        if (
+            action == "ignore"
+            and category is DeprecationWarning
+            and getattr(message, "pattern", None) == TRITON_DEPRECATION
+        ):
+            return
     warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
 
 

@@ -120,10 +120,32 @@ def test_triton_deprecation_filter_is_scoped():
 
 
 def test_no_warnings_from_kernels_on_cpu():
-    x = jnp.asarray(X, jnp.bfloat16)
+    # CPU arrays (interpret mode) even in a GPU process: nothing lowers to Triton, so nothing warns, even with
+    # every warning an error.
+    cpu = jax.devices("cpu")[0]
+    x, y = jax.device_put(jnp.asarray(X, jnp.bfloat16), cpu), jax.device_put(jnp.asarray(Y), cpu)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        jax.value_and_grad(lambda a: cross_entropy(a, Y, backend="kernel"))(x)
+        jax.value_and_grad(lambda a: cross_entropy(a, y, backend="kernel"))(x)
+
+
+def test_process_filter_survives_a_users_catch_warnings_block():
+    """A compiled launch installs the process filter; a user's catch_warnings block open at that moment drops it on
+    exit, and the next compiled launch installs it again (jit lowers the kernels after fastce_jax's frames return,
+    where only a process filter reaches)."""
+
+    def installed():
+        return [f for f in warnings.filters if getattr(f[1], "pattern", None) == kernels.TRITON_DEPRECATION]
+
+    with warnings.catch_warnings():
+        with kernels.quiet_triton(interpret=False):
+            pass
+        assert len(installed()) == 1
+    with kernels.quiet_triton(interpret=False):
+        pass
+    with kernels.quiet_triton(interpret=False):
+        pass
+    assert len(installed()) == 1
 
 
 @pytest.fixture
