@@ -139,33 +139,47 @@ def _interior(hidden):
 def _new_grads(hidden, weight, bias, needs, chunking):
     need_hidden, need_weight, need_bias = needs
     grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
-    # Accumulated over chunks (addmm with beta=1), so it starts at zero. A weight that is not in the compute dtype
-    # (a float32 master weight under autocast) gets a float32 accumulator: its gradient is float32 anyway, and one
-    # rounding at the end is more accurate than rounding every chunk to the compute dtype and casting back.
+    # Accumulated over chunks: the first chunk's product overwrites them (beta=0: no fill, no read of zeros, a
+    # V x H write and read less than starting from zeros), the next ones add (beta=1); with no rows at all
+    # (no chunk) _finish_grads zeroes them. A weight that is not in the compute dtype (a float32 master weight under
+    # autocast) gets a float32 accumulator: its gradient is float32 anyway, and one rounding at the end is more
+    # accurate than rounding every chunk to the compute dtype and casting back.
     float32_accumulator = chunking.accumulate_in_float32 or weight.dtype != hidden.dtype
     accumulate_dtype = torch.float32 if float32_accumulator else weight.dtype
-    grad_weight = torch.zeros(weight.shape, dtype=accumulate_dtype, device=weight.device) if need_weight else None
-    grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
+    grad_weight = torch.empty(weight.shape, dtype=accumulate_dtype, device=weight.device) if need_weight else None
+    grad_bias = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
     return grad_hidden, grad_weight, grad_bias
 
 
 def _accumulate_grads(dlogits, hidden_chunk, weight, rows, grads):
+    """Adds one chunk's products to the gradients; the chunk of the first rows (rows.start == 0, always the first
+    processed) writes them instead (their storage is uninitialised)."""
     grad_hidden, grad_weight, grad_bias = grads
+    first = rows.start == 0
     if grad_hidden is not None:
         torch.matmul(dlogits, weight, out=grad_hidden[rows])
     if grad_weight is not None:
+        # beta=0: torch (and cuBLAS) ignore the uninitialised output's values, NaN included.
+        beta = 0 if first else 1
         if grad_weight.dtype == dlogits.dtype:
-            grad_weight.addmm_(dlogits.t(), hidden_chunk)
+            grad_weight.addmm_(dlogits.t(), hidden_chunk, beta=beta)
         elif grad_weight.is_cuda:  # the float32 accumulator: cuBLAS takes bf16/fp16 operands with a float32 output
-            torch.addmm(grad_weight, dlogits.t(), hidden_chunk, out_dtype=torch.float32, out=grad_weight)
+            torch.addmm(grad_weight, dlogits.t(), hidden_chunk, beta=beta, out_dtype=torch.float32, out=grad_weight)
         else:  # the CPU has no mixed-dtype addmm
-            grad_weight.addmm_(dlogits.t().float(), hidden_chunk.float())
+            grad_weight.addmm_(dlogits.t().float(), hidden_chunk.float(), beta=beta)
     if grad_bias is not None:
-        grad_bias += dlogits.sum(0, dtype=torch.float32)
+        if first:
+            torch.sum(dlogits, 0, dtype=torch.float32, out=grad_bias)
+        else:
+            grad_bias += dlogits.sum(0, dtype=torch.float32)
 
 
-def _finish_grads(grads, weight, bias):
+def _finish_grads(grads, weight, bias, n_rows):
     grad_hidden, grad_weight, grad_bias = grads
+    if n_rows == 0:  # no chunk wrote them
+        for grad in (grad_weight, grad_bias):
+            if grad is not None:
+                grad.zero_()
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None:
@@ -212,7 +226,7 @@ def _fused_forward(
             if any(needs):
                 _ce_backward_in_place(logits, labels_chunk, lse_chunk, one, options, denominator)
                 _accumulate_grads(logits, hidden_chunk, weight_c, rows, grads)
-        result = token_losses, lse, _finish_grads(grads, weight, bias)
+        result = token_losses, lse, _finish_grads(grads, weight, bias, hidden.shape[0])
         return (*result, argmax, mean_z) if outputs else result
 
 
@@ -232,7 +246,7 @@ def _fused_backward(grad_losses, hidden, weight, bias, labels, lse, options, chu
                 grad_rows = None if grad_losses is None else grad_losses[rows]
                 _ce_chunk_backward(logits, labels_chunk, lse[rows], grad_rows, grad_lse[rows], options)
             _accumulate_grads(logits, hidden_chunk, weight_c, rows, grads)
-        return _finish_grads(grads, weight, bias)
+        return _finish_grads(grads, weight, bias, hidden.shape[0])
 
 
 def _differentiable_grads(grad_rows, hidden, weight, bias, labels, options, needs, grad_lse=None):
