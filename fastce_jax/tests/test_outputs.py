@@ -22,21 +22,12 @@ from jax.sharding import PartitionSpec as P
 from fastce_jax import CrossEntropyOutput, cross_entropy, kernels, linear_cross_entropy
 from shared_tests import reference, tolerances
 
-from .checks import as_float64
+from .checks import OPTION_SETS, as_float64
 from .test_sharding import collectives
 
 RTOL, FLOOR = tolerances.RTOL, tolerances.FLOOR
 FIELDS = ("z_loss", "lse", "accuracy", "entropy")
 ALL_RETURNS = dict(return_z_loss=True, return_lse=True, return_accuracy=True, return_entropy=True)
-OPTION_SETS = {
-    "plain": {},
-    "smoothing": dict(label_smoothing=0.1),
-    "z_loss": dict(z_loss=1e-2),
-    "softcap": dict(logit_softcapping=4.0),
-    "scaling": dict(logit_scaling=0.5),
-    "ignore5": dict(ignore_index=5),
-    "all": dict(label_smoothing=0.2, z_loss=1e-3, logit_softcapping=7.0, logit_scaling=1.3),
-}
 N_ROWS, VOCAB = 8, 300  # with the small tiles below: 3 chunks of 2 tiles, the last one partial
 
 
