@@ -53,16 +53,18 @@ class Chunking(NamedTuple):
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES
     chunk_rows: int | None = None
     accumulate_in_float32: bool = False
+    skip_ignored_rows: bool = False
 
 
-def _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32):
+def _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows=False):
     workspace_bytes = DEFAULT_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
     for name, value in (("workspace_bytes", workspace_bytes), ("chunk_rows", chunk_rows)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-    if not isinstance(accumulate_in_float32, bool):
-        raise TypeError(f"accumulate_in_float32 must be a bool, got {accumulate_in_float32!r}")
-    return Chunking(workspace_bytes, chunk_rows, accumulate_in_float32)
+    for name, value in (("accumulate_in_float32", accumulate_in_float32), ("skip_ignored_rows", skip_ignored_rows)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+    return Chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows)
 
 
 # --- the one place that calls fastce's launchers ----------------------------------------------------------------
@@ -136,9 +138,11 @@ def _interior(hidden):
     return stack
 
 
-def _new_grads(hidden, weight, bias, needs, chunking):
+def _new_grads(hidden, weight, bias, needs, chunking, kept=None):
     need_hidden, need_weight, need_bias = needs
-    grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
+    # With kept rows (skip_ignored_rows) the chunks write only those rows: the ignored ones start at zero.
+    new = torch.empty if kept is None else torch.zeros
+    grad_hidden = new(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
     # Accumulated over chunks (addmm with beta=1), so it starts at zero. A weight that is not in the compute dtype
     # (a float32 master weight under autocast) gets a float32 accumulator: its gradient is float32 anyway, and one
     # rounding at the end is more accurate than rounding every chunk to the compute dtype and casting back.
@@ -152,7 +156,10 @@ def _new_grads(hidden, weight, bias, needs, chunking):
 def _accumulate_grads(dlogits, hidden_chunk, weight, rows, grads):
     grad_hidden, grad_weight, grad_bias = grads
     if grad_hidden is not None:
-        torch.matmul(dlogits, weight, out=grad_hidden[rows])
+        if isinstance(rows, slice):
+            torch.matmul(dlogits, weight, out=grad_hidden[rows])
+        else:  # the kept rows' indices (skip_ignored_rows)
+            grad_hidden.index_copy_(0, rows, torch.matmul(dlogits, weight))
     if grad_weight is not None:
         if grad_weight.dtype == dlogits.dtype:
             grad_weight.addmm_(dlogits.t(), hidden_chunk)
@@ -173,17 +180,45 @@ def _finish_grads(grads, weight, bias):
     return grad_hidden, grad_weight, grad_bias
 
 
-def _chunks(hidden, weight, bias, labels, chunking):
+SKIP_UNDER_CAPTURE = (
+    "fastce_torch.linear_cross_entropy: skip_ignored_rows=True reads the number of kept rows on the host (one "
+    "synchronisation), which CUDA-graph capture does not allow; capture the default skip_ignored_rows=False"
+)
+
+
+def _kept_rows(labels, ignore_index, chunking):
+    """skip_ignored_rows: the ascending indices (int64) of the rows whose label is not ignore_index, or None when
+    every row is kept or the keyword is off (the plain loop over all rows). cuBLAS matmuls take their shapes from
+    the host, so skipping rows needs their number there: nonzero reads it, one host synchronisation."""
+    if not chunking.skip_ignored_rows:
+        return None
+    if labels.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(SKIP_UNDER_CAPTURE)
+    kept = torch.nonzero(labels != ignore_index).squeeze(1)
+    return None if kept.numel() == labels.numel() else kept
+
+
+def _chunks(hidden, weight, bias, labels, chunking, kept=None):
     """Yields (rows, hidden_chunk, labels_chunk, logits) chunk by chunk; logits is a view of one workspace that the
-    next chunk overwrites."""
-    n_rows, vocab = hidden.shape[0], weight.shape[0]
+    next chunk overwrites. rows is a slice of the rows, or with `kept` (_kept_rows) a slice of those indices: the
+    chunks then cover only the kept rows (gathered, a chunk x H copy each), so ignored rows cost no matmul."""
+    n_rows, vocab = hidden.shape[0] if kept is None else kept.numel(), weight.shape[0]
     step = rows_per_chunk(n_rows, vocab, hidden.element_size(), chunking.workspace_bytes, chunking.chunk_rows)
     workspace = torch.empty(step, vocab, dtype=hidden.dtype, device=hidden.device)
     for start in range(0, n_rows, step):
-        rows = slice(start, min(start + step, n_rows))
-        hidden_chunk = hidden[rows]
-        logits = _chunk_logits(workspace[: rows.stop - start], hidden_chunk, weight, bias)
+        stop = min(start + step, n_rows)
+        rows = slice(start, stop) if kept is None else kept[start:stop]
+        hidden_chunk = hidden[rows] if kept is None else hidden.index_select(0, rows)
+        logits = _chunk_logits(workspace[: stop - start], hidden_chunk, weight, bias)
         yield rows, hidden_chunk, labels[rows], logits
+
+
+def _per_row(n_rows, kept, fill, dtype, device):
+    """A per-row result buffer: every row is written by the chunks, or with kept rows the others hold `fill`, the
+    value the forward kernel gives an ignored row (loss 0, lse -inf, argmax 0, mean of z NaN)."""
+    if kept is None:
+        return torch.empty(n_rows, dtype=dtype, device=device)
+    return torch.full((n_rows,), fill, dtype=dtype, device=device)
 
 
 def _fused_forward(
@@ -193,17 +228,18 @@ def _fused_forward(
     sum_t loss_t / denominator (a 1-element float32 device tensor) computed chunk by chunk. Returns
     (token_losses, lse, (grad_hidden, grad_weight, grad_bias)), None for gradients not needed; with outputs, then
     also the per-row argmax (int32) and mean of z (the extra outputs' statistics, collected chunk by chunk)."""
-    n_rows = hidden.shape[0]
+    n_rows, device = hidden.shape[0], hidden.device
     with _interior(hidden):
+        kept = _kept_rows(labels, options.ignore_index, chunking)
         weight_c, bias_c = _in_compute_dtype(hidden, weight, bias)
-        token_losses = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
+        token_losses = _per_row(n_rows, kept, 0.0, torch.float32, device)
+        lse = _per_row(n_rows, kept, -float("inf"), torch.float32, device)
         if outputs:
-            argmax = torch.empty(n_rows, dtype=torch.int32, device=hidden.device)
-            mean_z = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
-        grads = _new_grads(hidden, weight, bias, needs, chunking)
+            argmax = _per_row(n_rows, kept, 0, torch.int32, device)
+            mean_z = _per_row(n_rows, kept, float("nan"), torch.float32, device)
+        grads = _new_grads(hidden, weight, bias, needs, chunking, kept)
         one = torch.ones((), dtype=torch.float32, device=hidden.device)
-        for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight_c, bias_c, labels, chunking):
+        for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight_c, bias_c, labels, chunking, kept):
             loss_chunk, lse_chunk, *statistics = _ce_forward(logits, labels_chunk, options, outputs)
             token_losses[rows] = loss_chunk
             lse[rows] = lse_chunk
@@ -221,11 +257,13 @@ def _fused_backward(grad_losses, hidden, weight, bias, labels, lse, options, chu
     chunk's logits from hidden and weight; grad_losses None for the lse part alone."""
     # no_grad: under create_graph=True autograd runs backward with grad mode on, and these are kernels and out= ops.
     with _interior(hidden):
-        grads = _new_grads(hidden, weight, bias, needs, chunking)
         if not any(needs):
-            return grads
+            return _new_grads(hidden, weight, bias, needs, chunking)
+        # The forward's kept rows again (a second synchronisation, in this backward that recomputes the logits).
+        kept = _kept_rows(labels, options.ignore_index, chunking)
+        grads = _new_grads(hidden, weight, bias, needs, chunking, kept)
         weight_c, bias_c = _in_compute_dtype(hidden, weight, bias)
-        for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight_c, bias_c, labels, chunking):
+        for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight_c, bias_c, labels, chunking, kept):
             if grad_lse is None:
                 _ce_backward_in_place(logits, labels_chunk, lse[rows], grad_losses[rows], options)
             else:
@@ -648,6 +686,7 @@ def linear_cross_entropy(
     workspace_bytes=None,
     chunk_rows=None,
     accumulate_in_float32=False,
+    skip_ignored_rows=False,
     return_z_loss=False,
     return_lse=False,
     return_accuracy=False,
@@ -675,6 +714,14 @@ def linear_cross_entropy(
     per chunk whatever the budget; `accumulate_in_float32=True` sums a bf16/fp16 weight's gradient over the chunks
     in a float32 accumulator (one rounding instead of one per chunk, 4·V·H more bytes).
 
+    skip_ignored_rows=True (the kernels only): the chunks cover only the rows whose label is not ignore_index
+    (gathered chunk by chunk, a copy of their rows of hidden), so ignored rows (padding, prompt tokens) cost no
+    matmul work: 6·K·H·V flops for K kept rows instead of 6·N·H·V. The same loss and gradients (d hidden exactly 0
+    on ignored rows), every output in the original order. It reads the number of kept rows on the host: one
+    synchronisation per pass over the chunks (the forward, and the backward where it recomputes the logits:
+    "none", a differentiated z_loss output), so it raises under CUDA-graph capture; torch.compile runs it inside
+    its custom ops. Off by default: the default path never synchronises.
+
     return_z_loss, return_lse, return_accuracy, return_entropy: as cross_entropy's (CrossEntropyOutput), collected
     chunk by chunk from the same forward kernels. Differentiating the z_loss output recomputes each chunk's logits
     in the backward. Under torch.compile any of them sends "mean"/"sum" through the per-token ops (the backward
@@ -684,7 +731,7 @@ def linear_cross_entropy(
     options = contract.check_options(
         ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
     )
-    chunking = _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32)
+    chunking = _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows)
     extras = contract.check_extras(return_z_loss, return_lse, return_accuracy, return_entropy)
     kept = None
     if shift := contract.check_shift(shift, labels):
