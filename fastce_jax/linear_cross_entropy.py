@@ -21,6 +21,11 @@ Reductions (jax.custom_vjp).
 Memory beyond the inputs: the gradients (hidden's, weight's, bias's, in their dtypes), the workspace (chunk rows x V
 in the inputs' dtype, at most workspace_bytes) and O(N + V) floats.
 
+Ignored rows: by default every row costs its matmuls. skip_ignored_rows=True orders the chunk loop's rows kept
+first (a stable argsort of the ignored mask, traced), gathers each chunk's rows of hidden and scatters its rows of
+d hidden back, and runs each chunk under a lax.cond on whether it holds a kept row: the chunks after the last kept
+row compute nothing, with no host synchronisation (the kept-row count stays on the device).
+
 Precision: each chunk's matmuls accumulate in float32 and round once to the input dtype. By default the weight
 gradient is summed across chunks in the weight's own dtype (one rounding per chunk); a float32 accumulator
 (accumulate_in_float32=True: one rounding at the end) costs 4·V·H more bytes (2 GiB at V=128256,

@@ -20,6 +20,12 @@ Reductions.
 Memory beyond the inputs: the gradients (hidden's, weight's, bias's, in their dtypes), the workspace (chunk rows x V
 in the inputs' dtype, at most workspace_bytes) and O(N + V) floats.
 
+Ignored rows: by default every row costs its matmuls (an ignored row's logits are computed, then never read).
+skip_ignored_rows=True runs the chunks over the kept rows only (their indices by nonzero, each chunk's rows of hidden
+gathered, its rows of d hidden written back by index): 6·K·H·V flops for K kept rows, plus K·H copied. cuBLAS takes
+its shapes from the host, so the number of kept rows is read there, one synchronisation per pass over the chunks:
+opt-in, and refused under CUDA-graph capture.
+
 Precision: each chunk's matmuls accumulate in float32 and round once to the input dtype. By default the weight
 gradient is summed across chunks in the weight's own dtype (one rounding per chunk); a float32 accumulator
 (accumulate_in_float32=True: one rounding at the end) costs 4·V·H more bytes (2 GiB at V=128256,
