@@ -604,3 +604,23 @@ def test_skip_ignored_rows_sharded(use_gpu):
 
     for a, b in zip(jax.tree.leaves(run(True)), jax.tree.leaves(run(False))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_skip_ignored_rows_compiled_memory():
+    """The skipping loop's scratch is the default loop's plus O(N) (the row order): its cond and scatters keep the
+    gradient carries in place, no extra copy of d weight (V x H) or d hidden (N x H)."""
+    dim, vocab = 64, 4096
+    for n in (512, 2048):
+        default = compiled_temp_bytes(n, dim, vocab, jnp.float32, chunk_rows=64)
+        skipping = compiled_temp_bytes(n, dim, vocab, jnp.float32, chunk_rows=64, skip_ignored_rows=True)
+        assert skipping - default <= 8 * n, (n, default, skipping)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, dim, vocab", [(8192, 4096, 128256), (32768, 4096, 128256)])
+def test_gpu_skip_ignored_rows_compiled_memory(capsys, n, dim, vocab):
+    default = compiled_temp_bytes(n, dim, vocab, jnp.bfloat16)
+    skipping = compiled_temp_bytes(n, dim, vocab, jnp.bfloat16, skip_ignored_rows=True)
+    with capsys.disabled():
+        print(f"\n[fastce_jax linear skip] {n}x{dim}x{vocab}: temp {skipping / 2**20:.0f} MiB ({default / 2**20:.0f})")
+    assert skipping - default <= 16 * n + (1 << 20)
