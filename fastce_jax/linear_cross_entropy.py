@@ -24,7 +24,10 @@ in the inputs' dtype, at most workspace_bytes) and O(N + V) floats.
 Ignored rows: by default every row costs its matmuls. skip_ignored_rows=True orders the chunk loop's rows kept
 first (a stable argsort of the ignored mask, traced), gathers each chunk's rows of hidden and scatters its rows of
 d hidden back, and runs each chunk under a lax.cond on whether it holds a kept row: the chunks after the last kept
-row compute nothing, with no host synchronisation (the kept-row count stays on the device).
+row compute nothing. The kept-row count stays on the device (nothing for the caller to wait on, jit-compatible),
+but XLA's GPU runtime executes a conditional outside a command buffer by copying its predicate to the host and
+waiting for it (ConditionalThunk): one wait per chunk, unless XLA_FLAGS' --xla_gpu_enable_command_buffer includes
+CONDITIONAL (a CUDA-graph conditional node). bench/tools/skip_probe.py measures what that costs.
 
 Precision: each chunk's matmuls accumulate in float32 and round once to the input dtype. By default the weight
 gradient is summed across chunks in the weight's own dtype (one rounding per chunk); a float32 accumulator
@@ -127,7 +130,7 @@ def _extra_names(st: _Static):
 
 class _Order(NamedTuple):
     """skip_ignored_rows: the chunk loop's row order, the kept rows first (in their own order, a stable sort), and
-    how many rows are kept (traced: no host synchronisation)."""
+    how many rows are kept (traced: it stays on the device)."""
 
     rows: jax.Array  # (N,) int32: position p of the loop is row rows[p]
     n_kept: jax.Array  # int32 scalar
@@ -500,9 +503,10 @@ def linear_cross_entropy(
     first (a stable sort of the ignored mask; each chunk gathers its rows of hidden and scatters its rows of d
     hidden back), and a chunk with no kept row runs under a ``lax.cond`` that skips its matmuls and kernels on the
     device, so ignored rows (padding, prompt tokens) cost no matmul work beyond the one chunk holding the last kept
-    row. No host synchronisation; jit, grad, vmap work (under vmap with batched labels the cond becomes a select:
-    both branches run, nothing is saved). The same loss and gradients (d hidden exactly 0 on ignored rows), every
-    output in the original order.
+    row. jit, grad, second order and vmap work (under vmap with batched labels the cond becomes a select: both
+    branches run, nothing is saved). The same loss and gradients (d hidden exactly 0 on ignored rows), every
+    output in the original order. Nothing is read on the host by fastce, but on a GPU XLA runs each chunk's
+    conditional by reading its predicate on the host (a wait per chunk; see the module docstring).
 
     return_z_loss, return_lse, return_accuracy, return_entropy: as in ``fastce_jax.cross_entropy``, collected chunk
     by chunk from the same forward kernels (no logits kept). Differentiating the returned z_loss (with z_loss != 0)

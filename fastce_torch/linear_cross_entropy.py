@@ -23,8 +23,9 @@ in the inputs' dtype, at most workspace_bytes) and O(N + V) floats.
 Ignored rows: by default every row costs its matmuls (an ignored row's logits are computed, then never read).
 skip_ignored_rows=True runs the chunks over the kept rows only (their indices by nonzero, each chunk's rows of hidden
 gathered, its rows of d hidden written back by index): 6·K·H·V flops for K kept rows, plus K·H copied. cuBLAS takes
-its shapes from the host, so the number of kept rows is read there, one synchronisation per pass over the chunks:
-opt-in, and refused under CUDA-graph capture.
+its shapes from the host, so the number of kept rows is read there: one synchronisation per call (eager; the
+autograd Functions hand the kept rows to the backward that recomputes the logits; under torch.compile that backward's
+custom op reads them again). Opt-in, and refused under CUDA-graph capture.
 
 Precision: each chunk's matmuls accumulate in float32 and round once to the input dtype. By default the weight
 gradient is summed across chunks in the weight's own dtype (one rounding per chunk); a float32 accumulator
@@ -192,6 +193,9 @@ SKIP_UNDER_CAPTURE = (
 )
 
 
+FIND = object()  # the kept rows not handed over: the pass finds them (_kept_rows)
+
+
 def _kept_rows(labels, ignore_index, chunking):
     """skip_ignored_rows: the ascending indices (int64) of the rows whose label is not ignore_index, or None when
     every row is kept or the keyword is off (the plain loop over all rows). cuBLAS matmuls take their shapes from
@@ -228,7 +232,16 @@ def _per_row(n_rows, kept, fill, dtype, device):
 
 
 def _fused_forward(
-    hidden, weight, bias, labels, options, chunking, denominator=None, needs=(False, False, False), outputs=False
+    hidden,
+    weight,
+    bias,
+    labels,
+    options,
+    chunking,
+    denominator=None,
+    needs=(False, False, False),
+    outputs=False,
+    kept=FIND,
 ):
     """Token losses (N,) and lse (N,) of 2-D hidden; with any of `needs` (hidden, weight, bias) also the gradients of
     sum_t loss_t / denominator (a 1-element float32 device tensor) computed chunk by chunk. Returns
@@ -236,7 +249,7 @@ def _fused_forward(
     also the per-row argmax (int32) and mean of z (the extra outputs' statistics, collected chunk by chunk)."""
     n_rows, device = hidden.shape[0], hidden.device
     with _interior(hidden):
-        kept = _kept_rows(labels, options.ignore_index, chunking)
+        kept = _kept_rows(labels, options.ignore_index, chunking) if kept is FIND else kept
         weight_c, bias_c = _in_compute_dtype(hidden, weight, bias)
         token_losses = _per_row(n_rows, kept, 0.0, torch.float32, device)
         lse = _per_row(n_rows, kept, -float("inf"), torch.float32, device)
@@ -258,15 +271,16 @@ def _fused_forward(
         return (*result, argmax, mean_z) if outputs else result
 
 
-def _fused_backward(grad_losses, hidden, weight, bias, labels, lse, options, chunking, needs, grad_lse=None):
+def _fused_backward(grad_losses, hidden, weight, bias, labels, lse, options, chunking, needs, grad_lse=None, kept=FIND):
     """Gradients of sum_t grad_losses_t * loss_t (+ grad_lse_t * lse_t: the z_loss output's), recomputing each
     chunk's logits from hidden and weight; grad_losses None for the lse part alone."""
     # no_grad: under create_graph=True autograd runs backward with grad mode on, and these are kernels and out= ops.
     with _interior(hidden):
         if not any(needs):
             return _new_grads(hidden, weight, bias, needs, chunking)
-        # The forward's kept rows again (a second synchronisation, in this backward that recomputes the logits).
-        kept = _kept_rows(labels, options.ignore_index, chunking)
+        # The forward's kept rows: handed over by the eager Functions, found again (a second synchronisation) by
+        # the custom ops' backward.
+        kept = _kept_rows(labels, options.ignore_index, chunking) if kept is FIND else kept
         grads = _new_grads(hidden, weight, bias, needs, chunking, kept)
         weight_c, bias_c = _in_compute_dtype(hidden, weight, bias)
         for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight_c, bias_c, labels, chunking, kept):
@@ -327,8 +341,9 @@ class _ReducedFunction(torch.autograd.Function):
     @staticmethod
     def _forward_outputs(ctx, hidden, weight, bias, labels, denominator, chunking):
         """With the extra outputs: (loss, lse, argmax, mean of z); lse is differentiable for the z_loss output."""
+        ctx.kept = _kept_rows(labels, ctx.options.ignore_index, chunking)  # for a backward recomputing the logits
         token_losses, lse, grads, argmax, mean_z = _fused_forward(
-            hidden, weight, bias, labels, ctx.options, chunking, denominator, ctx.needs, outputs=True
+            hidden, weight, bias, labels, ctx.options, chunking, denominator, ctx.needs, outputs=True, kept=ctx.kept
         )
         ctx.grads, ctx.chunking = grads, chunking
         ctx.save_for_backward(hidden, weight, bias, labels, denominator, lse)
@@ -374,7 +389,7 @@ class _ReducedFunction(torch.autograd.Function):
             grads = _differentiable_grads(grad_rows, hidden, weight, bias, labels, ctx.options, ctx.needs, grad_lse)
             return (*grads, *nones)
         lse_grads = _fused_backward(
-            None, hidden, weight, bias, labels, lse, ctx.options, ctx.chunking, ctx.needs, grad_lse.detach()
+            None, hidden, weight, bias, labels, lse, ctx.options, ctx.chunking, ctx.needs, grad_lse.detach(), ctx.kept
         )
         if grad_loss is None:
             ctx.grads = None
@@ -390,13 +405,14 @@ class _PerTokenFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, options, chunking, extras=None):
         ctx.options, ctx.chunking, ctx.extras = options, chunking, extras
+        ctx.kept = _kept_rows(labels, options.ignore_index, chunking)  # the backward's chunks are the forward's
         if extras is None:
-            token_losses, lse, _ = _fused_forward(hidden, weight, bias, labels, options, chunking)
+            token_losses, lse, _ = _fused_forward(hidden, weight, bias, labels, options, chunking, kept=ctx.kept)
             ctx.save_for_backward(hidden, weight, bias, labels, lse)
             return token_losses
         # With the extra outputs: (losses, lse, argmax, mean of z); lse is differentiable for the z_loss output.
         token_losses, lse, _, argmax, mean_z = _fused_forward(
-            hidden, weight, bias, labels, options, chunking, outputs=True
+            hidden, weight, bias, labels, options, chunking, outputs=True, kept=ctx.kept
         )
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.mark_non_differentiable(argmax, mean_z, *(() if extras.z_loss else (lse,)))
@@ -417,7 +433,7 @@ class _PerTokenFunction(torch.autograd.Function):
         grad_losses = None if grad_losses is None else grad_losses.detach().contiguous()
         grad_lse = None if grad_lse is None else grad_lse.detach()
         grads = _fused_backward(
-            grad_losses, hidden, weight, bias, labels, lse, ctx.options, ctx.chunking, needs, grad_lse
+            grad_losses, hidden, weight, bias, labels, lse, ctx.options, ctx.chunking, needs, grad_lse, ctx.kept
         )
         return (*grads, None, None, None, None)
 
@@ -724,9 +740,9 @@ def linear_cross_entropy(
     (gathered chunk by chunk, a copy of their rows of hidden), so ignored rows (padding, prompt tokens) cost no
     matmul work: 6·K·H·V flops for K kept rows instead of 6·N·H·V. The same loss and gradients (d hidden exactly 0
     on ignored rows), every output in the original order. It reads the number of kept rows on the host: one
-    synchronisation per pass over the chunks (the forward, and the backward where it recomputes the logits:
-    "none", a differentiated z_loss output), so it raises under CUDA-graph capture; torch.compile runs it inside
-    its custom ops. Off by default: the default path never synchronises.
+    synchronisation per call (under torch.compile a backward that recomputes the logits, "none" or a
+    differentiated z_loss output, reads it again inside its custom op), so it raises under CUDA-graph capture.
+    Off by default: the default path never synchronises.
 
     return_z_loss, return_lse, return_accuracy, return_entropy: as cross_entropy's (CrossEntropyOutput), collected
     chunk by chunk from the same forward kernels. Differentiating the z_loss output recomputes each chunk's logits

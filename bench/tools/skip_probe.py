@@ -7,8 +7,10 @@ ignored part) and each package, forward + backward (gradients for hidden and wei
 skip_ignored_rows=True: the time per call, and for JAX also the host time until the call returns (dispatch). JAX
 dispatches asynchronously: a call that returns long before the GPU is done holds no host synchronisation; a
 dispatch time close to the whole step's time with the keyword (and not without it) says XLA's conditional waits on
-the host for its predicate, once per chunk (then the fix is a command-buffer conditional or a while loop with a
-device trip count). The torch rows synchronise by design (one nonzero per pass).
+the host for its predicate, once per chunk (XLA's ConditionalThunk does that outside a command buffer). Run it
+again with XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE
+(the loop and its conditionals as CUDA-graph nodes) to see whether that removes the wait. The torch rows synchronise
+by design (one nonzero per call).
 """
 
 import argparse

@@ -551,9 +551,15 @@ def ignored_problem(device, pattern, n=40, seed=30):
 
 @pytest.mark.parametrize("pattern", ["none", "half-interleaved", "ninety-clustered", "all"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_skip_ignored_rows_runs_matmuls_on_kept_rows_only(pattern, reduction, device, matmul_rows):
-    """The chunks cover only the kept rows (forward; "none" also in the backward, which recomputes the logits);
-    the loss and gradients are those of the default loop, d hidden exactly 0 on ignored rows."""
+def test_skip_ignored_rows_runs_matmuls_on_kept_rows_only(pattern, reduction, device, matmul_rows, monkeypatch):
+    """The chunks cover only the kept rows (forward; "none" also in the backward, which recomputes the logits),
+    found once per call (one synchronisation); the loss and gradients are those of the default loop, d hidden
+    exactly 0 on ignored rows."""
+    searches = []
+    find = module._kept_rows
+    monkeypatch.setattr(
+        module, "_kept_rows", lambda *args: (searches.append(args[2].skip_ignored_rows), find(*args))[1]
+    )
     hidden, weight, bias, labels = ignored_problem(device, pattern)
     n_kept = int((labels != -100).sum())
     upstream = torch.rand(labels.shape, device=device) + 0.5 if reduction == "none" else None
@@ -568,6 +574,7 @@ def test_skip_ignored_rows_runs_matmuls_on_kept_rows_only(pattern, reduction, de
         grads = grads_of(loss, (hidden, weight, bias), upstream)
         results[skip] = loss.detach(), grads, forward_rows, matmul_rows[len(forward_rows) :]
     loss, grads, forward_rows, backward_rows = results[True]
+    assert searches.count(True) == 1
     assert sum(results[False][2]) == 40 and sum(forward_rows) == n_kept
     assert all(r <= 8 for r in forward_rows) and len(forward_rows) == -(-n_kept // 8)
     assert backward_rows == (forward_rows if reduction == "none" else [])
