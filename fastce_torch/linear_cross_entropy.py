@@ -193,7 +193,7 @@ SKIP_UNDER_CAPTURE = (
 )
 
 
-FIND = object()  # the kept rows not handed over: the pass finds them (_kept_rows)
+_FIND = object()  # the kept rows not handed over: the pass finds them (_kept_rows)
 
 
 def _kept_rows(labels, ignore_index, chunking):
@@ -241,7 +241,7 @@ def _fused_forward(
     denominator=None,
     needs=(False, False, False),
     outputs=False,
-    kept=FIND,
+    kept=_FIND,
 ):
     """Token losses (N,) and lse (N,) of 2-D hidden; with any of `needs` (hidden, weight, bias) also the gradients of
     sum_t loss_t / denominator (a 1-element float32 device tensor) computed chunk by chunk. Returns
@@ -249,7 +249,7 @@ def _fused_forward(
     also the per-row argmax (int32) and mean of z (the extra outputs' statistics, collected chunk by chunk)."""
     n_rows, device = hidden.shape[0], hidden.device
     with _interior(hidden):
-        kept = _kept_rows(labels, options.ignore_index, chunking) if kept is FIND else kept
+        kept = _kept_rows(labels, options.ignore_index, chunking) if kept is _FIND else kept
         weight_c, bias_c = _in_compute_dtype(hidden, weight, bias)
         token_losses = _per_row(n_rows, kept, 0.0, torch.float32, device)
         lse = _per_row(n_rows, kept, -float("inf"), torch.float32, device)
@@ -271,7 +271,9 @@ def _fused_forward(
         return (*result, argmax, mean_z) if outputs else result
 
 
-def _fused_backward(grad_losses, hidden, weight, bias, labels, lse, options, chunking, needs, grad_lse=None, kept=FIND):
+def _fused_backward(
+    grad_losses, hidden, weight, bias, labels, lse, options, chunking, needs, grad_lse=None, kept=_FIND
+):
     """Gradients of sum_t grad_losses_t * loss_t (+ grad_lse_t * lse_t: the z_loss output's), recomputing each
     chunk's logits from hidden and weight; grad_losses None for the lse part alone."""
     # no_grad: under create_graph=True autograd runs backward with grad mode on, and these are kernels and out= ops.
@@ -280,7 +282,7 @@ def _fused_backward(grad_losses, hidden, weight, bias, labels, lse, options, chu
             return _new_grads(hidden, weight, bias, needs, chunking)
         # The forward's kept rows: handed over by the eager Functions, found again (a second synchronisation) by
         # the custom ops' backward.
-        kept = _kept_rows(labels, options.ignore_index, chunking) if kept is FIND else kept
+        kept = _kept_rows(labels, options.ignore_index, chunking) if kept is _FIND else kept
         grads = _new_grads(hidden, weight, bias, needs, chunking, kept)
         weight_c, bias_c = _in_compute_dtype(hidden, weight, bias)
         for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight_c, bias_c, labels, chunking, kept):
