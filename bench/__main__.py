@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from . import ALL_IMPLS, JAX_IMPLS, TORCH_IMPLS, jax_setup
+from .linear_shapes import DEFAULT_IGNORED, parse_ignored
 from .shapes import CPU_DEMO_SHAPES, CPU_DEMO_SHAPES_QUICK, QUICK_GPU_SHAPES, STANDARD_SHAPES, parse_shapes
 from .worker import PASSES
 
@@ -65,6 +66,14 @@ def parse_args(argv):
     parser.add_argument(
         "--linear-shapes",
         help="with --linear: comma-separated NxHxV[:dtype] instead of the standard linear shapes (split a full run)",
+    )
+    parser.add_argument(
+        "--ignored",
+        nargs="?",
+        const=",".join(map(str, DEFAULT_IGNORED)),
+        type=parse_ignored,
+        help="with --linear: each shape with these fractions of its labels ignored (default when given without a "
+        "value: 0,0.5,0.9), fastce with and without skip_ignored_rows beside the other fused implementations",
     )
     parser.add_argument("--plot", type=Path, help="PNG of time vs V with the memory floors (needs matplotlib)")
     parser.add_argument(
@@ -160,7 +169,7 @@ def main(argv=None) -> int:
         from .linear_shapes import parse_linear_shapes
 
         shapes = parse_linear_shapes(args.linear_shapes) if args.linear_shapes else None
-        return main_linear(args.quick, args.json, shapes)
+        return main_linear(args.quick, args.json, shapes, args.ignored)
 
     if gpu_available():
         from .runner import run_gpu

@@ -6,7 +6,8 @@ hidden states and the weight, nothing donated: both are live parameters / activa
                             summed over chunks in bf16)
   fastce_jax_linear_f32acc  the same with the float32 weight-gradient accumulator
   fastce_jax_linear_1GiB    the same with a 1 GiB workspace
-                            (these three are bench.linear_shapes.FASTCE_SETTINGS, as for fastce_torch)
+  fastce_jax_linear_skip    the same with skip_ignored_rows=True (chunks without a kept row skipped on the device)
+                            (these four are bench.linear_shapes.FASTCE_SETTINGS, as for fastce_torch)
   xla_linear                hidden @ weight.T, then XLA's float32-upcast CE (optax's formula), mean over kept tokens
   matmul+fastce_jax         hidden @ weight.T, then fastce_jax.cross_entropy on the materialised logits
 Plus `matmul` (not a loss): the three matmuls of the step alone (logits = h W^T, dh = G W, dW = G^T h with a given
@@ -25,11 +26,12 @@ only after bench.jax_setup.configure().
 
 import sys
 
-from .linear_shapes import FASTCE_SETTINGS, LINEAR_SHAPES
+from .linear_shapes import FASTCE_SETTINGS, LINEAR_SHAPES, ignored_rows
 from .shapes import IGNORE_INDEX
 
 FASTCE_IMPLS = {f"fastce_jax_linear{suffix}": settings for suffix, settings in FASTCE_SETTINGS.items()}
-LINEAR_IMPLS = (*FASTCE_IMPLS, "xla_linear", "matmul+fastce_jax")
+# The default rows; fastce_jax_linear_skip is timed by `--ignored` runs (bench.linear_shapes.IGNORED_JAX_IMPLS).
+LINEAR_IMPLS = (*(i for i in FASTCE_IMPLS if not i.endswith("_skip")), "xla_linear", "matmul+fastce_jax")
 
 
 def make_inputs(shape, seed=0):
@@ -42,7 +44,7 @@ def make_inputs(shape, seed=0):
     # Logits of unit scale, as a trained LM head gives roughly.
     weight = (jax.random.normal(kw, (shape.V, shape.H), jnp.float32) / shape.H**0.5).astype(dtype)
     labels = jax.random.randint(ky, (shape.N,), 0, shape.V, dtype=jnp.int32)
-    return hidden, weight, labels.at[::7].set(IGNORE_INDEX)
+    return hidden, weight, jnp.where(ignored_rows(shape), IGNORE_INDEX, labels)
 
 
 def float32_reference(hidden, weight, labels, chunk=1024):
@@ -171,6 +173,7 @@ def run(
     for shape in shapes:
         inputs = make_inputs(shape)
         base = {"N": shape.N, "H": shape.H, "V": shape.V, "dtype": shape.dtype}
+        base["ignored"] = float(ignored_rows(shape).mean())
         matmul_tflops = None
         try:
             m = measure_matmuls(shape, inputs, batch_target_ms)
@@ -212,7 +215,7 @@ def run(
             )
             gc.collect()
         for r in rows:
-            if r["impl"] != "matmul" and r["N"] == shape.N and r["H"] == shape.H and r["V"] == shape.V:
+            if r["impl"] != "matmul" and all(r[k] == v for k, v in base.items()):
                 # bf16 logits either way; the losses differ by the logits' rounding only.
                 r["ok"] = r["finite"] and (
                     reference_loss is None or abs(r["loss"] - reference_loss) <= 2e-3 * abs(reference_loss) + 1e-3

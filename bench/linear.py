@@ -17,7 +17,8 @@ run of every row is close to ten minutes on an H200: split it in two invocations
 
 Implementations (torch): fastce_torch.linear_cross_entropy in the FASTCE_SETTINGS configurations (keyword arguments
 of the call), which both packages are timed in (fastce_torch_linear: the defaults, a 256 MiB workspace and the
-weight gradient summed in bf16; ..._f32acc: the float32 weight-gradient accumulator; ..._1GiB: a 1 GiB workspace),
+weight gradient summed in bf16; ..._f32acc: the float32 weight-gradient accumulator; ..._1GiB: a 1 GiB workspace;
+..._skip: skip_ignored_rows=True, in --ignored runs only),
 matmul + fastce_torch.cross_entropy (logits materialised, gradient in place), torch.compile of matmul +
 F.cross_entropy on upcast logits, Liger's fused linear CE, Apple's Cut Cross-Entropy (skipped when not installed)
 and torch.nn.functional.linear_cross_entropy's chunked path (torch_linear_ce; absent, with a note, where the
@@ -27,6 +28,12 @@ XLA's temp size as memory and their own float32 reference for the accuracy.
 
 `python -m bench --linear --quick`: one shape (8192, 4096, 128256), fastce_torch only, and a correctness check of
 its loss and gradients against float32_reference: exit status 1 when it fails.
+
+`--ignored 0,0.5,0.9` (bench.linear_shapes.DEFAULT_IGNORED when given without a value): each shape with those
+fractions of its labels ignored (sequences of SEQUENCE rows, each starting with its ignored part, as a prompt in
+supervised fine-tuning), timing IGNORED_IMPLS (and IGNORED_JAX_IMPLS): fastce at its defaults (every row costs its
+matmuls) and with skip_ignored_rows=True (the ..._skip rows: only the kept rows do), beside the other fused
+implementations. The effective TFLOP/s stay 6·N·H·V / time, the full problem's work.
 """
 
 import contextlib
@@ -34,7 +41,15 @@ import gc
 import json
 import sys
 
-from .linear_shapes import FASTCE_SETTINGS, LINEAR_SHAPES, QUICK_SHAPE, LinearShape
+from .linear_shapes import (
+    FASTCE_SETTINGS,
+    IGNORED_IMPLS,
+    IGNORED_JAX_IMPLS,
+    LINEAR_SHAPES,
+    QUICK_SHAPE,
+    LinearShape,
+    ignored_rows,
+)
 from .progress import Unavailable, error_text, failure, say
 from .shapes import IGNORE_INDEX
 
@@ -130,7 +145,7 @@ def make_inputs(shape, seed=0):
     hidden = torch.randn(shape.N, shape.H, device=device, generator=gen).to(dtype).requires_grad_()
     weight = (torch.randn(shape.V, shape.H, device=device, generator=gen) / shape.H**0.5).to(dtype).requires_grad_()
     labels = torch.randint(0, shape.V, (shape.N,), device=device, generator=gen)
-    labels[::7] = IGNORE_INDEX
+    labels[torch.from_numpy(ignored_rows(shape)).to(device)] = IGNORE_INDEX
     return hidden, weight, labels
 
 
@@ -217,7 +232,7 @@ def gradient_errors(loss_fn, inputs, reference):
     loss = loss_fn(hidden, weight, labels)
     grad_hidden, grad_weight = torch.autograd.grad(loss, (hidden, weight))
     errors = {
-        "loss_rel": abs(float(loss.detach()) - float(ref_loss)) / abs(float(ref_loss)),
+        "loss_rel": abs(float(loss.detach()) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-30),
         "grad_hidden_rel_rms": rel_rms(grad_hidden, ref_gh),
         "grad_weight_rel_rms": rel_rms(grad_weight, ref_gw),
     }
@@ -280,11 +295,12 @@ def check_fastce(shape, chunk=1024):
 def _row(impl, shape, measured, matmul_tflops, peak_tflops):
     tflops = shape.flops / (measured["fwdbwd_ms"] * 1e-3) / 1e12
     row = {"impl": impl, "N": shape.N, "H": shape.H, "V": shape.V, "dtype": shape.dtype, **measured}
+    row["ignored"] = float(ignored_rows(shape).mean())
     row.update(effective_TFLOPs=tflops, of_matmul=tflops / matmul_tflops, of_peak=tflops / peak_tflops)
     return row
 
 
-def _add_jax_rows(shapes, matmul, peak, rows, failures):
+def _add_jax_rows(shapes, matmul, peak, rows, failures, impls=None):
     """bench.jax_linear's rows on the same shapes, in this table's terms: of_matmul against the torch bf16 matmul
     measured above (their own three-matmul ceiling is kept as of_jax_matmuls), of_peak against the square matmul;
     memory is XLA's temp size, which does not hold the gradients (outputs), so it is the extra beyond the gradients;
@@ -295,13 +311,13 @@ def _add_jax_rows(shapes, matmul, peak, rows, failures):
 
         if not has_gpu():
             raise Unavailable("jax sees no GPU")
-        result = jax_linear.run(shapes=tuple(shapes), say=say)
+        result = jax_linear.run(shapes=tuple(shapes), say=say, **({} if impls is None else {"impls": impls}))
     except Exception as exc:  # noqa: BLE001 - jax missing or broken must not lose the torch rows
         failures.append(failure("jax", None, "load", exc))
         say(f"JAX rows skipped: {failures[-1]['error']}")
         return
     for r in result["rows"]:
-        shape = LinearShape(r["N"], r["H"], r["V"], r["dtype"])
+        shape = LinearShape(r["N"], r["H"], r["V"], r["dtype"])  # dense: the matmul's key
         row = dict(r, impl="jax_three_matmuls" if r["impl"] == "matmul" else r["impl"])
         if "of_matmul" in row:
             row["of_jax_matmuls"] = row.pop("of_matmul")
@@ -319,16 +335,20 @@ def _say_row(r):
         else ""
     )
     say(
-        f"{r['impl']:28s} N={r['N']} H={r['H']} V={r['V']}: {r['fwdbwd_ms']:.2f} ms, {r['effective_TFLOPs']:.0f} "
+        f"{r['impl']:28s} N={r['N']} H={r['H']} V={r['V']} ({r.get('ignored', 0):.0%} ignored): "
+        f"{r['fwdbwd_ms']:.2f} ms, {r['effective_TFLOPs']:.0f} "
         f"TFLOP/s ({r['of_matmul']:.0%} of matmul, {r['of_peak']:.0%} of peak), peak extra "
         f"{r['peak_extra_bytes'] / MiB:.0f} MiB ({r['extra_beyond_grads_bytes'] / MiB:.0f} beyond the gradients), "
         f"loss {r['loss']:.5f}{accuracy}"
     )
 
 
-def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=None):
+def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=None, ignored=None):
     """Every implementation on every shape, shape by shape (one float32 reference per shape for the accuracy
-    columns, `accuracy` defaults to on except with quick)."""
+    columns, `accuracy` defaults to on except with quick). ignored: fractions of ignored labels (--ignored): each
+    shape at each of them, IGNORED_IMPLS (with quick: fastce_torch's two rows) unless impls says otherwise."""
+    import dataclasses
+
     import torch
 
     from . import envinfo
@@ -336,15 +356,21 @@ def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=Non
     shapes = shapes or ((QUICK_SHAPE,) if quick else LINEAR_SHAPES)
     with_jax = (not quick and DEVICE == "cuda") if with_jax is None else with_jax
     accuracy = (not quick) if accuracy is None else accuracy
+    if ignored:
+        shapes = tuple(dataclasses.replace(s, ignored=f) for s in shapes for f in ignored)
+        impls = impls or (list(IGNORED_IMPLS[:2]) if quick else list(IGNORED_IMPLS))
+    # The _skip rows belong to --ignored runs (the standard table keeps its length and time budget).
     impls = impls or (
-        ["fastce_torch_linear", "fastce_torch_linear_1GiB", "matmul+fastce_torch"] if quick else list(LOADERS)
+        ["fastce_torch_linear", "fastce_torch_linear_1GiB", "matmul+fastce_torch"]
+        if quick
+        else [i for i in LOADERS if not i.endswith("_skip")]
     )
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
     rows, failures = [], []
     peak = peak_matmul_tflops()
     say(f"bf16 matmul {'x'.join(map(str, PEAK_MATMUL))} (the peak): {peak:.0f} TFLOP/s")
     matmul = {}
-    for shape in shapes:
+    for shape in dict.fromkeys(s.dense for s in shapes):
         matmul[str(shape)] = matmul_tflops(shape)
         say(f"bf16 matmul {shape}: {matmul[str(shape)]:.0f} TFLOP/s")
     loaded = {}
@@ -366,13 +392,13 @@ def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=Non
                 gc.collect()
                 torch.cuda.empty_cache()
                 continue
-            rows.append(_row(impl, shape, measured, matmul[str(shape)], peak))
+            rows.append(_row(impl, shape, measured, matmul[str(shape.dense)], peak))
             _say_row(rows[-1])
         del inputs, reference
         gc.collect()
         torch.cuda.empty_cache()
     if with_jax:
-        _add_jax_rows(shapes, matmul, peak, rows, failures)
+        _add_jax_rows(shapes, matmul, peak, rows, failures, IGNORED_JAX_IMPLS if ignored else None)
     result = {
         "mode": "linear",
         "device": device,
@@ -403,6 +429,7 @@ def text_table(result):
         "N",
         "H",
         "V",
+        "ignored",
         "fwd+bwd ms",
         "TFLOP/s (6NHV)",
         "of matmul",
@@ -419,6 +446,7 @@ def text_table(result):
             r["N"],
             r["H"],
             r["V"],
+            f"{r['ignored']:.0%}" if "ignored" in r else "-",
             f"{r['fwdbwd_ms']:.2f}",
             f"{r['effective_TFLOPs']:.0f}",
             f"{r['of_matmul']:.0%}",
@@ -443,8 +471,8 @@ def text_table(result):
     return text
 
 
-def main_linear(quick, json_path=None, shapes=None) -> int:
-    result = run_linear(quick=quick, shapes=shapes)
+def main_linear(quick, json_path=None, shapes=None, ignored=None) -> int:
+    result = run_linear(quick=quick, shapes=shapes, ignored=ignored)
     print(f"\n{result['device']}, commit {result['commit']}\n")
     print(text_table(result))
     for f in result.get("failures", []):

@@ -1,7 +1,16 @@
 """The fused linear bench's shapes and the fastce configurations it times, shared by its torch rows (bench.linear)
 and its JAX rows (bench.jax_linear)."""
 
+import dataclasses
 from dataclasses import dataclass
+
+import numpy as np
+
+# Every 7th label is ignored unless a shape says otherwise (LinearShape.ignored).
+IGNORE_EVERY = 7
+# With LinearShape.ignored: the rows are sequences of this many tokens, each starting with its ignored part (a
+# prompt, as in supervised fine-tuning), so the kept rows come in blocks.
+SEQUENCE = 1024
 
 
 @dataclass(frozen=True)
@@ -10,13 +19,40 @@ class LinearShape:
     H: int
     V: int
     dtype: str = "bfloat16"
+    ignored: float | None = None  # the fraction of ignored labels (None: every IGNORE_EVERY-th)
 
     @property
     def flops(self) -> float:
+        """The full problem's 6·N·H·V, whatever is ignored (a row that skips ignored rows does less work than that:
+        its effective TFLOP/s then exceed what the card computes)."""
         return 6.0 * self.N * self.H * self.V
 
+    @property
+    def dense(self):
+        """The shape without its ignored fraction (the matmul the rows are compared with)."""
+        return dataclasses.replace(self, ignored=None)
+
     def __str__(self):
-        return f"N={self.N} H={self.H} V={self.V} {self.dtype}"
+        ignored = "" if self.ignored is None else f" {self.ignored:.0%} ignored"
+        return f"N={self.N} H={self.H} V={self.V} {self.dtype}{ignored}"
+
+
+def ignored_rows(shape):
+    """The bench's ignored labels for `shape`, a boolean mask (N,): every IGNORE_EVERY-th row, or with
+    shape.ignored the first round(ignored * SEQUENCE) rows of every SEQUENCE-row sequence."""
+    index = np.arange(shape.N)
+    if shape.ignored is None:
+        return index % IGNORE_EVERY == 0
+    length = min(SEQUENCE, shape.N)
+    return index % length < round(shape.ignored * length)
+
+
+def parse_ignored(text):
+    """'0,0.5,0.9' -> (0.0, 0.5, 0.9): fractions of ignored labels in [0, 1)."""
+    fractions = tuple(float(item) for item in text.split(",") if item.strip())
+    if not fractions or any(not 0.0 <= f < 1.0 for f in fractions):
+        raise ValueError(f"--ignored: expected comma-separated fractions in [0, 1), got {text!r}")
+    return fractions
 
 
 LINEAR_SHAPES = (
@@ -29,12 +65,25 @@ LINEAR_SHAPES = (
 QUICK_SHAPE = LinearShape(8192, 4096, 128256)
 
 # The configurations both packages' linear_cross_entropy are timed in, as row-name suffixes and the keyword
-# arguments of the call: the defaults, the float32 weight-gradient accumulator, a 1 GiB workspace.
+# arguments of the call: the defaults, the float32 weight-gradient accumulator, a 1 GiB workspace, the matmuls over
+# the kept rows only.
 FASTCE_SETTINGS = {
     "": {},
     "_f32acc": {"accumulate_in_float32": True},
     "_1GiB": {"workspace_bytes": 1 << 30},
+    "_skip": {"skip_ignored_rows": True},
 }
+# `--ignored`: each shape at each given fraction of ignored labels, these rows only (both packages at their defaults
+# and skipping the ignored rows, and the other fused implementations).
+IGNORED_IMPLS = (
+    "fastce_torch_linear",
+    "fastce_torch_linear_skip",
+    "liger_flce",
+    "cut_cross_entropy",
+    "torch_linear_ce",
+)
+IGNORED_JAX_IMPLS = ("fastce_jax_linear", "fastce_jax_linear_skip")
+DEFAULT_IGNORED = (0.0, 0.5, 0.9)
 
 
 def parse_linear_shapes(text):

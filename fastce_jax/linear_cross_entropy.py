@@ -21,6 +21,14 @@ Reductions (jax.custom_vjp).
 Memory beyond the inputs: the gradients (hidden's, weight's, bias's, in their dtypes), the workspace (chunk rows x V
 in the inputs' dtype, at most workspace_bytes) and O(N + V) floats.
 
+Ignored rows: by default every row costs its matmuls. skip_ignored_rows=True orders the chunk loop's rows kept
+first (a stable argsort of the ignored mask, traced), gathers each chunk's rows of hidden and scatters its rows of
+d hidden back, and runs each chunk under a lax.cond on whether it holds a kept row: the chunks after the last kept
+row compute nothing. The kept-row count stays on the device (nothing for the caller to wait on, jit-compatible),
+but XLA's GPU runtime executes a conditional outside a command buffer by copying its predicate to the host and
+waiting for it (ConditionalThunk): one wait per chunk, unless XLA_FLAGS' --xla_gpu_enable_command_buffer includes
+CONDITIONAL (a CUDA-graph conditional node). bench/tools/skip_probe.py measures what that costs.
+
 Precision: each chunk's matmuls accumulate in float32 and round once to the input dtype. By default the weight
 gradient is summed across chunks in the weight's own dtype (one rounding per chunk); a float32 accumulator
 (accumulate_in_float32=True: one rounding at the end) costs 4·V·H more bytes (2 GiB at V=128256,
@@ -64,11 +72,12 @@ def rows_per_chunk(n_rows: int, vocab: int, itemsize: int, workspace_bytes=None,
     return max(1, min(rows, n_rows))
 
 
-def _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32):
+def _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows=False):
     for name, value in (("workspace_bytes", workspace_bytes), ("chunk_rows", chunk_rows)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive int or None, got {value!r}")
     contract.check_flag(accumulate_in_float32, "accumulate_in_float32")
+    return contract.check_flag(skip_ignored_rows, "skip_ignored_rows")
 
 
 class _Static(NamedTuple):
@@ -84,6 +93,7 @@ class _Static(NamedTuple):
     forward_config: kernels.ForwardConfig
     backward_config: kernels.BackwardConfig
     returns: contract.Extras = contract.NO_EXTRAS  # the extra outputs asked for
+    skip_ignored_rows: bool = False  # chunks over the kept rows first; chunks without one skipped (lax.cond)
 
 
 def _ce_forward(logits, labels, st: _Static):
@@ -118,20 +128,46 @@ def _extra_names(st: _Static):
 # --- the chunked computation ---------------------------------------------------------------------------------------
 
 
-def _chunk_inputs(k, hidden, labels, st: _Static):
-    """Chunk k's rows: its clamped start, the mask of rows that are new in this chunk, its hidden rows and labels."""
+class _Order(NamedTuple):
+    """skip_ignored_rows: the chunk loop's row order, the kept rows first (in their own order, a stable sort), and
+    how many rows are kept (traced: it stays on the device)."""
+
+    rows: jax.Array  # (N,) int32: position p of the loop is row rows[p]
+    n_kept: jax.Array  # int32 scalar
+
+
+def _row_order(labels, st: _Static):
+    """The _Order of skip_ignored_rows, or None (the rows in their order; also when no label can be ignored)."""
+    ign = contract.ignore_value(labels.dtype, st.options.ignore_index)
+    if not st.skip_ignored_rows or ign is None:
+        return None
+    ignored = (labels == ign).astype(jnp.int32)
+    rows = jnp.argsort(ignored, stable=True).astype(jnp.int32)
+    return _Order(rows, (labels.shape[0] - jnp.sum(ignored)).astype(jnp.int32))
+
+
+def _rows_of(array, start, st: _Static, index):
+    """array's chunk rows: a slice at start, or with skip_ignored_rows the rows `index` (a gather)."""
+    if index is None:
+        return jax.lax.dynamic_slice_in_dim(array, start, st.chunk_rows, axis=0)
+    return jnp.take(array, index, axis=0, unique_indices=True, indices_are_sorted=False, mode="clip")
+
+
+def _chunk_inputs(k, hidden, labels, st: _Static, order=None):
+    """Chunk k's rows: its clamped start, the mask of rows that are new in this chunk, its hidden rows and labels,
+    and the rows' indices with skip_ignored_rows (None otherwise)."""
     n = hidden.shape[0]
     rows = st.chunk_rows
     start = jnp.minimum(k * rows, n - rows)
     fresh = start + jnp.arange(rows) >= k * rows
-    h_c = jax.lax.dynamic_slice_in_dim(hidden, start, rows, axis=0)
-    return start, fresh, h_c, jax.lax.dynamic_slice_in_dim(labels, start, rows)
+    index = None if order is None else jax.lax.dynamic_slice_in_dim(order.rows, start, rows)
+    return start, fresh, _rows_of(hidden, start, st, index), _rows_of(labels, start, st, index), index
 
 
-def _chunk_upstream(g_tokens, start, fresh, st: _Static):
+def _chunk_upstream(g_tokens, start, fresh, st: _Static, index=None):
     """Chunk rows' upstream factors, 0 on the rows an earlier chunk already covered (so they add nothing to the
     weight and bias gradients; their hidden rows are not written)."""
-    return jnp.where(fresh, jax.lax.dynamic_slice_in_dim(g_tokens, start, st.chunk_rows), 0.0)
+    return jnp.where(fresh, _rows_of(g_tokens, start, st, index), 0.0)
 
 
 def _chunk_logits(h_c, weight, bias, dtype):
@@ -143,14 +179,17 @@ def _chunk_logits(h_c, weight, bias, dtype):
     return logits
 
 
-def _put_rows(buffer, start, fresh, values):
-    """Write values into buffer[start:start+rows] where fresh, keep the old rows elsewhere."""
-    old = jax.lax.dynamic_slice_in_dim(buffer, start, values.shape[0], axis=0)
+def _put_rows(buffer, start, fresh, values, index=None):
+    """Write values into buffer[start:start+rows] (or its rows `index`) where fresh, keep the old rows elsewhere."""
     mask = fresh.reshape(fresh.shape + (1,) * (values.ndim - 1))
+    if index is not None:
+        old = jnp.take(buffer, index, axis=0, unique_indices=True, mode="clip")
+        return buffer.at[index].set(jnp.where(mask, values, old), unique_indices=True, mode="clip")
+    old = jax.lax.dynamic_slice_in_dim(buffer, start, values.shape[0], axis=0)
     return jax.lax.dynamic_update_slice_in_dim(buffer, jnp.where(mask, values, old), start, axis=0)
 
 
-def _accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st: _Static):
+def _accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st: _Static, index=None):
     """The carry's gradients with chunk k's added: its fresh rows of dhidden (compute dtype), its product into
     dweight (float32 with accumulate_in_float32, else the compute dtype), its column sums into dbias
     (float32). Chunk 0 (``first``) starts dweight and dbias instead of adding to zeros."""
@@ -158,7 +197,7 @@ def _accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st: _Sta
     dh_c = jax.lax.dot_general(dlogits, weight.astype(dt), (((1,), (0,)), ((), ())), preferred_element_type=dt)
     acc = jnp.float32 if st.f32_weight_grad else dt
     dw_c = jax.lax.dot_general(dlogits, h_c.astype(dt), (((0,), (0,)), ((), ())), preferred_element_type=acc)
-    out = dict(dh=_put_rows(carry["dh"], start, fresh, dh_c), dw=dw_c if first else carry["dw"] + dw_c)
+    out = dict(dh=_put_rows(carry["dh"], start, fresh, dh_c, index), dw=dw_c if first else carry["dw"] + dw_c)
     if st.with_bias:
         db_c = jnp.sum(dlogits.astype(jnp.float32), axis=0)
         out["db"] = db_c if first else carry["db"] + db_c
@@ -175,6 +214,26 @@ def _loop(n_rows, st: _Static, first, body):
     return carry
 
 
+def _skipping_loop(n_rows, st: _Static, order: _Order, initial, body):
+    """skip_ignored_rows: every chunk by ``body`` (chunk 0 adds to the zeros of ``initial()``'s carry) under a
+    lax.cond on the device: a chunk none of whose new rows is kept (the kept rows come first, so every chunk after
+    the last kept row) runs nothing and passes the carry on."""
+
+    def chunk(k, carry):
+        return jax.lax.cond(k * st.chunk_rows < order.n_kept, functools.partial(body, k), lambda c: c, carry)
+
+    return jax.lax.fori_loop(0, -(-n_rows // st.chunk_rows), chunk, initial())
+
+
+def _zero_weight_grads(weight, st: _Static):
+    """The weight and bias gradients' carry before any chunk (skip_ignored_rows: chunk 0 may be skipped)."""
+    dt = jnp.dtype(st.dtype)
+    out = dict(dw=jnp.zeros(weight.shape, jnp.float32 if st.f32_weight_grad else dt))
+    if st.with_bias:
+        out["db"] = jnp.zeros((weight.shape[0],), jnp.float32)
+    return out
+
+
 def _fused_forward(hidden, weight, bias, labels, g_tokens, st: _Static):
     """Per-token losses and lse (N,) and, when g_tokens (N,) is given, the gradients of sum_t g_t * loss_t:
     (dhidden in the compute dtype, dweight in float32 or the compute dtype, dbias float32 or None); then a dict of
@@ -182,28 +241,40 @@ def _fused_forward(hidden, weight, bias, labels, g_tokens, st: _Static):
     n = hidden.shape[0]
     want_grads = g_tokens is not None
     extras = _extra_names(st)
+    order = _row_order(labels, st)
 
     def step(k, carry, first):
-        start, fresh, h_c, y_c = _chunk_inputs(k, hidden, labels, st)
+        start, fresh, h_c, y_c, index = _chunk_inputs(k, hidden, labels, st, order)
         logits = _chunk_logits(h_c, weight, bias, st.dtype)
         loss_c, lse_c, *extra_c = _ce_forward(logits, y_c, st)
         out = dict(
-            losses=_put_rows(carry["losses"], start, fresh, loss_c), lse=_put_rows(carry["lse"], start, fresh, lse_c)
+            losses=_put_rows(carry["losses"], start, fresh, loss_c, index),
+            lse=_put_rows(carry["lse"], start, fresh, lse_c, index),
         )
-        out.update({name: _put_rows(carry[name], start, fresh, v) for name, v in zip(extras, extra_c)})
+        out.update({name: _put_rows(carry[name], start, fresh, v, index) for name, v in zip(extras, extra_c)})
         if want_grads:
-            dlogits = _ce_backward_in_place(logits, y_c, lse_c, _chunk_upstream(g_tokens, start, fresh, st), st)
-            out.update(_accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st))
+            g_c = _chunk_upstream(g_tokens, start, fresh, st, index)
+            dlogits = _ce_backward_in_place(logits, y_c, lse_c, g_c, st)
+            out.update(_accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st, index))
         return out
 
-    def first():
-        carry = dict(losses=jnp.zeros((n,), jnp.float32), lse=jnp.zeros((n,), jnp.float32))
+    def initial():
+        # Rows no chunk writes (skipped ones) keep what the kernels give an ignored row: loss, accuracy and
+        # entropy 0, lse -inf.
+        carry = dict(
+            losses=jnp.zeros((n,), jnp.float32), lse=jnp.full((n,), 0.0 if order is None else -jnp.inf, jnp.float32)
+        )
         carry.update({name: jnp.zeros((n,), jnp.float32) for name in extras})
         if want_grads:
             carry["dh"] = jnp.zeros((n, hidden.shape[1]), st.dtype)
-        return step(0, carry, first=True)
+            if order is not None:
+                carry.update(_zero_weight_grads(weight, st))
+        return carry
 
-    carry = _loop(n, st, first, functools.partial(step, first=False))
+    if order is None:
+        carry = _loop(n, st, lambda: step(0, initial(), first=True), functools.partial(step, first=False))
+    else:
+        carry = _skipping_loop(n, st, order, initial, functools.partial(step, first=False))
     grads = (carry["dh"], carry["dw"], carry.get("db")) if want_grads else None
     return carry["losses"], carry["lse"], grads, {name: carry[name] for name in extras}
 
@@ -212,20 +283,26 @@ def _fused_backward(hidden, weight, bias, labels, lse, g_tokens, st: _Static, g_
     """Gradients of sum_t g_t * loss_t (+ sum_t g_lse_t * lse_t when g_lse is given: a returned z_loss's) from the
     saved lse: each chunk's logits are recomputed, no forward kernel."""
     n = hidden.shape[0]
+    order = _row_order(labels, st)
 
     def step(k, carry, first):
-        start, fresh, h_c, y_c = _chunk_inputs(k, hidden, labels, st)
+        start, fresh, h_c, y_c, index = _chunk_inputs(k, hidden, labels, st, order)
         logits = _chunk_logits(h_c, weight, bias, st.dtype)
-        lse_c = jax.lax.dynamic_slice_in_dim(lse, start, st.chunk_rows)
-        g_c = _chunk_upstream(g_tokens, start, fresh, st)
-        gl_c = None if g_lse is None else _chunk_upstream(g_lse, start, fresh, st)
+        lse_c = _rows_of(lse, start, st, index)
+        g_c = _chunk_upstream(g_tokens, start, fresh, st, index)
+        gl_c = None if g_lse is None else _chunk_upstream(g_lse, start, fresh, st, index)
         dlogits = _ce_backward_in_place(logits, y_c, lse_c, g_c, st, gl_c)
-        return _accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st)
+        return _accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st, index)
 
-    def first():
-        return step(0, dict(dh=jnp.zeros((n, hidden.shape[1]), st.dtype)), first=True)
+    def initial():
+        return dict(dh=jnp.zeros((n, hidden.shape[1]), st.dtype))
 
-    carry = _loop(n, st, first, functools.partial(step, first=False))
+    if order is None:
+        carry = _loop(n, st, lambda: step(0, initial(), first=True), functools.partial(step, first=False))
+    else:
+        carry = _skipping_loop(
+            n, st, order, lambda: {**initial(), **_zero_weight_grads(weight, st)}, functools.partial(step, first=False)
+        )
     return carry["dh"], carry["dw"], carry.get("db")
 
 
@@ -387,6 +464,7 @@ def linear_cross_entropy(
     workspace_bytes=None,
     chunk_rows=None,
     accumulate_in_float32=False,
+    skip_ignored_rows=False,
     return_z_loss=False,
     return_lse=False,
     return_accuracy=False,
@@ -421,6 +499,15 @@ def linear_cross_entropy(
     rows per chunk whatever the budget; ``accumulate_in_float32=True`` sums a bf16/fp16 weight's gradient over the
     chunks in a float32 accumulator (one rounding instead of one per chunk, 4·V·H more bytes).
 
+    skip_ignored_rows=True (the kernel path only): the chunk loop takes the rows whose label is not ignore_index
+    first (a stable sort of the ignored mask; each chunk gathers its rows of hidden and scatters its rows of d
+    hidden back), and a chunk with no kept row runs under a ``lax.cond`` that skips its matmuls and kernels on the
+    device, so ignored rows (padding, prompt tokens) cost no matmul work beyond the one chunk holding the last kept
+    row. jit, grad, second order and vmap work (under vmap with batched labels the cond becomes a select: both
+    branches run, nothing is saved). The same loss and gradients (d hidden exactly 0 on ignored rows), every
+    output in the original order. Nothing is read on the host by fastce, but on a GPU XLA runs each chunk's
+    conditional by reading its predicate on the host (a wait per chunk; see the module docstring).
+
     return_z_loss, return_lse, return_accuracy, return_entropy: as in ``fastce_jax.cross_entropy``, collected chunk
     by chunk from the same forward kernels (no logits kept). Differentiating the returned z_loss (with z_loss != 0)
     recomputes each chunk's logits in the backward ("mean" / "sum": only when its cotangent is nonzero).
@@ -448,7 +535,7 @@ def linear_cross_entropy(
         return_accuracy=return_accuracy,
         return_entropy=return_entropy,
     )
-    _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32)
+    skip_ignored_rows = _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows)
     kept = None
     if shift := contract.check_shift(shift):
         labels, kept = contract.shifted_labels(labels, shift, options.ignore_index)
@@ -484,6 +571,7 @@ def linear_cross_entropy(
             forward_config=kernels.forward_config(vocab),
             backward_config=kernels.backward_config(vocab),
             returns=returns,
+            skip_ignored_rows=skip_ignored_rows,
         )
         with kernels.quiet_triton(st.interpret):
             loss = _kernel_loss(h2, weight, bias, labels.reshape(-1), n_items, st=st)

@@ -20,6 +20,13 @@ Reductions.
 Memory beyond the inputs: the gradients (hidden's, weight's, bias's, in their dtypes), the workspace (chunk rows x V
 in the inputs' dtype, at most workspace_bytes) and O(N + V) floats.
 
+Ignored rows: by default every row costs its matmuls (an ignored row's logits are computed, then never read).
+skip_ignored_rows=True runs the chunks over the kept rows only (their indices by nonzero, each chunk's rows of hidden
+gathered, its rows of d hidden written back by index): 6·K·H·V flops for K kept rows, plus K·H copied. cuBLAS takes
+its shapes from the host, so the number of kept rows is read there: one synchronisation per call (eager; the
+autograd Functions hand the kept rows to the backward that recomputes the logits; under torch.compile that backward's
+custom op reads them again). Opt-in, and refused under CUDA-graph capture.
+
 Precision: each chunk's matmuls accumulate in float32 and round once to the input dtype. By default the weight
 gradient is summed across chunks in the weight's own dtype (one rounding per chunk); a float32 accumulator
 (accumulate_in_float32=True: one rounding at the end) costs 4·V·H more bytes (2 GiB at V=128256,
@@ -53,16 +60,18 @@ class Chunking(NamedTuple):
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES
     chunk_rows: int | None = None
     accumulate_in_float32: bool = False
+    skip_ignored_rows: bool = False
 
 
-def _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32):
+def _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows=False):
     workspace_bytes = DEFAULT_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
     for name, value in (("workspace_bytes", workspace_bytes), ("chunk_rows", chunk_rows)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-    if not isinstance(accumulate_in_float32, bool):
-        raise TypeError(f"accumulate_in_float32 must be a bool, got {accumulate_in_float32!r}")
-    return Chunking(workspace_bytes, chunk_rows, accumulate_in_float32)
+    for name, value in (("accumulate_in_float32", accumulate_in_float32), ("skip_ignored_rows", skip_ignored_rows)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+    return Chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows)
 
 
 # --- the one place that calls fastce's launchers ----------------------------------------------------------------
@@ -143,13 +152,15 @@ def _interior(hidden):
     return stack
 
 
-def _new_grads(hidden, weight, bias, needs, chunking):
+def _new_grads(hidden, weight, bias, needs, chunking, kept=None):
     need_hidden, need_weight, need_bias = needs
-    grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
+    # With kept rows (skip_ignored_rows) the chunks write only those rows: the ignored ones start at zero.
+    new = torch.empty if kept is None else torch.zeros
+    grad_hidden = new(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
     # Accumulated over chunks: the first chunk's product overwrites them (beta=0: no fill, no read of zeros, a
-    # V x H write and read less than starting from zeros), the next ones add (beta=1); with no rows at all
-    # (no chunk) _finish_grads zeroes them. A weight that is not in the compute dtype (a float32 master weight under
-    # autocast) gets a float32 accumulator: its gradient is float32 anyway, and one rounding at the end is more
+    # V x H write and read less than starting from zeros), the next ones add (beta=1); when no chunk runs (no rows,
+    # or no kept row) _finish_grads zeroes them. A weight that is not in the compute dtype (a float32 master weight
+    # under autocast) gets a float32 accumulator: its gradient is float32 anyway, and one rounding at the end is more
     # accurate than rounding every chunk to the compute dtype and casting back.
     float32_accumulator = chunking.accumulate_in_float32 or weight.dtype != hidden.dtype
     accumulate_dtype = torch.float32 if float32_accumulator else weight.dtype
@@ -158,13 +169,15 @@ def _new_grads(hidden, weight, bias, needs, chunking):
     return grad_hidden, grad_weight, grad_bias
 
 
-def _accumulate_grads(dlogits, hidden_chunk, weight, rows, grads):
-    """Adds one chunk's products to the gradients; the chunk of the first rows (rows.start == 0, always the first
-    processed) writes them instead (their storage is uninitialised)."""
+def _accumulate_grads(dlogits, hidden_chunk, weight, rows, grads, first):
+    """Adds one chunk's products to the gradients; the first chunk processed writes them instead (their storage is
+    uninitialised)."""
     grad_hidden, grad_weight, grad_bias = grads
-    first = rows.start == 0
     if grad_hidden is not None:
-        torch.matmul(dlogits, weight, out=grad_hidden[rows])
+        if isinstance(rows, slice):
+            torch.matmul(dlogits, weight, out=grad_hidden[rows])
+        else:  # the kept rows' indices (skip_ignored_rows)
+            grad_hidden.index_copy_(0, rows, torch.matmul(dlogits, weight))
     if grad_weight is not None:
         # beta=0: torch (and cuBLAS) ignore the uninitialised output's values, NaN included.
         beta = 0 if first else 1
@@ -181,9 +194,9 @@ def _accumulate_grads(dlogits, hidden_chunk, weight, rows, grads):
             grad_bias += dlogits.sum(0, dtype=torch.float32)
 
 
-def _finish_grads(grads, weight, bias, n_rows):
+def _finish_grads(grads, weight, bias, any_chunk):
     grad_hidden, grad_weight, grad_bias = grads
-    if n_rows == 0:  # no chunk wrote them
+    if not any_chunk:  # nothing wrote them
         for grad in (grad_weight, grad_bias):
             if grad is not None:
                 grad.zero_()
@@ -194,39 +207,82 @@ def _finish_grads(grads, weight, bias, n_rows):
     return grad_hidden, grad_weight, grad_bias
 
 
-def _chunks(hidden, weight, bias, labels, chunking):
+SKIP_UNDER_CAPTURE = (
+    "fastce_torch.linear_cross_entropy: skip_ignored_rows=True reads the number of kept rows on the host (one "
+    "synchronisation), which CUDA-graph capture does not allow; capture the default skip_ignored_rows=False"
+)
+
+
+_FIND = object()  # the kept rows not handed over: the pass finds them (_kept_rows)
+
+
+def _kept_rows(labels, ignore_index, chunking):
+    """skip_ignored_rows: the ascending indices (int64) of the rows whose label is not ignore_index, or None when
+    every row is kept or the keyword is off (the plain loop over all rows). cuBLAS matmuls take their shapes from
+    the host, so skipping rows needs their number there: nonzero reads it, one host synchronisation."""
+    if not chunking.skip_ignored_rows:
+        return None
+    if labels.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(SKIP_UNDER_CAPTURE)
+    kept = torch.nonzero(labels != ignore_index).squeeze(1)
+    return None if kept.numel() == labels.numel() else kept
+
+
+def _chunks(hidden, weight, bias, labels, chunking, kept=None):
     """Yields (rows, hidden_chunk, labels_chunk, logits) chunk by chunk; logits is a view of one workspace that the
-    next chunk overwrites."""
-    n_rows, vocab = hidden.shape[0], weight.shape[0]
+    next chunk overwrites. rows is a slice of the rows, or with `kept` (_kept_rows) a slice of those indices: the
+    chunks then cover only the kept rows (gathered, a chunk x H copy each), so ignored rows cost no matmul."""
+    n_rows, vocab = hidden.shape[0] if kept is None else kept.numel(), weight.shape[0]
     step = rows_per_chunk(n_rows, vocab, hidden.element_size(), chunking.workspace_bytes, chunking.chunk_rows)
     workspace = torch.empty(step, vocab, dtype=hidden.dtype, device=hidden.device)
     for start in range(0, n_rows, step):
-        rows = slice(start, min(start + step, n_rows))
-        hidden_chunk = hidden[rows]
-        logits = _chunk_logits(workspace[: rows.stop - start], hidden_chunk, weight, bias)
+        stop = min(start + step, n_rows)
+        rows = slice(start, stop) if kept is None else kept[start:stop]
+        hidden_chunk = hidden[rows] if kept is None else hidden.index_select(0, rows)
+        logits = _chunk_logits(workspace[: stop - start], hidden_chunk, weight, bias)
         yield rows, hidden_chunk, labels[rows], logits
 
 
+def _per_row(n_rows, kept, fill, dtype, device):
+    """A per-row result buffer: every row is written by the chunks, or with kept rows the others hold `fill`, the
+    value the forward kernel gives an ignored row (loss 0, lse -inf, argmax 0, mean of z NaN)."""
+    if kept is None:
+        return torch.empty(n_rows, dtype=dtype, device=device)
+    return torch.full((n_rows,), fill, dtype=dtype, device=device)
+
+
 def _fused_forward(
-    hidden, weight, bias, labels, options, chunking, denominator=None, needs=(False, False, False), outputs=False
+    hidden,
+    weight,
+    bias,
+    labels,
+    options,
+    chunking,
+    denominator=None,
+    needs=(False, False, False),
+    outputs=False,
+    kept=_FIND,
 ):
     """Token losses (N,) and lse (N,) of 2-D hidden; with any of `needs` (hidden, weight, bias) also the gradients of
     sum_t loss_t / denominator (a 1-element float32 device tensor) computed chunk by chunk. Returns
     (token_losses, lse, (grad_hidden, grad_weight, grad_bias)), None for gradients not needed; with outputs, then
     also the per-row argmax (int32) and mean of z (the extra outputs' statistics, collected chunk by chunk)."""
-    n_rows = hidden.shape[0]
+    n_rows, device = hidden.shape[0], hidden.device
     with _interior(hidden):
+        kept = _kept_rows(labels, options.ignore_index, chunking) if kept is _FIND else kept
         weight_c, bias_c = _in_compute_dtype(hidden, weight, bias)
-        # One chunk (every small call) keeps the kernel's own per-row outputs (no allocation, no copy); several
-        # chunks (or none: no rows) gather theirs into (token losses, lse[, argmax, mean of z]).
+        # One chunk over every row (every small call) keeps the kernel's own per-row outputs (no allocation, no
+        # copy); otherwise the chunks gather theirs into (token losses, lse[, argmax, mean of z]).
         per_row = None
         step = rows_per_chunk(n_rows, weight.shape[0], hidden.element_size(), *chunking[:2])
-        if step < n_rows or n_rows == 0:
+        if kept is not None or step < n_rows or n_rows == 0:
+            fills = (0.0, -float("inf")) + ((0, float("nan")) if outputs else ())
             kinds = (torch.float32, torch.float32) + ((torch.int32, torch.float32) if outputs else ())
-            per_row = [torch.empty(n_rows, dtype=kind, device=hidden.device) for kind in kinds]
-        grads = _new_grads(hidden, weight, bias, needs, chunking)
-        one = torch.ones((), dtype=torch.float32, device=hidden.device) if any(needs) else None
-        for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight_c, bias_c, labels, chunking):
+            per_row = [_per_row(n_rows, kept, fill, kind, device) for fill, kind in zip(fills, kinds, strict=True)]
+        grads = _new_grads(hidden, weight, bias, needs, chunking, kept)
+        one = torch.ones((), dtype=torch.float32, device=device) if any(needs) else None
+        any_chunk = False
+        for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight_c, bias_c, labels, chunking, kept):
             chunk_outputs = _ce_forward(logits, labels_chunk, options, outputs)
             if per_row is None:
                 per_row = list(chunk_outputs)
@@ -235,29 +291,37 @@ def _fused_forward(
                     whole[rows] = part
             if any(needs):
                 _ce_backward_in_place(logits, labels_chunk, chunk_outputs[1], one, options, denominator)
-                _accumulate_grads(logits, hidden_chunk, weight_c, rows, grads)
+                _accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first=not any_chunk)
+            any_chunk = True
         token_losses, lse, *statistics = per_row
-        result = token_losses, lse, _finish_grads(grads, weight, bias, hidden.shape[0])
+        result = token_losses, lse, _finish_grads(grads, weight, bias, any_chunk)
         return (*result, *statistics) if outputs else result
 
 
-def _fused_backward(grad_losses, hidden, weight, bias, labels, lse, options, chunking, needs, grad_lse=None):
+def _fused_backward(
+    grad_losses, hidden, weight, bias, labels, lse, options, chunking, needs, grad_lse=None, kept=_FIND
+):
     """Gradients of sum_t grad_losses_t * loss_t (+ grad_lse_t * lse_t: the z_loss output's), recomputing each
     chunk's logits from hidden and weight; grad_losses None for the lse part alone."""
     # no_grad: under create_graph=True autograd runs backward with grad mode on, and these are kernels and out= ops.
     with _interior(hidden):
-        grads = _new_grads(hidden, weight, bias, needs, chunking)
         if not any(needs):
-            return grads
+            return _new_grads(hidden, weight, bias, needs, chunking)
+        # The forward's kept rows: handed over by the eager Functions, found again (a second synchronisation) by
+        # the custom ops' backward.
+        kept = _kept_rows(labels, options.ignore_index, chunking) if kept is _FIND else kept
+        grads = _new_grads(hidden, weight, bias, needs, chunking, kept)
         weight_c, bias_c = _in_compute_dtype(hidden, weight, bias)
-        for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight_c, bias_c, labels, chunking):
+        any_chunk = False
+        for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight_c, bias_c, labels, chunking, kept):
             if grad_lse is None:
                 _ce_backward_in_place(logits, labels_chunk, lse[rows], grad_losses[rows], options)
             else:
                 grad_rows = None if grad_losses is None else grad_losses[rows]
                 _ce_chunk_backward(logits, labels_chunk, lse[rows], grad_rows, grad_lse[rows], options)
-            _accumulate_grads(logits, hidden_chunk, weight_c, rows, grads)
-        return _finish_grads(grads, weight, bias, hidden.shape[0])
+            _accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first=not any_chunk)
+            any_chunk = True
+        return _finish_grads(grads, weight, bias, any_chunk)
 
 
 def _differentiable_grads(grad_rows, hidden, weight, bias, labels, options, needs, grad_lse=None):
@@ -308,8 +372,9 @@ class _ReducedFunction(torch.autograd.Function):
     @staticmethod
     def _forward_outputs(ctx, hidden, weight, bias, labels, denominator, chunking):
         """With the extra outputs: (loss, lse, argmax, mean of z); lse is differentiable for the z_loss output."""
+        ctx.kept = _kept_rows(labels, ctx.options.ignore_index, chunking)  # for a backward recomputing the logits
         token_losses, lse, grads, argmax, mean_z = _fused_forward(
-            hidden, weight, bias, labels, ctx.options, chunking, denominator, ctx.needs, outputs=True
+            hidden, weight, bias, labels, ctx.options, chunking, denominator, ctx.needs, outputs=True, kept=ctx.kept
         )
         ctx.grads, ctx.chunking = grads, chunking
         ctx.save_for_backward(hidden, weight, bias, labels, denominator, lse)
@@ -356,7 +421,7 @@ class _ReducedFunction(torch.autograd.Function):
             grads = _differentiable_grads(grad_rows, hidden, weight, bias, labels, ctx.options, ctx.needs, grad_lse)
             return (*grads, *nones)
         lse_grads = _fused_backward(
-            None, hidden, weight, bias, labels, lse, ctx.options, ctx.chunking, ctx.needs, grad_lse.detach()
+            None, hidden, weight, bias, labels, lse, ctx.options, ctx.chunking, ctx.needs, grad_lse.detach(), ctx.kept
         )
         if grad_loss is None:
             ctx.grads = None
@@ -372,13 +437,14 @@ class _PerTokenFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, options, chunking, extras=None):
         ctx.options, ctx.chunking, ctx.extras = options, chunking, extras
+        ctx.kept = _kept_rows(labels, options.ignore_index, chunking)  # the backward's chunks are the forward's
         if extras is None:
-            token_losses, lse, _ = _fused_forward(hidden, weight, bias, labels, options, chunking)
+            token_losses, lse, _ = _fused_forward(hidden, weight, bias, labels, options, chunking, kept=ctx.kept)
             ctx.save_for_backward(hidden, weight, bias, labels, lse)
             return token_losses
         # With the extra outputs: (losses, lse, argmax, mean of z); lse is differentiable for the z_loss output.
         token_losses, lse, _, argmax, mean_z = _fused_forward(
-            hidden, weight, bias, labels, options, chunking, outputs=True
+            hidden, weight, bias, labels, options, chunking, outputs=True, kept=ctx.kept
         )
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.mark_non_differentiable(argmax, mean_z, *(() if extras.z_loss else (lse,)))
@@ -399,7 +465,7 @@ class _PerTokenFunction(torch.autograd.Function):
         grad_losses = None if grad_losses is None else grad_losses.detach().contiguous()
         grad_lse = None if grad_lse is None else grad_lse.detach()
         grads = _fused_backward(
-            grad_losses, hidden, weight, bias, labels, lse, ctx.options, ctx.chunking, needs, grad_lse
+            grad_losses, hidden, weight, bias, labels, lse, ctx.options, ctx.chunking, needs, grad_lse, ctx.kept
         )
         return (*grads, None, None, None, None)
 
@@ -674,6 +740,7 @@ def linear_cross_entropy(
     workspace_bytes=None,
     chunk_rows=None,
     accumulate_in_float32=False,
+    skip_ignored_rows=False,
     return_z_loss=False,
     return_lse=False,
     return_accuracy=False,
@@ -701,6 +768,14 @@ def linear_cross_entropy(
     per chunk whatever the budget; `accumulate_in_float32=True` sums a bf16/fp16 weight's gradient over the chunks
     in a float32 accumulator (one rounding instead of one per chunk, 4·V·H more bytes).
 
+    skip_ignored_rows=True (the kernels only): the chunks cover only the rows whose label is not ignore_index
+    (gathered chunk by chunk, a copy of their rows of hidden), so ignored rows (padding, prompt tokens) cost no
+    matmul work: 6·K·H·V flops for K kept rows instead of 6·N·H·V. The same loss and gradients (d hidden exactly 0
+    on ignored rows), every output in the original order. It reads the number of kept rows on the host: one
+    synchronisation per call (under torch.compile a backward that recomputes the logits, "none" or a
+    differentiated z_loss output, reads it again inside its custom op), so it raises under CUDA-graph capture.
+    Off by default: the default path never synchronises.
+
     return_z_loss, return_lse, return_accuracy, return_entropy: as cross_entropy's (CrossEntropyOutput), collected
     chunk by chunk from the same forward kernels. Differentiating the z_loss output recomputes each chunk's logits
     in the backward. Under torch.compile any of them sends "mean"/"sum" through the per-token ops (the backward
@@ -710,7 +785,7 @@ def linear_cross_entropy(
     options = contract.check_options(
         ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
     )
-    chunking = _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32)
+    chunking = _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows)
     extras = contract.check_extras(return_z_loss, return_lse, return_accuracy, return_entropy)
     kept = None
     if shift := contract.check_shift(shift, labels):

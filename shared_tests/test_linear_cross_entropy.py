@@ -56,19 +56,29 @@ class LinearCase:
     n_items: object = None  # None, a number, or ("tensor", value)
     bias: bool = False
     opts: reference.Options = field(default_factory=reference.Options)
-    ignore: str = "some"  # "none", "some", "all"
+    ignore: str = "some"  # "none", "some", "all", or one of IGNORED_PATTERNS
     bad_label: bool = False  # row 0 gets label V: NaN by contract
     strided: bool = False  # hidden is a column slice of a wider buffer
     label_dtype: str = "int64"
     scalar_upstream: float = 1.0  # d objective / d loss for "mean"/"sum" (1 takes the backward's skip-the-scaling path)
     shift: int = 0  # passed on as the packages' shift keyword when not 0 (test_shift.py)
     chunk_rows: int | None = None  # passed on as the packages' chunk_rows keyword when set
+    skip_ignored_rows: bool = False  # passed on as the packages' skip_ignored_rows keyword when True
     seed: int = 0
 
     @property
     def id(self):
         return f"{self.name}-{self.dtype}"
 
+
+# Which rows of n are ignored (a boolean mask): half or 90% of them, spread out (every other row, 9 of every 10) or
+# in blocks (a prompt, then the answer; in supervised fine-tuning 50-90% of the rows are prompt or padding).
+IGNORED_PATTERNS = {
+    "half-interleaved": lambda n: np.arange(n) % 2 == 1,
+    "half-clustered": lambda n: np.arange(n) < n // 2,
+    "ninety-interleaved": lambda n: np.arange(n) % 10 != 3,
+    "ninety-clustered": lambda n: (np.arange(n) < n // 2) | (np.arange(n) >= n // 2 + max(1, n // 10)),
+}
 
 CASES = [
     LinearCase("mean"),
@@ -109,6 +119,8 @@ def make_inputs(case, device):
         labels[1::4] = ignore_index
     elif case.ignore == "all":
         labels[:] = ignore_index
+    elif case.ignore in IGNORED_PATTERNS:
+        labels[IGNORED_PATTERNS[case.ignore](n)] = ignore_index
     if case.bad_label:
         labels[0] = case.vocab
     labels = labels.reshape(case.shape).to(getattr(torch, case.label_dtype))
@@ -126,6 +138,8 @@ def make_inputs(case, device):
 def kwargs_of(case, n_items):
     shift = {"shift": case.shift} if case.shift else {}
     chunking = {} if case.chunk_rows is None else {"chunk_rows": case.chunk_rows}
+    if case.skip_ignored_rows:
+        chunking["skip_ignored_rows"] = True
     return dict(reduction=case.reduction, n_items=n_items, **case.opts.as_kwargs(), **shift, **chunking)
 
 
@@ -241,6 +255,48 @@ def small_chunks(case):
 @pytest.mark.parametrize("package", ["fastce_torch", "fastce_jax"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_against_float64_reference(case, package, device):
+    runner = package_runner(package)
+    case, chunks = small_chunks(case)
+    check(case, device, runner, chunks)
+
+
+# skip_ignored_rows=True: the chunks cover the kept rows only; the same loss and gradients as the reference, with
+# 0%, 50%, 90% and 100% of the rows ignored, spread out and in blocks (20 rows: 2 kept at 90%).
+SKIP_CASES = [
+    LinearCase(f"skip-{ignore}-{reduction}", shape=(20,), reduction=reduction, ignore=ignore, skip_ignored_rows=True)
+    for ignore in ("none", *IGNORED_PATTERNS, "all")
+    for reduction in ("mean", "none")
+] + [
+    LinearCase(
+        "skip-sum-options-bias",
+        shape=(4, 5),
+        reduction="sum",
+        n_items=6,
+        bias=True,
+        ignore="ninety-clustered",
+        opts=reference.Options(logit_softcapping=3.0, label_smoothing=0.1, z_loss=1e-3),
+        scalar_upstream=1.3,
+        skip_ignored_rows=True,
+    ),
+    LinearCase(
+        "skip-bad-label", shape=(20,), reduction="none", ignore="half-clustered", bad_label=True, skip_ignored_rows=True
+    ),
+    LinearCase(
+        "skip-ignore-7",
+        shape=(20,),
+        ignore="half-interleaved",
+        opts=reference.Options(ignore_index=7),
+        skip_ignored_rows=True,
+    ),
+    LinearCase(
+        "skip-bf16", shape=(20,), dtype="bfloat16", bias=True, ignore="ninety-interleaved", skip_ignored_rows=True
+    ),
+]
+
+
+@pytest.mark.parametrize("package", ["fastce_torch", "fastce_jax"])
+@pytest.mark.parametrize("case", SKIP_CASES, ids=lambda c: c.id)
+def test_skip_ignored_rows_against_float64_reference(case, package, device):
     runner = package_runner(package)
     case, chunks = small_chunks(case)
     check(case, device, runner, chunks)

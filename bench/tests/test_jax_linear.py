@@ -49,3 +49,17 @@ def test_failure_is_recorded(monkeypatch):
 
 def test_every_fastce_setting_is_a_row():
     assert set(jax_linear.FASTCE_IMPLS) == {f"fastce_jax_linear{suffix}" for suffix in FASTCE_SETTINGS}
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU plumbing check (the GPU bench runs the rest)")
+def test_ignored_fraction_rows_on_cpu():
+    impls = tuple(
+        i for i in ("fastce_jax_linear", "fastce_jax_linear_skip") if set(jax_linear.FASTCE_IMPLS[i]) <= KEYWORDS
+    )
+    shape = LinearShape(40, 16, 300, "float32", ignored=0.5)
+    result = jax_linear.run((shape,), impls, batch_target_ms=1.0, backend="kernel", say=print, accuracy=False)
+    assert result["failures"] == []
+    rows = {r["impl"]: r for r in result["rows"] if r["impl"] != "matmul"}
+    assert set(rows) == set(impls) and all(r["ignored"] == 0.5 for r in rows.values())
+    losses = [r["loss"] for r in rows.values()]
+    assert max(losses) - min(losses) < 1e-5

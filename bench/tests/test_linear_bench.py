@@ -127,3 +127,25 @@ def test_jax_rows_join_the_table(on_cpu, monkeypatch):
     assert jax_row["extra_beyond_grads_bytes"] == 5 << 20
     assert "jax_three_matmuls" in {r["impl"] for r in result["rows"]}
     assert "(temp)" in linear.text_table(result)
+
+
+def test_ignored_fractions_are_rows(on_cpu):
+    """--ignored: each shape at each fraction (the first part of every sequence ignored), fastce with and without
+    skip_ignored_rows; both give the same loss at each fraction."""
+    from bench import __main__ as cli
+
+    impls = runnable(["fastce_torch_linear", "fastce_torch_linear_skip"])
+    shape = LinearShape(40, 16, 300, "float32")
+    result = linear.run_linear(impls=impls, shapes=(shape,), with_jax=False, ignored=(0.0, 0.5, 0.9))
+    rows = {(r["impl"], r["ignored"]): r for r in result["rows"]}
+    assert set(rows) == {(impl, f) for impl in impls for f in (0.0, 0.5, 0.9)}
+    for f in (0.0, 0.5, 0.9):
+        losses = [rows[impl, f]["loss"] for impl in impls]
+        assert max(losses) - min(losses) < 1e-6 and all(loss > 0 for loss in losses)
+    assert "| 90% |" in linear.text_table(result)
+    assert linear_shapes.ignored_rows(LinearShape(4096, 8, 8, ignored=0.9)).reshape(4, 1024)[:, :922].all()
+    assert linear_shapes.ignored_rows(LinearShape(14, 8, 8)).nonzero()[0].tolist() == [0, 7]
+    assert cli.parse_args(["--linear", "--ignored"]).ignored == (0.0, 0.5, 0.9)
+    assert cli.parse_args(["--linear", "--ignored", "0.25"]).ignored == (0.25,)
+    with pytest.raises(ValueError, match="--ignored"):
+        linear_shapes.parse_ignored("1.0")

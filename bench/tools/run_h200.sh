@@ -12,7 +12,9 @@
 # `capture-probe` (which CUDA-graph capture variant fails and why; < 1, bench/tools/capture_probe.py),
 # `sanitizer` (compute-sanitizer memcheck over GPU tests of both packages; ~1), `linear-quick` (fused linear CE at
 # one shape with a float32 check; ~1, estimated), `linear-a` and `linear-b` (the fused linear CE table's five shapes
-# in two calls, ~4-5 each, estimated; two JSON files: --merge joins only the standard bench).
+# in two calls, ~4-5 each, estimated; two JSON files: --merge joins only the standard bench), `linear-ignored` (one
+# shape at 0%, 50%, 90% ignored labels, fastce with and without skip_ignored_rows beside the other fused rows, both
+# packages; ~4, estimated), `skip-probe` (bench/tools/skip_probe.py, also with XLA's command-buffer conditionals).
 # Logs and results land in ${OUT:-/tmp/fastce-h200}. Usage from the repo root, liger wheel in .whl/:
 #   BENCH_COMMIT=$(git rev-parse HEAD) bash bench/tools/run_h200.sh tests transformers bench
 set -uo pipefail
@@ -68,6 +70,13 @@ for stage in "$@"; do
       [ "$stage" = linear-b ] && shapes=8192x2304x256000,32768x4096x128256
       timeout 560 python3 -m bench --linear --linear-shapes "$shapes" --json "$OUT/$stage.json" \
         2>"$OUT/$stage-progress.log" | tail -24 ;;
+    linear-ignored)
+      timeout 560 python3 -m bench --linear --ignored --linear-shapes 8192x4096x128256 \
+        --json "$OUT/linear-ignored.json" 2>"$OUT/linear-ignored-progress.log" | tail -24 ;;
+    skip-probe)
+      timeout 280 python3 -m bench.tools.skip_probe | tail -14
+      XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE \
+        timeout 280 python3 -m bench.tools.skip_probe --package jax | tail -8 ;;
     sanitizer)
       timeout 300 compute-sanitizer --tool memcheck --print-limit 20 $PYTEST fastce_torch/tests/test_cross_entropy.py \
         -k "vocab_sizes or out_of_range or minus_inf or nan_or_inf or strided or options or many_rows" \

@@ -8,11 +8,17 @@ compiled memory at the benchmark shapes.
 """
 
 import importlib
+import os
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from fastce_jax import linear_cross_entropy
 from shared_tests import reference as float64_reference
@@ -116,7 +122,7 @@ def check(
 
     (_, loss), grads = jax.value_and_grad(f, argnums=argnums, has_aux=True)(hidden, weight, bias)
     upstream = cotangent if reduction == "none" else UPSTREAM
-    opts = {k: v for k, v in kwargs.items() if k not in ("n_items", "accumulate_in_float32")}
+    opts = {k: v for k, v in kwargs.items() if k not in ("n_items", "accumulate_in_float32", "skip_ignored_rows")}
     ref = reference(
         hidden, weight, labels, bias=bias, reduction=reduction, n_items=kwargs.get("n_items"), upstream=upstream, **opts
     )
@@ -442,3 +448,179 @@ def test_gpu_bf16_mid_shape(put, with_bias):
         assert got.dtype == jnp.bfloat16
         assert_close(got, want, what=name, **grad_tol(want, 5e-2))
     assert rows == 640
+
+
+# ----------------------------------------------------------------------------
+# skip_ignored_rows: the kept rows first, chunks without one skipped on the device.
+# ----------------------------------------------------------------------------
+
+IGNORED = {
+    "none": lambda i: i < 0,
+    "half-interleaved": lambda i: i % 2 == 1,
+    "ninety-clustered": lambda i: (i < 20) | (i >= 24),
+    "all": lambda i: i >= 0,
+}
+
+
+@pytest.fixture
+def chunks_run(monkeypatch):
+    """How many chunks' logits matmuls actually ran (a runtime callback: a chunk skipped by lax.cond adds nothing).
+    The jit caches are cleared so that the traced chunk loop carries the callback."""
+    calls = []
+    original = LCE._chunk_logits
+
+    def counted(h_c, weight, bias, dtype):
+        jax.debug.callback(lambda: calls.append(1))
+        return original(h_c, weight, bias, dtype)
+
+    monkeypatch.setattr(LCE, "_chunk_logits", counted)
+    jax.clear_caches()
+    yield calls
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("pattern", list(IGNORED))
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_skip_ignored_rows_runs_only_chunks_with_kept_rows(put, pattern, reduction, chunks_run):
+    """40 rows in 5 chunks of 8: with the keyword only the chunks holding kept rows run (forward; "none" also in
+    the backward), and the loss and gradients are the default loop's and the reference's (d hidden exactly 0 on
+    ignored rows)."""
+    hidden, weight, bias, labels = make_inputs(put, 40, 16, 50, seed=30, n_ignored=0)
+    labels[IGNORED[pattern](np.arange(40))] = -100
+    n_kept = int((labels != -100).sum())
+    cotangent = put(np.random.default_rng(30).uniform(0.5, 2.0, labels.shape), jnp.float32)
+    results = {}
+    for skip in (False, True):
+        chunks_run.clear()
+        results[skip] = check(
+            put, hidden, weight, labels, bias=bias, reduction=reduction, cotangent=cotangent, skip_ignored_rows=skip
+        )
+        passes = 2 if reduction == "none" else 1
+        assert len(chunks_run) == passes * (-(-n_kept // ROWS) if skip else 5), (skip, len(chunks_run))
+    (loss, grads), (loss0, grads0) = results[True], results[False]
+    np.testing.assert_allclose(np.asarray(loss), np.asarray(loss0), rtol=1e-6, atol=1e-7)
+    for got, want in zip(grads, grads0):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+    assert not np.asarray(grads[0])[labels == -100].any()
+
+
+def test_skip_ignored_rows_outputs_shift_jit_and_vmap(put):
+    """Extra outputs in the original order and shift=1 under jit; vmap over sequences with their own ignored rows
+    (batched labels: the cond runs both branches, the result is the same)."""
+    hidden, weight, _, labels = make_inputs(put, 24, 16, 50, seed=31, n_ignored=0, lead=(2, 12))
+    labels[0, :7] = -100
+    labels[1, 2::2] = -100
+    y = put(labels, jnp.int32)
+    outputs = dict(return_z_loss=True, return_lse=True, return_accuracy=True, return_entropy=True)
+    kw = dict(backend="kernel", chunk_rows=3, shift=1, z_loss=1e-2, label_smoothing=0.1, **outputs)
+
+    def run(skip, reduction):
+        def f(h, w):
+            out = linear_cross_entropy(h, w, y, reduction=reduction, skip_ignored_rows=skip, **kw)
+            return jnp.sum(out.loss) + jnp.sum(out.z_loss), out
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(hidden, weight)
+
+    for reduction in ("mean", "none"):
+        (_, got), grads = run(True, reduction)
+        (_, want), grads0 = run(False, reduction)
+        for name in got._fields:
+            np.testing.assert_allclose(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), rtol=1e-6)
+        np.testing.assert_array_equal(np.isneginf(np.asarray(got.lse)), labels[:, 1:] == -100)
+        for a, b in zip(grads, grads0):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+    def one(skip):
+        def f(h, w, y):
+            return linear_cross_entropy(h, w, y, backend="kernel", chunk_rows=3, skip_ignored_rows=skip)
+
+        return jax.jit(jax.vmap(jax.value_and_grad(f, argnums=(0, 1)), in_axes=(0, None, 0)))(hidden, weight, y)
+
+    for a, b in zip(jax.tree.leaves(one(True)), jax.tree.leaves(one(False))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_skip_ignored_rows_second_order(put):
+    """Grad of grad and a Hessian-vector product through the skipping loop (its gather, scatter and cond) equal the
+    reference backend's."""
+    hidden, weight, bias, labels = make_inputs(put, 12, 8, 30, seed=32, n_ignored=7)
+    y = put(labels, jnp.int32)
+    directions = tuple(put(np.random.default_rng(33).standard_normal(t.shape), jnp.float32) for t in (hidden, weight))
+
+    def second_order(backend):
+        def loss(h, w):
+            kw = dict(backend=backend, z_loss=1e-3, reduction="sum")
+            if backend == "kernel":
+                kw.update(chunk_rows=2, skip_ignored_rows=True)
+            return linear_cross_entropy(h, w, y, bias=bias, **kw)
+
+        grad = jax.grad(loss, argnums=(0, 1))
+        penalty = jax.grad(lambda h, w: jnp.sum(grad(h, w)[0] ** 2), argnums=(0, 1))(hidden, weight)
+        return (*penalty, *jax.jvp(grad, (hidden, weight), directions)[1])
+
+    for got, want in zip(second_order("kernel"), second_order("reference")):
+        scale = float(jnp.max(jnp.abs(want)))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_skip_ignored_rows_must_be_a_bool(put):
+    hidden, weight, _, labels = make_inputs(put, 8, 16, 50, seed=34)
+    with pytest.raises(TypeError, match="skip_ignored_rows must be a bool"):
+        linear_cross_entropy(hidden, weight, labels, backend="kernel", skip_ignored_rows=1)
+
+
+def test_skip_ignored_rows_with_sharded_rows_on_4_cpu_devices(use_gpu):
+    if use_gpu or len(jax.devices("cpu")) >= 2:
+        pytest.skip("this process has several devices: the sharded test runs here")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k", "skip_ignored_rows_sharded"]
+    done = subprocess.run(
+        cmd + [os.path.abspath(__file__)], cwd=root, env=env, capture_output=True, text=True, timeout=1200
+    )
+    assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-4000:]
+    assert re.search(r"1 passed", done.stdout) and " skipped" not in done.stdout
+
+
+def test_skip_ignored_rows_sharded(use_gpu):
+    """Rows sharded over 4 devices (data parallel) under jit: the same loss and gradients as without the keyword."""
+    devices = jax.devices("gpu" if use_gpu else "cpu")
+    if len(devices) < 4:
+        pytest.skip("needs 4 devices (run through test_skip_ignored_rows_with_sharded_rows_on_4_cpu_devices)")
+    mesh = Mesh(np.array(devices[:4]), ("d",))
+    put = lambda x, dtype: jax.device_put(jnp.asarray(x, dtype), devices[0])  # noqa: E731
+    hidden, weight, _, labels = make_inputs(put, 32, 16, 50, seed=35, n_ignored=0)
+    labels[:20] = -100
+    hidden = jax.device_put(hidden, NamedSharding(mesh, P("d", None)))
+    weight = jax.device_put(weight, NamedSharding(mesh, P()))
+    y = jax.device_put(jnp.asarray(labels, jnp.int32), NamedSharding(mesh, P("d")))
+
+    def run(skip):
+        def f(h, w):
+            return linear_cross_entropy(h, w, y, backend="kernel", chunk_rows=8, skip_ignored_rows=skip)
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(hidden, weight)
+
+    for a, b in zip(jax.tree.leaves(run(True)), jax.tree.leaves(run(False))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_skip_ignored_rows_compiled_memory():
+    """The skipping loop's scratch is the default loop's plus O(N) (the row order): its cond and scatters keep the
+    gradient carries in place, no extra copy of d weight (V x H) or d hidden (N x H)."""
+    dim, vocab = 64, 4096
+    for n in (512, 2048):
+        default = compiled_temp_bytes(n, dim, vocab, jnp.float32, chunk_rows=64)
+        skipping = compiled_temp_bytes(n, dim, vocab, jnp.float32, chunk_rows=64, skip_ignored_rows=True)
+        assert skipping - default <= 8 * n, (n, default, skipping)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, dim, vocab", [(8192, 4096, 128256), (32768, 4096, 128256)])
+def test_gpu_skip_ignored_rows_compiled_memory(capsys, n, dim, vocab):
+    default = compiled_temp_bytes(n, dim, vocab, jnp.bfloat16)
+    skipping = compiled_temp_bytes(n, dim, vocab, jnp.bfloat16, skip_ignored_rows=True)
+    with capsys.disabled():
+        print(f"\n[fastce_jax linear skip] {n}x{dim}x{vocab}: temp {skipping / 2**20:.0f} MiB ({default / 2**20:.0f})")
+    assert skipping - default <= 16 * n + (1 << 20)

@@ -515,3 +515,136 @@ def test_bad_chunking_keywords_raise(keyword, value, error, device):
     hidden, weight, bias, labels = problem(device)
     with pytest.raises(error, match=keyword):
         linear_cross_entropy(hidden, weight, labels, bias=bias, backend="kernel", **{keyword: value})
+
+
+# --- skip_ignored_rows ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def matmul_rows(monkeypatch):
+    """The rows of every logits matmul the chunk loop runs (each chunk's first matmul; its two gradient matmuls
+    have the same rows), in call order."""
+    rows = []
+    original = module._chunk_logits
+
+    def spy(workspace, hidden_chunk, weight, bias):
+        rows.append(hidden_chunk.shape[0])
+        return original(workspace, hidden_chunk, weight, bias)
+
+    monkeypatch.setattr(module, "_chunk_logits", spy)
+    return rows
+
+
+def ignored_problem(device, pattern, n=40, seed=30):
+    hidden, weight, bias, labels = problem(device, n=n, seed=seed)
+    labels = torch.randint(0, weight.shape[0], (n,), generator=torch.Generator().manual_seed(seed)).to(device)
+    index = torch.arange(n, device=device)
+    ignored = {
+        "none": index < 0,
+        "half-interleaved": index % 2 == 1,
+        "ninety-clustered": (index < 20) | (index >= 24),
+        "all": index >= 0,
+    }[pattern]
+    labels[ignored] = -100
+    return hidden, weight, bias, labels
+
+
+@pytest.mark.parametrize("pattern", ["none", "half-interleaved", "ninety-clustered", "all"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_skip_ignored_rows_runs_matmuls_on_kept_rows_only(pattern, reduction, device, matmul_rows, monkeypatch):
+    """The chunks cover only the kept rows (forward; "none" also in the backward, which recomputes the logits),
+    found once per call (one synchronisation); the loss and gradients are those of the default loop, d hidden
+    exactly 0 on ignored rows."""
+    searches = []
+    find = module._kept_rows
+    monkeypatch.setattr(
+        module, "_kept_rows", lambda *args: (searches.append(args[2].skip_ignored_rows), find(*args))[1]
+    )
+    hidden, weight, bias, labels = ignored_problem(device, pattern)
+    n_kept = int((labels != -100).sum())
+    upstream = torch.rand(labels.shape, device=device) + 0.5 if reduction == "none" else None
+    results = {}
+    for skip in (False, True):
+        matmul_rows.clear()
+        loss = linear_cross_entropy(
+            hidden, weight, labels, bias=bias, reduction=reduction, backend="kernel", chunk_rows=8,
+            skip_ignored_rows=skip,
+        )  # fmt: skip
+        forward_rows = list(matmul_rows)
+        grads = grads_of(loss, (hidden, weight, bias), upstream)
+        results[skip] = loss.detach(), grads, forward_rows, matmul_rows[len(forward_rows) :]
+    loss, grads, forward_rows, backward_rows = results[True]
+    assert searches.count(True) == 1
+    assert sum(results[False][2]) == 40 and sum(forward_rows) == n_kept
+    assert all(r <= 8 for r in forward_rows) and len(forward_rows) == -(-n_kept // 8)
+    assert backward_rows == (forward_rows if reduction == "none" else [])
+    torch.testing.assert_close(loss, results[False][0], rtol=1e-6, atol=1e-7)
+    assert_same(grads, results[False][1], rtol=1e-5, atol=1e-7)
+    assert not grads[0][labels == -100].any()
+    expected = unfused(hidden, weight, labels, bias, reduction=reduction)
+    torch.testing.assert_close(loss, expected.detach(), rtol=2e-6, atol=2e-6)
+    assert_same(grads, grads_of(expected, (hidden, weight, bias), upstream))
+
+
+def test_skip_ignored_rows_with_outputs_shift_and_poisoned_buffers(device, poisoned, matmul_rows):
+    """Extra outputs (per token in the original order), shift=1 and z_loss's gradient through the lse output; every
+    buffer allocated with torch.empty starts as NaN, so rows the skipping leaves unwritten would show."""
+    gen = torch.Generator().manual_seed(31)
+    hidden = torch.randn(2, 12, 20, generator=gen).to(device).requires_grad_()
+    weight = (torch.randn(70, 20, generator=gen) / 20**0.5 * 2).to(device).requires_grad_()
+    labels = torch.randint(0, 70, (2, 12), generator=gen).to(device)
+    labels[0, :7] = -100  # a prompt
+    labels[1, 2::2] = -100
+    outputs = dict(return_z_loss=True, return_lse=True, return_accuracy=True, return_entropy=True)
+    kw = dict(backend="kernel", chunk_rows=3, shift=1, z_loss=1e-2, label_smoothing=0.1, **outputs)
+    for reduction in ("mean", "none"):
+        got, want = (
+            linear_cross_entropy(hidden, weight, labels, reduction=reduction, skip_ignored_rows=skip, **kw)
+            for skip in (True, False)
+        )
+        for name in got._fields:
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-6, atol=1e-7, equal_nan=True)
+        assert torch.equal(got.lse.isneginf(), labels[:, 1:] == -100)  # position t scores label t + 1
+        objective = [(out.loss + out.z_loss).sum() for out in (got, want)]
+        assert_same(grads_of(objective[0], (hidden, weight)), grads_of(objective[1], (hidden, weight)), 1e-5, 1e-7)
+
+
+def test_skip_ignored_rows_under_fullgraph_compile(device, matmul_rows):
+    """The keyword reaches the custom ops (it is a Chunking field): under torch.compile(fullgraph=True) the chunks
+    still cover the kept rows only, no graph break."""
+    from fastce_torch.tests.test_compile import ops_in, recording_backend
+
+    hidden, weight, bias, labels = ignored_problem(device, "ninety-clustered")
+    head = Head(20, 70, backend="kernel", chunk_rows=8, skip_ignored_rows=True).to(device)
+    head.proj.weight.data.copy_(weight.detach())
+    head.proj.bias.data.copy_(bias.detach())
+    expected = head(hidden, labels)
+    torch._dynamo.reset()
+    backend, graphs = recording_backend()
+    try:
+        matmul_rows.clear()
+        got = torch.compile(head, fullgraph=True, backend=backend)(hidden, labels)
+    finally:
+        torch._dynamo.reset()
+    assert "fastce.linear_cross_entropy_reduced.default" in ops_in(graphs["forward"])
+    assert sum(matmul_rows) == 4
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_skip_ignored_rows_must_be_a_bool(device):
+    hidden, weight, bias, labels = problem(device)
+    with pytest.raises(TypeError, match="skip_ignored_rows must be a bool"):
+        linear_cross_entropy(hidden, weight, labels, backend="kernel", skip_ignored_rows=1)
+
+
+@pytest.mark.gpu
+def test_skip_ignored_rows_refuses_cuda_graph_capture(device):
+    """It synchronises (the number of kept rows), which capture forbids: a clear error, not a capture failure."""
+    hidden, weight, bias, labels = problem(device)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        linear_cross_entropy(hidden, weight, labels, bias=bias, skip_ignored_rows=True)  # warm-up
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="skip_ignored_rows"):
+            with torch.cuda.graph(graph, stream=stream):
+                linear_cross_entropy(hidden.detach(), weight.detach(), labels, skip_ignored_rows=True)
