@@ -45,7 +45,7 @@ def _layout(group, vocab_start, width, device):
         raise RuntimeError("process_group given but torch.distributed is not initialised (init_process_group)")
     if vocab_start is None:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        key = (group, rank, width)
+        key = (id(group), rank, width)
         if key not in _VERIFIED_WIDTHS:
             slices = sharding.gathered_slices(group, rank * width, width, device)
             if any(w != width for _, w in slices[:-1]):
