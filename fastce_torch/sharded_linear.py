@@ -47,12 +47,13 @@ def _layout(group, vocab_start, width, device):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         key = (id(group), rank, width)
         if key not in _VERIFIED_WIDTHS:
-            slices = sharding.gathered_slices(group, rank * width, width, device)
-            if any(w != width for _, w in slices[:-1]):
+            try:  # rank * width tiles [0, V) exactly when every width is the same
+                sharding.gathered_slices(group, rank * width, width, device)
+            except ValueError as error:
                 raise ValueError(
-                    f"linear_cross_entropy with process_group: the ranks hold {[w for _, w in slices[:-1]]} weight "
-                    "rows; without vocab_start every rank must hold the same number (pass vocab_start= otherwise)"
-                )
+                    "linear_cross_entropy with process_group: without vocab_start every rank must hold the same "
+                    "number of weight rows (pass vocab_start= for unequal slices)"
+                ) from error
             _VERIFIED_WIDTHS.add(key)
         return group, rank * width, world * width, width
     if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:

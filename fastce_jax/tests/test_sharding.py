@@ -494,3 +494,37 @@ def test_linear_sharded_weight(devices, layout, name):
 
 def _spec_axes(entry):
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def test_linear_vmap_and_user_shard_map(devices):
+    """With several devices the chunk loop is a custom_partitioning op: under vmap it runs the unpartitioned loop,
+    inside a user's shard_map (check_vma=False: Pallas interpret mode) the device's block as on one device."""
+    from fastce_jax import linear_cross_entropy
+
+    lin, case = linear_case("mean-bias")
+    hidden, weight, bias, labels, _, _ = lin.make_inputs(case, "cpu")
+    h, w, b, y = (jnp.asarray(t.numpy()) for t in (hidden, weight, bias, labels))
+
+    def loss(h, w, b, y):
+        return linear_cross_entropy(h, w, y, bias=b, backend="kernel", chunk_rows=5, reduction="sum")
+
+    def reference_loss(h, w, b, y):
+        return linear_cross_entropy(h, w, y, bias=b, backend="reference", reduction="sum")
+
+    with jax.default_matmul_precision("float32"):
+        hb, yb = h.reshape(2, 16, -1), y.reshape(2, 16)
+        got = jax.jit(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1)), in_axes=(0, None, None, 0)))(hb, w, b, yb)
+        want = jax.vmap(jax.value_and_grad(reference_loss, argnums=(0, 1)), in_axes=(0, None, None, 0))(hb, w, b, yb)
+        for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=2e-5, atol=2e-5)
+        mesh = Mesh(np.array(devices), ("d",))
+        local = jax.jit(
+            jax.shard_map(
+                lambda h, w, b, y: jax.lax.psum(loss(h, w, b, y), "d"),
+                mesh=mesh,
+                in_specs=(P("d"), P(), P(), P("d")),
+                out_specs=P(),
+                check_vma=False,
+            )  # fmt: skip
+        )
+        np.testing.assert_allclose(float(local(h, w, b, y)), float(reference_loss(h, w, b, y)), rtol=2e-5)

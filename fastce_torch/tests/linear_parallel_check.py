@@ -115,6 +115,36 @@ def run_tp(case, device, backend, mode):
     lin.check_result(case, inputs, (loss.detach(), [h.grad, grad_w, grad_b]), chunks)
 
 
+def run_refusals(device, backend):
+    """What the vocab-parallel path refuses, on every rank alike (no rank left waiting in a collective)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(5)
+    hidden, labels = torch.randn(6, 4, generator=gen).to(device), torch.randint(0, 8 * world, (6,)).to(device)
+
+    def refused(error, match, weight, **kwargs):
+        try:
+            fastce_torch.linear_cross_entropy(hidden, weight, labels, backend=backend, process_group=group, **kwargs)
+        except error as caught:
+            assert match in str(caught), caught
+            return
+        raise AssertionError(f"no {error.__name__} ({match})")
+
+    # Unequal widths without vocab_start: the ranks' chunkings would differ.
+    refused(ValueError, "the same number", torch.randn(8 + (rank == 0), 4).to(device))
+    # Slices that do not tile [0, V).
+    refused(ValueError, "tile", torch.randn(8, 4).to(device), vocab_start=rank * 7)
+    refused(NotImplementedError, "return_", torch.randn(8, 4).to(device), return_lse=True)
+    weight = torch.randn(8, 4, device=device, requires_grad=True)
+    loss = fastce_torch.linear_cross_entropy(hidden, weight, labels, backend=backend, process_group=group)
+    try:
+        torch.autograd.grad(loss, weight, create_graph=True)
+    except NotImplementedError as caught:
+        assert "create_graph" in str(caught)
+    else:
+        raise AssertionError("create_graph=True was not refused")
+
+
 def run_fsdp(case, device, backend):
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -220,6 +250,13 @@ def main():
         except Exception as error:  # noqa: BLE001 - every case reported, then the exit status
             failures += 1
             print(f"FAIL {case.id} (rank {rank}): {type(error).__name__}: {error}", flush=True)
+    if args.mode == "tp" and args.size == "small":
+        try:
+            run_refusals(device, args.backend)
+            print("refusals: ok", flush=True)
+        except Exception as error:  # noqa: BLE001
+            failures += 1
+            print(f"FAIL refusals (rank {rank}): {type(error).__name__}: {error}", flush=True)
     if args.mode == "fsdp" and args.size == "small":
         for bias in (False, True):
             try:
