@@ -10,7 +10,8 @@ the chunk's d logits follow at once (the kernels' vocab-parallel backward, in pl
 no communication) and d hidden (this rank's columns' share), as the unsharded loop does; "none" keeps the global
 lse (N floats) and recomputes each chunk in the backward. d hidden is then summed over the ranks: one all-reduce of
 N x H (inherent to a column-parallel layer, as its input gradient). Nothing weight- or logits-sized is communicated.
-Every rank uses the same rows per chunk (from the widest slice), so every rank runs the same collectives.
+Every rank uses the same rows per chunk (from the widest slice), so every rank runs the same collectives. The
+return_* outputs' statistics ride on the same combine (sharding.combine_statistics with extras).
 
 DTensor weight with a plain hidden: the data-parallel case of FSDP2 (each rank's hidden and labels are its own
 batch): when the LM head is a module of its own under fully_shard and the loss reads `lm_head.weight` without
@@ -67,22 +68,62 @@ def _sum_over_ranks(tensor, group):
     return tensor
 
 
-def _chunk_gradient(grad_rows, denominator, logits, labels, lse, options, layout, use_kernel):
-    """Overwrites the chunk's local logits with d loss / d logits of its columns (no communication)."""
+def _chunk_gradient(grad_rows, denominator, logits, labels, lse, options, layout, use_kernel, grad_lse=None):
+    """Overwrites the chunk's local logits with d(loss, and lse where grad_lse is given) / d logits of its columns
+    (no communication): the loss's with grad_rows (None: none), the lse's (the z_loss output's) with grad_lse."""
     group, vocab_start, vocab_total, _ = layout
-    sharding.shard_gradient(
-        grad_rows, denominator, logits, labels, lse, logits, options, vocab_start, vocab_total, use_kernel
-    )
+    if grad_lse is None:
+        sharding.shard_gradient(
+            grad_rows, denominator, logits, labels, lse, logits, options, vocab_start, vocab_total, use_kernel
+        )
+        return
+    # Both parts in float32, rounded to the logits' dtype once.
+    grad = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    if use_kernel:
+        kernels.lse_backward(grad_lse, logits, labels, lse, grad, options, vocab_total=vocab_total)
+    else:
+        lse_options = options._replace(label_smoothing=0.0, z_loss=0.0)
+        grad.copy_(
+            contract.logits_gradient(grad_lse.to(lse.dtype), logits, labels, lse, lse_options, vocab_total, vocab_total)
+        )
+    if grad_rows is not None:
+        loss_part = torch.empty_like(grad)
+        sharding.shard_gradient(
+            grad_rows, denominator, logits, labels, lse, loss_part, options, vocab_start, vocab_total, use_kernel
+        )
+        grad += loss_part
+    logits.copy_(grad)
+
+
+def _recomputed_grads(hidden, weight, bias, labels, lse, grad_losses, grad_lse, needs, ctx):
+    """The gradients of sum_t (grad_losses_t loss_t + grad_lse_t lse_t) (either None for none of it), each chunk's
+    logits recomputed; d hidden summed over the ranks."""
+    with lce._interior(hidden):
+        grads = lce._new_grads(hidden, weight, bias, needs, ctx.chunking)
+        if any(needs):
+            weight_c, bias_c = lce._in_compute_dtype(hidden, weight, bias)
+            for rows, hidden_chunk, labels_chunk, logits in lce._chunks(hidden, weight_c, bias_c, labels, ctx.chunking):
+                _chunk_gradient(
+                    None if grad_losses is None else grad_losses[rows], None, logits, labels_chunk, lse[rows],
+                    ctx.options, ctx.layout, ctx.use_kernel, None if grad_lse is None else grad_lse[rows],
+                )  # fmt: skip
+                lce._accumulate_grads(logits, hidden_chunk, weight_c, rows, grads)
+        grads = lce._finish_grads(grads, weight, bias)
+        if grads[0] is not None:
+            _sum_over_ranks(grads[0], ctx.layout[0])
+    return grads
 
 
 class _VocabParallelLinearFunction(torch.autograd.Function):
-    """hidden (N, H) replicated, weight (V_local, H) and bias (V_local,) this rank's rows, labels (N,) global."""
+    """hidden (N, H) replicated, weight (V_local, H) and bias (V_local,) this rank's rows, labels (N,) global. With
+    extras (the return_* outputs): (loss, lse, argmax, mean of z), lse differentiable for the z_loss output."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, denominator, options, chunking, needs, layout, use_kernel):
+    def forward(ctx, hidden, weight, bias, labels, denominator, options, chunking, needs, layout, use_kernel, extras):
         group, vocab_start, vocab_total, widest = layout
         reduced = denominator is not None
         grad_now = needs if reduced else (False, False, False)
+        outputs = extras is not None
         n_rows = hidden.shape[0]
         dtype = contract.compute_dtype(hidden.dtype)
         with_sum_z = options.label_smoothing > 0.0
@@ -93,19 +134,25 @@ class _VocabParallelLinearFunction(torch.autograd.Function):
             weight_c, bias_c = lce._in_compute_dtype(hidden, weight, bias)
             token_losses = torch.zeros(n_rows, dtype=dtype, device=hidden.device)
             lse = torch.full((n_rows,), float("-inf"), dtype=dtype, device=hidden.device)
+            if outputs:
+                argmax = torch.zeros(n_rows, dtype=torch.int64, device=hidden.device)
+                mean_z = torch.zeros(n_rows, dtype=dtype, device=hidden.device)
             grads = lce._new_grads(hidden, weight, bias, grad_now, chunking)
             one = torch.ones((), dtype=torch.float32, device=hidden.device)
             for rows, hidden_chunk, labels_chunk, logits in lce._chunks(hidden, weight_c, bias_c, labels, chunking):
-                statistics = sharding.shard_statistics(
-                    logits, labels_chunk, options, vocab_start, vocab_total, use_kernel
+                lse_local, z_label, sum_z, *local_extras = sharding.shard_statistics(
+                    logits, labels_chunk, options, vocab_start, vocab_total, use_kernel, outputs
                 )
-                chunk_lse, z_label, sum_z = sharding.combine_statistics(
-                    *statistics, group, logits.shape[-1], False, with_sum_z
-                )
+                chunk_lse, z_label, sum_z, *chunk_extras = sharding.combine_statistics(
+                    lse_local, z_label, sum_z, group, logits.shape[-1], False, with_sum_z,
+                    local_extras if outputs else None, vocab_total,
+                )  # fmt: skip
                 token_losses[rows] = contract.token_loss_from_statistics(
                     chunk_lse, z_label, sum_z, labels_chunk, options, vocab_total
                 )
                 lse[rows] = chunk_lse
+                if outputs:
+                    argmax[rows], mean_z[rows] = chunk_extras
                 if any(grad_now):
                     _chunk_gradient(one, denominator, logits, labels_chunk, chunk_lse, options, layout, use_kernel)
                     lce._accumulate_grads(logits, hidden_chunk, weight_c, rows, grads)
@@ -114,57 +161,62 @@ class _VocabParallelLinearFunction(torch.autograd.Function):
                 _sum_over_ranks(grads[0], group)
         ctx.options, ctx.chunking, ctx.layout, ctx.use_kernel = options, chunking, layout, use_kernel
         ctx.grads = grads if reduced else None
-        ctx.reduced = reduced
-        if reduced:
-            return token_losses.sum() / denominator
-        ctx.save_for_backward(hidden, weight, bias, labels, lse)
-        return token_losses
+        ctx.reduced, ctx.extras = reduced, extras
+        loss = token_losses.sum() / denominator if reduced else token_losses
+        if not reduced or (outputs and extras.z_loss):
+            ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        if not outputs:
+            return loss
+        ctx.mark_non_differentiable(argmax, mean_z, *(() if extras.z_loss else (lse,)))
+        ctx.set_materialize_grads(False)
+        return loss, lse, argmax, mean_z
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output, *grad_extras):
         if torch.is_grad_enabled():
             raise NotImplementedError(
                 "create_graph=True through a vocab-parallel linear_cross_entropy is not supported"
             )
-        nones = (None,) * 7
+        nones = (None,) * 8
+        grad_lse = grad_extras[0] if grad_extras and ctx.extras.z_loss else None
+        grad_lse = None if grad_lse is None else grad_lse.detach().contiguous()
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2])
         if ctx.reduced:
             grads, ctx.grads = ctx.grads, None
             if grads is None:
                 raise RuntimeError(lce.BACKWARD_TWICE)
-            factor = grad_output.detach().to(torch.float32)
-            for grad in grads:
-                if grad is not None:
-                    if ctx.use_kernel:
-                        kernels.scale_unless_one(grad, factor)
-                    else:
-                        grad.mul_(factor.to(grad.dtype))
+            if grad_output is not None:
+                factor = grad_output.detach().to(torch.float32)
+                for grad in grads:
+                    if grad is not None:
+                        if ctx.use_kernel:
+                            kernels.scale_unless_one(grad, factor)
+                        else:
+                            grad.mul_(factor.to(grad.dtype))
+            else:
+                grads = (None, None, None)
+            if grad_lse is None:
+                return (*grads, *nones)
+            hidden, weight, bias, labels, lse = ctx.saved_tensors
+            needs = (needs[0], needs[1], bias is not None and needs[2])
+            lse_grads = _recomputed_grads(hidden, weight, bias, labels, lse, None, grad_lse, needs, ctx)
+            grads = [a if b is None else (b if a is None else a + b) for a, b in zip(grads, lse_grads)]
             return (*grads, *nones)
         hidden, weight, bias, labels, lse = ctx.saved_tensors
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        grad_losses = grad_output.detach().contiguous().to(torch.float32)
-        with lce._interior(hidden):
-            grads = lce._new_grads(hidden, weight, bias, needs, ctx.chunking)
-            if any(needs):
-                weight_c, bias_c = lce._in_compute_dtype(hidden, weight, bias)
-                for rows, hidden_chunk, labels_chunk, logits in lce._chunks(
-                    hidden, weight_c, bias_c, labels, ctx.chunking
-                ):
-                    _chunk_gradient(
-                        grad_losses[rows], None, logits, labels_chunk, lse[rows], ctx.options, ctx.layout,
-                        ctx.use_kernel,
-                    )  # fmt: skip
-                    lce._accumulate_grads(logits, hidden_chunk, weight_c, rows, grads)
-            grads = lce._finish_grads(grads, weight, bias)
-            if grads[0] is not None:
-                _sum_over_ranks(grads[0], ctx.layout[0])
+        needs = (needs[0], needs[1], bias is not None and needs[2])
+        if grad_output is None and grad_lse is None:
+            return (None,) * 3 + nones
+        grad_losses = None if grad_output is None else grad_output.detach().contiguous().to(lse.dtype)
+        grads = _recomputed_grads(hidden, weight, bias, labels, lse, grad_losses, grad_lse, needs, ctx)
         return (*grads, *nones)
 
 
 def vocab_parallel_linear_cross_entropy(
-    hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, layout
+    hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, layout, extras=None
 ):
     """hidden (..., H) and labels (...) the same on every rank, weight (V_local, H) and bias (V_local,) this rank's
-    rows; the loss of the full head on every rank."""
+    rows; the loss of the full head on every rank (with extras, a contract.Extras asking for some:
+    CrossEntropyOutput)."""
     hidden, weight, bias = lce._autocast_or_common_dtype(hidden, weight, bias)
     use_kernel = contract.use_kernel(hidden, backend)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
@@ -177,10 +229,14 @@ def vocab_parallel_linear_cross_entropy(
     )
     # Labels are the same on every rank, so the local kept-token count is the global one.
     denominator = contract.loss_divisor(labels_1d, reduction, n_items, options.ignore_index)
-    loss = _VocabParallelLinearFunction.apply(
-        hidden_2d, weight, bias, labels_1d, denominator, options, chunking, needs, layout, use_kernel
+    out = _VocabParallelLinearFunction.apply(
+        hidden_2d, weight, bias, labels_1d, denominator, options, chunking, needs, layout, use_kernel, extras
     )
-    return loss.view(labels.shape) if reduction == "none" else loss
+    if extras is None:
+        return out.view(labels.shape) if reduction == "none" else out
+    loss, lse, argmax, mean_z = out
+    loss = loss.view(labels.shape) if reduction == "none" else loss
+    return contract.extra_outputs(loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, layout[2])
 
 
 # --- DTensor weights -------------------------------------------------------------------------------------------
@@ -236,9 +292,9 @@ class _ReplicatedLocal(torch.autograd.Function):
         return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
-def _dtensor_vocab_parallel(hidden, weight, bias, labels, options, reduction, n_items, backend, chunking):
+def _dtensor_vocab_parallel(hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras):
     """hidden a Replicate DTensor, weight Shard(0) on a 1-D mesh (bias Shard(0) or None): vocab-parallel, the loss
-    a Replicate DTensor, the gradients DTensors placed like their inputs."""
+    (and every extra output) a Replicate DTensor, the gradients DTensors placed like their inputs."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     mesh = weight.device_mesh
@@ -264,9 +320,15 @@ def _dtensor_vocab_parallel(hidden, weight, bias, labels, options, reduction, n_
     layout = (mesh.get_group(), start, vocab_total, chunk)
     loss = vocab_parallel_linear_cross_entropy(
         _ReplicatedLocal.apply(hidden), local_weight, local_bias, labels, options, reduction, n_items, backend,
-        chunking, layout,
+        chunking, layout, extras,
     )  # fmt: skip
-    return DTensor.from_local(loss, mesh, [Replicate()], run_check=False)
+    if extras is None:
+        return DTensor.from_local(loss, mesh, [Replicate()], run_check=False)
+    fields = {
+        name: None if value is None else DTensor.from_local(value, mesh, [Replicate()], run_check=False)
+        for name, value in loss._asdict().items()
+    }
+    return contract.CrossEntropyOutput(**fields)
 
 
 @torch.compiler.disable
@@ -283,12 +345,13 @@ def sharded_linear_cross_entropy(
                 "a DTensor carries its own process group and offsets: pass neither process_group nor vocab_start"
             )
         if dtensors[0]:
-            if any(extras):
-                raise NotImplementedError("the return_* outputs of a vocab-parallel linear_cross_entropy")
             if validate_labels:
                 full = labels.full_tensor() if sharding.is_dtensor(labels) else labels
                 contract.validate_labels(full, weight.shape[0], options.ignore_index)
-            return _dtensor_vocab_parallel(hidden, weight, bias, labels, options, reduction, n_items, backend, chunking)
+            return _dtensor_vocab_parallel(
+                hidden, weight, bias, labels, options, reduction, n_items, backend, chunking,
+                extras if any(extras) else None,
+            )  # fmt: skip
         for name, tensor in (("weight", weight), ("bias", bias)):
             if sharding.is_dtensor(tensor):
                 _check_dtensor_weight(tensor, name)
@@ -307,11 +370,10 @@ def sharded_linear_cross_entropy(
         )
     if process_group is None:
         raise ValueError("vocab_start is only meaningful with process_group (a vocab-parallel weight)")
-    if any(extras):
-        raise NotImplementedError("the return_* outputs of a vocab-parallel linear_cross_entropy")
     layout = _layout(process_group, vocab_start, weight.shape[0], hidden.device)
     if validate_labels:
         contract.validate_labels(labels, layout[2], options.ignore_index)
     return vocab_parallel_linear_cross_entropy(
-        hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, layout
-    )
+        hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, layout,
+        extras if any(extras) else None,
+    )  # fmt: skip

@@ -134,7 +134,6 @@ def run_refusals(device, backend):
     refused(ValueError, "the same number", torch.randn(8 + (rank == 0), 4).to(device))
     # Slices that do not tile [0, V).
     refused(ValueError, "tile", torch.randn(8, 4).to(device), vocab_start=rank * 7)
-    refused(NotImplementedError, "return_", torch.randn(8, 4).to(device), return_lse=True)
     weight = torch.randn(8, 4, device=device, requires_grad=True)
     loss = fastce_torch.linear_cross_entropy(hidden, weight, labels, backend=backend, process_group=group)
     try:
@@ -143,6 +142,57 @@ def run_refusals(device, backend):
         assert "create_graph" in str(caught)
     else:
         raise AssertionError("create_graph=True was not refused")
+
+
+def run_outputs(device, backend, reduction):
+    """The return_* outputs (every one, with every option) through process_group=, against linear_cross_entropy on
+    one process with the full weight in float64; the loss and the z_loss output both differentiated."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(11)
+    n_rows, width, vocab = 13, 8, 12 * world
+    hidden = torch.randn(n_rows, width, generator=gen)
+    weight = torch.randn(vocab, width, generator=gen) * 0.5
+    bias = torch.randn(vocab, generator=gen)
+    labels = torch.randint(0, vocab, (n_rows,), generator=gen)
+    labels[::5] = -100
+    up_loss, up_z = torch.randn(n_rows, generator=gen), torch.randn(n_rows, generator=gen)
+    if reduction != "none":
+        up_loss, up_z = up_loss[0], up_z[0]
+    options = dict(label_smoothing=0.1, z_loss=1e-2, logit_softcapping=6.0, reduction=reduction, chunk_rows=4)
+    flags = dict(return_z_loss=True, return_lse=True, return_accuracy=True, return_entropy=True)
+    local = slice(rank * 12, (rank + 1) * 12)
+
+    def run(h, w, b, **kwargs):
+        leaves = [t.detach().clone().to(device).requires_grad_() for t in (h, w, b)]
+        out = fastce_torch.linear_cross_entropy(
+            leaves[0], leaves[1], labels.to(device), bias=leaves[2], **options, **flags, **kwargs
+        )
+        ((out.loss * up_loss.to(device)).sum() + (out.z_loss * up_z.to(device)).sum()).backward()
+        return out, [t.grad for t in leaves]
+
+    def run_dtensor():
+        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+        mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (world,))
+        h = hidden.clone().to(device).requires_grad_()
+        w, b = (distribute_tensor(t.clone().to(device), mesh, [Shard(0)]).requires_grad_() for t in (weight, bias))
+        hd = DTensor.from_local(h, mesh, [Replicate()], run_check=False)
+        out = fastce_torch.linear_cross_entropy(hd, w, labels.to(device), bias=b, backend=backend, **options, **flags)
+        out = type(out)(*(None if v is None else v.to_local() for v in out))
+        ((out.loss * up_loss.to(device)).sum() + (out.z_loss * up_z.to(device)).sum()).backward()
+        return out, [h.grad, w.grad.to_local(), b.grad.to_local()]
+
+    want, want_grads = run(hidden.double(), weight.double(), bias.double(), backend="reference")
+    for out, grads in (
+        run(hidden, weight[local], bias[local], backend=backend, process_group=dist.group.WORLD),
+        run_dtensor(),
+    ):
+        for name in ("loss", "z_loss", "lse", "accuracy", "entropy"):
+            torch.testing.assert_close(getattr(out, name).double().cpu(), getattr(want, name).cpu(), rtol=2e-5,
+                                       atol=2e-6, msg=name)  # fmt: skip
+        torch.testing.assert_close(grads[0].double().cpu(), want_grads[0].cpu(), rtol=2e-5, atol=2e-6)
+        for got, full in zip(grads[1:], want_grads[1:]):
+            torch.testing.assert_close(got.double().cpu(), full[local].cpu(), rtol=2e-5, atol=2e-6)
 
 
 def run_fsdp(case, device, backend):
@@ -254,6 +304,9 @@ def main():
         try:
             run_refusals(device, args.backend)
             print("refusals: ok", flush=True)
+            for reduction in ("mean", "sum", "none"):
+                run_outputs(device, args.backend, reduction)
+                print(f"outputs-{reduction}: ok", flush=True)
         except Exception as error:  # noqa: BLE001
             failures += 1
             print(f"FAIL refusals (rank {rank}): {type(error).__name__}: {error}", flush=True)
