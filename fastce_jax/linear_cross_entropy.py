@@ -92,8 +92,9 @@ def _ce_forward(logits, labels, st: _Static):
     if st.vocab_layout is not None:  # a device's vocabulary block: the statistics combined over the devices
         mesh, axes, vocab_total = st.vocab_layout
         return sharding._local_forward(
-            logits, labels, st.options, st.interpret, None, mesh=mesh, vocab_axes=axes, vocab_total=vocab_total
-        )
+            logits, labels, st.options, st.interpret, None, mesh=mesh, vocab_axes=axes, vocab_total=vocab_total,
+            extras=(st.returns.accuracy, st.returns.entropy),
+        )  # fmt: skip
     kw = {"returns": st.returns} if st.returns else {}
     return tuple(
         sharding.forward(
@@ -107,7 +108,7 @@ def _ce_backward_in_place(logits, labels, lse, g, st: _Static, g_lse=None):
         mesh, axes, vocab_total = st.vocab_layout
         return sharding._local_backward(
             logits, labels, lse, g, st.options, True, st.interpret, None, mesh=mesh, vocab_axes=axes,
-            vocab_total=vocab_total,
+            vocab_total=vocab_total, g_lse=g_lse,
         )  # fmt: skip
     return sharding.backward(
         logits,
@@ -228,10 +229,10 @@ def _fused_forward(hidden, weight, bias, labels, g_tokens, st: _Static):
 def _fused_backward(hidden, weight, bias, labels, lse, g_tokens, st: _Static, g_lse=None):
     """Gradients of sum_t g_t * loss_t (+ sum_t g_lse_t * lse_t when g_lse is given: a returned z_loss's) from the
     saved lse: each chunk's logits are recomputed, no forward kernel."""
-    if st.partitioned and g_lse is None:
+    if st.partitioned:
         from . import sharded_linear
 
-        return sharded_linear.fused_backward(hidden, weight, bias, labels, lse, g_tokens, st)
+        return sharded_linear.fused_backward(hidden, weight, bias, labels, lse, g_tokens, st, g_lse)
     n = hidden.shape[0]
 
     def step(k, carry, first):
@@ -506,7 +507,7 @@ def linear_cross_entropy(
             backward_config=kernels.backward_config(vocab),
             returns=returns,
             # Several devices: the loop runs on each device's block of rows and vocabulary (sharded_linear.py).
-            partitioned=not returns and jax.device_count() > 1,
+            partitioned=jax.device_count() > 1,
         )
         with kernels.quiet_triton(st.interpret):
             loss = _kernel_loss(h2, weight, bias, labels.reshape(-1), n_items, st=st)

@@ -22,6 +22,9 @@ a weight or hidden sharded along H is gathered along it first (by XLA, to the sh
 Rows or vocabulary that their mesh axes do not divide are replicated instead. Each device's chunk is at most the
 call's chunk rows (computed for the whole vocabulary), so a vocabulary-sharded device materialises less.
 
+The return_* outputs' statistics ride on the same combine (sharding._local_forward with extras); a differentiated
+z_loss output's backward is the backward op with the lse cotangent.
+
 vmap: custom_partitioning has no batching rule; a vmapped call runs the unpartitioned loop (jax.vmap of it).
 """
 
@@ -116,19 +119,24 @@ def _outputs(grads, st):
     return grads[:2] + ((grads[2],) if st.with_bias else ())
 
 
+def _n_extras(st):
+    return len(lce._extra_names(st))
+
+
 def _forward_local(*args, st, with_grads, mesh=None, rows=(), vocab=(), vocab_total=None):
+    """(losses, lse, the per-token extra outputs st.returns asks for, then with_grads the gradients)."""
     hidden, weight, bias, labels, rest = _split(args, st)
     local = _local_static(st, hidden.shape[0], weight.shape[0], mesh, vocab, vocab_total or weight.shape[0])
-    losses, lse, grads, _ = lce._fused_forward(hidden, weight, bias, labels, rest[0] if with_grads else None, local)
-    if not with_grads:
-        return losses, lse
-    return (losses, lse, *_outputs(_reduced_grads(grads, rows, vocab), st))
+    g_tokens = rest[0] if with_grads else None
+    losses, lse, grads, extra = lce._fused_forward(hidden, weight, bias, labels, g_tokens, local)
+    out = (losses, lse, *extra.values())
+    return out + (_outputs(_reduced_grads(grads, rows, vocab), st) if with_grads else ())
 
 
-def _backward_local(*args, st, mesh=None, rows=(), vocab=(), vocab_total=None):
-    hidden, weight, bias, labels, (lse, g) = _split(args, st)
+def _backward_local(*args, st, with_lse=False, mesh=None, rows=(), vocab=(), vocab_total=None):
+    hidden, weight, bias, labels, (lse, g, *g_lse) = _split(args, st)
     local = _local_static(st, hidden.shape[0], weight.shape[0], mesh, vocab, vocab_total or weight.shape[0])
-    grads = lce._fused_backward(hidden, weight, bias, labels, lse, g, local)
+    grads = lce._fused_backward(hidden, weight, bias, labels, lse, g, local, g_lse[0] if with_lse else None)
     return _outputs(_reduced_grads(grads, rows, vocab), st)
 
 
@@ -143,17 +151,22 @@ def _shardings(mesh, rows, vocab, st, n_row_args):
     return operands, row, grads
 
 
+def _n_row_args(kind, with_grads):
+    """Per-row operands after labels: the forward's upstream factors (with gradients); the backward's lse, upstream
+    and (with_grads there: the lse cotangent) its upstream too."""
+    return int(with_grads) if kind == "forward" else 2 + int(with_grads)
+
+
 def _partition(kind, st, with_grads, mesh, arg_shapes, result_shape):
     del result_shape
     mesh, rows, vocab = _plan(arg_shapes)
-    n_row_args = (1 if with_grads else 0) if kind == "forward" else 2
-    operands, row, grads = _shardings(mesh, rows, vocab, st, n_row_args)
+    operands, row, grads = _shardings(mesh, rows, vocab, st, _n_row_args(kind, with_grads))
     static = dict(st=st, mesh=mesh, rows=rows, vocab=vocab, vocab_total=arg_shapes[1].shape[0])
     if kind == "forward":
         lower = functools.partial(_forward_local, with_grads=with_grads, **static)
-        results = (row, row) + (grads if with_grads else ())
+        results = (row,) * (2 + _n_extras(st)) + (grads if with_grads else ())
     else:
-        lower = functools.partial(_backward_local, **static)
+        lower = functools.partial(_backward_local, with_lse=with_grads, **static)
         results = grads
     return mesh, lower, results, operands
 
@@ -163,27 +176,28 @@ def _infer(kind, st, with_grads, mesh, arg_shapes, result_shape):
     mesh, rows, vocab = _plan(arg_shapes)
     _, row, grads = _shardings(mesh, rows, vocab, st, 0)
     if kind == "forward":
-        return (row, row) + (grads if with_grads else ())
+        return (row,) * (2 + _n_extras(st)) + (grads if with_grads else ())
     return grads
 
 
 def _rule(kind, st, with_grads):
     """The Shardy rule: n the rows, v the vocabulary, h the hidden width."""
     weights = ("v h",) + (("v",) if st.with_bias else ())
+    operands = ("n h", *weights, "n") + ("n",) * _n_row_args(kind, with_grads)
     if kind == "forward":
-        operands = ("n h", *weights, "n") + (("n",) if with_grads else ())
-        results = ("n", "n") + (("n h", *weights) if with_grads else ())
+        results = ("n",) * (2 + _n_extras(st)) + (("n h", *weights) if with_grads else ())
     else:
-        operands, results = ("n h", *weights, "n", "n", "n"), ("n h", *weights)
+        results = ("n h", *weights)
     return ", ".join(operands) + " -> " + ", ".join(results)
 
 
 @functools.cache
 def _op(kind, st, with_grads=False):
+    """kind "forward" (with_grads: also the gradients) or "backward" (with_grads: an lse cotangent as well)."""
     plain = (
         functools.partial(_forward_local, st=st, with_grads=with_grads)
         if kind == "forward"
-        else functools.partial(_backward_local, st=st)
+        else functools.partial(_backward_local, st=st, with_lse=with_grads)
     )
 
     @custom_partitioning
@@ -210,19 +224,24 @@ def _op(kind, st, with_grads=False):
 
 
 def fused_forward(hidden, weight, bias, labels, g_tokens, st):
-    """linear_cross_entropy._fused_forward (without extra outputs), partitioned."""
+    """linear_cross_entropy._fused_forward, partitioned."""
     with_grads = g_tokens is not None
     args = (hidden, weight) + (() if bias is None else (bias,)) + (labels,) + ((g_tokens,) if with_grads else ())
     out = _op("forward", st, with_grads)(*args)
-    losses, lse = out[0], out[1]
+    n_extras = _n_extras(st)
+    losses, lse, extra = out[0], out[1], dict(zip(lce._extra_names(st), out[2 : 2 + n_extras]))
     grads = None
     if with_grads:
-        grads = (out[2], out[3], out[4] if st.with_bias else None)
-    return losses, lse, grads, {}
+        dh, dw, *db = out[2 + n_extras :]
+        grads = (dh, dw, db[0] if st.with_bias else None)
+    return losses, lse, grads, extra
 
 
-def fused_backward(hidden, weight, bias, labels, lse, g_tokens, st):
-    """linear_cross_entropy._fused_backward (without the lse cotangent), partitioned."""
-    args = (hidden, weight) + (() if bias is None else (bias,)) + (labels, lse, g_tokens)
-    out = _op("backward", st)(*args)
+def fused_backward(hidden, weight, bias, labels, lse, g_tokens, st, g_lse=None):
+    """linear_cross_entropy._fused_backward, partitioned."""
+    with_lse = g_lse is not None
+    args = (
+        (hidden, weight) + (() if bias is None else (bias,)) + (labels, lse, g_tokens) + ((g_lse,) if with_lse else ())
+    )
+    out = _op("backward", st, with_lse)(*args)
     return out[0], out[1], out[2] if st.with_bias else None

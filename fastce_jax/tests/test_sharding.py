@@ -528,3 +528,45 @@ def test_linear_vmap_and_user_shard_map(devices):
             )  # fmt: skip
         )
         np.testing.assert_allclose(float(local(h, w, b, y)), float(reference_loss(h, w, b, y)), rtol=2e-5)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("layout", ["vocab", "2d"])
+def test_linear_sharded_weight_extra_outputs(devices, layout, reduction):
+    """Every return_* output through the partitioned loop, the loss and the z_loss output both differentiated,
+    against the jnp reference of the same call (replicated); still no weight- or logits-sized collective."""
+    from fastce_jax import linear_cross_entropy
+
+    lin, case = linear_case("mean-bias")
+    mesh = linear_mesh(devices, layout)
+    hidden_spec, weight_spec = LINEAR_LAYOUTS[layout]
+    hidden, weight, bias, labels, _, _ = lin.make_inputs(case, "cpu")
+    h, w, b, y = (jnp.asarray(t.numpy()) for t in (hidden, weight, bias, labels))
+    rng = np.random.default_rng(3)
+    up = jnp.asarray(rng.standard_normal(y.shape if reduction == "none" else ()), jnp.float32)
+    up_z = jnp.asarray(rng.standard_normal(y.shape if reduction == "none" else ()), jnp.float32)
+    opts = dict(label_smoothing=0.1, z_loss=1e-2, logit_softcapping=6.0, reduction=reduction, chunk_rows=5)
+    flags = dict(return_z_loss=True, return_lse=True, return_accuracy=True, return_entropy=True)
+
+    def objective(backend):
+        def f(h, w, b, y):
+            out = linear_cross_entropy(h, w, y, bias=b, backend=backend, **opts, **flags)
+            return jnp.sum(out.loss * up) + jnp.sum(out.z_loss * up_z), out
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
+
+    args = (put(h, mesh, hidden_spec), put(w, mesh, weight_spec), put(b, mesh, P(weight_spec[0])))
+    args = args + (put(y, mesh, P(hidden_spec[0])),)
+    with jax.default_matmul_precision("float32"):
+        (_, got), got_grads = objective("kernel")(*args)
+        (_, want), want_grads = objective("reference")(h, w, b, y)
+        text = objective("kernel").lower(*args).compile().as_text()
+    for name in ("loss", "z_loss", "lse", "accuracy", "entropy"):
+        np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=3e-5, atol=3e-6, err_msg=name)
+    for a, e in zip(got_grads, want_grads):
+        np.testing.assert_allclose(a, e, rtol=3e-5, atol=3e-6)
+    found = collectives(text)
+    n, (vocab, width) = case.shape[0], weight.shape
+    v_local = vocab // math.prod(mesh.shape[a] for a in _spec_axes(weight_spec[0]))
+    assert all(op != "all-gather" or size <= 4 * n for op, size in found), found
+    assert all(size <= max(4 * n, n * width, v_local * width) for _, size in found), found
