@@ -55,6 +55,22 @@ def selected(only, size):
     return [by_name[name] for name in names]
 
 
+def chunked(case):
+    """The case and how many chunks bound its weight gradient's roundings: the small cases with
+    lin.CHUNK_ROWS_SMALL rows per chunk; the mid ones at the default workspace, counting every rank's chunks
+    (tp: the rows against V / ranks columns; fsdp: N / ranks rows against V, the ranks' gradients summed)."""
+    if not case.name.startswith("mid"):
+        return lin.small_chunks(case)
+    from fastce_torch.linear_cross_entropy import rows_per_chunk
+
+    world, n_rows = dist.get_world_size(), case.shape[0]
+    itemsize = lin.TORCH_DTYPES[case.dtype].itemsize
+    tp = -(-n_rows // rows_per_chunk(n_rows, -(-case.vocab // world), itemsize))
+    mine = -(-n_rows // world)
+    fsdp = world * -(-mine // rows_per_chunk(mine, case.vocab, itemsize))
+    return case, max(tp, fsdp)
+
+
 def assembled(local, rows_or_slice, full_shape, group=None):
     """The full tensor from every rank's piece (zeros elsewhere, summed over the ranks: NaN survives)."""
     full = torch.zeros(full_shape, dtype=torch.float64, device=local.device)
@@ -65,7 +81,7 @@ def assembled(local, rows_or_slice, full_shape, group=None):
 
 def run_tp(case, device, backend, mode):
     rank, world = dist.get_rank(), dist.get_world_size()
-    case, chunks = lin.small_chunks(case)
+    case, chunks = chunked(case)
     inputs = lin.make_inputs(case, device)
     hidden, weight, bias, labels, upstream, n_items = inputs
     vocab = weight.shape[0]
@@ -199,7 +215,7 @@ def run_fsdp(case, device, backend):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    case, chunks = lin.small_chunks(case)
+    case, chunks = chunked(case)
     inputs = lin.make_inputs(case, device)
     hidden, weight, bias, labels, upstream, n_items = inputs
     mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (world,))
