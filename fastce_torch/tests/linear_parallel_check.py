@@ -152,6 +152,12 @@ def run_refusals(device, backend):
     refused(ValueError, "tile", torch.randn(8, 4).to(device), vocab_start=rank * 7)
     weight = torch.randn(8, 4, device=device, requires_grad=True)
     loss = fastce_torch.linear_cross_entropy(hidden, weight, labels, backend=backend, process_group=group)
+    # Under torch.compile the call runs eagerly (a graph break), with the same loss and gradient.
+    compiled = torch.compile(fastce_torch.linear_cross_entropy, backend="eager")
+    again = compiled(hidden, weight, labels, backend=backend, process_group=group)
+    assert torch.equal(again, loss), (again, loss)
+    assert torch.equal(*(torch.autograd.grad(x, weight)[0] for x in (again, loss)))
+    loss = fastce_torch.linear_cross_entropy(hidden, weight, labels, backend=backend, process_group=group)
     try:
         torch.autograd.grad(loss, weight, create_graph=True)
     except NotImplementedError as caught:
