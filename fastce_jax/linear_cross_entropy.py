@@ -94,9 +94,17 @@ class _Static(NamedTuple):
     backward_config: kernels.BackwardConfig
     returns: contract.Extras = contract.NO_EXTRAS  # the extra outputs asked for
     skip_ignored_rows: bool = False  # chunks over the kept rows first; chunks without one skipped (lax.cond)
+    partitioned: bool = False  # the chunk loop through sharded_linear's custom_partitioning (several devices)
+    vocab_layout: object = None  # inside a partitioned loop: (mesh, vocabulary axes, V) of a vocabulary block
 
 
 def _ce_forward(logits, labels, st: _Static):
+    if st.vocab_layout is not None:  # a device's vocabulary block: the statistics combined over the devices
+        mesh, axes, vocab_total = st.vocab_layout
+        return sharding._local_forward(
+            logits, labels, st.options, st.interpret, None, mesh=mesh, vocab_axes=axes, vocab_total=vocab_total,
+            extras=(st.returns.accuracy, st.returns.entropy),
+        )  # fmt: skip
     kw = {"returns": st.returns} if st.returns else {}
     return tuple(
         sharding.forward(
@@ -106,6 +114,12 @@ def _ce_forward(logits, labels, st: _Static):
 
 
 def _ce_backward_in_place(logits, labels, lse, g, st: _Static, g_lse=None):
+    if st.vocab_layout is not None:
+        mesh, axes, vocab_total = st.vocab_layout
+        return sharding._local_backward(
+            logits, labels, lse, g, st.options, True, st.interpret, None, mesh=mesh, vocab_axes=axes,
+            vocab_total=vocab_total, g_lse=g_lse,
+        )  # fmt: skip
     return sharding.backward(
         logits,
         labels,
@@ -238,6 +252,10 @@ def _fused_forward(hidden, weight, bias, labels, g_tokens, st: _Static):
     """Per-token losses and lse (N,) and, when g_tokens (N,) is given, the gradients of sum_t g_t * loss_t:
     (dhidden in the compute dtype, dweight in float32 or the compute dtype, dbias float32 or None); then a dict of
     the per-token extra outputs st.returns asks for (accuracy, entropy), collected chunk by chunk."""
+    if st.partitioned:
+        from . import sharded_linear
+
+        return sharded_linear.fused_forward(hidden, weight, bias, labels, g_tokens, st)
     n = hidden.shape[0]
     want_grads = g_tokens is not None
     extras = _extra_names(st)
@@ -282,6 +300,10 @@ def _fused_forward(hidden, weight, bias, labels, g_tokens, st: _Static):
 def _fused_backward(hidden, weight, bias, labels, lse, g_tokens, st: _Static, g_lse=None):
     """Gradients of sum_t g_t * loss_t (+ sum_t g_lse_t * lse_t when g_lse is given: a returned z_loss's) from the
     saved lse: each chunk's logits are recomputed, no forward kernel."""
+    if st.partitioned:
+        from . import sharded_linear
+
+        return sharded_linear.fused_backward(hidden, weight, bias, labels, lse, g_tokens, st, g_lse)
     n = hidden.shape[0]
     order = _row_order(labels, st)
 
@@ -572,6 +594,8 @@ def linear_cross_entropy(
             backward_config=kernels.backward_config(vocab),
             returns=returns,
             skip_ignored_rows=skip_ignored_rows,
+            # Several devices: the loop runs on each device's block of rows and vocabulary (sharded_linear.py).
+            partitioned=jax.device_count() > 1,
         )
         with kernels.quiet_triton(st.interpret):
             loss = _kernel_loss(h2, weight, bias, labels.reshape(-1), n_items, st=st)

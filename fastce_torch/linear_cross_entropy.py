@@ -46,7 +46,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import contract, kernels
+from . import contract, kernels, sharding
 from .contract import Options
 
 # At 256 MiB the workspace holds 1024 rows of bf16 logits at V=128256, 512 at V=256000.
@@ -745,6 +745,8 @@ def linear_cross_entropy(
     return_lse=False,
     return_accuracy=False,
     return_entropy=False,
+    process_group=None,
+    vocab_start=None,
 ):
     """fastce_torch.cross_entropy(hidden @ weight.T + bias, labels, ...) without ever allocating the logits.
 
@@ -780,6 +782,13 @@ def linear_cross_entropy(
     chunk by chunk from the same forward kernels. Differentiating the z_loss output recomputes each chunk's logits
     in the backward. Under torch.compile any of them sends "mean"/"sum" through the per-token ops (the backward
     recomputes the logits: 8·N·H·V flops instead of 6).
+
+    Sharded heads (sharded_linear.py): with `process_group`, weight (V_local, H) and bias (V_local,) are this
+    rank's rows of a column-parallel head, a contiguous slice of the vocabulary starting at `vocab_start` (None:
+    rank * V_local, every rank the same width), hidden and labels (global ids) the same on every rank; O(N)
+    communication per call plus the all-reduce of d hidden. A DTensor weight (FSDP2's fully_shard) with a plain
+    hidden: this rank's rows against the gathered weight, the weight's gradient reduce-scattered (averaged) back to
+    its placements as FSDP2 does. hidden a Replicate DTensor with a Shard(0) weight: vocab-parallel over the mesh.
     """
     _check_tensors(hidden, weight, bias, labels)
     options = contract.check_options(
@@ -790,6 +799,16 @@ def linear_cross_entropy(
     kept = None
     if shift := contract.check_shift(shift, labels):
         labels, kept = contract.shifted_labels(labels, shift, ignore_index)
+    if process_group is not None or vocab_start is not None or any(map(sharding.is_dtensor, (hidden, weight, bias))):
+        from .sharded_linear import sharded_linear_cross_entropy
+
+        loss = sharded_linear_cross_entropy(
+            hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras, validate_labels,
+            process_group, vocab_start,
+        )  # fmt: skip
+        if isinstance(loss, contract.CrossEntropyOutput):
+            return contract.unshifted(loss, kept, reduction)
+        return loss[..., :kept] if kept is not None and reduction == "none" else loss
     if validate_labels:
         contract.validate_labels(labels, weight.shape[0], ignore_index)
     if any(extras):

@@ -424,6 +424,12 @@ def traced_vocab_parallel_cross_entropy(logits, labels, reduction, n_items, opti
 def _explicit_layout(group, vocab_start, local_width, device):
     """Global vocabulary size from explicit offsets: every rank's (start, width) is gathered (O(world) integers,
     one host synchronisation per call) and must tile [0, V) without gaps or overlaps."""
+    return gathered_slices(group, vocab_start, local_width, device)[-1][0]
+
+
+def gathered_slices(group, vocab_start, local_width, device):
+    """Every rank's (start, width), sorted, checked to tile [0, V), then (V, 0) appended: O(world) integers, one
+    host synchronisation."""
     mine = torch.tensor([vocab_start, local_width], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)
@@ -435,7 +441,7 @@ def _explicit_layout(group, vocab_start, local_width, device):
                 f"vocab_start: the ranks' vocabulary slices (start, width) {slices} do not tile [0, V) contiguously"
             )
         end = start + width
-    return end
+    return [*slices, (end, 0)]
 
 
 def layout_of(group, vocab_start, local_width, device):

@@ -4,7 +4,9 @@
 # close to the whole 560 s timeout: compiles dominate). With 8 workers the torch stage took 130 s. Stages: `tests`
 # (fastce_torch, examples, bench/tests with --gpu), `tests-jax` (fastce_jax --gpu), `shared` (shared_tests --gpu),
 # `host` (host time per call: bench.tools.overhead, host_cost on CUDA, bench.tools.jax_dispatch; ~2),
-# `two-gpus` (the tests that need two GPUs: NCCL vocab-parallel, cuda:1 placement, JAX sharding; kind nvidia-h200-x2),
+# `two-gpus` (the tests that need two GPUs: NCCL vocab-parallel, fused linear with a sharded head, cuda:1 placement,
+# JAX sharding; kind nvidia-h200-x2), `two-gpus-linear-bench` (bench/tools/sharded_linear_torch.py: the fused linear
+# column-parallel and FSDP2 paths against one GPU and DTensor loss_parallel; x2, ~1-2, estimated),
 # `transformers` (training-step comparison, four modes; ~2-3, estimated), `bench` (the side-by-side benchmark, every
 # pass and implementation in a worker process of its own; about 5.5), or the same in two calls: `bench-torch`
 # and `bench-jax`, their JSON joined afterwards on any machine (no GPU needed) with
@@ -37,9 +39,13 @@ for stage in "$@"; do
     tests-jax)
       timeout -s INT 560 $PYTEST -rfE fastce_jax >"$OUT/gpu-tests-jax.log" 2>&1; tail -8 "$OUT/gpu-tests-jax.log" ;;
     two-gpus)
-      timeout -s INT 300 $PYTEST -rfE fastce_torch/tests/test_sharding.py fastce_jax/tests/test_sharding.py \
-        fastce_torch/tests/test_training_loops.py -k "two_gpus or second_gpu or sharding or shard_map" \
+      timeout -s INT 420 $PYTEST -rfE fastce_torch/tests/test_sharding.py fastce_jax/tests/test_sharding.py \
+        fastce_torch/tests/test_training_loops.py fastce_torch/tests/test_linear_sharding.py \
+        -k "two_gpus or second_gpu or sharding or shard_map" \
         >"$OUT/gpu-tests-two.log" 2>&1; tail -8 "$OUT/gpu-tests-two.log" ;;
+    two-gpus-linear-bench)
+      timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m bench.tools.sharded_linear_torch \
+        --json "$OUT/h200x2-linear-sharded.json" >"$OUT/linear-sharded.log" 2>&1; tail -14 "$OUT/linear-sharded.log" ;;
     shared)
       FASTCE_SHARED_SUMMARY="$OUT/shared-summary.json" timeout -s INT 560 $PYTEST shared_tests >"$OUT/shared-tests.log" 2>&1
       tail -15 "$OUT/shared-tests.log" ;;

@@ -7,6 +7,7 @@ process that already has several devices (or with --gpu on two GPUs) the tests r
 runs the Pallas kernels in interpret mode, backend="auto" the jnp reference, so both are tested.
 """
 
+import math
 import os
 import re
 import subprocess
@@ -407,3 +408,165 @@ def test_vocab_parallel_kernel_mode(name, splits):
     ]
     grad = np.concatenate([np.asarray(d) for d in grads], axis=1)
     tolerances.check(grad, ref.grad, 32 * EPS32 * ref.grad_scale + 1e-30, "gradient")
+
+
+# ----------------------------------------------------------------------------
+# linear_cross_entropy with the weight sharded over the vocabulary and / or the rows over another axis
+# (fastce_jax/sharded_linear.py): against shared_tests/test_linear_cross_entropy.py's float64 reference and
+# tolerances, and the compiled HLO holds no weight-sized all-gather and no logits-sized collective.
+# ----------------------------------------------------------------------------
+
+LINEAR_LAYOUTS = {  # (hidden spec, weight spec)
+    "rows": (P("d", None), P(None, None)),
+    "vocab": (P(None, None), P("d", None)),
+    "2d": (P("r", None), P("v", None)),
+    "2d-swapped": (P("v", None), P("r", None)),
+    "vocab2": (P(None, None), P(("v", "r"), None)),
+}
+LINEAR_CASES = ["mean-bias", "none-all-options", "sum-n_items", "bad-label-none"]
+
+
+def linear_mesh(devices, layout):
+    if layout in ("rows", "vocab"):
+        return Mesh(np.array(devices), ("d",))
+    if len(devices) < 4:
+        pytest.skip("a 2-D mesh needs 4 devices")
+    return Mesh(np.array(devices[:4]).reshape(2, 2), ("r", "v"))
+
+
+def linear_case(name):
+    import dataclasses
+
+    from shared_tests import test_linear_cross_entropy as lin
+
+    case = next(c for c in lin.CASES if c.name == name)
+    # Rows and vocabulary divisible by 4 devices; several chunks per device, the last one clamped.
+    return lin, dataclasses.replace(case, shape=(32,), vocab=128, width=8, chunk_rows=5, seed=7)
+
+
+def linear_value_and_grad(case, lin, n_items, upstream, with_bias):
+    from fastce_jax import linear_cross_entropy
+
+    kwargs = lin.kwargs_of(case, n_items)
+
+    def objective(h, w, b, y):
+        loss = linear_cross_entropy(h, w, y, bias=b if with_bias else None, backend="kernel", **kwargs)
+        return jnp.sum(loss * upstream), loss
+
+    return jax.jit(jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True))
+
+
+@pytest.mark.parametrize("name", LINEAR_CASES)
+@pytest.mark.parametrize("layout", list(LINEAR_LAYOUTS))
+def test_linear_sharded_weight(devices, layout, name):
+    lin, case = linear_case(name)
+    mesh = linear_mesh(devices, layout)
+    hidden_spec, weight_spec = LINEAR_LAYOUTS[layout]
+    inputs = lin.make_inputs(case, "cpu")
+    hidden, weight, bias, labels, upstream, n_items = inputs
+    n_items = None if n_items is None else jnp.asarray(float(n_items)) if hasattr(n_items, "item") else n_items
+    h = put(jnp.asarray(hidden.numpy()), mesh, hidden_spec)
+    w = put(jnp.asarray(weight.numpy()), mesh, weight_spec)
+    b = put(jnp.asarray((bias if bias is not None else weight[:, 0]).numpy()), mesh, P(weight_spec[0]))
+    y = put(jnp.asarray(labels.numpy()), mesh, P(hidden_spec[0]))
+    g = jnp.asarray(upstream.numpy())
+    f = linear_value_and_grad(case, lin, n_items, g, bias is not None)
+    with jax.default_matmul_precision("float32"):
+        (_, loss), (dh, dw, db) = f(h, w, b, y)
+        text = f.lower(h, w, b, y).compile().as_text()
+    chunks = -(-case.shape[0] // case.chunk_rows)
+    grads = [np.asarray(dh), np.asarray(dw), None if bias is None else np.asarray(db)]
+    lin.check_result(case, inputs, (np.asarray(loss), grads), chunks)
+    assert dw.sharding.is_equivalent_to(w.sharding, 2) and dh.sharding.is_equivalent_to(h.sharding, 2)
+    # Communication: the combine's per-chunk all-reduces, d hidden's over the vocabulary axes (the device's rows
+    # x H) and d weight's over the rows' axes (the device's weight block): nothing weight-sized gathered, nothing
+    # the size of a device's logits block.
+    n, (vocab, width) = case.shape[0], weight.shape
+    n_local = n // math.prod(mesh.shape[a] for a in _spec_axes(hidden_spec[0]))
+    v_local = vocab // math.prod(mesh.shape[a] for a in _spec_axes(weight_spec[0]))
+    found = collectives(text)
+    assert all(op != "all-gather" or size <= 3 * n for op, size in found), found
+    bound = max(3 * case.chunk_rows, n_local * width, v_local * width, 1)
+    assert all(size <= bound for _, size in found), (bound, found)
+    if weight_spec[0] is not None:
+        assert any(op == "all-reduce" and size == 3 * case.chunk_rows for op, size in found), found
+
+
+def _spec_axes(entry):
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def test_linear_vmap_and_user_shard_map(devices):
+    """With several devices the chunk loop is a custom_partitioning op: under vmap it runs the unpartitioned loop,
+    inside a user's shard_map (check_vma=False: Pallas interpret mode) the device's block as on one device."""
+    from fastce_jax import linear_cross_entropy
+
+    lin, case = linear_case("mean-bias")
+    hidden, weight, bias, labels, _, _ = lin.make_inputs(case, "cpu")
+    h, w, b, y = (jnp.asarray(t.numpy()) for t in (hidden, weight, bias, labels))
+
+    def loss(h, w, b, y):
+        return linear_cross_entropy(h, w, y, bias=b, backend="kernel", chunk_rows=5, reduction="sum")
+
+    def reference_loss(h, w, b, y):
+        return linear_cross_entropy(h, w, y, bias=b, backend="reference", reduction="sum")
+
+    with jax.default_matmul_precision("float32"):
+        hb, yb = h.reshape(2, 16, -1), y.reshape(2, 16)
+        got = jax.jit(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1)), in_axes=(0, None, None, 0)))(hb, w, b, yb)
+        want = jax.vmap(jax.value_and_grad(reference_loss, argnums=(0, 1)), in_axes=(0, None, None, 0))(hb, w, b, yb)
+        for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=2e-5, atol=2e-5)
+        mesh = Mesh(np.array(devices), ("d",))
+        local = jax.jit(
+            jax.shard_map(
+                lambda h, w, b, y: jax.lax.psum(loss(h, w, b, y), "d"),
+                mesh=mesh,
+                in_specs=(P("d"), P(), P(), P("d")),
+                out_specs=P(),
+                check_vma=False,
+            )  # fmt: skip
+        )
+        np.testing.assert_allclose(float(local(h, w, b, y)), float(reference_loss(h, w, b, y)), rtol=2e-5)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("layout", ["vocab", "2d"])
+def test_linear_sharded_weight_extra_outputs(devices, layout, reduction):
+    """Every return_* output through the partitioned loop, the loss and the z_loss output both differentiated,
+    against the jnp reference of the same call (replicated); still no weight- or logits-sized collective."""
+    from fastce_jax import linear_cross_entropy
+
+    lin, case = linear_case("mean-bias")
+    mesh = linear_mesh(devices, layout)
+    hidden_spec, weight_spec = LINEAR_LAYOUTS[layout]
+    hidden, weight, bias, labels, _, _ = lin.make_inputs(case, "cpu")
+    h, w, b, y = (jnp.asarray(t.numpy()) for t in (hidden, weight, bias, labels))
+    rng = np.random.default_rng(3)
+    up = jnp.asarray(rng.standard_normal(y.shape if reduction == "none" else ()), jnp.float32)
+    up_z = jnp.asarray(rng.standard_normal(y.shape if reduction == "none" else ()), jnp.float32)
+    opts = dict(label_smoothing=0.1, z_loss=1e-2, logit_softcapping=6.0, reduction=reduction, chunk_rows=5)
+    flags = dict(return_z_loss=True, return_lse=True, return_accuracy=True, return_entropy=True)
+
+    def objective(backend):
+        def f(h, w, b, y):
+            out = linear_cross_entropy(h, w, y, bias=b, backend=backend, **opts, **flags)
+            return jnp.sum(out.loss * up) + jnp.sum(out.z_loss * up_z), out
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
+
+    args = (put(h, mesh, hidden_spec), put(w, mesh, weight_spec), put(b, mesh, P(weight_spec[0])))
+    args = args + (put(y, mesh, P(hidden_spec[0])),)
+    with jax.default_matmul_precision("float32"):
+        (_, got), got_grads = objective("kernel")(*args)
+        (_, want), want_grads = objective("reference")(h, w, b, y)
+        text = objective("kernel").lower(*args).compile().as_text()
+    for name in ("loss", "z_loss", "lse", "accuracy", "entropy"):
+        np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=3e-5, atol=3e-6, err_msg=name)
+    for a, e in zip(got_grads, want_grads):
+        np.testing.assert_allclose(a, e, rtol=3e-5, atol=3e-6)
+    found = collectives(text)
+    n, (vocab, width) = case.shape[0], weight.shape
+    v_local = vocab // math.prod(mesh.shape[a] for a in _spec_axes(weight_spec[0]))
+    assert all(op != "all-gather" or size <= 4 * n for op, size in found), found
+    assert all(size <= max(4 * n, n * width, v_local * width) for _, size in found), found

@@ -14,7 +14,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_ranks(n_ranks, *args, timeout=900):
+def run_ranks(n_ranks, *args, timeout=900, module="fastce_torch.tests.vocab_parallel_check"):
     from fastce_torch import kernels
 
     if "--device=cpu" in args and "--backend=kernel" in args and not kernels.INTERPRETED:
@@ -26,13 +26,17 @@ def run_ranks(n_ranks, *args, timeout=900):
         "--standalone",
         f"--nproc-per-node={n_ranks}",
         "-m",
-        "fastce_torch.tests.vocab_parallel_check",
+        module,
         *args,
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     env.setdefault("OMP_NUM_THREADS", "1")
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    report = [line for line in done.stdout.splitlines() if "FAIL" in line or line.startswith("vocab-parallel")]
+    report = [
+        line
+        for line in done.stdout.splitlines()
+        if "FAIL" in line or line.startswith(("vocab-parallel", "linear-parallel"))
+    ]
     assert done.returncode == 0, "\n".join(report + [done.stderr[-3000:]])
     assert any(line.endswith(": ok") for line in report), done.stdout[-2000:]
 

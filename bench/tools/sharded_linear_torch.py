@@ -1,0 +1,181 @@
+"""Fused linear cross-entropy with a sharded LM head over the ranks of one host (torchrun, NCCL): fastce_torch's
+column-parallel (process_group=) and FSDP2 (a Shard(0) DTensor weight) paths, against the same loss on one GPU and
+DTensor's own column-parallel F.linear + loss_parallel() F.cross_entropy, in the same run.
+
+    torchrun --nproc-per-node 2 -m bench.tools.sharded_linear_torch --json bench/results/<date>-h200x2-linear.json
+
+Per global shape NxHxV (bf16, forward+backward: torch.autograd.grad of the loss w.r.t. hidden and the weight),
+every rank:
+  * one_gpu: linear_cross_entropy on the full weight and all N rows, no communication (each rank alone);
+  * tp: hidden (N, H) and labels the same on every rank, this rank's V / ranks weight rows, process_group=;
+  * tp_dtensor_loss_parallel: hidden a Replicate DTensor, the weight Shard(0), F.linear (logits Shard(-1), the
+    N x V / ranks block materialised) and F.cross_entropy under loss_parallel();
+  * fsdp: each rank N / ranks rows (data parallel) against the Shard(0) DTensor weight (gathered, its gradient
+    reduce-scattered, as FSDP2's unshard / reduce-scatter would);
+  * the collectives alone: the N x H all-reduce of tp's d hidden, and fsdp's weight all-gather + reduce-scatter.
+Time: median over a fixed number of calls (the same on every rank), CUDA events, L2 flushed between calls; peak
+extra memory above the inputs during one call. Rank 0 prints a table and writes the JSON (every rank's numbers).
+
+--smoke runs tiny shapes on CPU processes (gloo, the plain-torch backend): code paths only, the numbers mean nothing.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fastce_torch
+
+from .. import envinfo
+from .sharded_torch import Timer, gather_rows, peak_extra_bytes
+
+IGNORE_INDEX = -100
+
+
+def make_inputs(n_rows, width, vocab, dtype, device, seed=0):
+    """The same full hidden, weight and labels on every rank (seeded): each implementation takes its share."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(n_rows, width, generator=gen, device=device, dtype=dtype)
+    weight = torch.randn(vocab, width, generator=gen, device=device, dtype=dtype) * width**-0.5
+    labels = torch.randint(0, vocab, (n_rows,), generator=gen, device=device)
+    labels[::7] = IGNORE_INDEX
+    return hidden, weight, labels
+
+
+def implementations(mesh, backend, hidden, weight, labels):
+    """name -> (fwdbwd closure returning the loss and gradients, context or None)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_vocab = weight.shape[0] // world
+    group = dist.group.WORLD
+    full_h, full_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    tp_h = hidden.clone().requires_grad_()
+    tp_w = weight[rank * local_vocab : (rank + 1) * local_vocab].clone().requires_grad_()
+    dt_w = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_()
+    rows = torch.arange(hidden.shape[0], device=hidden.device).tensor_split(world)[rank]
+    dp_h, dp_y = hidden[rows].clone().requires_grad_(), labels[rows]
+
+    def one_gpu():
+        loss = fastce_torch.linear_cross_entropy(full_h, full_w, labels, backend=backend)
+        return loss, torch.autograd.grad(loss, (full_h, full_w))
+
+    def tp():
+        loss = fastce_torch.linear_cross_entropy(tp_h, tp_w, labels, backend=backend, process_group=group)
+        return loss, torch.autograd.grad(loss, (tp_h, tp_w))
+
+    def tp_dtensor_loss_parallel():
+        with loss_parallel():
+            h = DTensor.from_local(tp_h, mesh, [Replicate()], run_check=False)
+            loss = F.cross_entropy(F.linear(h, dt_w), labels, ignore_index=IGNORE_INDEX)
+            return loss.full_tensor(), torch.autograd.grad(loss, (tp_h, dt_w))
+
+    def fsdp():
+        loss = fastce_torch.linear_cross_entropy(dp_h, dt_w, dp_y, backend=backend)
+        return loss, torch.autograd.grad(loss, (dp_h, dt_w))
+
+    return {"one_gpu": one_gpu, "tp": tp, "tp_dtensor_loss_parallel": tp_dtensor_loss_parallel, "fsdp": fsdp}
+
+
+def measure_collectives(timer, hidden, weight, warmup, reps):
+    world = dist.get_world_size()
+    grad_hidden = torch.empty_like(hidden)
+    shard = weight[: weight.shape[0] // world].contiguous()
+    gathered = torch.empty_like(weight[: shard.shape[0] * world])
+    return {
+        "tp_grad_hidden_all_reduce_ms": timer.median_ms(lambda: dist.all_reduce(grad_hidden), warmup, reps),
+        "fsdp_weight_all_gather_ms": timer.median_ms(
+            lambda: dist.all_gather_into_tensor(gathered, shard), warmup, reps
+        ),
+        "fsdp_grad_reduce_scatter_ms": timer.median_ms(
+            lambda: dist.reduce_scatter_tensor(shard, gathered), warmup, reps
+        ),
+    }
+
+
+def run_shape(n_rows, width, vocab, dtype, device, timer, mesh, backend, warmup, reps):
+    hidden, weight, labels = make_inputs(n_rows, width, vocab, dtype, device)
+    row = {"N": n_rows, "H": width, "V": vocab, "dtype": str(dtype).replace("torch.", ""), "impls": {}}
+    row["collectives"] = measure_collectives(timer, hidden, weight, warmup, reps)
+    for name, fwdbwd in implementations(mesh, backend, hidden, weight, labels).items():
+        loss = float(fwdbwd()[0].detach())
+        peak = peak_extra_bytes(fwdbwd, device)
+        ms = timer.median_ms(fwdbwd, warmup, reps)
+        row["impls"][name] = {"fwdbwd_ms": ms, "peak_extra_bytes": peak, "loss": loss}
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="8192x4096x128256,8192x4096x256000", help="global NxHxV, comma-separated")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU processes (gloo), code paths only")
+    args = parser.parse_args()
+    smoke = args.smoke
+    if smoke:
+        args.shapes, args.warmup, args.reps = "16x8x64", 1, 2
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    else:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world,))
+    timer = Timer(device)
+    backend = "reference" if smoke else "auto"
+    dtype = torch.float32 if smoke else torch.bfloat16
+    rows = []
+    for shape in args.shapes.split(","):
+        n_rows, width, vocab = (int(v) for v in shape.split("x"))
+        if vocab % world or n_rows % world:
+            raise SystemExit(f"N={n_rows} and V={vocab} must be divisible by {world} ranks")
+        rows.append(run_shape(n_rows, width, vocab, dtype, device, timer, mesh, backend, args.warmup, args.reps))
+    every_rank = gather_rows(rows)
+    if rank == 0:
+        print(f"{world} ranks, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
+        for row in rows:
+            collectives = ", ".join(f"{k} {v:.3f}" for k, v in row["collectives"].items())
+            print(f"N={row['N']} H={row['H']} V={row['V']}: {collectives}")
+            for name, r in row["impls"].items():
+                peak = f"{r['peak_extra_bytes'] / 2**20:9.1f} MiB" if r["peak_extra_bytes"] is not None else ""
+                print(f"  {name:<26}{r['fwdbwd_ms']:9.3f} ms {peak}  loss {r['loss']:.6f}")
+        if args.json:
+            result = {
+                "date": envinfo.today(),
+                "commit": envinfo.git_commit(),
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "ranks": world,
+                "versions": envinfo.versions(),
+                "method": (__doc__ or "").strip(),
+                "rows": rows,
+                "per_rank": every_rank,
+                "mode": "smoke" if smoke else "gpu",
+            }
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+            print(f"wrote {args.json}")
+    dist.barrier()
+    if smoke:
+        # gloo's teardown sometimes aborts at exit; skip it (as bench.tools.sharded_torch does).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
