@@ -175,9 +175,9 @@ def cross_entropy(logits, labels, *, reduction="mean", n_items=None, upstream=No
                 dl_dz = dl_dz - eps / vocab
         else:
             wy = w_y[:, None]
-            dl_dz = p * (wy * (1.0 - eps + 2.0 * zl * lse[:, None]) + eps / vocab * np.sum(w)) - (
-                1.0 - eps
-            ) * wy * onehot
+            dl_dz = (
+                p * (wy * (1.0 - eps + 2.0 * zl * lse[:, None]) + eps / vocab * np.sum(w)) - (1.0 - eps) * wy * onehot
+            )
             if eps != 0.0:
                 dl_dz = dl_dz - eps / vocab * w[None, :]
         grad = dl_dz * dz_dx(x, opts) * g[:, None]
