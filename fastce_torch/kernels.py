@@ -422,9 +422,11 @@ def _forward_kernel(
                     if HAS_WEIGHT:  # the weighted mean's divisor: sum of w[y] (a label outside [0, V) adds 0)
                         has_class = (labels != ignore_index) & (labels >= 0) & (labels < V)
                         kept = tl.load(weight_ptr + tl.where(has_class, labels, 0), mask=has_class, other=0.0)
+                        tl.store(group_partials_ptr + n_groups + group, tl.sum(kept, 0))
                     else:
-                        kept = (labels != ignore_index).to(tl.float32)
-                    tl.store(group_partials_ptr + n_groups + group, tl.sum(kept, 0))
+                        tl.store(
+                            group_partials_ptr + n_groups + group, tl.sum((labels != ignore_index).to(tl.float32), 0)
+                        )
                 tl.debug_barrier()
                 if tl.atomic_add(arrivals_ptr + n_rows, 1, sem="acq_rel") == n_groups - 1:
                     _reduce_losses(
