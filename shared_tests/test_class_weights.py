@@ -11,6 +11,9 @@ Tolerances: the shared model (tolerances.py) with the reference's weighted error
 import dataclasses
 import functools
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -64,6 +67,7 @@ CASES = [
     case("neg-inf-tail", neg_inf="tail", opts=SMOOTH, reduction="none", seed=16),
     case("3d", shape=(2, 3, 4), opts=SMOOTH, seed=17),
     case("bf16", dtype="bfloat16", opts=SMOOTH, seed=18),
+    case("float64", dtype="float64", opts=ALL, seed=19),  # the plain-framework path, whatever the backend
 ]
 
 
@@ -290,6 +294,42 @@ def test_extra_outputs(package, reduction, device):
     check(got["entropy"], plain.entropy, 1e-5 * (1 + np.abs(plain.entropy)), "entropy")
 
 
+@pytest.mark.parametrize("package", PACKAGES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_z_loss_output_gradient(package, reduction, device):
+    """d(loss + z_loss output) / d logits: the z-loss part counted twice, i.e. 2 grad(z_loss) - grad(z_loss=0) of
+    the reference (the z_loss output is the loss's weighted term, so its gradient is that part of the loss's)."""
+    opts = reference.Options(label_smoothing=0.1, z_loss=5e-2)
+    case_ = Case("z-grad", shape=(9,), vocab=37, reduction=reduction, opts=opts, seed=55)
+    inputs = make_inputs(case_, device)
+    weight = weights_for(case_)
+    with_z = expected(case_, inputs, weight)
+    without = expected(dataclasses.replace(case_, opts=dataclasses.replace(opts, z_loss=0.0)), inputs, weight)
+    want = 2.0 * with_z.grad - without.grad
+    kwargs = dict(reduction=reduction, backend="kernel", return_z_loss=True, **opts.as_kwargs())
+    if package == "torch":
+        leaf = inputs.logits.detach().clone().requires_grad_()
+        out = fastce_torch.cross_entropy(leaf + 0, inputs.labels, weight=weight.to(device), **kwargs)
+        total = out.loss + out.z_loss
+        total.backward(inputs.upstream if reduction == "none" else None)
+        grad = as_f64(leaf.grad)
+    else:
+        fastce_jax = jax_or_skip()
+        import jax
+
+        x, y = exchange.to_jax(inputs.logits), exchange.labels_to_jax(inputs.labels)
+        w = exchange.to_jax(weight.to(device))
+
+        def total(v):
+            out = fastce_jax.cross_entropy(v, y, weight=w, **kwargs)
+            return out.loss + out.z_loss
+
+        value, vjp = jax.vjp(total, x)
+        cot = exchange.to_jax(inputs.upstream) if reduction == "none" else jax.numpy.ones((), value.dtype)
+        grad = np.asarray(vjp(cot)[0], np.float64)
+    assert_grad(grad, dataclasses.replace(with_z, grad=want, grad_scale=2 * with_z.grad_scale), "float32")
+
+
 LINEAR_SPECS = [("mean", SMOOTH, None), ("sum", Z, 6), ("none", ALL, None), ("mean", ALL, None)]
 
 
@@ -337,6 +377,51 @@ def test_linear_cross_entropy(package, reduction, opts, n_items, device):
     bounds = [scale @ np.abs(head.double().numpy()), scale.T @ np.abs(hidden.double().numpy()), scale.sum(0)]
     for name, actual, want, bound in zip(("hidden", "weight", "bias"), got[1:], exact, bounds):
         check(actual, want, 16 * 2.0**-23 * (bound + 1e-3), f"{package} grad {name}")
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_linear_z_loss_output_gradient(package, reduction, device):
+    """linear_cross_entropy(class_weight=, return_z_loss=True): d(loss + z_loss output) / d hidden, weight over
+    several row chunks is the reference's with the z-loss part counted twice."""
+    gen = torch.Generator().manual_seed(65)
+    n, width, vocab = 10, 8, 37
+    hidden, head = torch.randn(n, width, generator=gen), torch.randn(vocab, width, generator=gen) * 0.5
+    labels = torch.randint(0, vocab, (n,), generator=gen)
+    labels[[2, 7]] = -100
+    weight = class_weights(vocab, 65, (4,))
+    upstream = torch.randn(n, generator=gen)
+    opts = reference.Options(label_smoothing=0.1, z_loss=5e-2)
+
+    def ref(o):
+        return reference.linear_cross_entropy(
+            hidden.double().numpy(), head.double().numpy(), labels.numpy(), reduction=reduction,
+            upstream=upstream.numpy() if reduction == "none" else None, opts=o, class_weight=weight.double().numpy(),
+        )  # fmt: skip
+
+    with_z, without = ref(opts), ref(dataclasses.replace(opts, z_loss=0.0))
+    want = [2 * with_z.grad_hidden - without.grad_hidden, 2 * with_z.grad_weight - without.grad_weight]
+    kwargs = dict(reduction=reduction, backend="kernel", chunk_rows=3, return_z_loss=True, **opts.as_kwargs())
+    if package == "torch":
+        h, w = (t.clone().to(device).requires_grad_() for t in (hidden, head))
+        out = fastce_torch.linear_cross_entropy(h, w, labels.to(device), class_weight=weight.to(device), **kwargs)
+        (out.loss + out.z_loss).backward(upstream.to(device) if reduction == "none" else None)
+        got = [as_f64(h.grad), as_f64(w.grad)]
+    else:
+        fastce_jax = jax_or_skip()
+        import jax
+
+        y, cw = exchange.labels_to_jax(labels.to(device)), exchange.to_jax(weight.to(device))
+
+        def total(h, w):
+            out = fastce_jax.linear_cross_entropy(h, w, y, class_weight=cw, **kwargs)
+            return out.loss + out.z_loss
+
+        value, vjp = jax.vjp(total, *(exchange.to_jax(t.to(device)) for t in (hidden, head)))
+        cot = exchange.to_jax(upstream.to(device)) if reduction == "none" else jax.numpy.ones((), value.dtype)
+        got = [np.asarray(g, np.float64) for g in vjp(cot)]
+    for name, actual, exact in zip(("hidden", "weight"), got, want):
+        np.testing.assert_allclose(actual, exact, rtol=1e-4, atol=1e-5, err_msg=f"{package} grad {name}")
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -407,6 +492,51 @@ def test_against_optax(smoothing, device):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     mean = fastce_jax.cross_entropy(x, y, weight=w, label_smoothing=smoothing, backend="kernel")
     np.testing.assert_allclose(float(mean), float(jnp.sum(want) / jnp.sum(w[y])), rtol=2e-5)
+
+
+SHARDED_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import fastce_jax
+from shared_tests import reference
+assert len(jax.devices()) == 4
+rng = np.random.default_rng(5)
+x = (rng.standard_normal((8, 64)) * 2).astype(np.float32)
+y = rng.integers(0, 64, 8).astype(np.int32)
+y[3] = -100
+w = rng.uniform(-0.5, 2.0, 64).astype(np.float32)
+opts = reference.Options(label_smoothing=0.2, z_loss=1e-3)
+ref = reference.cross_entropy(x, y, opts=opts, weight=w)
+mesh = Mesh(np.array(jax.devices()), ("d",))
+for spec in (P("d", None), P(None, "d")):
+    xs = jax.device_put(x, NamedSharding(mesh, spec))
+    f = jax.jit(jax.value_and_grad(lambda v: fastce_jax.cross_entropy(
+        v, y, weight=w, backend="kernel", label_smoothing=0.2, z_loss=1e-3)))
+    loss, grad = f(xs)
+    np.testing.assert_allclose(float(loss), float(ref.loss), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), ref.grad, rtol=1e-4, atol=1e-6)
+print("sharded ok")
+"""
+
+
+def test_jax_sharded_logits_on_4_cpu_devices(use_gpu_flag):
+    """fastce_jax with class weights under jit with logits sharded over rows or over the vocabulary (4 CPU devices,
+    the kernels interpreted): the weighted kernels run on the whole array (no partitioning rule), exactly."""
+    jax_or_skip()
+    if use_gpu_flag:
+        pytest.skip("a CPU-devices check")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    done = subprocess.run(
+        [sys.executable, "-c", SHARDED_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0 and "sharded ok" in done.stdout, done.stdout[-4000:] + done.stderr[-4000:]
+
+
+@pytest.fixture
+def use_gpu_flag(request):
+    return bool(request.config.getoption("--gpu", default=False))
 
 
 @pytest.mark.parametrize("kind", ["cross_entropy", "linear"])
