@@ -534,6 +534,30 @@ def test_jax_sharded_logits_on_4_cpu_devices(use_gpu_flag):
     assert done.returncode == 0 and "sharded ok" in done.stdout, done.stdout[-4000:] + done.stderr[-4000:]
 
 
+def test_jax_platform_route_under_jit(monkeypatch, use_gpu_flag):
+    """In a process with a GPU backend, "auto" under jit decides when lowering (jax.lax.platform_dependent): the
+    weights ride through both branches; lowered for the CPU it is the weighted reference, gradient included."""
+    fastce_jax = jax_or_skip()
+    if use_gpu_flag:
+        pytest.skip("a CPU-lowering check")
+    import jax
+
+    from fastce_jax import contract
+
+    monkeypatch.setattr(contract, "gpu_available", lambda: True)
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal((6, 21)) * 2).astype(np.float32)
+    y = rng.integers(0, 21, 6).astype(np.int32)
+    y[0] = -100
+    w = rng.uniform(-0.5, 2.0, 21).astype(np.float32)
+    step = jax.jit(jax.value_and_grad(lambda v: fastce_jax.cross_entropy(v, y, weight=w, label_smoothing=0.1)))
+    assert "platform_index" in str(jax.make_jaxpr(step)(x))
+    loss, grad = step(x)
+    ref = reference.cross_entropy(x, y, opts=reference.Options(label_smoothing=0.1), weight=w)
+    np.testing.assert_allclose(float(loss), float(ref.loss), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), ref.grad, rtol=1e-4, atol=1e-6)
+
+
 @pytest.fixture
 def use_gpu_flag(request):
     return bool(request.config.getoption("--gpu", default=False))
