@@ -6,6 +6,7 @@ Imports no sibling module; every other module of the package may import from her
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import NamedTuple
 
@@ -114,6 +115,51 @@ def check_labels(labels, leading_shape: tuple, ignore_index: int):
     if dtype.itemsize < 4:
         labels = labels.astype(jnp.int32)
     return _narrow_host_int64(labels, ignore_index)
+
+
+WEIGHT_GRAD_UNSUPPORTED = (
+    "{}: gradients with respect to class weights are not supported by fastce_jax; differentiate with respect to "
+    "the other arguments only (or wrap the weights in jax.lax.stop_gradient)"
+)
+
+
+def check_class_weight(weight, vocab: int, name: str = "weight"):
+    """Class weights (F.cross_entropy's weight=): None, or a floating-point (V,) array, returned as a float32 (float64
+    when given in float64) array that carries no gradient: differentiating with respect to it raises ValueError."""
+    if weight is None:
+        return None
+    weight = as_array(weight, name)
+    if not jnp.issubdtype(jnp.dtype(weight.dtype), jnp.floating):
+        raise TypeError(f"{name} must be a floating-point array of class weights, got {weight.dtype}")
+    if tuple(weight.shape) != (vocab,):
+        raise ValueError(f"{name} must have shape ({vocab},) (one weight per class), got {tuple(weight.shape)}")
+    if jnp.dtype(weight.dtype) != jnp.float64:
+        weight = weight.astype(jnp.float32)
+    return _constant_weight(weight, name)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _constant_weight(weight, name):
+    return weight
+
+
+def _constant_weight_fwd(weight, name):
+    if weight.perturbed:  # jax.grad / vjp asks for the weights' gradient
+        raise ValueError(WEIGHT_GRAD_UNSUPPORTED.format(name))
+    return weight.value, None
+
+
+def _constant_weight_bwd(name, residuals, g):
+    return (None,)
+
+
+_constant_weight.defvjp(_constant_weight_fwd, _constant_weight_bwd, symbolic_zeros=True)
+
+
+def label_weights(labels, weight, vocab: int):
+    """w[y] per token (labels' shape), 0 where the label is not a class in [0, V)."""
+    has_class = (labels >= 0) & (labels < vocab)
+    return jnp.where(has_class, weight[jnp.where(has_class, labels, 0)], jnp.zeros((), weight.dtype))
 
 
 def _narrow_host_int64(labels, ignore_index: int):
@@ -261,10 +307,10 @@ def validate_labels(labels, vocab: int, ignore_index: int) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def loss_divisor(labels, reduction: str, n_items, ignore_index: int, dtype=jnp.float32):
+def loss_divisor(labels, reduction: str, n_items, ignore_index: int, dtype=jnp.float32, weight=None):
     """What the summed loss is divided by ("mean" / "sum"): n_items when given (for both), else 1 for "sum" and the
-    number of non-ignored labels for "mean" (at least 1: all ignored gives 0 / 1 = 0); None for "none". Traced; no
-    host sync."""
+    number of non-ignored labels for "mean" (at least 1: all ignored gives 0 / 1 = 0); with class weights ("mean")
+    the sum of the non-ignored labels' weights (1 where it is exactly 0); None for "none". Traced; no host sync."""
     if reduction == "none":
         return None
     if n_items is not None:
@@ -272,15 +318,20 @@ def loss_divisor(labels, reduction: str, n_items, ignore_index: int, dtype=jnp.f
     if reduction == "sum":
         return jnp.ones((), dtype)
     ign = ignore_value(labels.dtype, ignore_index)
+    if weight is not None:
+        kept = label_weights(labels, weight, weight.shape[0]).astype(dtype)
+        total = jnp.sum(kept if ign is None else jnp.where(labels == ign, 0.0, kept))
+        return jnp.where(total == 0.0, 1.0, total).astype(dtype)
     count = labels.size if ign is None else jnp.sum(labels != ign)
     return jnp.maximum(count, 1).astype(dtype)
 
 
-def reduce_losses(token_losses, labels, reduction: str, n_items, ignore_index: int):
-    """The reduced loss of per-token losses shaped like labels (or flat)."""
+def reduce_losses(token_losses, labels, reduction: str, n_items, ignore_index: int, weight=None):
+    """The reduced loss of per-token losses shaped like labels (or flat); weight: class weights or None."""
     if reduction == "none":
         return token_losses.reshape(labels.shape)
-    return jnp.sum(token_losses) / loss_divisor(labels, reduction, n_items, ignore_index, token_losses.dtype)
+    divisor = loss_divisor(labels, reduction, n_items, ignore_index, token_losses.dtype, weight)
+    return jnp.sum(token_losses) / divisor
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -338,6 +389,28 @@ def token_loss_from_statistics(lse, label_logit, sum_z, labels, options: Options
     return loss if ign is None else jnp.where(labels == ign, 0.0, loss)
 
 
+def weighted_token_loss(lse, label_logit, sum_wz, w_label, w_sum, labels, options: Options, vocab: int):
+    """token_loss_from_statistics with class weights (F.cross_entropy's weight=), the finish kernel's arithmetic:
+    ``w_y (1 - eps)(lse - z_y) + (eps / V)(W lse - sum_c w_c z_c) + w_y z_loss lse**2`` from w_label = w[y],
+    w_sum = W = sum_c w_c and sum_wz = sum_c w_c z_c (a class of weight 0 left out even where z is -inf)."""
+    smoothing = options.label_smoothing
+    loss = jnp.zeros_like(lse)
+    if smoothing != 1.0:
+        loss = loss + (1.0 - smoothing) * w_label * (lse - label_logit)
+    if smoothing != 0.0:
+        loss = loss + smoothing * (1.0 / vocab) * (w_sum * lse - sum_wz)
+    if options.z_loss != 0.0:
+        loss = loss + options.z_loss * w_label * lse * lse
+    loss = loss * jnp.where((labels >= 0) & (labels < vocab), jnp.ones_like(loss), jnp.full_like(loss, jnp.nan))
+    ign = ignore_value(labels.dtype, options.ignore_index)
+    return loss if ign is None else jnp.where(labels == ign, 0.0, loss)
+
+
+def weighted_sum_z(z, weight):
+    """sum_c w_c z_c per row, a class of weight 0 adding nothing (even where its z is -inf)."""
+    return jnp.sum(jnp.where(weight == 0.0, 0.0, weight * z), axis=-1)
+
+
 def outputs_from_statistics(lse, argmax, mean_z, labels, options: Options, vocab: int):
     """(accuracy, entropy) per token from a row's global statistics, the same arithmetic as the finish kernel;
     argmax: the first column holding the row's largest z (None: no accuracy); mean_z: sum_j p_j z_j, -inf logits
@@ -371,30 +444,44 @@ def z_loss_from_lse(lse, labels, options: Options, vocab: int):
 
 
 def reduce_outputs(
-    token_losses, lse, accuracy, entropy, labels, reduction: str, n_items, options: Options, returns, vocab: int
+    token_losses,
+    lse,
+    accuracy,
+    entropy,
+    labels,
+    reduction: str,
+    n_items,
+    options: Options,
+    returns,
+    vocab: int,
+    weight=None,
 ):
     """The call's result from per-token values shaped like labels: the reduced loss alone when no extra output was
     asked for, else a CrossEntropyOutput (see with_outputs)."""
-    loss = reduce_losses(token_losses, labels, reduction, n_items, options.ignore_index)
+    loss = reduce_losses(token_losses, labels, reduction, n_items, options.ignore_index, weight)
     if not returns:
         return loss
-    return with_outputs(loss, lse, accuracy, entropy, labels, reduction, n_items, options, returns, vocab)
+    return with_outputs(loss, lse, accuracy, entropy, labels, reduction, n_items, options, returns, vocab, weight)
 
 
-def with_outputs(loss, lse, accuracy, entropy, labels, reduction: str, n_items, options: Options, returns, vocab: int):
+def with_outputs(
+    loss, lse, accuracy, entropy, labels, reduction: str, n_items, options: Options, returns, vocab: int, weight=None
+):
     """CrossEntropyOutput of the (reduced) loss and per-token lse / accuracy / entropy (None where not computed):
     z_loss and entropy reduced like the loss, accuracy the fraction over non-ignored rows for "mean" / "sum", lse
     per token, -inf where ignored. lse, accuracy and entropy leave through stop_gradient; z_loss is differentiable
-    through lse."""
+    through lse. weight: class weights or None: z_loss is then the loss's weighted term (w[y] z_loss lse**2 over
+    the loss's weighted divisor); lse, accuracy and entropy ignore them."""
     ignore_index = options.ignore_index
     ign = ignore_value(labels.dtype, ignore_index)
     ignored = jnp.zeros(labels.shape, bool) if ign is None else labels == ign
     lse = lse.reshape(labels.shape)
     out = CrossEntropyOutput(loss)
     if returns.z_loss:
-        out = out._replace(
-            z_loss=reduce_losses(z_loss_from_lse(lse, labels, options, vocab), labels, reduction, n_items, ignore_index)
-        )
+        z_term = z_loss_from_lse(lse, labels, options, vocab)
+        if weight is not None:
+            z_term = z_term * label_weights(labels, weight, vocab).astype(z_term.dtype)
+        out = out._replace(z_loss=reduce_losses(z_term, labels, reduction, n_items, ignore_index, weight))
     if returns.lse:
         out = out._replace(lse=jax.lax.stop_gradient(jnp.where(ignored, -jnp.inf, lse).astype(lse.dtype)))
     if returns.accuracy:
@@ -408,7 +495,7 @@ def with_outputs(loss, lse, accuracy, entropy, labels, reduction: str, n_items, 
     return out
 
 
-def reference_row_outputs(logits, labels, options: Options, returns):
+def reference_row_outputs(logits, labels, options: Options, returns, weight=None):
     """(loss, lse, accuracy, entropy) per token of logits (..., V) in jnp, like reference_token_losses (whose loss
     it is); accuracy / entropy None unless asked for. lse is differentiable (z_loss is computed from it); argmax
     and entropy are computed from stop_gradient(z)."""
@@ -417,7 +504,10 @@ def reference_row_outputs(logits, labels, options: Options, returns):
         logits = jnp.where((labels == ign)[..., None], jnp.zeros((), logits.dtype), logits)
     z = transform(logits.astype(compute_dtype(logits.dtype)), options)
     lse, label_logit, sum_z = row_statistics(z, labels, options)
-    loss = token_loss_from_statistics(lse, label_logit, sum_z, labels, options, z.shape[-1])
+    if weight is None:
+        loss = token_loss_from_statistics(lse, label_logit, sum_z, labels, options, z.shape[-1])
+    else:
+        loss = _weighted_reference_loss(z, lse, label_logit, labels, options, weight)
     zs, lse_s = jax.lax.stop_gradient(z), jax.lax.stop_gradient(lse)
     argmax = jnp.argmax(zs, axis=-1) if returns.accuracy else None
     mean_z = None
@@ -428,25 +518,36 @@ def reference_row_outputs(logits, labels, options: Options, returns):
     return loss, lse, accuracy, entropy
 
 
-def reference_token_losses(logits, labels, options: Options):
+def reference_token_losses(logits, labels, options: Options, weight=None):
     """Per-token losses of logits (..., V), labels (...) in jnp (no reshape, so any sharding of the leading axes
-    stays where it is): float32 math and losses, float64 for float64 logits. Differentiable by plain autodiff."""
+    stays where it is): float32 math and losses, float64 for float64 logits. Differentiable by plain autodiff.
+    weight: class weights (V,) or None."""
     ign = ignore_value(labels.dtype, options.ignore_index)
     if ign is not None:
         # Zero ignored rows before any math, so their gradient is exactly 0 even when the row holds NaN/inf.
         logits = jnp.where((labels == ign)[..., None], jnp.zeros((), logits.dtype), logits)
     z = transform(logits.astype(compute_dtype(logits.dtype)), options)
     lse, label_logit, sum_z = row_statistics(z, labels, options)
+    if weight is not None:
+        return _weighted_reference_loss(z, lse, label_logit, labels, options, weight)
     return token_loss_from_statistics(lse, label_logit, sum_z, labels, options, z.shape[-1])
 
 
-def reference_backward(logits, labels, g, options: Options, g_lse=None):
+def _weighted_reference_loss(z, lse, label_logit, labels, options: Options, weight):
+    vocab = z.shape[-1]
+    weight = weight.astype(z.dtype)
+    sum_wz = weighted_sum_z(z, weight) if options.label_smoothing != 0.0 else jnp.zeros_like(lse)
+    w_label = label_weights(labels, weight, vocab)
+    return weighted_token_loss(lse, label_logit, sum_wz, w_label, jnp.sum(weight), labels, options, vocab)
+
+
+def reference_backward(logits, labels, g, options: Options, g_lse=None, weight=None):
     """d(sum_t g_t loss_t + sum_t g_lse_t lse_t)/d logits of reference_row_outputs (g, g_lse shaped like labels;
-    g_lse None: the loss alone)."""
+    g_lse None: the loss alone); weight: class weights or None."""
     if g_lse is None:
-        _, vjp = jax.vjp(lambda x: reference_token_losses(x, labels, options), logits)
+        _, vjp = jax.vjp(lambda x: reference_token_losses(x, labels, options, weight), logits)
         return vjp(g.astype(jnp.float32))[0]
-    _, vjp = jax.vjp(lambda x: reference_row_outputs(x, labels, options, NO_EXTRAS)[:2], logits)
+    _, vjp = jax.vjp(lambda x: reference_row_outputs(x, labels, options, NO_EXTRAS, weight)[:2], logits)
     return vjp((g.astype(jnp.float32), g_lse.astype(jnp.float32)))[0]
 
 

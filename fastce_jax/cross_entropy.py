@@ -38,32 +38,38 @@ def _route(x, backend: str) -> str:
 # ----------------------------------------------------------------------------
 
 
-def _reference_forward(logits, labels, options: Options, returns=contract.NO_EXTRAS):
+def _reference_forward(logits, labels, options: Options, returns=contract.NO_EXTRAS, weight=None):
     if returns:
-        loss, lse, accuracy, entropy = contract.reference_row_outputs(logits, labels, options, returns)
+        loss, lse, accuracy, entropy = contract.reference_row_outputs(logits, labels, options, returns, weight)
         return (loss, lse) + tuple(v for v in (accuracy, entropy) if v is not None)
     # The reference backward recomputes from the logits; the lse slot only keeps both branches' outputs alike.
-    loss = contract.reference_token_losses(logits, labels, options)
+    loss = contract.reference_token_losses(logits, labels, options, weight)
     return loss, jnp.zeros_like(loss)
 
 
-def _route_forward(logits, labels, options: Options, mode: str, configs, returns=contract.NO_EXTRAS):
+def _route_forward(logits, labels, options: Options, mode: str, configs, returns=contract.NO_EXTRAS, weight=None):
     kw = {"returns": returns} if returns else {}
+    # Class weights travel as one more operand (none without them).
+    weights = () if weight is None else (weight,)
 
-    def compiled(x, y, interpret=False):
-        return sharding.forward(x, y, options, interpret=interpret, config=configs[0], **kw)
+    def compiled(x, y, *w, interpret=False):
+        return sharding.forward(x, y, options, interpret=interpret, config=configs[0], **kw, **dict(zip(["weight"], w)))
 
     if mode in (COMPILED, INTERPRETED):
-        return compiled(logits, labels, mode == INTERPRETED)
+        return compiled(logits, labels, *weights, interpret=mode == INTERPRETED)
 
-    def elsewhere(x, y):
-        return _reference_forward(x, y, options, returns)
+    def elsewhere(x, y, *w):
+        return _reference_forward(x, y, options, returns, *w)
 
-    return jax.lax.platform_dependent(logits, labels, cuda=compiled, rocm=compiled, default=elsewhere)
+    return jax.lax.platform_dependent(logits, labels, *weights, cuda=compiled, rocm=compiled, default=elsewhere)
 
 
-def _route_backward(logits, labels, lse, g, options: Options, inplace: bool, mode: str, configs, g_lse=None):
+def _route_backward(
+    logits, labels, lse, g, options: Options, inplace: bool, mode: str, configs, g_lse=None, weight=None
+):
     kw = {} if g_lse is None else {"g_lse": g_lse}
+    if weight is not None:
+        kw["weight"] = weight
 
     def compiled(x, y, lse, g, *gl, interpret=False):
         return sharding.backward(
@@ -75,38 +81,39 @@ def _route_backward(logits, labels, lse, g, options: Options, inplace: bool, mod
         return compiled(logits, labels, lse, g, *extra, interpret=mode == INTERPRETED)
 
     def elsewhere(x, y, lse, g, *gl):
-        return contract.reference_backward(x, y, g, options, *gl)
+        return contract.reference_backward(x, y, g, options, **dict(zip(kw, gl)))
 
     return jax.lax.platform_dependent(logits, labels, lse, g, *extra, cuda=compiled, rocm=compiled, default=elsewhere)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _kernel_token_losses(logits, labels, options: Options, inplace: bool, mode: str, configs, returns):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _kernel_token_losses(logits, labels, weight, options: Options, inplace: bool, mode: str, configs, returns):
     """Per-token losses; with any extra output asked for, the tuple (loss, lse, accuracy?, entropy?) of the
-    forward kernels (lse differentiable when a returned z_loss needs it, the others not)."""
-    return _kernel_fwd(logits, labels, options, inplace, mode, configs, returns)[0]
+    forward kernels (lse differentiable when a returned z_loss needs it, the others not). weight: class weights
+    (V,) or None (a constant: contract.check_class_weight refuses its gradient)."""
+    return _kernel_fwd(logits, labels, weight, options, inplace, mode, configs, returns)[0]
 
 
-def _kernel_fwd(logits, labels, options: Options, inplace: bool, mode: str, configs, returns):
+def _kernel_fwd(logits, labels, weight, options: Options, inplace: bool, mode: str, configs, returns):
     # logits (..., V) and labels (...) keep their shape here so that a sharding
     # of any leading axis reaches sharding.py without a reshape across devices.
-    outs = _route_forward(logits, labels, options, mode, configs, returns)
+    outs = _route_forward(logits, labels, options, mode, configs, returns, weight)
     lse = outs[1]
     # Residuals: only what the backward reads.  logits stays in its own dtype
     # (no float32 copy); lse is N floats.
-    return (tuple(outs) if returns else outs[0]), (logits, labels, lse)
+    return (tuple(outs) if returns else outs[0]), (logits, labels, lse, weight)
 
 
 def _kernel_bwd(options: Options, inplace: bool, mode: str, configs, returns, residuals, g):
-    logits, labels, lse = residuals
+    logits, labels, lse, weight = residuals
     g_lse = None
     if returns:
         # Only lse's cotangent (from a returned z_loss) flows back; accuracy and entropy are not differentiable.
         g, g_lse = g[0], (g[1] if contract.lse_differentiated(options, returns) else None)
     # g is the per-token upstream factor: 1/denominator (broadcast) for
     # "mean", 1 for "sum", the caller's cotangent for "none".
-    dlogits = _route_backward(logits, labels, lse, g, options, inplace, mode, configs, g_lse)
-    return dlogits, None
+    dlogits = _route_backward(logits, labels, lse, g, options, inplace, mode, configs, g_lse, weight)
+    return dlogits, None, None if weight is None else jnp.zeros_like(weight)
 
 
 _kernel_token_losses.defvjp(_kernel_fwd, _kernel_bwd)
@@ -114,18 +121,18 @@ _kernel_token_losses.defvjp(_kernel_fwd, _kernel_bwd)
 
 @functools.partial(jax.jit, static_argnames=("options", "reduction", "inplace", "mode", "configs", "returns"))
 def _kernel_loss(
-    logits, labels, n_items, *, options: Options, reduction: str, inplace: bool, mode: str, configs, returns
+    logits, labels, n_items, weight, *, options: Options, reduction: str, inplace: bool, mode: str, configs, returns
 ):
     """The kernel path, jitted once per static configuration: an eager call reuses its trace and executable
     instead of tracing and lowering the Pallas kernels again (under an outer jit it is inlined)."""
-    outs = _kernel_token_losses(logits, labels, options, inplace, mode, configs, returns)
+    outs = _kernel_token_losses(logits, labels, weight, options, inplace, mode, configs, returns)
     if not returns:
-        return contract.reduce_losses(outs, labels, reduction, n_items, options.ignore_index)
+        return contract.reduce_losses(outs, labels, reduction, n_items, options.ignore_index, weight)
     loss, lse, *rest = outs
     accuracy = rest.pop(0) if returns.accuracy else None
     entropy = rest.pop(0) if returns.entropy else None
     return contract.reduce_outputs(
-        loss, lse, accuracy, entropy, labels, reduction, n_items, options, returns, logits.shape[-1]
+        loss, lse, accuracy, entropy, labels, reduction, n_items, options, returns, logits.shape[-1], weight
     )
 
 
@@ -135,7 +142,15 @@ def _kernel_loss(
 
 
 def _cross_entropy(
-    logits, labels, options: Options, reduction, n_items, backend, inplace_backward, returns=contract.NO_EXTRAS
+    logits,
+    labels,
+    options: Options,
+    reduction,
+    n_items,
+    backend,
+    inplace_backward,
+    returns=contract.NO_EXTRAS,
+    weight=None,
 ):
     """The loss of checked arguments (labels from contract.check_labels); a CrossEntropyOutput when ``returns``
     asks for any extra output."""
@@ -148,13 +163,13 @@ def _cross_entropy(
     labels = jnp.asarray(labels)
     if route == "reference" or labels.size == 0:  # an empty grid has no kernel
         if returns:
-            loss, lse, accuracy, entropy = contract.reference_row_outputs(logits, labels, options, returns)
+            loss, lse, accuracy, entropy = contract.reference_row_outputs(logits, labels, options, returns, weight)
             vocab = logits.shape[-1]
             return contract.reduce_outputs(
-                loss, lse, accuracy, entropy, labels, reduction, n_items, options, returns, vocab
+                loss, lse, accuracy, entropy, labels, reduction, n_items, options, returns, vocab, weight
             )
-        losses = contract.reference_token_losses(logits, labels, options)
-        return contract.reduce_losses(losses, labels, reduction, n_items, options.ignore_index)
+        losses = contract.reference_token_losses(logits, labels, options, weight)
+        return contract.reduce_losses(losses, labels, reduction, n_items, options.ignore_index, weight)
     vocab = logits.shape[-1]
     configs = (kernels.forward_config(vocab), kernels.backward_config(vocab))
     with kernels.quiet_triton(interpret=route == INTERPRETED):
@@ -162,6 +177,7 @@ def _cross_entropy(
             logits,
             labels,
             n_items,
+            weight,
             options=options,
             reduction=reduction,
             inplace=inplace_backward,
@@ -190,6 +206,7 @@ def cross_entropy(
     return_lse=False,
     return_accuracy=False,
     return_entropy=False,
+    weight=None,
 ):
     """Cross-entropy of ``logits`` (..., V) against integer ``labels`` (...).
 
@@ -237,6 +254,9 @@ def cross_entropy(
         (differentiable), the per-token lse (-inf where ignored), the accuracy of the argmax (per token for
         "none", else the fraction of non-ignored rows) and the entropy of softmax(z) reduced like the loss; the
         last three carry no gradient (stop_gradient).
+      weight: class weights (V,), as torch.nn.functional.cross_entropy's ``weight`` (CONTRACT.md "Class
+        weights"): floating point, computed in float32 by the kernels; "mean" is the weighted mean. They are a
+        constant: differentiating with respect to them raises ValueError.
 
     Returns:
       float32 loss (scalar, or shaped like ``labels`` for reduction="none"); float64 for float64 logits.
@@ -266,12 +286,13 @@ def cross_entropy(
         return_entropy=return_entropy,
     )
     shift = contract.check_shift(shift)
+    weight = contract.check_class_weight(weight, logits.shape[-1])
     kept = None
     if shift:
         labels, kept = contract.shifted_labels(labels, shift, options.ignore_index)
     if check:
         contract.validate_labels(labels, logits.shape[-1], options.ignore_index)
-    loss = _cross_entropy(logits, labels, options, reduction, n_items, backend, inplace_backward, returns)
+    loss = _cross_entropy(logits, labels, options, reduction, n_items, backend, inplace_backward, returns, weight)
     return contract.keep_positions(loss, kept, reduction)
 
 

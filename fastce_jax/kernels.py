@@ -41,7 +41,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .contract import Options, ignore_value, outputs_from_statistics, token_loss_from_statistics, transform
+from .contract import (
+    Options,
+    ignore_value,
+    label_weights,
+    outputs_from_statistics,
+    token_loss_from_statistics,
+    transform,
+    weighted_token_loss,
+)
 
 # jax 0.11 deprecates the Pallas Triton backend and warns each time a Triton
 # pallas_call is *lowered*.  See ``quiet_triton`` for how it is filtered.
@@ -170,6 +178,7 @@ def _forward_kernel(
     options,
     need_sum_z,
     extras=(False, False),
+    w_ref=None,
 ):
     """Grid (N rows, C chunks): one chunk of one row's partial statistics.
 
@@ -181,6 +190,8 @@ def _forward_kernel(
     (None: no label of the labels' dtype can equal it); options: Options (the transform's fields are read);
     need_sum_z: whether sum z is computed (label smoothing), else it stays 0; extras: (argmax, entropy), whether
     those partials are computed (all False: the plain kernel, refs is empty).
+    w_ref: class weights' chunk (chunk,) (`_weighted_forward_kernel`): sum z becomes sum_c w_c z_c, a class of
+    weight 0 adding nothing even at z = -inf; None: the plain kernel.
     """
     want_argmax, want_entropy = extras
     base = pl.program_id(1) * chunk
@@ -213,7 +224,10 @@ def _forward_kernel(
             out.append(carry[-1] * rescale + jnp.sum(jnp.where(z == neg_inf, 0.0, e * z)))
         else:
             s = s * jnp.exp(m - m_safe) + jnp.sum(jnp.exp(z - m_safe))
-        if need_sum_z:
+        if need_sum_z and w_ref is not None:
+            w = plgpu.load(w_ref.at[pl.ds(start, block)], mask=mask, other=0.0)
+            sz = sz + jnp.sum(jnp.where(w == 0.0, 0.0, w * z))
+        elif need_sum_z:
             sz = sz + jnp.sum(jnp.where(mask, z, 0.0))
         if want_argmax:
             # The tile's first column at its max (masked columns are -inf and come last); a strictly larger max
@@ -233,8 +247,29 @@ def _forward_kernel(
         plgpu.store(ref, value)
 
 
+def _weighted_forward_kernel(x_ref, y_ref, w_ref, *refs, **static):
+    """_forward_kernel with class weights: w_ref, the weights' chunk, is its third input."""
+    return _forward_kernel(x_ref, y_ref, *refs, w_ref=w_ref, **static)
+
+
+def _weighted_finish_kernel(m_ref, s_ref, sz_ref, y_ref, x_ref, wy_ref, wsum_ref, *refs, **static):
+    """_finish_kernel with class weights: wy_ref, the row's w[y] (0-d), and wsum_ref, sum_c w_c (1,), after x_ref."""
+    return _finish_kernel(m_ref, s_ref, sz_ref, y_ref, x_ref, *refs, weight_refs=(wy_ref, wsum_ref), **static)
+
+
 def _finish_kernel(
-    m_ref, s_ref, sz_ref, y_ref, x_ref, *refs, vocab, n_chunks, options, vocab_parallel, extras=(False, False)
+    m_ref,
+    s_ref,
+    sz_ref,
+    y_ref,
+    x_ref,
+    *refs,
+    vocab,
+    n_chunks,
+    options,
+    vocab_parallel,
+    extras=(False, False),
+    weight_refs=None,
 ):
     """Grid (N,): a row's C partials combined into its lse, and its loss.
 
@@ -247,7 +282,8 @@ def _finish_kernel(
     this shard's softmax) where asked for.
     vocab: V (this shard's columns); n_chunks: C; options: Options (the loss is contract.token_loss_from_statistics,
     the formula of the jnp paths, accuracy and entropy contract.outputs_from_statistics); vocab_parallel: which of
-    the two ref layouts; extras: (argmax, entropy) as in _forward_kernel.
+    the two ref layouts; extras: (argmax, entropy) as in _forward_kernel. weight_refs: (w[y] of the row, sum of
+    the weights) for the weighted loss (contract.weighted_token_loss; sz_ref then holds sum_c w_c z_c), or None.
     """
     want_argmax, want_entropy = extras
     refs = list(refs)
@@ -301,7 +337,13 @@ def _finish_kernel(
         global_argmax = jnp.where(argmax == _INT32_MAX, argmax, argmax + start) if want_argmax else None
         extra = ((big_m, global_argmax) if want_argmax else ()) + ((mean_z,) if want_entropy else ())
     else:
-        plgpu.store(loss_ref, token_loss_from_statistics(lse, z_y, sum_z, y, options, vocab))
+        if weight_refs is None:
+            plgpu.store(loss_ref, token_loss_from_statistics(lse, z_y, sum_z, y, options, vocab))
+        else:
+            wy_ref, wsum_ref = weight_refs
+            w_sum = wsum_ref[0] if smoothing != 0.0 else None
+            loss = weighted_token_loss(lse, z_y, sum_z, wy_ref[...], w_sum, y, options, vocab)
+            plgpu.store(loss_ref, loss)
         plgpu.store(lse_ref, lse)
         accuracy, entropy = outputs_from_statistics(lse, argmax, mean_z, y, options, vocab)
         extra = tuple(v for v in (accuracy, entropy) if v is not None)
@@ -322,6 +364,7 @@ def _backward_kernel(
     options,
     vocab_parallel,
     lse_cotangent=False,
+    weight_refs=None,
 ):
     """Grid (N, cdiv(V, block)): one tile of one row's dL/dx, in one pass.
 
@@ -331,6 +374,9 @@ def _backward_kernel(
     vocab: this shard's columns; vocab_total: the whole vocabulary (equal unless vocab-parallel); block: tile
     width; ignore_index: as in _forward_kernel; options: Options; vocab_parallel: which of the two ref layouts;
     lse_cotangent: add glse * d lse / dx = glse * p * dz/dx (the returned z_loss's gradient flows through lse).
+    weight_refs: class weights (`_weighted_backward_kernel`): (the row's w[y] (0-d), the weights' tile (block,) and
+    their sum (1,), the last two None without smoothing): dL/dz_j = w[y] ((1 - eps)(p_j - [j == y])
+    + 2 z_loss lse p_j) + (eps / V)(W p_j - w_j). None: the plain kernel.
     """
     refs = list(refs)
     start_ref = refs.pop(0) if vocab_parallel else None
@@ -347,12 +393,25 @@ def _backward_kernel(
     z = transform(x, options)
     p = jnp.exp(z - lse)
     p_lse = p
-    if options.z_loss != 0.0:
-        p = p * (1.0 + 2.0 * options.z_loss * lse)
     smoothing = options.label_smoothing
-    d = p - jnp.where(cols == y_col, 1.0 - smoothing, 0.0)
-    if smoothing != 0.0:
-        d = d - smoothing / vocab_total
+    if weight_refs is not None:
+        wy_ref, w_ref, wsum_ref = weight_refs
+        w_y = wy_ref[...]
+        if options.z_loss != 0.0:
+            coefficient = w_y * (1.0 - smoothing + 2.0 * options.z_loss * lse)
+        else:
+            coefficient = w_y * (1.0 - smoothing)
+        if smoothing != 0.0:
+            coefficient = coefficient + smoothing / vocab_total * wsum_ref[0]
+        d = p * coefficient - jnp.where(cols == y_col, w_y * (1.0 - smoothing), 0.0)
+        if smoothing != 0.0:
+            d = d - smoothing / vocab_total * plgpu.load(w_ref.at[pl.ds(0, block)], mask=mask, other=0.0)
+    else:
+        if options.z_loss != 0.0:
+            p = p * (1.0 + 2.0 * options.z_loss * lse)
+        d = p - jnp.where(cols == y_col, 1.0 - smoothing, 0.0)
+        if smoothing != 0.0:
+            d = d - smoothing / vocab_total
     if lse_cotangent:
         # Per row: g * (loss's d/dz) + glse * p, so the upstream factor applies to the loss's part only.
         d = d * g_ref[...] + p_lse * glse_ref[...]
@@ -366,6 +425,14 @@ def _backward_kernel(
     if ignore_index is not None:
         d = jnp.where(y == ignore_index, 0.0, d)
     plgpu.store(dx_ref.at[pl.ds(0, block)], d.astype(dx_ref.dtype), mask=mask)
+
+
+def _weighted_backward_kernel(x_ref, y_ref, lse_ref, g_ref, wy_ref, *refs, smoothing, **static):
+    """_backward_kernel with class weights: after g_ref, the row's w[y] (0-d) and, with smoothing, the weights'
+    tile (block,) and their sum (1,)."""
+    refs = list(refs)
+    w_ref, wsum_ref = (refs.pop(0), refs.pop(0)) if smoothing else (None, None)
+    return _backward_kernel(x_ref, y_ref, lse_ref, g_ref, *refs, weight_refs=(wy_ref, w_ref, wsum_ref), **static)
 
 
 # ----------------------------------------------------------------------------
@@ -424,6 +491,7 @@ def forward(
     vocab_total: int | None = None,
     config: ForwardConfig | None = None,
     extras=(False, False),
+    weight=None,
 ):
     """Per-token statistics of logits (N, V), labels (N,).
 
@@ -439,11 +507,14 @@ def forward(
     contract.outputs_from_statistics); vocab-parallel mode appends (max_local, argmax_local) (float32, int32: this
     shard's largest z and the first global column holding it) and / or mean_z_local (sum_j p_j z_j over this
     shard's softmax).
+    weight: class weights, a float32 (V,) array, or None (the plain kernels); not in vocab-parallel mode.
     """
     n, vocab = logits.shape
     vocab_parallel = vocab_start is not None
     if vocab_parallel and vocab_total is None:
         raise ValueError("vocab_start needs vocab_total (the global vocabulary size)")
+    if weight is not None and vocab_parallel:
+        raise NotImplementedError("class weights are not supported in vocab-parallel mode")
     config = forward_config(vocab) if config is None else config
     n_chunks = _cdiv(vocab, config.chunk)
     ignore = ignore_value(labels.dtype, options.ignore_index)
@@ -457,9 +528,19 @@ def forward(
         [part] if want_entropy else []
     )
     part_spec = pl.BlockSpec((None, None), lambda i, j: (i, j))
+    # Class weights: the forward reads them per chunk only for the smoothing term's sum_c w_c z_c; the finish
+    # kernel reads w[y] per row and sum_c w_c.
+    weighted_sum = weight is not None and options.label_smoothing != 0.0
+    fwd_inputs = (logits, labels)
+    fwd_specs = [pl.BlockSpec((None, config.chunk), lambda i, j: (i, j)), pl.BlockSpec((None,), lambda i, j: (i,))]
+    if weighted_sum:
+        # Padded to whole chunks, so the last chunk's block lies inside the array (its extra lanes are masked).
+        padded = jnp.pad(weight.astype(jnp.float32), (0, n_chunks * config.chunk - vocab))
+        fwd_inputs += (_same_variance(padded, logits)[0][0],)
+        fwd_specs.append(pl.BlockSpec((config.chunk,), lambda i, j: (j,)))
     fwd = pl.pallas_call(
         functools.partial(
-            _forward_kernel,
+            _weighted_forward_kernel if weighted_sum else _forward_kernel,
             vocab=vocab,
             chunk=config.chunk,
             block=config.block,
@@ -469,7 +550,7 @@ def forward(
             **({"extras": extras} if any(extras) else {}),
         ),
         grid=(n, n_chunks),
-        in_specs=[pl.BlockSpec((None, config.chunk), lambda i, j: (i, j)), pl.BlockSpec((None,), lambda i, j: (i,))],
+        in_specs=fwd_specs,
         out_specs=[part_spec] * (3 + len(extra_parts)),
         out_shape=[part] * 3 + extra_parts,
         compiler_params=plgpu.CompilerParams(num_warps=config.warps, num_stages=config.stages),
@@ -484,9 +565,14 @@ def forward(
         out_dtypes = [f32] * 3 + ([f32, jnp.int32] if want_argmax else []) + ([f32] if want_entropy else [])
     else:
         out_dtypes = [f32] * (n_out + want_argmax + want_entropy)
+    weight_specs, weight_inputs = [], ()
+    if weight is not None:
+        weight_specs = [row_spec, pl.BlockSpec((1,), lambda i: (0,))]
+        w_label = label_weights(labels, weight.astype(jnp.float32), vocab)
+        weight_inputs = _same_variance(w_label, jnp.sum(weight.astype(jnp.float32)).reshape(1), logits)[0][:2]
     finish = pl.pallas_call(
         functools.partial(
-            _finish_kernel,
+            _weighted_finish_kernel if weight is not None else _finish_kernel,
             vocab=vocab,
             n_chunks=n_chunks,
             options=options,
@@ -496,6 +582,7 @@ def forward(
         grid=(n,),
         in_specs=[parts_spec] * 3
         + [row_spec, pl.BlockSpec((None, vocab), lambda i: (i, 0))]
+        + weight_specs
         + extra_specs
         + [parts_spec] * len(extra_parts),
         out_specs=[row_spec] * len(out_dtypes),
@@ -505,8 +592,9 @@ def forward(
         name="fastce_finish",
     )
     with quiet_triton(interpret):
-        m, s, sz, *partials = _launch(fwd, (logits, labels), mat, interpret)
-        return tuple(_launch(finish, (m, s, sz, labels, logits, *operands[2:], *partials), mat, interpret))
+        m, s, sz, *partials = _launch(fwd, fwd_inputs, mat, interpret)
+        finish_inputs = (m, s, sz, labels, logits, *weight_inputs, *operands[2:], *partials)
+        return tuple(_launch(finish, finish_inputs, mat, interpret))
 
 
 def backward(
@@ -522,6 +610,7 @@ def backward(
     vocab_total: int | None = None,
     config: BackwardConfig | None = None,
     g_lse=None,
+    weight=None,
 ):
     """dL/dlogits (N, V) in logits' dtype; g is the per-token upstream (N,).
 
@@ -532,21 +621,34 @@ def backward(
     config: the tiles (default ``backward_config(V)``).
     g_lse: None, or the per-token cotangent of lse (N,) (the returned z_loss's gradient flows through lse): its
     term g_lse * p * dz/dx is added (a variant of the kernel; None runs the plain one).
+    weight: class weights (V,) as in ``forward``, or None.
     """
     n, vocab = logits.shape
     vocab_parallel = vocab_start is not None
     if vocab_parallel and vocab_total is None:
         raise ValueError("vocab_start needs vocab_total (the global vocabulary size)")
+    if weight is not None and vocab_parallel:
+        raise NotImplementedError("class weights are not supported in vocab-parallel mode")
     config = backward_config(vocab) if config is None else config
     row_spec = pl.BlockSpec((None,), lambda i, j: (i,))
     tile_spec = pl.BlockSpec((None, config.block), lambda i, j: (i, j))
     operands = (logits, labels, lse, g.astype(jnp.float32))
+    weight_specs = []
+    smoothing = options.label_smoothing != 0.0
+    if weight is not None:
+        weight = weight.astype(jnp.float32)
+        operands += (label_weights(labels, weight, vocab),)
+        weight_specs.append(row_spec)
+        if smoothing:
+            n_tiles = _cdiv(vocab, config.block)
+            operands += (jnp.pad(weight, (0, n_tiles * config.block - vocab)), jnp.sum(weight).reshape(1))
+            weight_specs += [pl.BlockSpec((config.block,), lambda i, j: (j,)), pl.BlockSpec((1,), lambda i, j: (0,))]
     operands += (_vocab_start_operand(vocab_start),) if vocab_parallel else ()
     operands += (g_lse.astype(jnp.float32),) if g_lse is not None else ()
     operands, mat = _same_variance(*operands)
     bwd = pl.pallas_call(
         functools.partial(
-            _backward_kernel,
+            _backward_kernel if weight is None else functools.partial(_weighted_backward_kernel, smoothing=smoothing),
             vocab=vocab,
             vocab_total=vocab_total if vocab_parallel else vocab,
             block=config.block,
@@ -557,6 +659,7 @@ def backward(
         ),
         grid=(n, _cdiv(vocab, config.block)),
         in_specs=[tile_spec, row_spec, row_spec, row_spec]
+        + weight_specs
         + ([pl.BlockSpec((1,), lambda i, j: (0,))] if vocab_parallel else [])
         + ([row_spec] if g_lse is not None else []),
         out_specs=tile_spec,

@@ -98,7 +98,7 @@ class _Static(NamedTuple):
     vocab_layout: object = None  # inside a partitioned loop: (mesh, vocabulary axes, V) of a vocabulary block
 
 
-def _ce_forward(logits, labels, st: _Static):
+def _ce_forward(logits, labels, st: _Static, class_weight=None):
     if st.vocab_layout is not None:  # a device's vocabulary block: the statistics combined over the devices
         mesh, axes, vocab_total = st.vocab_layout
         return sharding._local_forward(
@@ -106,6 +106,8 @@ def _ce_forward(logits, labels, st: _Static):
             extras=(st.returns.accuracy, st.returns.entropy),
         )  # fmt: skip
     kw = {"returns": st.returns} if st.returns else {}
+    if class_weight is not None:
+        kw["weight"] = class_weight
     return tuple(
         sharding.forward(
             logits, labels, st.options, interpret=st.interpret, config=st.forward_config, partitioned=False, **kw
@@ -113,7 +115,7 @@ def _ce_forward(logits, labels, st: _Static):
     )
 
 
-def _ce_backward_in_place(logits, labels, lse, g, st: _Static, g_lse=None):
+def _ce_backward_in_place(logits, labels, lse, g, st: _Static, g_lse=None, class_weight=None):
     if st.vocab_layout is not None:
         mesh, axes, vocab_total = st.vocab_layout
         return sharding._local_backward(
@@ -131,6 +133,7 @@ def _ce_backward_in_place(logits, labels, lse, g, st: _Static, g_lse=None):
         config=st.backward_config,
         partitioned=False,
         **({} if g_lse is None else {"g_lse": g_lse}),
+        **({} if class_weight is None else {"weight": class_weight}),
     )
 
 
@@ -248,7 +251,7 @@ def _zero_weight_grads(weight, st: _Static):
     return out
 
 
-def _fused_forward(hidden, weight, bias, labels, g_tokens, st: _Static):
+def _fused_forward(hidden, weight, bias, labels, g_tokens, st: _Static, class_weight=None):
     """Per-token losses and lse (N,) and, when g_tokens (N,) is given, the gradients of sum_t g_t * loss_t:
     (dhidden in the compute dtype, dweight in float32 or the compute dtype, dbias float32 or None); then a dict of
     the per-token extra outputs st.returns asks for (accuracy, entropy), collected chunk by chunk."""
@@ -264,7 +267,7 @@ def _fused_forward(hidden, weight, bias, labels, g_tokens, st: _Static):
     def step(k, carry, first):
         start, fresh, h_c, y_c, index = _chunk_inputs(k, hidden, labels, st, order)
         logits = _chunk_logits(h_c, weight, bias, st.dtype)
-        loss_c, lse_c, *extra_c = _ce_forward(logits, y_c, st)
+        loss_c, lse_c, *extra_c = _ce_forward(logits, y_c, st, class_weight)
         out = dict(
             losses=_put_rows(carry["losses"], start, fresh, loss_c, index),
             lse=_put_rows(carry["lse"], start, fresh, lse_c, index),
@@ -272,7 +275,7 @@ def _fused_forward(hidden, weight, bias, labels, g_tokens, st: _Static):
         out.update({name: _put_rows(carry[name], start, fresh, v, index) for name, v in zip(extras, extra_c)})
         if want_grads:
             g_c = _chunk_upstream(g_tokens, start, fresh, st, index)
-            dlogits = _ce_backward_in_place(logits, y_c, lse_c, g_c, st)
+            dlogits = _ce_backward_in_place(logits, y_c, lse_c, g_c, st, class_weight=class_weight)
             out.update(_accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st, index))
         return out
 
@@ -297,7 +300,7 @@ def _fused_forward(hidden, weight, bias, labels, g_tokens, st: _Static):
     return carry["losses"], carry["lse"], grads, {name: carry[name] for name in extras}
 
 
-def _fused_backward(hidden, weight, bias, labels, lse, g_tokens, st: _Static, g_lse=None):
+def _fused_backward(hidden, weight, bias, labels, lse, g_tokens, st: _Static, g_lse=None, class_weight=None):
     """Gradients of sum_t g_t * loss_t (+ sum_t g_lse_t * lse_t when g_lse is given: a returned z_loss's) from the
     saved lse: each chunk's logits are recomputed, no forward kernel."""
     if st.partitioned:
@@ -313,7 +316,7 @@ def _fused_backward(hidden, weight, bias, labels, lse, g_tokens, st: _Static, g_
         lse_c = _rows_of(lse, start, st, index)
         g_c = _chunk_upstream(g_tokens, start, fresh, st, index)
         gl_c = None if g_lse is None else _chunk_upstream(g_lse, start, fresh, st, index)
-        dlogits = _ce_backward_in_place(logits, y_c, lse_c, g_c, st, gl_c)
+        dlogits = _ce_backward_in_place(logits, y_c, lse_c, g_c, st, gl_c, class_weight)
         return _accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st, index)
 
     def initial():
@@ -350,32 +353,32 @@ def _with_extras(loss, lse, extra: dict, st: _Static):
 # --- custom_vjp: "mean"/"sum" (the gradients are residuals) and "none" (lse is) ------------------------------------
 
 
-def _token_scale(labels, n_items, st: _Static):
+def _token_scale(labels, n_items, st: _Static, class_weight=None):
     """d loss / d loss_t of the reduction: 1 / contract.loss_divisor (traced; no host synchronisation)."""
-    divisor = contract.loss_divisor(labels, st.reduction, n_items, st.options.ignore_index)
+    divisor = contract.loss_divisor(labels, st.reduction, n_items, st.options.ignore_index, weight=class_weight)
     return jnp.broadcast_to(1.0 / divisor, labels.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _reduced_loss(hidden, weight, bias, labels, n_items, st: _Static):
-    losses, lse, _, extra = _fused_forward(hidden, weight, bias, labels, None, st)
-    loss = contract.reduce_losses(losses, labels, st.reduction, n_items, st.options.ignore_index)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _reduced_loss(hidden, weight, bias, labels, n_items, class_weight, st: _Static):
+    losses, lse, _, extra = _fused_forward(hidden, weight, bias, labels, None, st, class_weight)
+    loss = contract.reduce_losses(losses, labels, st.reduction, n_items, st.options.ignore_index, class_weight)
     return _with_extras(loss, lse, extra, st)
 
 
-def _reduced_fwd(hidden, weight, bias, labels, n_items, st: _Static):
-    g_tokens = _token_scale(labels, n_items, st)
-    losses, lse, grads, extra = _fused_forward(hidden, weight, bias, labels, g_tokens, st)
-    loss = contract.reduce_losses(losses, labels, st.reduction, n_items, st.options.ignore_index)
+def _reduced_fwd(hidden, weight, bias, labels, n_items, class_weight, st: _Static):
+    g_tokens = _token_scale(labels, n_items, st, class_weight)
+    losses, lse, grads, extra = _fused_forward(hidden, weight, bias, labels, g_tokens, st, class_weight)
+    loss = contract.reduce_losses(losses, labels, st.reduction, n_items, st.options.ignore_index, class_weight)
     # Zero-size stand-ins keep the input dtypes for the backward's casts.
     likes = (jnp.zeros((0,), hidden.dtype), jnp.zeros((0,), weight.dtype), None if bias is None else bias[:0])
     # A returned z_loss: its gradient (through lse) is only known in the backward, which recomputes the chunks.
     inputs = (hidden, weight, bias, labels, lse) if contract.lse_differentiated(st.options, st.returns) else None
-    return _with_extras(loss, lse, extra, st), (grads, likes, inputs)
+    return _with_extras(loss, lse, extra, st), (grads, likes, inputs, class_weight)
 
 
 def _reduced_bwd(st: _Static, residuals, g):
-    grads, (h_like, w_like, b_like), inputs = residuals
+    grads, (h_like, w_like, b_like), inputs, class_weight = residuals
     extra = None
     if st.returns:
         g, g_lse = g[0], g[1]
@@ -384,6 +387,7 @@ def _reduced_bwd(st: _Static, residuals, g):
 
             def z_loss_part():
                 zeros = jnp.zeros(labels.shape, jnp.float32)
+                # Unweighted: g_lse already holds the class weights' factor of the z_loss output.
                 return _fused_backward(hidden, weight, bias, labels, lse, zeros, st, g_lse.astype(jnp.float32))
 
             def nothing():
@@ -392,31 +396,31 @@ def _reduced_bwd(st: _Static, residuals, g):
             # Only a z_loss output that is differentiated costs the recomputing pass (logging it costs nothing).
             extra = jax.lax.cond(jnp.any(g_lse != 0), z_loss_part, nothing)
     dh, dw, db = _finish_grads(grads, h_like, w_like, b_like, scale=g, extra=extra)
-    return dh, dw, db, None, None
+    return dh, dw, db, None, None, None if class_weight is None else jnp.zeros_like(class_weight)
 
 
 _reduced_loss.defvjp(_reduced_fwd, _reduced_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _per_token_losses(hidden, weight, bias, labels, st: _Static):
-    losses, lse, _, extra = _fused_forward(hidden, weight, bias, labels, None, st)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _per_token_losses(hidden, weight, bias, labels, class_weight, st: _Static):
+    losses, lse, _, extra = _fused_forward(hidden, weight, bias, labels, None, st, class_weight)
     return _with_extras(losses, lse, extra, st)
 
 
-def _per_token_fwd(hidden, weight, bias, labels, st: _Static):
-    losses, lse, _, extra = _fused_forward(hidden, weight, bias, labels, None, st)
-    return _with_extras(losses, lse, extra, st), (hidden, weight, bias, labels, lse)
+def _per_token_fwd(hidden, weight, bias, labels, class_weight, st: _Static):
+    losses, lse, _, extra = _fused_forward(hidden, weight, bias, labels, None, st, class_weight)
+    return _with_extras(losses, lse, extra, st), (hidden, weight, bias, labels, lse, class_weight)
 
 
 def _per_token_bwd(st: _Static, residuals, g):
-    hidden, weight, bias, labels, lse = residuals
+    hidden, weight, bias, labels, lse, class_weight = residuals
     g_lse = None
     if st.returns:
         g, g_lse = g[0], (g[1].astype(jnp.float32) if contract.lse_differentiated(st.options, st.returns) else None)
-    grads = _fused_backward(hidden, weight, bias, labels, lse, g.astype(jnp.float32), st, g_lse)
+    grads = _fused_backward(hidden, weight, bias, labels, lse, g.astype(jnp.float32), st, g_lse, class_weight)
     dh, dw, db = _finish_grads(grads, hidden, weight, bias)
-    return dh, dw, db, None
+    return dh, dw, db, None, None if class_weight is None else jnp.zeros_like(class_weight)
 
 
 _per_token_losses.defvjp(_per_token_fwd, _per_token_bwd)
@@ -443,12 +447,12 @@ def _check_tensors(hidden, weight, bias):
 
 
 @functools.partial(jax.jit, static_argnames=("st",))
-def _kernel_loss(h2, weight, bias, labels, n_items, *, st: _Static):
+def _kernel_loss(h2, weight, bias, labels, n_items, class_weight=None, *, st: _Static):
     """The chunked kernel path, jitted once per static configuration (an eager call reuses its trace)."""
     if st.reduction == "none":
-        outs = _per_token_losses(h2, weight, bias, labels, st)
+        outs = _per_token_losses(h2, weight, bias, labels, class_weight, st)
     else:
-        outs = _reduced_loss(h2, weight, bias, labels, n_items, st)
+        outs = _reduced_loss(h2, weight, bias, labels, n_items, class_weight, st)
     if not st.returns:
         return outs
     loss, lse, *rest = outs
@@ -464,6 +468,7 @@ def _kernel_loss(h2, weight, bias, labels, n_items, *, st: _Static):
         st.options,
         st.returns,
         weight.shape[0],
+        class_weight,
     )
 
 
@@ -491,6 +496,7 @@ def linear_cross_entropy(
     return_lse=False,
     return_accuracy=False,
     return_entropy=False,
+    class_weight=None,
 ):
     """``cross_entropy(hidden @ weight.T + bias, labels, ...)`` without the (N, V) logits.
 
@@ -534,6 +540,9 @@ def linear_cross_entropy(
     by chunk from the same forward kernels (no logits kept). Differentiating the returned z_loss (with z_loss != 0)
     recomputes each chunk's logits in the backward ("mean" / "sum": only when its cotangent is nonzero).
 
+    class_weight: class weights (V,), ``cross_entropy``'s ``weight`` (the positional ``weight`` is the LM head
+      here), in every chunk's kernels; "mean" divides by the non-ignored tokens' summed class weights.
+
     Returns:
       float32 loss: a scalar, or shaped like ``labels`` for reduction="none"; with any return_* True a
       ``CrossEntropyOutput(loss, z_loss, lse, accuracy, entropy)``, None for what was not asked.
@@ -562,6 +571,7 @@ def linear_cross_entropy(
     if shift := contract.check_shift(shift):
         labels, kept = contract.shifted_labels(labels, shift, options.ignore_index)
     vocab, dim = weight.shape
+    class_weight = contract.check_class_weight(class_weight, vocab, "class_weight")
     if check:
         contract.validate_labels(labels, vocab, options.ignore_index)
     dtype = jnp.dtype(jnp.result_type(hidden.dtype, weight.dtype, *(() if bias is None else (bias.dtype,))))
@@ -574,13 +584,15 @@ def linear_cross_entropy(
     if backend == "reference" or h2.shape[0] == 0 or dtype == jnp.float64:
         logits = _chunk_logits(h2, weight, bias, dtype).reshape(lead + (vocab,))
         if returns:
-            losses, lse, accuracy, entropy = contract.reference_row_outputs(logits, labels, options, returns)
+            losses, lse, accuracy, entropy = contract.reference_row_outputs(
+                logits, labels, options, returns, class_weight
+            )
             loss = contract.reduce_outputs(
-                losses, lse, accuracy, entropy, labels, reduction, n_items, options, returns, vocab
+                losses, lse, accuracy, entropy, labels, reduction, n_items, options, returns, vocab, class_weight
             )
         else:
-            losses = contract.reference_token_losses(logits, labels, options)
-            loss = contract.reduce_losses(losses, labels, reduction, n_items, options.ignore_index)
+            losses = contract.reference_token_losses(logits, labels, options, class_weight)
+            loss = contract.reduce_losses(losses, labels, reduction, n_items, options.ignore_index, class_weight)
     else:
         st = _Static(
             options=options,
@@ -594,11 +606,12 @@ def linear_cross_entropy(
             backward_config=kernels.backward_config(vocab),
             returns=returns,
             skip_ignored_rows=skip_ignored_rows,
-            # Several devices: the loop runs on each device's block of rows and vocabulary (sharded_linear.py).
-            partitioned=jax.device_count() > 1,
+            # Several devices: the loop runs on each device's block of rows and vocabulary (sharded_linear.py);
+            # class weights have no partitioning rule: such a call runs the loop on the whole (gathered) arrays.
+            partitioned=jax.device_count() > 1 and class_weight is None,
         )
         with kernels.quiet_triton(st.interpret):
-            loss = _kernel_loss(h2, weight, bias, labels.reshape(-1), n_items, st=st)
+            loss = _kernel_loss(h2, weight, bias, labels.reshape(-1), n_items, class_weight, st=st)
         if isinstance(loss, contract.CrossEntropyOutput):
             per_token = loss._fields if reduction == "none" else ("lse",)
             loss = loss._replace(

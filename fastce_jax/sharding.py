@@ -380,16 +380,84 @@ def _backward_jvp(st: _Launch, primals, tangents):
     return dlogits, dlogits_dot
 
 
+# Class weights: the kernels run on the whole array (no custom_partitioning rule: sharded logits are gathered by
+# XLA), with the same jvp rules as above (the weighted reference's), the weights a constant.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _weighted_forward(logits, labels, weight, st: _Launch):
+    v = logits.shape[-1]
+    kw = _forward_kw(st)
+    outs = kernels.forward(
+        logits.reshape(-1, v), labels.reshape(-1), st.options, interpret=st.interpret, config=st.config, weight=weight,
+        **kw,
+    )  # fmt: skip
+    return tuple(o.reshape(labels.shape) for o in outs)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(6,))
+def _weighted_backward(logits, labels, lse, g, g_lse, weight, st: _Launch):
+    v = logits.shape[-1]
+    flat = (logits.reshape(-1, v), labels.reshape(-1), lse.reshape(-1), g.reshape(-1))
+    kw = {"g_lse": g_lse.reshape(-1)} if st.lse_cotangent else {}
+    d = kernels.backward(
+        *flat, st.options, inplace=st.inplace, interpret=st.interpret, config=st.config, weight=weight, **kw
+    )
+    return d.reshape(logits.shape)
+
+
+@_weighted_forward.defjvp
+def _weighted_forward_jvp(st: _Launch, primals, tangents):
+    logits, labels, weight = primals
+    outs = _weighted_forward(logits, labels, weight, st)
+    rest = tuple(jnp.zeros_like(o) for o in outs[2:])
+    if st.lse_cotangent:
+        _, (loss_dot, lse_dot) = jax.jvp(
+            lambda x: reference_row_outputs(x, labels, st.options, NO_EXTRAS, weight)[:2], (logits,), (tangents[0],)
+        )
+        return outs, (loss_dot, lse_dot) + rest
+    _, loss_dot = jax.jvp(lambda x: reference_token_losses(x, labels, st.options, weight), (logits,), (tangents[0],))
+    return outs, (loss_dot, jnp.zeros_like(outs[1])) + rest
+
+
+@_weighted_backward.defjvp
+def _weighted_backward_jvp(st: _Launch, primals, tangents):
+    logits, labels, lse, g, g_lse, weight = primals
+    dlogits = _weighted_backward(logits, labels, lse, g, g_lse, weight, st)
+    if st.lse_cotangent:
+        _, dlogits_dot = jax.jvp(
+            lambda x, w, wl: reference_backward(x, labels, w, st.options, wl, weight),
+            (logits, g, g_lse),
+            (tangents[0], tangents[3], tangents[4]),
+        )
+    else:
+        _, dlogits_dot = jax.jvp(
+            lambda x, w: reference_backward(x, labels, w, st.options, None, weight),
+            (logits, g),
+            (tangents[0], tangents[3]),
+        )
+    return dlogits, dlogits_dot
+
+
 def forward(
-    logits, labels, options: Options, *, interpret: bool, config=None, partitioned: bool = True, returns=NO_EXTRAS
+    logits,
+    labels,
+    options: Options,
+    *,
+    interpret: bool,
+    config=None,
+    partitioned: bool = True,
+    returns=NO_EXTRAS,
+    weight=None,
 ):
     """(loss, lse), float32 shaped like labels, of logits (..., V) however they are sharded, then accuracy and / or
     entropy per token where ``returns`` (contract.Extras) asks for them; config: the forward kernel's tiles
     (default ``kernels.forward_config(V)``); partitioned=False runs the kernels on the whole array
-    (linear_cross_entropy's chunks)."""
+    (linear_cross_entropy's chunks). weight: class weights (V,) or None; with them the kernels always run on the
+    whole array."""
     st = _Launch(options, interpret, config, partitioned)
     if returns:
         st = st._replace(extras=(returns.accuracy, returns.entropy), lse_cotangent=lse_differentiated(options, returns))
+    if weight is not None:
+        return _weighted_forward(logits, labels, weight, st)
     return _forward(logits, labels, st)
 
 
@@ -405,9 +473,12 @@ def backward(
     config=None,
     partitioned: bool = True,
     g_lse=None,
+    weight=None,
 ):
     """dL/dlogits (..., V), sharded like logits; g is the per-token upstream shaped like labels; config: the
     backward kernel's tiles (default ``kernels.backward_config(V)``); g_lse: None, or the per-token cotangent of
-    lse (shaped like labels), whose gradient is added."""
+    lse (shaped like labels), whose gradient is added; weight: class weights (V,) or None (see ``forward``)."""
     st = _Launch(options, interpret, config, partitioned, inplace, lse_cotangent=g_lse is not None)
+    if weight is not None:
+        return _weighted_backward(logits, labels, lse, g, g_lse, weight, st)
     return _backward(logits, labels, lse, g, g_lse, st)

@@ -55,7 +55,7 @@ def signature(fn, logits_type, index_type):
 def variants():
     # Every dtype with no option, each option alone and all of them; 64-bit strides (huge tensors) and the
     # vocab-parallel mode on the all-options set; the extra outputs (OUTPUTS) with no option and all of them,
-    # per-token and reduced.
+    # per-token and reduced; class weights (HAS_WEIGHT) with no option, smoothing alone and all of them.
     for dtype, flag_set in itertools.product(POINTER, FLAG_SETS):
         scaling, softcap, smoothing, z_loss = flag_set
         all_options = flag_set == FLAG_SETS[1]
@@ -69,7 +69,10 @@ def variants():
                 modes.append((False, 0, True, False))
             if flag_set in FLAG_SETS[:2]:
                 modes += [(False, 0, False, True), (True, 0, False, True)]
-            for reduce, denominator, vocab_parallel, outputs in modes:
+            modes = [mode + (False,) for mode in modes]
+            if flag_set in FLAG_SETS[:2] or flag_set == FLAG_SETS[4]:  # class weights: none, all, smoothing alone
+                modes += [(False, 0, False, False, True), (True, 0, False, False, True), (True, 0, False, True, True)]
+            for reduce, denominator, vocab_parallel, outputs, weighted in modes:
                 constexprs = dict(
                     BLOCK=block,
                     CHUNKS_BLOCK=4,
@@ -79,12 +82,20 @@ def variants():
                     ROWS_PER_GROUP=ROWS_PER_GROUP,
                     VOCAB_PARALLEL=vocab_parallel,
                     OUTPUTS=outputs,
+                    HAS_WEIGHT=weighted,
                     **flags,
                 )
                 yield kernels._forward_kernel, signature(kernels._forward_kernel, logits, index), constexprs, warps
-        for vocab_parallel in (False, True) if all_options else (False,):
+        backward_modes = [(False, False), (True, False)] if all_options else [(False, False)]
+        if flag_set in FLAG_SETS[:2] or flag_set == FLAG_SETS[4]:
+            backward_modes.append((False, True))
+        for vocab_parallel, weighted in backward_modes:
             constexprs = dict(
-                BLOCK=BACKWARD_BLOCK, HAS_DENOMINATOR=flag_set == FLAG_SETS[0], VOCAB_PARALLEL=vocab_parallel, **flags
+                BLOCK=BACKWARD_BLOCK,
+                HAS_DENOMINATOR=flag_set == FLAG_SETS[0],
+                VOCAB_PARALLEL=vocab_parallel,
+                HAS_WEIGHT=weighted,
+                **flags,
             )
             yield (
                 kernels._backward_kernel,

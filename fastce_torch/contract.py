@@ -129,6 +129,36 @@ def check_extras(return_z_loss, return_lse, return_accuracy, return_entropy):
     return extras
 
 
+WEIGHT_GRAD_UNSUPPORTED = (
+    "{} requires grad: gradients with respect to class weights are not supported by fastce; pass a tensor "
+    "without requires_grad (e.g. weight.detach())"
+)
+
+
+def check_class_weight(weight, vocab, device, name="weight"):
+    """Class weights (F.cross_entropy's weight=): None, or a floating-point 1-D tensor of length V on `device`,
+    not requiring grad (fastce computes no gradient for them). Negative and zero weights are allowed, as in torch."""
+    if weight is None:
+        return None
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+        raise TypeError(
+            f"{name} must be a floating-point tensor of class weights, got {getattr(weight, 'dtype', type(weight))}"
+        )
+    if weight.dim() != 1 or weight.shape[0] != vocab:
+        raise ValueError(f"{name} must have shape ({vocab},) (one weight per class), got {tuple(weight.shape)}")
+    if weight.device != device:
+        raise ValueError(f"{name} is on {weight.device} but the logits on {device}")
+    if weight.requires_grad:
+        raise ValueError(WEIGHT_GRAD_UNSUPPORTED.format(name))
+    return weight
+
+
+def label_weights(labels, weight, vocab):
+    """w[y] per token (labels' shape, weight's dtype), 0 where the label is not a class (ignored, out of range)."""
+    has_class = (labels >= 0) & (labels < vocab)
+    return torch.where(has_class, weight[torch.where(has_class, labels, 0).long()], 0.0)
+
+
 def check_shift(shift, labels):
     """shift as an int: True is 1, False 0; position t of the sequence (labels' last dimension) is then scored
     against label t + shift."""
@@ -186,10 +216,10 @@ def op_schema(record):
 # --- the reduction -----------------------------------------------------------------------------------------------
 
 
-def loss_divisor(labels, reduction, n_items, ignore_index, dtype=torch.float32):
+def loss_divisor(labels, reduction, n_items, ignore_index, dtype=torch.float32, weight=None):
     """What the summed loss is divided by: a 0-d tensor on labels' device (no host synchronisation), None for
     "none". n_items when given; for "mean" the kept-token count, at least 1 (an all-ignored batch gives 0 with a
-    zero gradient); for "sum" 1."""
+    zero gradient), with class weights the sum of the kept tokens' w[y] (1 where it is exactly 0); for "sum" 1."""
     if reduction == "none":
         return None
     if n_items is not None:
@@ -197,13 +227,17 @@ def loss_divisor(labels, reduction, n_items, ignore_index, dtype=torch.float32):
             return n_items.to(device=labels.device, dtype=dtype)
         return torch.full((), float(n_items), dtype=dtype, device=labels.device)
     if reduction == "mean":
+        if weight is not None:
+            kept = torch.where(labels != ignore_index, label_weights(labels, weight, weight.shape[0]), 0.0)
+            total = kept.to(dtype).sum()
+            return torch.where(total == 0.0, 1.0, total).to(dtype)
         return (labels != ignore_index).sum().clamp_min(1).to(dtype)
     return torch.ones((), dtype=dtype, device=labels.device)
 
 
-def reduce_losses(token_losses, labels, reduction, n_items, ignore_index):
+def reduce_losses(token_losses, labels, reduction, n_items, ignore_index, weight=None):
     """The reduction in plain torch (the reference and torch.compile paths; the eager kernels reduce in-kernel)."""
-    divisor = loss_divisor(labels, reduction, n_items, ignore_index, token_losses.dtype)
+    divisor = loss_divisor(labels, reduction, n_items, ignore_index, token_losses.dtype, weight)
     return token_losses if divisor is None else token_losses.sum() / divisor
 
 
@@ -261,18 +295,40 @@ def token_loss_from_statistics(lse, label_logit, sum_z, labels, options, vocab):
     return torch.where(ignored, 0.0, loss)
 
 
-def reference_token_losses(logits, labels, options):
+def reference_token_losses(logits, labels, options, weight=None):
     """Per-token losses of the contract in plain torch (differentiable by autograd; backend='reference'): float32
-    math and losses, float64 for float64 logits."""
+    math and losses, float64 for float64 logits. weight: class weights (V,) or None."""
     z = transform(logits, options, labels)
+    if weight is not None:
+        return weighted_token_losses(z, labels, options, weight)
     return token_loss_from_statistics(*row_statistics(z, labels, options), labels, options, logits.shape[-1])
 
 
-def logits_gradient(grad_rows, logits, labels, lse, options, vocab_start=0, vocab_total=None):
+def weighted_token_losses(z, labels, options, weight):
+    """F.cross_entropy's weighted per-token loss of transformed logits z (..., V): w[y] (1 - eps)(lse - z_y)
+    + (eps / V) sum_c w_c (lse - z_c) + w[y] z_loss lse^2 (a class of weight 0 takes no part, even at z = -inf);
+    NaN for a label outside [0, V), 0 where ignored."""
+    _, _, _, label_smoothing, z_loss = options
+    vocab = z.shape[-1]
+    weight = weight.to(z.dtype)
+    lse, label_logit, _ = row_statistics(z, labels, options._replace(label_smoothing=0.0))
+    w_label = label_weights(labels, weight, vocab)
+    loss = w_label * (lse - label_logit)
+    if label_smoothing > 0.0:
+        spread = torch.where(weight == 0.0, 0.0, weight * (lse.unsqueeze(-1) - z)).sum(-1)
+        loss = (1.0 - label_smoothing) * loss + label_smoothing / vocab * spread
+    if z_loss != 0.0:
+        loss = loss + w_label * z_loss * lse * lse
+    ignored = labels == options.ignore_index
+    loss = loss * torch.where(((labels >= 0) & (labels < vocab)) | ignored, 1.0, float("nan")).to(loss.dtype)
+    return torch.where(ignored, 0.0, loss)
+
+
+def logits_gradient(grad_rows, logits, labels, lse, options, vocab_start=0, vocab_total=None, weight=None):
     """d loss / d logits of the columns [vocab_start, vocab_start + V) (float32; float64 for float64 logits) in
     plain torch ops, so that autograd and torch.func can differentiate it again: grad_rows (N,) the per-token
     upstream, lse (N,) the logsumexp over the whole vocabulary of vocab_total (default V), or None for that of these
-    logits themselves."""
+    logits themselves. weight: class weights (V,) or None (not with a slice of the vocabulary)."""
     ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss = options
     vocab_total = logits.shape[-1] if vocab_total is None else vocab_total
     ignored = labels == ignore_index
@@ -280,13 +336,24 @@ def logits_gradient(grad_rows, logits, labels, lse, options, vocab_start=0, voca
     if lse is None:
         lse = torch.logsumexp(z, dim=-1)
     dz = torch.exp(z - lse.unsqueeze(-1))
-    if z_loss != 0.0:
-        dz = dz * (1.0 + 2.0 * z_loss * lse.unsqueeze(-1))
     column, owned = label_columns(labels, vocab_start, logits.shape[-1], ignore_index)
-    label_mass = owned.to(dz.dtype) * (1.0 - label_smoothing)
-    dz = dz.scatter_add(-1, column.unsqueeze(-1), -label_mass.unsqueeze(-1))
-    if label_smoothing > 0.0:
-        dz = dz - label_smoothing / vocab_total
+    if weight is not None:
+        # w[y] ((1 - eps)(p - onehot) + 2 z_loss lse p) + (eps / V)(W p - w)
+        weight = weight.to(dz.dtype)
+        w_label = label_weights(labels, weight, vocab_total).unsqueeze(-1)
+        coefficient = w_label * (1.0 - label_smoothing + 2.0 * z_loss * lse.unsqueeze(-1))
+        dz = dz * (coefficient + label_smoothing / vocab_total * weight.sum())
+        label_mass = owned.to(dz.dtype) * (1.0 - label_smoothing) * w_label.squeeze(-1)
+        dz = dz.scatter_add(-1, column.unsqueeze(-1), -label_mass.unsqueeze(-1))
+        if label_smoothing > 0.0:
+            dz = dz - label_smoothing / vocab_total * weight
+    else:
+        if z_loss != 0.0:
+            dz = dz * (1.0 + 2.0 * z_loss * lse.unsqueeze(-1))
+        label_mass = owned.to(dz.dtype) * (1.0 - label_smoothing)
+        dz = dz.scatter_add(-1, column.unsqueeze(-1), -label_mass.unsqueeze(-1))
+        if label_smoothing > 0.0:
+            dz = dz - label_smoothing / vocab_total
     if logit_softcapping > 0.0:
         tanh_z = z / logit_softcapping
         dz = dz * (1.0 - tanh_z * tanh_z)
@@ -309,10 +376,11 @@ def row_extras(z):
     return z.argmax(-1), mean_z
 
 
-def extra_outputs(loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab):
+def extra_outputs(loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab, weight=None):
     """CrossEntropyOutput from the loss and per-token (lse, argmax, mean of z under softmax) of flat rows (N,),
     shaped like `labels`. Only z_loss is differentiable (through lse, when lse requires grad); the rest is computed
-    from detached values. O(N) framework ops."""
+    from detached values. O(N) framework ops. weight: class weights (V,) or None: z_loss is then the loss's
+    weighted term (w[y] z_loss lse^2, over the loss's weighted divisor); lse, accuracy and entropy ignore them."""
     ignore_index = options.ignore_index
     ignored = labels == ignore_index
     in_range = (labels >= 0) & (labels < vocab)
@@ -332,7 +400,12 @@ def extra_outputs(loss, lse, argmax, mean_z, labels, options, extras, reduction,
         z_term = (options.z_loss * kept_lse * kept_lse) * torch.where(in_range | ignored, 1.0, float("nan")).to(
             lse.dtype
         )
-        out["z_loss"] = reduced(z_term)
+        if weight is not None:
+            z_term = z_term * label_weights(labels, weight.to(z_term.dtype), vocab)
+            z_divisor = loss_divisor(labels, reduction, n_items, ignore_index, lse.dtype, weight)
+            out["z_loss"] = z_term if z_divisor is None else z_term.sum() / z_divisor
+        else:
+            out["z_loss"] = reduced(z_term)
     lse = lse.detach()
     if extras.lse:
         out["lse"] = torch.where(ignored, -float("inf"), lse)
@@ -360,7 +433,7 @@ def unshifted(output, kept, reduction):
     return CrossEntropyOutput(**fields)
 
 
-def reference_outputs(logits, labels, options, extras, reduction, n_items, loss):
+def reference_outputs(logits, labels, options, extras, reduction, n_items, loss, weight=None):
     """CrossEntropyOutput of the plain-torch path (the loss already computed by it)."""
     z = transform(logits, options, labels)
     lse = torch.logsumexp(z, dim=-1)
@@ -368,7 +441,7 @@ def reference_outputs(logits, labels, options, extras, reduction, n_items, loss)
         argmax, mean_z = row_extras(z.detach())
     return extra_outputs(
         loss, lse.reshape(-1), argmax.reshape(-1), mean_z.reshape(-1), labels, options, extras, reduction, n_items,
-        logits.shape[-1],
+        logits.shape[-1], weight,
     )  # fmt: skip
 
 

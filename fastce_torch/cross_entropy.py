@@ -15,7 +15,7 @@ from . import contract, kernels, sharding
 from .contract import Extras, Options, differentiated_again, under_functorch, unwrapped
 
 
-def _differentiable_gradient(grad_output, logits, labels, denominator, options):
+def _differentiable_gradient(grad_output, logits, labels, denominator, options, weight=None):
     """The kernel backward's gradient in plain torch from the saved inputs: the contract's d loss / d logits,
     differentiable again (Hessian-vector products, gradient penalties)."""
     upstream = grad_output.float()
@@ -23,11 +23,12 @@ def _differentiable_gradient(grad_output, logits, labels, denominator, options):
         upstream = upstream / denominator.reshape(())
     vocab = logits.shape[-1]
     rows = logits.reshape(-1, vocab)
-    grad = contract.logits_gradient(upstream.expand(labels.shape), rows, labels, None, options)
+    grad = contract.logits_gradient(upstream.expand(labels.shape), rows, labels, None, options, weight=weight)
     return grad.to(logits.dtype).reshape(logits.shape)
 
 
-_NO_GRADS = (None,) * 7  # no gradient for labels, reduction, n_items, inplace_backward, options, layout, extras
+# No gradient for labels, reduction, n_items, inplace_backward, options, layout, extras, weight.
+_NO_GRADS = (None,) * 8
 
 
 def _float32_like(tensor):
@@ -42,15 +43,18 @@ class _CrossEntropyFunction(torch.autograd.Function):
     the z_loss output is asked."""
 
     @staticmethod
-    def forward(logits, labels, reduction, n_items, inplace_backward, options, layout=None, extras=None):
+    def forward(logits, labels, reduction, n_items, inplace_backward, options, layout=None, extras=None, weight=None):
         # layout: kernels.row_layout(logits), found by the caller while deciding whether to copy the logits.
+        # weight: class weights (V,) or None.
         if extras is None:
-            loss, lse, denominator = kernels.forward(logits, labels, options, reduction, n_items, layout=layout)
+            loss, lse, denominator = kernels.forward(
+                logits, labels, options, reduction, n_items, layout=layout, weight=weight
+            )
             return loss, lse, (lse[:0] if denominator is None else denominator)
         # The extra outputs: argmax and the mean of z per row as well; lse is differentiable when the z_loss
         # output is asked (its gradient is that of z_loss * lse^2).
         loss, lse, denominator, argmax, mean_z = kernels.forward(
-            logits, labels, options, reduction, n_items, layout=layout, outputs=True
+            logits, labels, options, reduction, n_items, layout=layout, outputs=True, weight=weight
         )
         return loss, lse, (lse[:0] if denominator is None else denominator), argmax, mean_z
 
@@ -58,6 +62,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         logits, labels, _, _, inplace_backward, options = inputs[:6]
         extras = inputs[7] if len(inputs) > 7 else None
+        ctx.weight = inputs[8] if len(inputs) > 8 else None  # no gradient, so not saved as an input to check
         _, lse, denominator, *statistics = output
         ctx.z_grad = extras is not None and bool(extras.z_loss)
         ctx.mark_non_differentiable(denominator, *statistics, *(() if ctx.z_grad else (lse,)))
@@ -85,7 +90,9 @@ class _CrossEntropyFunction(torch.autograd.Function):
             if grad_output is not None:
                 denominator = saved[3] if saved[3].numel() else None
                 loss_part = _float32_like(logits)
-                grad += kernels.backward(grad_output, logits, labels, lse, loss_part, ctx.options, denominator)
+                grad += kernels.backward(
+                    grad_output, logits, labels, lse, loss_part, ctx.options, denominator, weight=ctx.weight
+                )
             return grad.to(logits.dtype), *_NO_GRADS
         lse_part = contract.lse_gradient(grad_lse, logits, labels, ctx.options)
         if grad_output is None:
@@ -111,8 +118,11 @@ class _CrossEntropyFunction(torch.autograd.Function):
                     grad_output, logits, labels, denominator = map(
                         unwrapped, (grad_output, logits, labels, denominator)
                     )
-                    return _differentiable_gradient(grad_output, logits, labels, denominator, ctx.options), *_NO_GRADS
-            return _differentiable_gradient(grad_output, logits, labels, denominator, ctx.options), *_NO_GRADS
+                    grad = _differentiable_gradient(grad_output, logits, labels, denominator, ctx.options, ctx.weight)
+                    return grad, *_NO_GRADS
+            return _differentiable_gradient(
+                grad_output, logits, labels, denominator, ctx.options, ctx.weight
+            ), *_NO_GRADS
         if plain:
             return _CrossEntropyFunction._gradient(ctx, *tensors), *_NO_GRADS
         # torch.func.grad / vjp run this backward on their wrapped tensors, inside the transform (grad) or after it
@@ -127,7 +137,9 @@ class _CrossEntropyFunction(torch.autograd.Function):
     def _gradient(ctx, grad_output, logits, labels, lse, denominator):
         grad = contract.gradient_buffer(ctx, logits)
         denominator = denominator if denominator.numel() else None
-        return kernels.backward(grad_output, logits, labels, lse, grad, ctx.options, denominator=denominator)
+        return kernels.backward(
+            grad_output, logits, labels, lse, grad, ctx.options, denominator=denominator, weight=ctx.weight
+        )
 
     @staticmethod
     def jvp(ctx, logits_tangent, *unused_tangents):
@@ -136,7 +148,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         logits, labels, _, denominator = ctx.saved_tensors
         reduced = denominator.numel() > 0
         ones = torch.ones((() if reduced else labels.shape), dtype=torch.float32, device=logits.device)
-        grad = _differentiable_gradient(ones, logits, labels, denominator, ctx.options)
+        grad = _differentiable_gradient(ones, logits, labels, denominator, ctx.options, ctx.weight)
         product = (grad.float() * logits_tangent.float()).reshape(labels.shape[0], -1)
         loss_tangent = product.sum() if reduced else product.sum(-1)
         if ctx.needs_extras is None:
@@ -181,11 +193,20 @@ OPTIONS_SCHEMA = contract.op_schema(Options)
 @torch.library.custom_op(
     "fastce::cross_entropy_forward",
     mutates_args=(),
-    schema=f"(Tensor logits, Tensor labels, {OPTIONS_SCHEMA}) -> (Tensor, Tensor)",
+    schema=f"(Tensor logits, Tensor labels, {OPTIONS_SCHEMA}, Tensor? weight=None) -> (Tensor, Tensor)",
 )
-def _forward_op(logits, labels, *options):
-    loss, lse, _ = kernels.forward(logits, labels, Options(*options))
+def _forward_op(logits, labels, *settings):
+    # settings: the Options fields, then the class weights (omitted or None without them).
+    options, weight = _options_and_weight(settings)
+    loss, lse, _ = kernels.forward(logits, labels, options, weight=weight)
     return loss, lse.clone()  # lse is a view of the launch's scratch buffer; an op's output owns its storage
+
+
+def _options_and_weight(settings):
+    """(Options, class weights or None) of a custom op's trailing arguments: the Options fields, then weight (a
+    caller may leave it out: the op schema's default)."""
+    count = len(Options._fields)
+    return Options(*settings[:count]), (settings[count] if len(settings) > count else None)
 
 
 @_forward_op.register_fake
@@ -197,11 +218,13 @@ def _(logits, labels, *options):
 @torch.library.custom_op(
     "fastce::cross_entropy_backward",
     mutates_args=(),
-    schema=f"(Tensor grad_loss, Tensor logits, Tensor labels, Tensor lse, {OPTIONS_SCHEMA}) -> Tensor",
+    schema=f"(Tensor grad_loss, Tensor logits, Tensor labels, Tensor lse, {OPTIONS_SCHEMA}, Tensor? weight=None) "
+    "-> Tensor",
 )
-def _backward_op(grad_loss, logits, labels, lse, *options):
+def _backward_op(grad_loss, logits, labels, lse, *settings):
+    options, weight = _options_and_weight(settings)
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    return kernels.backward(grad_loss, logits, labels, lse, grad, Options(*options))
+    return kernels.backward(grad_loss, logits, labels, lse, grad, options, weight=weight)
 
 
 @_backward_op.register_fake
@@ -210,15 +233,15 @@ def _(grad_loss, logits, labels, lse, *options):
 
 
 def _setup_context(ctx, inputs, output):
-    logits, labels, *options = inputs
+    logits, labels, *settings = inputs
     ctx.save_for_backward(logits, labels, output[1])
-    ctx.options = options
+    ctx.options = settings  # the Options fields and the class weights
 
 
 def _backward(ctx, grad_loss, grad_lse):
     # Under the compiler the gradient is a fresh tensor; the compiler plans that memory itself.
     logits, labels, lse = ctx.saved_tensors
-    return _backward_op(grad_loss, logits, labels, lse, *ctx.options), None, *[None] * len(Options._fields)
+    return _backward_op(grad_loss, logits, labels, lse, *ctx.options), None, *[None] * (len(Options._fields) + 1)
 
 
 torch.library.register_autograd("fastce::cross_entropy_forward", _backward, setup_context=_setup_context)
@@ -227,12 +250,17 @@ torch.library.register_autograd("fastce::cross_entropy_forward", _backward, setu
 @torch.library.custom_op(
     "fastce::cross_entropy_forward_outputs",
     mutates_args=(),
-    schema=f"(Tensor logits, Tensor labels, {OPTIONS_SCHEMA}, bool z_grad) -> (Tensor, Tensor, Tensor, Tensor)",
+    schema=f"(Tensor logits, Tensor labels, {OPTIONS_SCHEMA}, bool z_grad, Tensor? weight=None) -> "
+    "(Tensor, Tensor, Tensor, Tensor)",
 )
 def _forward_outputs_op(logits, labels, *settings):
     """The forward with the extra outputs' statistics: (losses, lse, argmax, mean of z) per row. z_grad: lse is
-    differentiated (the z_loss output asked)."""
-    loss, lse, _, argmax, mean_z = kernels.forward(logits, labels, Options(*settings[:-1]), outputs=True)
+    differentiated (the z_loss output asked). weight: class weights or None."""
+    count = len(Options._fields)
+    weight = settings[count + 1] if len(settings) > count + 1 else None
+    loss, lse, _, argmax, mean_z = kernels.forward(
+        logits, labels, Options(*settings[:count]), outputs=True, weight=weight
+    )
     return loss, lse.clone(), argmax.clone(), mean_z.clone()  # views of the launch's scratch buffer
 
 
@@ -246,16 +274,18 @@ def _(logits, labels, *settings):
 def _outputs_setup_context(ctx, inputs, output):
     logits, labels, *settings = inputs
     ctx.save_for_backward(logits, labels, output[1])
-    ctx.options, ctx.z_grad = settings[:-1], settings[-1]
+    count = len(Options._fields)
+    ctx.options, ctx.z_grad = settings[:count], settings[count]
+    ctx.weight = settings[count + 1] if len(settings) > count + 1 else None
     ctx.mark_non_differentiable(output[2], output[3])
 
 
 def _outputs_backward(ctx, grad_loss, grad_lse, *unused):
     logits, labels, lse = ctx.saved_tensors
-    grad = _backward_op(grad_loss, logits, labels, lse, *ctx.options)
+    grad = _backward_op(grad_loss, logits, labels, lse, *ctx.options, ctx.weight)
     if ctx.z_grad and grad_lse is not None:  # the z_loss output's part, in plain torch for the compiler to fuse
         grad = grad + contract.lse_gradient(grad_lse, logits, labels, Options(*ctx.options))
-    return grad, None, *[None] * (len(Options._fields) + 1)
+    return grad, None, *[None] * (len(Options._fields) + 2)
 
 
 torch.library.register_autograd(
@@ -296,6 +326,7 @@ def cross_entropy(
     return_lse=False,
     return_accuracy=False,
     return_entropy=False,
+    weight=None,
 ):
     """Cross-entropy of logits (..., V) against integer labels (...), fused on the GPU.
 
@@ -319,9 +350,18 @@ def cross_entropy(
     return_z_loss, return_lse, return_accuracy, return_entropy: any True returns CrossEntropyOutput(loss, z_loss,
     lse, accuracy, entropy), None for what was not asked, computed in the same forward pass (CONTRACT.md, "Extra
     outputs"); only loss and z_loss are differentiable.
+
+    weight: class weights (V,) as F.cross_entropy's weight= (CONTRACT.md, "Class weights"): a floating tensor on
+    the logits' device without requires_grad; "mean" is then the weighted mean. Not with process_group / DTensor.
     """
     _check_logits(logits)
     contract.check_labels(labels, "logits", logits.shape, logits.device)
+    if weight is not None and (process_group is not None or sharding.is_dtensor(logits)):
+        raise NotImplementedError(
+            "class weights (weight=) are not supported with vocab-parallel or DTensor logits; compute the loss "
+            "with reduction='none' and weight it yourself"
+        )
+    weight = contract.check_class_weight(weight, logits.shape[-1] if logits.dim() else 0, logits.device)
     options = _checked_options(
         ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
     )
@@ -338,7 +378,7 @@ def cross_entropy(
         labels, kept = contract.shifted_labels(labels, shift, ignore_index)
     loss = _cross_entropy(
         logits, labels, options, reduction, n_items, backend, inplace_backward, validate_labels, process_group,
-        vocab_start, extras,
+        vocab_start, extras, weight,
     )  # fmt: skip
     if isinstance(loss, contract.CrossEntropyOutput):
         return contract.unshifted(loss, kept, reduction)
@@ -383,7 +423,7 @@ def _checked_options(
 
 def _cross_entropy(
     logits, labels, options, reduction, n_items, backend, inplace_backward, validate_labels, process_group, vocab_start,
-    extras=NO_EXTRAS,
+    extras=NO_EXTRAS, weight=None,
 ):  # fmt: skip
     ignore_index = options.ignore_index
     if process_group is not None or sharding.is_dtensor(logits):
@@ -394,10 +434,10 @@ def _cross_entropy(
     if validate_labels:
         contract.validate_labels(labels, logits.shape[-1], ignore_index)
     if not contract.use_kernel(logits, backend):
-        token_losses = contract.reference_token_losses(logits, labels, options)
-        loss = contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index)
+        token_losses = contract.reference_token_losses(logits, labels, options, weight)
+        loss = contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index, weight)
         if any(extras):
-            return contract.reference_outputs(logits, labels, options, extras, reduction, n_items, loss)
+            return contract.reference_outputs(logits, labels, options, extras, reduction, n_items, loss, weight)
         return loss
     logits = _in_kernel_dtype(logits)
     # Logits whose rows form one or two strided dimensions (any contiguous tensor, logits[:, :-1]) go to the kernels
@@ -409,13 +449,17 @@ def _cross_entropy(
     # Flat contiguous labels as they are: reshape(-1) would make a view object (~0.5 us) of the same memory.
     labels_1d = labels if labels.dim() == 1 and labels.is_contiguous() else labels.reshape(-1).contiguous()
     if torch.compiler.is_compiling() and any(extras):
-        token_losses, lse, argmax, mean_z = _forward_outputs_op(kernel_logits, labels_1d, *options, extras.z_loss)
-        loss = contract.reduce_losses(token_losses.view(labels.shape), labels, reduction, n_items, ignore_index)
+        token_losses, lse, argmax, mean_z = _forward_outputs_op(
+            kernel_logits, labels_1d, *options, extras.z_loss, weight
+        )
+        loss = contract.reduce_losses(token_losses.view(labels.shape), labels, reduction, n_items, ignore_index, weight)
         vocab = logits.shape[-1]
-        return contract.extra_outputs(loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab)
+        return contract.extra_outputs(
+            loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab, weight
+        )
     if torch.compiler.is_compiling():
-        token_losses = _forward_op(kernel_logits, labels_1d, *options)[0].view(labels.shape)
-        return contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index)
+        token_losses = _forward_op(kernel_logits, labels_1d, *options, weight)[0].view(labels.shape)
+        return contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index, weight)
     # In place only into memory the graph alone owns, and only where no two rows share memory.
     # Never under torch.func: its wrappers hide who else holds the memory.
     inplace = (
@@ -426,11 +470,19 @@ def _cross_entropy(
     )
     if any(extras):
         loss, lse, _, argmax, mean_z = _apply(
-            _CrossEntropyFunction, kernel_logits, labels_1d, reduction, n_items, inplace, options, layout, extras
-        )
+            _CrossEntropyFunction, kernel_logits, labels_1d, reduction, n_items, inplace, options, layout, extras,
+            weight,
+        )  # fmt: skip
         loss = loss.view(labels.shape) if reduction == "none" else loss
         vocab = logits.shape[-1]
-        return contract.extra_outputs(loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab)
+        return contract.extra_outputs(
+            loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab, weight
+        )
+    if weight is not None:
+        loss = _apply(
+            _CrossEntropyFunction, kernel_logits, labels_1d, reduction, n_items, inplace, options, layout, None, weight
+        )[0]
+        return loss.view(labels.shape) if reduction == "none" else loss
     loss = _apply(_CrossEntropyFunction, kernel_logits, labels_1d, reduction, n_items, inplace, options, layout)[0]
     return loss.view(labels.shape) if reduction == "none" else loss
 
@@ -534,8 +586,8 @@ class CrossEntropyLoss(torch.nn.Module):
         return_entropy=False,
     ):
         super().__init__()
-        if weight is not None:
-            raise NotImplementedError("class weights are not supported by fastce")
+        # A buffer, as torch.nn.CrossEntropyLoss keeps it: it follows .to(device) and lands in the state dict.
+        self.register_buffer("weight", weight)
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.options = dict(
@@ -560,9 +612,11 @@ class CrossEntropyLoss(torch.nn.Module):
         self.options.update({name: value for name, value in returns.items() if value is not False})
 
     def forward(self, input, target, n_items=None):
+        weights = {} if self.weight is None else {"weight": self.weight}
         return cross_entropy(
-            input, target, ignore_index=self.ignore_index, reduction=self.reduction, n_items=n_items, **self.options
-        )
+            input, target, ignore_index=self.ignore_index, reduction=self.reduction, n_items=n_items, **self.options,
+            **weights,
+        )  # fmt: skip
 
     def extra_repr(self):
         return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, " + ", ".join(

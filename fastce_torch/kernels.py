@@ -116,6 +116,36 @@ def _token_loss(
 
 
 @triton.jit
+def _weighted_token_loss(
+    z_label,
+    label,
+    lse,
+    sum_wz,
+    w_label,
+    w_sum,
+    V,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+):
+    """_token_loss with class weights w (F.cross_entropy's weight=): w[y] (1 - eps)(lse - z_y)
+    + (eps / V)(W lse - sum_c w_c z_c) + w[y] z_loss lse^2, from w_label = w[y], w_sum = W = sum_c w_c and
+    sum_wz = sum_c w_c z_c."""
+    ignored = label == ignore_index
+    in_range = (label >= 0) & (label < V)
+    if HAS_SMOOTHING:
+        loss = (1.0 - label_smoothing) * w_label * (lse - z_label) + label_smoothing / V * (w_sum * lse - sum_wz)
+    else:
+        loss = w_label * (lse - z_label)
+    if HAS_Z_LOSS:
+        loss += w_label * z_loss * lse * lse
+    loss = tl.where(in_range, loss, float("nan"))
+    return tl.where(ignored, 0.0, loss)
+
+
+@triton.jit
 def _dloss_dlogits(
     p,
     tanh_z,
@@ -177,6 +207,8 @@ def _forward_kernel(
     z_loss,
     denominator_value,
     vocab_start,
+    weight_ptr,
+    weight_sum_ptr,
     BLOCK: tl.constexpr,
     CHUNKS_BLOCK: tl.constexpr,
     HAS_SCALING: tl.constexpr,
@@ -189,6 +221,7 @@ def _forward_kernel(
     ROWS_PER_GROUP: tl.constexpr,
     VOCAB_PARALLEL: tl.constexpr,
     OUTPUTS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
 ):
     """Program (row, chunk) of the forward: the running max / sum of exp / sum of z over the chunk's columns.
 
@@ -214,6 +247,10 @@ def _forward_kernel(
     OUTPUTS: also keep, per chunk, the first column of the largest z and sum_j e^(z_j - max) z_j (rescaled like the
     sum of exponentials; -inf logits contribute 0), two more partials (the int32 one at arrivals_ptr), and write the
     row's argmax and mean of z (the extra outputs: accuracy and entropy).
+    HAS_WEIGHT: class weights, float32 (V,) at weight_ptr and their sum at weight_sum_ptr (read with smoothing):
+    the loss is weighted as F.cross_entropy's (`_weighted_token_loss`), the sum-of-z partial becomes
+    sum_c w_c z_c (a class of weight 0 adds nothing, even at z = -inf), and "mean" divides by sum_t w[y_t]. Not
+    with VOCAB_PARALLEL.
     """
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -268,7 +305,11 @@ def _forward_kernel(
             run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(z - shift), 0)
         run_max = new_max
         if HAS_SMOOTHING:
-            run_sumz += tl.sum(tl.where(in_row, z, 0.0), 0)
+            if HAS_WEIGHT:
+                w = tl.load(weight_ptr + cols, mask=in_row, other=0.0)
+                run_sumz += tl.sum(tl.where(w == 0.0, 0.0, w * z), 0)
+            else:
+                run_sumz += tl.sum(tl.where(in_row, z, 0.0), 0)
 
     shift = tl.where(run_max == -float("inf"), 0.0, run_max)
     lse = shift + tl.log(run_sum)
@@ -332,9 +373,28 @@ def _forward_kernel(
         z_label = _transform(
             tl.load(row_ptr + label, mask=load_label, other=0.0), scaling, softcap, HAS_SCALING, HAS_SOFTCAP
         )
-        loss = _token_loss(
-            z_label, label, lse, sum_z, V, ignore_index, label_smoothing, z_loss, HAS_SMOOTHING, HAS_Z_LOSS
-        )
+        if HAS_WEIGHT:
+            w_sum = 0.0
+            if HAS_SMOOTHING:
+                w_sum = tl.load(weight_sum_ptr)
+            loss = _weighted_token_loss(
+                z_label,
+                label,
+                lse,
+                sum_z,
+                tl.load(weight_ptr + label, mask=load_label, other=0.0),
+                w_sum,
+                V,
+                ignore_index,
+                label_smoothing,
+                z_loss,
+                HAS_SMOOTHING,
+                HAS_Z_LOSS,
+            )
+        else:
+            loss = _token_loss(
+                z_label, label, lse, sum_z, V, ignore_index, label_smoothing, z_loss, HAS_SMOOTHING, HAS_Z_LOSS
+            )
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, lse)
         if OUTPUTS:
@@ -359,7 +419,14 @@ def _forward_kernel(
                 )
                 if DENOMINATOR == 0:
                     labels = tl.load(labels_ptr + rows, mask=in_group, other=ignore_index)
-                    tl.store(group_partials_ptr + n_groups + group, tl.sum((labels != ignore_index).to(tl.float32), 0))
+                    if HAS_WEIGHT:  # the weighted mean's divisor: sum of w[y] (a label outside [0, V) adds 0)
+                        has_class = (labels != ignore_index) & (labels >= 0) & (labels < V)
+                        kept = tl.load(weight_ptr + tl.where(has_class, labels, 0), mask=has_class, other=0.0)
+                        tl.store(group_partials_ptr + n_groups + group, tl.sum(kept, 0))
+                    else:
+                        tl.store(
+                            group_partials_ptr + n_groups + group, tl.sum((labels != ignore_index).to(tl.float32), 0)
+                        )
                 tl.debug_barrier()
                 if tl.atomic_add(arrivals_ptr + n_rows, 1, sem="acq_rel") == n_groups - 1:
                     _reduce_losses(
@@ -371,6 +438,7 @@ def _forward_kernel(
                         denominator_value,
                         DENOMINATOR,
                         GROUPS_BLOCK,
+                        HAS_WEIGHT,
                     )
 
 
@@ -384,10 +452,12 @@ def _reduce_losses(
     denominator_value,
     DENOMINATOR: tl.constexpr,
     GROUPS_BLOCK: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
 ):
     """*reduced = sum of losses / denominator and *denominator_out = denominator, from the groups' [loss sums...,
-    kept counts...]. DENOMINATOR: 0 = the kept-token count (at least 1, so an all-ignored batch gives 0),
-    1 = denominator_value, 2 = *n_items_ptr (a device scalar)."""
+    kept counts...]. DENOMINATOR: 0 = the kept-token count (at least 1, so an all-ignored batch gives 0; with
+    HAS_WEIGHT the sum of the kept tokens' class weights, 1 where it is exactly 0), 1 = denominator_value,
+    2 = *n_items_ptr (a device scalar)."""
     total = 0.0
     count = 0.0
     for start in tl.range(0, n_groups, GROUPS_BLOCK):
@@ -397,7 +467,10 @@ def _reduce_losses(
         if DENOMINATOR == 0:
             count += tl.sum(tl.load(group_partials_ptr + n_groups + groups, mask=in_batch, other=0.0, volatile=True), 0)
     if DENOMINATOR == 0:
-        denominator = tl.maximum(count, 1.0)
+        if HAS_WEIGHT:
+            denominator = tl.where(count == 0.0, 1.0, count)
+        else:
+            denominator = tl.maximum(count, 1.0)
     elif DENOMINATOR == 1:
         denominator = denominator_value
     else:
@@ -428,6 +501,8 @@ def _backward_kernel(
     z_loss,
     vocab_start,
     vocab_total,
+    weight_ptr,
+    weight_sum_ptr,
     BLOCK: tl.constexpr,
     HAS_SCALING: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -435,6 +510,7 @@ def _backward_kernel(
     HAS_Z_LOSS: tl.constexpr,
     HAS_DENOMINATOR: tl.constexpr,
     VOCAB_PARALLEL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
 ):
     """Program (row, tile) of the backward: d loss / d logits of BLOCK columns of one row, written to the gradient.
 
@@ -447,6 +523,9 @@ def _backward_kernel(
     vocab_start, vocab_total: the slice's first global column and the global vocabulary (VOCAB_PARALLEL).
     BLOCK: the tile width. HAS_SCALING, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS: which options apply.
     HAS_DENOMINATOR: divide the upstream by *denominator_ptr. VOCAB_PARALLEL: columns are a slice of vocab_total.
+    HAS_WEIGHT: class weights at weight_ptr (float32 (V,)), their sum at weight_sum_ptr (read with smoothing):
+    dL/dz_j = w[y] ((1 - eps)(p_j - [j == y]) + 2 z_loss lse p_j) + (eps / V)(W p_j - w_j). Not with
+    VOCAB_PARALLEL.
     """
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -466,6 +545,10 @@ def _backward_kernel(
     if HAS_DENOMINATOR:  # a reduced loss: d loss / d token loss = 1 / denominator
         grad_loss = grad_loss / tl.load(denominator_ptr)
     grad_loss = tl.where((label >= 0) & (label < vocab_all), grad_loss, float("nan"))
+    if HAS_WEIGHT:
+        w_label = tl.load(weight_ptr + label, mask=(label >= 0) & (label < V) & ~ignored, other=0.0)
+        if not HAS_SMOOTHING:  # the weight of the label is a per-row factor of the unweighted gradient
+            grad_loss = grad_loss * w_label
 
     logits_row = logits_ptr + _row_offset(row, logits_batch_stride, logits_row_stride, rows_per_batch)
     x = tl.load(logits_row + cols, mask=in_row & ~ignored, other=0.0).to(tl.float32)
@@ -475,21 +558,34 @@ def _backward_kernel(
     if HAS_SOFTCAP:
         tanh_z = _tanh(x / softcap)
         x = softcap * tanh_z
-    dx = _dloss_dlogits(
-        tl.exp(x - lse),
-        tanh_z,
-        cols,
-        label_column,
-        lse,
-        vocab_all,
-        scaling,
-        label_smoothing,
-        z_loss,
-        HAS_SCALING,
-        HAS_SOFTCAP,
-        HAS_SMOOTHING,
-        HAS_Z_LOSS,
-    )
+    if HAS_WEIGHT and HAS_SMOOTHING:
+        p = tl.exp(x - lse)
+        coefficient = w_label * (1.0 - label_smoothing) + label_smoothing / V * tl.load(weight_sum_ptr)
+        if HAS_Z_LOSS:
+            coefficient += w_label * 2.0 * z_loss * lse
+        w = tl.load(weight_ptr + cols, mask=in_row, other=0.0)
+        dx = p * coefficient - label_smoothing / V * w
+        dx = tl.where(cols == label, dx - w_label * (1.0 - label_smoothing), dx)
+        if HAS_SOFTCAP:
+            dx = dx * (1.0 - tanh_z * tanh_z)
+        if HAS_SCALING:
+            dx = dx * scaling
+    else:
+        dx = _dloss_dlogits(
+            tl.exp(x - lse),
+            tanh_z,
+            cols,
+            label_column,
+            lse,
+            vocab_all,
+            scaling,
+            label_smoothing,
+            z_loss,
+            HAS_SCALING,
+            HAS_SOFTCAP,
+            HAS_SMOOTHING,
+            HAS_Z_LOSS,
+        )
     dx = tl.where(ignored, 0.0, dx * grad_loss)
     grad_row = grad_ptr + _row_offset(row, grad_batch_stride, grad_row_stride, rows_per_batch)
     tl.store(grad_row + cols, dx.to(grad_ptr.dtype.element_ty), mask=in_row)
@@ -1003,6 +1099,7 @@ def forward(
     config=None,
     layout=None,
     outputs=False,
+    weight=None,
 ):
     """One launch: (loss, lse, denominator) of logits (..., V) laid out as `row_layout` allows and flat labels (N,).
     loss is the per-token float32 losses (N,) for reduction "none", else a 0-d tensor of its own (the reduced loss),
@@ -1015,8 +1112,12 @@ def forward(
     caller has it already.
     outputs=True: two more results, per row the int32 argmax of the transformed logits (first column on ties) and
     the float32 mean of z under softmax(z) (entropy = lse - it), NaN where ignored; in vocab-parallel mode three:
-    the argmax as a global column, the mean of z over the slice's softmax, and the slice's largest z."""
+    the argmax as a global column, the mean of z over the slice's softmax, and the slice's largest z.
+    weight: class weights, a float32 contiguous (V,) tensor on the logits' device (`class_weight_operands`), or
+    None; not in vocab-parallel mode."""
     vocab_parallel = vocab_total is not None
+    if weight is not None and vocab_parallel:
+        raise NotImplementedError("class weights are not supported in vocab-parallel mode")
     if vocab_parallel and reduction != "none":
         raise ValueError("the vocab-parallel forward returns per-row statistics: reduction must be 'none'")
     _checked(logits)
@@ -1079,6 +1180,7 @@ def forward(
     else:
         denominator_mode, denominator_value = 1, float(n_items)
     flags = _flags(options)
+    weight, weight_sum = class_weight_operands(weight, options, lse)
     args = (
         logits,
         batch_stride,
@@ -1107,6 +1209,8 @@ def forward(
         options.z_loss,
         denominator_value,
         vocab_start,
+        weight,
+        weight_sum,
         block,  # the constexprs, in the kernel's order: BLOCK, CHUNKS_BLOCK, the four flags, REDUCE, ...
         _next_power_of_2(n_chunks),
         *flags,
@@ -1116,13 +1220,14 @@ def forward(
         ROWS_PER_GROUP,
         vocab_parallel,
         outputs,
+        weight is not lse,
     )
     grid = (n_rows, n_chunks, 1)
     with on_device(logits):
         if not _forward_launcher.cached(grid, args, warps, stages):
             _guard_capture(
                 ("forward", device, logits.dtype, labels.dtype, block, n_chunks > 1, reduce, denominator_mode, *flags)
-                + (warps, stages, outputs),
+                + (warps, stages, outputs, weight is not lse),
                 logits,
             )
             _forward_launcher.launch(grid, args, warps, stages)
@@ -1132,13 +1237,26 @@ def forward(
 
 
 def backward(
-    grad_loss, logits, labels, lse, grad, options, denominator=None, vocab_start=0, vocab_total=None, config=None
+    grad_loss,
+    logits,
+    labels,
+    lse,
+    grad,
+    options,
+    denominator=None,
+    vocab_start=0,
+    vocab_total=None,
+    config=None,
+    weight=None,
 ):
     """Writes d(sum_t grad_loss_t * loss_t / denominator)/d logits into `grad` (the shape of logits; it may be
     `logits` itself). grad_loss is per token (N,), or 0-d (one upstream scalar for all tokens); denominator a
     1-element tensor or None. Vocab-parallel mode (vocab_total given): the logits are columns
     [vocab_start, vocab_start + V) of vocab_total, lse the global logsumexp; labels outside [0, vocab_total) give
-    NaN rows. config: a BackwardConfig (default backward_config(V))."""
+    NaN rows. config: a BackwardConfig (default backward_config(V)). weight: class weights as in `forward` (the
+    same tensor the forward had; not in vocab-parallel mode)."""
+    if weight is not None and vocab_total is not None:
+        raise NotImplementedError("class weights are not supported in vocab-parallel mode")
     _checked(logits)
     vocab = logits.shape[-1]
     n_rows = labels.shape[0]
@@ -1159,6 +1277,7 @@ def backward(
             raise ValueError("grad and logits split their rows into batches differently")
     block, warps = backward_config(vocab) if config is None else config
     flags = _flags(options)
+    weight, weight_sum = class_weight_operands(weight, options, lse)
     args = (
         logits,
         batch_stride,
@@ -1180,10 +1299,13 @@ def backward(
         options.z_loss,
         vocab_start,
         vocab if vocab_total is None else vocab_total,
-        block,  # the constexprs, in the kernel's order: BLOCK, the four flags, HAS_DENOMINATOR, VOCAB_PARALLEL
+        weight,
+        weight_sum,
+        block,  # the constexprs, in the kernel's order: BLOCK, the four flags, HAS_DENOMINATOR, VOCAB_PARALLEL, ...
         *flags,
         denominator is not None,
         vocab_total is not None,
+        weight is not lse,
     )
     grid = (n_rows, _cdiv(vocab, block), 1)
     with on_device(logits):
@@ -1200,11 +1322,24 @@ def backward(
                     warps,
                     denominator is not None,
                     *flags,
+                    weight is not lse,
                 ),
                 logits,
             )
             _backward_launcher.launch(grid, args, warps)
     return grad
+
+
+def class_weight_operands(weight, options, placeholder):
+    """The kernels' (weight, weight sum) pointer arguments: the float32 weights and, with label smoothing, their
+    sum as a 1-element device tensor (no host synchronisation). Without weights both are `placeholder`, a tensor
+    the launch passes anyway, so the unweighted variant's arguments keep their types and alignment and
+    `weight is placeholder` tells the variant apart."""
+    if weight is None:
+        return placeholder, placeholder
+    weight = weight.to(torch.float32).contiguous()
+    weight_sum = weight.sum().reshape(1) if options.label_smoothing > 0.0 else weight
+    return weight, weight_sum
 
 
 def lse_backward(grad_lse, logits, labels, lse, grad, options, vocab_total=None, config=None):

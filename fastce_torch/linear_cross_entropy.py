@@ -77,28 +77,30 @@ def _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ign
 # --- the one place that calls fastce's launchers ----------------------------------------------------------------
 
 
-def _ce_forward(logits, labels, options, outputs=False):
-    """Per-token float32 (loss, lse) of a 2-D logits chunk; with outputs, also (argmax, mean of z) per row."""
-    loss, lse, _, *statistics = kernels.forward(logits, labels, options, outputs=outputs)
+def _ce_forward(logits, labels, options, outputs=False, class_weight=None):
+    """Per-token float32 (loss, lse) of a 2-D logits chunk; with outputs, also (argmax, mean of z) per row.
+    class_weight: class weights (V,) or None, for every launcher call here."""
+    loss, lse, _, *statistics = kernels.forward(logits, labels, options, outputs=outputs, weight=class_weight)
     return loss, lse, *statistics
 
 
-def _ce_backward_in_place(logits, labels, lse, grad_loss, options, denominator=None):
+def _ce_backward_in_place(logits, labels, lse, grad_loss, options, denominator=None, class_weight=None):
     """Overwrites `logits` with d(sum_t grad_loss_t * loss_t / denominator) / d logits; grad_loss is per row or 0-d."""
-    kernels.backward(grad_loss, logits, labels, lse, logits, options, denominator)
+    kernels.backward(grad_loss, logits, labels, lse, logits, options, denominator, weight=class_weight)
 
 
-def _ce_chunk_backward(logits, labels, lse, grad_loss, grad_lse, options, denominator=None):
+def _ce_chunk_backward(logits, labels, lse, grad_loss, grad_lse, options, denominator=None, class_weight=None):
     """Overwrites `logits` with the gradient of sum_t (grad_loss_t * loss_t / denominator + grad_lse_t * lse_t),
-    either upstream None for none of it (the z_loss output's gradient comes through lse)."""
+    either upstream None for none of it (the z_loss output's gradient comes through lse; grad_lse already holds
+    the class weights' factor, so the lse part is unweighted)."""
     if grad_lse is None:
-        return _ce_backward_in_place(logits, labels, lse, grad_loss, options, denominator)
+        return _ce_backward_in_place(logits, labels, lse, grad_loss, options, denominator, class_weight)
     if grad_loss is None:
         return kernels.lse_backward(grad_lse, logits, labels, lse, logits, options)
     # Both parts in float32, rounded to the logits' dtype once.
     grad = kernels.lse_backward(grad_lse, logits, labels, lse, torch.empty_like(logits, dtype=torch.float32), options)
     loss_part = torch.empty_like(logits, dtype=torch.float32)
-    grad += kernels.backward(grad_loss, logits, labels, lse, loss_part, options, denominator)
+    grad += kernels.backward(grad_loss, logits, labels, lse, loss_part, options, denominator, weight=class_weight)
     logits.copy_(grad)
 
 
@@ -262,6 +264,7 @@ def _fused_forward(
     needs=(False, False, False),
     outputs=False,
     kept=_FIND,
+    class_weight=None,
 ):
     """Token losses (N,) and lse (N,) of 2-D hidden; with any of `needs` (hidden, weight, bias) also the gradients of
     sum_t loss_t / denominator (a 1-element float32 device tensor) computed chunk by chunk. Returns
@@ -283,14 +286,14 @@ def _fused_forward(
         one = torch.ones((), dtype=torch.float32, device=device) if any(needs) else None
         any_chunk = False
         for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight_c, bias_c, labels, chunking, kept):
-            chunk_outputs = _ce_forward(logits, labels_chunk, options, outputs)
+            chunk_outputs = _ce_forward(logits, labels_chunk, options, outputs, class_weight)
             if per_row is None:
                 per_row = list(chunk_outputs)
             else:
                 for whole, part in zip(per_row, chunk_outputs, strict=True):
                     whole[rows] = part
             if any(needs):
-                _ce_backward_in_place(logits, labels_chunk, chunk_outputs[1], one, options, denominator)
+                _ce_backward_in_place(logits, labels_chunk, chunk_outputs[1], one, options, denominator, class_weight)
                 _accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first=not any_chunk)
             any_chunk = True
         token_losses, lse, *statistics = per_row
@@ -299,7 +302,18 @@ def _fused_forward(
 
 
 def _fused_backward(
-    grad_losses, hidden, weight, bias, labels, lse, options, chunking, needs, grad_lse=None, kept=_FIND
+    grad_losses,
+    hidden,
+    weight,
+    bias,
+    labels,
+    lse,
+    options,
+    chunking,
+    needs,
+    grad_lse=None,
+    kept=_FIND,
+    class_weight=None,
 ):
     """Gradients of sum_t grad_losses_t * loss_t (+ grad_lse_t * lse_t: the z_loss output's), recomputing each
     chunk's logits from hidden and weight; grad_losses None for the lse part alone."""
@@ -315,16 +329,20 @@ def _fused_backward(
         any_chunk = False
         for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight_c, bias_c, labels, chunking, kept):
             if grad_lse is None:
-                _ce_backward_in_place(logits, labels_chunk, lse[rows], grad_losses[rows], options)
+                _ce_backward_in_place(
+                    logits, labels_chunk, lse[rows], grad_losses[rows], options, class_weight=class_weight
+                )
             else:
                 grad_rows = None if grad_losses is None else grad_losses[rows]
-                _ce_chunk_backward(logits, labels_chunk, lse[rows], grad_rows, grad_lse[rows], options)
+                _ce_chunk_backward(
+                    logits, labels_chunk, lse[rows], grad_rows, grad_lse[rows], options, class_weight=class_weight
+                )
             _accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first=not any_chunk)
             any_chunk = True
         return _finish_grads(grads, weight, bias, any_chunk)
 
 
-def _differentiable_grads(grad_rows, hidden, weight, bias, labels, options, needs, grad_lse=None):
+def _differentiable_grads(grad_rows, hidden, weight, bias, labels, options, needs, grad_lse=None, class_weight=None):
     """The gradients of sum_t grad_rows_t * loss_t in plain torch (F.linear, then the contract's d loss / d logits
     and the two products), so that autograd can differentiate them again (create_graph=True: gradient penalties,
     Hessian-vector products). It materialises the (N, V) logits; only a second-order computation comes here."""
@@ -335,7 +353,8 @@ def _differentiable_grads(grad_rows, hidden, weight, bias, labels, options, need
     if grad_rows is None:
         dlogits = contract.lse_gradient(grad_lse, logits, labels, options)
     else:
-        dlogits = contract.logits_gradient(grad_rows, logits, labels, None, options).to(logits.dtype)
+        dlogits = contract.logits_gradient(grad_rows, logits, labels, None, options, weight=class_weight)
+        dlogits = dlogits.to(logits.dtype)
         if grad_lse is not None:
             dlogits = dlogits + contract.lse_gradient(grad_lse, logits, labels, options)
     need_hidden, need_weight, need_bias = needs
@@ -359,11 +378,15 @@ class _ReducedFunction(torch.autograd.Function):
     scalar (nothing else holds them, so the caller's .grad takes them over without a copy)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, denominator, options, chunking, needs, extras=None):
-        ctx.options, ctx.needs, ctx.extras = options, needs, extras
+    def forward(
+        ctx, hidden, weight, bias, labels, denominator, options, chunking, needs, extras=None, class_weight=None
+    ):
+        ctx.options, ctx.needs, ctx.extras, ctx.class_weight = options, needs, extras, class_weight
         if extras is not None:
             return _ReducedFunction._forward_outputs(ctx, hidden, weight, bias, labels, denominator, chunking)
-        token_losses, _, grads = _fused_forward(hidden, weight, bias, labels, options, chunking, denominator, needs)
+        token_losses, _, grads = _fused_forward(
+            hidden, weight, bias, labels, options, chunking, denominator, needs, class_weight=class_weight
+        )
         ctx.grads = grads
         # References, no copies: read only by a backward that must be differentiable again.
         ctx.save_for_backward(hidden, weight, bias, labels, denominator)
@@ -374,7 +397,17 @@ class _ReducedFunction(torch.autograd.Function):
         """With the extra outputs: (loss, lse, argmax, mean of z); lse is differentiable for the z_loss output."""
         ctx.kept = _kept_rows(labels, ctx.options.ignore_index, chunking)  # for a backward recomputing the logits
         token_losses, lse, grads, argmax, mean_z = _fused_forward(
-            hidden, weight, bias, labels, ctx.options, chunking, denominator, ctx.needs, outputs=True, kept=ctx.kept
+            hidden,
+            weight,
+            bias,
+            labels,
+            ctx.options,
+            chunking,
+            denominator,
+            ctx.needs,
+            outputs=True,
+            kept=ctx.kept,
+            class_weight=ctx.class_weight,
         )
         ctx.grads, ctx.chunking = grads, chunking
         ctx.save_for_backward(hidden, weight, bias, labels, denominator, lse)
@@ -386,7 +419,7 @@ class _ReducedFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, *grad_outputs):
         if ctx.extras is not None:
             return _ReducedFunction._backward_outputs(ctx, grad_loss, grad_outputs[0])
-        return (*_ReducedFunction._loss_grads(ctx, grad_loss, ctx.saved_tensors), None, None, None, None, None)
+        return (*_ReducedFunction._loss_grads(ctx, grad_loss, ctx.saved_tensors), *(None,) * 7)
 
     @staticmethod
     def _loss_grads(ctx, grad_loss, saved):
@@ -394,7 +427,9 @@ class _ReducedFunction(torch.autograd.Function):
             # create_graph=True: the gradients computed in the forward are constants to autograd; these are not.
             hidden, weight, bias, labels, denominator = saved
             grad_rows = (grad_loss.float() / denominator[0]).expand(labels.shape)
-            return _differentiable_grads(grad_rows, hidden, weight, bias, labels, ctx.options, ctx.needs)
+            return _differentiable_grads(
+                grad_rows, hidden, weight, bias, labels, ctx.options, ctx.needs, class_weight=ctx.class_weight
+            )
         grads, ctx.grads = ctx.grads, None
         if grads is None:
             raise RuntimeError(BACKWARD_TWICE)
@@ -411,18 +446,20 @@ class _ReducedFunction(torch.autograd.Function):
         output is differentiated, its part (through lse), recomputing each chunk's logits."""
         *saved, lse = ctx.saved_tensors
         hidden, weight, bias, labels, denominator = saved
-        nones = (None,) * 6
+        nones = (None,) * 7
         if grad_lse is None or not ctx.extras.z_loss:
             if grad_loss is None:
                 return (None,) * 3 + nones
             return (*_ReducedFunction._loss_grads(ctx, grad_loss, saved), *nones)
         if torch.is_grad_enabled():
             grad_rows = None if grad_loss is None else (grad_loss.float() / denominator[0]).expand(labels.shape)
-            grads = _differentiable_grads(grad_rows, hidden, weight, bias, labels, ctx.options, ctx.needs, grad_lse)
+            grads = _differentiable_grads(
+                grad_rows, hidden, weight, bias, labels, ctx.options, ctx.needs, grad_lse, ctx.class_weight
+            )
             return (*grads, *nones)
         lse_grads = _fused_backward(
             None, hidden, weight, bias, labels, lse, ctx.options, ctx.chunking, ctx.needs, grad_lse.detach(), ctx.kept
-        )
+        )  # unweighted: grad_lse holds the class weights' factor
         if grad_loss is None:
             ctx.grads = None
             return (*lse_grads, *nones)
@@ -435,16 +472,18 @@ class _PerTokenFunction(torch.autograd.Function):
     """ "none": the forward keeps lse; the backward recomputes the logits chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, options, chunking, extras=None):
-        ctx.options, ctx.chunking, ctx.extras = options, chunking, extras
+    def forward(ctx, hidden, weight, bias, labels, options, chunking, extras=None, class_weight=None):
+        ctx.options, ctx.chunking, ctx.extras, ctx.class_weight = options, chunking, extras, class_weight
         ctx.kept = _kept_rows(labels, options.ignore_index, chunking)  # the backward's chunks are the forward's
         if extras is None:
-            token_losses, lse, _ = _fused_forward(hidden, weight, bias, labels, options, chunking, kept=ctx.kept)
+            token_losses, lse, _ = _fused_forward(
+                hidden, weight, bias, labels, options, chunking, kept=ctx.kept, class_weight=class_weight
+            )
             ctx.save_for_backward(hidden, weight, bias, labels, lse)
             return token_losses
         # With the extra outputs: (losses, lse, argmax, mean of z); lse is differentiable for the z_loss output.
         token_losses, lse, _, argmax, mean_z = _fused_forward(
-            hidden, weight, bias, labels, options, chunking, outputs=True, kept=ctx.kept
+            hidden, weight, bias, labels, options, chunking, outputs=True, kept=ctx.kept, class_weight=class_weight
         )
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.mark_non_differentiable(argmax, mean_z, *(() if extras.z_loss else (lse,)))
@@ -457,17 +496,30 @@ class _PerTokenFunction(torch.autograd.Function):
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         grad_lse = grad_outputs[0] if grad_outputs and ctx.extras.z_loss else None
         if grad_losses is None and grad_lse is None:
-            return (None,) * 7
+            return (None,) * 8
         if torch.is_grad_enabled():  # create_graph=True: a gradient that autograd can differentiate again
             grad_rows = None if grad_losses is None else grad_losses.float()
-            grads = _differentiable_grads(grad_rows, hidden, weight, bias, labels, ctx.options, needs, grad_lse)
-            return (*grads, None, None, None, None)
+            grads = _differentiable_grads(
+                grad_rows, hidden, weight, bias, labels, ctx.options, needs, grad_lse, ctx.class_weight
+            )
+            return (*grads, None, None, None, None, None)
         grad_losses = None if grad_losses is None else grad_losses.detach().contiguous()
         grad_lse = None if grad_lse is None else grad_lse.detach()
         grads = _fused_backward(
-            grad_losses, hidden, weight, bias, labels, lse, ctx.options, ctx.chunking, needs, grad_lse, ctx.kept
+            grad_losses,
+            hidden,
+            weight,
+            bias,
+            labels,
+            lse,
+            ctx.options,
+            ctx.chunking,
+            needs,
+            grad_lse,
+            ctx.kept,
+            ctx.class_weight,
         )
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 # --- custom ops for torch.compile -----------------------------------------------------------------------------
@@ -492,6 +544,14 @@ def _settings(settings):
     return Options(*settings[:n_options]), chunking, tuple(settings[n_options + n_chunking :])
 
 
+def _split_class_weight(settings):
+    """(the op's trailing scalars, its class weights or None): the ops take `Tensor? class_weight=None` last; a
+    trailing tensor or None is that argument (the scalars before it are ints, floats and bools)."""
+    if settings and (settings[-1] is None or isinstance(settings[-1], torch.Tensor)):
+        return tuple(settings[:-1]), settings[-1]
+    return tuple(settings), None
+
+
 def _or_empty(tensor, like):
     return like.new_empty(0) if tensor is None else tensor
 
@@ -510,22 +570,26 @@ def _fake_grads(hidden, weight, bias, needs):
     "fastce::linear_cross_entropy_reduced",
     mutates_args=(),
     schema="(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, Tensor denominator, "
-    f"{_SETTINGS}) -> (Tensor, Tensor, Tensor, Tensor)",
+    f"{_SETTINGS}, Tensor? class_weight=None) -> (Tensor, Tensor, Tensor, Tensor)",
 )
 def _reduced_op(hidden, weight, bias, labels, denominator, *settings):
+    settings, class_weight = _split_class_weight(settings)
     options, chunking, needs = _settings(settings)
-    token_losses, _, grads = _fused_forward(hidden, weight, bias, labels, options, chunking, denominator, needs)
+    token_losses, _, grads = _fused_forward(
+        hidden, weight, bias, labels, options, chunking, denominator, needs, class_weight=class_weight
+    )
     loss = token_losses.sum() / denominator[0]
     return (loss, *(_or_empty(grad, hidden) for grad in grads))
 
 
 @_reduced_op.register_fake
 def _(hidden, weight, bias, labels, denominator, *settings):
-    return (hidden.new_empty((), dtype=torch.float32), *_fake_grads(hidden, weight, bias, _settings(settings)[2]))
+    needs = _settings(_split_class_weight(settings)[0])[2]
+    return (hidden.new_empty((), dtype=torch.float32), *_fake_grads(hidden, weight, bias, needs))
 
 
 def _reduced_setup_context(ctx, inputs, output):
-    ctx.needs = _settings(inputs[5:])[2]
+    ctx.needs = _settings(_split_class_weight(inputs[5:])[0])[2]
     ctx.save_for_backward(*output[1:])
 
 
@@ -536,7 +600,7 @@ def _reduced_backward(ctx, grad_loss, *unused_grads_of_grads):
         torch.where(g == 0, 0, g * grad_loss.to(g.dtype)) if need else None
         for g, need in zip(ctx.saved_tensors, ctx.needs)
     ]
-    return (*grads, None, None, *[None] * _N_SETTINGS)
+    return (*grads, None, None, *[None] * (_N_SETTINGS + 1))
 
 
 torch.library.register_autograd(
@@ -548,11 +612,12 @@ torch.library.register_autograd(
     "fastce::linear_cross_entropy_forward",
     mutates_args=(),
     schema="(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, "
-    f"{contract.op_schema(Options)}, {contract.op_schema(Chunking)}) -> (Tensor, Tensor)",
+    f"{contract.op_schema(Options)}, {contract.op_schema(Chunking)}, Tensor? class_weight=None) -> (Tensor, Tensor)",
 )
 def _per_token_forward_op(hidden, weight, bias, labels, *settings):
+    settings, class_weight = _split_class_weight(settings)
     options, chunking, _ = _settings(settings)
-    token_losses, lse, _ = _fused_forward(hidden, weight, bias, labels, options, chunking)
+    token_losses, lse, _ = _fused_forward(hidden, weight, bias, labels, options, chunking, class_weight=class_weight)
     return token_losses, lse
 
 
@@ -566,22 +631,25 @@ def _(hidden, weight, bias, labels, *settings):
     "fastce::linear_cross_entropy_backward",
     mutates_args=(),
     schema="(Tensor grad_losses, Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, Tensor lse, "
-    f"{_SETTINGS}) -> (Tensor, Tensor, Tensor)",
+    f"{_SETTINGS}, Tensor? class_weight=None) -> (Tensor, Tensor, Tensor)",
 )
 def _per_token_backward_op(grad_losses, hidden, weight, bias, labels, lse, *settings):
+    settings, class_weight = _split_class_weight(settings)
     options, chunking, needs = _settings(settings)
-    grads = _fused_backward(grad_losses.contiguous(), hidden, weight, bias, labels, lse, options, chunking, needs)
+    grads = _fused_backward(
+        grad_losses.contiguous(), hidden, weight, bias, labels, lse, options, chunking, needs, None, class_weight
+    )
     return tuple(_or_empty(grad, hidden) for grad in grads)
 
 
 @_per_token_backward_op.register_fake
 def _(grad_losses, hidden, weight, bias, labels, lse, *settings):
-    return _fake_grads(hidden, weight, bias, _settings(settings)[2])
+    return _fake_grads(hidden, weight, bias, _settings(_split_class_weight(settings)[0])[2])
 
 
 def _per_token_setup_context(ctx, inputs, output):
     hidden, weight, bias, labels, *settings = inputs
-    ctx.settings = settings
+    ctx.settings, ctx.class_weight = _split_class_weight(settings)
     ctx.has_bias = bias is not None
     ctx.save_for_backward(hidden, weight, bias, labels, output[1])
 
@@ -589,9 +657,11 @@ def _per_token_setup_context(ctx, inputs, output):
 def _per_token_backward(ctx, grad_losses, unused_grad_lse):
     hidden, weight, bias, labels, lse = ctx.saved_tensors
     needs = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
-    grads = _per_token_backward_op(grad_losses, hidden, weight, bias, labels, lse, *ctx.settings, *needs)
+    grads = _per_token_backward_op(
+        grad_losses, hidden, weight, bias, labels, lse, *ctx.settings, *needs, ctx.class_weight
+    )
     grads = [grad if need else None for grad, need in zip(grads, needs)]
-    return (*grads, None, *[None] * len(ctx.settings))
+    return (*grads, None, *[None] * (len(ctx.settings) + 1))
 
 
 torch.library.register_autograd(
@@ -606,11 +676,15 @@ torch.library.register_autograd(
     "fastce::linear_cross_entropy_forward_outputs",
     mutates_args=(),
     schema="(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, "
-    f"{contract.op_schema(Options)}, {contract.op_schema(Chunking)}, bool z_grad) -> (Tensor, Tensor, Tensor, Tensor)",
+    f"{contract.op_schema(Options)}, {contract.op_schema(Chunking)}, bool z_grad, Tensor? class_weight=None) -> "
+    "(Tensor, Tensor, Tensor, Tensor)",
 )
 def _outputs_forward_op(hidden, weight, bias, labels, *settings):
+    settings, class_weight = _split_class_weight(settings)
     options, chunking, _ = _settings(settings[:-1])
-    token_losses, lse, _, argmax, mean_z = _fused_forward(hidden, weight, bias, labels, options, chunking, outputs=True)
+    token_losses, lse, _, argmax, mean_z = _fused_forward(
+        hidden, weight, bias, labels, options, chunking, outputs=True, class_weight=class_weight
+    )
     return token_losses, lse, argmax, mean_z
 
 
@@ -625,25 +699,26 @@ def _(hidden, weight, bias, labels, *settings):
     "fastce::linear_cross_entropy_backward_outputs",
     mutates_args=(),
     schema="(Tensor grad_losses, Tensor grad_lse, Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, "
-    f"Tensor lse, {_SETTINGS}, bool z_grad) -> (Tensor, Tensor, Tensor)",
+    f"Tensor lse, {_SETTINGS}, bool z_grad, Tensor? class_weight=None) -> (Tensor, Tensor, Tensor)",
 )
 def _outputs_backward_op(grad_losses, grad_lse, hidden, weight, bias, labels, lse, *settings):
+    settings, class_weight = _split_class_weight(settings)
     options, chunking, needs = _settings(settings[:-1])
     grad_lse = grad_lse.contiguous() if settings[-1] else None
     grads = _fused_backward(
-        grad_losses.contiguous(), hidden, weight, bias, labels, lse, options, chunking, needs, grad_lse
+        grad_losses.contiguous(), hidden, weight, bias, labels, lse, options, chunking, needs, grad_lse, class_weight
     )
     return tuple(_or_empty(grad, hidden) for grad in grads)
 
 
 @_outputs_backward_op.register_fake
 def _(grad_losses, grad_lse, hidden, weight, bias, labels, lse, *settings):
-    return _fake_grads(hidden, weight, bias, _settings(settings[:-1])[2])
+    return _fake_grads(hidden, weight, bias, _settings(_split_class_weight(settings)[0][:-1])[2])
 
 
 def _outputs_setup_context(ctx, inputs, output):
     hidden, weight, bias, labels, *settings = inputs
-    ctx.settings = settings
+    ctx.settings, ctx.class_weight = _split_class_weight(settings)
     ctx.has_bias = bias is not None
     ctx.save_for_backward(hidden, weight, bias, labels, output[1])
     ctx.mark_non_differentiable(output[2], output[3])
@@ -657,9 +732,11 @@ def _outputs_backward(ctx, grad_losses, grad_lse, *unused):
         grad_losses = torch.zeros_like(lse)
     if grad_lse is None:
         grad_lse, z_grad = lse, False
-    grads = _outputs_backward_op(grad_losses, grad_lse, hidden, weight, bias, labels, lse, *settings, *needs, z_grad)
+    grads = _outputs_backward_op(
+        grad_losses, grad_lse, hidden, weight, bias, labels, lse, *settings, *needs, z_grad, ctx.class_weight
+    )
     grads = [grad if need else None for grad, need in zip(grads, needs)]
-    return (*grads, None, *[None] * len(ctx.settings))
+    return (*grads, None, *[None] * (len(ctx.settings) + 1))
 
 
 torch.library.register_autograd(
@@ -747,6 +824,7 @@ def linear_cross_entropy(
     return_entropy=False,
     process_group=None,
     vocab_start=None,
+    class_weight=None,
 ):
     """fastce_torch.cross_entropy(hidden @ weight.T + bias, labels, ...) without ever allocating the logits.
 
@@ -789,8 +867,20 @@ def linear_cross_entropy(
     communication per call plus the all-reduce of d hidden. A DTensor weight (FSDP2's fully_shard) with a plain
     hidden: this rank's rows against the gathered weight, the weight's gradient reduce-scattered (averaged) back to
     its placements as FSDP2 does. hidden a Replicate DTensor with a Shard(0) weight: vocab-parallel over the mesh.
+
+    class_weight: class weights (V,), cross_entropy's `weight=` (the positional `weight` is the LM head here), in
+    every chunk's kernels; "mean" divides by the kept tokens' summed class weights (on the device).
     """
     _check_tensors(hidden, weight, bias, labels)
+    sharded = (
+        process_group is not None or vocab_start is not None or any(map(sharding.is_dtensor, (hidden, weight, bias)))
+    )
+    if sharded and class_weight is not None:
+        raise NotImplementedError(
+            "fastce_torch.linear_cross_entropy: class_weight with a sharded head (process_group=, vocab_start= or a "
+            "DTensor weight) is not supported; call it without class_weight, or gather the head and call it unsharded"
+        )
+    class_weight = contract.check_class_weight(class_weight, weight.shape[0], hidden.device, "class_weight")
     options = contract.check_options(
         ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
     )
@@ -799,7 +889,7 @@ def linear_cross_entropy(
     kept = None
     if shift := contract.check_shift(shift, labels):
         labels, kept = contract.shifted_labels(labels, shift, ignore_index)
-    if process_group is not None or vocab_start is not None or any(map(sharding.is_dtensor, (hidden, weight, bias))):
+    if sharded:
         from .sharded_linear import sharded_linear_cross_entropy
 
         loss = sharded_linear_cross_entropy(
@@ -812,32 +902,40 @@ def linear_cross_entropy(
     if validate_labels:
         contract.validate_labels(labels, weight.shape[0], ignore_index)
     if any(extras):
-        output = _linear_outputs(hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras)
+        output = _linear_outputs(
+            hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras, class_weight
+        )
         return contract.unshifted(output, kept, reduction)
-    loss = _linear_cross_entropy(hidden, weight, bias, labels, options, reduction, n_items, backend, chunking)
+    loss = _linear_cross_entropy(
+        hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, class_weight
+    )
     return loss[..., :kept] if kept is not None and reduction == "none" else loss
 
 
-def _linear_outputs(hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras):
+def _linear_outputs(
+    hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras, class_weight=None
+):
     """linear_cross_entropy with extra outputs: CrossEntropyOutput."""
     ignore_index = options.ignore_index
     hidden, weight, bias = _autocast_or_common_dtype(hidden, weight, bias)
     vocab = weight.shape[0]
     if not contract.use_kernel(hidden, backend):
         logits = torch.nn.functional.linear(hidden, weight, bias)
-        token_losses = contract.reference_token_losses(logits, labels, options)
-        loss = contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index)
-        return contract.reference_outputs(logits, labels, options, extras, reduction, n_items, loss)
+        token_losses = contract.reference_token_losses(logits, labels, options, class_weight)
+        loss = contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index, class_weight)
+        return contract.reference_outputs(logits, labels, options, extras, reduction, n_items, loss, class_weight)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     labels_1d = labels.reshape(-1).contiguous()
     if torch.compiler.is_compiling():
         token_losses, lse, argmax, mean_z = _outputs_forward_op(
-            hidden_2d, weight, bias, labels_1d, *options, *chunking, extras.z_loss
+            hidden_2d, weight, bias, labels_1d, *options, *chunking, extras.z_loss, class_weight
         )
-        loss = contract.reduce_losses(token_losses.view(labels.shape), labels, reduction, n_items, ignore_index)
+        loss = contract.reduce_losses(
+            token_losses.view(labels.shape), labels, reduction, n_items, ignore_index, class_weight
+        )
     elif reduction == "none":
         token_losses, lse, argmax, mean_z = _PerTokenFunction.apply(
-            hidden_2d, weight, bias, labels_1d, options, chunking, extras
+            hidden_2d, weight, bias, labels_1d, options, chunking, extras, class_weight
         )
         loss = token_losses.view(labels.shape)
     else:
@@ -847,29 +945,37 @@ def _linear_outputs(hidden, weight, bias, labels, options, reduction, n_items, b
             grad_enabled and weight.requires_grad,
             grad_enabled and bias is not None and bias.requires_grad,
         )
-        denominator = contract.loss_divisor(labels_1d, reduction, n_items, ignore_index).reshape(1)
+        denominator = contract.loss_divisor(labels_1d, reduction, n_items, ignore_index, weight=class_weight).reshape(1)
         loss, lse, argmax, mean_z = _ReducedFunction.apply(
-            hidden_2d, weight, bias, labels_1d, denominator, options, chunking, needs, extras
+            hidden_2d, weight, bias, labels_1d, denominator, options, chunking, needs, extras, class_weight
         )
-    return contract.extra_outputs(loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab)
+    return contract.extra_outputs(
+        loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab, class_weight
+    )
 
 
-def _linear_cross_entropy(hidden, weight, bias, labels, options, reduction, n_items, backend, chunking):
+def _linear_cross_entropy(
+    hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, class_weight=None
+):
     ignore_index = options.ignore_index
     hidden, weight, bias = _autocast_or_common_dtype(hidden, weight, bias)
     if not contract.use_kernel(hidden, backend):
         token_losses = contract.reference_token_losses(
-            torch.nn.functional.linear(hidden, weight, bias), labels, options
+            torch.nn.functional.linear(hidden, weight, bias), labels, options, class_weight
         )
-        return contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index)
+        return contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index, class_weight)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     labels_1d = labels.reshape(-1).contiguous()
     compiling = torch.compiler.is_compiling()
     if reduction == "none":
         if compiling:
-            token_losses = _per_token_forward_op(hidden_2d, weight, bias, labels_1d, *options, *chunking)[0]
+            token_losses = _per_token_forward_op(hidden_2d, weight, bias, labels_1d, *options, *chunking, class_weight)[
+                0
+            ]
         else:
-            token_losses = _PerTokenFunction.apply(hidden_2d, weight, bias, labels_1d, options, chunking)
+            token_losses = _PerTokenFunction.apply(
+                hidden_2d, weight, bias, labels_1d, options, chunking, None, class_weight
+            )
         return token_losses.view(labels.shape)
     grad_enabled = torch.is_grad_enabled()
     needs = (
@@ -877,7 +983,11 @@ def _linear_cross_entropy(hidden, weight, bias, labels, options, reduction, n_it
         grad_enabled and weight.requires_grad,
         grad_enabled and bias is not None and bias.requires_grad,
     )
-    denominator = contract.loss_divisor(labels_1d, reduction, n_items, ignore_index).reshape(1)
+    denominator = contract.loss_divisor(labels_1d, reduction, n_items, ignore_index, weight=class_weight).reshape(1)
     if compiling:
-        return _reduced_op(hidden_2d, weight, bias, labels_1d, denominator, *options, *chunking, *needs)[0]
-    return _ReducedFunction.apply(hidden_2d, weight, bias, labels_1d, denominator, options, chunking, needs)
+        return _reduced_op(hidden_2d, weight, bias, labels_1d, denominator, *options, *chunking, *needs, class_weight)[
+            0
+        ]
+    return _ReducedFunction.apply(
+        hidden_2d, weight, bias, labels_1d, denominator, options, chunking, needs, None, class_weight
+    )

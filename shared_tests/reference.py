@@ -74,18 +74,25 @@ def logsumexp_rows(z):
     return np.where(bad, np.nan, lse)
 
 
-def denominator(labels, reduction, n_items, ignore_index):
+def denominator(labels, reduction, n_items, ignore_index, weight=None):
     """What the summed loss is divided by. n_items (a number) wins, for "mean" and "sum" alike; "mean" otherwise
     divides by the number of non-ignored tokens (out-of-range labels count: they are not ignored), at least 1 so
-    that an all-ignored batch gives 0 with a zero gradient; "sum" divides by nothing."""
+    that an all-ignored batch gives 0 with a zero gradient; "sum" divides by nothing.
+    With class weights, "mean" divides by sum_t w[y_t] over the non-ignored tokens (F.cross_entropy's weighted
+    mean; an out-of-range label has no class weight and adds 0), replaced by 1 when that sum is exactly 0."""
     if n_items is not None:
         return float(n_items)
     if reduction == "mean":
+        if weight is not None:
+            w = np.asarray(weight, np.float64)
+            valid = (labels != ignore_index) & (labels >= 0) & (labels < w.shape[0])
+            total = float(np.sum(np.where(valid, w[np.where(valid, labels, 0)], 0.0))) if w.shape[0] else 0.0
+            return total if total != 0.0 else 1.0
         return float(max(1, int(np.sum(labels != ignore_index))))
     return 1.0
 
 
-def expected(logits, labels, reduction="none", n_items=None, upstream=None, **options):
+def expected(logits, labels, reduction="none", n_items=None, upstream=None, weight=None, **options):
     """The reference result every package test compares with: `cross_entropy` on host arrays (pass exactly the
     values the kernels read, i.e. logits already rounded to their dtype), the options as keywords; n_items may be a
     0-d array of any framework (anything with `.item()`)."""
@@ -98,15 +105,21 @@ def expected(logits, labels, reduction="none", n_items=None, upstream=None, **op
         n_items=n_items,
         upstream=upstream,
         opts=Options(**options),
+        weight=weight,
     )
 
 
-def cross_entropy(logits, labels, *, reduction="mean", n_items=None, upstream=None, opts=Options()):
+def cross_entropy(logits, labels, *, reduction="mean", n_items=None, upstream=None, opts=Options(), weight=None):
     """The contract in float64.
 
     logits (..., V) any float array (converted to float64: pass the values the kernels see, i.e. already rounded
     to the kernel's dtype); labels (...) integers (any width: no wrapping); upstream: for reduction="none", the
     cotangent of the per-token losses (shape of labels), default ones.
+    weight: None, or class weights (V,) with F.cross_entropy's semantics: per token
+    (1 - eps) w[y] (lse - z_y) + (eps / V) sum_c w_c (lse - z_c) + w[y] z_loss lse^2 (the z-loss term weighted
+    like the label's term; a class of weight 0 takes no part, even where its z is -inf), "mean" divided by
+    sum_t w[y_t] (`denominator`); d/dz_j = w[y] ((1 - eps)(p_j - [j == y]) + 2 z_loss lse p_j)
+    + (eps / V)(W p_j - w_j), W = sum_c w_c.
     """
     x = np.asarray(logits, dtype=np.float64)
     y_full = np.asarray(labels).astype(np.int64)  # int64 holds every label either package accepts
@@ -114,6 +127,7 @@ def cross_entropy(logits, labels, *, reduction="mean", n_items=None, upstream=No
     x = x.reshape(-1, vocab)
     y = y_full.reshape(-1)
     eps, zl = opts.label_smoothing, opts.z_loss
+    w = None if weight is None else np.asarray(weight, dtype=np.float64)
 
     ignored = y == opts.ignore_index
     in_range = (y >= 0) & (y < vocab)
@@ -123,17 +137,23 @@ def cross_entropy(logits, labels, *, reduction="mean", n_items=None, upstream=No
     lse = logsumexp_rows(z)
     y_safe = np.where(in_range, y, 0)
     z_y = np.take_along_axis(z, y_safe[:, None], axis=-1)[:, 0] if x.shape[0] else np.zeros(0)
+    # The label's class weight per token (1 without weights; 0 where there is no class to read).
+    w_y = np.ones(y.shape) if w is None else np.where(in_range, w[y_safe] if vocab else 0.0, 0.0)
 
     with np.errstate(invalid="ignore", over="ignore"):
         # Terms with a zero coefficient are left out rather than multiplied by 0: with -inf padding, mean(z) is
         # -inf and 0 * inf would turn a finite loss into NaN. The same reading as both packages' kernels.
         token = np.zeros_like(lse)
         if eps != 1.0:
-            token = token + (1.0 - eps) * (lse - z_y)
+            token = token + (1.0 - eps) * w_y * (lse - z_y)
         if eps != 0.0:
-            token = token + eps * (lse - np.mean(z, axis=-1))
+            if w is None:
+                token = token + eps * (lse - np.mean(z, axis=-1))
+            else:
+                smooth = np.where(w[None, :] == 0.0, 0.0, w[None, :] * (lse[:, None] - z))
+                token = token + eps / vocab * np.sum(smooth, axis=-1)
         if zl != 0.0:
-            token = token + zl * lse * lse
+            token = token + zl * w_y * lse * lse
     token = np.where(in_range, token, np.nan)
     token = np.where(ignored, 0.0, token)
 
@@ -142,21 +162,29 @@ def cross_entropy(logits, labels, *, reduction="mean", n_items=None, upstream=No
         g = np.ones(y.shape) if upstream is None else np.asarray(upstream, np.float64).reshape(-1)
         loss = token.reshape(lead)
     else:
-        den = denominator(y, reduction, n_items, opts.ignore_index)
+        den = denominator(y, reduction, n_items, opts.ignore_index, w)
         g = np.full(y.shape, 1.0 / den)
         loss = np.asarray(np.sum(token) / den)
 
     with np.errstate(invalid="ignore", over="ignore"):
         p = np.exp(z - lse[:, None])
         onehot = (np.arange(vocab)[None, :] == y_safe[:, None]) & in_range[:, None]
-        dl_dz = p * (1.0 + 2.0 * zl * lse[:, None]) - (1.0 - eps) * onehot
-        if eps != 0.0:
-            dl_dz = dl_dz - eps / vocab
+        if w is None:
+            dl_dz = p * (1.0 + 2.0 * zl * lse[:, None]) - (1.0 - eps) * onehot
+            if eps != 0.0:
+                dl_dz = dl_dz - eps / vocab
+        else:
+            wy = w_y[:, None]
+            dl_dz = (
+                p * (wy * (1.0 - eps + 2.0 * zl * lse[:, None]) + eps / vocab * np.sum(w)) - (1.0 - eps) * wy * onehot
+            )
+            if eps != 0.0:
+                dl_dz = dl_dz - eps / vocab * w[None, :]
         grad = dl_dz * dz_dx(x, opts) * g[:, None]
     grad = np.where(in_range[:, None], grad, np.nan)  # a bad label's whole gradient row is NaN, like its loss
     grad = np.where(ignored[:, None], 0.0, grad)
 
-    loss_scale, grad_scale, grad_terms = error_scales(z, lse, p, onehot, g, opts)
+    loss_scale, grad_scale, grad_terms = error_scales(z, lse, p, onehot, g, opts, w)
     return Result(
         reduction=reduction,
         token_loss=token,
@@ -188,8 +216,11 @@ class Outputs:
     entropy: np.ndarray  # -sum_j p_j log p_j of softmax(transformed logits), reduced like the loss
 
 
-def outputs(logits, labels, *, reduction="mean", n_items=None, opts=Options()):
-    """The contract's extra outputs in float64 (see Outputs); the arguments as cross_entropy's."""
+def outputs(logits, labels, *, reduction="mean", n_items=None, opts=Options(), weight=None):
+    """The contract's extra outputs in float64 (see Outputs); the arguments as cross_entropy's. With class weights
+    only z_loss changes: w[y] z_loss lse^2 per token (the loss's z-loss term), reduced by the loss's (weighted)
+    denominator; lse, accuracy and entropy ignore the weights (entropy's "mean" divides by the unweighted
+    count)."""
     if n_items is not None and hasattr(n_items, "item"):
         n_items = n_items.item()
     x = np.asarray(logits, dtype=np.float64)
@@ -207,6 +238,9 @@ def outputs(logits, labels, *, reduction="mean", n_items=None, opts=Options()):
         entropy = lse - np.sum(np.where(p > 0, p * z, 0.0), axis=-1)
         entropy = np.where(np.isnan(lse), np.nan, entropy)
         z_term = np.where(in_range, opts.z_loss * lse * lse, np.nan)
+        if weight is not None:
+            w = np.asarray(weight, np.float64)
+            z_term = z_term * np.where(in_range, w[np.where(in_range, y, 0)] if vocab else 0.0, 1.0)
     bad_row = np.isnan(lse)
     if x.shape[0] and vocab:
         hit = (np.argmax(z, axis=-1) == y).astype(np.float64)
@@ -222,16 +256,17 @@ def outputs(logits, labels, *, reduction="mean", n_items=None, opts=Options()):
     if reduction == "none":
         return Outputs(**{k: v.reshape(lead) for k, v in per_token.items()})
     den = denominator(y, reduction, n_items, opts.ignore_index)
+    loss_den = den if weight is None else denominator(y, reduction, n_items, opts.ignore_index, weight)
     kept = max(1, int(np.sum(~ignored)))
     return Outputs(
-        z_loss=np.asarray(np.sum(per_token["z_loss"]) / den),
+        z_loss=np.asarray(np.sum(per_token["z_loss"]) / loss_den),
         lse=per_token["lse"].reshape(lead),
         accuracy=np.asarray(np.sum(per_token["accuracy"]) / kept),
         entropy=np.asarray(np.sum(per_token["entropy"]) / den),
     )
 
 
-def error_scales(z, lse, p, onehot, g, opts):
+def error_scales(z, lse, p, onehot, g, opts, weight=None):
     """Magnitudes that bound the rounding error of a float32 implementation (up to a constant times eps32).
 
     M_t = 1 + |lse_t| + max_j |z_tj| (+ softcap t): the absolute error of z_j - lse_t in float32 is ~ eps32 * M_t
@@ -242,6 +277,8 @@ def error_scales(z, lse, p, onehot, g, opts):
              + eps / V, the sum of the absolute values of dL/dz's terms: no cancellation credit, so the label
              column with p_y ~ 1 (dL/dz ~ 0, but p_y still carries its error) is covered. |s| bounds dz/dx; the
              softcap factor 1 - t^2 <= 1 is computed with absolute (not relative) error, so it gets no credit.
+    Class weights: every term is multiplied by at most max_c |w_c| (the smoothing term's W p_j + w_j by
+    max |w| (p_j + 1)), so both scales are multiplied by max(1, max_c |w_c|): one bound for every row.
     """
     with np.errstate(invalid="ignore", over="ignore"):
         finite_z = np.where(np.isfinite(z), np.abs(z), 0.0)
@@ -257,6 +294,10 @@ def error_scales(z, lse, p, onehot, g, opts):
             + (1.0 - opts.label_smoothing) * onehot
             + opts.label_smoothing / max(vocab, 1)
         )
+        if weight is not None and weight.size:
+            w_max = max(1.0, float(np.max(np.abs(weight))))
+            loss_scale = loss_scale * w_max
+            t = (t + opts.label_smoothing * np.where(np.isfinite(p), p, 0.0)) * w_max
         grad_terms = t * s * np.abs(np.where(np.isfinite(g), g, 0.0))[:, None]
         grad_scale = m[:, None] * grad_terms
     return loss_scale, grad_scale, grad_terms
@@ -274,7 +315,16 @@ class LinearResult:
 
 
 def linear_cross_entropy(
-    hidden, weight, labels, *, bias=None, reduction="mean", n_items=None, upstream=None, opts=Options()
+    hidden,
+    weight,
+    labels,
+    *,
+    bias=None,
+    reduction="mean",
+    n_items=None,
+    upstream=None,
+    opts=Options(),
+    class_weight=None,
 ):
     """hidden (..., H), weight (V, H) (nn.Linear's layout), bias (V,) or None: logits = hidden @ weight.T + bias in
     float64, then `cross_entropy` above; the gradients of hidden, weight and bias by the chain rule through the
@@ -291,7 +341,13 @@ def linear_cross_entropy(
         logits = logits + b
         logits_abs = logits_abs + np.abs(b)
     result = cross_entropy(
-        logits.reshape(*lead, w.shape[0]), labels, reduction=reduction, n_items=n_items, upstream=upstream, opts=opts
+        logits.reshape(*lead, w.shape[0]),
+        labels,
+        reduction=reduction,
+        n_items=n_items,
+        upstream=upstream,
+        opts=opts,
+        weight=class_weight,
     )
     grad = result.grad.reshape(-1, w.shape[0])
     with np.errstate(invalid="ignore", over="ignore"):

@@ -30,6 +30,7 @@ def test_signature_is_the_contract():
         return_lse=False,
         return_accuracy=False,
         return_entropy=False,
+        weight=None,
     )
     assert list(params)[:2] == ["logits", "labels"]
     assert {k: p.default for k, p in params.items() if k not in ("logits", "labels")} == expected

@@ -20,6 +20,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import fastce_jax
 from fastce_jax import linear_cross_entropy
 from shared_tests import reference as float64_reference
 
@@ -624,3 +625,39 @@ def test_gpu_skip_ignored_rows_compiled_memory(capsys, n, dim, vocab):
     with capsys.disabled():
         print(f"\n[fastce_jax linear skip] {n}x{dim}x{vocab}: temp {skipping / 2**20:.0f} MiB ({default / 2**20:.0f})")
     assert skipping - default <= 16 * n + (1 << 20)
+
+
+def test_class_weight_with_several_devices_on_4_cpu_devices(use_gpu):
+    if use_gpu or len(jax.devices("cpu")) >= 2:
+        pytest.skip("this process has several devices: the test runs here")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k", "class_weight_rows_sharded"]
+    done = subprocess.run(
+        cmd + [os.path.abspath(__file__)], cwd=root, env=env, capture_output=True, text=True, timeout=1200
+    )
+    assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-4000:]
+    assert re.search(r"1 passed", done.stdout) and " skipped" not in done.stdout
+
+
+def test_class_weight_rows_sharded(use_gpu):
+    """With several devices the chunk loop is partitioned, which has no rule for class weights: a weighted call must
+    still weigh (it runs the loop unpartitioned), rows sharded or not."""
+    devices = jax.devices("gpu" if use_gpu else "cpu")
+    if len(devices) < 4:
+        pytest.skip("needs 4 devices (run through test_class_weight_with_several_devices_on_4_cpu_devices)")
+    mesh = Mesh(np.array(devices[:4]), ("d",))
+    put = lambda x, dtype: jax.device_put(jnp.asarray(x, dtype), devices[0])  # noqa: E731
+    hidden, weight, _, labels = make_inputs(put, 32, 16, 50, seed=36)
+    class_weight = jnp.asarray(np.random.default_rng(37).uniform(0.2, 3.0, 50), jnp.float32)
+    y = jnp.asarray(labels, jnp.int32)
+    expected = fastce_jax.cross_entropy(
+        jnp.asarray(hidden, jnp.float32) @ jnp.asarray(weight, jnp.float32).T, y, weight=class_weight,
+        backend="reference",
+    )  # fmt: skip
+    sharded = jax.device_put(hidden, NamedSharding(mesh, P("d", None)))
+    for h in (hidden, sharded):
+        with jax.default_matmul_precision("float32"):
+            got = jax.jit(lambda a: linear_cross_entropy(a, weight, y, class_weight=class_weight, backend="kernel"))(h)
+        np.testing.assert_allclose(float(got), float(expected), rtol=1e-5)

@@ -648,3 +648,11 @@ def test_skip_ignored_rows_refuses_cuda_graph_capture(device):
         with pytest.raises(RuntimeError, match="skip_ignored_rows"):
             with torch.cuda.graph(graph, stream=stream):
                 linear_cross_entropy(hidden.detach(), weight.detach(), labels, skip_ignored_rows=True)
+
+
+def test_class_weight_with_a_sharded_head_is_refused():
+    """The sharded-head paths have no class weights: a clear error, not an unweighted loss."""
+    hidden, weight, _, labels = problem("cpu")
+    class_weight = torch.rand(weight.shape[0]) + 0.5
+    with pytest.raises(NotImplementedError, match="class_weight with a sharded head"):
+        linear_cross_entropy(hidden, weight, labels, class_weight=class_weight, vocab_start=0)
