@@ -366,11 +366,13 @@ def test_linear_cross_entropy(package, reduction, opts, n_items, device):
 
         args = [exchange.to_jax(t.to(device)) for t in (hidden, head, bias)]
         y, cw = exchange.labels_to_jax(labels.to(device)), exchange.to_jax(weight.to(device))
-        loss, vjp = jax.vjp(
-            lambda h, w, b: fastce_jax.linear_cross_entropy(h, w, y, bias=b, class_weight=cw, **kwargs), *args
-        )
-        cot = exchange.to_jax(upstream.to(device)) if reduction == "none" else jax.numpy.ones((), loss.dtype)
-        got = [np.asarray(loss, np.float64)] + [np.asarray(g, np.float64) for g in vjp(cot)]
+        # The chunk matmuls follow JAX's default precision, TF32 for float32 on a GPU: ask for float32, as torch does.
+        with jax.default_matmul_precision("float32"):
+            loss, vjp = jax.vjp(
+                lambda h, w, b: fastce_jax.linear_cross_entropy(h, w, y, bias=b, class_weight=cw, **kwargs), *args
+            )
+            cot = exchange.to_jax(upstream.to(device)) if reduction == "none" else jax.numpy.ones((), loss.dtype)
+            got = [np.asarray(loss, np.float64)] + [np.asarray(g, np.float64) for g in vjp(cot)]
     assert_loss(got[0], ref.logits, f"{package} loss")
     scale = np.abs(ref.logits.grad_scale.reshape(n, vocab))
     exact = [ref.grad_hidden, ref.grad_weight, ref.grad_bias]
@@ -417,9 +419,10 @@ def test_linear_z_loss_output_gradient(package, reduction, device):
             out = fastce_jax.linear_cross_entropy(h, w, y, class_weight=cw, **kwargs)
             return out.loss + out.z_loss
 
-        value, vjp = jax.vjp(total, *(exchange.to_jax(t.to(device)) for t in (hidden, head)))
-        cot = exchange.to_jax(upstream.to(device)) if reduction == "none" else jax.numpy.ones((), value.dtype)
-        got = [np.asarray(g, np.float64) for g in vjp(cot)]
+        with jax.default_matmul_precision("float32"):  # not TF32 on a GPU
+            value, vjp = jax.vjp(total, *(exchange.to_jax(t.to(device)) for t in (hidden, head)))
+            cot = exchange.to_jax(upstream.to(device)) if reduction == "none" else jax.numpy.ones((), value.dtype)
+            got = [np.asarray(g, np.float64) for g in vjp(cot)]
     for name, actual, exact in zip(("hidden", "weight"), got, want):
         np.testing.assert_allclose(actual, exact, rtol=1e-4, atol=1e-5, err_msg=f"{package} grad {name}")
 
