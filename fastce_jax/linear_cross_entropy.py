@@ -101,7 +101,7 @@ class _Static(NamedTuple):
 def _ce_forward(logits, labels, st: _Static, class_weight=None):
     if st.vocab_layout is not None:  # a device's vocabulary block: the statistics combined over the devices
         mesh, axes, vocab_total = st.vocab_layout
-        return sharding._local_forward(
+        return sharding.local_forward(
             logits, labels, st.options, st.interpret, None, mesh=mesh, vocab_axes=axes, vocab_total=vocab_total,
             extras=(st.returns.accuracy, st.returns.entropy),
         )  # fmt: skip
@@ -118,7 +118,7 @@ def _ce_forward(logits, labels, st: _Static, class_weight=None):
 def _ce_backward_in_place(logits, labels, lse, g, st: _Static, g_lse=None, class_weight=None):
     if st.vocab_layout is not None:
         mesh, axes, vocab_total = st.vocab_layout
-        return sharding._local_backward(
+        return sharding.local_backward(
             logits, labels, lse, g, st.options, True, st.interpret, None, mesh=mesh, vocab_axes=axes,
             vocab_total=vocab_total, g_lse=g_lse,
         )  # fmt: skip
@@ -137,7 +137,7 @@ def _ce_backward_in_place(logits, labels, lse, g, st: _Static, g_lse=None, class
     )
 
 
-def _extra_names(st: _Static):
+def extra_names(st: _Static):
     """The per-token extra outputs the forward kernels give besides (loss, lse), in their order."""
     return tuple(name for name in ("accuracy", "entropy") if getattr(st.returns, name))
 
@@ -251,7 +251,7 @@ def _zero_weight_grads(weight, st: _Static):
     return out
 
 
-def _fused_forward(hidden, weight, bias, labels, g_tokens, st: _Static, class_weight=None):
+def chunked_forward(hidden, weight, bias, labels, g_tokens, st: _Static, class_weight=None):
     """Per-token losses and lse (N,) and, when g_tokens (N,) is given, the gradients of sum_t g_t * loss_t:
     (dhidden in the compute dtype, dweight in float32 or the compute dtype, dbias float32 or None); then a dict of
     the per-token extra outputs st.returns asks for (accuracy, entropy), collected chunk by chunk."""
@@ -261,7 +261,7 @@ def _fused_forward(hidden, weight, bias, labels, g_tokens, st: _Static, class_we
         return sharded_linear.fused_forward(hidden, weight, bias, labels, g_tokens, st)
     n = hidden.shape[0]
     want_grads = g_tokens is not None
-    extras = _extra_names(st)
+    extras = extra_names(st)
     order = _row_order(labels, st)
 
     def step(k, carry, first):
@@ -300,7 +300,7 @@ def _fused_forward(hidden, weight, bias, labels, g_tokens, st: _Static, class_we
     return carry["losses"], carry["lse"], grads, {name: carry[name] for name in extras}
 
 
-def _fused_backward(hidden, weight, bias, labels, lse, g_tokens, st: _Static, g_lse=None, class_weight=None):
+def chunked_backward(hidden, weight, bias, labels, lse, g_tokens, st: _Static, g_lse=None, class_weight=None):
     """Gradients of sum_t g_t * loss_t (+ sum_t g_lse_t * lse_t when g_lse is given: a returned z_loss's) from the
     saved lse: each chunk's logits are recomputed, no forward kernel."""
     if st.partitioned:
@@ -361,14 +361,14 @@ def _token_scale(labels, n_items, st: _Static, class_weight=None):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _reduced_loss(hidden, weight, bias, labels, n_items, class_weight, st: _Static):
-    losses, lse, _, extra = _fused_forward(hidden, weight, bias, labels, None, st, class_weight)
+    losses, lse, _, extra = chunked_forward(hidden, weight, bias, labels, None, st, class_weight)
     loss = contract.reduce_losses(losses, labels, st.reduction, n_items, st.options.ignore_index, class_weight)
     return _with_extras(loss, lse, extra, st)
 
 
 def _reduced_fwd(hidden, weight, bias, labels, n_items, class_weight, st: _Static):
     g_tokens = _token_scale(labels, n_items, st, class_weight)
-    losses, lse, grads, extra = _fused_forward(hidden, weight, bias, labels, g_tokens, st, class_weight)
+    losses, lse, grads, extra = chunked_forward(hidden, weight, bias, labels, g_tokens, st, class_weight)
     loss = contract.reduce_losses(losses, labels, st.reduction, n_items, st.options.ignore_index, class_weight)
     # Zero-size stand-ins keep the input dtypes for the backward's casts.
     likes = (jnp.zeros((0,), hidden.dtype), jnp.zeros((0,), weight.dtype), None if bias is None else bias[:0])
@@ -388,7 +388,7 @@ def _reduced_bwd(st: _Static, residuals, g):
             def z_loss_part():
                 zeros = jnp.zeros(labels.shape, jnp.float32)
                 # Unweighted: g_lse already holds the class weights' factor of the z_loss output.
-                return _fused_backward(hidden, weight, bias, labels, lse, zeros, st, g_lse.astype(jnp.float32))
+                return chunked_backward(hidden, weight, bias, labels, lse, zeros, st, g_lse.astype(jnp.float32))
 
             def nothing():
                 return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(z_loss_part))
@@ -404,12 +404,12 @@ _reduced_loss.defvjp(_reduced_fwd, _reduced_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _per_token_losses(hidden, weight, bias, labels, class_weight, st: _Static):
-    losses, lse, _, extra = _fused_forward(hidden, weight, bias, labels, None, st, class_weight)
+    losses, lse, _, extra = chunked_forward(hidden, weight, bias, labels, None, st, class_weight)
     return _with_extras(losses, lse, extra, st)
 
 
 def _per_token_fwd(hidden, weight, bias, labels, class_weight, st: _Static):
-    losses, lse, _, extra = _fused_forward(hidden, weight, bias, labels, None, st, class_weight)
+    losses, lse, _, extra = chunked_forward(hidden, weight, bias, labels, None, st, class_weight)
     return _with_extras(losses, lse, extra, st), (hidden, weight, bias, labels, lse, class_weight)
 
 
@@ -418,7 +418,7 @@ def _per_token_bwd(st: _Static, residuals, g):
     g_lse = None
     if st.returns:
         g, g_lse = g[0], (g[1].astype(jnp.float32) if contract.lse_differentiated(st.options, st.returns) else None)
-    grads = _fused_backward(hidden, weight, bias, labels, lse, g.astype(jnp.float32), st, g_lse, class_weight)
+    grads = chunked_backward(hidden, weight, bias, labels, lse, g.astype(jnp.float32), st, g_lse, class_weight)
     dh, dw, db = _finish_grads(grads, hidden, weight, bias)
     return dh, dw, db, None, None if class_weight is None else jnp.zeros_like(class_weight)
 
@@ -456,7 +456,7 @@ def _kernel_loss(h2, weight, bias, labels, n_items, class_weight=None, *, st: _S
     if not st.returns:
         return outs
     loss, lse, *rest = outs
-    extra = dict(zip(_extra_names(st), rest))
+    extra = dict(zip(extra_names(st), rest))
     return contract.with_outputs(
         loss,
         lse,

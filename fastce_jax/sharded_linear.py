@@ -11,8 +11,8 @@ computation:
   summed over the rows' axes (the data-parallel gradient reduction, one all-reduce of the device's weight block).
 * vocabulary sharded: the device's weight rows, the vocabulary offset its index along the vocabulary axes. Per
   chunk the kernels' vocab-parallel statistics, then one ``pmax`` of the chunk's rows and one ``psum`` of 3x them
-  (sharding._local_forward) give every device the chunk's global lse and loss; the kernels' vocab-parallel
-  backward then gives the chunk's d logits of the device's columns (sharding._local_backward), folded into the
+  (sharding.local_forward) give every device the chunk's global lse and loss; the kernels' vocab-parallel
+  backward then gives the chunk's d logits of the device's columns (sharding.local_backward), folded into the
   device's d weight (no communication) and its share of d hidden, summed over the vocabulary axes once at the
   end (an all-reduce of the device's rows x H).
 * both at once (rows over 'data', vocabulary over 'model').
@@ -22,7 +22,7 @@ a weight or hidden sharded along H is gathered along it first (by XLA, to the sh
 Rows or vocabulary that their mesh axes do not divide are replicated instead. Each device's chunk is at most the
 call's chunk rows (computed for the whole vocabulary), so a vocabulary-sharded device materialises less.
 
-The return_* outputs' statistics ride on the same combine (sharding._local_forward with extras); a differentiated
+The return_* outputs' statistics ride on the same combine (sharding.local_forward with extras); a differentiated
 z_loss output's backward is the backward op with the lse cotangent.
 
 vmap: custom_partitioning has no batching rule; a vmapped call runs the unpartitioned loop (jax.vmap of it).
@@ -120,7 +120,7 @@ def _outputs(grads, st):
 
 
 def _n_extras(st):
-    return len(lce._extra_names(st))
+    return len(lce.extra_names(st))
 
 
 def _forward_local(*args, st, with_grads, mesh=None, rows=(), vocab=(), vocab_total=None):
@@ -128,7 +128,7 @@ def _forward_local(*args, st, with_grads, mesh=None, rows=(), vocab=(), vocab_to
     hidden, weight, bias, labels, rest = _split(args, st)
     local = _local_static(st, hidden.shape[0], weight.shape[0], mesh, vocab, vocab_total or weight.shape[0])
     g_tokens = rest[0] if with_grads else None
-    losses, lse, grads, extra = lce._fused_forward(hidden, weight, bias, labels, g_tokens, local)
+    losses, lse, grads, extra = lce.chunked_forward(hidden, weight, bias, labels, g_tokens, local)
     out = (losses, lse, *extra.values())
     return out + (_outputs(_reduced_grads(grads, rows, vocab), st) if with_grads else ())
 
@@ -136,7 +136,7 @@ def _forward_local(*args, st, with_grads, mesh=None, rows=(), vocab=(), vocab_to
 def _backward_local(*args, st, with_lse=False, mesh=None, rows=(), vocab=(), vocab_total=None):
     hidden, weight, bias, labels, (lse, g, *g_lse) = _split(args, st)
     local = _local_static(st, hidden.shape[0], weight.shape[0], mesh, vocab, vocab_total or weight.shape[0])
-    grads = lce._fused_backward(hidden, weight, bias, labels, lse, g, local, g_lse[0] if with_lse else None)
+    grads = lce.chunked_backward(hidden, weight, bias, labels, lse, g, local, g_lse[0] if with_lse else None)
     return _outputs(_reduced_grads(grads, rows, vocab), st)
 
 
@@ -224,12 +224,12 @@ def _op(kind, st, with_grads=False):
 
 
 def fused_forward(hidden, weight, bias, labels, g_tokens, st):
-    """linear_cross_entropy._fused_forward, partitioned."""
+    """linear_cross_entropy.chunked_forward, partitioned."""
     with_grads = g_tokens is not None
     args = (hidden, weight) + (() if bias is None else (bias,)) + (labels,) + ((g_tokens,) if with_grads else ())
     out = _op("forward", st, with_grads)(*args)
     n_extras = _n_extras(st)
-    losses, lse, extra = out[0], out[1], dict(zip(lce._extra_names(st), out[2 : 2 + n_extras]))
+    losses, lse, extra = out[0], out[1], dict(zip(lce.extra_names(st), out[2 : 2 + n_extras]))
     grads = None
     if with_grads:
         dh, dw, *db = out[2 + n_extras :]
@@ -238,7 +238,7 @@ def fused_forward(hidden, weight, bias, labels, g_tokens, st):
 
 
 def fused_backward(hidden, weight, bias, labels, lse, g_tokens, st, g_lse=None):
-    """linear_cross_entropy._fused_backward, partitioned."""
+    """linear_cross_entropy.chunked_backward, partitioned."""
     with_lse = g_lse is not None
     args = (
         (hidden, weight) + (() if bias is None else (bias,)) + (labels, lse, g_tokens) + ((g_lse,) if with_lse else ())

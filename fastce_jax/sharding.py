@@ -72,7 +72,7 @@ def _shard_index(mesh: Mesh, axes: tuple[str, ...]):
     return index
 
 
-def _local_forward(
+def local_forward(
     logits,
     labels,
     options: Options,
@@ -122,7 +122,7 @@ def _local_forward(
     return tuple(o.reshape(labels.shape) for o in outs)
 
 
-def _local_backward(
+def local_backward(
     logits,
     labels,
     lse,
@@ -198,7 +198,7 @@ def _partition_forward(options, interpret, config, extras, mesh, arg_shapes, res
     mesh, rows, vocab_axes = _plan(arg_shapes[0])
     logits_sharding, row_sharding = _shardings(mesh, rows, vocab_axes)
     lower = functools.partial(
-        _local_forward,
+        local_forward,
         options=options,
         interpret=interpret,
         config=config,
@@ -217,8 +217,8 @@ def _infer_forward(options, interpret, config, extras, mesh, arg_shapes, result_
 
 
 def _local_backward_args(logits, labels, lse, g, *maybe_g_lse, **static):
-    """_local_backward with the optional lse cotangent as a fifth positional operand."""
-    return _local_backward(logits, labels, lse, g, g_lse=maybe_g_lse[0] if maybe_g_lse else None, **static)
+    """local_backward with the optional lse cotangent as a fifth positional operand."""
+    return local_backward(logits, labels, lse, g, g_lse=maybe_g_lse[0] if maybe_g_lse else None, **static)
 
 
 def _partition_backward(options, inplace, interpret, config, mesh, arg_shapes, result_shape):
@@ -259,7 +259,7 @@ def _forward_op(options: Options, interpret: bool, config, extras=(False, False)
 
     @custom_partitioning
     def op(logits, labels):
-        return _local_forward(logits, labels, options, interpret, config, **kw)
+        return local_forward(logits, labels, options, interpret, config, **kw)
 
     n_out = 2 + sum(extras)
     op.def_partition(
@@ -331,7 +331,7 @@ def _forward_kw(st: _Launch):
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _forward(logits, labels, st: _Launch):
     if not st.partitioned or _single_device():
-        return _local_forward(logits, labels, st.options, st.interpret, st.config, **_forward_kw(st))
+        return local_forward(logits, labels, st.options, st.interpret, st.config, **_forward_kw(st))
     return _forward_op(st.options, st.interpret, st.config, *((st.extras,) if any(st.extras) else ()))(logits, labels)
 
 

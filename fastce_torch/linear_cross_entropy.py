@@ -131,7 +131,7 @@ def _chunk_logits(workspace, hidden_chunk, weight, bias):
     return workspace
 
 
-def _in_compute_dtype(hidden, weight, bias):
+def in_compute_dtype(hidden, weight, bias):
     """weight and bias in hidden's dtype, the one the matmuls run in: a cast copy only under autocast, where the
     (float32 master) weight and bias stay as given so that their gradients are accumulated in their own dtype."""
     # Each no-op .to costs host time (~8 us on the H200 machine): only cast what differs.
@@ -140,7 +140,7 @@ def _in_compute_dtype(hidden, weight, bias):
     return weight, bias if bias is None or bias.dtype == dtype else bias.to(dtype)
 
 
-def _interior(hidden):
+def kernel_context(hidden):
     """The kernels' own code runs without gradient tracking and without autocast: its matmuls run exactly in the
     dtype linear_cross_entropy chose (autocast was already applied at its entry). Each context is entered only when
     it changes something (an autograd.Function's forward already runs without grad mode; torch.autocast's context
@@ -154,14 +154,14 @@ def _interior(hidden):
     return stack
 
 
-def _new_grads(hidden, weight, bias, needs, chunking, kept=None):
+def new_grads(hidden, weight, bias, needs, chunking, kept=None):
     need_hidden, need_weight, need_bias = needs
     # With kept rows (skip_ignored_rows) the chunks write only those rows: the ignored ones start at zero.
     new = torch.empty if kept is None else torch.zeros
     grad_hidden = new(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
     # Accumulated over chunks: the first chunk's product overwrites them (beta=0: no fill, no read of zeros, a
     # V x H write and read less than starting from zeros), the next ones add (beta=1); when no chunk runs (no rows,
-    # or no kept row) _finish_grads zeroes them. A weight that is not in the compute dtype (a float32 master weight
+    # or no kept row) finish_grads zeroes them. A weight that is not in the compute dtype (a float32 master weight
     # under autocast) gets a float32 accumulator: its gradient is float32 anyway, and one rounding at the end is more
     # accurate than rounding every chunk to the compute dtype and casting back.
     float32_accumulator = chunking.accumulate_in_float32 or weight.dtype != hidden.dtype
@@ -171,7 +171,7 @@ def _new_grads(hidden, weight, bias, needs, chunking, kept=None):
     return grad_hidden, grad_weight, grad_bias
 
 
-def _accumulate_grads(dlogits, hidden_chunk, weight, rows, grads, first):
+def accumulate_grads(dlogits, hidden_chunk, weight, rows, grads, first):
     """Adds one chunk's products to the gradients; the first chunk processed writes them instead (their storage is
     uninitialised)."""
     grad_hidden, grad_weight, grad_bias = grads
@@ -196,7 +196,7 @@ def _accumulate_grads(dlogits, hidden_chunk, weight, rows, grads, first):
             grad_bias += dlogits.sum(0, dtype=torch.float32)
 
 
-def _finish_grads(grads, weight, bias, any_chunk):
+def finish_grads(grads, weight, bias, any_chunk):
     grad_hidden, grad_weight, grad_bias = grads
     if not any_chunk:  # nothing wrote them
         for grad in (grad_weight, grad_bias):
@@ -230,7 +230,7 @@ def _kept_rows(labels, ignore_index, chunking):
     return None if kept.numel() == labels.numel() else kept
 
 
-def _chunks(hidden, weight, bias, labels, chunking, kept=None):
+def row_chunks(hidden, weight, bias, labels, chunking, kept=None):
     """Yields (rows, hidden_chunk, labels_chunk, logits) chunk by chunk; logits is a view of one workspace that the
     next chunk overwrites. rows is a slice of the rows, or with `kept` (_kept_rows) a slice of those indices: the
     chunks then cover only the kept rows (gathered, a chunk x H copy each), so ignored rows cost no matmul."""
@@ -253,7 +253,7 @@ def _per_row(n_rows, kept, fill, dtype, device):
     return torch.full((n_rows,), fill, dtype=dtype, device=device)
 
 
-def _fused_forward(
+def chunked_forward(
     hidden,
     weight,
     bias,
@@ -271,9 +271,9 @@ def _fused_forward(
     (token_losses, lse, (grad_hidden, grad_weight, grad_bias)), None for gradients not needed; with outputs, then
     also the per-row argmax (int32) and mean of z (the extra outputs' statistics, collected chunk by chunk)."""
     n_rows, device = hidden.shape[0], hidden.device
-    with _interior(hidden):
+    with kernel_context(hidden):
         kept = _kept_rows(labels, options.ignore_index, chunking) if kept is _FIND else kept
-        weight_c, bias_c = _in_compute_dtype(hidden, weight, bias)
+        weight_c, bias_c = in_compute_dtype(hidden, weight, bias)
         # One chunk over every row (every small call) keeps the kernel's own per-row outputs (no allocation, no
         # copy); otherwise the chunks gather theirs into (token losses, lse[, argmax, mean of z]).
         per_row = None
@@ -282,10 +282,10 @@ def _fused_forward(
             fills = (0.0, -float("inf")) + ((0, float("nan")) if outputs else ())
             kinds = (torch.float32, torch.float32) + ((torch.int32, torch.float32) if outputs else ())
             per_row = [_per_row(n_rows, kept, fill, kind, device) for fill, kind in zip(fills, kinds, strict=True)]
-        grads = _new_grads(hidden, weight, bias, needs, chunking, kept)
+        grads = new_grads(hidden, weight, bias, needs, chunking, kept)
         one = torch.ones((), dtype=torch.float32, device=device) if any(needs) else None
         any_chunk = False
-        for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight_c, bias_c, labels, chunking, kept):
+        for rows, hidden_chunk, labels_chunk, logits in row_chunks(hidden, weight_c, bias_c, labels, chunking, kept):
             chunk_outputs = _ce_forward(logits, labels_chunk, options, outputs, class_weight)
             if per_row is None:
                 per_row = list(chunk_outputs)
@@ -294,14 +294,14 @@ def _fused_forward(
                     whole[rows] = part
             if any(needs):
                 _ce_backward_in_place(logits, labels_chunk, chunk_outputs[1], one, options, denominator, class_weight)
-                _accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first=not any_chunk)
+                accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first=not any_chunk)
             any_chunk = True
         token_losses, lse, *statistics = per_row
-        result = token_losses, lse, _finish_grads(grads, weight, bias, any_chunk)
+        result = token_losses, lse, finish_grads(grads, weight, bias, any_chunk)
         return (*result, *statistics) if outputs else result
 
 
-def _fused_backward(
+def chunked_backward(
     grad_losses,
     hidden,
     weight,
@@ -318,16 +318,16 @@ def _fused_backward(
     """Gradients of sum_t grad_losses_t * loss_t (+ grad_lse_t * lse_t: the z_loss output's), recomputing each
     chunk's logits from hidden and weight; grad_losses None for the lse part alone."""
     # no_grad: under create_graph=True autograd runs backward with grad mode on, and these are kernels and out= ops.
-    with _interior(hidden):
+    with kernel_context(hidden):
         if not any(needs):
-            return _new_grads(hidden, weight, bias, needs, chunking)
+            return new_grads(hidden, weight, bias, needs, chunking)
         # The forward's kept rows: handed over by the eager Functions, found again (a second synchronisation) by
         # the custom ops' backward.
         kept = _kept_rows(labels, options.ignore_index, chunking) if kept is _FIND else kept
-        grads = _new_grads(hidden, weight, bias, needs, chunking, kept)
-        weight_c, bias_c = _in_compute_dtype(hidden, weight, bias)
+        grads = new_grads(hidden, weight, bias, needs, chunking, kept)
+        weight_c, bias_c = in_compute_dtype(hidden, weight, bias)
         any_chunk = False
-        for rows, hidden_chunk, labels_chunk, logits in _chunks(hidden, weight_c, bias_c, labels, chunking, kept):
+        for rows, hidden_chunk, labels_chunk, logits in row_chunks(hidden, weight_c, bias_c, labels, chunking, kept):
             if grad_lse is None:
                 _ce_backward_in_place(
                     logits, labels_chunk, lse[rows], grad_losses[rows], options, class_weight=class_weight
@@ -337,9 +337,9 @@ def _fused_backward(
                 _ce_chunk_backward(
                     logits, labels_chunk, lse[rows], grad_rows, grad_lse[rows], options, class_weight=class_weight
                 )
-            _accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first=not any_chunk)
+            accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first=not any_chunk)
             any_chunk = True
-        return _finish_grads(grads, weight, bias, any_chunk)
+        return finish_grads(grads, weight, bias, any_chunk)
 
 
 def _differentiable_grads(grad_rows, hidden, weight, bias, labels, options, needs, grad_lse=None, class_weight=None):
@@ -384,7 +384,7 @@ class _ReducedFunction(torch.autograd.Function):
         ctx.options, ctx.needs, ctx.extras, ctx.class_weight = options, needs, extras, class_weight
         if extras is not None:
             return _ReducedFunction._forward_outputs(ctx, hidden, weight, bias, labels, denominator, chunking)
-        token_losses, _, grads = _fused_forward(
+        token_losses, _, grads = chunked_forward(
             hidden, weight, bias, labels, options, chunking, denominator, needs, class_weight=class_weight
         )
         ctx.grads = grads
@@ -396,7 +396,7 @@ class _ReducedFunction(torch.autograd.Function):
     def _forward_outputs(ctx, hidden, weight, bias, labels, denominator, chunking):
         """With the extra outputs: (loss, lse, argmax, mean of z); lse is differentiable for the z_loss output."""
         ctx.kept = _kept_rows(labels, ctx.options.ignore_index, chunking)  # for a backward recomputing the logits
-        token_losses, lse, grads, argmax, mean_z = _fused_forward(
+        token_losses, lse, grads, argmax, mean_z = chunked_forward(
             hidden,
             weight,
             bias,
@@ -457,7 +457,7 @@ class _ReducedFunction(torch.autograd.Function):
                 grad_rows, hidden, weight, bias, labels, ctx.options, ctx.needs, grad_lse, ctx.class_weight
             )
             return (*grads, *nones)
-        lse_grads = _fused_backward(
+        lse_grads = chunked_backward(
             None, hidden, weight, bias, labels, lse, ctx.options, ctx.chunking, ctx.needs, grad_lse.detach(), ctx.kept
         )  # unweighted: grad_lse holds the class weights' factor
         if grad_loss is None:
@@ -476,13 +476,13 @@ class _PerTokenFunction(torch.autograd.Function):
         ctx.options, ctx.chunking, ctx.extras, ctx.class_weight = options, chunking, extras, class_weight
         ctx.kept = _kept_rows(labels, options.ignore_index, chunking)  # the backward's chunks are the forward's
         if extras is None:
-            token_losses, lse, _ = _fused_forward(
+            token_losses, lse, _ = chunked_forward(
                 hidden, weight, bias, labels, options, chunking, kept=ctx.kept, class_weight=class_weight
             )
             ctx.save_for_backward(hidden, weight, bias, labels, lse)
             return token_losses
         # With the extra outputs: (losses, lse, argmax, mean of z); lse is differentiable for the z_loss output.
-        token_losses, lse, _, argmax, mean_z = _fused_forward(
+        token_losses, lse, _, argmax, mean_z = chunked_forward(
             hidden, weight, bias, labels, options, chunking, outputs=True, kept=ctx.kept, class_weight=class_weight
         )
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
@@ -505,7 +505,7 @@ class _PerTokenFunction(torch.autograd.Function):
             return (*grads, None, None, None, None, None)
         grad_losses = None if grad_losses is None else grad_losses.detach().contiguous()
         grad_lse = None if grad_lse is None else grad_lse.detach()
-        grads = _fused_backward(
+        grads = chunked_backward(
             grad_losses,
             hidden,
             weight,
@@ -575,7 +575,7 @@ def _fake_grads(hidden, weight, bias, needs):
 def _reduced_op(hidden, weight, bias, labels, denominator, *settings):
     settings, class_weight = _split_class_weight(settings)
     options, chunking, needs = _settings(settings)
-    token_losses, _, grads = _fused_forward(
+    token_losses, _, grads = chunked_forward(
         hidden, weight, bias, labels, options, chunking, denominator, needs, class_weight=class_weight
     )
     loss = token_losses.sum() / denominator[0]
@@ -617,7 +617,7 @@ torch.library.register_autograd(
 def _per_token_forward_op(hidden, weight, bias, labels, *settings):
     settings, class_weight = _split_class_weight(settings)
     options, chunking, _ = _settings(settings)
-    token_losses, lse, _ = _fused_forward(hidden, weight, bias, labels, options, chunking, class_weight=class_weight)
+    token_losses, lse, _ = chunked_forward(hidden, weight, bias, labels, options, chunking, class_weight=class_weight)
     return token_losses, lse
 
 
@@ -636,7 +636,7 @@ def _(hidden, weight, bias, labels, *settings):
 def _per_token_backward_op(grad_losses, hidden, weight, bias, labels, lse, *settings):
     settings, class_weight = _split_class_weight(settings)
     options, chunking, needs = _settings(settings)
-    grads = _fused_backward(
+    grads = chunked_backward(
         grad_losses.contiguous(), hidden, weight, bias, labels, lse, options, chunking, needs, None, class_weight
     )
     return tuple(_or_empty(grad, hidden) for grad in grads)
@@ -682,7 +682,7 @@ torch.library.register_autograd(
 def _outputs_forward_op(hidden, weight, bias, labels, *settings):
     settings, class_weight = _split_class_weight(settings)
     options, chunking, _ = _settings(settings[:-1])
-    token_losses, lse, _, argmax, mean_z = _fused_forward(
+    token_losses, lse, _, argmax, mean_z = chunked_forward(
         hidden, weight, bias, labels, options, chunking, outputs=True, class_weight=class_weight
     )
     return token_losses, lse, argmax, mean_z
@@ -705,7 +705,7 @@ def _outputs_backward_op(grad_losses, grad_lse, hidden, weight, bias, labels, ls
     settings, class_weight = _split_class_weight(settings)
     options, chunking, needs = _settings(settings[:-1])
     grad_lse = grad_lse.contiguous() if settings[-1] else None
-    grads = _fused_backward(
+    grads = chunked_backward(
         grad_losses.contiguous(), hidden, weight, bias, labels, lse, options, chunking, needs, grad_lse, class_weight
     )
     return tuple(_or_empty(grad, hidden) for grad in grads)
@@ -785,7 +785,7 @@ def _common_dtype(hidden, weight, bias):
     return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
-def _autocast_or_common_dtype(hidden, weight, bias):
+def autocast_or_common_dtype(hidden, weight, bias):
     """Under torch.autocast for the tensors' device type the matmuls run in the autocast dtype, as F.linear's do:
     hidden is cast (through autograd, so its gradient comes back in its own dtype, as F.linear's would); weight and
     bias are cast inside the computation instead, and their gradients accumulated and handed back in their own
@@ -902,22 +902,20 @@ def linear_cross_entropy(
     if validate_labels:
         contract.validate_labels(labels, weight.shape[0], ignore_index)
     if any(extras):
-        output = _linear_outputs(
+        output = unsharded_outputs(
             hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras, class_weight
         )
         return contract.unshifted(output, kept, reduction)
-    loss = _linear_cross_entropy(
-        hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, class_weight
-    )
+    loss = unsharded_loss(hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, class_weight)
     return loss[..., :kept] if kept is not None and reduction == "none" else loss
 
 
-def _linear_outputs(
+def unsharded_outputs(
     hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras, class_weight=None
 ):
     """linear_cross_entropy with extra outputs: CrossEntropyOutput."""
     ignore_index = options.ignore_index
-    hidden, weight, bias = _autocast_or_common_dtype(hidden, weight, bias)
+    hidden, weight, bias = autocast_or_common_dtype(hidden, weight, bias)
     vocab = weight.shape[0]
     if not contract.use_kernel(hidden, backend):
         logits = torch.nn.functional.linear(hidden, weight, bias)
@@ -954,11 +952,9 @@ def _linear_outputs(
     )
 
 
-def _linear_cross_entropy(
-    hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, class_weight=None
-):
+def unsharded_loss(hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, class_weight=None):
     ignore_index = options.ignore_index
-    hidden, weight, bias = _autocast_or_common_dtype(hidden, weight, bias)
+    hidden, weight, bias = autocast_or_common_dtype(hidden, weight, bias)
     if not contract.use_kernel(hidden, backend):
         token_losses = contract.reference_token_losses(
             torch.nn.functional.linear(hidden, weight, bias), labels, options, class_weight

@@ -98,17 +98,19 @@ def _chunk_gradient(grad_rows, denominator, logits, labels, lse, options, layout
 def _recomputed_grads(hidden, weight, bias, labels, lse, grad_losses, grad_lse, needs, ctx):
     """The gradients of sum_t (grad_losses_t loss_t + grad_lse_t lse_t) (either None for none of it), each chunk's
     logits recomputed; d hidden summed over the ranks."""
-    with lce._interior(hidden):
-        grads = lce._new_grads(hidden, weight, bias, needs, ctx.chunking)
+    with lce.kernel_context(hidden):
+        grads = lce.new_grads(hidden, weight, bias, needs, ctx.chunking)
         if any(needs):
-            weight_c, bias_c = lce._in_compute_dtype(hidden, weight, bias)
-            for rows, hidden_chunk, labels_chunk, logits in lce._chunks(hidden, weight_c, bias_c, labels, ctx.chunking):
+            weight_c, bias_c = lce.in_compute_dtype(hidden, weight, bias)
+            for rows, hidden_chunk, labels_chunk, logits in lce.row_chunks(
+                hidden, weight_c, bias_c, labels, ctx.chunking
+            ):
                 _chunk_gradient(
                     None if grad_losses is None else grad_losses[rows], None, logits, labels_chunk, lse[rows],
                     ctx.options, ctx.layout, ctx.use_kernel, None if grad_lse is None else grad_lse[rows],
                 )  # fmt: skip
-                lce._accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first=rows.start == 0)
-        grads = lce._finish_grads(grads, weight, bias, any_chunk=hidden.shape[0] > 0)
+                lce.accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first=rows.start == 0)
+        grads = lce.finish_grads(grads, weight, bias, any_chunk=hidden.shape[0] > 0)
         if grads[0] is not None:
             _sum_over_ranks(grads[0], ctx.layout[0])
     return grads
@@ -130,16 +132,16 @@ class _VocabParallelLinearFunction(torch.autograd.Function):
         # The same rows per chunk on every rank (from the widest slice): the ranks' collectives pair up.
         step = lce.rows_per_chunk(n_rows, widest, hidden.element_size(), chunking.workspace_bytes, chunking.chunk_rows)
         chunking = chunking._replace(chunk_rows=step)
-        with lce._interior(hidden):
-            weight_c, bias_c = lce._in_compute_dtype(hidden, weight, bias)
+        with lce.kernel_context(hidden):
+            weight_c, bias_c = lce.in_compute_dtype(hidden, weight, bias)
             token_losses = torch.zeros(n_rows, dtype=dtype, device=hidden.device)
             lse = torch.full((n_rows,), float("-inf"), dtype=dtype, device=hidden.device)
             if outputs:
                 argmax = torch.zeros(n_rows, dtype=torch.int64, device=hidden.device)
                 mean_z = torch.zeros(n_rows, dtype=dtype, device=hidden.device)
-            grads = lce._new_grads(hidden, weight, bias, grad_now, chunking)
+            grads = lce.new_grads(hidden, weight, bias, grad_now, chunking)
             one = torch.ones((), dtype=torch.float32, device=hidden.device)
-            for rows, hidden_chunk, labels_chunk, logits in lce._chunks(hidden, weight_c, bias_c, labels, chunking):
+            for rows, hidden_chunk, labels_chunk, logits in lce.row_chunks(hidden, weight_c, bias_c, labels, chunking):
                 lse_local, z_label, sum_z, *local_extras = sharding.shard_statistics(
                     logits, labels_chunk, options, vocab_start, vocab_total, use_kernel, outputs
                 )
@@ -155,8 +157,8 @@ class _VocabParallelLinearFunction(torch.autograd.Function):
                     argmax[rows], mean_z[rows] = chunk_extras
                 if any(grad_now):
                     _chunk_gradient(one, denominator, logits, labels_chunk, chunk_lse, options, layout, use_kernel)
-                    lce._accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first=rows.start == 0)
-            grads = lce._finish_grads(grads, weight, bias, any_chunk=hidden.shape[0] > 0)
+                    lce.accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first=rows.start == 0)
+            grads = lce.finish_grads(grads, weight, bias, any_chunk=hidden.shape[0] > 0)
             if grads[0] is not None:
                 _sum_over_ranks(grads[0], group)
         ctx.options, ctx.chunking, ctx.layout, ctx.use_kernel = options, chunking, layout, use_kernel
@@ -217,7 +219,7 @@ def vocab_parallel_linear_cross_entropy(
     """hidden (..., H) and labels (...) the same on every rank, weight (V_local, H) and bias (V_local,) this rank's
     rows; the loss of the full head on every rank (with extras, a contract.Extras asking for some:
     CrossEntropyOutput)."""
-    hidden, weight, bias = lce._autocast_or_common_dtype(hidden, weight, bias)
+    hidden, weight, bias = lce.autocast_or_common_dtype(hidden, weight, bias)
     use_kernel = contract.use_kernel(hidden, backend)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     labels_1d = labels.reshape(-1).contiguous()
@@ -362,10 +364,10 @@ def sharded_linear_cross_entropy(
         if validate_labels:
             contract.validate_labels(labels, full_weight.shape[0], options.ignore_index)
         if any(extras):
-            return lce._linear_outputs(
+            return lce.unsharded_outputs(
                 hidden, full_weight, full_bias, labels, options, reduction, n_items, backend, chunking, extras
             )
-        return lce._linear_cross_entropy(
+        return lce.unsharded_loss(
             hidden, full_weight, full_bias, labels, options, reduction, n_items, backend, chunking
         )
     if process_group is None:
