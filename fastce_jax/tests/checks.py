@@ -2,8 +2,15 @@
 shared_tests' (reference.expected, tolerances.assert_loss / assert_grad); this module only turns arrays into host
 float64 arrays. The same names as fastce_torch/tests/checks.py."""
 
+import os
+import re
+import subprocess
+import sys
+
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from shared_tests import reference, tolerances
 
@@ -37,3 +44,21 @@ def assert_loss(loss, ref, what="loss"):
 def assert_grad(grad, ref, what="grad"):
     """The gradient against the reference, in ulps of its own dtype."""
     return tolerances.assert_grad(as_float64(grad), ref, grad.dtype, what)
+
+
+def run_on_4_cpu_devices(use_gpu, test_file, keyword=None, timeout=3000):
+    """Runs test_file's tests (those matching `keyword`) in a child process with 4 CPU devices (XLA's host platform
+    split in four), for tests that need several devices; returns the child's pytest output. Skips in a GPU run or
+    where this process already has several devices (the tests then run in it directly)."""
+    if use_gpu or len(jax.devices("cpu")) >= 2:
+        pytest.skip("this process has several devices: the tests run here")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x"] + (["-k", keyword] if keyword else [])
+    done = subprocess.run(
+        cmd + [os.path.abspath(test_file)], cwd=root, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-4000:]
+    assert re.search(r"\d+ passed", done.stdout) and " failed" not in done.stdout, done.stdout[-3000:]
+    return done.stdout

@@ -8,10 +8,7 @@ compiled memory at the benchmark shapes.
 """
 
 import importlib
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +21,7 @@ import fastce_jax
 from fastce_jax import linear_cross_entropy
 from shared_tests import reference as float64_reference
 
-from .checks import OPTION_SETS, as_float64
+from .checks import OPTION_SETS, as_float64, run_on_4_cpu_devices
 
 # The module (the package attribute of the same name is the function).
 LCE = importlib.import_module("fastce_jax.linear_cross_entropy")
@@ -571,17 +568,8 @@ def test_skip_ignored_rows_must_be_a_bool(put):
 
 
 def test_skip_ignored_rows_with_sharded_rows_on_4_cpu_devices(use_gpu):
-    if use_gpu or len(jax.devices("cpu")) >= 2:
-        pytest.skip("this process has several devices: the sharded test runs here")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k", "skip_ignored_rows_sharded"]
-    done = subprocess.run(
-        cmd + [os.path.abspath(__file__)], cwd=root, env=env, capture_output=True, text=True, timeout=1200
-    )
-    assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-4000:]
-    assert re.search(r"1 passed", done.stdout) and " skipped" not in done.stdout
+    out = run_on_4_cpu_devices(use_gpu, __file__, "skip_ignored_rows_sharded", timeout=1200)
+    assert re.search(r"1 passed", out) and " skipped" not in out
 
 
 def test_skip_ignored_rows_sharded(use_gpu):
@@ -628,17 +616,8 @@ def test_gpu_skip_ignored_rows_compiled_memory(capsys, n, dim, vocab):
 
 
 def test_class_weight_with_several_devices_on_4_cpu_devices(use_gpu):
-    if use_gpu or len(jax.devices("cpu")) >= 2:
-        pytest.skip("this process has several devices: the test runs here")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k", "class_weight_rows_sharded"]
-    done = subprocess.run(
-        cmd + [os.path.abspath(__file__)], cwd=root, env=env, capture_output=True, text=True, timeout=1200
-    )
-    assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-4000:]
-    assert re.search(r"1 passed", done.stdout) and " skipped" not in done.stdout
+    out = run_on_4_cpu_devices(use_gpu, __file__, "class_weight_rows_sharded", timeout=1200)
+    assert re.search(r"1 passed", out) and " skipped" not in out
 
 
 def test_class_weight_rows_sharded(use_gpu):

@@ -7,11 +7,6 @@ the argmax / entropy partials are combined across both. The sharded tests re-run
 CPU devices, as test_sharding.py does.
 """
 
-import os
-import re
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from fastce_jax import CrossEntropyOutput, cross_entropy, kernels, linear_cross_entropy
 from shared_tests import reference, tolerances
 
-from .checks import OPTION_SETS, as_float64
+from .checks import OPTION_SETS, as_float64, run_on_4_cpu_devices
 from .test_sharding import collectives
 
 RTOL, FLOOR = tolerances.RTOL, tolerances.FLOOR
@@ -385,18 +380,9 @@ def test_linear_other_outputs_carry_no_gradient(small_tiles):
 
 
 def test_sharded_outputs_on_4_cpu_devices(use_gpu):
-    if use_gpu or len(jax.devices("cpu")) >= 2:
-        pytest.skip("this process has several devices: the sharded tests run here")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k", "sharded_layout"]
-    done = subprocess.run(
-        cmd + [os.path.abspath(__file__)], cwd=root, env=env, capture_output=True, text=True, timeout=3000
-    )
-    print(done.stdout[-3000:])
-    assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-4000:]
-    assert re.search(r"\d+ passed", done.stdout) and " failed" not in done.stdout and " skipped" not in done.stdout
+    out = run_on_4_cpu_devices(use_gpu, __file__, "sharded_layout")
+    print(out[-3000:])
+    assert " skipped" not in out
 
 
 SHARDED_LAYOUTS = {"rows": P("d", None), "vocab": P(None, "d"), "2d": P("r", "v"), "vocab2": P(None, ("v", "r"))}

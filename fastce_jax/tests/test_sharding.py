@@ -8,10 +8,7 @@ runs the Pallas kernels in interpret mode, backend="auto" the jnp reference, so 
 """
 
 import math
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -52,16 +49,7 @@ def _platform(use_gpu):
 
 
 def test_sharded_suite_on_4_cpu_devices(use_gpu):
-    if use_gpu or len(jax.devices("cpu")) >= 2:
-        pytest.skip("this process has several devices: the sharded tests run here")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", os.path.abspath(__file__)]
-    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=3000)
-    print(done.stdout[-3000:])
-    assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-4000:]
-    assert re.search(r"\d+ passed", done.stdout) and " failed" not in done.stdout
+    print(checks.run_on_4_cpu_devices(use_gpu, __file__)[-3000:])
 
 
 @pytest.fixture(scope="module")
