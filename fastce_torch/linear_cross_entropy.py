@@ -937,18 +937,23 @@ def unsharded_outputs(
         )
         loss = token_losses.view(labels.shape)
     else:
-        grad_enabled = torch.is_grad_enabled()
-        needs = (
-            grad_enabled and hidden.requires_grad,
-            grad_enabled and weight.requires_grad,
-            grad_enabled and bias is not None and bias.requires_grad,
-        )
+        needs = gradients_needed(hidden, weight, bias)
         denominator = contract.loss_divisor(labels_1d, reduction, n_items, ignore_index, weight=class_weight).reshape(1)
         loss, lse, argmax, mean_z = _ReducedFunction.apply(
             hidden_2d, weight, bias, labels_1d, denominator, options, chunking, needs, extras, class_weight
         )
     return contract.extra_outputs(
         loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab, class_weight
+    )
+
+
+def gradients_needed(hidden, weight, bias):
+    """Which of (hidden, weight, bias) the computation owes a gradient."""
+    grad_enabled = torch.is_grad_enabled()
+    return (
+        grad_enabled and hidden.requires_grad,
+        grad_enabled and weight.requires_grad,
+        grad_enabled and bias is not None and bias.requires_grad,
     )
 
 
@@ -973,12 +978,7 @@ def unsharded_loss(hidden, weight, bias, labels, options, reduction, n_items, ba
                 hidden_2d, weight, bias, labels_1d, options, chunking, None, class_weight
             )
         return token_losses.view(labels.shape)
-    grad_enabled = torch.is_grad_enabled()
-    needs = (
-        grad_enabled and hidden.requires_grad,
-        grad_enabled and weight.requires_grad,
-        grad_enabled and bias is not None and bias.requires_grad,
-    )
+    needs = gradients_needed(hidden, weight, bias)
     denominator = contract.loss_divisor(labels_1d, reduction, n_items, ignore_index, weight=class_weight).reshape(1)
     if compiling:
         return _reduced_op(hidden_2d, weight, bias, labels_1d, denominator, *options, *chunking, *needs, class_weight)[

@@ -223,12 +223,7 @@ def vocab_parallel_linear_cross_entropy(
     use_kernel = contract.use_kernel(hidden, backend)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     labels_1d = labels.reshape(-1).contiguous()
-    grad_enabled = torch.is_grad_enabled()
-    needs = (
-        grad_enabled and hidden.requires_grad,
-        grad_enabled and weight.requires_grad,
-        grad_enabled and bias is not None and bias.requires_grad,
-    )
+    needs = lce.gradients_needed(hidden, weight, bias)
     # Labels are the same on every rank, so the local kept-token count is the global one.
     denominator = contract.loss_divisor(labels_1d, reduction, n_items, options.ignore_index)
     out = _VocabParallelLinearFunction.apply(
