@@ -400,8 +400,8 @@ def test_vocab_parallel_kernel_mode(name, splits):
 
 # ----------------------------------------------------------------------------
 # linear_cross_entropy with the weight sharded over the vocabulary and / or the rows over another axis
-# (fastce_jax/sharded_linear.py): against shared_tests/test_linear_cross_entropy.py's float64 reference and
-# tolerances, and the compiled HLO holds no weight-sized all-gather and no logits-sized collective.
+# (fastce_jax/linear_cross_entropy.py, sharded heads): against shared_tests/test_linear_cross_entropy.py's float64
+# reference and tolerances, and the compiled HLO holds no weight-sized all-gather and no logits-sized collective.
 # ----------------------------------------------------------------------------
 
 LINEAR_LAYOUTS = {  # (hidden spec, weight spec)
