@@ -3,6 +3,10 @@ the per-row lse and loss against fastce_torch's reference cross-entropy over tho
 run in Triton's interpreter with float32 operands (bf16 tl.dot is wrong there); with --gpu the same cases run on
 CUDA, plus a bf16 case against fastce's CE forward kernel."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -66,6 +70,22 @@ def test_logits_lse_and_loss_match_torch(m, k, v, config, nan_buffers):
     assert bool((loss[labels == -100] == 0).all()) and bool(torch.isinf(lse[labels == -100]).all())
 
 
+def test_strided_operands(nan_buffers):
+    # a: rows of a wider buffer (row stride > K); b: a transposed (K, V) buffer, copied to K-contiguous rows.
+    a_wide, b, labels = make_inputs(21, 40, 75, seed=9)
+    a = a_wide[:, :24]
+    b_kv = b[:, :24].t().contiguous()
+    logits, lse, loss = gemm_ce_probe.linear_ce_chunk(
+        a, b_kv.t(), labels, block_m=16, block_n=32, block_k=16, num_warps=4
+    )
+    b = b_kv.t()
+    torch.testing.assert_close(logits, torch.matmul(a, b.t()), rtol=0.0, atol=product_atol(a, b))
+    expected = fastce_torch.cross_entropy(logits, labels, reduction="none", backend="reference", return_lse=True)
+    atol = gemm_ce_probe.loss_bound(logits, expected.lse)
+    torch.testing.assert_close(loss, expected.loss, rtol=0.0, atol=atol)
+    torch.testing.assert_close(lse, expected.lse, rtol=0.0, atol=atol)
+
+
 def test_partials_without_the_epilogue_are_not_written(nan_buffers):
     # with_ce=False is the GEMM alone (the probe's timing baseline): same logits, partials untouched.
     a, b, labels = make_inputs(20, 32, 90, seed=3)
@@ -121,6 +141,17 @@ def test_arguments_parse():
 def test_gpu_mode_needs_cuda():
     with pytest.raises(SystemExit, match="CUDA"):
         gemm_ce_probe.main(["--shape", "8x8x8"])
+
+
+def test_compiles_for_h200_without_spills():
+    """The real compiler (sm_90, no GPU needed) accepts the kernel, with and without the epilogue, and ptxas reports
+    no register spills for a config of the GPU mode: what the interpreter cannot check."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    command = [sys.executable, "-m", "bench.tools.gemm_ce_probe", "--compile-only", "--configs", "128x128x64x8x3"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2 and all("'wgmma': 4" in line and "'spill_stores': 0" in line for line in lines), lines
 
 
 @pytest.mark.gpu

@@ -29,6 +29,7 @@ import fastce_torch  # noqa: F401  (before triton: on a machine without CUDA it 
 # isort: split
 import triton
 import triton.language as tl
+from triton import knobs
 
 from shared_tests import tolerances
 
@@ -52,9 +53,7 @@ def _gemm_ce_kernel(
     V,
     K,
     stride_am,
-    stride_ak,
     stride_bv,
-    stride_bk,
     stride_cm,
     n_tiles_v,
     BLOCK_M: tl.constexpr,
@@ -81,8 +80,9 @@ def _gemm_ce_kernel(
     # Loads wrap rows and columns past the edge back into range (no masks in the main loop); the epilogue masks them.
     a_rows = (rows % M).to(tl.int64)
     b_cols = (cols % V).to(tl.int64)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
-    b_ptrs = b_ptr + b_cols[None, :] * stride_bv + ks[:, None] * stride_bk
+    # K is the contiguous dimension of both operands (the launcher makes sure): the loads vectorise along it.
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]
+    b_ptrs = b_ptr + b_cols[None, :] * stride_bv + ks[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
@@ -93,8 +93,8 @@ def _gemm_ce_kernel(
             a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=ks[:, None] < k_left, other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
 
     c = acc.to(c_ptr.dtype.element_ty)
     row_ok = rows < M
@@ -162,6 +162,7 @@ def gemm_ce(a, b, labels, block_m=128, block_n=256, block_k=64, num_warps=8, num
     (m, k), v = a.shape, b.shape[0]
     if m == 0 or v == 0 or k == 0:
         raise ValueError(f"empty operand: M={m}, V={v}, K={k}")
+    a, b = (x if x.stride(1) == 1 else x.contiguous() for x in (a, b))
     n_tiles_v = triton.cdiv(v, block_n)
     c = torch.empty(m, v, device=a.device, dtype=a.dtype)
     part_max = torch.empty(m, n_tiles_v, device=a.device, dtype=torch.float32)
@@ -180,9 +181,7 @@ def gemm_ce(a, b, labels, block_m=128, block_n=256, block_k=64, num_warps=8, num
         v,
         k,
         a.stride(0),
-        a.stride(1),
         b.stride(0),
-        b.stride(1),
         c.stride(0),
         n_tiles_v,
         BLOCK_M=block_m,
@@ -190,8 +189,8 @@ def gemm_ce(a, b, labels, block_m=128, block_n=256, block_k=64, num_warps=8, num
         BLOCK_K=block_k,
         GROUP=GROUP_M,
         EVEN_K=k % block_k == 0,
-        # float32 operands: full-precision products (tf32 would be 10-bit); ignored for 16-bit operands.
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        # float32 operands: full-precision products (tf32 would keep 10 mantissa bits); 16-bit ones: the default.
+        PRECISION="ieee" if a.dtype == torch.float32 else None,
         WITH_CE=with_ce,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -225,6 +224,73 @@ def linear_ce_chunk(a, b, labels, **config):
     c, part_max, part_sum, z_label = gemm_ce(a, b, labels, **config)
     lse, loss = combine(part_max, part_sum, z_label, labels, b.shape[0])
     return c, lse, loss
+
+
+def compile_report(config, shape, with_ce=True):
+    """Compile the GEMM kernel for the H200 (sm_90) without a GPU (TRITON_INTERPRET=0) with the specialisation a
+    launch at `shape` (M, K, V) gets (pointers and integers divisible by 16 flagged so) and read what the
+    compiler chose: shared memory, registers and spills (ptxas -v), wgmma instructions, TMA or cp.async copies."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    m, k, v = shape
+    n_tiles_v = triton.cdiv(v, config["block_n"])
+    values = dict(M=m, V=v, K=k, stride_am=k, stride_bv=k, stride_cm=v, n_tiles_v=n_tiles_v)
+    fn = _gemm_ce_kernel
+    constexprs = dict(
+        BLOCK_M=config["block_m"],
+        BLOCK_N=config["block_n"],
+        BLOCK_K=config["block_k"],
+        GROUP=GROUP_M,
+        EVEN_K=k % config["block_k"] == 0,
+        PRECISION=None,
+        WITH_CE=with_ce,
+    )
+    pointers = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", labels_ptr="*i64")
+    signature, attrs = {}, {}
+    for index, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = pointers.get(name, "*fp32")
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+            if values[name] % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    ptx = compiled.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/k.ptx", "w") as f:
+            f.write(ptx)
+        run = subprocess.run(
+            [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f"{tmp}/k.ptx", "-o", f"{tmp}/k.o"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    log = run.stdout + run.stderr
+
+    def number(pattern):
+        found = re.search(pattern, log)
+        return int(found.group(1)) if found else None
+
+    return dict(
+        shared_bytes=compiled.metadata.shared,
+        registers=number(r"Used (\d+) registers"),
+        spill_stores=number(r"(\d+) bytes spill stores"),
+        spill_loads=number(r"(\d+) bytes spill loads"),
+        wgmma=ptx.count("wgmma.mma_async"),
+        tma=ptx.count("cp.async.bulk.tensor"),
+        cp_async=ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+    )
 
 
 def parse_shape(text):
@@ -261,6 +327,11 @@ def parse_args(argv=None):
     parser.add_argument("--configs", type=parse_configs, default=parse_configs(DEFAULT_CONFIGS))
     parser.add_argument("--ignored", type=float, default=0.1, help="fraction of rows labelled -100")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="no GPU needed: compile each config for sm_90 (TRITON_INTERPRET=0) and print what ptxas reports",
+    )
     return parser.parse_args(argv)
 
 
@@ -280,6 +351,17 @@ def loss_bound(logits, lse, dtype_ulps=0.0):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.compile_only:
+        if knobs.runtime.interpret:
+            raise SystemExit("Triton is in interpreter mode: run with TRITON_INTERPRET=0 to compile for sm_90")
+        for config in args.configs:
+            for with_ce in (False, True):
+                try:
+                    report = compile_report(config, args.shape, with_ce)
+                except Exception as error:
+                    report = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
+                print(f"{config_name(config)} {'GEMM + CE epilogue' if with_ce else 'GEMM alone        '}: {report}")
+        return
     if not torch.cuda.is_available():
         raise SystemExit("gemm_ce_probe times kernels on a CUDA device; none is visible (CPU test: bench/tests)")
     import triton.testing
