@@ -137,6 +137,27 @@ def test_arguments_parse():
             gemm_ce_probe.parse_args(bad)
 
 
+def test_the_probe_flow_checks_and_times_every_config(capsys):
+    # The GPU mode's body on tiny float32 inputs with a stub timer: each config is run, checked and timed.
+    configs = gemm_ce_probe.parse_configs("16x32x16x4x2,16x64x16x4x2")
+    timed = []
+
+    def timer(fn):
+        fn()
+        timed.append(fn)
+        return 2.0
+
+    results, failures = gemm_ce_probe.run_probe(
+        (24, 32, 100), configs, ignored=0.3, device=DEVICE, dtype=torch.float32, timer=timer
+    )
+    assert failures == 0, results["checks"]
+    assert len(timed) == 3 + 3 * len(configs) and len(results["timings_ms"]) == len(timed)
+    for name in ("16x32x16 w4 s2", "16x64x16 w4 s2"):
+        checks = results["checks"][name]
+        assert len(checks) == 3 and not any("MISMATCH" in c for c in checks), checks
+    assert "(b) 16x64x16 w4 s2: GEMM + CE epilogue + combine" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="the refusal without CUDA")
 def test_gpu_mode_needs_cuda():
     with pytest.raises(SystemExit, match="CUDA"):

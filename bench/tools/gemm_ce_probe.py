@@ -21,6 +21,7 @@ Triton's interpreter with float32 inputs (bf16 tl.dot is wrong in the interprete
 """
 
 import argparse
+import json
 
 import torch
 
@@ -327,6 +328,7 @@ def parse_args(argv=None):
     parser.add_argument("--configs", type=parse_configs, default=parse_configs(DEFAULT_CONFIGS))
     parser.add_argument("--ignored", type=float, default=0.1, help="fraction of rows labelled -100")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="also write the timings and checks to this file")
     parser.add_argument(
         "--compile-only",
         action="store_true",
@@ -349,6 +351,100 @@ def loss_bound(logits, lse, dtype_ulps=0.0):
     return tolerances.RTOL * scale + dtype_ulps * ulp
 
 
+def _max_abs(x):
+    return float(x.abs().max()) if x.numel() else 0.0
+
+
+def run_probe(shape, configs, ignored=0.1, seed=0, device="cuda", dtype=torch.bfloat16, timer=None):
+    """Time (timer(fn) -> ms) and check (a) and (b) at shape (M, K, V); prints a line per timing and returns
+    (results dict, number of failed loss checks)."""
+    from fastce_torch import kernels
+
+    m, k, v = shape
+    torch.manual_seed(seed)
+    hidden = torch.randn(m, k, device=device, dtype=dtype) * 0.5
+    weight = torch.randn(v, k, device=device, dtype=dtype) * 0.05
+    labels = torch.randint(0, v, (m,), device=device)
+    labels[torch.rand(m, device=device) < ignored] = IGNORE_INDEX
+    labels[-1] = v - 1  # the last column tile, partial unless block_n divides V
+    flops = 2 * m * k * v
+    workspace = torch.empty(m, v, device=device, dtype=dtype)
+    options = kernels.Options()
+    device_name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else str(device)
+    results = dict(shape=dict(M=m, K=k, V=v), dtype=str(dtype), device=device_name, timings_ms={}, checks={})
+    bench = timer
+
+    def line(name, ms, rate=True):
+        results["timings_ms"][name] = ms
+        tflops = f"{flops / ms / 1e9:6.0f} TFLOP/s" if rate else ""
+        print(f"{name:48s} {ms:7.3f} ms {tflops}", flush=True)
+
+    print(f"gemm_ce_probe M={m} K={k} V={v} {dtype}, {flops / 1e12:.2f} TFLOP per call, {results['device']}")
+    torch.matmul(hidden, weight.t(), out=workspace)
+    ref_loss, ref_lse, _ = kernels.forward(workspace, labels, options, reduction="none")
+    line("(a) cuBLAS matmul into the workspace", bench(lambda: torch.matmul(hidden, weight.t(), out=workspace)))
+    line("(a) fastce CE forward alone", bench(lambda: kernels.forward(workspace, labels, options)), rate=False)
+    line(
+        "(a) cuBLAS matmul + fastce CE forward",
+        bench(
+            lambda: (
+                torch.matmul(hidden, weight.t(), out=workspace),
+                kernels.forward(workspace, labels, options, reduction="none"),
+            )
+        ),
+    )
+    failures = 0
+    for config in configs:
+        name = config_name(config)
+        try:
+            logits, part_max, part_sum, z_label = gemm_ce(hidden, weight, labels, **config)
+            lse, loss = combine(part_max, part_sum, z_label, labels, v)
+            if logits.is_cuda:
+                torch.cuda.synchronize()
+        except Exception as error:  # a config that does not fit (shared memory, registers) is reported, not fatal
+            print(f"(b) {name}: failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
+            results["checks"][name] = f"failed: {type(error).__name__}"
+            continue
+        own_loss, own_lse, _ = kernels.forward(logits, labels, options, reduction="none")
+        differ = logits != workspace
+        checks = [
+            f"logits differing from cuBLAS's: {float(differ.float().mean()):.2e} of them, largest |diff| "
+            f"{float((logits.float() - workspace.float()).abs().max()):.3g}"
+        ]
+        kept = labels != IGNORE_INDEX
+        for what, expected, expected_lse, dtype_ulps in (
+            ("its own logits", own_loss, own_lse, 0.0),
+            ("cuBLAS's logits", ref_loss, ref_lse, 2.0),
+        ):
+            atol = loss_bound(logits, expected_lse, dtype_ulps)
+            errors = (_max_abs(loss - expected), _max_abs((lse - expected_lse)[kept]))
+            verdict = f"max |dloss| {errors[0]:.2e}, |dlse| {errors[1]:.2e} (bound {atol:.1e})"
+            try:
+                torch.testing.assert_close(loss, expected, rtol=0.0, atol=atol)
+                torch.testing.assert_close(lse, expected_lse, rtol=0.0, atol=atol)
+            except AssertionError as error:
+                failures += 1
+                verdict = "MISMATCH: " + verdict + "; " + "; ".join(str(error).splitlines()[1:4])
+            checks.append(f"vs fastce CE over {what}: {verdict}")
+        results["checks"][name] = checks
+        line(
+            f"(b) {name}: GEMM alone (no CE epilogue)",
+            bench(lambda: gemm_ce(hidden, weight, labels, **config, with_ce=False)),
+        )
+        line(
+            f"(b) {name}: GEMM + CE epilogue + combine",
+            bench(lambda: linear_ce_chunk(hidden, weight, labels, **config)),
+        )
+        line(
+            f"(b) {name}: combine alone",
+            bench(lambda: combine(part_max, part_sum, z_label, labels, v)),
+            rate=False,
+        )
+        for check in checks:
+            print(f"    {check}")
+    return results, failures
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.compile_only:
@@ -366,76 +462,13 @@ def main(argv=None):
         raise SystemExit("gemm_ce_probe times kernels on a CUDA device; none is visible (CPU test: bench/tests)")
     import triton.testing
 
-    from fastce_torch import kernels
-
-    m, k, v = args.shape
-    torch.manual_seed(args.seed)
-    hidden = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 0.5
-    weight = torch.randn(v, k, device="cuda", dtype=torch.bfloat16) * 0.05
-    labels = torch.randint(0, v, (m,), device="cuda")
-    labels[torch.rand(m, device="cuda") < args.ignored] = IGNORE_INDEX
-    labels[-1] = v - 1  # the last column tile, partial unless block_n divides V
-    flops = 2 * m * k * v
-    workspace = torch.empty(m, v, device="cuda", dtype=torch.bfloat16)
-    options = kernels.Options()
-
-    def bench(fn):
+    def timer(fn):
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
-    def line(name, ms):
-        print(f"{name:44s} {ms:7.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
-
-    print(f"gemm_ce_probe M={m} K={k} V={v} bf16, {flops / 1e12:.2f} TFLOP per call, {torch.cuda.get_device_name()}")
-    torch.matmul(hidden, weight.t(), out=workspace)
-    ref_loss, ref_lse, _ = kernels.forward(workspace, labels, options, reduction="none")
-    line("(a) cuBLAS matmul into the workspace", bench(lambda: torch.matmul(hidden, weight.t(), out=workspace)))
-    line(
-        "(a) cuBLAS matmul + fastce CE forward",
-        bench(
-            lambda: (
-                torch.matmul(hidden, weight.t(), out=workspace),
-                kernels.forward(workspace, labels, options, reduction="none"),
-            )
-        ),
-    )
-    failures = 0
-    for config in args.configs:
-        name = config_name(config)
-        try:
-            logits, lse, loss = linear_ce_chunk(hidden, weight, labels, **config)
-            torch.cuda.synchronize()
-        except Exception as error:  # a config that does not fit (shared memory, registers) is reported, not fatal
-            print(f"(b) {name}: failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
-            continue
-        own_loss, own_lse, _ = kernels.forward(logits, labels, options, reduction="none")
-        differ = logits != workspace
-        checks = [
-            f"logits differing from cuBLAS's: {float(differ.float().mean()):.2e} of them, largest |diff| "
-            f"{float((logits.float() - workspace.float()).abs().max()):.3g}"
-        ]
-        for what, expected, expected_lse, dtype_ulps in (
-            ("its own logits", own_loss, own_lse, 0.0),
-            ("cuBLAS's logits", ref_loss, ref_lse, 2.0),
-        ):
-            atol = loss_bound(logits, expected_lse, dtype_ulps)
-            try:
-                torch.testing.assert_close(loss, expected, rtol=0.0, atol=atol)
-                torch.testing.assert_close(lse, expected_lse, rtol=0.0, atol=atol)
-                err = float((loss - expected).abs().max())
-                checks.append(f"vs fastce CE over {what}: max |dloss| {err:.2e} (bound {atol:.1e})")
-            except AssertionError as error:
-                failures += 1
-                checks.append(f"vs fastce CE over {what}: MISMATCH {str(error).splitlines()[0]}")
-        line(
-            f"(b) {name}: GEMM alone (no CE epilogue)",
-            bench(lambda: gemm_ce(hidden, weight, labels, **config, with_ce=False)),
-        )
-        line(
-            f"(b) {name}: GEMM + CE epilogue + combine",
-            bench(lambda: linear_ce_chunk(hidden, weight, labels, **config)),
-        )
-        for check in checks:
-            print(f"    {check}")
+    results, failures = run_probe(args.shape, args.configs, args.ignored, args.seed, timer=timer)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
     if failures:
         raise SystemExit(f"{failures} loss check(s) failed")
 
