@@ -167,7 +167,8 @@ def test_the_probe_flow_checks_and_times_every_config(capsys):
     for name in ("16x32x16 w4 s2", "16x64x16 w4 s2"):
         checks = results["checks"][name]
         assert len(checks) == 3 and not any("MISMATCH" in c for c in checks), checks
-    assert "(b) 16x64x16 w4 s2: GEMM + CE epilogue + combine" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "(b) 16x64x16 w4 s2: GEMM + CE epilogue + combine" in out and "best 16x32x16 w4 s2" in out
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the refusal without CUDA")

@@ -393,6 +393,7 @@ def run_probe(shape, configs, ignored=0.1, seed=0, device="cuda", dtype=torch.bf
         results["timings_ms"][name] = ms
         tflops = f"{flops / ms / 1e9:6.0f} TFLOP/s" if rate else ""
         print(f"{name:48s} {ms:7.3f} ms {tflops}", flush=True)
+        return ms
 
     print(f"gemm_ce_probe M={m} K={k} V={v} {dtype}, {flops / 1e12:.2f} TFLOP per call, {results['device']}")
     torch.matmul(hidden, weight.t(), out=workspace)
@@ -409,7 +410,7 @@ def run_probe(shape, configs, ignored=0.1, seed=0, device="cuda", dtype=torch.bf
         ),
     )
     product_bound = sum_bound(hidden, weight)
-    failures = 0
+    failures, fused = 0, {}
     for config in configs:
         name = config_name(config)
         try:
@@ -451,7 +452,7 @@ def run_probe(shape, configs, ignored=0.1, seed=0, device="cuda", dtype=torch.bf
             f"(b) {name}: GEMM alone (no CE epilogue)",
             bench(lambda: gemm_ce(hidden, weight, labels, **config, with_ce=False)),
         )
-        line(
+        fused[name] = line(
             f"(b) {name}: GEMM + CE epilogue + combine",
             bench(lambda: linear_ce_chunk(hidden, weight, labels, **config)),
         )
@@ -462,6 +463,13 @@ def run_probe(shape, configs, ignored=0.1, seed=0, device="cuda", dtype=torch.bf
         )
         for check in checks:
             print(f"    {check}")
+    if fused:
+        best = min(fused, key=fused.get)
+        pair = results["timings_ms"]["(a) cuBLAS matmul + fastce CE forward"]
+        results["best"] = dict(config=best, ms=fused[best], against_ms=pair)
+        print(
+            f"best {best}: {fused[best]:.3f} ms against cuBLAS + CE forward {pair:.3f} ms ({fused[best] / pair:.3f}x)"
+        )
     return results, failures
 
 

@@ -86,7 +86,7 @@ for stage in "$@"; do
       XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE \
         timeout 280 python3 -m bench.tools.skip_probe --package jax | tail -8 ;;
     gemm-ce-probe)
-      timeout 200 python3 -m bench.tools.gemm_ce_probe --json "$OUT/gemm-ce-probe.json" 2>&1 | tail -44 ;;
+      timeout 300 python3 -m bench.tools.gemm_ce_probe --json "$OUT/gemm-ce-probe.json" 2>&1 | tail -45 ;;
     sanitizer)
       timeout 300 compute-sanitizer --tool memcheck --print-limit 20 $PYTEST fastce_torch/tests/test_cross_entropy.py \
         -k "vocab_sizes or out_of_range or minus_inf or nan_or_inf or strided or options or many_rows" \
