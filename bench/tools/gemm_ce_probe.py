@@ -1,6 +1,7 @@
 """Can a Triton GEMM with the CE forward in its epilogue replace cuBLAS's logits matmul + fastce's CE forward kernel
 for one chunk of the fused linear loss? `PYTHONPATH=. python -m bench.tools.gemm_ce_probe [--shape 1024x4096x128256]
-[--configs 128x256x64x8x3,...]` (an H200: ~1 minute, most of it Triton compiles).
+[--configs 128x256x64x8x3,...]` (an H200: 1-2 minutes, most of it Triton compiles;
+`--compile-only` with TRITON_INTERPRET=0 compiles the configs for sm_90 on any machine and prints ptxas's report).
 
 One chunk of fastce_torch.linear_cross_entropy computes logits = hidden_chunk @ weight.T into a workspace (cuBLAS),
 then the CE forward kernel reads the workspace once for the per-row logsumexp and the label's logit. Here
@@ -35,7 +36,8 @@ from triton import knobs
 from shared_tests import tolerances
 
 DEFAULT_SHAPE = "1024x4096x128256"
-# BLOCK_M x BLOCK_N x BLOCK_K x num_warps x num_stages; the two shared-memory-heavy 4-stage ones may not fit.
+# BLOCK_M x BLOCK_N x BLOCK_K x num_warps x num_stages. 128x256 and 256x128 at 4 stages take 192 KiB of the H200's
+# 227 KiB of shared memory per block (--compile-only reports it); a config that fails to launch is reported, not fatal.
 DEFAULT_CONFIGS = "128x256x64x8x3,128x256x64x8x4,128x128x64x8x3,128x128x64x8x4,256x128x64x8x3,256x128x64x8x4"
 GROUP_M = 8  # row tiles that share a column tile of B back to back (B is read from DRAM about once)
 IGNORE_INDEX = -100
