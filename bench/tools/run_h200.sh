@@ -16,7 +16,9 @@
 # one shape with a float32 check; ~1, estimated), `linear-a` and `linear-b` (the fused linear CE table's five shapes
 # in two calls, ~4-5 each, estimated; two JSON files: --merge joins only the standard bench), `linear-ignored` (one
 # shape at 0%, 50%, 90% ignored labels, fastce with and without skip_ignored_rows beside the other fused rows, both
-# packages; ~4, estimated), `skip-probe` (bench/tools/skip_probe.py, also with XLA's command-buffer conditionals).
+# packages; ~4, estimated), `skip-probe` (bench/tools/skip_probe.py, also with XLA's command-buffer conditionals),
+# `gemm-ce-probe` (bench/tools/gemm_ce_probe.py: a Triton GEMM with the CE forward in its epilogue against cuBLAS +
+# fastce's CE forward, one 1024-row chunk, six block configs; ~1-2, estimated, mostly compiles).
 # Logs and results land in ${OUT:-/tmp/fastce-h200}. Usage from the repo root, liger wheel in .whl/:
 #   BENCH_COMMIT=$(git rev-parse HEAD) bash bench/tools/run_h200.sh tests transformers bench
 set -uo pipefail
@@ -83,6 +85,8 @@ for stage in "$@"; do
       timeout 280 python3 -m bench.tools.skip_probe | tail -14
       XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE \
         timeout 280 python3 -m bench.tools.skip_probe --package jax | tail -8 ;;
+    gemm-ce-probe)
+      timeout 300 python3 -m bench.tools.gemm_ce_probe --json "$OUT/gemm-ce-probe.json" 2>&1 | tail -45 ;;
     sanitizer)
       timeout 300 compute-sanitizer --tool memcheck --print-limit 20 $PYTEST fastce_torch/tests/test_cross_entropy.py \
         -k "vocab_sizes or out_of_range or minus_inf or nan_or_inf or strided or options or many_rows" \
