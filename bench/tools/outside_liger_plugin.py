@@ -1,0 +1,218 @@
+"""pytest plugin: fastce behind Liger-Kernel's cross-entropy entry points (`-p bench.tools.outside_liger_plugin`).
+
+Liger's own tests (test/transformers/test_cross_entropy.py, test_fused_linear_cross_entropy.py) compare Liger's
+entry points against torch's loss; with this plugin loaded those entry points run fastce instead, so the same tests
+check fastce. At pytest_configure (before the test modules are collected and import the names) it replaces, in the
+installed liger_kernel (API of 0.8.5):
+- `LigerCrossEntropyFunction.apply` (called positionally by the tests and by `liger_cross_entropy`) with
+  `cross_entropy_apply`;
+- `LigerCrossEntropyLoss.forward` (0.8.5 routes it through `liger_kernel.backends.dispatch`, which would bypass the
+  patched apply) with a forward that calls `cross_entropy_apply` and wraps the result as Liger does;
+- `LigerFusedLinearCrossEntropyFunction.apply` (used by `liger_fused_linear_cross_entropy` and
+  `LigerFusedLinearCrossEntropyLoss.forward`) with `linear_cross_entropy_apply`;
+- `liger_kernel.ops.cross_entropy.liger_cross_entropy_kernel` (launched directly by `test_float32_internal`) with a
+  stub whose launch raises NotImplementedError: that test checks Liger's kernel, which has no fastce counterpart.
+Nothing of Liger's computation stays on the substituted path; a keyword fastce cannot honour raises
+NotImplementedError naming it (the test fails visibly instead of testing Liger).
+
+Keyword mapping (Liger -> fastce_torch.cross_entropy / linear_cross_entropy):
+- weight (CE) / ce_weight (fused) -> weight= / class_weight=; ignore_index, label_smoothing, reduction as named.
+- lse_square_scale -> z_loss. Liger's z-loss term is unweighted even with class weights and its "mean" divides it
+  by the count of non-ignored rows, where fastce weights it by w[y] and divides by the weighted divisor (CONTRACT
+  "Class weights"); so with both weights and z-loss the adapter adds two fastce calls: the weighted loss without
+  z-loss plus the z_loss output of an unweighted call (both out of place).
+- softcap (None = off) -> logit_softcapping (0 = off).
+- return_z_loss -> return_z_loss; return_token_accuracy -> return_accuracy (Liger's "mean" and "sum" both give the
+  fraction over non-ignored rows, as fastce; "none" per token).
+- return_predicted_tokens: NotImplementedError (fastce returns no argmax indices).
+- Fused only: accum_dtype=torch.float32 -> accumulate_in_float32=True (other dtypes NotImplementedError);
+  use_token_scaling=True, ce_impl, ce_mode: NotImplementedError; chunk_mem_const (a chunk-size knob): ignored.
+Returns as Liger's: the tuple (loss, z_loss, token_accuracy, predicted_tokens) with None where not asked, loss and
+z_loss in the logits' dtype (the tests compare them with torch's output of that dtype); labels outside [0, V) that
+are not ignore_index raise AssertionError "... out of bounds" as Liger's host check does.
+Liger's tests run on CUDA; the adapters take `backend` so the CPU tests run them with backend="reference".
+"""
+
+import torch
+
+BACKEND = "auto"
+
+
+def _check_labels(target, n_classes, ignore_index):
+    kept = target.masked_select(target != ignore_index)
+    if kept.numel() and (int(kept.max()) >= n_classes or int(kept.min()) < 0):
+        raise AssertionError(f"Target {int(kept.max())} is out of bounds. Expected < {n_classes} and >= 0")
+
+
+def _unsupported(name, value):
+    raise NotImplementedError(f"fastce adapter: Liger's {name}={value!r} has no fastce counterpart")
+
+
+def _run(call, weight_kw, weight, lse_square_scale, return_z_loss, return_token_accuracy, options):
+    """One or two fastce calls giving Liger's (loss, z_loss, token_accuracy): see the module docstring on z-loss."""
+    asked = dict(return_z_loss=return_z_loss, return_accuracy=return_token_accuracy)
+    if weight is None or not lse_square_scale:
+        out = call(**options, **{weight_kw: weight}, z_loss=float(lse_square_scale), **asked)
+        if return_z_loss or return_token_accuracy:
+            return out.loss, out.z_loss, out.accuracy
+        return out, None, None
+    options = dict(options, inplace_backward=False) if "inplace_backward" in options else options
+    weighted = call(**options, **{weight_kw: weight}, return_accuracy=return_token_accuracy)
+    plain = call(**options, z_loss=float(lse_square_scale), return_z_loss=True)
+    loss = (weighted.loss if return_token_accuracy else weighted) + plain.z_loss
+    accuracy = weighted.accuracy if return_token_accuracy else None
+    return loss, plain.z_loss if return_z_loss else None, accuracy
+
+
+def cross_entropy_apply(
+    _input,
+    target,
+    weight=None,
+    ignore_index=-100,
+    lse_square_scale=0.0,
+    label_smoothing=0.0,
+    reduction="mean",
+    softcap=None,
+    return_z_loss=False,
+    return_token_accuracy=False,
+    return_predicted_tokens=False,
+    *,
+    backend=None,
+):
+    """`LigerCrossEntropyFunction.apply`'s positional signature, computed by fastce_torch.cross_entropy."""
+    import fastce_torch
+
+    if return_predicted_tokens:
+        _unsupported("return_predicted_tokens", return_predicted_tokens)
+    _check_labels(target, _input.shape[-1], ignore_index)
+    options = dict(
+        logits=_input,
+        labels=target,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=float(label_smoothing),
+        logit_softcapping=float(softcap) if softcap is not None else 0.0,
+        backend=backend or BACKEND,
+        inplace_backward=True,
+    )
+    loss, z_loss, accuracy = _run(
+        fastce_torch.cross_entropy,
+        "weight",
+        weight,
+        lse_square_scale,
+        return_z_loss,
+        return_token_accuracy,
+        options,
+    )
+    return _liger_tuple(loss, z_loss, accuracy, _input.dtype)
+
+
+def linear_cross_entropy_apply(
+    _input,
+    weight,
+    target,
+    bias=None,
+    ce_weight=None,
+    ignore_index=-100,
+    lse_square_scale=0.0,
+    label_smoothing=0.0,
+    reduction="mean",
+    softcap=None,
+    return_z_loss=False,
+    accum_dtype=None,
+    use_token_scaling=False,
+    return_token_accuracy=False,
+    return_predicted_tokens=False,
+    ce_impl=None,
+    ce_mode=None,
+    chunk_mem_const=None,
+    *,
+    backend=None,
+):
+    """`LigerFusedLinearCrossEntropyFunction.apply`'s positional signature, computed by linear_cross_entropy."""
+    import fastce_torch
+
+    if return_predicted_tokens:
+        _unsupported("return_predicted_tokens", return_predicted_tokens)
+    if use_token_scaling:
+        _unsupported("use_token_scaling", use_token_scaling)
+    if ce_impl is not None or ce_mode is not None:
+        _unsupported("ce_impl/ce_mode", (ce_impl, ce_mode))
+    if accum_dtype not in (None, torch.float32):
+        _unsupported("accum_dtype", accum_dtype)
+    _check_labels(target, weight.shape[0], ignore_index)
+    options = dict(
+        hidden=_input,
+        weight=weight,
+        labels=target,
+        bias=bias,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=float(label_smoothing),
+        logit_softcapping=float(softcap) if softcap is not None else 0.0,
+        backend=backend or BACKEND,
+        accumulate_in_float32=accum_dtype is not None,
+    )
+    loss, z_loss, accuracy = _run(
+        fastce_torch.linear_cross_entropy,
+        "class_weight",
+        ce_weight,
+        lse_square_scale,
+        return_z_loss,
+        return_token_accuracy,
+        options,
+    )
+    return _liger_tuple(loss, z_loss, accuracy, _input.dtype)
+
+
+def _liger_tuple(loss, z_loss, accuracy, dtype):
+    loss = loss.to(dtype)
+    z_loss = z_loss.to(dtype) if z_loss is not None else None
+    return loss, z_loss, accuracy, None
+
+
+class _NoLigerKernel:
+    """Stands for liger_cross_entropy_kernel: launching it fails, since fastce has no such kernel to test."""
+
+    def __getitem__(self, grid):
+        raise NotImplementedError("fastce adapter: this test launches Liger's own kernel; fastce does not replace it")
+
+    def __call__(self, *args, **kwargs):
+        self[None]
+
+
+def _module_forward(self, _input, target):
+    from liger_kernel.transformers.functional import CrossEntropyOutput
+
+    loss, z_loss, accuracy, predicted = cross_entropy_apply(
+        _input,
+        target,
+        self.weight,
+        self.ignore_index,
+        self.lse_square_scale,
+        self.label_smoothing,
+        self.reduction,
+        self.softcap,
+        self.return_z_loss,
+        self.return_token_accuracy,
+        self.return_predicted_tokens,
+    )
+    if not (self.return_z_loss or self.return_token_accuracy or self.return_predicted_tokens):
+        return loss
+    return CrossEntropyOutput(loss=loss, z_loss=z_loss, token_accuracy=accuracy, predicted_tokens=predicted)
+
+
+def install():
+    """Patch the installed liger_kernel in place (the classes themselves, so every importer sees fastce)."""
+    import liger_kernel.ops.cross_entropy as ops_ce
+    from liger_kernel.ops import LigerCrossEntropyFunction, LigerFusedLinearCrossEntropyFunction
+    from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
+
+    LigerCrossEntropyFunction.apply = staticmethod(cross_entropy_apply)
+    LigerFusedLinearCrossEntropyFunction.apply = staticmethod(linear_cross_entropy_apply)
+    LigerCrossEntropyLoss.forward = _module_forward
+    ops_ce.liger_cross_entropy_kernel = _NoLigerKernel()
+
+
+def pytest_configure(config):
+    install()

@@ -1,0 +1,139 @@
+"""Liger-Kernel's own cross-entropy tests run against fastce: passed / skipped / failed counts.
+
+    python -m bench.tools.outside_suites --liger-tests DIR [--json OUT] [--baseline] [-k EXPR]
+
+DIR holds Liger's test tree as in its repository (test/__init__.py, test/conftest.py, test/utils.py,
+test/transformers/test_cross_entropy.py, test/transformers/test_fused_linear_cross_entropy.py; not part of this
+repository: bench/NOTES.md says how to extract it from a git mirror). liger_kernel (0.8.5, the wheel in .whl/) must be
+importable. pytest runs those files in a subprocess with bench.tools.outside_liger_plugin loaded, which replaces
+Liger's cross-entropy entry points by fastce adapters (its docstring has the keyword mapping and what raises
+NotImplementedError); `--baseline` also runs them without the plugin (Liger itself). Liger's tests run on CUDA: on
+a machine without it the tool says so and exits 2.
+
+What the files test (Liger at the mirror's HEAD, API of 0.8.5), and so what runs on fastce:
+- test_cross_entropy.py: `LigerCrossEntropyLoss(weight, ignore_index, lse_square_scale, label_smoothing, reduction,
+  softcap, return_z_loss, return_token_accuracy, return_predicted_tokens)`, `LigerCrossEntropyFunction.apply(input,
+  target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap, return_z_loss,
+  return_token_accuracy, return_predicted_tokens)` -> (loss, z_loss, token_accuracy, predicted_tokens), and
+  `liger_cross_entropy(...)` -> the loss, or a CrossEntropyOutput dataclass (loss, z_loss, token_accuracy,
+  predicted_tokens) when any return_* is set; against torch.nn.CrossEntropyLoss and the file's
+  CrossEntropyWithZLoss (F.cross_entropy + unweighted lse_square_scale * lse^2 / non-ignored count). Parametrised
+  over reduction, ignore_index, label smoothing, softcap, z-loss (return_z_loss True/False), class weights, bf16/fp32,
+  the structured output's return_* combinations; bf16 cases skip only where the GPU lacks bf16.
+  test_float32_internal launches Liger's kernel directly (fails here by design), the predicted-token cases fail with
+  NotImplementedError (fastce returns no argmax).
+- test_fused_linear_cross_entropy.py: `LigerFusedLinearCrossEntropyFunction.apply(input, weight, target, bias,
+  ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap, return_z_loss, accum_dtype,
+  use_token_scaling, return_token_accuracy, return_predicted_tokens, ...)`, the Loss module and
+  `liger_fused_linear_cross_entropy`, against a torch linear + CrossEntropyWithZLoss; use_token_scaling cases fail
+  with NotImplementedError.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PLUGIN = "bench.tools.outside_liger_plugin"
+FILES = ("test/transformers/test_cross_entropy.py", "test/transformers/test_fused_linear_cross_entropy.py")
+OUTCOMES = ("passed", "skipped", "failed", "errors", "xfailed", "xpassed", "deselected")
+
+
+def parse_summary(text):
+    """Counts from pytest's last summary line ('== 3 failed, 10 passed, 2 skipped in 4.1s =='); None if absent."""
+    lines = [
+        line for line in text.splitlines() if re.search(r"\b(passed|failed|skipped|error|errors|no tests ran)\b", line)
+    ]
+    for line in reversed(lines):
+        found = re.findall(r"(\d+) (passed|skipped|failed|errors?|xfailed|xpassed|deselected|warnings?)\b", line)
+        if found or "no tests ran" in line:
+            counts = dict.fromkeys(OUTCOMES, 0)
+            for number, word in found:
+                word = "errors" if word.startswith("error") else word
+                if word in counts:
+                    counts[word] += int(number)
+            return counts
+    return None
+
+
+def failure_reasons(text, limit=40):
+    """The short test summary's FAILED / ERROR lines ('-rfE'), for the report."""
+    return [line for line in text.splitlines() if line.startswith(("FAILED ", "ERROR "))][:limit]
+
+
+def run_suite(liger_tests, files, with_plugin, extra, timeout):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(liger_tests), str(REPO), env.get("PYTHONPATH"))))
+    command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "--rootdir", str(liger_tests)]
+    if with_plugin:
+        command += ["-p", PLUGIN]
+    command += [*extra, *files]
+    try:
+        done = subprocess.run(
+            command, cwd=liger_tests, env=env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+        text, code = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as exc:
+        text = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        text, code = text + f"\ntimed out after {timeout} s", None
+    return {
+        "implementation": "fastce" if with_plugin else "liger",
+        "returncode": code,
+        "counts": parse_summary(text),
+        "failures": failure_reasons(text),
+        "tail": text[-4000:],
+    }
+
+
+def table(results):
+    head = ["implementation", *OUTCOMES[:4]]
+    rows = [head]
+    for result in results:
+        counts = result["counts"] or {}
+        rows.append([result["implementation"], *(str(counts.get(k, "?")) for k in OUTCOMES[:4])])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--liger-tests", required=True, type=Path, help="directory holding Liger's test/ tree")
+    parser.add_argument("--json", type=Path, help="write counts and failure lines here")
+    parser.add_argument("--baseline", action="store_true", help="also run the files on Liger itself")
+    parser.add_argument("-k", dest="keyword", help="pytest -k expression")
+    parser.add_argument("--timeout", type=int, default=500, help="seconds per pytest run")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("outside_suites: Liger's tests run on CUDA and no CUDA device is visible; nothing ran", file=sys.stderr)
+        return 2
+    liger_tests = args.liger_tests.resolve()
+    files = [f for f in FILES if (liger_tests / f).is_file()]
+    if not files:
+        print(f"outside_suites: none of {', '.join(FILES)} under {liger_tests}", file=sys.stderr)
+        return 2
+    extra = ["-k", args.keyword] if args.keyword else []
+    results = [run_suite(liger_tests, files, True, extra, args.timeout)]
+    if args.baseline:
+        results.append(run_suite(liger_tests, files, False, extra, args.timeout))
+    print(f"Liger-Kernel tests ({', '.join(files)}), fastce substituted for Liger's cross-entropy:")
+    print(table(results))
+    for result in results:
+        if result["counts"] is None:
+            print(f"\n{result['implementation']}: no pytest summary; output tail:\n{result['tail']}")
+        elif result["failures"]:
+            print(f"\n{result['implementation']}: failures")
+            print("\n".join(result["failures"]))
+    if args.json:
+        args.json.write_text(json.dumps({"files": files, "results": results}, indent=1))
+    return 0 if all(r["counts"] is not None for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
