@@ -1,6 +1,6 @@
 """Liger-Kernel's own cross-entropy tests run against fastce: passed / skipped / failed counts.
 
-    python -m bench.tools.outside_suites --liger-tests DIR [--json OUT] [--baseline] [-k EXPR]
+    python -m bench.tools.outside_suites --liger-tests DIR [--json OUT] [--baseline] [-k EXPR] [--workers N]
 
 DIR holds Liger's test tree as in its repository (test/__init__.py, test/conftest.py, test/utils.py,
 test/transformers/test_cross_entropy.py, test/transformers/test_fused_linear_cross_entropy.py; not part of this
@@ -106,6 +106,7 @@ def main(argv=None):
     parser.add_argument("--baseline", action="store_true", help="also run the files on Liger itself")
     parser.add_argument("-k", dest="keyword", help="pytest -k expression")
     parser.add_argument("--timeout", type=int, default=500, help="seconds per pytest run")
+    parser.add_argument("--workers", type=int, default=0, help="pytest-xdist workers (-n); 0 runs in one process")
     args = parser.parse_args(argv)
 
     import torch
@@ -118,7 +119,7 @@ def main(argv=None):
     if not files:
         print(f"outside_suites: none of {', '.join(FILES)} under {liger_tests}", file=sys.stderr)
         return 2
-    extra = ["-k", args.keyword] if args.keyword else []
+    extra = (["-k", args.keyword] if args.keyword else []) + (["-n", str(args.workers)] if args.workers else [])
     results = [run_suite(liger_tests, files, True, extra, args.timeout)]
     if args.baseline:
         results.append(run_suite(liger_tests, files, False, extra, args.timeout))

@@ -18,7 +18,10 @@
 # shape at 0%, 50%, 90% ignored labels, fastce with and without skip_ignored_rows beside the other fused rows, both
 # packages; ~4, estimated), `skip-probe` (bench/tools/skip_probe.py, also with XLA's command-buffer conditionals),
 # `gemm-ce-probe` (bench/tools/gemm_ce_probe.py: a Triton GEMM with the CE forward in its epilogue against cuBLAS +
-# fastce's CE forward, one 1024-row chunk, six block configs; ~1-2, estimated, mostly compiles).
+# fastce's CE forward, one 1024-row chunk, six block configs; ~1-2, estimated, mostly compiles), `outside-liger`
+# (Liger-Kernel's own cross-entropy and fused linear test files with fastce substituted for Liger's entry points,
+# then on Liger itself: bench/tools/outside_suites.py; needs the liger wheel in .whl/ and Liger's tests in
+# .outside/liger-tests, see bench/NOTES.md; ~3-6, estimated).
 # Logs and results land in ${OUT:-/tmp/fastce-h200}. Usage from the repo root, liger wheel in .whl/:
 #   BENCH_COMMIT=$(git rev-parse HEAD) bash bench/tools/run_h200.sh tests transformers bench
 set -uo pipefail
@@ -87,6 +90,10 @@ for stage in "$@"; do
         timeout 280 python3 -m bench.tools.skip_probe --package jax | tail -8 ;;
     gemm-ce-probe)
       timeout 300 python3 -m bench.tools.gemm_ce_probe --json "$OUT/gemm-ce-probe.json" 2>&1 | tail -45 ;;
+    outside-liger)
+      timeout 580 python3 -m bench.tools.outside_suites --liger-tests .outside/liger-tests --baseline --timeout 280 \
+        --workers "$XDIST" --json "$OUT/outside-liger.json" >"$OUT/outside-liger.log" 2>&1
+      head -60 "$OUT/outside-liger.log" ;;
     sanitizer)
       timeout 300 compute-sanitizer --tool memcheck --print-limit 20 $PYTEST fastce_torch/tests/test_cross_entropy.py \
         -k "vocab_sizes or out_of_range or minus_inf or nan_or_inf or strided or options or many_rows" \
