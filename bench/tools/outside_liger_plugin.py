@@ -27,8 +27,9 @@ Keyword mapping (Liger -> fastce_torch.cross_entropy / linear_cross_entropy):
 - return_predicted_tokens: NotImplementedError (fastce returns no argmax indices).
 - Fused only: accum_dtype=torch.float32 -> accumulate_in_float32=True (other dtypes NotImplementedError);
   use_token_scaling=True, ce_impl, ce_mode: NotImplementedError; chunk_mem_const (a chunk-size knob): ignored.
-Returns as Liger's: the tuple (loss, z_loss, token_accuracy, predicted_tokens) with None where not asked, loss and
-z_loss in the logits' dtype (the tests compare them with torch's output of that dtype); labels outside [0, V) that
+Returns as Liger's: the tuple (loss, z_loss, token_accuracy, predicted_tokens) with None where not asked; loss and
+z_loss in the logits' dtype (the tests compare them with torch's output of that dtype), in the fused one the loss in
+fastce's float32 (float64 for float64) and z_loss in the hidden states' dtype, as Liger's; labels outside [0, V) that
 are not ignore_index raise AssertionError "... out of bounds" as Liger's host check does.
 Liger's tests run on CUDA; the adapters take `backend` so the CPU tests run them with backend="reference".
 """
@@ -104,7 +105,7 @@ def cross_entropy_apply(
         return_token_accuracy,
         options,
     )
-    return _liger_tuple(loss, z_loss, accuracy, _input.dtype)
+    return _liger_tuple(loss, z_loss, accuracy, _input.dtype, _input.dtype)
 
 
 def linear_cross_entropy_apply(
@@ -162,12 +163,12 @@ def linear_cross_entropy_apply(
         return_token_accuracy,
         options,
     )
-    return _liger_tuple(loss, z_loss, accuracy, _input.dtype)
+    return _liger_tuple(loss, z_loss, accuracy, loss.dtype, _input.dtype)
 
 
-def _liger_tuple(loss, z_loss, accuracy, dtype):
-    loss = loss.to(dtype)
-    z_loss = z_loss.to(dtype) if z_loss is not None else None
+def _liger_tuple(loss, z_loss, accuracy, loss_dtype, z_loss_dtype):
+    loss = loss.to(loss_dtype)
+    z_loss = z_loss.to(z_loss_dtype) if z_loss is not None else None
     return loss, z_loss, accuracy, None
 
 
