@@ -20,9 +20,6 @@ extra memory above the inputs during one call. Rank 0 prints a table and writes 
 """
 
 import argparse
-import json
-import os
-import sys
 from pathlib import Path
 
 import torch
@@ -31,8 +28,7 @@ import torch.nn.functional as F
 
 import fastce_torch
 
-from .. import envinfo
-from .sharded_torch import Timer, gather_rows, peak_extra_bytes
+from .sharded_torch import Timer, finish_ranks, gather_rows, peak_extra_bytes, start_ranks, write_result
 
 IGNORE_INDEX = -100
 
@@ -124,17 +120,7 @@ def main():
     smoke = args.smoke
     if smoke:
         args.shapes, args.warmup, args.reps = "16x8x64", 1, 2
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    else:
-        local_rank = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device.type, (world,))
+    device, rank, world, mesh = start_ranks(smoke)
     timer = Timer(device)
     backend = "reference" if smoke else "auto"
     dtype = torch.float32 if smoke else torch.bfloat16
@@ -154,27 +140,8 @@ def main():
                 peak = f"{r['peak_extra_bytes'] / 2**20:9.1f} MiB" if r["peak_extra_bytes"] is not None else ""
                 print(f"  {name:<26}{r['fwdbwd_ms']:9.3f} ms {peak}  loss {r['loss']:.6f}")
         if args.json:
-            result = {
-                "date": envinfo.today(),
-                "commit": envinfo.git_commit(),
-                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                "ranks": world,
-                "versions": envinfo.versions(),
-                "method": (__doc__ or "").strip(),
-                "rows": rows,
-                "per_rank": every_rank,
-                "mode": "smoke" if smoke else "gpu",
-            }
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(result, indent=2) + "\n")
-            print(f"wrote {args.json}")
-    dist.barrier()
-    if smoke:
-        # gloo's teardown sometimes aborts at exit; skip it (as bench.tools.sharded_torch does).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    dist.destroy_process_group()
+            write_result(args.json, __doc__, device, world, rows, every_rank, smoke)
+    finish_ranks(smoke)
 
 
 if __name__ == "__main__":

@@ -175,6 +175,54 @@ def gather_rows(rows):
     return every
 
 
+def start_ranks(smoke):
+    """This process's rank, launched by torchrun: (device, rank, world size, a 1-D device mesh over the ranks).
+    smoke: gloo on CPU processes; else NCCL on the GPU of LOCAL_RANK."""
+    if smoke:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    else:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    return device, dist.get_rank(), world, init_device_mesh(device.type, (world,))
+
+
+def write_result(path, doc, device, world, rows, every_rank, smoke, **extra):
+    """The run's JSON record (date, commit, device, versions, method, rows, every rank's rows) at path; `extra`
+    fields go in after the rank count."""
+    result = {
+        "date": envinfo.today(),
+        "commit": envinfo.git_commit(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "ranks": world,
+        **extra,
+        "versions": envinfo.versions(),
+        "method": (doc or "").strip(),
+        "rows": rows,
+        "per_rank": every_rank,
+        "mode": "smoke" if smoke else "gpu",
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def finish_ranks(smoke):
+    dist.barrier()  # no rank tears its groups down while another still uses them
+    if smoke:
+        # gloo's teardown sometimes aborts at exit ("terminate called without an active exception") after the run
+        # has finished and written its results; skip it, as fastce_torch/tests/vocab_parallel_check.py does.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    dist.destroy_process_group()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="8192x128256,8192x256000", help="global NxV, comma-separated")
@@ -186,17 +234,7 @@ def main():
     smoke = args.smoke
     if smoke:
         args.shapes, args.warmup, args.reps = "16x64", 1, 2
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    else:
-        local_rank = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device.type, (world,))
+    device, rank, world, mesh = start_ranks(smoke)
     timer = Timer(device)
     bandwidth = None if smoke else copy_bandwidth_TBps(timer, device)
     impls = implementations(mesh, "reference" if smoke else "auto")
@@ -222,29 +260,8 @@ def main():
                 ratio = f"{r['fwdbwd_ms'] / target:5.2f}x floor+collectives" if row["floor_ms"] else ""
                 print(f"  {name:<22}{r['fwdbwd_ms']:9.3f} ms {peak} {ratio}  loss {r['loss']:.6f}")
         if args.json:
-            result = {
-                "date": envinfo.today(),
-                "commit": envinfo.git_commit(),
-                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                "ranks": world,
-                "copy_bandwidth_TBps": bandwidth,
-                "versions": envinfo.versions(),
-                "method": (__doc__ or "").strip(),
-                "rows": rows,
-                "per_rank": every_rank,
-                "mode": "smoke" if smoke else "gpu",
-            }
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(result, indent=2) + "\n")
-            print(f"wrote {args.json}")
-    dist.barrier()  # no rank tears its groups down while another still uses them
-    if smoke:
-        # gloo's teardown sometimes aborts at exit ("terminate called without an active exception") after the run
-        # has finished and written its results; skip it, as fastce_torch/tests/vocab_parallel_check.py does.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    dist.destroy_process_group()
+            write_result(args.json, __doc__, device, world, rows, every_rank, smoke, copy_bandwidth_TBps=bandwidth)
+    finish_ranks(smoke)
 
 
 if __name__ == "__main__":
