@@ -186,14 +186,16 @@ def new_grads(hidden, weight, bias, needs, chunking, kept=None):
     new = torch.empty if kept is None else torch.zeros
     grad_hidden = new(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
     # Accumulated over chunks: the first chunk's product overwrites them (beta=0: no fill, no read of zeros, a
-    # V x H write and read less than starting from zeros), the next ones add (beta=1); when no chunk runs (no rows,
-    # or no kept row) finish_grads zeroes them. A weight that is not in the compute dtype (a float32 master weight
-    # under autocast) gets a float32 accumulator: its gradient is float32 anyway, and one rounding at the end is more
-    # accurate than rounding every chunk to the compute dtype and casting back.
+    # V x H write and read less than starting from zeros), the next ones add (beta=1); when no chunk will run (no
+    # rows, or no kept row) they start at zero instead. A weight that is not in the compute dtype (a float32 master
+    # weight under autocast) gets a float32 accumulator: its gradient is float32 anyway, and one rounding at the end
+    # is more accurate than rounding every chunk to the compute dtype and casting back.
     float32_accumulator = chunking.accumulate_in_float32 or weight.dtype != hidden.dtype
     accumulate_dtype = torch.float32 if float32_accumulator else weight.dtype
-    grad_weight = torch.empty(weight.shape, dtype=accumulate_dtype, device=weight.device) if need_weight else None
-    grad_bias = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
+    no_chunk = hidden.shape[0] == 0 if kept is None else kept.numel() == 0
+    new = torch.zeros if no_chunk else torch.empty
+    grad_weight = new(weight.shape, dtype=accumulate_dtype, device=weight.device) if need_weight else None
+    grad_bias = new(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
     return grad_hidden, grad_weight, grad_bias
 
 
@@ -222,12 +224,8 @@ def accumulate_grads(dlogits, hidden_chunk, weight, rows, grads, first):
             grad_bias += dlogits.sum(0, dtype=torch.float32)
 
 
-def finish_grads(grads, weight, bias, any_chunk):
+def finish_grads(grads, weight, bias):
     grad_hidden, grad_weight, grad_bias = grads
-    if not any_chunk:  # nothing wrote them
-        for grad in (grad_weight, grad_bias):
-            if grad is not None:
-                grad.zero_()
     if grad_weight is not None and grad_weight.dtype != weight.dtype:
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None and grad_bias.dtype != bias.dtype:
@@ -257,9 +255,10 @@ def _kept_rows(labels, ignore_index, chunking):
 
 
 def row_chunks(hidden, weight, bias, labels, chunking, kept=None):
-    """Yields (rows, hidden_chunk, labels_chunk, logits) chunk by chunk; logits is a view of one workspace that the
-    next chunk overwrites. rows is a slice of the rows, or with `kept` (_kept_rows) a slice of those indices: the
-    chunks then cover only the kept rows (gathered, a chunk x H copy each), so ignored rows cost no matmul."""
+    """Yields (rows, hidden_chunk, labels_chunk, logits, first) chunk by chunk, first True for the first chunk;
+    logits is a view of one workspace that the next chunk overwrites. rows is a slice of the rows, or with `kept`
+    (_kept_rows) a slice of those indices: the chunks then cover only the kept rows (gathered, a chunk x H copy
+    each), so ignored rows cost no matmul."""
     n_rows, vocab = hidden.shape[0] if kept is None else kept.numel(), weight.shape[0]
     step = rows_per_chunk(n_rows, vocab, hidden.element_size(), chunking.workspace_bytes, chunking.chunk_rows)
     workspace = torch.empty(step, vocab, dtype=hidden.dtype, device=hidden.device)
@@ -268,7 +267,7 @@ def row_chunks(hidden, weight, bias, labels, chunking, kept=None):
         rows = slice(start, stop) if kept is None else kept[start:stop]
         hidden_chunk = hidden[rows] if kept is None else hidden.index_select(0, rows)
         logits = _chunk_logits(workspace[: stop - start], hidden_chunk, weight, bias)
-        yield rows, hidden_chunk, labels[rows], logits
+        yield rows, hidden_chunk, labels[rows], logits, start == 0
 
 
 def _per_row(n_rows, kept, fill, dtype, device):
@@ -310,8 +309,9 @@ def chunked_forward(
             per_row = [_per_row(n_rows, kept, fill, kind, device) for fill, kind in zip(fills, kinds, strict=True)]
         grads = new_grads(hidden, weight, bias, needs, chunking, kept)
         one = torch.ones((), dtype=torch.float32, device=device) if any(needs) else None
-        any_chunk = False
-        for rows, hidden_chunk, labels_chunk, logits in row_chunks(hidden, weight_c, bias_c, labels, chunking, kept):
+        for rows, hidden_chunk, labels_chunk, logits, first in row_chunks(
+            hidden, weight_c, bias_c, labels, chunking, kept
+        ):
             chunk_outputs = _ce_forward(logits, labels_chunk, options, outputs, class_weight)
             if per_row is None:
                 per_row = list(chunk_outputs)
@@ -320,10 +320,9 @@ def chunked_forward(
                     whole[rows] = part
             if any(needs):
                 _ce_backward_in_place(logits, labels_chunk, chunk_outputs[1], one, options, denominator, class_weight)
-                accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first=not any_chunk)
-            any_chunk = True
+                accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first)
         token_losses, lse, *statistics = per_row
-        result = token_losses, lse, finish_grads(grads, weight, bias, any_chunk)
+        result = token_losses, lse, finish_grads(grads, weight, bias)
         return (*result, *statistics) if outputs else result
 
 
@@ -352,8 +351,9 @@ def chunked_backward(
         kept = _kept_rows(labels, options.ignore_index, chunking) if kept is _FIND else kept
         grads = new_grads(hidden, weight, bias, needs, chunking, kept)
         weight_c, bias_c = in_compute_dtype(hidden, weight, bias)
-        any_chunk = False
-        for rows, hidden_chunk, labels_chunk, logits in row_chunks(hidden, weight_c, bias_c, labels, chunking, kept):
+        for rows, hidden_chunk, labels_chunk, logits, first in row_chunks(
+            hidden, weight_c, bias_c, labels, chunking, kept
+        ):
             if grad_lse is None:
                 _ce_backward_in_place(
                     logits, labels_chunk, lse[rows], grad_losses[rows], options, class_weight=class_weight
@@ -363,9 +363,8 @@ def chunked_backward(
                 _ce_chunk_backward(
                     logits, labels_chunk, lse[rows], grad_rows, grad_lse[rows], options, class_weight=class_weight
                 )
-            accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first=not any_chunk)
-            any_chunk = True
-        return finish_grads(grads, weight, bias, any_chunk)
+            accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first)
+        return finish_grads(grads, weight, bias)
 
 
 def _differentiable_grads(grad_rows, hidden, weight, bias, labels, options, needs, grad_lse=None, class_weight=None):
@@ -1083,13 +1082,15 @@ def _recomputed_grads(hidden, weight, bias, labels, lse, grad_losses, grad_lse, 
         grads = new_grads(hidden, weight, bias, needs, ctx.chunking)
         if any(needs):
             weight_c, bias_c = in_compute_dtype(hidden, weight, bias)
-            for rows, hidden_chunk, labels_chunk, logits in row_chunks(hidden, weight_c, bias_c, labels, ctx.chunking):
+            for rows, hidden_chunk, labels_chunk, logits, first in row_chunks(
+                hidden, weight_c, bias_c, labels, ctx.chunking
+            ):
                 _chunk_gradient(
                     None if grad_losses is None else grad_losses[rows], None, logits, labels_chunk, lse[rows],
                     ctx.options, ctx.layout, ctx.use_kernel, None if grad_lse is None else grad_lse[rows],
                 )  # fmt: skip
-                accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first=rows.start == 0)
-        grads = finish_grads(grads, weight, bias, any_chunk=hidden.shape[0] > 0)
+                accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first)
+        grads = finish_grads(grads, weight, bias)
         if grads[0] is not None:
             _sum_over_ranks(grads[0], ctx.layout[0])
     return grads
@@ -1120,7 +1121,9 @@ class _VocabParallelLinearFunction(torch.autograd.Function):
                 mean_z = torch.zeros(n_rows, dtype=dtype, device=hidden.device)
             grads = new_grads(hidden, weight, bias, grad_now, chunking)
             one = torch.ones((), dtype=torch.float32, device=hidden.device)
-            for rows, hidden_chunk, labels_chunk, logits in row_chunks(hidden, weight_c, bias_c, labels, chunking):
+            for rows, hidden_chunk, labels_chunk, logits, first in row_chunks(
+                hidden, weight_c, bias_c, labels, chunking
+            ):
                 lse_local, z_label, sum_z, *local_extras = sharding.shard_statistics(
                     logits, labels_chunk, options, vocab_start, vocab_total, use_kernel, outputs
                 )
@@ -1136,8 +1139,8 @@ class _VocabParallelLinearFunction(torch.autograd.Function):
                     argmax[rows], mean_z[rows] = chunk_extras
                 if any(grad_now):
                     _chunk_gradient(one, denominator, logits, labels_chunk, chunk_lse, options, layout, use_kernel)
-                    accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first=rows.start == 0)
-            grads = finish_grads(grads, weight, bias, any_chunk=hidden.shape[0] > 0)
+                    accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first)
+            grads = finish_grads(grads, weight, bias)
             if grads[0] is not None:
                 _sum_over_ranks(grads[0], group)
         ctx.options, ctx.chunking, ctx.layout, ctx.use_kernel = options, chunking, layout, use_kernel
