@@ -12,6 +12,9 @@ launcher's C call alone, the device and stream getters), the forward's allocatio
 Function forward only, forward+backward, engine threads off), leaf `.backward()` rows (as Unsloth's and most users'
 code call a loss), and a closing summary of what remains of the eager forward+backward, computed from the rows.
 `--part1-only --device cpu --calls 2 --repeat 1` (TRITON_INTERPRET=1) is a smoke run of part 1 on a CPU.
+`--profile-entry-points` instead profiles those two calls (below) after their timings: cProfile's top Python
+functions by own time, and torch.profiler's host-side table (aten ops and CUDA runtime calls such as
+cudaStreamSynchronize), the evidence for where their host time goes.
 Then linear_cross_entropy forward+backward at a tiny shape against F.linear + F.cross_entropy, and the
 vocab-parallel call on a one-rank process group (NCCL on a GPU, gloo on a CPU) with the share of its collectives
 (the same all-reduces replayed alone); each row is skipped, with its reason, when it cannot run here.
@@ -249,20 +252,20 @@ def _skip(name, why):
     print(f"{name:50s} skipped: {why}")
 
 
-def other_entry_points(rows, device, n, repeat):
+def other_entry_points(rows, device, n, repeat, profile=False):
     """linear_cross_entropy and the vocab-parallel call, each beside the plain-torch equivalent it replaces."""
     print("  other entry points (default backend: the kernels on CUDA, plain torch on a CPU):")
     try:
-        _linear_rows(rows, device, n, repeat)
+        _linear_rows(rows, device, n, repeat, profile)
     except Exception as error:  # a row that cannot run here is reported, never fatal to the other rows
         _skip("linear_cross_entropy fwd+bwd", f"{type(error).__name__}: {error}")
     try:
-        _vocab_parallel_rows(rows, device, n, repeat)
+        _vocab_parallel_rows(rows, device, n, repeat, profile)
     except Exception as error:
         _skip("vocab-parallel cross_entropy fwd+bwd", f"{type(error).__name__}: {error}")
 
 
-def _linear_rows(rows, device, n, repeat, n_rows=64, hidden_size=64, vocab=1000):
+def _linear_rows(rows, device, n, repeat, profile=False, n_rows=64, hidden_size=64, vocab=1000):
     hidden = torch.randn(n_rows, hidden_size, device=device, requires_grad=True)
     weight = (torch.randn(vocab, hidden_size, device=device) / hidden_size**0.5).requires_grad_()
     labels = torch.randint(0, vocab, (n_rows,), device=device)
@@ -278,6 +281,38 @@ def _linear_rows(rows, device, n, repeat, n_rows=64, hidden_size=64, vocab=1000)
     shape = f"{n_rows}x{hidden_size}x{vocab}"
     _both_paths(rows, f"linear_cross_entropy fwd+bwd ({shape})", fused, n, repeat)
     _row(rows, "  F.linear + F.cross_entropy fwd+bwd", per_call_us(unfused, n, repeat))
+    if profile:
+        profile_call(f"linear_cross_entropy fwd+bwd ({shape})", fused, n)
+        profile_call("F.linear + F.cross_entropy fwd+bwd", unfused, n)
+
+
+def profile_call(name, step, n, top=18):
+    """Where one call's host time goes: cProfile's functions by own time, then torch.profiler's host table (aten
+    ops and CUDA runtime calls; a cudaStreamSynchronize or cudaMemcpy there is a wait for the device)."""
+    import cProfile
+    import io
+    import pstats
+
+    step()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(n):
+        step()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    print(f"--- profile: {name}, {n} calls; cProfile by own time ---")
+    print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[-4000:])
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as trace:
+        for _ in range(n):
+            step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    print(f"--- profile: {name}, {n} calls; torch.profiler by self CPU time ---")
+    print(trace.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
 
 
 def _free_port():
@@ -317,7 +352,7 @@ def _recorded_all_reduces(record):
         dist.all_reduce = original
 
 
-def _vocab_parallel_rows(rows, device, n, repeat, n_rows=64, vocab=1000):
+def _vocab_parallel_rows(rows, device, n, repeat, profile=False, n_rows=64, vocab=1000):
     name = f"vocab-parallel cross_entropy fwd+bwd ({n_rows}x{vocab}, 1 rank)"
     dist = torch.distributed
     if not dist.is_available():
@@ -358,6 +393,8 @@ def _vocab_parallel_rows(rows, device, n, repeat, n_rows=64, vocab=1000):
             "  the same call without process_group",
             per_call_us(lambda: torch.autograd.grad(fastce_torch.cross_entropy(logits, labels), logits), n, repeat),
         )
+        if profile:
+            profile_call(name + f", {backend}", step, n)
 
 
 def summary(rows, fwd_bwd, leaf_bwd, cached_path):
@@ -481,6 +518,11 @@ def main(argv=None):
     parser.add_argument("--calls", type=int, default=300, help="calls per timing (part 1)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--part1-only", action="store_true", help="part 1 alone (a CPU smoke run: TRITON_INTERPRET=1)")
+    parser.add_argument(
+        "--profile-entry-points",
+        action="store_true",
+        help="only the linear_cross_entropy and vocab-parallel rows, each profiled (cProfile, torch.profiler)",
+    )
     args = parser.parse_args(argv)
     gpu = args.device != "cpu"
     print(
@@ -490,6 +532,9 @@ def main(argv=None):
     )
     if gpu and not kernels.launch_cache_enabled():
         raise SystemExit("the launch cache is off in this process: nothing to compare")
+    if args.profile_entry_points:
+        other_entry_points({}, args.device, args.calls, args.repeat, profile=True)
+        return
     host_costs(args.device, args.calls, args.repeat)
     if args.part1_only:
         return

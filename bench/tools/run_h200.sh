@@ -4,6 +4,7 @@
 # close to the whole 560 s timeout: compiles dominate). With 8 workers the torch stage took 130 s. Stages: `tests`
 # (fastce_torch, examples, bench/tests with --gpu), `tests-jax` (fastce_jax --gpu), `shared` (shared_tests --gpu),
 # `host` (host time per call: bench.tools.overhead, host_cost on CUDA, bench.tools.jax_dispatch; ~2),
+# `host-profile` (cProfile and torch.profiler of the linear_cross_entropy and vocab-parallel calls; < 1),
 # `two-gpus` (the tests that need two GPUs: NCCL vocab-parallel, fused linear with a sharded head, cuda:1 placement,
 # JAX sharding; kind nvidia-h200-x2), `two-gpus-linear-bench` (bench/tools/sharded_linear_torch.py: the fused linear
 # column-parallel and FSDP2 paths against one GPU and DTensor loss_parallel; x2, ~1-2, estimated),
@@ -54,6 +55,9 @@ for stage in "$@"; do
     shared)
       FASTCE_SHARED_SUMMARY="$OUT/shared-summary.json" timeout -s INT 560 $PYTEST shared_tests >"$OUT/shared-tests.log" 2>&1
       tail -15 "$OUT/shared-tests.log" ;;
+    host-profile)
+      timeout 200 python3 -m bench.tools.overhead --profile-entry-points --calls 100 >"$OUT/host-profile.log" 2>&1
+      grep -E "^(linear|vocab|  )" "$OUT/host-profile.log" | head -12 ;;
     host)
       timeout 200 python3 -m bench.tools.overhead >"$OUT/overhead.log" 2>&1; tail -45 "$OUT/overhead.log"
       timeout 100 python3 -m bench.tools.host_cost --device cuda >"$OUT/host-cost.log" 2>&1; tail -25 "$OUT/host-cost.log"
