@@ -21,6 +21,8 @@ vocab-parallel call on a one-rank process group (NCCL on a GPU, gloo on a CPU) w
 Part 2 times forward+backward of real shapes: eager (do_bench, as `python -m bench`) with and without the cache, the
 two kernels launched back to back without autograd, and the two kernels replayed from a CUDA graph (kernel time
 alone: no host work at all).
+Part 2b does the same for the vocab-parallel call at the two-GPU bench's local shard shapes on a one-rank NCCL group
+(eager, without process_group, its kernels back to back, its all-reduces alone): host-bound or not.
 Part 3 checks that cached and generic launches give bitwise the same loss and gradient on a set of shapes, dtypes
 and options (as fastce_torch/tests/test_launch_cache.py does under pytest --gpu).
 """
@@ -492,6 +494,52 @@ def device_times(shapes=((512, 256000), (8192, 32000))):
         )
 
 
+def vocab_parallel_device_times(shapes=((8192, 64128), (8192, 128000))):
+    """The vocab-parallel call at the local shard shapes of the two-GPU bench (V = 128256 and 256000 over two ranks)
+    on a one-rank NCCL group: is an isolated call bound by its host work? Eager forward+backward against the same
+    logits without process_group, the vocab-parallel kernels launched back to back (no collectives), and the two
+    all-reduces alone; eager well above kernels + collectives means the GPU waits on the host."""
+    print("part 2b: vocab-parallel forward+backward at the two-GPU bench's local shard shapes, one NCCL rank, ms")
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_nccl_available()):
+        return _skip("part 2b", "this torch has no NCCL")
+    with _one_rank_group("nccl") as group:
+        for n_rows, vocab in shapes:
+            logits = torch.randn(n_rows, vocab, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            labels = torch.randint(0, vocab, (n_rows,), device="cuda")
+            labels[::7] = -100
+            logits_nonleaf = logits * 1
+
+            def step(process_group=group):
+                loss = fastce_torch.cross_entropy(logits_nonleaf, labels, process_group=process_group)
+                return torch.autograd.grad(loss, logits_nonleaf, retain_graph=True)
+
+            step()  # the communicator is made on the first collective
+            collectives = []
+            with _recorded_all_reduces(collectives):
+                step()
+            eager = triton.testing.do_bench(step, return_mode="median")
+            local = triton.testing.do_bench(lambda: step(None), return_mode="median")
+            raw = logits_nonleaf.detach()
+            grad_loss = torch.ones((), device="cuda")
+
+            def kernels_only():
+                lse, *_ = kernels.forward(raw, labels, OPTIONS, vocab_start=0, vocab_total=vocab)
+                kernels.backward(grad_loss, raw, labels, lse, raw, OPTIONS, vocab_start=0, vocab_total=vocab)
+
+            launched = triton.testing.do_bench(kernels_only, return_mode="median")
+
+            def collectives_alone():
+                for tensor, op, group_of_call in collectives:
+                    dist.all_reduce(tensor, op=op, group=group_of_call)
+
+            alone = triton.testing.do_bench(collectives_alone, return_mode="median")
+            print(
+                f"N={n_rows} V_local={vocab}: eager {eager:.3f}, without process_group {local:.3f}, its kernels "
+                f"back to back {launched:.3f} + its all-reduces alone {alone:.3f} = {launched + alone:.3f}"
+            )
+
+
 def bitwise_check():
     from fastce_torch.tests.test_launch_cache import GPU_CASES, _step, bits
 
@@ -539,6 +587,10 @@ def main(argv=None):
     if args.part1_only:
         return
     device_times()
+    try:
+        vocab_parallel_device_times()
+    except Exception as error:  # reported, never fatal to part 3
+        _skip("part 2b", f"{type(error).__name__}: {error}")
     bitwise_check()
     failures = {
         name: launcher.failure
