@@ -17,8 +17,6 @@ write them in place.
 """
 
 import argparse
-import contextlib
-import socket
 
 import torch
 
@@ -30,6 +28,9 @@ import triton
 import triton.language as tl
 
 from fastce_torch import contract, kernels, sharding
+
+from .overhead import _one_rank_group as one_rank_group
+from .overhead import per_call_us
 
 BLOCK = 1024
 
@@ -260,18 +261,6 @@ def compile_for_sm90():
     return sizes
 
 
-@contextlib.contextmanager
-def one_rank_group(backend):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=300)
@@ -288,8 +277,6 @@ def main(argv=None):
             print(f"{str(case):48s} kernel path == package path, largest |difference| {largest:.2e}")
         if not gpu:
             return
-        from .overhead import per_call_us
-
         print("host time per call of the combine step (64 rows, one NCCL rank), us:")
         for reduction in ("none", "mean"):
             options = kernels.Options()
