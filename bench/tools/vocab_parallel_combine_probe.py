@@ -13,7 +13,8 @@ does not depend on the grid: batch invariance). Both are checked against the pac
 statistics (float32 tolerance: the sum's order differs), for "none", "mean", "sum" and n_items, with smoothing and
 z-loss, ignored and out-of-range labels, and an all-ignored batch. The buffers' preparation (the maxima's copy and
 width fills, z_label / sum_z into the SUM buffer) stays torch ops here; in the package the statistics kernel would
-write them in place.
+write them in place. The probe launches its kernels through Triton's generic `kernel[grid](...)` dispatch, which
+costs more host time per launch than the package's launch cache would: its timing is an upper bound for the kernels.
 """
 
 import argparse
