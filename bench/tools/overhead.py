@@ -304,7 +304,7 @@ def profile_call(name, step, n, top=18):
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
     print(f"--- profile: {name}, {n} calls; cProfile by own time ---")
-    print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[-4000:])
+    print("\n".join(line for line in text.getvalue().splitlines() if line.strip()))
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -324,7 +324,7 @@ def _free_port():
 
 
 @contextlib.contextmanager
-def _one_rank_group(backend):
+def one_rank_group(backend):
     """A process group of this process alone (rank 0 of 1) on a free local port, destroyed afterwards."""
     dist = torch.distributed
     if dist.is_initialized():  # someone else's group: use it as it is
@@ -354,6 +354,21 @@ def _recorded_all_reduces(record):
         dist.all_reduce = original
 
 
+def all_reduces_of(step):
+    """(the all-reduces one call of step() makes, as (tensor copy, op, group), a function that replays them alone).
+    step() runs twice: once to make the communicator (on the first collective), once recorded."""
+    step()
+    collectives = []
+    with _recorded_all_reduces(collectives):
+        step()
+
+    def replay():
+        for tensor, op, group in collectives:
+            torch.distributed.all_reduce(tensor, op=op, group=group)
+
+    return collectives, replay
+
+
 def _vocab_parallel_rows(rows, device, n, repeat, profile=False, n_rows=64, vocab=1000):
     name = f"vocab-parallel cross_entropy fwd+bwd ({n_rows}x{vocab}, 1 rank)"
     dist = torch.distributed
@@ -366,21 +381,13 @@ def _vocab_parallel_rows(rows, device, n, repeat, profile=False, n_rows=64, voca
         return _skip(name, "this torch has no gloo")
     logits = torch.randn(n_rows, vocab, device=device, requires_grad=True) * 1
     labels = torch.randint(0, vocab, (n_rows,), device=device)
-    with _one_rank_group(backend) as group:
+    with one_rank_group(backend) as group:
 
         def step():
             loss = fastce_torch.cross_entropy(logits, labels, process_group=group)
             return torch.autograd.grad(loss, logits)
 
-        step()  # the communicator is made on the first collective
-        collectives = []
-        with _recorded_all_reduces(collectives):
-            step()
-
-        def collectives_alone():
-            for tensor, op, group_of_call in collectives:
-                dist.all_reduce(tensor, op=op, group=group_of_call)
-
+        collectives, collectives_alone = all_reduces_of(step)
         total = _both_paths(rows, name + f", {backend}", step, n, repeat)
         alone = per_call_us(collectives_alone, n, repeat)
         sizes = ", ".join(f"{tuple(t.shape)} {str(op).rsplit('.', 1)[-1]}" for t, op, _ in collectives)
@@ -503,7 +510,7 @@ def vocab_parallel_device_times(shapes=((8192, 64128), (8192, 128000))):
     dist = torch.distributed
     if not (dist.is_available() and dist.is_nccl_available()):
         return _skip("part 2b", "this torch has no NCCL")
-    with _one_rank_group("nccl") as group:
+    with one_rank_group("nccl") as group:
         for n_rows, vocab in shapes:
             logits = torch.randn(n_rows, vocab, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             labels = torch.randint(0, vocab, (n_rows,), device="cuda")
@@ -514,10 +521,7 @@ def vocab_parallel_device_times(shapes=((8192, 64128), (8192, 128000))):
                 loss = fastce_torch.cross_entropy(logits_nonleaf, labels, process_group=process_group)
                 return torch.autograd.grad(loss, logits_nonleaf, retain_graph=True)
 
-            step()  # the communicator is made on the first collective
-            collectives = []
-            with _recorded_all_reduces(collectives):
-                step()
+            _, collectives_alone = all_reduces_of(step)
             eager = triton.testing.do_bench(step, return_mode="median")
             local = triton.testing.do_bench(lambda: step(None), return_mode="median")
             raw = logits_nonleaf.detach()
@@ -528,11 +532,6 @@ def vocab_parallel_device_times(shapes=((8192, 64128), (8192, 128000))):
                 kernels.backward(grad_loss, raw, labels, lse, raw, OPTIONS, vocab_start=0, vocab_total=vocab)
 
             launched = triton.testing.do_bench(kernels_only, return_mode="median")
-
-            def collectives_alone():
-                for tensor, op, group_of_call in collectives:
-                    dist.all_reduce(tensor, op=op, group=group_of_call)
-
             alone = triton.testing.do_bench(collectives_alone, return_mode="median")
             print(
                 f"N={n_rows} V_local={vocab}: eager {eager:.3f}, without process_group {local:.3f}, its kernels "

@@ -30,8 +30,7 @@ import triton.language as tl
 
 from fastce_torch import contract, kernels, sharding
 
-from .overhead import _one_rank_group as one_rank_group
-from .overhead import per_call_us
+from .overhead import one_rank_group, per_call_us
 
 BLOCK = 1024
 
