@@ -24,6 +24,7 @@ import torch
 import triton.testing
 
 from fastce_torch import kernels
+from fastce_torch.linear_cross_entropy import accumulate_grads
 
 
 def per_op_ms(n_rows, hidden_size, vocab, chunk, dtype=torch.bfloat16, seed=0):
@@ -87,12 +88,8 @@ def chunk_loops(hidden, weight, labels, chunk, options=None):
         _, lse, denominator = kernels.forward(out, labels[rows], options, reduction="mean")
         kernels.backward(one, out, labels[rows], lse, out, options, denominator=denominator)
 
-    def products(i, out, rows):
-        torch.matmul(out, weight, out=grad_hidden[rows])
-        if i == 0:
-            torch.matmul(out.t(), hidden[rows], out=grad_weight)
-        else:
-            grad_weight.addmm_(out.t(), hidden[rows])
+    def products(i, out, rows):  # the package's own dh and dW products (beta=0 on the first chunk)
+        accumulate_grads(out, hidden[rows], weight, rows, (grad_hidden, grad_weight, None), first=i == 0)
 
     def serial():
         for i in range(len(starts)):
