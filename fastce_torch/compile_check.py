@@ -25,7 +25,7 @@ def compile_for_h200(fn, signature, constexprs, num_warps):
 
 
 FLAG_SETS = [(False,) * 4, (True,) * 4] + [tuple(i == j for j in range(4)) for i in range(4)]
-FLOAT_SCALARS = {"scaling", "softcap", "label_smoothing", "z_loss", "denominator_value"}
+FLOAT_SCALARS = {"scaling", "softcap", "label_smoothing", "z_loss", "denominator_value", "width"}
 
 
 def signature(fn, logits_type, index_type):
@@ -106,6 +106,25 @@ def variants():
         if flag_set == FLAG_SETS[0]:  # linear_cross_entropy's gradient scaling, once per dtype
             scale = kernels._scale_unless_one_kernel
             yield scale, signature(scale, logits, index), dict(BLOCK=kernels.SCALE_BLOCK), 4
+    yield from vocab_parallel_variants()
+
+
+def vocab_parallel_variants():
+    # The vocab-parallel combine kernels: with and without the width check, every option and reduction mode.
+    block = kernels.VOCAB_PARALLEL_BLOCK
+    maxima, rescale = kernels._vocab_parallel_maxima_kernel, kernels._vocab_parallel_rescale_kernel
+    for check in (False, True):
+        yield maxima, signature(maxima, "*fp32", "i32"), dict(CHECK_WIDTHS=check, BLOCK=block), 4
+    yield rescale, signature(rescale, "*fp32", "i32"), dict(BLOCK=block), 4
+    loss = kernels._vocab_parallel_loss_kernel
+    for check, smoothing, z_loss, reduce, mode in itertools.product(
+        (False, True), (False, True), (False, True), (False, True), (0, 1, 2)
+    ):
+        if not reduce and mode:
+            continue
+        constexprs = dict(CHECK_WIDTHS=check, HAS_SMOOTHING=smoothing, HAS_Z_LOSS=z_loss, REDUCE=reduce,
+                          DENOMINATOR_MODE=mode, BLOCK=block)  # fmt: skip
+        yield loss, signature(loss, "*fp32", "i32"), constexprs, 4
 
 
 def main():

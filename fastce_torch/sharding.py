@@ -180,6 +180,22 @@ def _combine_statistics_with_outputs(
     return (*combined, candidates, sums[-1] / sums[0])
 
 
+def _combined_by_kernels(logits, labels, reduction, n_items, options, layout):
+    """The eager forward on the kernels: (loss, global lse, divisor or None) from the statistics kernel, the two
+    all-reduces in place on one buffer and the combine kernels between and after them, 4 launches in all (the
+    torch-ops path, for the plain-torch backend and the extra outputs, is combine_statistics)."""
+    group, vocab_start, vocab_total, check_equal_widths = layout
+    with kernels.on_device(logits):
+        statistics = kernels.vocab_parallel_statistics(
+            logits, labels, options, vocab_start, vocab_total, check_equal_widths
+        )
+        dist.all_reduce(statistics.maxima, op=dist.ReduceOp.MAX, group=group)
+        kernels.vocab_parallel_rescale(statistics)
+        dist.all_reduce(statistics.sums, op=dist.ReduceOp.SUM, group=group)
+        # Labels are the same on every rank, so the local kept-token count is the global one.
+        return kernels.vocab_parallel_loss(statistics, labels, options, reduction, n_items, vocab_total)
+
+
 class _VocabParallelFunction(torch.autograd.Function):
     """Collectives in the forward only; the backward is local."""
 
@@ -187,23 +203,26 @@ class _VocabParallelFunction(torch.autograd.Function):
     def forward(ctx, logits, labels, reduction, n_items, inplace_backward, options, layout, use_kernel, extras=None):
         group, vocab_start, vocab_total, check_equal_widths = layout
         outputs = extras is not None
-        with kernels.on_device(logits):
-            lse_local, z_label, sum_z, *local_extras = shard_statistics(
-                logits, labels, options, vocab_start, vocab_total, use_kernel, outputs
-            )
-        with_sum_z = options.label_smoothing > 0.0
-        lse, z_label, sum_z, *global_extras = combine_statistics(
-            lse_local, z_label, sum_z, group, logits.shape[-1], check_equal_widths, with_sum_z,
-            local_extras if outputs else None, vocab_total,
-        )  # fmt: skip
-        losses = contract.token_loss_from_statistics(lse, z_label, sum_z, labels, options, vocab_total)
-        # Labels are the same on every rank, so the local kept-token count is the global one.
-        denominator = contract.loss_divisor(labels, reduction, n_items, options.ignore_index)
+        if use_kernel and not outputs:
+            loss, lse, denominator = _combined_by_kernels(logits, labels, reduction, n_items, options, layout)
+        else:
+            with kernels.on_device(logits):
+                lse_local, z_label, sum_z, *local_extras = shard_statistics(
+                    logits, labels, options, vocab_start, vocab_total, use_kernel, outputs
+                )
+            with_sum_z = options.label_smoothing > 0.0
+            lse, z_label, sum_z, *global_extras = combine_statistics(
+                lse_local, z_label, sum_z, group, logits.shape[-1], check_equal_widths, with_sum_z,
+                local_extras if outputs else None, vocab_total,
+            )  # fmt: skip
+            losses = contract.token_loss_from_statistics(lse, z_label, sum_z, labels, options, vocab_total)
+            # Labels are the same on every rank, so the local kept-token count is the global one.
+            denominator = contract.loss_divisor(labels, reduction, n_items, options.ignore_index)
+            loss = losses if denominator is None else losses.sum() / denominator
         ctx.save_for_backward(logits, labels, lse, denominator)
         ctx.inplace_backward, ctx.options, ctx.use_kernel = inplace_backward, options, use_kernel
         ctx.vocab_start, ctx.vocab_total, ctx.consumed, ctx.group = vocab_start, vocab_total, False, group
         ctx.extras = extras
-        loss = losses if denominator is None else losses.sum() / denominator
         if not outputs:
             return loss
         # The extra outputs' statistics: lse is differentiable when the z_loss output is asked.

@@ -6,8 +6,7 @@
 # `host` (host time per call: bench.tools.overhead, host_cost on CUDA, bench.tools.jax_dispatch; ~2),
 # `host-profile` (cProfile and torch.profiler of the linear_cross_entropy and vocab-parallel calls; < 1),
 # `linear-overlap` (bench/tools/linear_chunk_probe.py --overlap: the fused loop serial, with its CE kernels on a second
-# stream, and its matmuls alone, at two shapes; ~1, estimated), `vp-combine` (bench/tools/vocab_parallel_combine_probe.py:
-# two kernels in place of the vocab-parallel combine's torch ops, checked and timed on one NCCL rank; < 1),
+# stream, and its matmuls alone, at two shapes; ~1, estimated),
 # `two-gpus` (the tests that need two GPUs: NCCL vocab-parallel, fused linear with a sharded head, cuda:1 placement,
 # JAX sharding; kind nvidia-h200-x2), `two-gpus-linear-bench` (bench/tools/sharded_linear_torch.py: the fused linear
 # column-parallel and FSDP2 paths against one GPU and DTensor loss_parallel; x2, ~1-2, estimated),
@@ -62,8 +61,6 @@ for stage in "$@"; do
       for shape in 8192x4096x128256 8192x2304x256000; do
         timeout 120 python3 -m bench.tools.linear_chunk_probe --overlap --shape $shape 2>&1 | tail -6
       done | tee "$OUT/linear-overlap.log" ;;
-    vp-combine)
-      timeout 120 python3 -m bench.tools.vocab_parallel_combine_probe 2>&1 | tee "$OUT/vp-combine.log" | tail -14 ;;
     host-profile)
       timeout 200 python3 -m bench.tools.overhead --profile-entry-points --calls 100 >"$OUT/host-profile.log" 2>&1
       grep -E "^(linear|vocab|  )" "$OUT/host-profile.log" | head -12 ;;

@@ -2,9 +2,28 @@
 shared_tests' (reference.expected, tolerances.assert_loss / assert_grad); this module only turns tensors into
 host arrays. The same names as fastce_jax/tests/checks.py."""
 
+import contextlib
+
 import torch
 
 from shared_tests import reference, tolerances
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Every buffer allocated with torch.empty / empty_like starts as NaN (integers as -2**30), so an element a
+    kernel forgets to write shows up instead of a lucky zero."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poisoned(out):
+        return out.fill_(float("nan")) if out.is_floating_point() else out.fill_(-(2**30))
+
+    torch.empty = lambda *args, **kwargs: poisoned(empty(*args, **kwargs))
+    torch.empty_like = lambda *args, **kwargs: poisoned(empty_like(*args, **kwargs))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = empty, empty_like
 
 
 def as_float64(tensor):

@@ -43,13 +43,13 @@ def run_ranks(n_ranks, *args, timeout=900, module="fastce_torch.tests.vocab_para
 
 @pytest.mark.parametrize("backend", ["kernel", "reference"])
 def test_two_ranks_equal_slices(backend):
-    run_ranks(2, "--device=cpu", f"--backend={backend}", "--local-vocab=20")
+    run_ranks(2, "--device=cpu", f"--backend={backend}", "--local-vocab=20", "--poisoned")
 
 
 @pytest.mark.parametrize("backend", ["kernel", "reference"])
 def test_three_ranks_unequal_slices(backend):
     # Explicit vocab_start; also checks that unequal widths without it give NaN, and that overlapping slices raise.
-    run_ranks(3, "--device=cpu", f"--backend={backend}", "--widths=10,15,12")
+    run_ranks(3, "--device=cpu", f"--backend={backend}", "--widths=10,15,12", "--poisoned")
 
 
 def test_two_ranks_chunked_rows():
@@ -123,6 +123,12 @@ def test_two_gpus_nccl_inductor():
     # Every dtype of all-options-mean (float64 by the plain-torch path) plus the compile-only checks: a few inductor
     # compiles, so that the two-GPU stage keeps to its time.
     run_ranks(2, "--device=cuda", "--backend=kernel", "--size=mid", "--compile=inductor", "--only=all-options-mean")
+
+
+@pytest.mark.gpu
+def test_one_gpu_nccl_one_rank():
+    # The eager path's combine kernels on a GPU where only one is lent: every case, one NCCL rank, poisoned buffers.
+    run_ranks(1, "--device=cuda", "--backend=kernel", "--size=mid", "--poisoned")
 
 
 @pytest.mark.gpu

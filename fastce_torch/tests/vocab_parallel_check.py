@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import fastce_torch  # noqa: F401  (before triton: chooses Triton's interpreter on a CPU machine)
+from fastce_torch.tests import checks
 from shared_tests import harness, tolerances
 from shared_tests.harness import Case
 from shared_tests.reference import Options
@@ -531,10 +532,13 @@ def main():
     parser.add_argument("--size", choices=("tiny", "mid"), default="tiny", help="mid: 128 rows x 40000 per rank")
     parser.add_argument("--only", default="", help="comma-separated case names")
     parser.add_argument("--second-order", action="store_true", help="only the Hessian-vector product cases")
+    parser.add_argument("--poisoned", action="store_true", help="torch.empty / empty_like buffers start as NaN")
     parser.add_argument(
         "--compile", default="", choices=("", "aot_eager", "inductor"), help="also under torch.compile(fullgraph=True)"
     )
     args = parser.parse_args()
+    if args.poisoned:  # for the whole process: every case runs on poisoned buffers
+        checks.poisoned_allocations().__enter__()
     if args.compile and args.second_order:
         raise SystemExit("--second-order runs eagerly (under --compile a second backward is checked to raise)")
     if args.size == "mid":
