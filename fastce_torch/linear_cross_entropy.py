@@ -326,6 +326,23 @@ def chunked_forward(
         return (*result, *statistics) if outputs else result
 
 
+def reduced_in_one_chunk(hidden, weight, bias, labels, options, chunking, needs, reduction, n_items):
+    """The reduced loss when one chunk holds every row (every small call): the forward kernel also sums the losses
+    and counts their divisor, where chunked_forward's caller needs loss_divisor's and the sum's framework ops
+    (more host time than a small call's kernels). Returns (loss (0-d), denominator (1,), gradients)."""
+    with kernel_context(hidden):
+        weight_c, bias_c = in_compute_dtype(hidden, weight, bias)
+        grads = new_grads(hidden, weight, bias, needs, chunking)
+        workspace = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype, device=hidden.device)
+        logits = _chunk_logits(workspace, hidden, weight_c, bias_c)
+        loss, lse, denominator = kernels.forward(logits, labels, options, reduction, n_items)
+        if any(needs):
+            one = torch.ones((), dtype=torch.float32, device=hidden.device)
+            _ce_backward_in_place(logits, labels, lse, one, options, denominator)
+            accumulate_grads(logits, hidden, weight_c, slice(None), grads, True)
+        return loss, denominator, finish_grads(grads, weight, bias)
+
+
 def chunked_backward(
     grad_losses,
     hidden,
@@ -404,18 +421,26 @@ class _ReducedFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, bias, labels, denominator, options, chunking, needs, extras=None, class_weight=None
-    ):
+        ctx, hidden, weight, bias, labels, denominator, options, chunking, needs, extras=None, class_weight=None,
+        reduction=None,
+    ):  # fmt: skip
+        """denominator: the divisor (1,), or None with reduction = (reduction, n_items) when one chunk holds every
+        row (reduced_in_one_chunk: the kernel computes it)."""
         ctx.options, ctx.needs, ctx.extras, ctx.class_weight = options, needs, extras, class_weight
         if extras is not None:
             return _ReducedFunction._forward_outputs(ctx, hidden, weight, bias, labels, denominator, chunking)
-        token_losses, _, grads = chunked_forward(
-            hidden, weight, bias, labels, options, chunking, denominator, needs, class_weight=class_weight
-        )
-        ctx.grads = grads
+        if denominator is None:
+            loss, denominator, ctx.grads = reduced_in_one_chunk(
+                hidden, weight, bias, labels, options, chunking, needs, *reduction
+            )
+        else:
+            token_losses, _, ctx.grads = chunked_forward(
+                hidden, weight, bias, labels, options, chunking, denominator, needs, class_weight=class_weight
+            )
+            loss = token_losses.sum() / denominator[0]
         # References, no copies: read only by a backward that must be differentiable again.
         ctx.save_for_backward(hidden, weight, bias, labels, denominator)
-        return token_losses.sum() / denominator[0]
+        return loss
 
     @staticmethod
     def _forward_outputs(ctx, hidden, weight, bias, labels, denominator, chunking):
@@ -444,7 +469,7 @@ class _ReducedFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, *grad_outputs):
         if ctx.extras is not None:
             return _ReducedFunction._backward_outputs(ctx, grad_loss, grad_outputs[0])
-        return (*_ReducedFunction._loss_grads(ctx, grad_loss, ctx.saved_tensors), *(None,) * 7)
+        return (*_ReducedFunction._loss_grads(ctx, grad_loss, ctx.saved_tensors), *(None,) * 8)
 
     @staticmethod
     def _loss_grads(ctx, grad_loss, saved):
@@ -471,7 +496,7 @@ class _ReducedFunction(torch.autograd.Function):
         output is differentiated, its part (through lse), recomputing each chunk's logits."""
         *saved, lse = ctx.saved_tensors
         hidden, weight, bias, labels, denominator = saved
-        nones = (None,) * 7
+        nones = (None,) * 8
         if grad_lse is None or not ctx.extras.z_loss:
             if grad_loss is None:
                 return (None,) * 3 + nones
@@ -1002,6 +1027,12 @@ def unsharded_loss(hidden, weight, bias, labels, options, reduction, n_items, ba
             )
         return token_losses.view(labels.shape)
     needs = gradients_needed(hidden, weight, bias)
+    n_rows = hidden_2d.shape[0]
+    one_chunk = 0 < n_rows <= rows_per_chunk(n_rows, weight.shape[0], hidden.element_size(), *chunking[:2])
+    if not compiling and one_chunk and class_weight is None and not chunking.skip_ignored_rows:
+        return _ReducedFunction.apply(
+            hidden_2d, weight, bias, labels_1d, None, options, chunking, needs, None, None, (reduction, n_items)
+        )
     denominator = contract.loss_divisor(labels_1d, reduction, n_items, ignore_index, weight=class_weight).reshape(1)
     if compiling:
         return _reduced_op(hidden_2d, weight, bias, labels_1d, denominator, *options, *chunking, *needs, class_weight)[

@@ -72,15 +72,21 @@ class FakeJIT:
         return run
 
 
+LAUNCHERS = {
+    "_forward_launcher": kernels._forward_kernel,
+    "_backward_launcher": kernels._backward_kernel,
+    "_scale_launcher": kernels._scale_unless_one_kernel,
+    "_maxima_launcher": kernels._vocab_parallel_maxima_kernel,
+    "_rescale_launcher": kernels._vocab_parallel_rescale_kernel,
+    "_vocab_parallel_loss_launcher": kernels._vocab_parallel_loss_kernel,
+}
+
+
 def fake_launchers(monkeypatch, setting=None):
     setting = FakeSetting() if setting is None else setting
     monkeypatch.setattr(kernels, "_launched", set())  # the capture guard's record: these variants never compiled
     fakes = {}
-    for name, kernel in (
-        ("_forward_launcher", kernels._forward_kernel),
-        ("_backward_launcher", kernels._backward_kernel),
-        ("_scale_launcher", kernels._scale_unless_one_kernel),
-    ):
+    for name, kernel in LAUNCHERS.items():
         fakes[name] = FakeJIT(kernel)
         launcher = kernels._Launcher(fakes[name], setting, current_device=lambda: 0, current_stream=lambda d: STREAM)
         monkeypatch.setattr(kernels, name, launcher)
@@ -369,6 +375,17 @@ def captured_arguments(monkeypatch):
             grad = torch.empty(logits.shape, dtype=logits.dtype, device=STAND_IN_DEVICE)
             kernels.backward(grad_loss, logits, labels_of(n_rows, vocab), lse, grad, Options(), denominator)
     kernels.scale_unless_one(torch.randn(17, device=STAND_IN_DEVICE), torch.ones((), device=STAND_IN_DEVICE))
+    for n_rows, check_widths, smoothing, reduction, n_items in (
+        (16, True, 0.0, "none", None),
+        (17, False, 0.1, "mean", None),
+        (1, True, 0.0, "sum", 3.0),
+        (33, True, 0.1, "mean", torch.tensor(5.0, device=STAND_IN_DEVICE)),
+    ):
+        options = Options(label_smoothing=smoothing)
+        labels = labels_of(n_rows, 100)
+        statistics = kernels.vocab_parallel_statistics(logits_of(n_rows, 50), labels, options, 50, 100, check_widths)
+        kernels.vocab_parallel_rescale(statistics)
+        kernels.vocab_parallel_loss(statistics, labels, options, reduction, n_items, 100)
     return {name: [call[1] for call in fake.generic] for name, fake in fakes.items()}
 
 
@@ -398,16 +415,10 @@ def check_keys_against_binder(fake, launcher, argument_sets, rng):
     return fast, len(by_key)
 
 
-@pytest.mark.parametrize("name", ["_forward_launcher", "_backward_launcher", "_scale_launcher"])
+@pytest.mark.parametrize("name", LAUNCHERS)
 def test_launch_keys_are_tritons_specialisation_over_random_arguments(monkeypatch, name):
     real = captured_arguments(monkeypatch)[name]
-    fake = FakeJIT(
-        {
-            "_forward_launcher": kernels._forward_kernel,
-            "_backward_launcher": kernels._backward_kernel,
-            "_scale_launcher": kernels._scale_unless_one_kernel,
-        }[name]
-    )
+    fake = FakeJIT(LAUNCHERS[name])
     launcher = kernels._Launcher(fake, FakeSetting(), current_device=lambda: 0, current_stream=lambda d: STREAM)
     constexpr = [param.is_constexpr for param in fake.params]
     rng = random.Random(f"keys {name}")
