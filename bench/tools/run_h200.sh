@@ -15,7 +15,8 @@
 # and `bench-jax`, their JSON joined afterwards on any machine (no GPU needed) with
 #   python -m bench --merge bench-torch.json bench-jax.json --results-md
 # `capture-probe` (which CUDA-graph capture variant fails and why; < 1, bench/tools/capture_probe.py),
-# `sanitizer` (compute-sanitizer memcheck over GPU tests of both packages; ~1), `linear-quick` (fused linear CE at
+# `sanitizer` (compute-sanitizer memcheck over GPU tests of both packages; ~6), `sanitizer-vp` (memcheck over the
+# vocab-parallel check on one NCCL rank; ~1, estimated), `linear-quick` (fused linear CE at
 # one shape with a float32 check; ~1, estimated), `linear-a` and `linear-b` (the fused linear CE table's five shapes
 # in two calls, ~4-5 each, estimated; two JSON files: --merge joins only the standard bench), `linear-ignored` (one
 # shape at 0%, 50%, 90% ignored labels, fastce with and without skip_ignored_rows beside the other fused rows, both
@@ -112,5 +113,13 @@ for stage in "$@"; do
       timeout 200 compute-sanitizer --tool memcheck --print-limit 20 $PYTEST fastce_jax/tests/test_kernels.py \
         -k "vocab or out_of_range or reduc" >"$OUT/memcheck-jax.log" 2>&1
       grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck-jax.log" | tail -4 ;;
+    sanitizer-vp)
+      # The vocab-parallel combine kernels, one NCCL rank (its child process is checked too: all processes).
+      timeout 300 compute-sanitizer --tool memcheck --print-limit 20 --target-processes all python3 -m \
+        torch.distributed.run --standalone --nproc-per-node 1 -m fastce_torch.tests.vocab_parallel_check \
+        --device=cuda --backend=kernel --rows=37 --local-vocab=300 \
+        --only=mean,sum,none,smoothing-sum,n-items-tensor,n-items-float,bad-labels-none,all-options-3d,n0 \
+        >"$OUT/memcheck-vp.log" 2>&1
+      grep -E "ERROR SUMMARY|vocab-parallel|FAIL" "$OUT/memcheck-vp.log" | tail -6 ;;
   esac
 done
