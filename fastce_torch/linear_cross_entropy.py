@@ -171,11 +171,15 @@ def kernel_context(hidden):
     dtype linear_cross_entropy chose (autocast was already applied at its entry). Each context is entered only when
     it changes something (an autograd.Function's forward already runs without grad mode; torch.autocast's context
     alone costs tens of microseconds of host time per call)."""
+    device = kernels.on_device(hidden)
+    grad_enabled, autocast = torch.is_grad_enabled(), torch.is_autocast_enabled(hidden.device.type)
+    if not grad_enabled and not autocast:
+        return device  # the usual case inside an autograd.Function: one shared no-op context
     stack = contextlib.ExitStack()
-    stack.enter_context(kernels.on_device(hidden))
-    if torch.is_grad_enabled():
+    stack.enter_context(device)
+    if grad_enabled:
         stack.enter_context(torch.no_grad())
-    if torch.is_autocast_enabled(hidden.device.type):
+    if autocast:
         stack.enter_context(torch.autocast(hidden.device.type, enabled=False))
     return stack
 
@@ -832,7 +836,7 @@ def _common_dtype(hidden, weight, bias):
     cast, a copy of each, and autograd hands each gradient back in its own tensor's dtype."""
     dtype = hidden.dtype if bias is None else torch.promote_types(hidden.dtype, bias.dtype)
     dtype = torch.promote_types(dtype, weight.dtype)
-    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+    return tuple(t if t is None or t.dtype == dtype else t.to(dtype) for t in (hidden, weight, bias))
 
 
 def autocast_or_common_dtype(hidden, weight, bias):

@@ -14,6 +14,7 @@
 # pass and implementation in a worker process of its own; about 5.5), or the same in two calls: `bench-torch`
 # and `bench-jax`, their JSON joined afterwards on any machine (no GPU needed) with
 #   python -m bench --merge bench-torch.json bench-jax.json --results-md
+# `leaf-probe` (bench/tools/leaf_probe.py: where a leaf .backward() call loses host time at 512 x 256000; < 1),
 # `capture-probe` (which CUDA-graph capture variant fails and why; < 1, bench/tools/capture_probe.py),
 # `sanitizer` (compute-sanitizer memcheck over GPU tests of both packages; ~6), `sanitizer-vp` (memcheck over the
 # vocab-parallel check on one NCCL rank; ~1, estimated), `linear-quick` (fused linear CE at
@@ -79,6 +80,8 @@ for stage in "$@"; do
       timeout 560 python3 -m bench --frameworks "${stage#bench-}" --json "$OUT/$stage.json" \
         2>"$OUT/$stage-progress.log" | tail -32
       grep -E "FAILED|Traceback|killed|exited with|no CUDA graph|no leaf|priming" "$OUT/$stage-progress.log" | tail -20 ;;
+    leaf-probe)
+      timeout 200 python3 -m bench.tools.leaf_probe >"$OUT/leaf-probe.log" 2>&1; head -12 "$OUT/leaf-probe.log" ;;
     capture-probe)
       timeout 150 python3 -m bench.tools.capture_probe --json "$OUT/capture-probe.json" >"$OUT/capture-probe.log" 2>&1
       cat "$OUT/capture-probe.log" | tail -80 ;;
