@@ -188,9 +188,42 @@ def results_markdown(result, plot_name=None) -> str:
     if plot_name:
         parts += [f"![forward and forward+backward time vs V]({plot_name})", ""]
     parts += [NOTES]
+    for linear_json in latest_linear_runs():
+        parts += ["", linear_markdown(read_json(linear_json), _link(linear_json, RESULTS_MD.parent.parent))]
     for step_json in sorted(RESULTS_DIR.glob("*transformers-step*.json")):
         parts += ["", transformers_step_markdown(read_json(step_json), _link(step_json, RESULTS_MD.parent.parent))]
     return "\n".join(parts)
+
+
+def latest_linear_runs(results_dir=RESULTS_DIR) -> list:
+    """The fused linear table's JSON files (`run_h200.sh linear-a` / `linear-b`: the five shapes in two calls): for
+    each of the two, every file of its newest date."""
+    runs = {}
+    for path in results_dir.glob("*-linear-[ab]-*.json"):
+        stage = "a" if "-linear-a-" in path.name else "b"
+        runs.setdefault(stage, []).append((read_json(path)["date"], path))
+    latest = []
+    for stage in sorted(runs):
+        newest = max(date for date, _ in runs[stage])
+        latest += sorted(path for date, path in runs[stage] if date == newest)
+    return latest
+
+
+def linear_markdown(result, source) -> str:
+    """A `python -m bench --linear` JSON (forward+backward with the hidden and weight gradients) as a table."""
+    from .linear import text_table
+
+    return "\n".join(
+        [
+            f"## Fused linear cross-entropy (from `{source}`)",
+            "",
+            f"{result['device']}, commit {result['commit']}, {result['date']}, torch {result['torch']}; "
+            "bench/NOTES.md explains where the fused rows lose to the unfused ones (the chunked cuBLAS products).",
+            "",
+            text_table(result),
+            "",
+        ]
+    )
 
 
 def transformers_step_markdown(step, source) -> str:

@@ -375,3 +375,26 @@ def test_isolated_gpu_run_end_to_end(monkeypatch):
         assert rows[impl]["fwdbwd_undonated_ms"] > 0
     for a, b in (("fastce_torch", "torch_eager_fp32"), ("fastce_jax", "xla")):
         assert abs(rows[a]["loss"] - rows[b]["loss"]) < 1e-4 * abs(rows[b]["loss"]), (a, b)
+
+
+def test_results_md_holds_the_newest_fused_linear_tables(tmp_path):
+    row = {"impl": "fastce_torch_linear", "N": 8, "H": 4, "V": 30, "dtype": "bfloat16", "fwdbwd_ms": 1.5,
+           "peak_extra_bytes": 2**20, "extra_beyond_grads_bytes": 2**19, "effective_TFLOPs": 600.0,
+           "of_matmul": 0.9, "grad_weight_rel_rms": 3e-3, "grad_hidden_rel_rms": 2e-3}  # fmt: skip
+    for name, date, commit in (
+        ("a-old", "2026-01-01", "old"),
+        ("a-new", "2026-01-02", "new"),
+        ("b-x", "2026-01-01", "x"),
+    ):
+        stage, tag = name.split("-")
+        run = {"mode": "linear", "device": "Fake GPU", "date": date, "commit": commit, "torch": "t",
+               "matmul_TFLOPs": {"N=8 H=4 V=30 bfloat16": 650.0}, "rows": [row]}  # fmt: skip
+        report.write_json(run, tmp_path / f"{date}-h200-linear-{stage}-{tag}.json")
+    latest = report.latest_linear_runs(tmp_path)
+    assert [p.name for p in latest] == ["2026-01-02-h200-linear-a-new.json", "2026-01-01-h200-linear-b-x.json"]
+    md = report.linear_markdown(report.read_json(latest[0]), "source.json")
+    assert "commit new" in md and "| fastce_torch_linear | 8 | 4 | 30 |" in md and "1.50" in md
+    # RESULTS.md itself carries the repository's newest committed tables.
+    assert report.latest_linear_runs() and "## Fused linear cross-entropy" in report.results_markdown(
+        report.read_json(report.RESULTS_DIR / "2026-12-02-nvidia-h200.json")
+    )
