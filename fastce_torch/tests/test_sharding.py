@@ -132,6 +132,13 @@ def test_one_gpu_nccl_one_rank():
 
 
 @pytest.mark.gpu
+def test_one_gpu_nccl_one_rank_inductor():
+    # torch.compile(fullgraph=True) over the vocab-parallel call with NCCL's functional collectives, on the one GPU
+    # that is always lent (the two-GPU runs are test_two_gpus_nccl_compiled / _inductor).
+    run_ranks(1, "--device=cuda", "--backend=kernel", "--size=mid", "--compile=inductor", "--only=all-options-mean")
+
+
+@pytest.mark.gpu
 def test_two_gpus_nccl():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
