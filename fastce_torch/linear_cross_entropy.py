@@ -187,8 +187,8 @@ def kernel_context(hidden):
 def new_grads(hidden, weight, bias, needs, chunking, kept=None):
     need_hidden, need_weight, need_bias = needs
     # With kept rows (skip_ignored_rows) the chunks write only those rows: the ignored ones start at zero.
-    new = torch.empty if kept is None else torch.zeros
-    grad_hidden = new(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
+    new_hidden = torch.empty if kept is None else torch.zeros
+    grad_hidden = new_hidden(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
     # Accumulated over chunks: the first chunk's product overwrites them (beta=0: no fill, no read of zeros, a
     # V x H write and read less than starting from zeros), the next ones add (beta=1); when no chunk will run (no
     # rows, or no kept row) they start at zero instead. A weight that is not in the compute dtype (a float32 master
@@ -197,9 +197,9 @@ def new_grads(hidden, weight, bias, needs, chunking, kept=None):
     float32_accumulator = chunking.accumulate_in_float32 or weight.dtype != hidden.dtype
     accumulate_dtype = torch.float32 if float32_accumulator else weight.dtype
     no_chunk = hidden.shape[0] == 0 if kept is None else kept.numel() == 0
-    new = torch.zeros if no_chunk else torch.empty
-    grad_weight = new(weight.shape, dtype=accumulate_dtype, device=weight.device) if need_weight else None
-    grad_bias = new(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
+    new_accumulator = torch.zeros if no_chunk else torch.empty
+    grad_weight = new_accumulator(weight.shape, dtype=accumulate_dtype, device=weight.device) if need_weight else None
+    grad_bias = new_accumulator(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
     return grad_hidden, grad_weight, grad_bias
 
 
