@@ -1294,13 +1294,7 @@ def forward(
             loss.zero_()
             denominator.fill_(1.0)
         return (loss, lse, (denominator if reduce else None)) + ((argmax, mean_z) if outputs else ())
-    denominator_value, n_items_ptr = 1.0, denominator
-    if n_items is None:
-        denominator_mode = 0 if reduction == "mean" else 1
-    elif isinstance(n_items, torch.Tensor):
-        denominator_mode, n_items_ptr = 2, n_items.to(device=device, dtype=torch.float32)
-    else:
-        denominator_mode, denominator_value = 1, float(n_items)
+    denominator_mode, denominator_value, n_items_ptr = denominator_operands(reduction, n_items, denominator)
     flags = _flags(options)
     weight, weight_sum = class_weight_operands(weight, options, lse)
     args = (
@@ -1452,6 +1446,18 @@ def backward(
     return grad
 
 
+def denominator_operands(reduction, n_items, placeholder):
+    """The in-kernel reduction's divisor as the kernels take it: (DENOMINATOR_MODE, its value, the n_items pointer).
+    Mode 0 counts the kept tokens ("mean"), 1 divides by the value ("sum": 1, or a number n_items), 2 reads a tensor
+    n_items on the device (no host synchronisation); the pointer is `placeholder` (any float32 tensor on the device)
+    unless mode 2."""
+    if n_items is None:
+        return (0 if reduction == "mean" else 1), 1.0, placeholder
+    if isinstance(n_items, torch.Tensor):
+        return 2, 1.0, n_items.to(device=placeholder.device, dtype=torch.float32)
+    return 1, float(n_items), placeholder
+
+
 def class_weight_operands(weight, options, placeholder):
     """The kernels' (weight, weight sum) pointer arguments: the float32 weights and, with label smoothing, their
     sum as a 1-element device tensor (no host synchronisation). Without weights both are `placeholder`, a tensor
@@ -1544,13 +1550,7 @@ def vocab_parallel_loss(statistics, labels, options, reduction, n_items, vocab_t
     buffer, n_rows = statistics.buffer, statistics.n_rows
     reduce = reduction != "none"
     loss = torch.empty(() if reduce else (n_rows,), dtype=torch.float32, device=buffer.device)
-    denominator_value, n_items_ptr = 1.0, buffer
-    if n_items is None:
-        denominator_mode = 0 if reduction == "mean" else 1
-    elif isinstance(n_items, torch.Tensor):
-        denominator_mode, n_items_ptr = 2, n_items.to(device=buffer.device, dtype=torch.float32)
-    else:
-        denominator_mode, denominator_value = 1, float(n_items)
+    denominator_mode, denominator_value, n_items_ptr = denominator_operands(reduction, n_items, buffer)
     flags = _flags(options)
     args = (
         buffer, buffer.shape[1], labels, loss, loss, n_items_ptr, n_rows, vocab_total, options.ignore_index,
