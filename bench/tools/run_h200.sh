@@ -5,6 +5,8 @@
 # (fastce_torch, examples, bench/tests with --gpu), `tests-jax` (fastce_jax --gpu), `shared` (shared_tests --gpu),
 # `host` (host time per call: bench.tools.overhead, host_cost on CUDA, bench.tools.jax_dispatch; ~2),
 # `host-profile` (cProfile and torch.profiler of the linear_cross_entropy and vocab-parallel calls; < 1),
+# `linear-profile` (bench/tools/linear_profile.py: the fused loop's device time by product role against the unfused
+# path and the bare products, torch.profiler, the five fused linear shapes; ~1-2, estimated),
 # `linear-overlap` (bench/tools/linear_chunk_probe.py --overlap: the fused loop serial, with its CE kernels on a second
 # stream, and its matmuls alone, at two shapes; ~1, estimated),
 # `two-gpus` (the tests that need two GPUs: NCCL vocab-parallel, fused linear with a sharded head, cuda:1 placement,
@@ -63,6 +65,9 @@ for stage in "$@"; do
       for shape in 8192x4096x128256 8192x2304x256000; do
         timeout 120 python3 -m bench.tools.linear_chunk_probe --overlap --shape $shape 2>&1 | tail -6
       done | tee "$OUT/linear-overlap.log" ;;
+    linear-profile)
+      timeout 300 python3 -m bench.tools.linear_profile --json "$OUT/linear-profile.json" >"$OUT/linear-profile.log" 2>&1
+      cat "$OUT/linear-profile.log" | grep -v "^STAGE:" | tail -60 ;;
     host-profile)
       timeout 200 python3 -m bench.tools.overhead --profile-entry-points --calls 100 >"$OUT/host-profile.log" 2>&1
       grep -E "^(linear|vocab|  )" "$OUT/host-profile.log" | head -12 ;;
