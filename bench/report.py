@@ -190,8 +190,12 @@ def results_markdown(result, plot_name=None) -> str:
     parts += [NOTES]
     for linear_json in latest_linear_runs():
         parts += ["", linear_markdown(read_json(linear_json), _link(linear_json, RESULTS_MD.parent.parent))]
-    for step_json in sorted(RESULTS_DIR.glob("*transformers-step*.json")):
-        parts += ["", transformers_step_markdown(read_json(step_json), _link(step_json, RESULTS_MD.parent.parent))]
+    profiles = sorted(RESULTS_DIR.glob("*-linear-profile-*.json"))
+    if profiles:
+        parts += ["", linear_profile_markdown(read_json(profiles[-1]), _link(profiles[-1], RESULTS_MD.parent.parent))]
+    steps = sorted(RESULTS_DIR.glob("*transformers-step*.json"))
+    if steps:
+        parts += ["", transformers_step_markdown(read_json(steps[-1]), _link(steps[-1], RESULTS_MD.parent.parent))]
     return "\n".join(parts)
 
 
@@ -224,6 +228,36 @@ def linear_markdown(result, source) -> str:
             "",
         ]
     )
+
+
+def linear_profile_markdown(profile, source) -> str:
+    """bench/tools/linear_profile.py's JSON: each shape's device time by product role, fused against unfused."""
+    lines = [
+        f"## Where the fused rows spend their device time (from `{source}`)",
+        "",
+        f"{profile['device']}, commit {profile['commit']}, {profile['date']}, torch {profile['torch']}; "
+        f"torch.profiler, mean of {profile['calls']} calls per implementation: fastce_torch.linear_cross_entropy at "
+        "its defaults (fused), matmul + fastce_torch.cross_entropy through autograd (unfused), the three bare cuBLAS "
+        "products. Each product's count x inner dimension K, ms and TFLOP/s; other = every other kernel (fastce's CE "
+        "kernels); busy = the sum of kernel times.",
+        "",
+        "| N, H, V | implementation | logits products | d hidden products | d weight products | other ms | busy ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for entry in profile["shapes"]:
+        n, h, v = entry["shape"][:3]
+        for name, result in entry["results"].items():
+            cells = []
+            for role in ("logits", "d hidden", "d weight"):
+                product = result[role]
+                dims = "/".join(map(str, product["inner_dims"]))
+                tflops = "" if product["tflops"] is None else f", {product['tflops']:.0f} TF/s"
+                cells.append(f"{product['count']}x K={dims}: {product['ms']:.2f} ms{tflops}")
+            lines.append(
+                f"| {n}, {h}, {v} | {name} | " + " | ".join(cells) + f" | {max(result['other']['ms'], 0.0):.2f} | "
+                f"{result['busy_ms']:.2f} |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 def transformers_step_markdown(step, source) -> str:

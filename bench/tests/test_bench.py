@@ -394,7 +394,19 @@ def test_results_md_holds_the_newest_fused_linear_tables(tmp_path):
     assert [p.name for p in latest] == ["2026-01-02-h200-linear-a-new.json", "2026-01-01-h200-linear-b-x.json"]
     md = report.linear_markdown(report.read_json(latest[0]), "source.json")
     assert "commit new" in md and "| fastce_torch_linear | 8 | 4 | 30 |" in md and "1.50" in md
-    # RESULTS.md itself carries the repository's newest committed tables.
-    assert report.latest_linear_runs() and "## Fused linear cross-entropy" in report.results_markdown(
-        report.read_json(report.RESULTS_DIR / "2026-12-02-nvidia-h200.json")
-    )
+    # RESULTS.md itself carries the repository's newest committed tables, the profile by product role with them.
+    committed = report.results_markdown(report.read_json(report.RESULTS_DIR / "2026-12-02-nvidia-h200.json"))
+    assert report.latest_linear_runs() and "## Fused linear cross-entropy" in committed
+    assert "## Where the fused rows spend their device time" in committed
+    assert "| 8192, 4096, 128256 | fused |" in committed
+
+
+def test_linear_profile_markdown_names_each_product_role():
+    product = {"count": 8, "inner_dims": [1024], "ms": 14.38, "tflops": 599.0}
+    result = {"logits": product, "d hidden": product, "d weight": product, "other": {"ms": -1e-9, "top": []},
+              "busy_ms": 40.17, "span_ms": 40.6}  # fmt: skip
+    profile = {"device": "Fake GPU", "commit": "abc", "date": "2026-01-01", "torch": "t", "calls": 3,
+               "shapes": [{"shape": [8192, 4096, 128256, "bfloat16"], "results": {"fused": result}}]}  # fmt: skip
+    md = report.linear_profile_markdown(profile, "source.json")
+    assert "commit abc" in md and "mean of 3 calls" in md
+    assert "| 8192, 4096, 128256 | fused | 8x K=1024: 14.38 ms, 599 TF/s |" in md and "| 0.00 | 40.17 |" in md

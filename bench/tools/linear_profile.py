@@ -22,6 +22,7 @@ from collections import defaultdict
 
 import torch
 
+from bench import envinfo
 from bench import linear as linear_bench
 from bench.linear_shapes import LINEAR_SHAPES, LinearShape, parse_linear_shapes
 
@@ -97,7 +98,7 @@ def breakdown(events, shape, calls):
         }
     top = sorted(other_by_name.items(), key=lambda item: -item[1])[:4]
     result["other"] = {
-        "ms": (busy_us - products_us) / 1e3 / calls,
+        "ms": max(busy_us - products_us, 0.0) / 1e3 / calls,  # the bare products have nothing else
         "top": [(name[:60], us / 1e3 / calls) for name, us in top],
     }
     result["busy_ms"] = busy_us / 1e3 / calls
@@ -198,7 +199,18 @@ def main(argv=None):
         report.append({"shape": [shape.N, shape.H, shape.V, shape.dtype], "results": results})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": _device_name(), "shapes": report}, f, indent=1)
+            json.dump(
+                {
+                    "device": _device_name(),
+                    "date": envinfo.today(),
+                    "commit": envinfo.git_commit(),
+                    "torch": torch.__version__,
+                    "calls": args.calls,
+                    "shapes": report,
+                },
+                f,
+                indent=1,
+            )
     return report
 
 
