@@ -231,20 +231,10 @@ def linear_ce_chunk(a, b, labels, **config):
 
 def compile_report(config, shape, with_ce=True, dtype="bfloat16"):
     """Compile the GEMM kernel for the H200 (sm_90) without a GPU (TRITON_INTERPRET=0) with the specialisation a
-    launch at `shape` (M, K, V) gets (pointers and integers divisible by 16 flagged so) and read what the
-    compiler chose: shared memory, registers and spills (ptxas -v), wgmma instructions, TMA or cp.async copies."""
-    import re
-    import subprocess
-    import tempfile
-
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.compiler import ASTSource
-
+    launch at `shape` (M, K, V) gets, and read what the compiler chose (`sm90_report`)."""
     m, k, v = shape
     n_tiles_v = triton.cdiv(v, config["block_n"])
     values = dict(M=m, V=v, K=k, stride_am=k, stride_bv=k, stride_cm=v, n_tiles_v=n_tiles_v)
-    fn = _gemm_ce_kernel
     constexprs = dict(
         BLOCK_M=config["block_m"],
         BLOCK_N=config["block_n"],
@@ -254,8 +244,27 @@ def compile_report(config, shape, with_ce=True, dtype="bfloat16"):
         PRECISION="ieee" if dtype == "float32" else None,
         WITH_CE=with_ce,
     )
-    operand = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}[dtype]
+    operand = POINTER_TYPES[dtype]
     pointers = dict(a_ptr=operand, b_ptr=operand, c_ptr=operand, labels_ptr="*i64")
+    return sm90_report(_gemm_ce_kernel, values, constexprs, pointers, config["num_warps"], config["num_stages"])
+
+
+POINTER_TYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
+
+
+def sm90_report(fn, values, constexprs, pointers, num_warps, num_stages):
+    """Compile `fn` for the H200 (sm_90) without a GPU (TRITON_INTERPRET=0) with the specialisation a launch with
+    these integer `values` gets (pointers, and integers divisible by 16, flagged so; pointers not in `pointers` are
+    *fp32) and read what the compiler chose: shared memory, registers and spills (ptxas -v), wgmma instructions,
+    TMA or cp.async copies."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
     signature, attrs = {}, {}
     for index, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -268,7 +277,7 @@ def compile_report(config, shape, with_ce=True, dtype="bfloat16"):
             if values[name] % 16 == 0:
                 attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    options = {"num_warps": num_warps, "num_stages": num_stages}
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = compiled.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:

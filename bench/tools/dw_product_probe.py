@@ -1,0 +1,301 @@
+"""Can a Triton kernel run the fused linear loop's d weight product faster than cuBLAS at the chunk's short inner
+dimension? `PYTHONPATH=. python -m bench.tools.dw_product_probe [--shapes VxHxK,...] [--configs ...]` (an H200:
+1-2 minutes, most of it Triton compiles; `--compile-only` with TRITON_INTERPRET=0 compiles every config for sm_90
+on any machine and prints ptxas's report).
+
+Why: bench.tools.linear_profile shows fastce_torch's fused loop losing to the unfused path only in this product,
+dW (V, H) += dlogits.T @ hidden_chunk, whose inner dimension K is the chunk's rows (1024 at V=128256, 512 at
+V=256000 in the default 256 MiB workspace): cuBLAS's `addmm_` runs it at 482-599 TF/s there, against ~715 with all
+rows, because every chunk re-reads and re-writes the whole V x H gradient (2·V·H·2 bytes for 2·K·V·H flops: at K=512
+close to the H200's flop-per-byte ridge) and the C traffic is only partly hidden behind the short main loop.
+
+`dw_product` computes the same tiles with the previous dW tile's load issued before the K loop (PREFETCH_C, so its
+latency overlaps the loop instead of following it) or after it, accumulating in float32 and rounding once to dW's
+dtype; dW may be bfloat16 (the default accumulation: one rounding per chunk) or float32 (the accumulator of
+accumulate_in_float32). Tiles walk the vocabulary-major order: the tiles of one V block (every H block) run back to
+back, so that block of dlogits (K x BLOCK_M) is read from DRAM about once and the whole hidden chunk stays in L2.
+
+GPU mode times (do_bench medians, L2 flushed) per shape: cuBLAS `dW.addmm_(dlogits.t(), hidden)` (beta=1, what the
+package runs), the same product with beta=0 (no C read), cuBLAS with a float32 C (`torch.addmm(..., out_dtype=
+float32)`), and each Triton config with and without the prefetch, bf16 and float32 C; TFLOP/s as 2·K·V·H. Every
+Triton result is checked against the float32 sum of the same operands first (a mismatch is reported and counted).
+bench/tests/test_dw_product_probe.py runs the kernel in Triton's interpreter with float32 operands (bf16 tl.dot is
+wrong there).
+"""
+
+import argparse
+import json
+
+import torch
+
+import fastce_torch  # noqa: F401  (before triton: on a machine without CUDA it selects Triton's interpreter)
+
+# isort: split
+import triton
+import triton.language as tl
+from triton import knobs
+
+from bench.tools.gemm_ce_probe import POINTER_TYPES, config_name, parse_configs, sm90_report
+from shared_tests import tolerances
+
+# V x H x K: the d weight products of the fused linear bench's shapes at the default workspace (K = chunk rows), and
+# the 512 MiB one's K at V=256000.
+DEFAULT_SHAPES = "128256x4096x1024,152064x3584x768,256000x2304x512,256000x2304x1024"
+# BLOCK_M (over V) x BLOCK_N (over H) x BLOCK_K x num_warps x num_stages. `--compile-only` (sm_90, K=1024): the
+# 128x256 and 256x128 tiles take one block per SM (147-197 KiB of shared memory, ~240-255 registers a thread, the
+# prefetched C spilling); 128x128x64 with 8 warps at 3 stages (96 KiB, 126 registers without the prefetch) and
+# 128x128x32 at 4 stages leave room for two blocks per SM, so one block's C traffic can overlap the other's loop.
+DEFAULT_CONFIGS = (
+    "128x256x64x8x3,128x256x64x8x4,256x128x64x8x3,128x128x64x8x4,128x128x64x8x3,128x128x32x8x4,128x128x32x4x5,"
+    "128x128x64x4x4"
+)
+
+
+@triton.jit
+def _dw_product_kernel(
+    a_ptr,  # dlogits chunk (K, V), V contiguous
+    b_ptr,  # hidden chunk (K, H), H contiguous
+    c_ptr,  # dW (V, H), H contiguous: read (with ACCUMULATE) and written
+    V,
+    H,
+    K,
+    stride_ak,
+    stride_bk,
+    stride_cv,
+    n_tiles_h,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    PREFETCH_C: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # Vocabulary-major order: the H tiles of one V block run back to back (that block of dlogits stays in L2).
+    pid = tl.program_id(0)
+    pid_m = pid // n_tiles_h
+    pid_n = pid % n_tiles_h
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # vocabulary entries
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # hidden units
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < V
+    col_ok = cols < H
+    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cv + cols[None, :]
+    c_mask = row_ok[:, None] & col_ok[None, :]
+    if ACCUMULATE and PREFETCH_C:
+        previous = tl.load(c_ptrs, mask=c_mask, other=0.0)
+    # Loads wrap past the V and H edges back into range (no masks in the main loop); the store masks them.
+    a_cols = rows % V
+    b_cols = cols % H
+    a_ptrs = a_ptr + ks.to(tl.int64)[:, None] * stride_ak + a_cols[None, :]
+    b_ptrs = b_ptr + ks.to(tl.int64)[:, None] * stride_bk + b_cols[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=ks[:, None] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=ks[:, None] < k_left, other=0.0)
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if ACCUMULATE:
+        if not PREFETCH_C:
+            previous = tl.load(c_ptrs, mask=c_mask, other=0.0)
+        acc += previous.to(tl.float32)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def dw_product(dlogits, hidden, grad_weight, accumulate=True, prefetch_c=True, block_m=128, block_n=256, block_k=64,
+               num_warps=8, num_stages=3):  # fmt: skip
+    """grad_weight (V, H) = [grad_weight +] dlogits.T @ hidden, accumulated in float32 and rounded once to
+    grad_weight's dtype (bfloat16, float16 or float32), in place. dlogits (K, V) and hidden (K, H) share one 16- or
+    32-bit float dtype; every last dimension contiguous."""
+    if dlogits.dim() != 2 or hidden.dim() != 2 or dlogits.shape[0] != hidden.shape[0]:
+        raise ValueError(f"need dlogits (K, V) and hidden (K, H), got {tuple(dlogits.shape)}, {tuple(hidden.shape)}")
+    (k, v), h = dlogits.shape, hidden.shape[1]
+    if grad_weight.shape != (v, h):
+        raise ValueError(f"grad_weight must be ({v}, {h}), got {tuple(grad_weight.shape)}")
+    if dlogits.dtype != hidden.dtype or grad_weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtypes: dlogits {dlogits.dtype}, hidden {hidden.dtype}, grad_weight {grad_weight.dtype}")
+    if min(k, v, h) == 0:
+        raise ValueError(f"empty operand: K={k}, V={v}, H={h}")
+    if any(t.stride(1) != 1 for t in (dlogits, hidden, grad_weight)):
+        raise ValueError("dlogits, hidden and grad_weight need a contiguous last dimension")
+    n_tiles_h = triton.cdiv(h, block_n)
+    grid = (triton.cdiv(v, block_m) * n_tiles_h,)
+    _dw_product_kernel[grid](
+        dlogits,
+        hidden,
+        grad_weight,
+        v,
+        h,
+        k,
+        dlogits.stride(0),
+        hidden.stride(0),
+        grad_weight.stride(0),
+        n_tiles_h,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0,
+        ACCUMULATE=accumulate,
+        PREFETCH_C=prefetch_c,
+        # float32 operands: full-precision products (tf32 would keep 10 mantissa bits); 16-bit ones: the default.
+        PRECISION="ieee" if dlogits.dtype == torch.float32 else None,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return grad_weight
+
+
+def compile_report(config, shape, c_dtype="bfloat16", prefetch_c=True, dtype="bfloat16"):
+    """`sm90_report` of the kernel as a launch at shape (V, H, K) specialises it."""
+    v, h, k = shape
+    values = dict(V=v, H=h, K=k, stride_ak=v, stride_bk=h, stride_cv=h, n_tiles_h=triton.cdiv(h, config["block_n"]))
+    constexprs = dict(
+        BLOCK_M=config["block_m"],
+        BLOCK_N=config["block_n"],
+        BLOCK_K=config["block_k"],
+        EVEN_K=k % config["block_k"] == 0,
+        ACCUMULATE=True,
+        PREFETCH_C=prefetch_c,
+        PRECISION="ieee" if dtype == "float32" else None,
+    )
+    pointers = dict(a_ptr=POINTER_TYPES[dtype], b_ptr=POINTER_TYPES[dtype], c_ptr=POINTER_TYPES[c_dtype])
+    return sm90_report(_dw_product_kernel, values, constexprs, pointers, config["num_warps"], config["num_stages"])
+
+
+def product_bound(dlogits, hidden):
+    """How far a float32-accumulated dlogits.T @ hidden may be from the exact sum, per element: K eps32 (|a|.T @ |b|)
+    (products of 16-bit values are exact in float32; each addition rounds)."""
+    return dlogits.shape[0] * tolerances.EPS32 * (dlogits.float().abs().t() @ hidden.float().abs())
+
+
+def out_of_bound(got, expected, bound):
+    """How many elements of got (rounded once to its dtype from a float32 sum within `bound` of the exact one) are
+    further from `expected` (float64, exact) than twice the bound plus one ulp of got's dtype at the larger
+    magnitude; written so that NaN counts."""
+    got64, expected64 = got.double(), expected.double()
+    magnitude = torch.maximum(got64.abs(), expected64.abs()).clamp_min(torch.finfo(torch.float32).tiny)
+    bits = tolerances.MANTISSA_BITS[tolerances.dtype_name(got.dtype)]
+    allowed = torch.exp2(torch.floor(torch.log2(magnitude)) - bits) + 2 * bound.double()
+    return int((~((got64 - expected64).abs() <= allowed)).sum())
+
+
+def parse_shapes(text):
+    shapes = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        try:
+            v, h, k = (int(x) for x in item.lower().split("x"))
+        except ValueError:
+            message = f"shape must be VxHxK (vocab x hidden x chunk rows), got {item!r}"
+            raise argparse.ArgumentTypeError(message) from None
+        if min(v, h, k) <= 0:
+            raise argparse.ArgumentTypeError(f"shape dimensions must be positive, got {item!r}")
+        shapes.append((v, h, k))
+    return shapes
+
+
+def run_probe(shapes, configs, seed=0, device="cuda", dtype=torch.bfloat16, timer=None):
+    """Check, then time (timer(fn) -> ms), every variant at every shape (V, H, K); prints a line per timing and
+    returns (results, number of failed checks)."""
+    results, failures = {"shapes": []}, 0
+    for v, h, k in shapes:
+        torch.manual_seed(seed)
+        # dlogits as the CE backward leaves them: mostly tiny softmax probabilities, -1/N-sized at the labels.
+        dlogits = (torch.randn(k, v, device=device) * 1e-4).to(dtype)
+        hidden = torch.randn(k, h, device=device).to(dtype)
+        start = torch.randn(v, h, device=device) * 1e-3
+        product = dlogits.double().t() @ hidden.double()
+        bound = product_bound(dlogits, hidden)
+        flops = 2 * k * v * h
+        entry = {"V": v, "H": h, "K": k, "timings_ms": {}, "checks": {}}
+        results["shapes"].append(entry)
+        print(f"dw_product_probe V={v} H={h} K={k} {dtype}, {flops / 1e12:.3f} TFLOP per product", flush=True)
+
+        def line(name, fn, entry=entry, flops=flops):
+            ms = timer(fn)
+            entry["timings_ms"][name] = ms
+            print(f"  {name:46s} {ms:7.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
+            return ms
+
+        grad16 = start.to(dtype)
+        grad32 = start.clone()
+        line("cuBLAS addmm_ (beta=1), the package's", lambda: grad16.addmm_(dlogits.t(), hidden))
+        line("cuBLAS mm (beta=0), no C read", lambda: torch.mm(dlogits.t(), hidden, out=grad16))
+        if dlogits.is_cuda:
+            line(
+                "cuBLAS addmm, float32 C (beta=1)",
+                lambda: torch.addmm(grad32, dlogits.t(), hidden, out_dtype=torch.float32, out=grad32),
+            )
+        for config in configs:
+            for c_dtype in dict.fromkeys((dtype, torch.float32)):  # the operands' dtype, and float32
+                for prefetch in (True, False):
+                    name = f"{config_name(config)} C {tolerances.dtype_name(c_dtype)}{' prefetch' if prefetch else ''}"
+                    grad = start.to(c_dtype)
+                    # The float32 sum of the previous value (exact in float32) and the product rounds once more.
+                    exact = grad.double() + product
+                    allowed = bound + grad.float().abs() * tolerances.EPS32
+                    try:
+                        dw_product(dlogits, hidden, grad, prefetch_c=prefetch, **config)
+                    except Exception as error:  # a config that does not fit is reported, not fatal
+                        entry["checks"][name] = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:100]}"
+                        print(f"  {name}: {entry['checks'][name]}", flush=True)
+                        continue
+                    outside = out_of_bound(grad, exact, allowed)
+                    failures += outside > 0
+                    entry["checks"][name] = f"{outside} elements beyond the bound"
+                    if outside:
+                        print(f"  {name}: MISMATCH, {outside} elements beyond the bound", flush=True)
+                    line(name, lambda grad=grad, config=config, prefetch=prefetch: dw_product(
+                        dlogits, hidden, grad, prefetch_c=prefetch, **config))  # fmt: skip
+        del dlogits, hidden, start, product, bound, grad16, grad32
+    return results, failures
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES), help="VxHxK,...")
+    parser.add_argument("--configs", type=parse_configs, default=parse_configs(DEFAULT_CONFIGS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="also write the timings and checks to this file")
+    parser.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="no GPU needed: compile each config for sm_90 (TRITON_INTERPRET=0) and print what ptxas reports",
+    )
+    args = parser.parse_args(argv)
+    if args.compile_only:
+        if knobs.runtime.interpret:
+            raise SystemExit("Triton is in interpreter mode: run with TRITON_INTERPRET=0 to compile for sm_90")
+        shape = args.shapes[0]
+        for config in args.configs:
+            for c_dtype in ("bfloat16", "float32"):
+                for prefetch in (True, False):
+                    try:
+                        report = compile_report(config, shape, c_dtype, prefetch)
+                    except Exception as error:
+                        report = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
+                    print(f"{config_name(config)} C {c_dtype}{' prefetch' if prefetch else ''}: {report}", flush=True)
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("dw_product_probe times kernels on a CUDA device; none is visible (CPU test: bench/tests)")
+    import triton.testing
+
+    def timer(fn):
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    results, failures = run_probe(args.shapes, args.configs, args.seed, timer=timer)
+    results["device"] = torch.cuda.get_device_name()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if failures:
+        raise SystemExit(f"{failures} check(s) failed")
+
+
+if __name__ == "__main__":
+    main()
