@@ -3,6 +3,7 @@ gradient (accumulate), with its load before or after the K loop (prefetch), into
 V and H not multiples of the blocks, K a multiple of BLOCK_K and not. Without --gpu the kernel runs in Triton's
 interpreter with float32 operands (bf16 tl.dot is wrong there); with --gpu on CUDA, bf16 operands as well."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import torch
 import fastce_torch  # noqa: F401  (before triton: selects the interpreter without CUDA)
 from bench.tools import dw_product_probe as probe
 from fastce_torch import kernels
+from fastce_torch.tests import checks
 
 DEVICE = "cpu" if kernels.INTERPRETED else "cuda"
 OPERAND_DTYPES = [torch.float32] if kernels.INTERPRETED else [torch.float32, torch.bfloat16]
@@ -99,3 +101,49 @@ def test_compiles_for_h200_without_spills():
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert len(lines) == 4 and all("'wgmma': 4" in line and "'spill_stores': 0" in line for line in lines), lines
+
+
+def test_the_patched_fused_loss_gives_the_package_gradients():
+    # triton_d_weight swaps only the d weight product of fastce_torch's chunk loop (first chunk written, later chunks
+    # added, a short last chunk) and puts the package's function back afterwards.
+    package = importlib.import_module("fastce_torch.linear_cross_entropy")
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(30, 24, generator=generator).to(DEVICE).requires_grad_()
+    weight = (torch.randn(70, 24, generator=generator) * 0.2).to(DEVICE).requires_grad_()
+    labels = torch.randint(0, 70, (30,), generator=generator).to(DEVICE)
+    labels[::5] = -100
+    original = package.accumulate_grads
+
+    def gradients():
+        loss = fastce_torch.linear_cross_entropy(hidden, weight, labels, backend="kernel", chunk_rows=8)
+        return torch.autograd.grad(loss, (hidden, weight))
+
+    expected = gradients()
+    # The gradient buffers start as NaN: a first chunk that read its uninitialised output would show.
+    with checks.poisoned_allocations(), probe.triton_d_weight(dict(block_m=32, block_n=16, block_k=8, num_warps=4,
+                                                                    num_stages=2)):  # fmt: skip
+        assert package.accumulate_grads is not original
+        got = gradients()
+    assert package.accumulate_grads is original
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)  # d hidden: the package's own products
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=1e-6)
+
+
+def test_the_loop_flow_times_and_checks_both_settings(capsys):
+    from bench.linear_shapes import LinearShape
+
+    timed = []
+
+    def timer(fn):
+        fn()
+        timed.append(fn)
+        return 3.0
+
+    shape = LinearShape(40, 16, 60, "float32")
+    best = {(60, 16, 16, "float32"): dict(config=dict(block_m=32, block_n=16, block_k=16), prefetch_c=False, ms=1.0)}
+    rows, failures = probe.run_loop([shape], best, timer, device=DEVICE, backend="kernel", chunk_rows=16)
+    assert failures == 0, rows
+    assert [r["settings"] for r in rows] == ["default", "accumulate_in_float32"] and len(timed) == 4
+    assert rows[0]["config"] == dict(block_m=32, block_n=16, block_k=16) and rows[0]["chunk_rows"] == 16
+    assert all(r["triton_dw_error"] < 1e-5 for r in rows), rows
+    assert "Triton d weight" in capsys.readouterr().out

@@ -19,16 +19,24 @@ GPU mode times (do_bench medians, L2 flushed) per shape: cuBLAS `dW.addmm_(dlogi
 package runs), the same product with beta=0 (no C read), cuBLAS with a float32 C (`torch.addmm(..., out_dtype=
 float32)`), and each Triton config with and without the prefetch, bf16 and float32 C; TFLOP/s as 2·K·V·H. Every
 Triton result is checked against the float32 sum of the same operands first (a mismatch is reported and counted).
+`--loop` then times the whole fused loss (fastce_torch.linear_cross_entropy, forward+backward with both gradients,
+default settings and accumulate_in_float32=True) at the fused linear bench's shapes with the package's d weight
+product replaced by `dw_product` (`triton_d_weight`: fastce_torch.linear_cross_entropy.accumulate_grads patched for
+the duration, nothing else changed), each shape with the fastest config the product timings found at its chunk
+shape, against the package as it is, with both weight gradients' rms error against bench.linear's float32
+computation: whether the kernel closes the fused loop's gap end to end.
 bench/tests/test_dw_product_probe.py runs the kernel in Triton's interpreter with float32 operands (bf16 tl.dot is
 wrong there).
 """
 
 import argparse
+import contextlib
+import importlib
 import json
 
 import torch
 
-import fastce_torch  # noqa: F401  (before triton: on a machine without CUDA it selects Triton's interpreter)
+import fastce_torch  # before triton: on a machine without CUDA it selects Triton's interpreter
 
 # isort: split
 import triton
@@ -151,6 +159,29 @@ def dw_product(dlogits, hidden, grad_weight, accumulate=True, prefetch_c=True, b
     return grad_weight
 
 
+@contextlib.contextmanager
+def triton_d_weight(config=None, prefetch_c=True):
+    """fastce_torch.linear_cross_entropy with its d weight product run by `dw_product` (config: dw_product's block
+    keywords; None: its defaults) for the duration; d hidden and d bias as the package computes them."""
+    # The module (the package exports the function under the same name).
+    package = importlib.import_module("fastce_torch.linear_cross_entropy")
+    original = package.accumulate_grads
+    config = config or {}
+
+    def accumulate_grads(dlogits, hidden_chunk, weight, rows, grads, first):
+        grad_hidden, grad_weight, grad_bias = grads
+        original(dlogits, hidden_chunk, weight, rows, (grad_hidden, None, grad_bias), first)
+        if grad_weight is not None:
+            # The first chunk writes the gradient (its storage is uninitialised): no read of the previous tile.
+            dw_product(dlogits, hidden_chunk, grad_weight, accumulate=not first, prefetch_c=prefetch_c, **config)
+
+    package.accumulate_grads = accumulate_grads
+    try:
+        yield
+    finally:
+        package.accumulate_grads = original
+
+
 def compile_report(config, shape, c_dtype="bfloat16", prefetch_c=True, dtype="bfloat16"):
     """`sm90_report` of the kernel as a launch at shape (V, H, K) specialises it."""
     v, h, k = shape
@@ -212,7 +243,7 @@ def run_probe(shapes, configs, seed=0, device="cuda", dtype=torch.bfloat16, time
         product = dlogits.double().t() @ hidden.double()
         bound = product_bound(dlogits, hidden)
         flops = 2 * k * v * h
-        entry = {"V": v, "H": h, "K": k, "timings_ms": {}, "checks": {}}
+        entry = {"V": v, "H": h, "K": k, "timings_ms": {}, "checks": {}, "variants": []}
         results["shapes"].append(entry)
         print(f"dw_product_probe V={v} H={h} K={k} {dtype}, {flops / 1e12:.3f} TFLOP per product", flush=True)
 
@@ -250,10 +281,73 @@ def run_probe(shapes, configs, seed=0, device="cuda", dtype=torch.bfloat16, time
                     entry["checks"][name] = f"{outside} elements beyond the bound"
                     if outside:
                         print(f"  {name}: MISMATCH, {outside} elements beyond the bound", flush=True)
-                    line(name, lambda grad=grad, config=config, prefetch=prefetch: dw_product(
+                        continue
+                    ms = line(name, lambda grad=grad, config=config, prefetch=prefetch: dw_product(
                         dlogits, hidden, grad, prefetch_c=prefetch, **config))  # fmt: skip
+                    entry["variants"].append(
+                        dict(config=config, c_dtype=tolerances.dtype_name(c_dtype), prefetch_c=prefetch, ms=ms)
+                    )
         del dlogits, hidden, start, product, bound, grad16, grad32
     return results, failures
+
+
+def fastest_variants(results):
+    """{(V, H, K, gradient dtype name): the fastest checked variant} from run_probe's results."""
+    best = {}
+    for entry in results["shapes"]:
+        for variant in entry["variants"]:
+            key = (entry["V"], entry["H"], entry["K"], variant["c_dtype"])
+            if key not in best or variant["ms"] < best[key]["ms"]:
+                best[key] = variant
+    return best
+
+
+def run_loop(shapes, best, timer, device="cuda", **base_settings):
+    """The whole fused loss at each LinearShape, the package against the package with `triton_d_weight` (the fastest
+    variant in `best` at the shape's chunk rows, else dw_product's defaults), at its default settings and with
+    accumulate_in_float32: times (timer) and weight-gradient rms errors against bench.linear's float32 computation.
+    Returns (rows, number of failed checks): a failed check is an error more than 1.25x the package's + 1e-4.
+    base_settings: more keywords of every call (the CPU test's backend and chunk rows)."""
+    from bench import linear as linear_bench
+    from fastce_torch.linear_cross_entropy import rows_per_chunk
+
+    linear_bench.DEVICE = device
+    rows_out, failures = [], 0
+    for shape in shapes:
+        inputs = linear_bench.make_inputs(shape)
+        hidden, weight, labels = inputs
+        reference = linear_bench.float32_reference(hidden, weight, labels)
+        k = rows_per_chunk(shape.N, shape.V, hidden.element_size(), chunk_rows=base_settings.get("chunk_rows"))
+        for settings, c_dtype in (({}, shape.dtype), ({"accumulate_in_float32": True}, "float32")):
+            variant = best.get((shape.V, shape.H, k, c_dtype), {"config": {}, "prefetch_c": True})
+
+            def loss_fn(h, w, y, settings=settings):
+                return fastce_torch.linear_cross_entropy(h, w, y, **base_settings, **settings)
+
+            def step(loss_fn=loss_fn):
+                return torch.autograd.grad(loss_fn(hidden, weight, labels), (hidden, weight))
+
+            package_ms = timer(step)
+            package_error = linear_bench.gradient_errors(loss_fn, inputs, reference)["grad_weight_rel_rms"]
+            with triton_d_weight(variant["config"], variant["prefetch_c"]):
+                triton_ms = timer(step)
+                triton_error = linear_bench.gradient_errors(loss_fn, inputs, reference)["grad_weight_rel_rms"]
+            bad = not triton_error <= 1.25 * package_error + 1e-4  # NaN fails
+            failures += bad
+            name = "default" if not settings else "accumulate_in_float32"
+            row = dict(shape=[shape.N, shape.H, shape.V], settings=name, chunk_rows=k, package_ms=package_ms,
+                       triton_ms=triton_ms, package_dw_error=package_error, triton_dw_error=triton_error,
+                       config=variant["config"], prefetch_c=variant["prefetch_c"])  # fmt: skip
+            rows_out.append(row)
+            print(
+                f"loop {shape} {name:22s} K={k}: package {package_ms:8.2f} ms (dW err {package_error:.2e}), "
+                f"Triton d weight {triton_ms:8.2f} ms (dW err {triton_error:.2e})" + (" MISMATCH" if bad else ""),
+                flush=True,
+            )
+        del inputs, hidden, weight, labels, reference
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows_out, failures
 
 
 def main(argv=None):
@@ -262,6 +356,11 @@ def main(argv=None):
     parser.add_argument("--configs", type=parse_configs, default=parse_configs(DEFAULT_CONFIGS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the timings and checks to this file")
+    parser.add_argument(
+        "--loop",
+        action="store_true",
+        help="then time the whole fused loss at the fused linear bench's shapes with the fastest variant per shape",
+    )
     parser.add_argument(
         "--compile-only",
         action="store_true",
@@ -290,6 +389,14 @@ def main(argv=None):
 
     results, failures = run_probe(args.shapes, args.configs, args.seed, timer=timer)
     results["device"] = torch.cuda.get_device_name()
+    if args.loop:
+        from bench.linear_shapes import LINEAR_SHAPES
+
+        def loop_timer(fn):
+            return triton.testing.do_bench(fn, warmup=100, rep=500, return_mode="median")
+
+        results["loop"], loop_failures = run_loop(LINEAR_SHAPES, fastest_variants(results), loop_timer)
+        failures += loop_failures
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
