@@ -9,7 +9,7 @@
 # path and the bare products, torch.profiler, the five fused linear shapes; ~1-2, estimated),
 # `dw-product-probe` (bench/tools/dw_product_probe.py: a Triton kernel for the fused loop's d weight product, the
 # previous gradient tile loaded before or after its short K loop, bf16 and float32 gradients, against cuBLAS's
-# addmm_ at the chunk shapes; ~2-3, estimated, mostly compiles),
+# addmm_ at the chunk shapes, then the whole fused loss with it at the five fused linear shapes; ~4-5, estimated),
 # `linear-overlap` (bench/tools/linear_chunk_probe.py --overlap: the fused loop serial, with its CE kernels on a second
 # stream, and its matmuls alone, at two shapes; ~1, estimated),
 # `two-gpus` (the tests that need two GPUs: NCCL vocab-parallel, fused linear with a sharded head, cuda:1 placement,
@@ -72,7 +72,8 @@ for stage in "$@"; do
       timeout 300 python3 -m bench.tools.linear_profile --json "$OUT/linear-profile.json" >"$OUT/linear-profile.log" 2>&1
       cat "$OUT/linear-profile.log" | grep -v "^STAGE:" | tail -60 ;;
     dw-product-probe)
-      timeout 400 python3 -m bench.tools.dw_product_probe --json "$OUT/dw-product-probe.json" >"$OUT/dw-product-probe.log" 2>&1
+      timeout 540 python3 -m bench.tools.dw_product_probe --loop --json "$OUT/dw-product-probe.json" \
+        >"$OUT/dw-product-probe.log" 2>&1
       tail -80 "$OUT/dw-product-probe.log" ;;
     host-profile)
       timeout 200 python3 -m bench.tools.overhead --profile-entry-points --calls 100 >"$OUT/host-profile.log" 2>&1
