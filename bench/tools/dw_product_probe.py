@@ -32,7 +32,6 @@ wrong there).
 import argparse
 import contextlib
 import importlib
-import json
 
 import torch
 
@@ -43,7 +42,15 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from bench.tools.gemm_ce_probe import POINTER_TYPES, config_name, parse_configs, sm90_report
+from bench.tools.gemm_ce_probe import (
+    POINTER_TYPES,
+    config_name,
+    cuda_timer,
+    finish,
+    parse_configs,
+    report_or_failure,
+    sm90_report,
+)
 from shared_tests import tolerances
 
 # V x H x K: the d weight products of the fused linear bench's shapes at the default workspace (K = chunk rows), and
@@ -374,34 +381,19 @@ def main(argv=None):
         for config in args.configs:
             for c_dtype in ("bfloat16", "float32"):
                 for prefetch in (True, False):
-                    try:
-                        report = compile_report(config, shape, c_dtype, prefetch)
-                    except Exception as error:
-                        report = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
+                    report = report_or_failure(lambda: compile_report(config, shape, c_dtype, prefetch))
                     print(f"{config_name(config)} C {c_dtype}{' prefetch' if prefetch else ''}: {report}", flush=True)
         return
-    if not torch.cuda.is_available():
-        raise SystemExit("dw_product_probe times kernels on a CUDA device; none is visible (CPU test: bench/tests)")
-    import triton.testing
-
-    def timer(fn):
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
+    timer = cuda_timer("dw_product_probe")
     results, failures = run_probe(args.shapes, args.configs, args.seed, timer=timer)
     results["device"] = torch.cuda.get_device_name()
     if args.loop:
         from bench.linear_shapes import LINEAR_SHAPES
 
-        def loop_timer(fn):
-            return triton.testing.do_bench(fn, warmup=100, rep=500, return_mode="median")
-
+        loop_timer = cuda_timer("dw_product_probe", warmup=100, rep=500)
         results["loop"], loop_failures = run_loop(LINEAR_SHAPES, fastest_variants(results), loop_timer)
         failures += loop_failures
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    if failures:
-        raise SystemExit(f"{failures} check(s) failed")
+    finish(results, failures, args.json)
 
 
 if __name__ == "__main__":

@@ -491,25 +491,41 @@ def main(argv=None):
             raise SystemExit("Triton is in interpreter mode: run with TRITON_INTERPRET=0 to compile for sm_90")
         for config in args.configs:
             for with_ce in (False, True):
-                try:
-                    report = compile_report(config, args.shape, with_ce)
-                except Exception as error:
-                    report = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
+                report = report_or_failure(lambda: compile_report(config, args.shape, with_ce))
                 print(f"{config_name(config)} {'GEMM + CE epilogue' if with_ce else 'GEMM alone        '}: {report}")
         return
+    timer = cuda_timer("gemm_ce_probe")
+    results, failures = run_probe(args.shape, args.configs, args.ignored, args.seed, timer=timer)
+    finish(results, failures, args.json, "loss check(s)")
+
+
+# --- the probes' shared command-line pieces (bench.tools.dw_product_probe uses them too) ---------------------------
+
+
+def report_or_failure(compile_fn):
+    """compile_fn()'s report, or one line saying why the compile failed (a config that does not fit is a result)."""
+    try:
+        return compile_fn()
+    except Exception as error:
+        return f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
+
+
+def cuda_timer(tool, warmup=25, rep=100):
+    """timer(fn) -> the do_bench median in ms, on a CUDA device; a clear exit where none is visible."""
     if not torch.cuda.is_available():
-        raise SystemExit("gemm_ce_probe times kernels on a CUDA device; none is visible (CPU test: bench/tests)")
+        raise SystemExit(f"{tool} times kernels on a CUDA device; none is visible (CPU test: bench/tests)")
     import triton.testing
 
-    def timer(fn):
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return lambda fn: triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
-    results, failures = run_probe(args.shape, args.configs, args.ignored, args.seed, timer=timer)
-    if args.json:
-        with open(args.json, "w") as f:
+
+def finish(results, failures, json_path, what="check(s)"):
+    """Write the results to json_path (when given), then exit non-zero if any check failed."""
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(results, f, indent=1)
     if failures:
-        raise SystemExit(f"{failures} loss check(s) failed")
+        raise SystemExit(f"{failures} {what} failed")
 
 
 if __name__ == "__main__":
