@@ -70,7 +70,7 @@ for stage in "$@"; do
       done | tee "$OUT/linear-overlap.log" ;;
     linear-profile)
       timeout 300 python3 -m bench.tools.linear_profile --json "$OUT/linear-profile.json" >"$OUT/linear-profile.log" 2>&1
-      cat "$OUT/linear-profile.log" | grep -v "^STAGE:" | tail -60 ;;
+      grep -v "^STAGE:" "$OUT/linear-profile.log" | tail -60 ;;
     dw-product-probe)
       timeout 540 python3 -m bench.tools.dw_product_probe --loop --json "$OUT/dw-product-probe.json" \
         >"$OUT/dw-product-probe.log" 2>&1
