@@ -9,8 +9,9 @@ tensors), each the autograd engine's own round trip (on a CUDA graph task the ba
 thread, so the caller waits for a thread hand-off), and F.cross_entropy. Between them: the launch path (kernels.forward
 and backward with Triton's launch stubbed, _Launcher.cached, its launch key against Triton's binder, the compiled
 launcher's C call alone, the device and stream getters), the forward's allocations, torch's share (a do-nothing
-Function forward only, forward+backward, engine threads off), leaf `.backward()` rows (as Unsloth's and most users'
-code call a loss), and a closing summary of what remains of the eager forward+backward, computed from the rows.
+Function forward only, forward+backward, engine threads off), the backward's launch handed to another thread (as the
+engine runs it) against a bare hand-off, leaf `.backward()` rows (as Unsloth's and most users' code call a loss),
+and a closing summary of what remains of the eager forward+backward, computed from the rows.
 `--part1-only --device cpu --calls 2 --repeat 1` (TRITON_INTERPRET=1) is a smoke run of part 1 on a CPU.
 `--profile-entry-points` instead profiles cross_entropy (non-leaf and leaf) and those two calls (below) after their
 timings: cProfile's top Python functions by own time, and torch.profiler's host-side table (aten ops and CUDA runtime
@@ -28,7 +29,9 @@ and options (as fastce_torch/tests/test_launch_cache.py does under pytest --gpu)
 """
 
 import contextlib
+import queue
 import socket
+import threading
 import time
 
 import torch
@@ -245,9 +248,59 @@ def host_costs(device="cuda", n=300, repeat=5):
             _row(rows, name + ", threads off", per_call_us(baselines[name], n, repeat))
     finally:
         torch.autograd.set_multithreading_enabled(True)
+    _other_thread_rows(
+        rows,
+        lambda: kernels.backward(grad_loss, raw, labels, lse, grad_buffer, OPTIONS, denominator=denominator),
+        n,
+        repeat,
+    )
     summary(rows, fwd_bwd, leaf_bwd, cached_path)
     other_entry_points(rows, device, n, repeat)
     return rows
+
+
+class _OtherThread:
+    """A thread that runs one callable per request while the caller waits, as the autograd engine's device thread
+    runs a backward on CUDA tensors."""
+
+    def __init__(self):
+        self._todo, self._done = queue.SimpleQueue(), queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        while (fn := self._todo.get()) is not None:
+            try:
+                fn()
+            finally:
+                self._done.put(None)
+
+    def __call__(self, fn):
+        self._todo.put(fn)
+        self._done.get()
+
+    def close(self):
+        self._todo.put(None)
+        self._thread.join()
+
+
+def _other_thread_rows(rows, backward_call, n, repeat):
+    """Whether the backward's launch path costs more on another thread than on the caller's (the engine runs it on
+    its device thread): the hand-off alone, then the same backward launch handed over."""
+    other = _OtherThread()
+    try:
+        handoff = per_call_us(lambda: other(_nothing), n, repeat)
+        handed = per_call_us(lambda: other(backward_call), n, repeat)
+    finally:
+        other.close()
+    _row(rows, "a hand-off to another thread and back (no work)", handoff)
+    _row(rows, "kernels.backward (1 launch) on another thread", handed)
+    print(f"  kernels.backward on another thread: {handed - handoff:.1f} us besides the hand-off, against "
+          f"{rows.get('kernels.backward (1 launch)', float('nan')):.1f} us on this thread")  # fmt: skip
+
+
+def _nothing():
+    return None
 
 
 def _skip(name, why):
