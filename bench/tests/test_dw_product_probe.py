@@ -28,18 +28,21 @@ CASES = [
 
 
 @pytest.mark.parametrize("v, h, k, config", CASES)
-@pytest.mark.parametrize("accumulate, prefetch", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize(
+    "accumulate, schedule", [(True, "prefetch"), (True, "after"), (True, "persistent"), (False, "after"),
+                             (False, "persistent")]
+)  # fmt: skip
 @pytest.mark.parametrize("operand_dtype", OPERAND_DTYPES)
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_d_weight_product_matches_float64(v, h, k, config, accumulate, prefetch, operand_dtype, grad_dtype):
+def test_d_weight_product_matches_float64(v, h, k, config, accumulate, schedule, operand_dtype, grad_dtype):
     generator = torch.Generator().manual_seed(v + h + k)
     dlogits = (torch.randn(k, v, generator=generator) * 0.1).to(DEVICE, operand_dtype)
     hidden = torch.randn(k, h, generator=generator).to(DEVICE, operand_dtype)
     previous = torch.randn(v, h, generator=generator).to(DEVICE, grad_dtype)
     # Without accumulate every element must be written: start from NaN.
     grad = previous.clone() if accumulate else torch.full_like(previous, float("nan"))
-    probe.dw_product(dlogits, hidden, grad, accumulate=accumulate, prefetch_c=prefetch, num_warps=4, num_stages=2,
-                     **config)  # fmt: skip
+    keywords = probe.schedule_keywords(schedule, DEVICE)
+    probe.dw_product(dlogits, hidden, grad, accumulate=accumulate, num_warps=4, num_stages=2, **keywords, **config)
     exact = dlogits.double().t() @ hidden.double() + (previous.double() if accumulate else 0.0)
     bound = probe.product_bound(dlogits, hidden) + (previous.float().abs() if accumulate else 0.0) * 2**-24
     assert probe.out_of_bound(grad, exact, bound) == 0
@@ -80,10 +83,12 @@ def test_the_probe_flow_checks_and_times_every_variant(capsys):
     (entry,) = results["shapes"]
     assert failures == 0, entry["checks"]
     cublas = 3 if DEVICE == "cuda" else 2
-    # float32 operands: one gradient dtype (float32), with and without the prefetch.
-    assert len(timed) == cublas + 2 * len(configs) == len(entry["timings_ms"])
+    # float32 operands: one gradient dtype (float32), in every schedule.
+    assert len(timed) == cublas + len(probe.SCHEDULES) * len(configs) == len(entry["timings_ms"])
     assert all(check == "0 elements beyond the bound" for check in entry["checks"].values()), entry["checks"]
-    assert "32x16x16 w4 s2 C float32 prefetch" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "32x16x16 w4 s2 C float32 prefetch" in out and "16x16x16 w4 s2 C float32 persistent" in out
+    assert {v["schedule"] for v in entry["variants"]} == set(probe.SCHEDULES)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the refusal without CUDA")
@@ -93,14 +98,16 @@ def test_gpu_mode_needs_cuda():
 
 
 def test_compiles_for_h200_without_spills():
-    """The real compiler (sm_90, no GPU needed) accepts the kernel for bf16 and float32 gradients, C prefetched or
-    not, with wgmma and no register spills at a two-blocks-per-SM config: what the interpreter cannot check."""
+    """The real compiler (sm_90, no GPU needed) accepts the kernel for bf16 and float32 gradients in every schedule
+    (the persistent one's flattened loop included), with wgmma and no register spills at a two-blocks-per-SM config:
+    what the interpreter cannot check."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     command = [sys.executable, "-m", "bench.tools.dw_product_probe", "--compile-only", "--configs", "128x128x64x8x3"]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    assert len(lines) == 4 and all("'wgmma': 4" in line and "'spill_stores': 0" in line for line in lines), lines
+    assert len(lines) == 2 * len(probe.SCHEDULES), lines
+    assert all("'wgmma': 4" in line and "'spill_stores': 0" in line for line in lines), lines
 
 
 def test_the_patched_fused_loss_gives_the_package_gradients():
@@ -120,13 +127,14 @@ def test_the_patched_fused_loss_gives_the_package_gradients():
 
     expected = gradients()
     # The gradient buffers start as NaN: a first chunk that read its uninitialised output would show.
-    with checks.poisoned_allocations(), probe.triton_d_weight(dict(block_m=32, block_n=16, block_k=8, num_warps=4,
-                                                                    num_stages=2)):  # fmt: skip
-        assert package.accumulate_grads is not original
-        got = gradients()
-    assert package.accumulate_grads is original
-    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)  # d hidden: the package's own products
-    torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=1e-6)
+    config = dict(block_m=32, block_n=16, block_k=8, num_warps=4, num_stages=2)
+    for schedule in probe.SCHEDULES:
+        with checks.poisoned_allocations(), probe.triton_d_weight(config, schedule):
+            assert package.accumulate_grads is not original
+            got = gradients()
+        assert package.accumulate_grads is original
+        torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)  # d hidden: the package's own products
+        torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=1e-6)
 
 
 def test_the_loop_flow_times_and_checks_both_settings(capsys):
@@ -140,7 +148,7 @@ def test_the_loop_flow_times_and_checks_both_settings(capsys):
         return 3.0
 
     shape = LinearShape(40, 16, 60, "float32")
-    best = {(60, 16, 16, "float32"): dict(config=dict(block_m=32, block_n=16, block_k=16), prefetch_c=False, ms=1.0)}
+    best = {(60, 16, 16, "float32"): dict(config=dict(block_m=32, block_n=16, block_k=16), schedule="persistent", ms=1)}
     rows, failures = probe.run_loop([shape], best, timer, device=DEVICE, backend="kernel", chunk_rows=16)
     assert failures == 0, rows
     assert [r["settings"] for r in rows] == ["default", "accumulate_in_float32"] and len(timed) == 4

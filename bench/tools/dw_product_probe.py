@@ -9,21 +9,24 @@ V=256000 in the default 256 MiB workspace): cuBLAS's `addmm_` runs it at 482-599
 rows, because every chunk re-reads and re-writes the whole V x H gradient (2·V·H·2 bytes for 2·K·V·H flops: at K=512
 close to the H200's flop-per-byte ridge) and the C traffic is only partly hidden behind the short main loop.
 
-`dw_product` computes the same tiles with the previous dW tile's load issued before the K loop (PREFETCH_C, so its
-latency overlaps the loop instead of following it) or after it, accumulating in float32 and rounding once to dW's
-dtype; dW may be bfloat16 (the default accumulation: one rounding per chunk) or float32 (the accumulator of
-accumulate_in_float32). Tiles walk the vocabulary-major order: the tiles of one V block (every H block) run back to
-back, so that block of dlogits (K x BLOCK_M) is read from DRAM about once and the whole hidden chunk stays in L2.
+`dw_product` computes the same tiles, accumulating in float32 and rounding once to dW's dtype; dW may be bfloat16
+(the default accumulation: one rounding per chunk) or float32 (the accumulator of accumulate_in_float32). Three
+schedules (SCHEDULES): one program per tile with the previous dW tile's load issued before the K loop ("prefetch",
+so its latency overlaps the loop) or after it ("after"), or one or two persistent programs per SM striding over the
+tiles in one flattened loop ("persistent", `tl.range(..., flatten=True)`: the compiler may pipeline the next tile's
+loads under this tile's epilogue). Tiles walk the vocabulary-major order: the tiles of one V block (every H block)
+run back to back, so that block of dlogits (K x BLOCK_M) is read from DRAM about once and the hidden chunk stays in
+L2.
 
 GPU mode times (do_bench medians, L2 flushed) per shape: cuBLAS `dW.addmm_(dlogits.t(), hidden)` (beta=1, what the
 package runs), the same product with beta=0 (no C read), cuBLAS with a float32 C (`torch.addmm(..., out_dtype=
-float32)`), and each Triton config with and without the prefetch, bf16 and float32 C; TFLOP/s as 2·K·V·H. Every
+float32)`), and each Triton config in each schedule, bf16 and float32 C; TFLOP/s as 2·K·V·H. Every
 Triton result is checked against the float32 sum of the same operands first (a mismatch is reported and counted).
 `--loop` then times the whole fused loss (fastce_torch.linear_cross_entropy, forward+backward with both gradients,
 default settings and accumulate_in_float32=True) at the fused linear bench's shapes with the package's d weight
 product replaced by `dw_product` (`triton_d_weight`: fastce_torch.linear_cross_entropy.accumulate_grads patched for
 the duration, nothing else changed), each shape with the fastest config the product timings found at its chunk
-shape, against the package as it is, with both weight gradients' rms error against bench.linear's float32
+shape and schedule, against the package as it is, with both weight gradients' rms error against bench.linear's float32
 computation: whether the kernel closes the fused loop's gap end to end.
 bench/tests/test_dw_product_probe.py runs the kernel in Triton's interpreter with float32 operands (bf16 tl.dot is
 wrong there).
@@ -60,17 +63,33 @@ DEFAULT_SHAPES = "128256x4096x1024,152064x3584x768,256000x2304x512,256000x2304x1
 # 128x256 and 256x128 tiles take one block per SM (147-197 KiB of shared memory, ~240-255 registers a thread, the
 # prefetched C spilling); 128x128x64 with 8 warps at 3 stages (96 KiB, 126 registers without the prefetch) and
 # 128x128x32 at 4 stages leave room for two blocks per SM, so one block's C traffic can overlap the other's loop.
-DEFAULT_CONFIGS = (
-    "128x256x64x8x3,128x256x64x8x4,256x128x64x8x3,128x128x64x8x4,128x128x64x8x3,128x128x32x8x4,128x128x32x4x5,"
-    "128x128x64x4x4"
-)
+DEFAULT_CONFIGS = "128x256x64x8x3,256x128x64x8x3,128x128x64x8x4,128x128x64x8x3,128x128x32x8x4,128x128x32x4x5"
+
+
+# How the previous gradient tile is read and the tiles are scheduled: loaded before the K loop, loaded after it (one
+# program per tile either way), or persistent programs striding over the tiles in one flattened loop.
+SCHEDULES = ("prefetch", "after", "persistent")
+
+
+def schedule_keywords(schedule, device="cuda"):
+    """dw_product's prefetch_c / programs for a schedule; persistent: one program per SM (the flattened loop's extra
+    buffers take 128 KiB of shared memory or more at the probe's tiles: one block per SM; `--compile-only` shows
+    it), three programs in Triton's interpreter."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if schedule != "persistent":
+        return dict(prefetch_c=schedule == "prefetch", programs=None)
+    if torch.device(device).type != "cuda":
+        return dict(prefetch_c=False, programs=3)
+    return dict(prefetch_c=False, programs=torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 @triton.jit
-def _dw_product_kernel(
-    a_ptr,  # dlogits chunk (K, V), V contiguous
-    b_ptr,  # hidden chunk (K, H), H contiguous
-    c_ptr,  # dW (V, H), H contiguous: read (with ACCUMULATE) and written
+def _dw_tile(
+    tile,
+    a_ptr,
+    b_ptr,
+    c_ptr,
     V,
     H,
     K,
@@ -87,9 +106,8 @@ def _dw_product_kernel(
     PRECISION: tl.constexpr,
 ):
     # Vocabulary-major order: the H tiles of one V block run back to back (that block of dlogits stays in L2).
-    pid = tl.program_id(0)
-    pid_m = pid // n_tiles_h
-    pid_n = pid % n_tiles_h
+    pid_m = tile // n_tiles_h
+    pid_n = tile % n_tiles_h
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # vocabulary entries
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # hidden units
     ks = tl.arange(0, BLOCK_K)
@@ -123,11 +141,48 @@ def _dw_product_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
+@triton.jit
+def _dw_product_kernel(
+    a_ptr,  # dlogits chunk (K, V), V contiguous
+    b_ptr,  # hidden chunk (K, H), H contiguous
+    c_ptr,  # dW (V, H), H contiguous: read (with ACCUMULATE) and written
+    V,
+    H,
+    K,
+    stride_ak,
+    stride_bk,
+    stride_cv,
+    n_tiles_h,
+    n_tiles,
+    n_programs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    PREFETCH_C: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if PERSISTENT:
+        # n_programs programs walk the tiles in strides; the loop nest is flattened so that the compiler can pipeline
+        # the next tile's loads under this tile's epilogue (the load and store of its gradient tile).
+        for tile in tl.range(pid, n_tiles, n_programs, flatten=True):
+            _dw_tile(tile, a_ptr, b_ptr, c_ptr, V, H, K, stride_ak, stride_bk, stride_cv, n_tiles_h, BLOCK_M, BLOCK_N,
+                     BLOCK_K, EVEN_K, ACCUMULATE, PREFETCH_C, PRECISION)  # fmt: skip
+    else:
+        _dw_tile(pid, a_ptr, b_ptr, c_ptr, V, H, K, stride_ak, stride_bk, stride_cv, n_tiles_h, BLOCK_M, BLOCK_N,
+                 BLOCK_K, EVEN_K, ACCUMULATE, PREFETCH_C, PRECISION)  # fmt: skip
+
+
 def dw_product(dlogits, hidden, grad_weight, accumulate=True, prefetch_c=True, block_m=128, block_n=256, block_k=64,
-               num_warps=8, num_stages=3):  # fmt: skip
+               num_warps=8, num_stages=3, programs=None):  # fmt: skip
     """grad_weight (V, H) = [grad_weight +] dlogits.T @ hidden, accumulated in float32 and rounded once to
     grad_weight's dtype (bfloat16, float16 or float32), in place. dlogits (K, V) and hidden (K, H) share one 16- or
-    32-bit float dtype; every last dimension contiguous."""
+    32-bit float dtype; every last dimension contiguous. programs: None launches one program per tile; a number
+    launches that many persistent programs (at most one per tile) that stride over the tiles in one flattened loop
+    (the gradient tile is then loaded after the K loop, prefetch_c aside)."""
     if dlogits.dim() != 2 or hidden.dim() != 2 or dlogits.shape[0] != hidden.shape[0]:
         raise ValueError(f"need dlogits (K, V) and hidden (K, H), got {tuple(dlogits.shape)}, {tuple(hidden.shape)}")
     (k, v), h = dlogits.shape, hidden.shape[1]
@@ -140,8 +195,10 @@ def dw_product(dlogits, hidden, grad_weight, accumulate=True, prefetch_c=True, b
     if any(t.stride(1) != 1 for t in (dlogits, hidden, grad_weight)):
         raise ValueError("dlogits, hidden and grad_weight need a contiguous last dimension")
     n_tiles_h = triton.cdiv(h, block_n)
-    grid = (triton.cdiv(v, block_m) * n_tiles_h,)
-    _dw_product_kernel[grid](
+    n_tiles = triton.cdiv(v, block_m) * n_tiles_h
+    persistent = programs is not None
+    n_programs = min(int(programs), n_tiles) if persistent else n_tiles
+    _dw_product_kernel[(n_programs,)](
         dlogits,
         hidden,
         grad_weight,
@@ -152,14 +209,17 @@ def dw_product(dlogits, hidden, grad_weight, accumulate=True, prefetch_c=True, b
         hidden.stride(0),
         grad_weight.stride(0),
         n_tiles_h,
+        n_tiles,
+        n_programs,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,
         ACCUMULATE=accumulate,
-        PREFETCH_C=prefetch_c,
+        PREFETCH_C=prefetch_c and not persistent,
         # float32 operands: full-precision products (tf32 would keep 10 mantissa bits); 16-bit ones: the default.
         PRECISION="ieee" if dlogits.dtype == torch.float32 else None,
+        PERSISTENT=persistent,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -167,20 +227,24 @@ def dw_product(dlogits, hidden, grad_weight, accumulate=True, prefetch_c=True, b
 
 
 @contextlib.contextmanager
-def triton_d_weight(config=None, prefetch_c=True):
+def triton_d_weight(config=None, schedule="prefetch"):
     """fastce_torch.linear_cross_entropy with its d weight product run by `dw_product` (config: dw_product's block
-    keywords; None: its defaults) for the duration; d hidden and d bias as the package computes them."""
+    keywords, None: its defaults; schedule: one of SCHEDULES) for the duration; d hidden and d bias as the package
+    computes them."""
     # The module (the package exports the function under the same name).
     package = importlib.import_module("fastce_torch.linear_cross_entropy")
     original = package.accumulate_grads
     config = config or {}
+    keywords = None  # the schedule's keywords, from the first gradient's device
 
     def accumulate_grads(dlogits, hidden_chunk, weight, rows, grads, first):
         grad_hidden, grad_weight, grad_bias = grads
         original(dlogits, hidden_chunk, weight, rows, (grad_hidden, None, grad_bias), first)
         if grad_weight is not None:
+            nonlocal keywords
+            keywords = keywords or schedule_keywords(schedule, grad_weight.device)
             # The first chunk writes the gradient (its storage is uninitialised): no read of the previous tile.
-            dw_product(dlogits, hidden_chunk, grad_weight, accumulate=not first, prefetch_c=prefetch_c, **config)
+            dw_product(dlogits, hidden_chunk, grad_weight, accumulate=not first, **keywords, **config)
 
     package.accumulate_grads = accumulate_grads
     try:
@@ -189,18 +253,22 @@ def triton_d_weight(config=None, prefetch_c=True):
         package.accumulate_grads = original
 
 
-def compile_report(config, shape, c_dtype="bfloat16", prefetch_c=True, dtype="bfloat16"):
-    """`sm90_report` of the kernel as a launch at shape (V, H, K) specialises it."""
+def compile_report(config, shape, c_dtype="bfloat16", schedule="prefetch", dtype="bfloat16"):
+    """`sm90_report` of the kernel as a launch at shape (V, H, K) with `schedule` specialises it."""
     v, h, k = shape
-    values = dict(V=v, H=h, K=k, stride_ak=v, stride_bk=h, stride_cv=h, n_tiles_h=triton.cdiv(h, config["block_n"]))
+    n_tiles_h = triton.cdiv(h, config["block_n"])
+    n_tiles = triton.cdiv(v, config["block_m"]) * n_tiles_h
+    values = dict(V=v, H=h, K=k, stride_ak=v, stride_bk=h, stride_cv=h, n_tiles_h=n_tiles_h, n_tiles=n_tiles,
+                  n_programs=132 if schedule == "persistent" else n_tiles)  # fmt: skip
     constexprs = dict(
         BLOCK_M=config["block_m"],
         BLOCK_N=config["block_n"],
         BLOCK_K=config["block_k"],
         EVEN_K=k % config["block_k"] == 0,
         ACCUMULATE=True,
-        PREFETCH_C=prefetch_c,
+        PREFETCH_C=schedule == "prefetch",
         PRECISION="ieee" if dtype == "float32" else None,
+        PERSISTENT=schedule == "persistent",
     )
     pointers = dict(a_ptr=POINTER_TYPES[dtype], b_ptr=POINTER_TYPES[dtype], c_ptr=POINTER_TYPES[c_dtype])
     return sm90_report(_dw_product_kernel, values, constexprs, pointers, config["num_warps"], config["num_stages"])
@@ -271,14 +339,15 @@ def run_probe(shapes, configs, seed=0, device="cuda", dtype=torch.bfloat16, time
             )
         for config in configs:
             for c_dtype in dict.fromkeys((dtype, torch.float32)):  # the operands' dtype, and float32
-                for prefetch in (True, False):
-                    name = f"{config_name(config)} C {tolerances.dtype_name(c_dtype)}{' prefetch' if prefetch else ''}"
+                for schedule in SCHEDULES:
+                    keywords = schedule_keywords(schedule, device)
+                    name = f"{config_name(config)} C {tolerances.dtype_name(c_dtype)} {schedule}"
                     grad = start.to(c_dtype)
                     # The float32 sum of the previous value (exact in float32) and the product rounds once more.
                     exact = grad.double() + product
                     allowed = bound + grad.float().abs() * tolerances.EPS32
                     try:
-                        dw_product(dlogits, hidden, grad, prefetch_c=prefetch, **config)
+                        dw_product(dlogits, hidden, grad, **keywords, **config)
                     except Exception as error:  # a config that does not fit is reported, not fatal
                         entry["checks"][name] = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:100]}"
                         print(f"  {name}: {entry['checks'][name]}", flush=True)
@@ -289,10 +358,10 @@ def run_probe(shapes, configs, seed=0, device="cuda", dtype=torch.bfloat16, time
                     if outside:
                         print(f"  {name}: MISMATCH, {outside} elements beyond the bound", flush=True)
                         continue
-                    ms = line(name, lambda grad=grad, config=config, prefetch=prefetch: dw_product(
-                        dlogits, hidden, grad, prefetch_c=prefetch, **config))  # fmt: skip
+                    ms = line(name, lambda grad=grad, config=config, keywords=keywords: dw_product(
+                        dlogits, hidden, grad, **keywords, **config))  # fmt: skip
                     entry["variants"].append(
-                        dict(config=config, c_dtype=tolerances.dtype_name(c_dtype), prefetch_c=prefetch, ms=ms)
+                        dict(config=config, c_dtype=tolerances.dtype_name(c_dtype), schedule=schedule, ms=ms)
                     )
         del dlogits, hidden, start, product, bound, grad16, grad32
     return results, failures
@@ -326,7 +395,7 @@ def run_loop(shapes, best, timer, device="cuda", **base_settings):
         reference = linear_bench.float32_reference(hidden, weight, labels)
         k = rows_per_chunk(shape.N, shape.V, hidden.element_size(), chunk_rows=base_settings.get("chunk_rows"))
         for settings, c_dtype in (({}, shape.dtype), ({"accumulate_in_float32": True}, "float32")):
-            variant = best.get((shape.V, shape.H, k, c_dtype), {"config": {}, "prefetch_c": True})
+            variant = best.get((shape.V, shape.H, k, c_dtype), {"config": {}, "schedule": "prefetch"})
 
             def loss_fn(h, w, y, settings=settings):
                 return fastce_torch.linear_cross_entropy(h, w, y, **base_settings, **settings)
@@ -336,7 +405,7 @@ def run_loop(shapes, best, timer, device="cuda", **base_settings):
 
             package_ms = timer(step)
             package_error = linear_bench.gradient_errors(loss_fn, inputs, reference)["grad_weight_rel_rms"]
-            with triton_d_weight(variant["config"], variant["prefetch_c"]):
+            with triton_d_weight(variant["config"], variant["schedule"]):
                 triton_ms = timer(step)
                 triton_error = linear_bench.gradient_errors(loss_fn, inputs, reference)["grad_weight_rel_rms"]
             bad = not triton_error <= 1.25 * package_error + 1e-4  # NaN fails
@@ -344,7 +413,7 @@ def run_loop(shapes, best, timer, device="cuda", **base_settings):
             name = "default" if not settings else "accumulate_in_float32"
             row = dict(shape=[shape.N, shape.H, shape.V], settings=name, chunk_rows=k, package_ms=package_ms,
                        triton_ms=triton_ms, package_dw_error=package_error, triton_dw_error=triton_error,
-                       config=variant["config"], prefetch_c=variant["prefetch_c"])  # fmt: skip
+                       config=variant["config"], schedule=variant["schedule"])  # fmt: skip
             rows_out.append(row)
             print(
                 f"loop {shape} {name:22s} K={k}: package {package_ms:8.2f} ms (dW err {package_error:.2e}), "
@@ -380,9 +449,9 @@ def main(argv=None):
         shape = args.shapes[0]
         for config in args.configs:
             for c_dtype in ("bfloat16", "float32"):
-                for prefetch in (True, False):
-                    report = report_or_failure(lambda: compile_report(config, shape, c_dtype, prefetch))
-                    print(f"{config_name(config)} C {c_dtype}{' prefetch' if prefetch else ''}: {report}", flush=True)
+                for schedule in SCHEDULES:
+                    report = report_or_failure(lambda: compile_report(config, shape, c_dtype, schedule))
+                    print(f"{config_name(config)} C {c_dtype} {schedule}: {report}", flush=True)
         return
     timer = cuda_timer("dw_product_probe")
     results, failures = run_probe(args.shapes, args.configs, args.seed, timer=timer)
