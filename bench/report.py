@@ -193,6 +193,12 @@ def results_markdown(result, plot_name=None) -> str:
     profiles = sorted(RESULTS_DIR.glob("*-linear-profile-*.json"))
     if profiles:
         parts += ["", linear_profile_markdown(read_json(profiles[-1]), _link(profiles[-1], RESULTS_MD.parent.parent))]
+    probes = sorted(RESULTS_DIR.glob("*-dw-product-probe-*.json"))
+    if probes:
+        parts += ["", dw_product_markdown(read_json(probes[-1]), _link(probes[-1], RESULTS_MD.parent.parent))]
+    hosts = sorted(RESULTS_DIR.glob("*-overhead-*.json"))
+    if hosts:
+        parts += ["", host_time_markdown(read_json(hosts[-1]), _link(hosts[-1], RESULTS_MD.parent.parent))]
     steps = sorted(RESULTS_DIR.glob("*transformers-step*.json"))
     if steps:
         parts += ["", transformers_step_markdown(read_json(steps[-1]), _link(steps[-1], RESULTS_MD.parent.parent))]
@@ -257,6 +263,122 @@ def linear_profile_markdown(profile, source) -> str:
                 f"| {n}, {h}, {v} | {name} | " + " | ".join(cells) + f" | {max(result['other']['ms'], 0.0):.2f} | "
                 f"{result['busy_ms']:.2f} |"
             )
+    return "\n".join(lines) + "\n"
+
+
+def _run_label(run, source) -> str:
+    """'device, commit c, date' of a bench tool's JSON; a file written before the tool recorded its commit and date
+    carries them in its name (YYYY-MM-DD-...-<commit>.json)."""
+    stem = Path(source).stem
+    return f"{run['device']}, commit {run.get('commit', stem.rsplit('-', 1)[-1])}, {run.get('date', stem[:10])}"
+
+
+DW_CUBLAS = "cuBLAS addmm_ (beta=1), the package's"
+DW_CUBLAS_NO_C = "cuBLAS mm (beta=0), no C read"
+DW_CUBLAS_FLOAT32 = "cuBLAS addmm, float32 C (beta=1)"
+
+
+def dw_product_markdown(probe, source) -> str:
+    """bench/tools/dw_product_probe.py's JSON: the fused loop's d weight product, cuBLAS against the fastest Triton
+    variant per gradient dtype at each chunk shape, then the whole fused loss with each."""
+
+    def cell(ms, flop, name=""):
+        return "-" if ms is None else f"{ms:.3f} ms, {flop / ms / 1e9:.0f} TF/s{name}"
+
+    def fastest(timings, c_dtype):
+        found = [(ms, name) for name, ms in timings.items() if f" C {c_dtype} " in name and ms is not None]
+        return min(found) if found else (None, "")
+
+    lines = [
+        f"## The fused loop's d weight product: cuBLAS against a Triton kernel (from `{source}`)",
+        "",
+        f"{_run_label(probe, source)}. dW (V, H) += dlogits.T @ hidden_chunk at the chunk's inner dimension K "
+        "(do_bench medians, L2 flushed; TFLOP/s as 2·K·V·H); the Triton kernel's fastest of its configs and "
+        "schedules for each gradient dtype (every variant checked against the float32 sum first). cuBLAS without "
+        "the C read (beta=0) is the ceiling for any kernel that hides the gradient's read entirely.",
+        "",
+        "| V, H, K | cuBLAS addmm_ (bf16 C, the package's) | cuBLAS, no C read | cuBLAS, float32 C "
+        "| Triton, bf16 C | Triton, float32 C |",
+        "|---|---|---|---|---|---|",
+    ]
+    for shape in probe["shapes"]:
+        timings, flop = shape["timings_ms"], 2 * shape["V"] * shape["H"] * shape["K"]
+        cells = [cell(timings.get(name), flop) for name in (DW_CUBLAS, DW_CUBLAS_NO_C, DW_CUBLAS_FLOAT32)]
+        for c_dtype in ("bfloat16", "float32"):
+            ms, name = fastest(timings, c_dtype)
+            cells.append(cell(ms, flop, f" ({name.replace(f' C {c_dtype} ', ' ')})" if name else ""))
+        lines.append(f"| {shape['V']}, {shape['H']}, {shape['K']} | " + " | ".join(cells) + " |")
+    if probe.get("loop"):
+        lines += [
+            "",
+            "The whole fused loss (fastce_torch.linear_cross_entropy forward+backward, both gradients) with its d "
+            "weight product as the package runs it and swapped for the Triton kernel's fastest variant at the chunk "
+            "shape; dW error = rms relative error against a float32 computation of the same loss.",
+            "",
+            "| N, H, V | settings | chunk rows | package ms | Triton d weight ms | package dW error "
+            "| Triton dW error |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for run in probe["loop"]:
+            n, h, v = run["shape"]
+            lines.append(
+                f"| {n}, {h}, {v} | {run['settings']} | {run['chunk_rows']} | {run['package_ms']:.2f} | "
+                f"{run['triton_ms']:.2f} | {run['package_dw_error']:.2e} | {run['triton_dw_error']:.2e} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+# The overhead summary's figures in the host-time table's columns.
+HOST_TIME_KEYS = (
+    "total_us",
+    "leaf_backward_us",
+    "torch_cross_entropy_us",
+    "do_nothing_function_us",
+    "device_thread_hand_off_us",
+    "floor_us",
+)
+HOST_TIME_PARTS = (
+    ("autograd_function_us", "torch's autograd.Function with fastce's outputs and saved tensors, doing nothing"),
+    ("launches_us", "the two compiled launchers' C calls"),
+    ("allocations_us", "the forward's two allocations"),
+    ("fastce_python_us", "fastce's own Python (checks, layouts, launch keys, the Function's methods)"),
+)
+
+
+def host_time_markdown(run, source) -> str:
+    """bench/tools/overhead.py's JSON: host time of one eager forward+backward and what it is made of, and the eager
+    call against its kernels at the two host-bound shapes."""
+    summary = run["summary"]
+
+    def us(key):
+        return "-" if summary.get(key) is None else f"{summary[key]:.1f}"
+
+    lines = [
+        f"## Host time of an eager call (from `{source}`)",
+        "",
+        f"{_run_label(run, source)}, torch {run['torch']}; `python -m bench.tools.overhead`, tiny inputs (64 x 1000 "
+        "float32: the GPU idles, so wall time per call is host time), the fastest of "
+        f"{run['repeat']} means over {run['calls']} calls, us per call.",
+        "",
+        "| cross_entropy forward+backward | leaf `.backward()` | F.cross_entropy | a do-nothing autograd.Function "
+        "| of which the hand-off to the engine's device thread | floor of this design |",
+        "|---|---|---|---|---|---|",
+        "| " + " | ".join(map(us, HOST_TIME_KEYS)) + " |",
+        "",
+        "| part of the forward+backward | us |",
+        "|---|---|",
+        *(f"| {label} | {us(key)} |" for key, label in HOST_TIME_PARTS),
+    ]
+    if run.get("device_times"):
+        lines += [
+            "",
+            "| N, V (bf16) | eager ms | the two kernels launched back to back | the two kernels from a CUDA graph |",
+            "|---|---|---|---|",
+            *(
+                f"| {row['N']}, {row['V']} | {row['eager_ms']:.3f} | {row['kernels_ms']:.3f} | {row['graph_ms']:.3f} |"
+                for row in run["device_times"]
+            ),
+        ]
     return "\n".join(lines) + "\n"
 
 

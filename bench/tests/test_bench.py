@@ -410,3 +410,40 @@ def test_linear_profile_markdown_names_each_product_role():
     md = report.linear_profile_markdown(profile, "source.json")
     assert "commit abc" in md and "mean of 3 calls" in md
     assert "| 8192, 4096, 128256 | fused | 8x K=1024: 14.38 ms, 599 TF/s |" in md and "| 0.00 | 40.17 |" in md
+
+
+def test_dw_product_markdown_puts_the_fastest_triton_variant_beside_cublas():
+    timings = {
+        report.DW_CUBLAS: 1.0,
+        report.DW_CUBLAS_NO_C: 0.9,
+        report.DW_CUBLAS_FLOAT32: 2.0,
+        "128x128x64 w8 s3 C bfloat16 prefetch": 1.5,
+        "128x256x64 w8 s3 C bfloat16 after": 1.25,
+        "128x256x64 w8 s3 C float32 persistent": None,  # failed to compile: never the fastest
+        "128x128x64 w8 s3 C float32 after": 2.5,
+    }
+    loop = {"shape": [8192, 2304, 256000], "settings": "default", "chunk_rows": 512, "package_ms": 56.561,
+            "triton_ms": 58.68, "package_dw_error": 3.0e-3, "triton_dw_error": 2.9e-3}  # fmt: skip
+    probe = {"device": "Fake GPU", "shapes": [{"V": 1000, "H": 500, "K": 1000, "timings_ms": timings}], "loop": [loop]}
+    # Written before the probe recorded its commit and date: both come from the file name.
+    md = report.dw_product_markdown(probe, "bench/results/2026-12-02-h200-dw-product-probe-abc1234.json")
+    assert "Fake GPU, commit abc1234, 2026-12-02" in md
+    assert (
+        "| 1000, 500, 1000 | 1.000 ms, 1 TF/s | 0.900 ms, 1 TF/s | 2.000 ms, 0 TF/s "
+        "| 1.250 ms, 1 TF/s (128x256x64 w8 s3 after) | 2.500 ms, 0 TF/s (128x128x64 w8 s3 after) |" in md
+    )
+    assert "| 8192, 2304, 256000 | default | 512 | 56.56 | 58.68 | 3.00e-03 | 2.90e-03 |" in md
+    probe.update(commit="def", date="2026-12-03")
+    assert "commit def, 2026-12-03" in report.dw_product_markdown(probe, "x.json")
+
+
+def test_host_time_markdown_shows_unmeasured_figures_as_a_dash():
+    summary = dict.fromkeys(report.HOST_TIME_KEYS, 10.0) | {"launches_us": None, "fastce_python_us": None}
+    run = {"device": "cpu", "commit": "abc", "date": "2026-01-01", "torch": "t", "calls": 2, "repeat": 1,
+           "summary": summary | {"total_us": 318.94}}  # fmt: skip
+    md = report.host_time_markdown(run, "source.json")
+    assert "cpu, commit abc, 2026-01-01, torch t" in md and "the fastest of 1 means over 2 calls" in md
+    assert "| 318.9 | 10.0 |" in md and "| the two compiled launchers' C calls | - |" in md
+    assert "| N, V (bf16) |" not in md  # no part 2 without a GPU
+    run["device_times"] = [{"N": 512, "V": 256000, "eager_ms": 0.4641, "kernels_ms": 0.2, "graph_ms": 0.199}]
+    assert "| 512, 256000 | 0.464 | 0.200 | 0.199 |" in report.host_time_markdown(run, "source.json")

@@ -1,9 +1,14 @@
-"""bench.tools.overhead on a CPU: the entry-point profile mode runs and names where each call's host time goes."""
+"""bench.tools.overhead on a CPU: the entry-point profile mode runs and names where each call's host time goes; part 1
+writes its rows and summary as strict JSON."""
 
+import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,3 +31,23 @@ def test_profile_entry_points_runs_on_a_cpu():
     assert "--- profile: vocab-parallel cross_entropy fwd+bwd (64x1000, 1 rank), gloo, 3 calls; cProfile" in out
     # Part 1 (the launch-path rows) does not run in this mode.
     assert "kernels.forward, Triton's launch stubbed" not in out
+
+
+def test_part1_json_on_a_cpu(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    path = tmp_path / "overhead.json"
+    command = [sys.executable, "-m", "bench.tools.overhead", "--device", "cpu", "--calls", "2", "--repeat", "1"]
+    result = subprocess.run(
+        [*command, "--part1-only", "--json", str(path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = json.loads(path.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in strict JSON"))
+    assert written["device"] == "cpu" and written["commit"] and written["date"]
+    assert "device_times" not in written  # part 2 needs a GPU
+    summary = written["summary"]
+    # Measured on any machine: the total, the autograd baselines, the allocations; the launch rows need the cache
+    # (CUDA), so their figures and what depends on them are null here, never NaN.
+    for key in ("total_us", "leaf_backward_us", "autograd_function_us", "allocations_us"):
+        assert math.isfinite(summary[key]) and summary[key] > 0, key
+    assert summary["launches_us"] is None and summary["floor_us"] is None
+    assert summary["total_us"] == written["rows_us"]["cross_entropy forward+backward"]

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from bench import envinfo
 from bench.tools.gemm_ce_probe import (
     POINTER_TYPES,
     config_name,
@@ -455,7 +456,7 @@ def main(argv=None):
         return
     timer = cuda_timer("dw_product_probe")
     results, failures = run_probe(args.shapes, args.configs, args.seed, timer=timer)
-    results["device"] = torch.cuda.get_device_name()
+    results.update(device=torch.cuda.get_device_name(), date=envinfo.today(), commit=envinfo.git_commit())
     if args.loop:
         from bench.linear_shapes import LINEAR_SHAPES
 

@@ -29,6 +29,7 @@ and options (as fastce_torch/tests/test_launch_cache.py does under pytest --gpu)
 """
 
 import contextlib
+import json
 import queue
 import socket
 import threading
@@ -38,6 +39,7 @@ import torch
 import triton.testing
 
 import fastce_torch
+from bench import envinfo
 from fastce_torch import kernels
 
 from . import host_cost
@@ -95,7 +97,8 @@ def _both_paths(rows, name, fn, n, repeat):
 
 
 def host_costs(device="cuda", n=300, repeat=5):
-    """Part 1: {row: us per call}, printed as measured, then what remains of the eager forward+backward and why."""
+    """Part 1: ({row: us per call}, summary's breakdown), printed as measured, then what remains of the eager
+    forward+backward and why."""
     rows = {}
     logits = torch.randn(64, 1000, device=device, requires_grad=True) * 1
     labels = torch.randint(0, 1000, (64,), device=device)
@@ -254,9 +257,9 @@ def host_costs(device="cuda", n=300, repeat=5):
         n,
         repeat,
     )
-    summary(rows, fwd_bwd, leaf_bwd, cached_path)
+    breakdown = summary(rows, fwd_bwd, leaf_bwd, cached_path)
     other_entry_points(rows, device, n, repeat)
-    return rows
+    return rows, breakdown
 
 
 class _OtherThread:
@@ -530,10 +533,25 @@ def summary(rows, fwd_bwd, leaf_bwd, cached_path):
     floor = shaped + launches + allocations
     print(f"  floor of this design on this host: {floor:.1f} us; the 100 us target is "
           f"{'within reach' if floor <= 100 else 'below the autograd machinery and the launches alone'}")  # fmt: skip
+    return {
+        "total_us": fwd_bwd,
+        "leaf_backward_us": leaf_bwd,
+        "torch_cross_entropy_us": rows["F.cross_entropy forward+backward"],
+        "autograd_function_us": shaped,
+        "do_nothing_function_us": nothing,
+        "engine_round_trip_us": engine,
+        "device_thread_hand_off_us": hand_off,
+        "launches_us": launches,
+        "allocations_us": allocations,
+        "fastce_python_us": ours,
+        "floor_us": floor,
+    }
 
 
 def device_times(shapes=((512, 256000), (8192, 32000))):
+    """Part 2: [{N, V, and the four times in ms}], printed as measured."""
     print("part 2: forward+backward of real shapes, bf16, ms (do_bench medians)")
+    measured = []
     for n_rows, vocab in shapes:
         logits = torch.randn(n_rows, vocab, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         labels = torch.randint(0, vocab, (n_rows,), device="cuda")
@@ -569,6 +587,11 @@ def device_times(shapes=((512, 256000), (8192, 32000))):
             f"N={n_rows} V={vocab}: eager {eager:.3f} (generic launches {eager_generic:.3f}), kernels launched back "
             f"to back {launched:.3f}, kernels from a CUDA graph {replayed:.3f}"
         )
+        measured.append(
+            {"N": n_rows, "V": vocab, "eager_ms": eager, "eager_generic_ms": eager_generic, "kernels_ms": launched}
+            | {"graph_ms": replayed}
+        )
+    return measured
 
 
 def vocab_parallel_device_times(shapes=((8192, 64128), (8192, 128000))):
@@ -640,6 +663,7 @@ def main(argv=None):
         action="store_true",
         help="only the linear_cross_entropy and vocab-parallel rows, each profiled (cProfile, torch.profiler)",
     )
+    parser.add_argument("--json", help="also write the rows, the summary and part 2 to this file")
     args = parser.parse_args(argv)
     gpu = args.device != "cpu"
     print(
@@ -653,10 +677,35 @@ def main(argv=None):
         profile_cross_entropy(args.device, args.calls)
         other_entry_points({}, args.device, args.calls, args.repeat, profile=True)
         return
-    host_costs(args.device, args.calls, args.repeat)
-    if args.part1_only:
-        return
-    device_times()
+    rows, breakdown = host_costs(args.device, args.calls, args.repeat)
+    result = {
+        "date": envinfo.today(),
+        "commit": envinfo.git_commit(),
+        "device": torch.cuda.get_device_name() if gpu else "cpu",
+        "torch": torch.__version__,
+        "calls": args.calls,
+        "repeat": args.repeat,
+        "rows_us": rows,
+        "summary": breakdown,
+    }
+    if not args.part1_only:
+        result["device_times"] = device_times()
+        parts_2b_and_3()
+    if args.json:
+        with open(args.json, "w") as f:  # strict JSON: a figure not measured here (NaN) is null
+            json.dump(_nan_to_none(result), f, indent=1, allow_nan=False)
+
+
+def _nan_to_none(value):
+    if isinstance(value, dict):
+        return {key: _nan_to_none(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_nan_to_none(item) for item in value]
+    return None if isinstance(value, float) and value != value else value
+
+
+def parts_2b_and_3():
+    """The vocab-parallel device times (reported, never fatal), the bitwise check, and the launch cache's failures."""
     try:
         vocab_parallel_device_times()
     except Exception as error:  # reported, never fatal to part 3

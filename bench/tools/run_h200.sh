@@ -79,7 +79,8 @@ for stage in "$@"; do
       timeout 200 python3 -m bench.tools.overhead --profile-entry-points --calls 100 >"$OUT/host-profile.log" 2>&1
       grep -E "^(linear|vocab|  )" "$OUT/host-profile.log" | head -12 ;;
     host)
-      timeout 200 python3 -m bench.tools.overhead >"$OUT/overhead.log" 2>&1; tail -45 "$OUT/overhead.log"
+      timeout 200 python3 -m bench.tools.overhead --json "$OUT/overhead.json" >"$OUT/overhead.log" 2>&1
+      tail -45 "$OUT/overhead.log"
       timeout 100 python3 -m bench.tools.host_cost --device cuda >"$OUT/host-cost.log" 2>&1; tail -25 "$OUT/host-cost.log"
       [ -f bench/tools/jax_dispatch.py ] && timeout 120 python3 -m bench.tools.jax_dispatch 2>&1 | tail -12 ;;
     transformers)
