@@ -341,6 +341,11 @@ HOST_TIME_PARTS = (
     ("autograd_function_us", "torch's autograd.Function with fastce's outputs and saved tensors, doing nothing"),
     ("launches_us", "the two compiled launchers' C calls"),
     ("allocations_us", "the forward's two allocations"),
+    (
+        "device_thread_excess_us",
+        "what the engine's device thread costs this call beyond a Function that launches nothing (threads on "
+        "minus off)",
+    ),
     ("fastce_python_us", "fastce's own Python (checks, layouts, launch keys, the Function's methods)"),
 )
 

@@ -58,3 +58,10 @@ def test_part1_json_on_a_cpu(tmp_path):
         assert math.isfinite(summary[key]) and summary[key] > 0, key
     assert summary["launches_us"] is None and summary["floor_us"] is None
     assert summary["total_us"] == written["rows_us"]["cross_entropy forward+backward"]
+    # fastce's own share is what the other parts leave of the total: unknown without the launches' figure.
+    assert math.isfinite(summary["device_thread_excess_us"]) and summary["fastce_python_us"] is None
+    # --resummarize re-derives the same summary from the rows alone.
+    from bench.tools import overhead
+
+    overhead.main(["--resummarize", str(path)])
+    assert json.loads(path.read_text())["summary"] == summary

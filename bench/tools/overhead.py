@@ -489,7 +489,12 @@ def summary(rows, fwd_bwd, leaf_bwd, cached_path):
     launches = 2 * rows["    the compiled launcher's C call alone"] if cached_path else float("nan")
     keys = rows["    launch key (kernels._ArgumentLayout)"] if cached_path else float("nan")
     allocations = rows["  the forward's allocations (empty loss, zeroed scratch)"]
-    ours = fwd_bwd - shaped - launches - allocations
+    # What the engine's device thread costs this call beyond what it costs a Function that launches nothing: the
+    # threads-on minus threads-off difference of the real call less that of the fastce-shaped Function.
+    threads_real = fwd_bwd - rows["cross_entropy fwd+bwd, engine threads off"]
+    threads_shaped = rows["fastce-shaped Function fwd+bwd"] - rows["fastce-shaped Function fwd+bwd, threads off"]
+    thread_excess = threads_real - threads_shaped
+    ours = fwd_bwd - shaped - launches - allocations - thread_excess
     print("what remains of cross_entropy forward+backward, and why (from the rows above):")
     print(
         f"  total {fwd_bwd:.1f} us (leaf .backward() {leaf_bwd:.1f} us); F.cross_entropy "
@@ -508,6 +513,12 @@ def summary(rows, fwd_bwd, leaf_bwd, cached_path):
     print(
         f"  {allocations:.1f} us the forward's two allocations (the scratch's counters must start at zero: a fill "
         f"launch; {rows['    torch.empty of the same scratch (no fill)']:.1f} us without it)"
+    )
+    print(
+        f"  {thread_excess:.1f} us what the engine's device thread costs this call beyond a Function that launches "
+        f"nothing (threads on minus off: this call {threads_real:.1f} us, the fastce-shaped Function "
+        f"{threads_shaped:.1f} us): the backward's Python and launch run on a thread woken for them; engine threads "
+        f"off or a CUDA graph of the step avoid it"
     )
     print(
         f"  {ours:.1f} us fastce's own Python around them (argument checks, layouts, views, launch keys {keys:.1f} us "
@@ -543,6 +554,7 @@ def summary(rows, fwd_bwd, leaf_bwd, cached_path):
         "device_thread_hand_off_us": hand_off,
         "launches_us": launches,
         "allocations_us": allocations,
+        "device_thread_excess_us": thread_excess,
         "fastce_python_us": ours,
         "floor_us": floor,
     }
@@ -664,7 +676,15 @@ def main(argv=None):
         help="only the linear_cross_entropy and vocab-parallel rows, each profiled (cProfile, torch.profiler)",
     )
     parser.add_argument("--json", help="also write the rows, the summary and part 2 to this file")
+    parser.add_argument(
+        "--resummarize",
+        metavar="JSON",
+        help="measure nothing: recompute the summary of a --json file from its rows (after the summary's formula "
+        "changes) and write it back",
+    )
     args = parser.parse_args(argv)
+    if args.resummarize:
+        return resummarize(args.resummarize)
     gpu = args.device != "cpu"
     print(
         f"launch cache: {'on' if kernels.launch_cache_enabled() else 'off'} "
@@ -694,6 +714,17 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:  # strict JSON: a figure not measured here (NaN) is null
             json.dump(_nan_to_none(result), f, indent=1, allow_nan=False)
+
+
+def resummarize(path):
+    with open(path) as f:
+        result = json.load(f)
+    rows = {name: float("nan") if us is None else us for name, us in result["rows_us"].items()}
+    cached_path = "    launch key (kernels._ArgumentLayout)" in rows
+    fwd_bwd, leaf_bwd = rows["cross_entropy forward+backward"], rows["cross_entropy(leaf).backward()"]
+    result["summary"] = summary(rows, fwd_bwd, leaf_bwd, cached_path)
+    with open(path, "w") as f:
+        json.dump(_nan_to_none(result), f, indent=1, allow_nan=False)
 
 
 def _nan_to_none(value):
