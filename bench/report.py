@@ -343,8 +343,8 @@ HOST_TIME_PARTS = (
     ("allocations_us", "the forward's two allocations"),
     (
         "device_thread_excess_us",
-        "what the engine's device thread costs this call beyond a Function that launches nothing (threads on "
-        "minus off)",
+        "what the engine's device thread costs this call beyond the bare hand-off (threads on minus off, less a "
+        "do-nothing Function's)",
     ),
     ("fastce_python_us", "fastce's own Python (checks, layouts, launch keys, the Function's methods)"),
 )

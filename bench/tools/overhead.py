@@ -489,11 +489,11 @@ def summary(rows, fwd_bwd, leaf_bwd, cached_path):
     launches = 2 * rows["    the compiled launcher's C call alone"] if cached_path else float("nan")
     keys = rows["    launch key (kernels._ArgumentLayout)"] if cached_path else float("nan")
     allocations = rows["  the forward's allocations (empty loss, zeroed scratch)"]
-    # What the engine's device thread costs this call beyond what it costs a Function that launches nothing: the
-    # threads-on minus threads-off difference of the real call less that of the fastce-shaped Function.
+    # What the engine's device thread costs this call beyond the bare hand-off: the threads-on minus threads-off
+    # difference of the real call less that of the do-nothing Function (no CUDA work in its backward; the
+    # fastce-shaped one with materialised output grads allocates zeros there, so it is no baseline).
     threads_real = fwd_bwd - rows["cross_entropy fwd+bwd, engine threads off"]
-    threads_shaped = rows["fastce-shaped Function fwd+bwd"] - rows["fastce-shaped Function fwd+bwd, threads off"]
-    thread_excess = threads_real - threads_shaped
+    thread_excess = threads_real - hand_off
     ours = fwd_bwd - shaped - launches - allocations - thread_excess
     print("what remains of cross_entropy forward+backward, and why (from the rows above):")
     print(
@@ -515,10 +515,10 @@ def summary(rows, fwd_bwd, leaf_bwd, cached_path):
         f"launch; {rows['    torch.empty of the same scratch (no fill)']:.1f} us without it)"
     )
     print(
-        f"  {thread_excess:.1f} us what the engine's device thread costs this call beyond a Function that launches "
-        f"nothing (threads on minus off: this call {threads_real:.1f} us, the fastce-shaped Function "
-        f"{threads_shaped:.1f} us): the backward's Python and launch run on a thread woken for them; engine threads "
-        f"off or a CUDA graph of the step avoid it"
+        f"  {thread_excess:.1f} us what the engine's device thread costs this call beyond the bare hand-off "
+        f"(threads on minus off: this call {threads_real:.1f} us, the do-nothing Function {hand_off:.1f} us): the "
+        f"backward's Python and launch run on a thread woken for them; engine threads off or a CUDA graph of the "
+        f"step avoid it"
     )
     print(
         f"  {ours:.1f} us fastce's own Python around them (argument checks, layouts, views, launch keys {keys:.1f} us "
