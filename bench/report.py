@@ -190,18 +190,16 @@ def results_markdown(result, plot_name=None) -> str:
     parts += [NOTES]
     for linear_json in latest_linear_runs():
         parts += ["", linear_markdown(read_json(linear_json), _link(linear_json, RESULTS_MD.parent.parent))]
-    profiles = sorted(RESULTS_DIR.glob("*-linear-profile-*.json"))
-    if profiles:
-        parts += ["", linear_profile_markdown(read_json(profiles[-1]), _link(profiles[-1], RESULTS_MD.parent.parent))]
-    probes = sorted(RESULTS_DIR.glob("*-dw-product-probe-*.json"))
-    if probes:
-        parts += ["", dw_product_markdown(read_json(probes[-1]), _link(probes[-1], RESULTS_MD.parent.parent))]
-    hosts = sorted(RESULTS_DIR.glob("*-overhead-*.json"))
-    if hosts:
-        parts += ["", host_time_markdown(read_json(hosts[-1]), _link(hosts[-1], RESULTS_MD.parent.parent))]
-    steps = sorted(RESULTS_DIR.glob("*transformers-step*.json"))
-    if steps:
-        parts += ["", transformers_step_markdown(read_json(steps[-1]), _link(steps[-1], RESULTS_MD.parent.parent))]
+    # The bench tools' sections, each from the newest of its JSON files.
+    for pattern, markdown in (
+        ("*-linear-profile-*.json", linear_profile_markdown),
+        ("*-dw-product-probe-*.json", dw_product_markdown),
+        ("*-overhead-*.json", host_time_markdown),
+        ("*transformers-step*.json", transformers_step_markdown),
+    ):
+        found = sorted(RESULTS_DIR.glob(pattern))
+        if found:
+            parts += ["", markdown(read_json(found[-1]), _link(found[-1], RESULTS_MD.parent.parent))]
     return "\n".join(parts)
 
 
