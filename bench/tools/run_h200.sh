@@ -21,6 +21,7 @@
 #   python -m bench --merge bench-torch.json bench-jax.json --results-md
 # `leaf-probe` (bench/tools/leaf_probe.py: where a leaf .backward() call loses host time at 512 x 256000; < 1),
 # `capture-probe` (which CUDA-graph capture variant fails and why; < 1, bench/tools/capture_probe.py),
+# `chunk-rows-probe` (the fused linear loss at the chunk rows other row multiples would give; ~1-2, estimated),
 # `sanitizer` (compute-sanitizer memcheck with the allocators' pools off: kernel tests of both packages, the shared
 # fuzz and class-weight cases, the vocab-parallel check on one NCCL rank; seven processes at once, ~2-8), `linear-quick` (fused linear CE at
 # one shape with a float32 check; ~1, estimated), `linear-a` and `linear-b` (the fused linear CE table's five shapes
@@ -121,6 +122,8 @@ for stage in "$@"; do
       timeout 580 python3 -m bench.tools.outside_suites --liger-tests .outside/liger-tests --baseline --timeout 280 \
         --workers "$XDIST" --json "$OUT/outside-liger.json" >"$OUT/outside-liger.log" 2>&1
       head -60 "$OUT/outside-liger.log" ;;
+    chunk-rows-probe)
+      timeout 300 python3 -m bench.tools.chunk_rows_probe --json "$OUT/chunk-rows-probe.json" 2>&1 | tail -8 ;;
     sanitizer)
       # compute-sanitizer memcheck, several processes at once (memcheck is mostly host-bound instrumentation), each one
       # pytest process (-v: the log names every test that ran, so a run cut off by its timeout still says what was
