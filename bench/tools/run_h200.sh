@@ -13,8 +13,11 @@
 # `linear-overlap` (bench/tools/linear_chunk_probe.py --overlap: the fused loop serial, with its CE kernels on a second
 # stream, and its matmuls alone, at two shapes; ~1, estimated),
 # `two-gpus` (the tests that need two GPUs: NCCL vocab-parallel, fused linear with a sharded head, cuda:1 placement,
-# JAX sharding; kind nvidia-h200-x2), `two-gpus-linear-bench` (bench/tools/sharded_linear_torch.py: the fused linear
-# column-parallel and FSDP2 paths against one GPU and DTensor loss_parallel; x2, ~1-2, estimated),
+# JAX sharding; kind nvidia-h200-x2), `two-gpus-bench` (bench/tools/sharded_torch.py with its per-rank breakdown of
+# the vocab-parallel call, bench/tools/sharded_jax.py; x2, ~3, estimated), `two-gpus-linear-bench`
+# (bench/tools/sharded_linear_torch.py: the fused linear column-parallel and FSDP2 paths against one GPU and DTensor
+# loss_parallel; x2, ~1-2, estimated), `one-rank-breakdown` (sharded_torch on one GPU as a one-rank NCCL group at the
+# two-GPU run's local shard shapes: the breakdown's code path and the local kernels without a peer; < 2),
 # `transformers` (training-step comparison, four modes; ~2-3, estimated), `bench` (the side-by-side benchmark, every
 # pass and implementation in a worker process of its own; about 5.5), or the same in two calls: `bench-torch`
 # and `bench-jax`, their JSON joined afterwards on any machine (no GPU needed) with
@@ -59,6 +62,17 @@ for stage in "$@"; do
         fastce_torch/tests/test_training_loops.py fastce_torch/tests/test_linear_sharding.py \
         -k "two_gpus or second_gpu or sharding or shard_map" \
         >"$OUT/gpu-tests-two.log" 2>&1; tail -8 "$OUT/gpu-tests-two.log" ;;
+    two-gpus-bench)
+      # Vocab-parallel torch against DTensor loss_parallel with each rank's breakdown; JAX rows- and vocab-sharded
+      # against XLA with the collectives of the compiled HLO.
+      timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m bench.tools.sharded_torch \
+        --json "$OUT/h200x2-sharded-torch.json" >"$OUT/sharded-torch.log" 2>&1; tail -14 "$OUT/sharded-torch.log"
+      timeout 240 python3 -m bench.tools.sharded_jax --json "$OUT/h200x2-sharded-jax.json" >"$OUT/sharded-jax.log" 2>&1
+      tail -14 "$OUT/sharded-jax.log" ;;
+    one-rank-breakdown)
+      timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m bench.tools.sharded_torch \
+        --shapes 8192x64128,8192x128000 --json "$OUT/h200-one-rank-sharded-torch.json" >"$OUT/one-rank.log" 2>&1
+      tail -12 "$OUT/one-rank.log" ;;
     two-gpus-linear-bench)
       timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m bench.tools.sharded_linear_torch \
         --json "$OUT/h200x2-linear-sharded.json" >"$OUT/linear-sharded.log" 2>&1; tail -14 "$OUT/linear-sharded.log" ;;

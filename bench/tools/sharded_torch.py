@@ -11,7 +11,12 @@ Per global shape (N rows, V columns, bf16, each rank holding V / ranks contiguou
   * floor: the local shard's three passes (forward read, backward read and write: N * V_local * 2 bytes * 3)
     at the device-to-device copy bandwidth measured in this run;
   * collectives: the two all-reduces the vocab-parallel loss makes (MAX of N + 2 floats, SUM of 2N floats; 3N with
-    label smoothing), timed alone with the same method.
+    label smoothing), timed alone with the same method;
+  * breakdown (fastce_torch, each rank): torch.profiler over BREAKDOWN_CALLS calls, each started together (a gloo
+    barrier, which puts no kernel on the device): per call the device span from its first kernel's start to its last
+    kernel's end, split into fastce's kernels, NCCL's (their excess over the collectives timed alone is the wait for
+    the other rank: skew), torch's other kernels, and idle time between kernels (the host not keeping up); and the
+    host time until the call returns (launches only, no synchronisation).
 Rank 0 prints a table and writes the JSON (every rank's numbers) with --json.
 
 --smoke runs tiny shapes on CPU processes (gloo, the plain-torch backend) with wall-clock timing: it checks the
@@ -35,6 +40,9 @@ import fastce_torch
 from .. import envinfo, torch_measure
 
 IGNORE_INDEX = -100
+BREAKDOWN_CALLS = 10
+FASTCE_KERNELS = ("_forward_kernel", "_backward_kernel", "_vocab_parallel_", "_scale_unless_one_kernel")
+KERNEL_CATEGORIES = ("fastce", "collectives", "other")
 
 
 class Timer:
@@ -135,7 +143,58 @@ def measure_collectives(timer, n_rows, device, warmup, reps):
     )
 
 
-def run_shape(n_rows, vocab, dtype, device, timer, impls, warmup, reps, bandwidth):
+def kernel_category(name):
+    if "nccl" in name.lower():
+        return "collectives"
+    return "fastce" if name.startswith(FASTCE_KERNELS) else "other"
+
+
+def per_call_breakdown(kernels, calls):
+    """kernels: (name, start_us, end_us) of every device kernel of `calls` identical calls that ran one after another
+    -> the median call's {span, each category's busy time, idle}_ms and kernels_per_call; None when there are no
+    kernels (a CPU run) or their count is not a multiple of `calls` (the calls did not launch the same kernels)."""
+    if not kernels or len(kernels) % calls:
+        return None
+    kernels = sorted(kernels, key=lambda kernel: kernel[1])
+    per_call = len(kernels) // calls
+    parts = []
+    for i in range(calls):
+        call = kernels[i * per_call : (i + 1) * per_call]
+        busy = dict.fromkeys(KERNEL_CATEGORIES, 0.0)
+        for name, start, end in call:
+            busy[kernel_category(name)] += end - start
+        span = max(end for _, _, end in call) - call[0][1]
+        parts.append({"span_ms": span / 1e3, **{f"{c}_ms": t / 1e3 for c, t in busy.items()}})
+        parts[-1]["idle_ms"] = parts[-1]["span_ms"] - sum(busy.values()) / 1e3
+    return {key: statistics.median(part[key] for part in parts) for key in parts[0]} | {"kernels_per_call": per_call}
+
+
+def breakdown(fwdbwd, device, host_barrier, calls=BREAKDOWN_CALLS):
+    """One rank's breakdown of `calls` calls of fwdbwd (see the module docstring); the calls are already warm."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    host_ms = []
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(calls):
+            if cuda:
+                torch.cuda.synchronize(device)
+            dist.barrier(group=host_barrier)
+            start = time.perf_counter()
+            fwdbwd()
+            host_ms.append((time.perf_counter() - start) * 1e3)
+        if cuda:
+            torch.cuda.synchronize(device)
+    kernels = [
+        (event.name, event.time_range.start, event.time_range.end)
+        for event in prof.events()
+        if event.device_type == DeviceType.CUDA
+    ]
+    return {"host_ms": statistics.median(host_ms), "device": per_call_breakdown(kernels, calls)}
+
+
+def run_shape(n_rows, vocab, dtype, device, timer, impls, warmup, reps, bandwidth, host_barrier):
     world = dist.get_world_size()
     local_vocab = vocab // world
     row = {"N": n_rows, "V": vocab, "V_local": local_vocab, "dtype": str(dtype).replace("torch.", ""), "impls": {}}
@@ -155,10 +214,26 @@ def run_shape(n_rows, vocab, dtype, device, timer, impls, warmup, reps, bandwidt
         peak = peak_extra_bytes(fwdbwd, device)
         ms = timer.median_ms(fwdbwd, warmup, reps)
         row["impls"][name] = {"fwdbwd_ms": ms, "peak_extra_bytes": peak, "loss": loss}
+        if name == "fastce_torch":
+            row["impls"][name]["breakdown"] = breakdown(fwdbwd, device, host_barrier)
         del logits, labels
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return row
+
+
+def format_breakdown(rank, row, collectives_alone_ms):
+    """One rank's fastce_torch breakdown at one shape, as a line."""
+    parts = row["impls"]["fastce_torch"]["breakdown"]
+    head = f"  N={row['N']} V={row['V']} rank {rank}: host {parts['host_ms']:.3f} ms to return"
+    device = parts["device"]
+    if device is None:
+        return head + " (no device kernels profiled)"
+    return (
+        f"{head}; device span {device['span_ms']:.3f} ms = fastce {device['fastce_ms']:.3f} + collectives "
+        f"{device['collectives_ms']:.3f} (alone {collectives_alone_ms:.3f}) + other {device['other_ms']:.3f} "
+        f"+ idle {device['idle_ms']:.3f} ({device['kernels_per_call']} kernels per call)"
+    )
 
 
 class _nothing:
@@ -238,13 +313,16 @@ def main():
     timer = Timer(device)
     bandwidth = None if smoke else copy_bandwidth_TBps(timer, device)
     impls = implementations(mesh, "reference" if smoke else "auto")
+    host_barrier = dist.new_group(backend="gloo")  # a barrier that launches nothing on the device
     dtype = torch.float32 if smoke else torch.bfloat16
     rows = []
     for shape in args.shapes.split(","):
         n_rows, vocab = (int(v) for v in shape.split("x"))
         if vocab % world:
             raise SystemExit(f"V={vocab} is not divisible by {world} ranks")
-        rows.append(run_shape(n_rows, vocab, dtype, device, timer, impls, args.warmup, args.reps, bandwidth))
+        rows.append(
+            run_shape(n_rows, vocab, dtype, device, timer, impls, args.warmup, args.reps, bandwidth, host_barrier)
+        )
     every_rank = gather_rows(rows)
     if rank == 0:
         print(f"{world} ranks, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}", end="")
@@ -259,6 +337,9 @@ def main():
                 target = (row["floor_ms"] or 0) + row["collectives_ms"]
                 ratio = f"{r['fwdbwd_ms'] / target:5.2f}x floor+collectives" if row["floor_ms"] else ""
                 print(f"  {name:<22}{r['fwdbwd_ms']:9.3f} ms {peak} {ratio}  loss {r['loss']:.6f}")
+        for row_index, row in enumerate(rows):
+            for rank_index, rank_rows in enumerate(every_rank):
+                print(format_breakdown(rank_index, rank_rows[row_index], row["collectives_ms"]))
         if args.json:
             write_result(args.json, __doc__, device, world, rows, every_rank, smoke, copy_bandwidth_TBps=bandwidth)
     finish_ranks(smoke)
