@@ -68,11 +68,12 @@ def prime_capture() -> None:
     graph.reset()
 
 
-def graph_ms(fn, warmup_ms, rep_ms, stream=None) -> float:
+def graph_ms(fn, warmup_ms, rep_ms, stream=None, time_replays=None) -> float:
     """do_bench median of replaying fn captured in a CUDA graph. fn runs GRAPH_WARMUP_CALLS times on `stream` (a
     side stream; a new one when None) first, then is captured on that same stream (not torch.cuda.graph's own
     capture stream, which no warm-up has touched): Triton has compiled and loaded its kernels, the caching
-    allocator settled. The graph and its private memory pool are released before returning."""
+    allocator settled. The graph and its private memory pool are released before returning. time_replays(replay)
+    -> ms replaces do_bench (several ranks replaying collectives must replay the same number of times)."""
     side = stream if stream is not None else torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -84,7 +85,7 @@ def graph_ms(fn, warmup_ms, rep_ms, stream=None) -> float:
     try:
         with torch.cuda.graph(graph, stream=side):
             static_out = fn()
-        ms = bench_ms(graph.replay, warmup_ms, rep_ms)
+        ms = time_replays(graph.replay) if time_replays else bench_ms(graph.replay, warmup_ms, rep_ms)
         del static_out
     finally:
         torch.cuda.synchronize()
@@ -94,10 +95,10 @@ def graph_ms(fn, warmup_ms, rep_ms, stream=None) -> float:
     return ms
 
 
-def graph_entry(fn, warmup_ms, rep_ms, stream=None) -> dict:
+def graph_entry(fn, warmup_ms, rep_ms, stream=None, time_replays=None) -> dict:
     """{"fwdbwd_graph_ms": ms} or, where fn cannot be captured, {"fwdbwd_graph_ms": None, "fwdbwd_graph_error": why}."""
     try:
-        return {"fwdbwd_graph_ms": graph_ms(fn, warmup_ms, rep_ms, stream)}
+        return {"fwdbwd_graph_ms": graph_ms(fn, warmup_ms, rep_ms, stream, time_replays)}
     except Exception as exc:  # noqa: BLE001 - an uncapturable implementation is a result, not a failure
         return {"fwdbwd_graph_ms": None, "fwdbwd_graph_error": error_text(exc)}
 

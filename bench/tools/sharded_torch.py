@@ -12,6 +12,10 @@ Per global shape (N rows, V columns, bf16, each rank holding V / ranks contiguou
     at the device-to-device copy bandwidth measured in this run;
   * collectives: the two all-reduces the vocab-parallel loss makes (MAX of N + 2 floats, SUM of 2N floats; 3N with
     label smoothing), timed alone with the same method;
+  * fwdbwd_graph_ms (fastce_torch and fastce_torch_dtensor): the same call captured once in a CUDA graph, the
+    collectives with it, and replayed the same fixed number of times on every rank: the device time with no host
+    in the way (bench/torch_measure.graph_entry; None and the error where the capture fails). DTensor's
+    loss_parallel is not captured: a failed capture in the middle of collectives can leave the ranks waiting;
   * breakdown (fastce_torch, each rank): torch.profiler over BREAKDOWN_CALLS calls, each started together (a gloo
     barrier, which puts no kernel on the device): per call the device span from its first kernel's start to its last
     kernel's end, split into fastce's kernels, NCCL's (their excess over the collectives timed alone is the wait for
@@ -41,6 +45,7 @@ from .. import envinfo, torch_measure
 
 IGNORE_INDEX = -100
 BREAKDOWN_CALLS = 10
+CAPTURED = ("fastce_torch", "fastce_torch_dtensor")  # the implementations also timed from a CUDA graph
 FASTCE_KERNELS = ("_forward_kernel", "_backward_kernel", "_vocab_parallel_", "_scale_unless_one_kernel")
 KERNEL_CATEGORIES = ("fastce", "collectives", "other")
 
@@ -216,6 +221,10 @@ def run_shape(n_rows, vocab, dtype, device, timer, impls, warmup, reps, bandwidt
         row["impls"][name] = {"fwdbwd_ms": ms, "peak_extra_bytes": peak, "loss": loss}
         if name == "fastce_torch":
             row["impls"][name]["breakdown"] = breakdown(fwdbwd, device, host_barrier)
+        if name in CAPTURED and device.type == "cuda":
+            row["impls"][name] |= torch_measure.graph_entry(
+                fwdbwd, None, None, time_replays=lambda replay: timer.median_ms(replay, warmup, reps)
+            )
         del logits, labels
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -314,6 +323,8 @@ def main():
     bandwidth = None if smoke else copy_bandwidth_TBps(timer, device)
     impls = implementations(mesh, "reference" if smoke else "auto")
     host_barrier = dist.new_group(backend="gloo")  # a barrier that launches nothing on the device
+    if device.type == "cuda":
+        torch_measure.prime_capture()
     dtype = torch.float32 if smoke else torch.bfloat16
     rows = []
     for shape in args.shapes.split(","):
@@ -337,6 +348,11 @@ def main():
                 target = (row["floor_ms"] or 0) + row["collectives_ms"]
                 ratio = f"{r['fwdbwd_ms'] / target:5.2f}x floor+collectives" if row["floor_ms"] else ""
                 print(f"  {name:<22}{r['fwdbwd_ms']:9.3f} ms {peak} {ratio}  loss {r['loss']:.6f}")
+                if "fwdbwd_graph_ms" in r:
+                    graph = r["fwdbwd_graph_ms"]
+                    graph_ratio = f"{graph / target:5.2f}x floor+collectives" if graph and row["floor_ms"] else ""
+                    text = f"{graph:9.3f} ms" if graph else f"not captured: {r['fwdbwd_graph_error'][:80]}"
+                    print(f"    {'from a CUDA graph':<20}{text} {graph_ratio}")
         for row_index, row in enumerate(rows):
             for rank_index, rank_rows in enumerate(every_rank):
                 print(format_breakdown(rank_index, rank_rows[row_index], row["collectives_ms"]))
