@@ -148,6 +148,27 @@ def measure_collectives(timer, n_rows, device, warmup, reps):
     )
 
 
+def prime_collective_capture(device):
+    """Capture one small all-reduce before any implementation is captured: on one H200 (one NCCL rank) the
+    process's first capture with a collective in it failed ("operation would make the legacy stream depend on a
+    capturing blocking stream") where the same call captured later passed."""
+    tensor = torch.zeros(16, device=device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        dist.all_reduce(tensor)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, stream=side):
+            dist.all_reduce(tensor)
+        graph.replay()
+    except Exception as exc:  # noqa: BLE001 - the priming capture may fail for the implementations' sake
+        print(f"rank {dist.get_rank()}: the priming capture failed: {exc}", file=sys.stderr)
+    torch.cuda.synchronize(device)
+    graph.reset()
+
+
 def kernel_category(name):
     if "nccl" in name.lower():
         return "collectives"
@@ -325,6 +346,7 @@ def main():
     host_barrier = dist.new_group(backend="gloo")  # a barrier that launches nothing on the device
     if device.type == "cuda":
         torch_measure.prime_capture()
+        prime_collective_capture(device)
     dtype = torch.float32 if smoke else torch.bfloat16
     rows = []
     for shape in args.shapes.split(","):
