@@ -172,22 +172,23 @@ def measure_leaf(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda") -> di
         return {"fwdbwd_leaf_ms": None, "fwdbwd_leaf_error": error_text(exc)}
 
 
-def measure_graph(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda") -> dict:
-    """graph_entry of fwd+bwd on fresh inputs. The inputs (and with them the autograd node above the non-leaf
-    logits), the eager calls (compilation and autotuning, outside the capture), the warm-up and the capture all
-    happen on one side stream. The runner calls it in a process that measures nothing else (a failed capture can
-    leave the caching allocator holding memory for the rest of the process)."""
+def measure_graph(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda", inputs=None, time_replays=None) -> dict:
+    """graph_entry of fwd+bwd on fresh inputs (from inputs() when given, else make_inputs(shape, device)). The
+    inputs (and with them the autograd node above the non-leaf logits: made on another stream, the backward's
+    stream sync would reach outside the capture), the eager calls (compilation and autotuning, outside the capture),
+    the warm-up and the capture all happen on one side stream. The runner calls it in a process that measures
+    nothing else (a failed capture can leave the caching allocator holding memory for the rest of the process)."""
     side = torch.cuda.Stream() if device == "cuda" else None
     if side is not None:
         side.wait_stream(torch.cuda.current_stream())
     on_side = torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
     with on_side:
-        logits, labels = make_inputs(shape, device)
+        logits, labels = inputs() if inputs else make_inputs(shape, device)
         _, fwdbwd = _closures(loss_fn, logits, labels)
         for _ in range(2):
             fwdbwd()
     try:
-        return graph_entry(fwdbwd, warmup_ms, rep_ms, side)
+        return graph_entry(fwdbwd, warmup_ms, rep_ms, side, time_replays)
     finally:
         del logits, labels, fwdbwd
         _free(device)

@@ -14,7 +14,8 @@ Per global shape (N rows, V columns, bf16, each rank holding V / ranks contiguou
     label smoothing), timed alone with the same method;
   * fwdbwd_graph_ms (fastce_torch and fastce_torch_dtensor): the same call captured once in a CUDA graph, the
     collectives with it, and replayed the same fixed number of times on every rank: the device time with no host
-    in the way (bench/torch_measure.graph_entry; None and the error where the capture fails). DTensor's
+    in the way (bench/torch_measure.measure_graph: inputs, warm-up and capture on one side stream; None and the
+    error where the capture fails). DTensor's
     loss_parallel is not captured: a failed capture in the middle of collectives can leave the ranks waiting;
   * breakdown (fastce_torch, each rank): torch.profiler over BREAKDOWN_CALLS calls, each started together (a gloo
     barrier, which puts no kernel on the device): per call the device span from its first kernel's start to its last
@@ -148,27 +149,6 @@ def measure_collectives(timer, n_rows, device, warmup, reps):
     )
 
 
-def prime_collective_capture(device):
-    """Capture one small all-reduce before any implementation is captured: on one H200 (one NCCL rank) the
-    process's first capture with a collective in it failed ("operation would make the legacy stream depend on a
-    capturing blocking stream") where the same call captured later passed."""
-    tensor = torch.zeros(16, device=device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        dist.all_reduce(tensor)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph, stream=side):
-            dist.all_reduce(tensor)
-        graph.replay()
-    except Exception as exc:  # noqa: BLE001 - the priming capture may fail for the implementations' sake
-        print(f"rank {dist.get_rank()}: the priming capture failed: {exc}", file=sys.stderr)
-    torch.cuda.synchronize(device)
-    graph.reset()
-
-
 def kernel_category(name):
     if "nccl" in name.lower():
         return "collectives"
@@ -242,11 +222,12 @@ def run_shape(n_rows, vocab, dtype, device, timer, impls, warmup, reps, bandwidt
         row["impls"][name] = {"fwdbwd_ms": ms, "peak_extra_bytes": peak, "loss": loss}
         if name == "fastce_torch":
             row["impls"][name]["breakdown"] = breakdown(fwdbwd, device, host_barrier)
-        if name in CAPTURED and device.type == "cuda":
-            row["impls"][name] |= torch_measure.graph_entry(
-                fwdbwd, None, None, time_replays=lambda replay: timer.median_ms(replay, warmup, reps)
-            )
         del logits, labels
+        if name in CAPTURED and device.type == "cuda":
+            row["impls"][name] |= torch_measure.measure_graph(
+                loss_fn, None, inputs=lambda: make_inputs(n_rows, vocab, dtype, device),
+                time_replays=lambda replay: timer.median_ms(replay, warmup, reps),
+            )  # fmt: skip
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return row
@@ -346,7 +327,6 @@ def main():
     host_barrier = dist.new_group(backend="gloo")  # a barrier that launches nothing on the device
     if device.type == "cuda":
         torch_measure.prime_capture()
-        prime_collective_capture(device)
     dtype = torch.float32 if smoke else torch.bfloat16
     rows = []
     for shape in args.shapes.split(","):
