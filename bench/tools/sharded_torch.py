@@ -15,8 +15,8 @@ Per global shape (N rows, V columns, bf16, each rank holding V / ranks contiguou
   * fwdbwd_graph_ms (fastce_torch and fastce_torch_dtensor): the same call captured once in a CUDA graph, the
     collectives with it, and replayed the same fixed number of times on every rank: the device time with no host
     in the way (bench/torch_measure.measure_graph: inputs, warm-up and capture on one side stream; None and the
-    error where the capture fails). DTensor's
-    loss_parallel is not captured: a failed capture in the middle of collectives can leave the ranks waiting;
+    error where the capture fails). DTensor's loss_parallel is not captured: a failed capture in the middle of
+    collectives can leave the ranks waiting;
   * breakdown (fastce_torch, each rank): torch.profiler over BREAKDOWN_CALLS calls, each started together (a gloo
     barrier, which puts no kernel on the device): per call the device span from its first kernel's start to its last
     kernel's end, split into fastce's kernels, NCCL's (their excess over the collectives timed alone is the wait for
