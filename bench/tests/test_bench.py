@@ -172,8 +172,9 @@ def test_sharded_torch_breakdown_splits_calls_into_categories():
     )  # fmt: skip
     assert per_call_breakdown(kernels[:-1], calls=2) is None  # the calls did not launch the same kernels
     assert per_call_breakdown([], calls=2) is None
-    row = {"N": 8, "V": 64, "impls": {"fastce_torch": {"breakdown": {"host_ms": 0.2, "device": parts}}}}
-    line = format_breakdown(1, row, collectives_alone_ms=0.004)
+    row = {"N": 8, "V": 64, "collectives_ms": 0.004}
+    row["impls"] = {"fastce_torch": {"breakdown": {"host_ms": 0.2, "device": parts}}}
+    line = format_breakdown(1, row)
     assert "rank 1" in line and "fastce 0.030 + collectives 0.005 (alone 0.004)" in line and "idle 0.004" in line
 
 

@@ -1,11 +1,9 @@
 """The chunk-rows probe's candidates (CPU): the package's own rule at each multiple, the package left as it was."""
 
-import importlib
-
 from bench.linear_shapes import LinearShape
 from bench.tools import chunk_rows_probe
 
-linear_module = importlib.import_module("fastce_torch.linear_cross_entropy")
+linear_module = chunk_rows_probe.linear_module
 
 
 def test_candidates_follow_the_package_rule_and_restore_it():

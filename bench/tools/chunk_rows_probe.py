@@ -11,14 +11,14 @@ unfused matmul + fastce_torch.cross_entropy of the same run.
 
 import argparse
 import importlib
-import json
 import math
 
 import torch
-import triton.testing
 
 import fastce_torch
+from bench import envinfo
 from bench.linear_shapes import LINEAR_SHAPES
+from bench.tools.gemm_ce_probe import cuda_timer, finish
 
 # The module, not the function of the same name that the package exports.
 linear_module = importlib.import_module("fastce_torch.linear_cross_entropy")
@@ -47,7 +47,7 @@ def candidates(shape, itemsize=2):
     return out
 
 
-def time_shape(shape, rep=200):
+def time_shape(shape, timer):
     torch.manual_seed(0)
     dtype = getattr(torch, shape.dtype)
     hidden = (torch.randn(shape.N, shape.H, device="cuda", dtype=dtype) * 0.05).requires_grad_()
@@ -64,9 +64,8 @@ def time_shape(shape, rep=200):
 
     rows = {}
     for multiple, (chunk_rows, chunks) in candidates(shape, hidden.element_size()).items():
-        ms = triton.testing.do_bench(lambda r=chunk_rows: fused(r), rep=rep, return_mode="median")
-        rows[multiple] = {"chunk_rows": chunk_rows, "chunks": chunks, "ms": ms}
-    unfused_ms = triton.testing.do_bench(unfused, rep=rep, return_mode="median")
+        rows[multiple] = {"chunk_rows": chunk_rows, "chunks": chunks, "ms": timer(lambda r=chunk_rows: fused(r))}
+    unfused_ms = timer(unfused)
     return {"shape": f"{shape.N}x{shape.H}x{shape.V}", "multiples": rows, "unfused_ms": unfused_ms}
 
 
@@ -83,13 +82,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    timer = cuda_timer("chunk_rows_probe", rep=200)
     results = []
     for shape in LINEAR_SHAPES:
-        results.append(time_shape(shape))
+        results.append(time_shape(shape, timer))
         print(format_row(results[-1]), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+    device = {"device": torch.cuda.get_device_name(), "date": envinfo.today(), "commit": envinfo.git_commit()}
+    finish(device | {"results": results}, 0, args.json)
 
 
 if __name__ == "__main__":

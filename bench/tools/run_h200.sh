@@ -26,8 +26,8 @@
 # `capture-probe` (which CUDA-graph capture variant fails and why; < 1, bench/tools/capture_probe.py),
 # `chunk-rows-probe` (the fused linear loss at the chunk rows other row multiples would give; ~1-2, estimated),
 # `sanitizer` (compute-sanitizer memcheck with the allocators' pools off: kernel tests of both packages, the shared
-# fuzz and class-weight cases, the vocab-parallel check on one NCCL rank; seven processes at once, ~2-8), `linear-quick` (fused linear CE at
-# one shape with a float32 check; ~1, estimated), `linear-a` and `linear-b` (the fused linear CE table's five shapes
+# fuzz and class-weight cases, the vocab-parallel check on one NCCL rank; seven processes at once, ~2-8),
+# `linear-quick` (fused linear CE at one shape with a float32 check; ~1, estimated), `linear-a` and `linear-b` (the fused linear CE table's five shapes
 # in two calls, ~4-5 each, estimated; two JSON files: --merge joins only the standard bench), `linear-ignored` (one
 # shape at 0%, 50%, 90% ignored labels, fastce with and without skip_ignored_rows beside the other fused rows, both
 # packages; ~4, estimated), `skip-probe` (bench/tools/skip_probe.py, also with XLA's command-buffer conditionals),

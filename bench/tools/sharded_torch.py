@@ -233,8 +233,8 @@ def run_shape(n_rows, vocab, dtype, device, timer, impls, warmup, reps, bandwidt
     return row
 
 
-def format_breakdown(rank, row, collectives_alone_ms):
-    """One rank's fastce_torch breakdown at one shape, as a line."""
+def format_breakdown(rank, row):
+    """One rank's fastce_torch breakdown at one shape (that rank's row), as a line."""
     parts = row["impls"]["fastce_torch"]["breakdown"]
     head = f"  N={row['N']} V={row['V']} rank {rank}: host {parts['host_ms']:.3f} ms to return"
     device = parts["device"]
@@ -242,7 +242,7 @@ def format_breakdown(rank, row, collectives_alone_ms):
         return head + " (no device kernels profiled)"
     return (
         f"{head}; device span {device['span_ms']:.3f} ms = fastce {device['fastce_ms']:.3f} + collectives "
-        f"{device['collectives_ms']:.3f} (alone {collectives_alone_ms:.3f}) + other {device['other_ms']:.3f} "
+        f"{device['collectives_ms']:.3f} (alone {row['collectives_ms']:.3f}) + other {device['other_ms']:.3f} "
         f"+ idle {device['idle_ms']:.3f} ({device['kernels_per_call']} kernels per call)"
     )
 
@@ -355,9 +355,9 @@ def main():
                     graph_ratio = f"{graph / target:5.2f}x floor+collectives" if graph and row["floor_ms"] else ""
                     text = f"{graph:9.3f} ms" if graph else f"not captured: {r['fwdbwd_graph_error'][:80]}"
                     print(f"    {'from a CUDA graph':<20}{text} {graph_ratio}")
-        for row_index, row in enumerate(rows):
+        for row_index in range(len(rows)):
             for rank_index, rank_rows in enumerate(every_rank):
-                print(format_breakdown(rank_index, rank_rows[row_index], row["collectives_ms"]))
+                print(format_breakdown(rank_index, rank_rows[row_index]))
         if args.json:
             write_result(args.json, __doc__, device, world, rows, every_rank, smoke, copy_bandwidth_TBps=bandwidth)
     finish_ranks(smoke)
