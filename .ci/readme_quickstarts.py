@@ -1,6 +1,6 @@
 """Run every ```python block of README.md, each in a fresh interpreter, against the INSTALLED fastce packages.
 
-    python .ci/readme_quickstarts.py [--timeout SECONDS] [--list] [markdown files...]   (default: README.md)
+    python .ci/readme_quickstarts.py [--jobs N] [--timeout SECONDS] [--list] [markdown files...]   (default: README.md)
 
 Each block is written to a temporary directory and run from there (cwd and sys.path[0] are that directory), with any
 PYTHONPATH entry that points into this clone removed, so `import fastce_torch` finds the installed wheel, not the
@@ -10,6 +10,7 @@ the block's README line and its output. Shell blocks (```bash: the test and benc
 """
 
 import argparse
+import concurrent.futures
 import os
 import re
 import subprocess
@@ -84,6 +85,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="*", default=[str(CLONE_ROOT / "README.md")])
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per block (default 180)")
+    parser.add_argument("--jobs", type=int, default=2, help="blocks run at once (default 2; each is one process)")
     parser.add_argument("--list", action="store_true", help="print the blocks and exit")
     args = parser.parse_args()
 
@@ -97,12 +99,15 @@ def main():
 
     env = environment_without_clone()
     failures, total = [], time.perf_counter()
-    for label, code in blocks:
-        ok, seconds, output = run_block(label, code, args.timeout, env)
-        print(f"{'ok  ' if ok else 'FAIL'} {seconds:6.1f} s  {label}", flush=True)
-        if not ok:
-            failures.append(label)
-            print(f"----- {label} output -----\n{output.rstrip()}\n-----", flush=True)
+    # Threads only wait on the subprocesses; results are reported in README order.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        runs = [pool.submit(run_block, label, code, args.timeout, env) for label, code in blocks]
+        for (label, _), run in zip(blocks, runs):
+            ok, seconds, output = run.result()
+            print(f"{'ok  ' if ok else 'FAIL'} {seconds:6.1f} s  {label}", flush=True)
+            if not ok:
+                failures.append(label)
+                print(f"----- {label} output -----\n{output.rstrip()}\n-----", flush=True)
     print(f"{len(blocks) - len(failures)} of {len(blocks)} blocks passed in {time.perf_counter() - total:.1f} s")
     if failures:
         sys.exit("failed: " + ", ".join(failures))
