@@ -192,8 +192,6 @@ def results_markdown(result, plot_name=None) -> str:
         parts += ["", linear_markdown(read_json(linear_json), _link(linear_json, RESULTS_MD.parent.parent))]
     # The bench tools' sections, each from the newest of its JSON files.
     for pattern, markdown in (
-        ("*-linear-profile-*.json", linear_profile_markdown),
-        ("*-dw-product-probe-*.json", dw_product_markdown),
         ("*-overhead-*.json", host_time_markdown),
         ("*transformers-step*.json", transformers_step_markdown),
     ):
@@ -234,96 +232,11 @@ def linear_markdown(result, source) -> str:
     )
 
 
-def linear_profile_markdown(profile, source) -> str:
-    """bench/tools/linear_profile.py's JSON: each shape's device time by product role, fused against unfused."""
-    lines = [
-        f"## Where the fused rows spend their device time (from `{source}`)",
-        "",
-        f"{profile['device']}, commit {profile['commit']}, {profile['date']}, torch {profile['torch']}; "
-        f"torch.profiler, mean of {profile['calls']} calls per implementation: fastce_torch.linear_cross_entropy at "
-        "its defaults (fused), matmul + fastce_torch.cross_entropy through autograd (unfused), the three bare cuBLAS "
-        "products. Each product's count x inner dimension K, ms and TFLOP/s; other = every other kernel (fastce's CE "
-        "kernels); busy = the sum of kernel times.",
-        "",
-        "| N, H, V | implementation | logits products | d hidden products | d weight products | other ms | busy ms |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for entry in profile["shapes"]:
-        n, h, v = entry["shape"][:3]
-        for name, result in entry["results"].items():
-            cells = []
-            for role in ("logits", "d hidden", "d weight"):
-                product = result[role]
-                dims = "/".join(map(str, product["inner_dims"]))
-                tflops = "" if product["tflops"] is None else f", {product['tflops']:.0f} TF/s"
-                cells.append(f"{product['count']}x K={dims}: {product['ms']:.2f} ms{tflops}")
-            lines.append(
-                f"| {n}, {h}, {v} | {name} | " + " | ".join(cells) + f" | {max(result['other']['ms'], 0.0):.2f} | "
-                f"{result['busy_ms']:.2f} |"
-            )
-    return "\n".join(lines) + "\n"
-
-
 def _run_label(run, source) -> str:
     """'device, commit c, date' of a bench tool's JSON; a file written before the tool recorded its commit and date
     carries them in its name (YYYY-MM-DD-...-<commit>.json)."""
     stem = Path(source).stem
     return f"{run['device']}, commit {run.get('commit', stem.rsplit('-', 1)[-1])}, {run.get('date', stem[:10])}"
-
-
-DW_CUBLAS = "cuBLAS addmm_ (beta=1), the package's"
-DW_CUBLAS_NO_C = "cuBLAS mm (beta=0), no C read"
-DW_CUBLAS_FLOAT32 = "cuBLAS addmm, float32 C (beta=1)"
-
-
-def dw_product_markdown(probe, source) -> str:
-    """bench/tools/dw_product_probe.py's JSON: the fused loop's d weight product, cuBLAS against the fastest Triton
-    variant per gradient dtype at each chunk shape, then the whole fused loss with each."""
-
-    def cell(ms, flop, name=""):
-        return "-" if ms is None else f"{ms:.3f} ms, {flop / ms / 1e9:.0f} TF/s{name}"
-
-    def fastest(timings, c_dtype):
-        found = [(ms, name) for name, ms in timings.items() if f" C {c_dtype} " in name and ms is not None]
-        return min(found) if found else (None, "")
-
-    lines = [
-        f"## The fused loop's d weight product: cuBLAS against a Triton kernel (from `{source}`)",
-        "",
-        f"{_run_label(probe, source)}. dW (V, H) += dlogits.T @ hidden_chunk at the chunk's inner dimension K "
-        "(do_bench medians, L2 flushed; TFLOP/s as 2·K·V·H); the Triton kernel's fastest of its configs and "
-        "schedules for each gradient dtype (every variant checked against the float32 sum first). cuBLAS without "
-        "the C read (beta=0) is the ceiling for any kernel that hides the gradient's read entirely.",
-        "",
-        "| V, H, K | cuBLAS addmm_ (bf16 C, the package's) | cuBLAS, no C read | cuBLAS, float32 C "
-        "| Triton, bf16 C | Triton, float32 C |",
-        "|---|---|---|---|---|---|",
-    ]
-    for shape in probe["shapes"]:
-        timings, flop = shape["timings_ms"], 2 * shape["V"] * shape["H"] * shape["K"]
-        cells = [cell(timings.get(name), flop) for name in (DW_CUBLAS, DW_CUBLAS_NO_C, DW_CUBLAS_FLOAT32)]
-        for c_dtype in ("bfloat16", "float32"):
-            ms, name = fastest(timings, c_dtype)
-            cells.append(cell(ms, flop, f" ({name.replace(f' C {c_dtype} ', ' ')})" if name else ""))
-        lines.append(f"| {shape['V']}, {shape['H']}, {shape['K']} | " + " | ".join(cells) + " |")
-    if probe.get("loop"):
-        lines += [
-            "",
-            "The whole fused loss (fastce_torch.linear_cross_entropy forward+backward, both gradients) with its d "
-            "weight product as the package runs it and swapped for the Triton kernel's fastest variant at the chunk "
-            "shape; dW error = rms relative error against a float32 computation of the same loss.",
-            "",
-            "| N, H, V | settings | chunk rows | package ms | Triton d weight ms | package dW error "
-            "| Triton dW error |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for run in probe["loop"]:
-            n, h, v = run["shape"]
-            lines.append(
-                f"| {n}, {h}, {v} | {run['settings']} | {run['chunk_rows']} | {run['package_ms']:.2f} | "
-                f"{run['triton_ms']:.2f} | {run['package_dw_error']:.2e} | {run['triton_dw_error']:.2e} |"
-            )
-    return "\n".join(lines) + "\n"
 
 
 # The overhead summary's figures in the host-time table's columns.

@@ -52,8 +52,8 @@ def peak_extra_bytes(fn) -> int:
 
 def prime_capture() -> None:
     """Capture and replay a one-kernel graph, so that the process's first capture (torch.cuda.graph's own lazy
-    state, the driver's first capture) is not an implementation's (bench/tools/capture_probe.py tests whether this
-    matters)."""
+    state, the driver's first capture) is not an implementation's (the first-capture failures had another cause:
+    bench/NOTES.md, "Settled probes")."""
     x = torch.zeros(16, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
