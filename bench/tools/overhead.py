@@ -10,14 +10,12 @@ rows (RESULTS.md renders it from --json); then linear_cross_entropy and the voca
 group (NCCL on a GPU, gloo on a CPU; its all-reduces also replayed alone) beside the plain-torch calls they replace.
 Part 2 (GPU) times forward+backward at the two host-bound shapes of `python -m bench`: eager, the two kernels launched
 back to back without autograd, and the two kernels replayed from a CUDA graph (no host work at all).
-`--profile-entry-points` profiles the calls instead (cProfile by own time, torch.profiler's host table).
 `--part1-only --device cpu --calls 2 --repeat 1` (TRITON_INTERPRET=1) is a CPU smoke run; there the launch cache is
 off, so its rows and the figures that need them are null in the JSON.
 """
 
 import argparse
 import contextlib
-import importlib
 import json
 import socket
 import time
@@ -29,7 +27,6 @@ import fastce_torch
 from bench import envinfo
 from fastce_torch import kernels
 
-ce_module = importlib.import_module("fastce_torch.cross_entropy")  # the module (the package exports the function)
 OPTIONS = kernels.Options()
 
 
@@ -197,8 +194,6 @@ def _launch_path_rows(rows, device, raw, labels, backward_call, n, repeat):
         )
 
     _row(rows, "  the forward's allocations (empty loss, zeroed scratch)", per_call_us(loss_and_scratch, n, repeat))
-    _row(rows, "    torch.empty of the same scratch (no fill)", per_call_us(
-        lambda: torch.empty(n_scratch, dtype=torch.int32, device=device), n, repeat))  # fmt: skip
     return cached_path
 
 
@@ -242,12 +237,6 @@ def host_costs(device="cuda", n=300, repeat=5):
     cached_path = _launch_path_rows(rows, device, raw, labels, backward_call, n, repeat)
 
     print("  torch's share: autograd.Function and engine, no work (baselines no autograd.Function loss can beat):")
-    try:
-        function_args = (ce_module._CrossEntropyFunction, logits, labels, "mean", None, True, OPTIONS)
-        _row(rows, "  _CrossEntropyFunction.apply, forward only", per_call_us(
-            lambda: ce_module._apply(*function_args), n, repeat))  # fmt: skip
-    except Exception as error:  # the Function's signature is cross_entropy.py's; this row follows it or is left out
-        print(f"  _CrossEntropyFunction.apply: not measured ({type(error).__name__}: {error})")
     baselines = {
         "do-nothing Function, forward only": lambda: _DoNothing.apply(leaf),
         "do-nothing Function fwd+bwd": lambda: torch.autograd.grad(_DoNothing.apply(leaf), leaf, allow_unused=True),
@@ -329,7 +318,7 @@ def _skip(name, why):
     print(f"{name:50s} skipped: {why}")
 
 
-def other_entry_points(rows, device, n, repeat, profile=False):
+def other_entry_points(rows, device, n, repeat):
     """linear_cross_entropy and the vocab-parallel call, each beside the plain-torch equivalent it replaces; a row
     that cannot run here is reported, never fatal to the others."""
     print("  other entry points (default backend: the kernels on CUDA, plain torch on a CPU):")
@@ -338,12 +327,12 @@ def other_entry_points(rows, device, n, repeat, profile=False):
         ("vocab-parallel cross_entropy", _vocab_parallel_rows),
     ):
         try:
-            rows_of(rows, device, n, repeat, profile)
+            rows_of(rows, device, n, repeat)
         except Exception as error:
             _skip(f"{name} fwd+bwd", f"{type(error).__name__}: {error}")
 
 
-def _linear_rows(rows, device, n, repeat, profile=False, n_rows=64, hidden_size=64, vocab=1000):
+def _linear_rows(rows, device, n, repeat, n_rows=64, hidden_size=64, vocab=1000):
     hidden = torch.randn(n_rows, hidden_size, device=device, requires_grad=True)
     weight = (torch.randn(vocab, hidden_size, device=device) / hidden_size**0.5).requires_grad_()
     labels = torch.randint(0, vocab, (n_rows,), device=device)
@@ -359,9 +348,6 @@ def _linear_rows(rows, device, n, repeat, profile=False, n_rows=64, hidden_size=
     name = f"linear_cross_entropy fwd+bwd ({n_rows}x{hidden_size}x{vocab})"
     _both_paths(rows, name, fused, n, repeat)
     _row(rows, "  F.linear + F.cross_entropy fwd+bwd", per_call_us(unfused, n, repeat))
-    if profile:
-        profile_call(name, fused, n)
-        profile_call("F.linear + F.cross_entropy fwd+bwd", unfused, n)
 
 
 @contextlib.contextmanager
@@ -405,7 +391,7 @@ def all_reduces_of(step):
     return collectives, replay
 
 
-def _vocab_parallel_rows(rows, device, n, repeat, profile=False, n_rows=64, vocab=1000):
+def _vocab_parallel_rows(rows, device, n, repeat, n_rows=64, vocab=1000):
     name = f"vocab-parallel cross_entropy fwd+bwd ({n_rows}x{vocab}, 1 rank)"
     dist = torch.distributed
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
@@ -428,53 +414,6 @@ def _vocab_parallel_rows(rows, device, n, repeat, profile=False, n_rows=64, voca
         )
         _row(rows, "  the same call without process_group", per_call_us(
             lambda: torch.autograd.grad(fastce_torch.cross_entropy(logits, labels), logits), n, repeat))  # fmt: skip
-        if profile:
-            profile_call(name + f", {backend}", step, n)
-
-
-def profile_call(name, step, n, top=18):
-    """Where one call's host time goes: cProfile's functions by own time, then torch.profiler's host table (aten
-    ops and CUDA runtime calls; a cudaStreamSynchronize or cudaMemcpy there is a wait for the device)."""
-    import cProfile
-    import io
-    import pstats
-
-    step()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(n):
-        step()
-    profiler.disable()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
-    print(f"--- profile: {name}, {n} calls; cProfile by own time ---")
-    print("\n".join(line for line in text.getvalue().splitlines() if line.strip()))
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as trace:
-        for _ in range(n):
-            step()
-        _synchronize()
-    print(f"--- profile: {name}, {n} calls; torch.profiler by self CPU time ---")
-    print(trace.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
-
-
-def profile_entry_points(device, n, repeat):
-    """cross_entropy both ways users call it (autograd.grad on non-leaf logits, .backward() on leaf logits), then
-    linear_cross_entropy and the vocab-parallel call, each timed and profiled."""
-    logits = torch.randn(64, 1000, device=device, requires_grad=True) * 1
-    labels = torch.randint(0, 1000, (64,), device=device)
-    leaf_logits = logits.detach().clone().requires_grad_()
-
-    def leaf_step():
-        leaf_logits.grad = None
-        fastce_torch.cross_entropy(leaf_logits, labels).backward()
-
-    profile_call("cross_entropy fwd+bwd (64x1000)", lambda: torch.autograd.grad(
-        fastce_torch.cross_entropy(logits, labels), logits), n)  # fmt: skip
-    profile_call("cross_entropy(leaf).backward() (64x1000)", leaf_step, n)
-    other_entry_points({}, device, n, repeat, profile=True)
 
 
 # --- part 2 -----------------------------------------------------------------------------------------------------
@@ -535,11 +474,6 @@ def main(argv=None):
     parser.add_argument("--calls", type=int, default=300, help="calls per timing (part 1)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--part1-only", action="store_true", help="part 1 alone (a CPU smoke run: TRITON_INTERPRET=1)")
-    parser.add_argument(
-        "--profile-entry-points",
-        action="store_true",
-        help="only the cross_entropy, linear_cross_entropy and vocab-parallel calls, each profiled",
-    )
     parser.add_argument("--json", help="also write the rows, the summary and part 2 to this file")
     args = parser.parse_args(argv)
     gpu = args.device != "cpu"
@@ -550,8 +484,6 @@ def main(argv=None):
     )
     if gpu and not kernels.launch_cache_enabled():
         raise SystemExit("the launch cache is off in this process: nothing to compare")
-    if args.profile_entry_points:
-        return profile_entry_points(args.device, args.calls, args.repeat)
     rows, breakdown = host_costs(args.device, args.calls, args.repeat)
     result = {
         "date": envinfo.today(),
