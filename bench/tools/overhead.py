@@ -1,23 +1,20 @@
-"""Host time per call of fastce_torch's eager entry points (what a GPU cannot hide when the kernels are short):
+"""Host time per call of fastce_torch's eager calls (what a GPU cannot hide when the kernels are short):
 `PYTHONPATH=. python -m bench.tools.overhead [--json PATH]` (about a minute on the H200 machine).
 
-Part 1, tiny inputs (64 x 1000 float32: the GPU idles, so wall time per call is host time): the cross_entropy calls,
-each through the launch cache and through Triton's generic `kernel[grid](...)`; the launch path (kernels.forward and
-backward with Triton's launch stubbed, the cached launch, its key, the compiled launcher's C call); the forward's
-allocations; the baselines no eager loss can beat (autograd.Functions doing nothing, one shaped like fastce's, engine
-threads on and off, F.cross_entropy); a summary of what remains of the eager forward+backward, computed from those
-rows (RESULTS.md renders it from --json); then linear_cross_entropy and the vocab-parallel call on a one-rank process
-group (NCCL on a GPU, gloo on a CPU; its all-reduces also replayed alone) beside the plain-torch calls they replace.
-Part 2 (GPU) times forward+backward at the two host-bound shapes of `python -m bench`: eager, the two kernels launched
-back to back without autograd, and the two kernels replayed from a CUDA graph (no host work at all).
+Part 1, tiny inputs (64 x 1000 float32: the GPU idles, so wall time per call is host time): cross_entropy forward,
+forward+backward (non-leaf, leaf `.backward()`, reduction 'none'), each through the launch cache and through Triton's
+generic launch; the compiled launcher's C call and the forward's allocations; the baselines no eager loss can beat
+(autograd.Functions doing nothing, one shaped like fastce's, engine threads on and off; F.cross_entropy); a summary of
+what remains of the eager forward+backward, computed from those rows (RESULTS.md renders it from --json); then
+linear_cross_entropy beside F.linear + F.cross_entropy. Part 2 (GPU) times forward+backward at the two host-bound
+shapes of `python -m bench`: eager, the two kernels launched back to back without autograd, and the two kernels
+replayed from a CUDA graph (no host work at all). The vocab-parallel call's host time: sharded_torch's breakdown.
 `--part1-only --device cpu --calls 2 --repeat 1` (TRITON_INTERPRET=1) is a CPU smoke run; there the launch cache is
-off, so its rows and the figures that need them are null in the JSON.
+off, so the C call and the figures that need it are null in the JSON.
 """
 
 import argparse
-import contextlib
 import json
-import socket
 import time
 
 import torch
@@ -94,34 +91,6 @@ class _ThreeOutputsUnmaterialized(_ThreeOutputs):
         ctx.set_materialize_grads(False)
 
 
-class _NoLaunch:
-    """Stands in for a @triton.jit kernel: kernel[grid](*args, **kwargs) does nothing."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
-class _Setting:
-    def __init__(self, enabled):
-        self.enabled = enabled
-
-
-LAUNCHERS = ("_forward_launcher", "_backward_launcher")
-
-
-@contextlib.contextmanager
-def no_launches():
-    """The launchers' generic path with Triton's launch taken out."""
-    saved = [getattr(kernels, name) for name in LAUNCHERS]
-    for name in LAUNCHERS:
-        setattr(kernels, name, kernels._Launcher(_NoLaunch(), setting=_Setting(False)))
-    try:
-        yield
-    finally:
-        for name, launcher in zip(LAUNCHERS, saved):
-            setattr(kernels, name, launcher)
-
-
 def _forward_args(logits, labels, options):
     """(grid, (warps, stages), args): what kernels.forward passes to its launcher, captured from one call."""
     captured = []
@@ -161,13 +130,9 @@ def _both_paths(rows, name, fn, n, repeat):
     return cached
 
 
-def _launch_path_rows(rows, device, raw, labels, backward_call, n, repeat):
-    """kernels.forward / backward without Triton's launch, the cached launch's parts, the forward's allocations;
-    whether the cached path ran (it needs CUDA)."""
-    with no_launches():
-        _row(rows, "  kernels.forward, Triton's launch stubbed", per_call_us(
-            lambda: kernels.forward(raw, labels, OPTIONS, "mean"), n, repeat))  # fmt: skip
-        _row(rows, "  kernels.backward, Triton's launch stubbed", per_call_us(backward_call, n, repeat))
+def _launch_and_allocation_rows(rows, device, raw, labels, n, repeat):
+    """The compiled launcher's C call alone (reached through the launch cache: CUDA only) and the forward's
+    allocations; whether the C call was measured."""
     grid, (warps, stages), args = _forward_args(raw, labels, OPTIONS)
     launcher = kernels._forward_launcher
     cached_path = launcher.failure is None and launcher.cached(grid, args, warps, stages)
@@ -176,15 +141,8 @@ def _launch_path_rows(rows, device, raw, labels, backward_call, n, repeat):
         layout = launcher.layout(args, device_index)
         run, function, metadata = layout[2][launcher._key(layout, args, warps, stages)]
         stream = kernels._current_stream(device_index)
-        launch_rows = {
-            "  _Launcher.cached (key, lookup, C launch)": lambda: launcher.cached(grid, args, warps, stages),
-            "    launch key (kernels._ArgumentLayout)": lambda: launcher._key(layout, args, warps, stages),
-            "    the compiled launcher's C call alone": lambda: run(
-                *grid, stream, function, metadata, None, None, None, *args
-            ),
-        }
-        for name, fn in launch_rows.items():
-            _row(rows, name, per_call_us(fn, n, repeat))
+        _row(rows, "    the compiled launcher's C call alone", per_call_us(
+            lambda: run(*grid, stream, function, metadata, None, None, None, *args), n, repeat))  # fmt: skip
     # The forward's zeroed buffer: its one int32 tensor argument (counters, then the float32 scratch).
     n_scratch = max((a.numel() for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32), default=0)
 
@@ -203,15 +161,10 @@ def host_costs(device="cuda", n=300, repeat=5):
     logits = torch.randn(64, 1000, device=device, requires_grad=True) * 1  # an intermediate, as lm_head's output is
     labels = torch.randint(0, 1000, (64,), device=device)
     raw = logits.detach()
-    _, lse, denominator = kernels.forward(raw, labels, OPTIONS, reduction="mean")
-    grad_loss = torch.ones((), device=device)
-    grad_buffer = torch.empty_like(raw)
+    kernels.forward(raw, labels, OPTIONS, reduction="mean")  # records the launch's variant
     leaf = logits.detach().requires_grad_()
     leaf_logits = raw.clone().requires_grad_()
     ones = torch.ones(labels.shape, device=device)
-
-    def backward_call():
-        kernels.backward(grad_loss, raw, labels, lse, grad_buffer, OPTIONS, denominator=denominator)
 
     def step():
         return torch.autograd.grad(fastce_torch.cross_entropy(logits, labels), logits)
@@ -221,8 +174,6 @@ def host_costs(device="cuda", n=300, repeat=5):
         loss_fn(leaf_logits, labels).backward()
 
     print(f"part 1: host time per call, 64x1000 float32 on {device} (GPU idle)")
-    _both_paths(rows, "kernels.forward (1 launch)", lambda: kernels.forward(raw, labels, OPTIONS, "mean"), n, repeat)
-    _both_paths(rows, "kernels.backward (1 launch)", backward_call, n, repeat)
     _both_paths(rows, "cross_entropy forward", lambda: fastce_torch.cross_entropy(logits, labels), n, repeat)
     fwd_bwd = _both_paths(rows, "cross_entropy forward+backward", step, n, repeat)
     leaf_bwd = _both_paths(rows, "cross_entropy(leaf).backward()", leaf_step, n, repeat)
@@ -233,8 +184,7 @@ def host_costs(device="cuda", n=300, repeat=5):
         n,
         repeat,
     )
-    print("  the launch path, forward kernel (64x1000, reduction 'mean'):")
-    cached_path = _launch_path_rows(rows, device, raw, labels, backward_call, n, repeat)
+    cached_path = _launch_and_allocation_rows(rows, device, raw, labels, n, repeat)
 
     print("  torch's share: autograd.Function and engine, no work (baselines no autograd.Function loss can beat):")
     baselines = {
@@ -261,7 +211,10 @@ def host_costs(device="cuda", n=300, repeat=5):
     finally:
         torch.autograd.set_multithreading_enabled(True)
     breakdown = summary(rows, fwd_bwd, leaf_bwd, cached_path)
-    other_entry_points(rows, device, n, repeat)
+    try:
+        _linear_rows(rows, device, n, repeat)
+    except Exception as error:  # reported, never fatal to the rows above
+        print(f"linear_cross_entropy fwd+bwd: skipped ({type(error).__name__}: {error})")
     return rows, breakdown
 
 
@@ -311,27 +264,6 @@ def summary(rows, fwd_bwd, leaf_bwd, cached_path):
     }
 
 
-# --- the other entry points -------------------------------------------------------------------------------------
-
-
-def _skip(name, why):
-    print(f"{name:50s} skipped: {why}")
-
-
-def other_entry_points(rows, device, n, repeat):
-    """linear_cross_entropy and the vocab-parallel call, each beside the plain-torch equivalent it replaces; a row
-    that cannot run here is reported, never fatal to the others."""
-    print("  other entry points (default backend: the kernels on CUDA, plain torch on a CPU):")
-    for name, rows_of in (
-        ("linear_cross_entropy", _linear_rows),
-        ("vocab-parallel cross_entropy", _vocab_parallel_rows),
-    ):
-        try:
-            rows_of(rows, device, n, repeat)
-        except Exception as error:
-            _skip(f"{name} fwd+bwd", f"{type(error).__name__}: {error}")
-
-
 def _linear_rows(rows, device, n, repeat, n_rows=64, hidden_size=64, vocab=1000):
     hidden = torch.randn(n_rows, hidden_size, device=device, requires_grad=True)
     weight = (torch.randn(vocab, hidden_size, device=device) / hidden_size**0.5).requires_grad_()
@@ -348,72 +280,6 @@ def _linear_rows(rows, device, n, repeat, n_rows=64, hidden_size=64, vocab=1000)
     name = f"linear_cross_entropy fwd+bwd ({n_rows}x{hidden_size}x{vocab})"
     _both_paths(rows, name, fused, n, repeat)
     _row(rows, "  F.linear + F.cross_entropy fwd+bwd", per_call_us(unfused, n, repeat))
-
-
-@contextlib.contextmanager
-def one_rank_group(backend):
-    """A process group of this process alone (rank 0 of 1) on a free local port, destroyed afterwards."""
-    dist = torch.distributed
-    if dist.is_initialized():  # someone else's group: use it as it is
-        yield dist.group.WORLD
-        return
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
-def all_reduces_of(step):
-    """(the all-reduces one call of step() makes, as (tensor copy, op, group), a function that replays them alone).
-    step() runs twice: once to make the communicator (on the first collective), once recorded."""
-    dist = torch.distributed
-    step()
-    collectives, original = [], dist.all_reduce
-
-    def recording(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        collectives.append((tensor.detach().clone(), op, group))
-        return original(tensor, op=op, group=group, async_op=async_op)
-
-    dist.all_reduce = recording
-    try:
-        step()
-    finally:
-        dist.all_reduce = original
-
-    def replay():
-        for tensor, op, group in collectives:
-            dist.all_reduce(tensor, op=op, group=group)
-
-    return collectives, replay
-
-
-def _vocab_parallel_rows(rows, device, n, repeat, n_rows=64, vocab=1000):
-    name = f"vocab-parallel cross_entropy fwd+bwd ({n_rows}x{vocab}, 1 rank)"
-    dist = torch.distributed
-    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-    if not dist.is_available() or not (dist.is_nccl_available() if backend == "nccl" else dist.is_gloo_available()):
-        return _skip(name, f"this torch has no torch.distributed {backend}")
-    logits = torch.randn(n_rows, vocab, device=device, requires_grad=True) * 1
-    labels = torch.randint(0, vocab, (n_rows,), device=device)
-    with one_rank_group(backend) as group:
-
-        def step():
-            loss = fastce_torch.cross_entropy(logits, labels, process_group=group)
-            return torch.autograd.grad(loss, logits)
-
-        collectives, collectives_alone = all_reduces_of(step)
-        total = _both_paths(rows, name + f", {backend}", step, n, repeat)
-        alone = per_call_us(collectives_alone, n, repeat)
-        sizes = ", ".join(f"{tuple(t.shape)} {str(op).rsplit('.', 1)[-1]}" for t, op, _ in collectives)
-        _row(
-            rows, f"  its {len(collectives)} all-reduces alone", alone, f"   ({alone / total:.0%} of the call; {sizes})"
-        )
-        _row(rows, "  the same call without process_group", per_call_us(
-            lambda: torch.autograd.grad(fastce_torch.cross_entropy(logits, labels), logits), n, repeat))  # fmt: skip
 
 
 # --- part 2 -----------------------------------------------------------------------------------------------------
@@ -497,7 +363,8 @@ def main(argv=None):
     }
     if not args.part1_only:
         result["device_times"] = device_times()
-    failures = {name: getattr(kernels, name).failure for name in LAUNCHERS if getattr(kernels, name).failure}
+    launchers = (kernels._forward_launcher, kernels._backward_launcher)
+    failures = [launcher.failure for launcher in launchers if launcher.failure]
     print(f"launch cache failures: {failures or 'none'}")
     if args.json:
         with open(args.json, "w") as f:

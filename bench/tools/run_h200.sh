@@ -11,8 +11,7 @@
 #   linear-quick (fused linear CE at one shape with a float32 check; ~1), linear-a and linear-b (the fused linear
 #     table's five shapes in two calls, ~4-5 each; RESULTS.md renders both), linear-ignored (one shape at 0/50/90%
 #     ignored labels, with and without skip_ignored_rows, both packages; ~4);
-#   host (host time per eager call: bench.tools.overhead; ~2), host-profile (cProfile and torch.profiler of the
-#     linear_cross_entropy and vocab-parallel calls; < 1); transformers (training step, four modes; ~2-3);
+#   host (host time per eager call: bench.tools.overhead; ~2); transformers (training step, four modes; ~2-3);
 #   two-gpus (the tests that need two GPUs; kind nvidia-h200-x2), two-gpus-bench (sharded_torch with its per-rank
 #     breakdown, sharded_jax; x2, ~3), two-gpus-linear-bench (sharded_linear_torch; x2, ~1-2), one-rank-breakdown
 #     (sharded_torch as a one-rank NCCL group at the two-GPU run's local shard shapes; < 2);
@@ -63,9 +62,6 @@ for stage in "$@"; do
     shared)
       FASTCE_SHARED_SUMMARY="$OUT/shared-summary.json" timeout -s INT 560 $PYTEST shared_tests >"$OUT/shared-tests.log" 2>&1
       tail -15 "$OUT/shared-tests.log" ;;
-    host-profile)
-      timeout 200 python3 -m bench.tools.overhead --profile-entry-points --calls 100 >"$OUT/host-profile.log" 2>&1
-      grep -E "^(linear|vocab|  )" "$OUT/host-profile.log" | head -12 ;;
     host)
       timeout 200 python3 -m bench.tools.overhead --json "$OUT/overhead.json" >"$OUT/overhead.log" 2>&1
       tail -45 "$OUT/overhead.log" ;;

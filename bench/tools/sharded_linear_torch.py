@@ -1,22 +1,12 @@
 """Fused linear cross-entropy with a sharded LM head over the ranks of one host (torchrun, NCCL): fastce_torch's
-column-parallel (process_group=) and FSDP2 (a Shard(0) DTensor weight) paths, against the same loss on one GPU and
-DTensor's own column-parallel F.linear + loss_parallel() F.cross_entropy, in the same run.
+column-parallel (process_group=) and FSDP2 (Shard(0) DTensor weight) paths against the same loss on one GPU and
+DTensor's column-parallel F.linear + loss_parallel() F.cross_entropy, in the same run.
 
     torchrun --nproc-per-node 2 -m bench.tools.sharded_linear_torch --json bench/results/<date>-h200x2-linear.json
 
-Per global shape NxHxV (bf16, forward+backward: torch.autograd.grad of the loss w.r.t. hidden and the weight),
-every rank:
-  * one_gpu: linear_cross_entropy on the full weight and all N rows, no communication (each rank alone);
-  * tp: hidden (N, H) and labels the same on every rank, this rank's V / ranks weight rows, process_group=;
-  * tp_dtensor_loss_parallel: hidden a Replicate DTensor, the weight Shard(0), F.linear (logits Shard(-1), the
-    N x V / ranks block materialised) and F.cross_entropy under loss_parallel();
-  * fsdp: each rank N / ranks rows (data parallel) against the Shard(0) DTensor weight (gathered, its gradient
-    reduce-scattered, as FSDP2's unshard / reduce-scatter would);
-  * the collectives alone: the N x H all-reduce of tp's d hidden, and fsdp's weight all-gather + reduce-scatter.
-Time: median over a fixed number of calls (the same on every rank), CUDA events, L2 flushed between calls; peak
-extra memory above the inputs during one call. Rank 0 prints a table and writes the JSON (every rank's numbers).
-
---smoke runs tiny shapes on CPU processes (gloo, the plain-torch backend): code paths only, the numbers mean nothing.
+Per global shape NxHxV (bf16, forward+backward for hidden and the weight), every rank: one_gpu (full weight, all
+rows), tp (V / ranks weight rows each), tp_dtensor_loss_parallel, fsdp (N / ranks rows each against the gathered
+weight) and the collectives alone; times and memory as in sharded_torch. `--smoke`: CPU processes, code paths only.
 """
 
 import argparse

@@ -3,21 +3,12 @@ fastce_torch.patch_transformers(): same weights, same batches, same optimizer.
 
     python -m bench.tools.transformers_step --json bench/results/transformers-step-h200.json
 
-Modes (--modes, default transformers,fastce,fastce_fused,liger_flce): transformers (stock loss), fastce
-(patch_transformers(): fastce's loss on the logits), fastce-no-inplace, fastce_fused (patch_transformers(
-fused_linear=True): linear_cross_entropy from the hidden states, no logits) and liger_flce (Liger-Kernel's fused
-linear cross-entropy forward on the model, its other kernels off; skipped, with the reason, when liger_kernel does
-not import or the device is not CUDA).
-
-Defaults: Llama-3.2-1B's shape cut to 2 layers (hidden 2048, 16 heads / 8 KV heads, MLP 8192, vocab 128256), bf16
-weights, AdamW, batch 8 x 1024 tokens. With 2 layers the (8192 x 128256) logits dominate the step, which is where
-the loss matters: transformers upcasts them to float32 (4.2 GB) and keeps float32 log-probabilities and their
-gradient, fastce reads the bf16 logits and writes the gradient into them.
-
-Step time: median over --steps of CUDA-event timings around forward + backward + optimizer step, after --warmup
-steps. Peak memory: torch.cuda.max_memory_allocated over the timed steps; "resident" is what was allocated before
-them (weights, optimizer state), so peak - resident is the step's own working memory.
-`--device cpu` runs a tiny smoke version (wall-clock timing, no memory numbers).
+Modes (MODES): transformers (stock loss), fastce (patch_transformers()), fastce-no-inplace, fastce_fused
+(fused_linear=True: no logits) and liger_flce (Liger's fused linear CE on the model; skipped where liger_kernel does
+not import or there is no CUDA). Defaults: Llama-3.2-1B's shape cut to 2 layers (V=128256), bf16, AdamW, 8 x 1024
+tokens, so the logits dominate the step. Step time: median of CUDA-event timings of forward + backward + optimizer
+step after --warmup steps; peak memory: max_memory_allocated over the timed steps, and above what was resident
+before them. `--device cpu`: a tiny smoke run.
 """
 
 import argparse
