@@ -158,13 +158,9 @@ def results_markdown(result, plot_name=None) -> str:
             f"- merged from `{run['source']}` (commit {run['commit']}, {run['date']}, "
             f"copy bandwidth {run['copy_bandwidth_TBps']:.2f} TB/s)"
         )
-    parts += [
-        "",
-        markdown_table(sort_rows(result["rows"])),
-        "",
-    ]
+    parts += ["", markdown_table(sort_rows(result["rows"])), ""]
     rows = result["rows"]
-    sections = (
+    sections = (  # (title, the rows or failures it lists, the key that says why)
         ("Not measured:", result.get("failures") or [], "error"),
         (
             "Not captured in a CUDA graph:",
@@ -219,24 +215,12 @@ def linear_markdown(result, source) -> str:
     """A `python -m bench --linear` JSON (forward+backward with the hidden and weight gradients) as a table."""
     from .linear import text_table
 
-    return "\n".join(
-        [
-            f"## Fused linear cross-entropy (from `{source}`)",
-            "",
-            f"{result['device']}, commit {result['commit']}, {result['date']}, torch {result['torch']}; "
-            "bench/NOTES.md explains where the fused rows lose to the unfused ones (the chunked cuBLAS products).",
-            "",
-            text_table(result),
-            "",
-        ]
+    heading = f"## Fused linear cross-entropy (from `{source}`)"
+    about = (
+        f"{result['device']}, commit {result['commit']}, {result['date']}, torch {result['torch']}; "
+        "bench/NOTES.md explains where the fused rows lose to the unfused ones (the chunked cuBLAS products)."
     )
-
-
-def _run_label(run, source) -> str:
-    """'device, commit c, date' of a bench tool's JSON; a file written before the tool recorded its commit and date
-    carries them in its name (YYYY-MM-DD-...-<commit>.json)."""
-    stem = Path(source).stem
-    return f"{run['device']}, commit {run.get('commit', stem.rsplit('-', 1)[-1])}, {run.get('date', stem[:10])}"
+    return "\n".join([heading, "", about, "", text_table(result), ""])
 
 
 # The overhead summary's figures in the host-time table's columns.
@@ -272,8 +256,9 @@ def host_time_markdown(run, source) -> str:
     lines = [
         f"## Host time of an eager call (from `{source}`)",
         "",
-        f"{_run_label(run, source)}, torch {run['torch']}; `python -m bench.tools.overhead`, tiny inputs (64 x 1000 "
-        "float32: the GPU idles, so wall time per call is host time), the fastest of "
+        f"{run['device']}, commit {run['commit']}, {run['date']}, torch {run['torch']}; "
+        "`python -m bench.tools.overhead`, tiny inputs (64 x 1000 float32: the GPU idles, so wall time per call is "
+        "host time), the fastest of "
         f"{run['repeat']} means over {run['calls']} calls, us per call.",
         "",
         "| cross_entropy forward+backward | leaf `.backward()` | F.cross_entropy | a do-nothing autograd.Function "

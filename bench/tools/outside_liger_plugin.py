@@ -26,6 +26,13 @@ def _unsupported(name, value):
     raise NotImplementedError(f"fastce adapter: Liger's {name}={value!r} has no fastce counterpart")
 
 
+def _common(ignore_index, reduction, label_smoothing, softcap, backend):
+    """The keywords both adapters pass through (softcap None = off, fastce's 0)."""
+    softcapping = float(softcap) if softcap is not None else 0.0
+    return dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=float(label_smoothing),
+                logit_softcapping=softcapping, backend=backend or BACKEND)  # fmt: skip
+
+
 def _run(call, weight_kw, weight, lse_square_scale, return_z_loss, return_token_accuracy, options):
     """One or two fastce calls giving Liger's (loss, z_loss, token_accuracy): see the module docstring on z-loss."""
     asked = dict(return_z_loss=return_z_loss, return_accuracy=return_token_accuracy)
@@ -63,25 +70,10 @@ def cross_entropy_apply(
     if return_predicted_tokens:
         _unsupported("return_predicted_tokens", return_predicted_tokens)
     _check_labels(target, _input.shape[-1], ignore_index)
-    options = dict(
-        logits=_input,
-        labels=target,
-        ignore_index=ignore_index,
-        reduction=reduction,
-        label_smoothing=float(label_smoothing),
-        logit_softcapping=float(softcap) if softcap is not None else 0.0,
-        backend=backend or BACKEND,
-        inplace_backward=True,
-    )
-    loss, z_loss, accuracy = _run(
-        fastce_torch.cross_entropy,
-        "weight",
-        weight,
-        lse_square_scale,
-        return_z_loss,
-        return_token_accuracy,
-        options,
-    )
+    options = dict(logits=_input, labels=target, inplace_backward=True)
+    options |= _common(ignore_index, reduction, label_smoothing, softcap, backend)
+    asked = (lse_square_scale, return_z_loss, return_token_accuracy, options)
+    loss, z_loss, accuracy = _run(fastce_torch.cross_entropy, "weight", weight, *asked)
     return _liger_tuple(loss, z_loss, accuracy, _input.dtype, _input.dtype)
 
 
@@ -120,26 +112,11 @@ def linear_cross_entropy_apply(
         _unsupported("accum_dtype", accum_dtype)
     _check_labels(target, weight.shape[0], ignore_index)
     options = dict(
-        hidden=_input,
-        weight=weight,
-        labels=target,
-        bias=bias,
-        ignore_index=ignore_index,
-        reduction=reduction,
-        label_smoothing=float(label_smoothing),
-        logit_softcapping=float(softcap) if softcap is not None else 0.0,
-        backend=backend or BACKEND,
-        accumulate_in_float32=accum_dtype is not None,
+        hidden=_input, weight=weight, labels=target, bias=bias, accumulate_in_float32=accum_dtype is not None
     )
-    loss, z_loss, accuracy = _run(
-        fastce_torch.linear_cross_entropy,
-        "class_weight",
-        ce_weight,
-        lse_square_scale,
-        return_z_loss,
-        return_token_accuracy,
-        options,
-    )
+    options |= _common(ignore_index, reduction, label_smoothing, softcap, backend)
+    asked = (lse_square_scale, return_z_loss, return_token_accuracy, options)
+    loss, z_loss, accuracy = _run(fastce_torch.linear_cross_entropy, "class_weight", ce_weight, *asked)
     return _liger_tuple(loss, z_loss, accuracy, loss.dtype, _input.dtype)
 
 
@@ -162,19 +139,9 @@ class _NoLigerKernel:
 def _module_forward(self, _input, target):
     from liger_kernel.transformers.functional import CrossEntropyOutput
 
-    loss, z_loss, accuracy, predicted = cross_entropy_apply(
-        _input,
-        target,
-        self.weight,
-        self.ignore_index,
-        self.lse_square_scale,
-        self.label_smoothing,
-        self.reduction,
-        self.softcap,
-        self.return_z_loss,
-        self.return_token_accuracy,
-        self.return_predicted_tokens,
-    )
+    names = ("weight", "ignore_index", "lse_square_scale", "label_smoothing", "reduction", "softcap", "return_z_loss",
+             "return_token_accuracy", "return_predicted_tokens")  # fmt: skip
+    loss, z_loss, accuracy, predicted = cross_entropy_apply(_input, target, *(getattr(self, n) for n in names))
     if not (self.return_z_loss or self.return_token_accuracy or self.return_predicted_tokens):
         return loss
     return CrossEntropyOutput(loss=loss, z_loss=z_loss, token_accuracy=accuracy, predicted_tokens=predicted)

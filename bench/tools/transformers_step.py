@@ -59,14 +59,9 @@ def liger_available():
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--intermediate", type=int, default=8192)
-    parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=1024)
+    sizes = dict(hidden=2048, layers=2, heads=16, kv_heads=8, intermediate=8192, vocab=128256, batch=8, seq_len=1024)
+    for name, default in sizes.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     parser.add_argument(
         "--precision",
         choices=["bf16", "autocast"],
@@ -74,15 +69,14 @@ def parse_args(argv=None):
         help="bf16: bf16 weights; autocast: float32 weights under bf16 autocast (Trainer's bf16=True)",
     )
     parser.add_argument("--tie-embeddings", action="store_true", help="tie lm_head to the embedding (Llama 3.2)")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
+    for name, default in (("steps", 20), ("warmup", 3), ("seed", 0)):
+        parser.add_argument("--" + name, type=int, default=default)
     parser.add_argument(
         "--modes",
         default="transformers,fastce,fastce_fused,liger_flce",
         help=f"comma-separated, from {', '.join(MODES)}",
     )
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     args.modes = args.modes.split(",")
@@ -249,30 +243,15 @@ def main(argv=None):
             }
             if r["peak_bytes"] is not None:
                 summary[mode]["peak_saved_gib"] = (base["peak_bytes"] - r["peak_bytes"]) * gib
-            print(
-                f"{mode}: {summary[mode]['speedup']:.3f}x step speed"
-                + (
-                    f", {summary[mode]['peak_saved_gib']:.2f} GiB less peak"
-                    if "peak_saved_gib" in summary[mode]
-                    else ""
-                )
-                + f", first-step loss differs by {summary[mode]['first_loss_rel_diff']:.1e} (relative)"
-            )
+            saved = summary[mode].get("peak_saved_gib")
+            print(f"{mode}: {summary[mode]['speedup']:.3f}x step speed"
+                  + (f", {saved:.2f} GiB less peak" if saved is not None else "")
+                  + f", first-step loss differs by {summary[mode]['first_loss_rel_diff']:.1e} (relative)")  # fmt: skip
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        record = {"benchmark": "transformers_step", "args": vars(args), "environment": environment(args)}
         with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "benchmark": "transformers_step",
-                    "args": vars(args),
-                    "environment": environment(args),
-                    "results": results,
-                    "vs_transformers": summary,
-                    "skipped": skipped,
-                },
-                f,
-                indent=1,
-            )
+            json.dump(record | {"results": results, "vs_transformers": summary, "skipped": skipped}, f, indent=1)
         print(f"wrote {args.json}")
 
 
