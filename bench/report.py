@@ -109,35 +109,8 @@ def default_json_path(date, device_slug) -> Path:
     return RESULTS_DIR / f"{date}-{device_slug}.json"
 
 
-NOTES = """\
-How it was measured (bench/torch_measure.py, bench/jax_measure.py and bench/runner.py say it in full):
-- Isolation: every pass of every implementation runs in a process of its own (torch eager, torch CUDA graph,
-  JAX, and the copy bandwidth), so no framework's allocator, compiled state or failed capture touches another's
-  numbers; `python -m bench` itself only merges the workers' JSON.
-- torch: triton.testing.do_bench medians. fwd = the loss with grad mode on; fwd+bwd = loss then
-  `torch.autograd.grad(loss, logits)` with the logits a non-leaf tensor (as lm_head output is), so
-  implementations that may write the gradient in place (fastce_torch, Liger) do. leaf .backward() = the logits a
-  leaf that requires grad, `logits.grad = None; loss.backward()` (how most training code and Unsloth's users call a
-  loss: the gradient goes into a fresh .grad; fastce_torch never overwrites a leaf). Peak extra =
-  torch.cuda.max_memory_allocated during one non-leaf fwd+bwd above the allocated bytes before it (logits and
-  labels); the leaf call's peak (its .grad included) is peak_extra_leaf_bytes in the JSON.
-  CUDA graph fwd+bwd = the non-leaf fwd+bwd captured once in a torch.cuda.CUDAGraph and replayed (do_bench):
-  inputs, warm-up and capture on one side stream, after a trivial first capture in the process; device time
-  only, without Python, the autograd engine or launch costs; fwd+bwd minus this is the call's host-bound share.
-  n/a = not capturable (the list below gives the first error of the failed capture).
-- JAX: jit-compiled programs, fwd+bwd = `value_and_grad` with the logits donated; host timing of many queued
-  calls, median of batches (includes dispatch, so small shapes read a little slow). "not donated" = the same
-  value_and_grad without donate_argnums (the logits stay alive, what a plain jax.grad caller gets): where the
-  backward aliases its output to the logits (fastce_jax's inplace_backward=True) XLA must copy the logits first;
-  fastce_jax_noalias is fastce_jax with inplace_backward=False. Peak extra ("temp") = XLA's compiled
-  temp_size_in_bytes of the fwd+bwd program.
-- Labels uniform with every 7th token = -100, mean reduction, random normal logits.
-- Floors: bytes of the logits moved 1, 2 or 3 times at the device-to-device copy bandwidth measured in the
-  same run (copy bandwidth counts bytes read + written).
-- Where a time is host-bound (short kernels: the loss's Python, launches and the autograd engine's round trip
-  take longer than the GPU work), it varies with the machine's host from run to run. bench/NOTES.md holds
-  the evidence per gap: kernel-only times, Nsight Compute counters, host costs measured beside them.
-"""
+# "How it was measured", rendered into RESULTS.md under the table (prose: kept as markdown beside this module).
+METHOD_MD = Path(__file__).resolve().parent / "METHOD.md"
 
 
 def results_markdown(result, plot_name=None) -> str:
@@ -183,7 +156,7 @@ def results_markdown(result, plot_name=None) -> str:
             parts += [""]
     if plot_name:
         parts += [f"![forward and forward+backward time vs V]({plot_name})", ""]
-    parts += [NOTES]
+    parts += [METHOD_MD.read_text()]
     for linear_json in latest_linear_runs():
         parts += ["", linear_markdown(read_json(linear_json), _link(linear_json, RESULTS_MD.parent.parent))]
     # The bench tools' sections, each from the newest of its JSON files.

@@ -1,6 +1,6 @@
 """Timing and memory of one PyTorch implementation on one shape (the twin of bench/jax_measure.py), and the
 device copy bandwidth. What each closure times (fwd, fwd+bwd on non-leaf logits, leaf `.backward()`, the CUDA-graph
-replay) and how: report.NOTES, rendered into RESULTS.md. Times are triton.testing.do_bench medians (the L2 flushed
+replay) and how: bench/METHOD.md, rendered into RESULTS.md. Times are triton.testing.do_bench medians (the L2 flushed
 between calls); the runner (bench/runner.py) calls these in worker processes of their own.
 """
 
