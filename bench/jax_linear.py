@@ -186,16 +186,12 @@ def run(
             if matmul_tflops:
                 r["of_matmul"] = r["TFLOPs"] / matmul_tflops
             rows.append({"impl": impl, **base, **r})
-            say(
-                f"{impl} {shape}: {r['fwdbwd_ms']:.2f} ms, {r['TFLOPs']:.0f} TFLOP/s"
-                + (f" ({r['of_matmul']:.0%} of matmul)" if matmul_tflops else "")
-                + f", temp {r['peak_extra_bytes'] / 2**20:.0f} MiB, loss {r['loss']:.5f}"
-                + (
-                    f", dW err {r['grad_weight_rel_rms']:.1e}, dh err {r['grad_hidden_rel_rms']:.1e}"
-                    if "grad_weight_rel_rms" in r
-                    else ""
-                )
-            )
+            of_matmul = f" ({r['of_matmul']:.0%} of matmul)" if matmul_tflops else ""
+            memory = f"temp {r['peak_extra_bytes'] / 2**20:.0f} MiB, loss {r['loss']:.5f}"
+            accuracy = ""
+            if "grad_weight_rel_rms" in r:
+                accuracy = f", dW err {r['grad_weight_rel_rms']:.1e}, dh err {r['grad_hidden_rel_rms']:.1e}"
+            say(f"{impl} {shape}: {r['fwdbwd_ms']:.2f} ms, {r['TFLOPs']:.0f} TFLOP/s{of_matmul}, {memory}{accuracy}")
             gc.collect()
         for r in rows:
             if r["impl"] != "matmul" and all(r[k] == v for k, v in base.items()):

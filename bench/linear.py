@@ -303,12 +303,16 @@ def _add_jax_rows(shapes, matmul, peak, rows, failures, impls=None):
     failures.extend(result["failures"])
 
 
-def _say_row(r):
-    accuracy = (
+def _accuracy_text(r):
+    return (
         f", dW err {r['grad_weight_rel_rms']:.1e}, dh err {r['grad_hidden_rel_rms']:.1e}"
         if "grad_weight_rel_rms" in r
         else ""
     )
+
+
+def _say_row(r):
+    accuracy = _accuracy_text(r)
     say(
         f"{r['impl']:28s} N={r['N']} H={r['H']} V={r['V']} ({r.get('ignored', 0):.0%} ignored): "
         f"{r['fwdbwd_ms']:.2f} ms, {r['effective_TFLOPs']:.0f} "

@@ -21,7 +21,7 @@ import torch
 import triton.testing
 
 import fastce_torch
-from bench import envinfo
+from bench import envinfo, torch_measure
 from fastce_torch import kernels
 
 OPTIONS = kernels.Options()
@@ -62,7 +62,8 @@ class _DoNothing(torch.autograd.Function):
 
 
 class _ThreeOutputs(torch.autograd.Function):
-    """The shape of fastce's Function (three outputs, two non-differentiable, four saved tensors), no work."""
+    """The shape of fastce's Function (three outputs, two non-differentiable, four saved tensors, output gradients
+    not materialised, as fastce's), no work."""
 
     @staticmethod
     def forward(x, labels):
@@ -74,21 +75,12 @@ class _ThreeOutputs(torch.autograd.Function):
         _, lse, denominator = output
         ctx.mark_non_differentiable(lse, denominator)
         ctx.save_for_backward(x, labels, lse, denominator)
+        ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, grad, grad_lse, grad_denominator):
         assert len(ctx.saved_tensors) == 4  # unpacking the saved tensors is part of the cost
         return None, None
-
-
-class _ThreeOutputsUnmaterialized(_ThreeOutputs):
-    """With ctx.set_materialize_grads(False) autograd hands backward None for the two non-differentiable outputs
-    instead of a zero tensor each (a fill launch each on a GPU)."""
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _ThreeOutputs.setup_context(ctx, inputs, output)
-        ctx.set_materialize_grads(False)
 
 
 def _forward_args(logits, labels, options):
@@ -193,9 +185,6 @@ def host_costs(device="cuda", n=300, repeat=5):
         "fastce-shaped Function fwd+bwd": lambda: torch.autograd.grad(
             _ThreeOutputs.apply(leaf, labels)[0], leaf, allow_unused=True
         ),
-        "  the same, output grads not materialised": lambda: torch.autograd.grad(
-            _ThreeOutputsUnmaterialized.apply(leaf, labels)[0], leaf, allow_unused=True
-        ),
         "F.cross_entropy forward+backward": lambda: torch.autograd.grad(
             torch.nn.functional.cross_entropy(logits, labels), logits
         ),
@@ -222,14 +211,12 @@ def summary(rows, fwd_bwd, leaf_bwd, cached_path):
     """What remains of the eager forward+backward and why, from the rows just measured (NaN where a row needs the
     launch cache and it did not run)."""
     nothing = rows["do-nothing Function fwd+bwd"]
-    # The cheaper of the two fastce-shaped Functions: what a Function with these outputs can reach.
-    shaped = min(rows["fastce-shaped Function fwd+bwd"], rows["  the same, output grads not materialised"])
+    shaped = rows["fastce-shaped Function fwd+bwd"]  # what a Function with these outputs can reach
     hand_off = nothing - rows["do-nothing Function fwd+bwd, threads off"]
     launches = 2 * rows["    the compiled launcher's C call alone"] if cached_path else float("nan")
     allocations = rows["  the forward's allocations (empty loss, zeroed scratch)"]
     # What the engine's device thread costs this call beyond the bare hand-off: the threads-on minus threads-off
-    # difference of the real call less that of the do-nothing Function (no CUDA work in its backward; the
-    # fastce-shaped one with materialised output grads allocates zeros there, so it is no baseline).
+    # difference of the real call less that of the do-nothing Function (no CUDA work in its backward).
     thread_excess = fwd_bwd - rows["cross_entropy fwd+bwd, engine threads off"] - hand_off
     ours = fwd_bwd - shaped - launches - allocations - thread_excess
     floor = shaped + launches + allocations
@@ -309,15 +296,7 @@ def device_times(shapes=((512, 256000), (8192, 32000))):
         with kernels.launch_cache(False):
             eager_generic = triton.testing.do_bench(step, return_mode="median")
         launched = triton.testing.do_bench(kernels_only, return_mode="median")
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            kernels_only()  # warm-up outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            kernels_only()
-        replayed = triton.testing.do_bench(graph.replay, return_mode="median")
+        replayed = torch_measure.graph_ms(kernels_only, 25, 100)  # do_bench's own warm-up and repetitions
         print(f"N={n_rows} V={vocab}: eager {eager:.3f} (generic launches {eager_generic:.3f}), kernels launched back "
               f"to back {launched:.3f}, kernels from a CUDA graph {replayed:.3f}")  # fmt: skip
         measured.append(dict(N=n_rows, V=vocab, eager_ms=eager, eager_generic_ms=eager_generic, kernels_ms=launched,

@@ -9,8 +9,6 @@ rows), tp (V / ranks weight rows each), tp_dtensor_loss_parallel, fsdp (N / rank
 weight) and the collectives alone; times and memory as in sharded_torch. `--smoke`: CPU processes, code paths only.
 """
 
-import argparse
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,7 +16,7 @@ import torch.nn.functional as F
 
 import fastce_torch
 
-from .sharded_torch import Timer, finish_ranks, gather_rows, peak_extra_bytes, start_ranks, write_result
+from .sharded_torch import Timer, finish_ranks, gather_rows, parse_args, peak_extra_bytes, start_ranks, write_result
 
 IGNORE_INDEX = -100
 
@@ -100,16 +98,8 @@ def run_shape(n_rows, width, vocab, dtype, device, timer, mesh, backend, warmup,
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="8192x4096x128256,8192x4096x256000", help="global NxHxV, comma-separated")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU processes (gloo), code paths only")
-    args = parser.parse_args()
+    args = parse_args(__doc__, "8192x4096x128256,8192x4096x256000", 3, 15, "16x8x64")
     smoke = args.smoke
-    if smoke:
-        args.shapes, args.warmup, args.reps = "16x8x64", 1, 2
     device, rank, world, mesh = start_ranks(smoke)
     timer = Timer(device)
     backend = "reference" if smoke else "auto"

@@ -293,17 +293,24 @@ def finish_ranks(smoke):
     dist.destroy_process_group()
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="8192x128256,8192x256000", help="global NxV, comma-separated")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=30)
+def parse_args(doc, shapes, warmup, reps, smoke_shapes):
+    """The sharded benches' command line: --shapes (global sizes, comma-separated), --warmup, --reps, --json,
+    --smoke (smoke_shapes, one warm-up call, two timed)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--shapes", default=shapes, help="global sizes, comma-separated")
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--reps", type=int, default=reps)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU processes (gloo), code paths only")
     args = parser.parse_args()
+    if args.smoke:
+        args.shapes, args.warmup, args.reps = smoke_shapes, 1, 2
+    return args
+
+
+def main():
+    args = parse_args(__doc__, "8192x128256,8192x256000", 5, 30, "16x64")
     smoke = args.smoke
-    if smoke:
-        args.shapes, args.warmup, args.reps = "16x64", 1, 2
     device, rank, world, mesh = start_ranks(smoke)
     timer = Timer(device)
     bandwidth = None if smoke else copy_bandwidth_TBps(timer, device)
