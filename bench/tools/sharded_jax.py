@@ -11,6 +11,7 @@ the gradient's sharding, and the local three-pass floor (1.5 x one elementwise p
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -30,17 +31,9 @@ def collectives(hlo_text):
         if not m:
             continue
         dims = re.findall(r"\[([\d,]*)\]", m[1])
-        elements = max((eval_prod(d) for d in dims), default=1)
+        elements = max((math.prod(int(n) for n in d.split(",") if n) for d in dims), default=1)
         found.append({"op": m[2], "shape": m[1].strip(), "elements": elements})
     return found
-
-
-def eval_prod(dims):
-    n = 1
-    for d in dims.split(","):
-        if d:
-            n *= int(d)
-    return n
 
 
 def main(argv=None):
@@ -116,25 +109,13 @@ def main(argv=None):
 
                 ms = bench_ms(step, args.batch_ms)
                 local = n * v // len(devices)
-                row = {
-                    "impl": name,
-                    "layout": layout,
-                    "logits_spec": str(x_spec),
-                    "N": n,
-                    "V": v,
-                    "devices": len(devices),
-                    "fwdbwd_ms": ms,
-                    "temp_MiB": temp / 2**20,
-                    "local_logits_MiB": local * 2 / 2**20,
-                    "grad_spec": grad_spec,
-                    "grad_keeps_logits_sharding": bool(keeps),
-                    "collectives": found,
-                    "largest_collective_elements": max((c["elements"] for c in found), default=0),
-                    "local_logits_elements": local,
-                    "copy_ms": copy_ms,
-                    "floor_3pass_ms": 1.5 * copy_ms,
-                    "loss": float(loss),
-                }
+                row = {"impl": name, "layout": layout, "logits_spec": str(x_spec), "N": n, "V": v}
+                row["devices"] = len(devices)
+                row |= {"fwdbwd_ms": ms, "temp_MiB": temp / 2**20, "local_logits_MiB": local * 2 / 2**20}
+                row |= {"grad_spec": grad_spec, "grad_keeps_logits_sharding": bool(keeps), "collectives": found}
+                row["largest_collective_elements"] = max((c["elements"] for c in found), default=0)
+                row |= {"local_logits_elements": local, "copy_ms": copy_ms, "floor_3pass_ms": 1.5 * copy_ms}
+                row["loss"] = float(loss)
                 rows.append(row)
                 del state
                 print(

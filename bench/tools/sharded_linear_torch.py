@@ -9,7 +9,6 @@ rows), tp (V / ranks weight rows each), tp_dtensor_loss_parallel, fsdp (N / rank
 weight) and the collectives alone; times and memory as in sharded_torch. `--smoke`: CPU processes, code paths only.
 """
 
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
