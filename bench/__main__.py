@@ -19,71 +19,25 @@ from .worker import PASSES
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--shapes",
-        type=parse_shapes,
-        help="comma-separated NxV[:dtype], e.g. "
-        "'8192x32000,512x256000,8192x128256:float32' (dtype defaults to bfloat16)",
-    )
-    parser.add_argument("--impls", default=",".join(ALL_IMPLS), help=f"comma-separated subset of {','.join(ALL_IMPLS)}")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="GPU: one small shape, shorter timing; CPU: the tiny interpreted demo (CI smoke test)",
-    )
-    parser.add_argument(
-        "--json",
-        type=Path,
-        help="where to write the results JSON (GPU default: "
-        "bench/results/<date>-<device>.json; --quick and the CPU demo write one only when asked)",
-    )
-    parser.add_argument(
-        "--linear",
-        action="store_true",
-        help="GPU: the fused linear + cross-entropy section instead (hidden, LM-head weight -> loss; bench/linear.py); "
-        "with --quick one shape and a correctness check of fastce_torch.linear_cross_entropy",
-    )
-    parser.add_argument(
-        "--frameworks",
-        default="torch,jax",
-        help="GPU: comma-separated subset of torch,jax (to split a long run over two device calls; join the two "
-        "JSON files with --merge)",
-    )
-    parser.add_argument(
-        "--merge",
-        nargs="+",
-        type=Path,
-        metavar="JSON",
-        help="join the results JSON of several runs (e.g. --frameworks torch and --frameworks jax) into --json "
-        "(default: bench/results/<date>-<device>.json), measuring nothing; with --results-md also RESULTS.md",
-    )
-    parser.add_argument(
-        "--worker",
-        choices=PASSES,
-        help="internal: run one pass of the GPU run in this process and write its part to --json (the parent "
-        "`python -m bench` starts one worker per pass and implementation)",
-    )
-    parser.add_argument(
-        "--linear-shapes",
-        help="with --linear: comma-separated NxHxV[:dtype] instead of the standard linear shapes (split a full run)",
-    )
-    parser.add_argument(
-        "--ignored",
-        nargs="?",
-        const=",".join(map(str, DEFAULT_IGNORED)),
-        type=parse_ignored,
-        help="with --linear: each shape with these fractions of its labels ignored (default when given without a "
-        "value: 0,0.5,0.9), fastce with and without skip_ignored_rows beside the other fused implementations",
-    )
-    parser.add_argument("--plot", type=Path, help="PNG of time vs V with the memory floors (needs matplotlib)")
-    parser.add_argument(
-        "--results-md",
-        nargs="?",
-        const="",
-        metavar="JSON",
-        help="(re)write bench/RESULTS.md: from the given JSON without measuring anything, or "
-        "with no value from this run's JSON (a plot is made next to the JSON when none is given)",
-    )
+    add = parser.add_argument
+    add("--shapes", type=parse_shapes, help="comma-separated NxV[:dtype] (dtype defaults to bfloat16)")
+    add("--impls", default=",".join(ALL_IMPLS), help=f"comma-separated subset of {','.join(ALL_IMPLS)}")
+    add("--quick", action="store_true", help="GPU: one small shape, shorter timing; CPU: the tiny interpreted demo")
+    add("--json", type=Path, help="the results JSON (GPU default: bench/results/<date>-<device>.json; --quick and the "
+        "CPU demo write one only when asked)")  # fmt: skip
+    add("--linear", action="store_true", help="GPU: the fused linear + cross-entropy table instead (bench/linear.py); "
+        "with --quick one shape and a correctness check of fastce_torch.linear_cross_entropy")  # fmt: skip
+    add("--frameworks", default="torch,jax", help="GPU: a subset of torch,jax (split a run; join with --merge)")
+    add("--merge", nargs="+", type=Path, metavar="JSON", help="join the results JSON of several runs into --json, "
+        "measuring nothing; with --results-md also RESULTS.md")  # fmt: skip
+    add("--worker", choices=PASSES, help="internal: one pass of the GPU run in this process, its part to --json")
+    add("--linear-shapes", help="with --linear: comma-separated NxHxV[:dtype] instead of the standard linear shapes")
+    add("--ignored", nargs="?", const=",".join(map(str, DEFAULT_IGNORED)), type=parse_ignored, help="with --linear: "
+        "each shape with these fractions of its labels ignored (default 0,0.5,0.9), with and without "
+        "skip_ignored_rows")  # fmt: skip
+    add("--plot", type=Path, help="PNG of time vs V with the memory floors (needs matplotlib)")
+    add("--results-md", nargs="?", const="", metavar="JSON", help="(re)write bench/RESULTS.md: from the given JSON "
+        "without measuring, or with no value from this run's JSON")  # fmt: skip
     args = parser.parse_args(argv)
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
     unknown = sorted(set(impls) - set(ALL_IMPLS))

@@ -24,6 +24,19 @@ BANNER = (
 # (impl, backend) pairs; backend None = the plain framework loss.
 TORCH_CASES = (("fastce_torch", "kernel"), ("fastce_torch", "reference"), ("torch_eager_fp32", None))
 JAX_CASES = (("fastce_jax", "kernel"), ("fastce_jax", "reference"), ("xla", None))
+# The demo table: (heading, the row's cell).
+COLUMNS = {
+    "impl": lambda r: r["impl"],
+    "backend": lambda r: r["backend"],
+    "N": lambda r: str(r["N"]),
+    "V": lambda r: str(r["V"]),
+    "dtype": lambda r: r["dtype"],
+    "fwd_ms": lambda r: f"{r['fwd_ms']:.1f}",
+    "fwdbwd_ms": lambda r: f"{r['fwdbwd_ms']:.1f}",
+    "loss tol used": lambda r: f"{r['loss_tol_used']:.2f}",
+    "grad tol used": lambda r: f"{r['grad_tol_used']:.2f}",
+    "check": lambda r: "ok" if r["ok"] else "MISMATCH",
+}
 
 
 def _tolerance_used(actual, expected, bound, what):
@@ -45,125 +58,77 @@ def _median_ms(fn, prepare, runs):
     return statistics.median(times)
 
 
-def _check(impl, backend, shape, loss, grad, ref, fwd_ms, fwdbwd_ms, ulps=tolerances.ULPS):
-    loss_used, loss_error = _tolerance_used(loss, ref.loss, tolerances.loss_bound(ref), "loss")
-    grad_bound = tolerances.grad_bound(ref, grad, shape.dtype, ulps=ulps)
-    grad_used, grad_error = _tolerance_used(grad, ref.grad, grad_bound, "grad")
-    ok = loss_error is None and grad_error is None
-    say(
-        f"{impl:16s} {backend or '':9s} {shape}: tolerance used: loss {loss_used:.2f}, grad {grad_used:.2f} "
-        f"{'ok' if ok else 'MISMATCH ' + (loss_error or grad_error)}; fwd {fwd_ms:.1f} ms, fwd+bwd {fwdbwd_ms:.1f} ms "
-        "(interpreted/CPU)"
-    )
-    row = {
-        "impl": impl,
-        "N": shape.N,
-        "V": shape.V,
-        "dtype": shape.dtype,
-        "fwd_ms": fwd_ms,
-        "fwdbwd_ms": fwdbwd_ms,
-        "peak_extra_bytes": 0,
-        "backend": backend or "framework",
-        "loss_tol_used": loss_used,
-        "grad_tol_used": grad_used,
-        "ok": ok,
-    }
-    return row
-
-
-def _load(impl, backend, loaders, fastce_loader, failures):
-    """The implementation's loss function, or None (the failure recorded) when it does not load."""
-    try:
-        return fastce_loader(backend) if impl.startswith("fastce") else loaders[impl]()
-    except Exception as exc:  # noqa: BLE001
-        failures.append(failure(f"{impl}[{backend}]", None, "load", exc))
-        say(f"{impl}[{backend}]: skipped ({failures[-1]['error']})")
-        return None
-
-
-def _torch_cases(shapes, impls, runs, rows, failures):
-    import torch  # fastce_torch itself turns the interpreter on when torch sees no CUDA
+def _torch_case(loss_fn, backend, shape, runs):
+    """(loss, gradient as float64, the float64 reference, (fwd ms, fwd+bwd ms), the gradient tolerance's ulps)."""
+    import torch
 
     from fastce_torch import kernels
 
     from . import torch_impls
 
-    for impl, backend in TORCH_CASES:
-        if impl not in impls:
-            continue
-        loss_fn = _load(impl, backend, torch_impls.LOADERS, torch_impls.fastce_torch_loss, failures)
-        if loss_fn is None:
-            continue
-        for shape in shapes:
+    def fresh():  # the same seeded values every time: the in-place backward overwrites them
+        return torch_impls.make_inputs(shape, "cpu")
 
-            def fresh():  # the same seeded values every time: the in-place backward overwrites them
-                return torch_impls.make_inputs(shape, "cpu")
-
-            try:
-                logits, labels = fresh()
-                ref = reference.expected(logits.detach().double().numpy(), labels.numpy(), "mean")
-                loss = loss_fn(logits, labels)
-                (grad,) = torch.autograd.grad(loss, logits)
-                fwd_ms = _median_ms(loss_fn, fresh, runs)
-                fwdbwd_ms = _median_ms(lambda x, y: torch.autograd.grad(loss_fn(x, y), x), fresh, runs)
-                # detach: with the in-place backward the gradient *is* the logits tensor
-                rows.append(
-                    _check(
-                        impl,
-                        backend,
-                        shape,
-                        float(loss.detach()),
-                        grad.detach().double().numpy(),
-                        ref,
-                        fwd_ms,
-                        fwdbwd_ms,
-                        # Triton's interpreter truncates to bfloat16 (tolerances.reference_ulps)
-                        tolerances.reference_ulps(shape.dtype, kernels.INTERPRETED and backend == "kernel"),
-                    )
-                )
-            except Exception as exc:  # noqa: BLE001
-                failures.append(failure(f"{impl}[{backend}]", shape, "measure", exc))
-                say(f"{impl}[{backend}] {shape}: FAILED {failures[-1]['error']}")
+    logits, labels = fresh()
+    ref = reference.expected(logits.detach().double().numpy(), labels.numpy(), "mean")
+    loss = loss_fn(logits, labels)
+    (grad,) = torch.autograd.grad(loss, logits)
+    # detach: with the in-place backward the gradient *is* the logits tensor
+    grad = grad.detach().double().numpy()
+    fwd_ms = _median_ms(loss_fn, fresh, runs)
+    fwdbwd_ms = _median_ms(lambda x, y: torch.autograd.grad(loss_fn(x, y), x), fresh, runs)
+    # Triton's interpreter truncates to bfloat16 (tolerances.reference_ulps)
+    ulps = tolerances.reference_ulps(shape.dtype, kernels.INTERPRETED and backend == "kernel")
+    return float(loss.detach()), grad, ref, (fwd_ms, fwdbwd_ms), ulps
 
 
-def _jax_cases(shapes, impls, runs, rows, failures):
+def _jax_case(loss_fn, backend, shape, runs):
+    """_torch_case's tuple for a JAX loss, jit-compiled."""
     import jax
 
     from . import jax_impls
 
-    for impl, backend in JAX_CASES:
+    logits, labels = jax_impls.make_inputs(shape)
+    ref = reference.expected(np.asarray(logits.astype("float32"), np.float64), labels, "mean")
+    fwd, fwdbwd = jax.jit(loss_fn), jax.jit(jax.value_and_grad(loss_fn))
+    loss, grad = fwdbwd(logits, labels)
+    times = tuple(_median_ms(lambda: jax.block_until_ready(f(logits, labels)), tuple, runs) for f in (fwd, fwdbwd))
+    return float(loss), np.asarray(grad.astype("float32"), np.float64), ref, times, tolerances.ULPS
+
+
+def _row(impl, backend, shape, loss, grad, ref, times, ulps):
+    loss_used, loss_error = _tolerance_used(loss, ref.loss, tolerances.loss_bound(ref), "loss")
+    grad_bound = tolerances.grad_bound(ref, grad, shape.dtype, ulps=ulps)
+    grad_used, grad_error = _tolerance_used(grad, ref.grad, grad_bound, "grad")
+    ok = loss_error is None and grad_error is None
+    fwd_ms, fwdbwd_ms = times
+    say(
+        f"{impl:16s} {backend or '':9s} {shape}: tolerance used: loss {loss_used:.2f}, grad {grad_used:.2f} "
+        f"{'ok' if ok else 'MISMATCH ' + (loss_error or grad_error)}; fwd {fwd_ms:.1f} ms, fwd+bwd {fwdbwd_ms:.1f} ms "
+        "(interpreted/CPU)"
+    )
+    row = {"impl": impl, "N": shape.N, "V": shape.V, "dtype": shape.dtype, "fwd_ms": fwd_ms, "fwdbwd_ms": fwdbwd_ms}
+    tolerance = {"loss_tol_used": loss_used, "grad_tol_used": grad_used, "ok": ok}
+    return {**row, "peak_extra_bytes": 0, "backend": backend or "framework", **tolerance}
+
+
+def _run_cases(cases, load, run_case, shapes, impls, runs, rows, failures):
+    for impl, backend in cases:
         if impl not in impls:
             continue
-        loss_fn = _load(impl, backend, jax_impls.LOADERS, jax_impls.fastce_jax_loss, failures)
-        if loss_fn is None:
+        name = f"{impl}[{backend}]"
+        try:
+            loss_fn = load(impl, backend)
+        except Exception as exc:  # noqa: BLE001
+            failures.append(failure(name, None, "load", exc))
+            say(f"{name}: skipped ({failures[-1]['error']})")
             continue
         for shape in shapes:
             try:
-                logits, labels = jax_impls.make_inputs(shape)
-                ref = reference.expected(np.asarray(logits.astype("float32"), np.float64), labels, "mean")
-                fwd = jax.jit(loss_fn)
-                fwdbwd = jax.jit(jax.value_and_grad(loss_fn))
-                loss, grad = fwdbwd(logits, labels)
-                jax.block_until_ready(fwd(logits, labels))
-
-                def timed(fn):
-                    return _median_ms(lambda: jax.block_until_ready(fn(logits, labels)), tuple, runs)
-
-                rows.append(
-                    _check(
-                        impl,
-                        backend,
-                        shape,
-                        float(loss),
-                        np.asarray(grad.astype("float32"), np.float64),
-                        ref,
-                        timed(fwd),
-                        timed(fwdbwd),
-                    )
-                )
+                rows.append(_row(impl, backend, shape, *run_case(loss_fn, backend, shape, runs)))
             except Exception as exc:  # noqa: BLE001
-                failures.append(failure(f"{impl}[{backend}]", shape, "measure", exc))
-                say(f"{impl}[{backend}] {shape}: FAILED {failures[-1]['error']}")
+                failures.append(failure(name, shape, "measure", exc))
+                say(f"{name} {shape}: FAILED {failures[-1]['error']}")
 
 
 def run_cpu_demo(shapes, impls, runs=3) -> dict:
@@ -173,8 +138,20 @@ def run_cpu_demo(shapes, impls, runs=3) -> dict:
     jax_setup.configure(interpret_only=True)
     say(BANNER)
     rows, failures = [], []
-    _torch_cases(shapes, impls, runs, rows, failures)
-    _jax_cases(shapes, impls, runs, rows, failures)
+    if any(impl in impls for impl, _ in TORCH_CASES):
+        from . import torch_impls  # fastce_torch itself turns the interpreter on when torch sees no CUDA
+
+        def load(impl, backend):
+            return torch_impls.fastce_torch_loss(backend) if backend else torch_impls.LOADERS[impl]()
+
+        _run_cases(TORCH_CASES, load, _torch_case, shapes, impls, runs, rows, failures)
+    if any(impl in impls for impl, _ in JAX_CASES):
+        from . import jax_impls
+
+        def load(impl, backend):
+            return jax_impls.fastce_jax_loss(backend) if backend else jax_impls.LOADERS[impl]()
+
+        _run_cases(JAX_CASES, load, _jax_case, shapes, impls, runs, rows, failures)
     result = {
         "device": "cpu (interpreted demo)",
         "date": envinfo.today(),
@@ -190,21 +167,6 @@ def run_cpu_demo(shapes, impls, runs=3) -> dict:
 
 
 def demo_table(rows) -> str:
-    header = ("impl", "backend", "N", "V", "dtype", "fwd_ms", "fwdbwd_ms", "loss tol used", "grad tol used", "check")
-    cells = [header] + [
-        (
-            r["impl"],
-            r["backend"],
-            str(r["N"]),
-            str(r["V"]),
-            r["dtype"],
-            f"{r['fwd_ms']:.1f}",
-            f"{r['fwdbwd_ms']:.1f}",
-            f"{r['loss_tol_used']:.2f}",
-            f"{r['grad_tol_used']:.2f}",
-            "ok" if r["ok"] else "MISMATCH",
-        )
-        for r in rows
-    ]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
+    cells = [list(COLUMNS)] + [[cell(r) for cell in COLUMNS.values()] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in cells)

@@ -10,18 +10,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Distribution names whose versions go into the JSON (absent ones are recorded as "absent").
-DISTRIBUTIONS = (
-    "torch",
-    "triton",
-    "jax",
-    "jaxlib",
-    "jax-cuda12-plugin",
-    "jax-cuda13-plugin",
-    "liger-kernel",
-    "numpy",
-    "matplotlib",
-    "fastce",
-)
+DISTRIBUTIONS = ("torch", "triton", "jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "liger-kernel", "numpy",
+                 "matplotlib", "fastce")  # fmt: skip
 
 
 def today() -> str:
@@ -33,18 +23,12 @@ def git_commit() -> str:
     Where the tree is a copy without .git, set BENCH_COMMIT to the sha it was copied from."""
     if os.environ.get("BENCH_COMMIT"):
         return os.environ["BENCH_COMMIT"]
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
+        return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

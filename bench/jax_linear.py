@@ -1,27 +1,10 @@
-"""The JAX rows of `python -m bench --linear`: fused linear cross-entropy, the loss from hidden states and the LM head.
+"""The JAX rows of `python -m bench --linear`; import this module only after bench.jax_setup.configure().
 
-Implementations, all `jit(value_and_grad(loss, argnums=(0, 1)))(hidden, weight, labels)` (gradients for the
-hidden states and the weight, nothing donated: both are live parameters / activations in training):
-  fastce_jax_linear         fastce_jax.linear_cross_entropy with its defaults (256 MiB workspace, weight gradient
-                            summed over chunks in bf16)
-  fastce_jax_linear_f32acc  the same with the float32 weight-gradient accumulator
-  fastce_jax_linear_1GiB    the same with a 1 GiB workspace
-  fastce_jax_linear_skip    the same with skip_ignored_rows=True (chunks without a kept row skipped on the device)
-                            (these four are bench.linear_shapes.FASTCE_SETTINGS, as for fastce_torch)
-  xla_linear                hidden @ weight.T, then XLA's float32-upcast CE (optax's formula), mean over kept tokens
-  matmul+fastce_jax         hidden @ weight.T, then fastce_jax.cross_entropy on the materialised logits
-Plus `matmul` (not a loss): the three matmuls of the step alone (logits = h W^T, dh = G W, dW = G^T h with a given
-bf16 G), the ceiling every fused implementation is compared against, measured in the same run.
-
-Accuracy: each row's d hidden and d weight against float32 copies of the same inputs with float32 matmuls
-(precision HIGHEST) and the float32 CE formula, as rms error relative to rms (grad_*_rel_rms).
-
-Time: host-timed like bench/jax_impls.py (K calls queued, one block_until_ready, median of batches).
-Effective TFLOP/s = 6 N H V / time.  Memory: temp_size_in_bytes of the compiled step (XLA scratch; the
-gradients are outputs and are not in it).  Each row's loss is compared with xla_linear's on the same inputs.
-
-`run(...)` returns {"rows": [...], "failures": [...]} for bench.linear to merge into its table. Import this module
-only after bench.jax_setup.configure().
+Every implementation runs as jit(value_and_grad(loss, argnums=(0, 1))) (nothing donated: hidden and weight are
+live): fastce_jax.linear_cross_entropy at each FASTCE_SETTINGS entry, xla_linear (hidden @ weight.T and XLA's
+float32-upcast CE), matmul+fastce_jax, and `matmul`, the step's three matmuls alone (the ceiling). Host-timed as
+bench/jax_measure.py; memory = the compiled step's temp_size_in_bytes; accuracy = each gradient's rms error relative
+to a float32 computation (precision HIGHEST). `run(...)` returns {"rows", "failures"} for bench.linear to merge.
 """
 
 import sys
@@ -203,16 +186,12 @@ def run(
             if matmul_tflops:
                 r["of_matmul"] = r["TFLOPs"] / matmul_tflops
             rows.append({"impl": impl, **base, **r})
-            say(
-                f"{impl} {shape}: {r['fwdbwd_ms']:.2f} ms, {r['TFLOPs']:.0f} TFLOP/s"
-                + (f" ({r['of_matmul']:.0%} of matmul)" if matmul_tflops else "")
-                + f", temp {r['peak_extra_bytes'] / 2**20:.0f} MiB, loss {r['loss']:.5f}"
-                + (
-                    f", dW err {r['grad_weight_rel_rms']:.1e}, dh err {r['grad_hidden_rel_rms']:.1e}"
-                    if "grad_weight_rel_rms" in r
-                    else ""
-                )
-            )
+            of_matmul = f" ({r['of_matmul']:.0%} of matmul)" if matmul_tflops else ""
+            memory = f"temp {r['peak_extra_bytes'] / 2**20:.0f} MiB, loss {r['loss']:.5f}"
+            accuracy = ""
+            if "grad_weight_rel_rms" in r:
+                accuracy = f", dW err {r['grad_weight_rel_rms']:.1e}, dh err {r['grad_hidden_rel_rms']:.1e}"
+            say(f"{impl} {shape}: {r['fwdbwd_ms']:.2f} ms, {r['TFLOPs']:.0f} TFLOP/s{of_matmul}, {memory}{accuracy}")
             gc.collect()
         for r in rows:
             if r["impl"] != "matmul" and all(r[k] == v for k, v in base.items()):

@@ -1,21 +1,8 @@
-"""Timing and memory of one JAX implementation on one shape (the twin of bench/torch_measure.py).
-
-Import this module only after bench.jax_setup.configure().
-Compiled programs (jax.jit, compiled once per shape, outside timing):
-  fwd    = jit(loss)(logits, labels)
-  fwdbwd = jit(value_and_grad(loss), donate_argnums=0)(logits, labels) -> (loss, grad)
-  fwdbwd_undonated = jit(value_and_grad(loss))(logits, labels), the same logits every call
-Donating the logits is the training situation (the logits are an intermediate of the step), and it is what
-lets fastce_jax's backward alias its output to the logits buffer instead of copying the input first. Each
-timed fwdbwd call feeds the previous call's gradient back in as the next logits (finite values, same work).
-Not donated is what a plain jax.grad caller gets when the logits are an argument of the jitted function: an
-output aliased to a live input (fastce_jax's inplace_backward=True) makes XLA copy the logits before the
-backward kernel (one more read and write of N*V); fastce_jax_noalias (inplace_backward=False) writes a fresh
-gradient buffer instead.
-Timing is on the host: K calls queued back to back, one block_until_ready at the end, time / K; the median of
-several such batches. Dispatch overlaps the GPU work, but small shapes are still somewhat overstated compared
-with torch's CUDA-event times.
-Peak extra memory = temp_size_in_bytes of the compiled fwdbwd (XLA's scratch; excludes inputs and outputs).
+"""Timing and memory of one JAX implementation on one shape (the twin of bench/torch_measure.py); import it only
+after bench.jax_setup.configure(). fwd = jit(loss); fwdbwd = jit(value_and_grad(loss), donate_argnums=0), each call
+feeding its gradient back as the next logits (donated: the training situation, where fastce_jax's backward may alias
+the logits); fwdbwd_undonated = the same without donation (what a plain jax.grad caller gets). Host timing of calls
+queued back to back (bench_ms); peak extra memory = the compiled fwdbwd's temp_size_in_bytes.
 """
 
 import statistics

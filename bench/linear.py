@@ -1,39 +1,16 @@
 """`python -m bench --linear`: fused linear + cross-entropy, the loss from hidden states and the LM-head weight.
 
-Each implementation computes mean CE(hidden @ weight.T, labels) in bf16 (every 7th label ignored) and its
-gradients for hidden and weight; timed is forward + backward (`torch.autograd.grad(loss, (hidden, weight))`), as
-triton.testing.do_bench medians. Reported per row: time, effective TFLOP/s = 6·N·H·V / time (the three matmuls of
-a forward + backward; implementations that recompute logits do more work than that), its ratio to a plain bf16
-matmul of the shape measured in the same run (2·N·H·V flops of hidden @ weight.T: of_matmul) and to an 8192³ bf16
-matmul, the card's peak as this run measures it (PEAK_MATMUL: of_peak), the peak memory above the inputs
-(torch.cuda.max_memory_allocated during one call; the gradients of hidden and weight are part of it, and
-`extra beyond grads` subtracts them), and the accuracy: the rms error of the weight and hidden gradients relative
-to the rms of a float32 computation of the same loss (float32_reference: float32 copies of the same inputs, float32
-matmuls with TF32 off, fastce's torch reference loss; one per shape).
-
-Shapes (bench/linear_shapes.py): LINEAR_SHAPES, (N, H, V) = (4096, 4096, 128256), (8192, 4096, 128256),
-(8192, 3584, 152064), (8192, 2304, 256000), (32768, 4096, 128256); `--linear-shapes NxHxV,...` picks others (a full
-run of every row is close to ten minutes on an H200: split it in two invocations).
-
-Implementations (torch): fastce_torch.linear_cross_entropy in the FASTCE_SETTINGS configurations (keyword arguments
-of the call), which both packages are timed in (fastce_torch_linear: the defaults, a 256 MiB workspace and the
-weight gradient summed in bf16; ..._f32acc: the float32 weight-gradient accumulator; ..._1GiB: a 1 GiB workspace;
-..._skip: skip_ignored_rows=True, in --ignored runs only),
-matmul + fastce_torch.cross_entropy (logits materialised, gradient in place), torch.compile of matmul +
-F.cross_entropy on upcast logits, Liger's fused linear CE, Apple's Cut Cross-Entropy (skipped when not installed)
-and torch.nn.functional.linear_cross_entropy's chunked path (torch_linear_ce; absent, with a note, where the
-installed torch has none). Then bench.jax_linear's JAX rows on the same shapes (fastce_jax_linear, ..._f32acc,
-..._1GiB, XLA matmul + CE, matmul + fastce_jax.cross_entropy, the three matmuls alone), host-timed as there, with
-XLA's temp size as memory and their own float32 reference for the accuracy.
-
-`python -m bench --linear --quick`: one shape (8192, 4096, 128256), fastce_torch only, and a correctness check of
-its loss and gradients against float32_reference: exit status 1 when it fails.
-
-`--ignored 0,0.5,0.9` (bench.linear_shapes.DEFAULT_IGNORED when given without a value): each shape with those
-fractions of its labels ignored (sequences of SEQUENCE rows, each starting with its ignored part, as a prompt in
-supervised fine-tuning), timing IGNORED_IMPLS (and IGNORED_JAX_IMPLS): fastce at its defaults (every row costs its
-matmuls) and with skip_ignored_rows=True (the ..._skip rows: only the kept rows do), beside the other fused
-implementations. The effective TFLOP/s stay 6·N·H·V / time, the full problem's work.
+Each implementation computes mean CE(hidden @ weight.T, labels) in bf16 (every 7th label ignored) and its gradients
+for hidden and weight; timed is forward + backward (`torch.autograd.grad(loss, (hidden, weight))`, do_bench medians).
+Per row: time; effective TFLOP/s = 6·N·H·V / time (the three matmuls of a forward + backward), as a share of a plain
+bf16 matmul of the shape (of_matmul) and of an 8192³ one (PEAK_MATMUL: of_peak), both measured in the same run; the
+peak memory above the inputs (and `extra beyond grads`, less the two gradients); the rms error of each gradient
+relative to a float32 computation of the same loss (float32_reference). Implementations: LOADERS (fastce_torch at
+each FASTCE_SETTINGS entry, matmul + fastce_torch.cross_entropy, torch.compile, Liger, Cut Cross-Entropy,
+torch.nn.functional.linear_cross_entropy where torch has it; a missing package is a note, not a failure), then
+bench.jax_linear's JAX rows. `--quick`: one shape, fastce_torch only, and a float32 check of its loss and gradients
+(exit status 1 when it fails). `--ignored 0,0.5,0.9`: each shape at those fractions of ignored labels, fastce with and
+without skip_ignored_rows beside the other fused implementations (bench/linear_shapes.py has the shapes).
 """
 
 import contextlib
@@ -149,36 +126,34 @@ def make_inputs(shape, seed=0):
     return hidden, weight, labels
 
 
-def matmul_tflops(shape):
-    """A plain bf16 hidden @ weight.T (cuBLAS) on this shape: the throughput the fused rows are compared with."""
+def _matmul_tflops(a, b):
+    """TFLOP/s of a plain a @ b (cuBLAS), do_bench median."""
     import torch
 
     from .torch_measure import bench_ms
 
-    hidden, weight, _ = make_inputs(shape)
-    out = torch.empty(shape.N, shape.V, device=DEVICE, dtype=hidden.dtype)
+    out = torch.empty(a.shape[0], b.shape[1], device=DEVICE, dtype=a.dtype)
     with torch.no_grad():
-        ms = bench_ms(lambda: torch.matmul(hidden, weight.t(), out=out), 100, 500)
-    del hidden, weight, out
+        ms = bench_ms(lambda: torch.matmul(a, b, out=out), 100, 500)
+    del out
     torch.cuda.empty_cache()
-    return 2.0 * shape.N * shape.H * shape.V / (ms * 1e-3) / 1e12
+    return 2.0 * a.shape[0] * a.shape[1] * b.shape[1] / (ms * 1e-3) / 1e12
+
+
+def matmul_tflops(shape):
+    """hidden @ weight.T on this shape: the throughput the fused rows are compared with."""
+    hidden, weight, _ = make_inputs(shape)
+    return _matmul_tflops(hidden.detach(), weight.detach().t())
 
 
 def peak_matmul_tflops(dims=None):
-    """A plain bf16 (M, K) @ (K, N) matmul, PEAK_MATMUL by default: the card's peak as this run measures it."""
+    """An (M, K) @ (K, N) matmul, PEAK_MATMUL by default: the card's peak as this run measures it."""
     import torch
-
-    from .torch_measure import bench_ms
 
     m, k, n = dims or PEAK_MATMUL
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     a = torch.randn(m, k, device=DEVICE, generator=gen).to(torch.bfloat16)
-    b = torch.randn(k, n, device=DEVICE, generator=gen).to(torch.bfloat16)
-    out = torch.empty(m, n, device=DEVICE, dtype=torch.bfloat16)
-    ms = bench_ms(lambda: torch.matmul(a, b, out=out), 100, 500)
-    del a, b, out
-    torch.cuda.empty_cache()
-    return 2.0 * m * k * n / (ms * 1e-3) / 1e12
+    return _matmul_tflops(a, torch.randn(k, n, device=DEVICE, generator=gen).to(torch.bfloat16))
 
 
 @contextlib.contextmanager
@@ -328,12 +303,16 @@ def _add_jax_rows(shapes, matmul, peak, rows, failures, impls=None):
     failures.extend(result["failures"])
 
 
-def _say_row(r):
-    accuracy = (
+def _accuracy_text(r):
+    return (
         f", dW err {r['grad_weight_rel_rms']:.1e}, dh err {r['grad_hidden_rel_rms']:.1e}"
         if "grad_weight_rel_rms" in r
         else ""
     )
+
+
+def _say_row(r):
+    accuracy = _accuracy_text(r)
     say(
         f"{r['impl']:28s} N={r['N']} H={r['H']} V={r['V']} ({r.get('ignored', 0):.0%} ignored): "
         f"{r['fwdbwd_ms']:.2f} ms, {r['effective_TFLOPs']:.0f} "
@@ -423,40 +402,25 @@ def _error_cell(r, key):
     return f"{r[key]:.1e}" if key in r else "-"
 
 
+TABLE_HEADER = (
+    "impl|N|H|V|ignored|fwd+bwd ms|TFLOP/s (6NHV)|of matmul|of peak|peak extra MiB|beyond grads MiB|"
+    "dW rel rms err|dh rel rms err"
+).split("|")
+
+
+def _table_cells(r):
+    peak = f"{r['peak_extra_bytes'] / MiB:.0f}" + (" (temp)" if r.get("peak_extra_kind") == "xla_temp_size" else "")
+    ignored = f"{r['ignored']:.0%}" if "ignored" in r else "-"
+    of_peak = f"{r['of_peak']:.0%}" if "of_peak" in r else "-"
+    timing = (f"{r['fwdbwd_ms']:.2f}", f"{r['effective_TFLOPs']:.0f}", f"{r['of_matmul']:.0%}", of_peak)
+    errors = (_error_cell(r, "grad_weight_rel_rms"), _error_cell(r, "grad_hidden_rel_rms"))
+    return (r["impl"], r["N"], r["H"], r["V"], ignored, *timing, peak, f"{r['extra_beyond_grads_bytes'] / MiB:.0f}",
+            *errors)  # fmt: skip
+
+
 def text_table(result):
-    header = (
-        "impl",
-        "N",
-        "H",
-        "V",
-        "ignored",
-        "fwd+bwd ms",
-        "TFLOP/s (6NHV)",
-        "of matmul",
-        "of peak",
-        "peak extra MiB",
-        "beyond grads MiB",
-        "dW rel rms err",
-        "dh rel rms err",
-    )
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in result["rows"]:
-        cells = (
-            r["impl"],
-            r["N"],
-            r["H"],
-            r["V"],
-            f"{r['ignored']:.0%}" if "ignored" in r else "-",
-            f"{r['fwdbwd_ms']:.2f}",
-            f"{r['effective_TFLOPs']:.0f}",
-            f"{r['of_matmul']:.0%}",
-            f"{r['of_peak']:.0%}" if "of_peak" in r else "-",
-            f"{r['peak_extra_bytes'] / MiB:.0f}" + (" (temp)" if r.get("peak_extra_kind") == "xla_temp_size" else ""),
-            f"{r['extra_beyond_grads_bytes'] / MiB:.0f}",
-            _error_cell(r, "grad_weight_rel_rms"),
-            _error_cell(r, "grad_hidden_rel_rms"),
-        )
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
+    lines += ["| " + " | ".join(str(c) for c in _table_cells(r)) + " |" for r in result["rows"]]
     matmul = ", ".join(f"{shape}: {tf:.0f}" for shape, tf in result["matmul_TFLOPs"].items())
     text = "\n".join(lines) + f"\n\nbf16 matmul TFLOP/s in the same run: {matmul}"
     if "peak_matmul" in result:

@@ -109,35 +109,8 @@ def default_json_path(date, device_slug) -> Path:
     return RESULTS_DIR / f"{date}-{device_slug}.json"
 
 
-NOTES = """\
-How it was measured (bench/torch_measure.py, bench/jax_measure.py and bench/runner.py say it in full):
-- Isolation: every pass of every implementation runs in a process of its own (torch eager, torch CUDA graph,
-  JAX, and the copy bandwidth), so no framework's allocator, compiled state or failed capture touches another's
-  numbers; `python -m bench` itself only merges the workers' JSON.
-- torch: triton.testing.do_bench medians. fwd = the loss with grad mode on; fwd+bwd = loss then
-  `torch.autograd.grad(loss, logits)` with the logits a non-leaf tensor (as lm_head output is), so
-  implementations that may write the gradient in place (fastce_torch, Liger) do. leaf .backward() = the logits a
-  leaf that requires grad, `logits.grad = None; loss.backward()` (how most training code and Unsloth's users call a
-  loss: the gradient goes into a fresh .grad; fastce_torch never overwrites a leaf). Peak extra =
-  torch.cuda.max_memory_allocated during one non-leaf fwd+bwd above the allocated bytes before it (logits and
-  labels); the leaf call's peak (its .grad included) is peak_extra_leaf_bytes in the JSON.
-  CUDA graph fwd+bwd = the non-leaf fwd+bwd captured once in a torch.cuda.CUDAGraph and replayed (do_bench):
-  inputs, warm-up and capture on one side stream, after a trivial first capture in the process; device time
-  only, without Python, the autograd engine or launch costs; fwd+bwd minus this is the call's host-bound share.
-  n/a = not capturable (the list below gives the first error of the failed capture).
-- JAX: jit-compiled programs, fwd+bwd = `value_and_grad` with the logits donated; host timing of many queued
-  calls, median of batches (includes dispatch, so small shapes read a little slow). "not donated" = the same
-  value_and_grad without donate_argnums (the logits stay alive, what a plain jax.grad caller gets): where the
-  backward aliases its output to the logits (fastce_jax's inplace_backward=True) XLA must copy the logits first;
-  fastce_jax_noalias is fastce_jax with inplace_backward=False. Peak extra ("temp") = XLA's compiled
-  temp_size_in_bytes of the fwd+bwd program.
-- Labels uniform with every 7th token = -100, mean reduction, random normal logits.
-- Floors: bytes of the logits moved 1, 2 or 3 times at the device-to-device copy bandwidth measured in the
-  same run (copy bandwidth counts bytes read + written).
-- Where a time is host-bound (short kernels: the loss's Python, launches and the autograd engine's round trip
-  take longer than the GPU work), it varies with the machine's host from run to run. bench/NOTES.md holds
-  the evidence per gap: kernel-only times, Nsight Compute counters, host costs measured beside them.
-"""
+# "How it was measured", rendered into RESULTS.md under the table (prose: kept as markdown beside this module).
+METHOD_MD = Path(__file__).resolve().parent / "METHOD.md"
 
 
 def results_markdown(result, plot_name=None) -> str:
@@ -158,13 +131,9 @@ def results_markdown(result, plot_name=None) -> str:
             f"- merged from `{run['source']}` (commit {run['commit']}, {run['date']}, "
             f"copy bandwidth {run['copy_bandwidth_TBps']:.2f} TB/s)"
         )
-    parts += [
-        "",
-        markdown_table(sort_rows(result["rows"])),
-        "",
-    ]
+    parts += ["", markdown_table(sort_rows(result["rows"])), ""]
     rows = result["rows"]
-    sections = (
+    sections = (  # (title, the rows or failures it lists, the key that says why)
         ("Not measured:", result.get("failures") or [], "error"),
         (
             "Not captured in a CUDA graph:",
@@ -187,13 +156,11 @@ def results_markdown(result, plot_name=None) -> str:
             parts += [""]
     if plot_name:
         parts += [f"![forward and forward+backward time vs V]({plot_name})", ""]
-    parts += [NOTES]
+    parts += [METHOD_MD.read_text()]
     for linear_json in latest_linear_runs():
         parts += ["", linear_markdown(read_json(linear_json), _link(linear_json, RESULTS_MD.parent.parent))]
     # The bench tools' sections, each from the newest of its JSON files.
     for pattern, markdown in (
-        ("*-linear-profile-*.json", linear_profile_markdown),
-        ("*-dw-product-probe-*.json", dw_product_markdown),
         ("*-overhead-*.json", host_time_markdown),
         ("*transformers-step*.json", transformers_step_markdown),
     ):
@@ -221,109 +188,12 @@ def linear_markdown(result, source) -> str:
     """A `python -m bench --linear` JSON (forward+backward with the hidden and weight gradients) as a table."""
     from .linear import text_table
 
-    return "\n".join(
-        [
-            f"## Fused linear cross-entropy (from `{source}`)",
-            "",
-            f"{result['device']}, commit {result['commit']}, {result['date']}, torch {result['torch']}; "
-            "bench/NOTES.md explains where the fused rows lose to the unfused ones (the chunked cuBLAS products).",
-            "",
-            text_table(result),
-            "",
-        ]
+    heading = f"## Fused linear cross-entropy (from `{source}`)"
+    about = (
+        f"{result['device']}, commit {result['commit']}, {result['date']}, torch {result['torch']}; "
+        "bench/NOTES.md explains where the fused rows lose to the unfused ones (the chunked cuBLAS products)."
     )
-
-
-def linear_profile_markdown(profile, source) -> str:
-    """bench/tools/linear_profile.py's JSON: each shape's device time by product role, fused against unfused."""
-    lines = [
-        f"## Where the fused rows spend their device time (from `{source}`)",
-        "",
-        f"{profile['device']}, commit {profile['commit']}, {profile['date']}, torch {profile['torch']}; "
-        f"torch.profiler, mean of {profile['calls']} calls per implementation: fastce_torch.linear_cross_entropy at "
-        "its defaults (fused), matmul + fastce_torch.cross_entropy through autograd (unfused), the three bare cuBLAS "
-        "products. Each product's count x inner dimension K, ms and TFLOP/s; other = every other kernel (fastce's CE "
-        "kernels); busy = the sum of kernel times.",
-        "",
-        "| N, H, V | implementation | logits products | d hidden products | d weight products | other ms | busy ms |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for entry in profile["shapes"]:
-        n, h, v = entry["shape"][:3]
-        for name, result in entry["results"].items():
-            cells = []
-            for role in ("logits", "d hidden", "d weight"):
-                product = result[role]
-                dims = "/".join(map(str, product["inner_dims"]))
-                tflops = "" if product["tflops"] is None else f", {product['tflops']:.0f} TF/s"
-                cells.append(f"{product['count']}x K={dims}: {product['ms']:.2f} ms{tflops}")
-            lines.append(
-                f"| {n}, {h}, {v} | {name} | " + " | ".join(cells) + f" | {max(result['other']['ms'], 0.0):.2f} | "
-                f"{result['busy_ms']:.2f} |"
-            )
-    return "\n".join(lines) + "\n"
-
-
-def _run_label(run, source) -> str:
-    """'device, commit c, date' of a bench tool's JSON; a file written before the tool recorded its commit and date
-    carries them in its name (YYYY-MM-DD-...-<commit>.json)."""
-    stem = Path(source).stem
-    return f"{run['device']}, commit {run.get('commit', stem.rsplit('-', 1)[-1])}, {run.get('date', stem[:10])}"
-
-
-DW_CUBLAS = "cuBLAS addmm_ (beta=1), the package's"
-DW_CUBLAS_NO_C = "cuBLAS mm (beta=0), no C read"
-DW_CUBLAS_FLOAT32 = "cuBLAS addmm, float32 C (beta=1)"
-
-
-def dw_product_markdown(probe, source) -> str:
-    """bench/tools/dw_product_probe.py's JSON: the fused loop's d weight product, cuBLAS against the fastest Triton
-    variant per gradient dtype at each chunk shape, then the whole fused loss with each."""
-
-    def cell(ms, flop, name=""):
-        return "-" if ms is None else f"{ms:.3f} ms, {flop / ms / 1e9:.0f} TF/s{name}"
-
-    def fastest(timings, c_dtype):
-        found = [(ms, name) for name, ms in timings.items() if f" C {c_dtype} " in name and ms is not None]
-        return min(found) if found else (None, "")
-
-    lines = [
-        f"## The fused loop's d weight product: cuBLAS against a Triton kernel (from `{source}`)",
-        "",
-        f"{_run_label(probe, source)}. dW (V, H) += dlogits.T @ hidden_chunk at the chunk's inner dimension K "
-        "(do_bench medians, L2 flushed; TFLOP/s as 2·K·V·H); the Triton kernel's fastest of its configs and "
-        "schedules for each gradient dtype (every variant checked against the float32 sum first). cuBLAS without "
-        "the C read (beta=0) is the ceiling for any kernel that hides the gradient's read entirely.",
-        "",
-        "| V, H, K | cuBLAS addmm_ (bf16 C, the package's) | cuBLAS, no C read | cuBLAS, float32 C "
-        "| Triton, bf16 C | Triton, float32 C |",
-        "|---|---|---|---|---|---|",
-    ]
-    for shape in probe["shapes"]:
-        timings, flop = shape["timings_ms"], 2 * shape["V"] * shape["H"] * shape["K"]
-        cells = [cell(timings.get(name), flop) for name in (DW_CUBLAS, DW_CUBLAS_NO_C, DW_CUBLAS_FLOAT32)]
-        for c_dtype in ("bfloat16", "float32"):
-            ms, name = fastest(timings, c_dtype)
-            cells.append(cell(ms, flop, f" ({name.replace(f' C {c_dtype} ', ' ')})" if name else ""))
-        lines.append(f"| {shape['V']}, {shape['H']}, {shape['K']} | " + " | ".join(cells) + " |")
-    if probe.get("loop"):
-        lines += [
-            "",
-            "The whole fused loss (fastce_torch.linear_cross_entropy forward+backward, both gradients) with its d "
-            "weight product as the package runs it and swapped for the Triton kernel's fastest variant at the chunk "
-            "shape; dW error = rms relative error against a float32 computation of the same loss.",
-            "",
-            "| N, H, V | settings | chunk rows | package ms | Triton d weight ms | package dW error "
-            "| Triton dW error |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for run in probe["loop"]:
-            n, h, v = run["shape"]
-            lines.append(
-                f"| {n}, {h}, {v} | {run['settings']} | {run['chunk_rows']} | {run['package_ms']:.2f} | "
-                f"{run['triton_ms']:.2f} | {run['package_dw_error']:.2e} | {run['triton_dw_error']:.2e} |"
-            )
-    return "\n".join(lines) + "\n"
+    return "\n".join([heading, "", about, "", text_table(result), ""])
 
 
 # The overhead summary's figures in the host-time table's columns.
@@ -359,8 +229,9 @@ def host_time_markdown(run, source) -> str:
     lines = [
         f"## Host time of an eager call (from `{source}`)",
         "",
-        f"{_run_label(run, source)}, torch {run['torch']}; `python -m bench.tools.overhead`, tiny inputs (64 x 1000 "
-        "float32: the GPU idles, so wall time per call is host time), the fastest of "
+        f"{run['device']}, commit {run['commit']}, {run['date']}, torch {run['torch']}; "
+        "`python -m bench.tools.overhead`, tiny inputs (64 x 1000 float32: the GPU idles, so wall time per call is "
+        "host time), the fastest of "
         f"{run['repeat']} means over {run['calls']} calls, us per call.",
         "",
         "| cross_entropy forward+backward | leaf `.backward()` | F.cross_entropy | a do-nothing autograd.Function "

@@ -1,18 +1,10 @@
 """The GPU run. The parent process only orchestrates: every measurement happens in a worker process of its own,
-`python -m bench --worker PASS --impls IMPL --shapes ... --json PART`, one per pass and implementation:
-
-  bandwidth    device name and copy bandwidth (the floors of every row)
-  torch-eager  one torch implementation, every shape: fwd, fwd+bwd (non-leaf logits), leaf fwd+bwd, peak memory
-  torch-graph  one torch implementation, the shapes its eager pass measured: the CUDA-graph replay of fwd+bwd
-  jax          one JAX implementation, every shape: fwd, fwd+bwd donated and not donated
-
-So no framework's allocator, compiled state or failure reaches another's numbers: JAX's client (which grows on
-demand up to nearly the whole GPU) never shares a process with torch, and a failed capture (which can leave
-memory held for the rest of its process) never shares one with an eager measurement. A worker that fails on a
-shape records it and goes on; a graph worker stops after a failed capture and a fresh one takes the remaining
-shapes; a worker that dies (crash, timeout) leaves the rows it had written, the shape it was on is marked failed
-with its exit status and last output line, and a fresh worker takes the rest. The parent merges the workers' JSON
-and adds the floor ratios.
+`python -m bench --worker PASS --impls IMPL --shapes ... --json PART`, one per pass (bandwidth, torch-eager,
+torch-graph, jax) and implementation, so no framework's allocator, compiled state or failed capture reaches another's
+numbers. A worker that fails on a shape records it and goes on; a graph worker stops after a failed capture and a
+fresh one takes the remaining shapes; a worker that dies leaves the rows it wrote, the shape it was on is marked
+failed with its exit status and last output line, and a fresh worker takes the rest. The parent merges the parts and
+adds the floor ratios.
 """
 
 import collections

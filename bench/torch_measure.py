@@ -1,26 +1,7 @@
 """Timing and memory of one PyTorch implementation on one shape (the twin of bench/jax_measure.py), and the
-device copy bandwidth.
-
-Timed closures (nothing else runs inside them; inputs are made once, outside):
-  fwd    = loss_fn(logits, labels)                                   (grad mode on: the training forward,
-                                                                      including whatever it saves for backward)
-  fwdbwd = torch.autograd.grad(loss_fn(logits, labels), logits)      (gradient w.r.t. the non-leaf logits)
-Implementations that write the gradient into the logits buffer (fastce_torch, Liger) leave gradient values
-there; those are finite, so the next iteration's work is unchanged and the buffer is not refilled.
-  fwdbwd_leaf = logits.grad = None; loss_fn(logits, labels).backward()   (logits a leaf that requires grad:
-                 how most training code and Unsloth's users call a loss; the gradient lands in a fresh .grad,
-                 as after optimizer.zero_grad(set_to_none=True))
-  fwdbwd_graph = fwdbwd captured once in a torch.cuda.CUDAGraph and replayed: the device time alone, no Python,
-                 no autograd engine, no launch overhead. Beside fwdbwd it separates kernel time from call time.
-                 Recipe (torch's CUDA-graph docs): inputs made, warm-up run and capture done on one side stream,
-                 after a first trivial capture in the process (prime_capture). None, with the reason in
-                 fwdbwd_graph_error (the first error of the chain: torch.cuda.graph's exit reports only "operation
-                 failed due to a previous error during capture"), where the implementation cannot be captured (a
-                 host synchronisation such as .item(), or a compiler's own graph handling).
-Times are triton.testing.do_bench medians (CUDA events; do_bench zeroes a 256 MB buffer between iterations
-to flush the L2, outside the timed region). The logits are >= 256 MiB, far above the 60 MB L2.
-The runner (bench/runner.py) calls these in worker processes of their own: eager rows, CUDA-graph rows and the JAX
-rows never share a process.
+device copy bandwidth. What each closure times (fwd, fwd+bwd on non-leaf logits, leaf `.backward()`, the CUDA-graph
+replay) and how: bench/METHOD.md, rendered into RESULTS.md. Times are triton.testing.do_bench medians (the L2 flushed
+between calls); the runner (bench/runner.py) calls these in worker processes of their own.
 """
 
 import contextlib
@@ -52,8 +33,8 @@ def peak_extra_bytes(fn) -> int:
 
 def prime_capture() -> None:
     """Capture and replay a one-kernel graph, so that the process's first capture (torch.cuda.graph's own lazy
-    state, the driver's first capture) is not an implementation's (bench/tools/capture_probe.py tests whether this
-    matters)."""
+    state, the driver's first capture) is not an implementation's (the first-capture failures had another cause:
+    bench/NOTES.md, "Settled probes")."""
     x = torch.zeros(16, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

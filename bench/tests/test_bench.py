@@ -214,24 +214,6 @@ def test_cuda_graph_capture_of_fwdbwd(impl):
         torch.testing.assert_close(captured["grad"], expected)
 
 
-def test_host_cost_breakdown_runs():
-    """`python -m bench.tools.host_cost` on the CPU with a couple of calls per row (its own process: the kernels'
-    CPU launchers need TRITON_INTERPRET=1 before triton is first imported): every part is timed."""
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
-    command = [sys.executable, "-m", "bench.tools.host_cost", "--number", "2", "--repeat", "1"]
-    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.splitlines()[1:]
-    # 17 rows; a GPU process adds the launch-cache rows.
-    assert len(lines) >= 17 and all(line.endswith(" us") and float(line.split()[-2]) > 0 for line in lines)
-    assert any(line.startswith("cross_entropy forward+backward, launches stubbed") for line in lines)
-
-
 def test_error_text_names_the_first_error_of_a_failed_capture():
     """torch.cuda.graph's exit raises its own "previous error during capture" over the body's exception; the
     recorded text must carry the body's (the cause)."""
@@ -343,29 +325,6 @@ def test_merge_two_runs(tmp_path, monkeypatch):
     assert "merged from `a`" in md and "merged from `b`" in md
 
 
-def test_capture_probe_reports_every_error_of_the_chain():
-    """bench.tools.capture_probe's own logic on the CPU (its cases need a GPU): the chain and the report."""
-    from bench.tools import capture_probe
-
-    try:
-        try:
-            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
-        finally:
-            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
-    except RuntimeError as exc:
-        errors = capture_probe.chain(exc)
-    assert errors == [
-        "RuntimeError: CUDA error: operation failed due to a previous error during capture",
-        "RuntimeError: CUDA error: operation not permitted when stream is capturing",
-    ]
-    result = {"variant": "old-harness", "impl": "fastce_torch", "device_after": "ok",
-              "attempts": [{"attempt": 1, "ok": False, "errors": errors}, {"attempt": 2, "ok": True}]}  # fmt: skip
-    text = capture_probe.report([result, {"variant": "same-stream", "impl": "liger", "process": "exited with 1"}])
-    assert "attempts: FAIL ok" in text and "<- RuntimeError: CUDA error: operation not permitted" in text
-    assert "PROCESS exited with 1" in text
-    assert {v for v, _ in capture_probe.cases(["fastce_torch"])} == set(capture_probe.VARIANTS)
-
-
 def test_worker_main_writes_its_part(fake_gpu, tmp_path):
     """What a worker process leaves for the parent: its rows in the JSON, rewritten after every shape."""
     path = tmp_path / "part.json"
@@ -418,47 +377,9 @@ def test_results_md_holds_the_newest_fused_linear_tables(tmp_path):
     assert [p.name for p in latest] == ["2026-01-02-h200-linear-a-new.json", "2026-01-01-h200-linear-b-x.json"]
     md = report.linear_markdown(report.read_json(latest[0]), "source.json")
     assert "commit new" in md and "| fastce_torch_linear | 8 | 4 | 30 |" in md and "1.50" in md
-    # RESULTS.md itself carries the repository's newest committed tables, the profile by product role with them.
+    # RESULTS.md itself carries the repository's newest committed tables.
     committed = report.results_markdown(report.read_json(report.RESULTS_DIR / "2026-12-02-nvidia-h200.json"))
     assert report.latest_linear_runs() and "## Fused linear cross-entropy" in committed
-    assert "## Where the fused rows spend their device time" in committed
-    assert "| 8192, 4096, 128256 | fused |" in committed
-
-
-def test_linear_profile_markdown_names_each_product_role():
-    product = {"count": 8, "inner_dims": [1024], "ms": 14.38, "tflops": 599.0}
-    result = {"logits": product, "d hidden": product, "d weight": product, "other": {"ms": -1e-9, "top": []},
-              "busy_ms": 40.17, "span_ms": 40.6}  # fmt: skip
-    profile = {"device": "Fake GPU", "commit": "abc", "date": "2026-01-01", "torch": "t", "calls": 3,
-               "shapes": [{"shape": [8192, 4096, 128256, "bfloat16"], "results": {"fused": result}}]}  # fmt: skip
-    md = report.linear_profile_markdown(profile, "source.json")
-    assert "commit abc" in md and "mean of 3 calls" in md
-    assert "| 8192, 4096, 128256 | fused | 8x K=1024: 14.38 ms, 599 TF/s |" in md and "| 0.00 | 40.17 |" in md
-
-
-def test_dw_product_markdown_puts_the_fastest_triton_variant_beside_cublas():
-    timings = {
-        report.DW_CUBLAS: 1.0,
-        report.DW_CUBLAS_NO_C: 0.9,
-        report.DW_CUBLAS_FLOAT32: 2.0,
-        "128x128x64 w8 s3 C bfloat16 prefetch": 1.5,
-        "128x256x64 w8 s3 C bfloat16 after": 1.25,
-        "128x256x64 w8 s3 C float32 persistent": None,  # failed to compile: never the fastest
-        "128x128x64 w8 s3 C float32 after": 2.5,
-    }
-    loop = {"shape": [8192, 2304, 256000], "settings": "default", "chunk_rows": 512, "package_ms": 56.561,
-            "triton_ms": 58.68, "package_dw_error": 3.0e-3, "triton_dw_error": 2.9e-3}  # fmt: skip
-    probe = {"device": "Fake GPU", "shapes": [{"V": 1000, "H": 500, "K": 1000, "timings_ms": timings}], "loop": [loop]}
-    # Written before the probe recorded its commit and date: both come from the file name.
-    md = report.dw_product_markdown(probe, "bench/results/2026-12-02-h200-dw-product-probe-abc1234.json")
-    assert "Fake GPU, commit abc1234, 2026-12-02" in md
-    assert (
-        "| 1000, 500, 1000 | 1.000 ms, 1 TF/s | 0.900 ms, 1 TF/s | 2.000 ms, 0 TF/s "
-        "| 1.250 ms, 1 TF/s (128x256x64 w8 s3 after) | 2.500 ms, 0 TF/s (128x128x64 w8 s3 after) |" in md
-    )
-    assert "| 8192, 2304, 256000 | default | 512 | 56.56 | 58.68 | 3.00e-03 | 2.90e-03 |" in md
-    probe.update(commit="def", date="2026-12-03")
-    assert "commit def, 2026-12-03" in report.dw_product_markdown(probe, "x.json")
 
 
 def test_host_time_markdown_shows_unmeasured_figures_as_a_dash():

@@ -1,37 +1,14 @@
 """pytest plugin: fastce behind Liger-Kernel's cross-entropy entry points (`-p bench.tools.outside_liger_plugin`).
 
-Liger's own tests (test/transformers/test_cross_entropy.py, test_fused_linear_cross_entropy.py) compare Liger's
-entry points against torch's loss; with this plugin loaded those entry points run fastce instead, so the same tests
-check fastce. At pytest_configure (before the test modules are collected and import the names) it replaces, in the
-installed liger_kernel (API of 0.8.5):
-- `LigerCrossEntropyFunction.apply` (called positionally by the tests and by `liger_cross_entropy`) with
-  `cross_entropy_apply`;
-- `LigerCrossEntropyLoss.forward` (0.8.5 routes it through `liger_kernel.backends.dispatch`, which would bypass the
-  patched apply) with a forward that calls `cross_entropy_apply` and wraps the result as Liger does;
-- `LigerFusedLinearCrossEntropyFunction.apply` (used by `liger_fused_linear_cross_entropy` and
-  `LigerFusedLinearCrossEntropyLoss.forward`) with `linear_cross_entropy_apply`;
-- `liger_kernel.ops.cross_entropy.liger_cross_entropy_kernel` (launched directly by `test_float32_internal`) with a
-  stub whose launch raises NotImplementedError: that test checks Liger's kernel, which has no fastce counterpart.
-Nothing of Liger's computation stays on the substituted path; a keyword fastce cannot honour raises
-NotImplementedError naming it (the test fails visibly instead of testing Liger).
-
-Keyword mapping (Liger -> fastce_torch.cross_entropy / linear_cross_entropy):
-- weight (CE) / ce_weight (fused) -> weight= / class_weight=; ignore_index, label_smoothing, reduction as named.
-- lse_square_scale -> z_loss. Liger's z-loss term is unweighted even with class weights and its "mean" divides it
-  by the count of non-ignored rows, where fastce weights it by w[y] and divides by the weighted divisor (CONTRACT
-  "Class weights"); so with both weights and z-loss the adapter adds two fastce calls: the weighted loss without
-  z-loss plus the z_loss output of an unweighted call (both out of place).
-- softcap (None = off) -> logit_softcapping (0 = off).
-- return_z_loss -> return_z_loss; return_token_accuracy -> return_accuracy (Liger's "mean" and "sum" both give the
-  fraction over non-ignored rows, as fastce; "none" per token).
-- return_predicted_tokens: NotImplementedError (fastce returns no argmax indices).
-- Fused only: accum_dtype=torch.float32 -> accumulate_in_float32=True (other dtypes NotImplementedError);
-  use_token_scaling=True, ce_impl, ce_mode: NotImplementedError; chunk_mem_const (a chunk-size knob): ignored.
-Returns as Liger's: the tuple (loss, z_loss, token_accuracy, predicted_tokens) with None where not asked; loss and
-z_loss in the logits' dtype (the tests compare them with torch's output of that dtype), in the fused one the loss in
-fastce's float32 (float64 for float64) and z_loss in the hidden states' dtype, as Liger's; labels outside [0, V) that
-are not ignore_index raise AssertionError "... out of bounds" as Liger's host check does.
-Liger's tests run on CUDA; the adapters take `backend` so the CPU tests run them with backend="reference".
+At pytest_configure it replaces, in the installed liger_kernel (API of 0.8.5), `LigerCrossEntropyFunction.apply`,
+`LigerCrossEntropyLoss.forward`, `LigerFusedLinearCrossEntropyFunction.apply` and the directly launched
+`liger_cross_entropy_kernel` by fastce adapters, so Liger's own tests check fastce; a keyword fastce cannot honour
+raises NotImplementedError naming it. Mapping: weight / ce_weight -> weight / class_weight, lse_square_scale ->
+z_loss (with class weights, Liger's unweighted z-loss term comes from a second, unweighted fastce call), softcap ->
+logit_softcapping, return_token_accuracy -> return_accuracy, accum_dtype=float32 -> accumulate_in_float32;
+return_predicted_tokens, use_token_scaling, ce_impl / ce_mode raise; chunk_mem_const is ignored. Returns Liger's
+tuple (loss, z_loss, token_accuracy, predicted_tokens) in Liger's dtypes; out-of-range labels raise AssertionError
+as Liger's host check does. The adapters take `backend`, so the CPU tests run them on the reference backend.
 """
 
 import torch
@@ -47,6 +24,13 @@ def _check_labels(target, n_classes, ignore_index):
 
 def _unsupported(name, value):
     raise NotImplementedError(f"fastce adapter: Liger's {name}={value!r} has no fastce counterpart")
+
+
+def _common(ignore_index, reduction, label_smoothing, softcap, backend):
+    """The keywords both adapters pass through (softcap None = off, fastce's 0)."""
+    softcapping = float(softcap) if softcap is not None else 0.0
+    return dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=float(label_smoothing),
+                logit_softcapping=softcapping, backend=backend or BACKEND)  # fmt: skip
 
 
 def _run(call, weight_kw, weight, lse_square_scale, return_z_loss, return_token_accuracy, options):
@@ -86,25 +70,10 @@ def cross_entropy_apply(
     if return_predicted_tokens:
         _unsupported("return_predicted_tokens", return_predicted_tokens)
     _check_labels(target, _input.shape[-1], ignore_index)
-    options = dict(
-        logits=_input,
-        labels=target,
-        ignore_index=ignore_index,
-        reduction=reduction,
-        label_smoothing=float(label_smoothing),
-        logit_softcapping=float(softcap) if softcap is not None else 0.0,
-        backend=backend or BACKEND,
-        inplace_backward=True,
-    )
-    loss, z_loss, accuracy = _run(
-        fastce_torch.cross_entropy,
-        "weight",
-        weight,
-        lse_square_scale,
-        return_z_loss,
-        return_token_accuracy,
-        options,
-    )
+    options = dict(logits=_input, labels=target, inplace_backward=True)
+    options |= _common(ignore_index, reduction, label_smoothing, softcap, backend)
+    asked = (lse_square_scale, return_z_loss, return_token_accuracy, options)
+    loss, z_loss, accuracy = _run(fastce_torch.cross_entropy, "weight", weight, *asked)
     return _liger_tuple(loss, z_loss, accuracy, _input.dtype, _input.dtype)
 
 
@@ -143,26 +112,11 @@ def linear_cross_entropy_apply(
         _unsupported("accum_dtype", accum_dtype)
     _check_labels(target, weight.shape[0], ignore_index)
     options = dict(
-        hidden=_input,
-        weight=weight,
-        labels=target,
-        bias=bias,
-        ignore_index=ignore_index,
-        reduction=reduction,
-        label_smoothing=float(label_smoothing),
-        logit_softcapping=float(softcap) if softcap is not None else 0.0,
-        backend=backend or BACKEND,
-        accumulate_in_float32=accum_dtype is not None,
+        hidden=_input, weight=weight, labels=target, bias=bias, accumulate_in_float32=accum_dtype is not None
     )
-    loss, z_loss, accuracy = _run(
-        fastce_torch.linear_cross_entropy,
-        "class_weight",
-        ce_weight,
-        lse_square_scale,
-        return_z_loss,
-        return_token_accuracy,
-        options,
-    )
+    options |= _common(ignore_index, reduction, label_smoothing, softcap, backend)
+    asked = (lse_square_scale, return_z_loss, return_token_accuracy, options)
+    loss, z_loss, accuracy = _run(fastce_torch.linear_cross_entropy, "class_weight", ce_weight, *asked)
     return _liger_tuple(loss, z_loss, accuracy, loss.dtype, _input.dtype)
 
 
@@ -185,19 +139,9 @@ class _NoLigerKernel:
 def _module_forward(self, _input, target):
     from liger_kernel.transformers.functional import CrossEntropyOutput
 
-    loss, z_loss, accuracy, predicted = cross_entropy_apply(
-        _input,
-        target,
-        self.weight,
-        self.ignore_index,
-        self.lse_square_scale,
-        self.label_smoothing,
-        self.reduction,
-        self.softcap,
-        self.return_z_loss,
-        self.return_token_accuracy,
-        self.return_predicted_tokens,
-    )
+    names = ("weight", "ignore_index", "lse_square_scale", "label_smoothing", "reduction", "softcap", "return_z_loss",
+             "return_token_accuracy", "return_predicted_tokens")  # fmt: skip
+    loss, z_loss, accuracy, predicted = cross_entropy_apply(_input, target, *(getattr(self, n) for n in names))
     if not (self.return_z_loss or self.return_token_accuracy or self.return_predicted_tokens):
         return loss
     return CrossEntropyOutput(loss=loss, z_loss=z_loss, token_accuracy=accuracy, predicted_tokens=predicted)

@@ -2,31 +2,12 @@
 
     python -m bench.tools.outside_suites --liger-tests DIR [--json OUT] [--baseline] [-k EXPR] [--workers N]
 
-DIR holds Liger's test tree as in its repository (test/__init__.py, test/conftest.py, test/utils.py,
-test/transformers/test_cross_entropy.py, test/transformers/test_fused_linear_cross_entropy.py; not part of this
-repository: bench/NOTES.md says how to extract it from a git mirror). liger_kernel (0.8.5, the wheel in .whl/) must be
-importable. pytest runs those files in a subprocess with bench.tools.outside_liger_plugin loaded, which replaces
-Liger's cross-entropy entry points by fastce adapters (its docstring has the keyword mapping and what raises
-NotImplementedError); `--baseline` also runs them without the plugin (Liger itself). Liger's tests run on CUDA: on
-a machine without it the tool says so and exits 2.
-
-What the files test (Liger at the mirror's HEAD, API of 0.8.5), and so what runs on fastce:
-- test_cross_entropy.py: `LigerCrossEntropyLoss(weight, ignore_index, lse_square_scale, label_smoothing, reduction,
-  softcap, return_z_loss, return_token_accuracy, return_predicted_tokens)`, `LigerCrossEntropyFunction.apply(input,
-  target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap, return_z_loss,
-  return_token_accuracy, return_predicted_tokens)` -> (loss, z_loss, token_accuracy, predicted_tokens), and
-  `liger_cross_entropy(...)` -> the loss, or a CrossEntropyOutput dataclass (loss, z_loss, token_accuracy,
-  predicted_tokens) when any return_* is set; against torch.nn.CrossEntropyLoss and the file's
-  CrossEntropyWithZLoss (F.cross_entropy + unweighted lse_square_scale * lse^2 / non-ignored count). Parametrised
-  over reduction, ignore_index, label smoothing, softcap, z-loss (return_z_loss True/False), class weights, bf16/fp32,
-  the structured output's return_* combinations; bf16 cases skip only where the GPU lacks bf16.
-  test_float32_internal launches Liger's kernel directly (fails here by design), the predicted-token cases fail with
-  NotImplementedError (fastce returns no argmax).
-- test_fused_linear_cross_entropy.py: `LigerFusedLinearCrossEntropyFunction.apply(input, weight, target, bias,
-  ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap, return_z_loss, accum_dtype,
-  use_token_scaling, return_token_accuracy, return_predicted_tokens, ...)`, the Loss module and
-  `liger_fused_linear_cross_entropy`, against a torch linear + CrossEntropyWithZLoss; use_token_scaling cases fail
-  with NotImplementedError.
+DIR holds Liger's test tree (test/__init__.py, test/conftest.py, test/utils.py, test/transformers/
+test_cross_entropy.py and test_fused_linear_cross_entropy.py; bench/NOTES.md says how to extract them from a git
+mirror); liger_kernel 0.8.5 must be importable. pytest runs those files in a subprocess with
+bench.tools.outside_liger_plugin loaded; `--baseline` also runs them on Liger itself. Expected to fail by design:
+the predicted-token and token-scaling cases and test_float32_internal (it launches Liger's kernel). Without CUDA the
+tool says so and exits 2.
 """
 
 import argparse

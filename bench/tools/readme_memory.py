@@ -1,18 +1,10 @@
 """The README's shifted-labels examples, measured: `PYTHONPATH=. python -m bench.tools.readme_memory [--json PATH]`.
 
-Runs the three ways to write the next-token loss of the README's PyTorch example on an LM head's output (logits an
-intermediate of the graph, `hidden @ projection`, the gradient going back to `hidden`):
-
-  slice          cross_entropy(logits[:, :-1], input_ids[:, 1:])   (the old README form)
-  shift          cross_entropy(logits, input_ids, shift=1)
-  padded labels  cross_entropy(logits, labels) with labels = input_ids[:, 1:] padded with one -100 column
-                 (what transformers' ForCausalLMLoss does)
-
-and prints, per form, the loss, the peak extra memory of forward + backward (CUDA: torch.cuda.max_memory_allocated
-above what the inputs, logits included, already hold; "n/a" on the CPU) and whether the gradient that reaches the
-logits is the logits' own buffer (the in-place backward) or a new logits-sized tensor. All three must give the same
-loss and the same gradient of hidden (checked). Default shape 8x1025x32000 bf16 on CUDA; on the CPU (the kernels
-through Triton's interpreter) pass a tiny --shape, as bench/tests does.
+The three ways to write the next-token loss on an LM head's output (`hidden @ projection`): slice
+(`logits[:, :-1]`, `input_ids[:, 1:]`), shift=1, and labels padded with one -100 column (transformers'
+ForCausalLMLoss); per form the loss, the peak extra memory of forward + backward (CUDA only) and whether the gradient
+reaching the logits is their own buffer. All three must give the same loss and gradient of hidden (checked). Default
+shape 8x1025x32000 bf16 on CUDA; on the CPU (Triton's interpreter) pass a tiny --shape.
 """
 
 import argparse

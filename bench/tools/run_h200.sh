@@ -1,41 +1,24 @@
 #!/usr/bin/env bash
 # The H200 checks, by stage; a device call allows 600 s, so give each call stages that fit. The suites run over
 # XDIST pytest-xdist workers (default 8 of the machine's 16 cores; XDIST=0 runs them in one process, where each takes
-# close to the whole 560 s timeout: compiles dominate). With 8 workers the torch stage took 130 s. Stages: `tests`
-# (fastce_torch, examples, bench/tests with --gpu), `tests-jax` (fastce_jax --gpu), `shared` (shared_tests --gpu),
-# `host` (host time per call: bench.tools.overhead, host_cost on CUDA, bench.tools.jax_dispatch; ~2),
-# `host-profile` (cProfile and torch.profiler of the linear_cross_entropy and vocab-parallel calls; < 1),
-# `linear-profile` (bench/tools/linear_profile.py: the fused loop's device time by product role against the unfused
-# path and the bare products, torch.profiler, the five fused linear shapes; ~1-2, estimated),
-# `dw-product-probe` (bench/tools/dw_product_probe.py: a Triton kernel for the fused loop's d weight product, the
-# previous gradient tile loaded before or after its short K loop, bf16 and float32 gradients, against cuBLAS's
-# addmm_ at the chunk shapes, then the whole fused loss with it at the five fused linear shapes; ~4-5, estimated),
-# `linear-overlap` (bench/tools/linear_chunk_probe.py --overlap: the fused loop serial, with its CE kernels on a second
-# stream, and its matmuls alone, at two shapes; ~1, estimated),
-# `two-gpus` (the tests that need two GPUs: NCCL vocab-parallel, fused linear with a sharded head, cuda:1 placement,
-# JAX sharding; kind nvidia-h200-x2), `two-gpus-bench` (bench/tools/sharded_torch.py with its per-rank breakdown of
-# the vocab-parallel call, bench/tools/sharded_jax.py; x2, ~3, estimated), `two-gpus-linear-bench`
-# (bench/tools/sharded_linear_torch.py: the fused linear column-parallel and FSDP2 paths against one GPU and DTensor
-# loss_parallel; x2, ~1-2, estimated), `one-rank-breakdown` (sharded_torch on one GPU as a one-rank NCCL group at the
-# two-GPU run's local shard shapes: the breakdown's code path and the local kernels without a peer; < 2),
-# `transformers` (training-step comparison, four modes; ~2-3, estimated), `bench` (the side-by-side benchmark, every
-# pass and implementation in a worker process of its own; about 5.5), or the same in two calls: `bench-torch`
-# and `bench-jax`, their JSON joined afterwards on any machine (no GPU needed) with
-#   python -m bench --merge bench-torch.json bench-jax.json --results-md
-# `leaf-probe` (bench/tools/leaf_probe.py: where a leaf .backward() call loses host time at 512 x 256000; < 1),
-# `capture-probe` (which CUDA-graph capture variant fails and why; < 1, bench/tools/capture_probe.py),
-# `chunk-rows-probe` (the fused linear loss at the chunk rows other row multiples would give; ~1-2, estimated),
-# `sanitizer` (compute-sanitizer memcheck with the allocators' pools off: kernel tests of both packages, the shared
-# fuzz and class-weight cases, the vocab-parallel check on one NCCL rank; seven processes at once, ~2-8),
-# `linear-quick` (fused linear CE at one shape with a float32 check; ~1, estimated), `linear-a` and `linear-b` (the fused linear CE table's five shapes
-# in two calls, ~4-5 each, estimated; two JSON files: --merge joins only the standard bench), `linear-ignored` (one
-# shape at 0%, 50%, 90% ignored labels, fastce with and without skip_ignored_rows beside the other fused rows, both
-# packages; ~4, estimated), `skip-probe` (bench/tools/skip_probe.py, also with XLA's command-buffer conditionals),
-# `gemm-ce-probe` (bench/tools/gemm_ce_probe.py: a Triton GEMM with the CE forward in its epilogue against cuBLAS +
-# fastce's CE forward, one 1024-row chunk, six block configs; ~1-2, estimated, mostly compiles), `outside-liger`
-# (Liger-Kernel's own cross-entropy and fused linear test files with fastce substituted for Liger's entry points,
-# then on Liger itself: bench/tools/outside_suites.py; needs the liger wheel in .whl/ and Liger's tests in
-# .outside/liger-tests, see bench/NOTES.md; ~3-6, estimated).
+# close to the whole 560 s timeout: compiles dominate). With 8 workers the torch stage took 130 s. Stages (minutes):
+#   tests (fastce_torch, examples, bench/tests with --gpu), tests-jax (fastce_jax --gpu), shared (shared_tests --gpu),
+#   sanitizer (compute-sanitizer memcheck with the allocators' pools off: kernel tests of both packages, the shared
+#     fuzz and class-weight cases, the vocab-parallel check on one NCCL rank; seven processes at once, ~2-8);
+#   bench (`python -m bench --results-md`, every pass and implementation in a worker process of its own; ~5.5), or
+#     bench-torch and bench-jax in two calls, joined afterwards on any machine (no GPU needed) with
+#       python -m bench --merge bench-torch.json bench-jax.json --results-md
+#   linear-quick (fused linear CE at one shape with a float32 check; ~1), linear-a and linear-b (the fused linear
+#     table's five shapes in two calls, ~4-5 each; RESULTS.md renders both), linear-ignored (one shape at 0/50/90%
+#     ignored labels, with and without skip_ignored_rows, both packages; ~4);
+#   host (host time per eager call: bench.tools.overhead; ~2); transformers (training step, four modes; ~2-3);
+#   two-gpus (the tests that need two GPUs; kind nvidia-h200-x2), two-gpus-bench (sharded_torch with its per-rank
+#     breakdown, sharded_jax; x2, ~3), two-gpus-linear-bench (sharded_linear_torch; x2, ~1-2), one-rank-breakdown
+#     (sharded_torch as a one-rank NCCL group at the two-GPU run's local shard shapes; < 2);
+#   outside-liger (Liger-Kernel's own CE and fused linear test files with fastce substituted, then on Liger itself:
+#     bench/tools/outside_suites.py; needs the liger wheel in .whl/ and Liger's tests in .outside/liger-tests, see
+#     bench/NOTES.md; ~3-6).
+# The probes whose questions are settled (bench/NOTES.md, "Settled probes") had stages here; git history keeps them.
 # Logs and results land in ${OUT:-/tmp/fastce-h200}. Usage from the repo root, liger wheel in .whl/:
 #   BENCH_COMMIT=$(git rev-parse HEAD) bash bench/tools/run_h200.sh tests transformers bench
 set -uo pipefail
@@ -79,25 +62,9 @@ for stage in "$@"; do
     shared)
       FASTCE_SHARED_SUMMARY="$OUT/shared-summary.json" timeout -s INT 560 $PYTEST shared_tests >"$OUT/shared-tests.log" 2>&1
       tail -15 "$OUT/shared-tests.log" ;;
-    linear-overlap)
-      for shape in 8192x4096x128256 8192x2304x256000; do
-        timeout 120 python3 -m bench.tools.linear_chunk_probe --overlap --shape $shape 2>&1 | tail -6
-      done | tee "$OUT/linear-overlap.log" ;;
-    linear-profile)
-      timeout 300 python3 -m bench.tools.linear_profile --json "$OUT/linear-profile.json" >"$OUT/linear-profile.log" 2>&1
-      grep -v "^STAGE:" "$OUT/linear-profile.log" | tail -60 ;;
-    dw-product-probe)
-      timeout 540 python3 -m bench.tools.dw_product_probe --loop --json "$OUT/dw-product-probe.json" \
-        >"$OUT/dw-product-probe.log" 2>&1
-      tail -80 "$OUT/dw-product-probe.log" ;;
-    host-profile)
-      timeout 200 python3 -m bench.tools.overhead --profile-entry-points --calls 100 >"$OUT/host-profile.log" 2>&1
-      grep -E "^(linear|vocab|  )" "$OUT/host-profile.log" | head -12 ;;
     host)
       timeout 200 python3 -m bench.tools.overhead --json "$OUT/overhead.json" >"$OUT/overhead.log" 2>&1
-      tail -45 "$OUT/overhead.log"
-      timeout 100 python3 -m bench.tools.host_cost --device cuda >"$OUT/host-cost.log" 2>&1; tail -25 "$OUT/host-cost.log"
-      [ -f bench/tools/jax_dispatch.py ] && timeout 120 python3 -m bench.tools.jax_dispatch 2>&1 | tail -12 ;;
+      tail -45 "$OUT/overhead.log" ;;
     transformers)
       timeout 400 python3 -m bench.tools.transformers_step --json "$OUT/transformers-step.json" 2>&1 | tail -12 ;;
     bench)
@@ -108,11 +75,6 @@ for stage in "$@"; do
       timeout 560 python3 -m bench --frameworks "${stage#bench-}" --json "$OUT/$stage.json" \
         2>"$OUT/$stage-progress.log" | tail -32
       grep -E "FAILED|Traceback|killed|exited with|no CUDA graph|no leaf|priming" "$OUT/$stage-progress.log" | tail -20 ;;
-    leaf-probe)
-      timeout 200 python3 -m bench.tools.leaf_probe >"$OUT/leaf-probe.log" 2>&1; head -12 "$OUT/leaf-probe.log" ;;
-    capture-probe)
-      timeout 150 python3 -m bench.tools.capture_probe --json "$OUT/capture-probe.json" >"$OUT/capture-probe.log" 2>&1
-      cat "$OUT/capture-probe.log" | tail -80 ;;
     linear-quick)
       timeout 300 python3 -m bench --linear --quick --json "$OUT/linear-quick.json" 2>"$OUT/linear-quick.log" | tail -12
       grep -E "vs float32|FAILED" "$OUT/linear-quick.log" ;;
@@ -126,18 +88,10 @@ for stage in "$@"; do
     linear-ignored)
       timeout 560 python3 -m bench --linear --ignored --linear-shapes 8192x4096x128256 \
         --json "$OUT/linear-ignored.json" 2>"$OUT/linear-ignored-progress.log" | tail -24 ;;
-    skip-probe)
-      timeout 280 python3 -m bench.tools.skip_probe | tail -14
-      XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE \
-        timeout 280 python3 -m bench.tools.skip_probe --package jax | tail -8 ;;
-    gemm-ce-probe)
-      timeout 300 python3 -m bench.tools.gemm_ce_probe --json "$OUT/gemm-ce-probe.json" 2>&1 | tail -45 ;;
     outside-liger)
       timeout 580 python3 -m bench.tools.outside_suites --liger-tests .outside/liger-tests --baseline --timeout 280 \
         --workers "$XDIST" --json "$OUT/outside-liger.json" >"$OUT/outside-liger.log" 2>&1
       head -60 "$OUT/outside-liger.log" ;;
-    chunk-rows-probe)
-      timeout 300 python3 -m bench.tools.chunk_rows_probe --json "$OUT/chunk-rows-probe.json" 2>&1 | tail -8 ;;
     sanitizer)
       # compute-sanitizer memcheck, several processes at once (memcheck is mostly host-bound instrumentation), each one
       # pytest process (-v: the log names every test that ran, so a run cut off by its timeout still says what was

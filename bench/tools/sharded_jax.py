@@ -3,22 +3,15 @@
     python -m bench.tools.sharded_jax --json bench/results/<date>-h200x2-sharded-jax.json
     python -m bench.tools.sharded_jax --smoke        # 2 CPU devices, tiny shapes, interpret mode: checks the code path
 
-Per global shape (N rows, V columns, bf16) and logits sharding over a 1-D mesh of every device ('d'):
-rows P('d', None) (labels P('d')) and vocabulary P(None, 'd') (labels replicated), each implementation as
-jit(value_and_grad(loss), donate_argnums=0) with those in_shardings (the training situation: the logits are an
-intermediate of the step; each timed call feeds its gradient back as the next logits):
-  * fwdbwd_ms: host-timed median (bench/jax_measure.bench_ms: calls queued back to back, one block_until_ready);
-  * temp_MiB: the compiled program's temp_size_in_bytes (XLA's scratch, per device, excluding inputs/outputs);
-  * collectives: every collective in the compiled HLO (op, result shape, elements); "largest" is the biggest
-    result in elements, to compare with the local logits' N * V / devices;
-  * grad_spec: the gradient's sharding (the logits' own is the goal);
-  * copy_ms: one elementwise pass over the sharded logits (read + write), and floor_3pass_ms = 1.5 * copy_ms, the
-    local three-pass floor (forward read, backward read and write) at the bandwidth that copy reached.
-Both losses are "mean over non-ignored tokens" (every 7th label is -100); the loss values are printed side by side.
+Per global shape (bf16) and sharding over a 1-D mesh ('d'), rows P('d', None) or vocabulary P(None, 'd'), each
+implementation as jit(value_and_grad(loss), donate_argnums=0): fwdbwd_ms (host-timed, jax_measure.bench_ms),
+temp_MiB (XLA's scratch per device), the compiled HLO's collectives (the largest against the local logits' size),
+the gradient's sharding, and the local three-pass floor (1.5 x one elementwise pass over the sharded logits).
 """
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -38,17 +31,9 @@ def collectives(hlo_text):
         if not m:
             continue
         dims = re.findall(r"\[([\d,]*)\]", m[1])
-        elements = max((eval_prod(d) for d in dims), default=1)
+        elements = max((math.prod(int(n) for n in d.split(",") if n) for d in dims), default=1)
         found.append({"op": m[2], "shape": m[1].strip(), "elements": elements})
     return found
-
-
-def eval_prod(dims):
-    n = 1
-    for d in dims.split(","):
-        if d:
-            n *= int(d)
-    return n
 
 
 def main(argv=None):
@@ -124,25 +109,13 @@ def main(argv=None):
 
                 ms = bench_ms(step, args.batch_ms)
                 local = n * v // len(devices)
-                row = {
-                    "impl": name,
-                    "layout": layout,
-                    "logits_spec": str(x_spec),
-                    "N": n,
-                    "V": v,
-                    "devices": len(devices),
-                    "fwdbwd_ms": ms,
-                    "temp_MiB": temp / 2**20,
-                    "local_logits_MiB": local * 2 / 2**20,
-                    "grad_spec": grad_spec,
-                    "grad_keeps_logits_sharding": bool(keeps),
-                    "collectives": found,
-                    "largest_collective_elements": max((c["elements"] for c in found), default=0),
-                    "local_logits_elements": local,
-                    "copy_ms": copy_ms,
-                    "floor_3pass_ms": 1.5 * copy_ms,
-                    "loss": float(loss),
-                }
+                row = {"impl": name, "layout": layout, "logits_spec": str(x_spec), "N": n, "V": v}
+                row["devices"] = len(devices)
+                row |= {"fwdbwd_ms": ms, "temp_MiB": temp / 2**20, "local_logits_MiB": local * 2 / 2**20}
+                row |= {"grad_spec": grad_spec, "grad_keeps_logits_sharding": bool(keeps), "collectives": found}
+                row["largest_collective_elements"] = max((c["elements"] for c in found), default=0)
+                row |= {"local_logits_elements": local, "copy_ms": copy_ms, "floor_3pass_ms": 1.5 * copy_ms}
+                row["loss"] = float(loss)
                 rows.append(row)
                 del state
                 print(

@@ -1,26 +1,13 @@
 """Fused linear cross-entropy with a sharded LM head over the ranks of one host (torchrun, NCCL): fastce_torch's
-column-parallel (process_group=) and FSDP2 (a Shard(0) DTensor weight) paths, against the same loss on one GPU and
-DTensor's own column-parallel F.linear + loss_parallel() F.cross_entropy, in the same run.
+column-parallel (process_group=) and FSDP2 (Shard(0) DTensor weight) paths against the same loss on one GPU and
+DTensor's column-parallel F.linear + loss_parallel() F.cross_entropy, in the same run.
 
     torchrun --nproc-per-node 2 -m bench.tools.sharded_linear_torch --json bench/results/<date>-h200x2-linear.json
 
-Per global shape NxHxV (bf16, forward+backward: torch.autograd.grad of the loss w.r.t. hidden and the weight),
-every rank:
-  * one_gpu: linear_cross_entropy on the full weight and all N rows, no communication (each rank alone);
-  * tp: hidden (N, H) and labels the same on every rank, this rank's V / ranks weight rows, process_group=;
-  * tp_dtensor_loss_parallel: hidden a Replicate DTensor, the weight Shard(0), F.linear (logits Shard(-1), the
-    N x V / ranks block materialised) and F.cross_entropy under loss_parallel();
-  * fsdp: each rank N / ranks rows (data parallel) against the Shard(0) DTensor weight (gathered, its gradient
-    reduce-scattered, as FSDP2's unshard / reduce-scatter would);
-  * the collectives alone: the N x H all-reduce of tp's d hidden, and fsdp's weight all-gather + reduce-scatter.
-Time: median over a fixed number of calls (the same on every rank), CUDA events, L2 flushed between calls; peak
-extra memory above the inputs during one call. Rank 0 prints a table and writes the JSON (every rank's numbers).
-
---smoke runs tiny shapes on CPU processes (gloo, the plain-torch backend): code paths only, the numbers mean nothing.
+Per global shape NxHxV (bf16, forward+backward for hidden and the weight), every rank: one_gpu (full weight, all
+rows), tp (V / ranks weight rows each), tp_dtensor_loss_parallel, fsdp (N / ranks rows each against the gathered
+weight) and the collectives alone; times and memory as in sharded_torch. `--smoke`: CPU processes, code paths only.
 """
-
-import argparse
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,7 +15,7 @@ import torch.nn.functional as F
 
 import fastce_torch
 
-from .sharded_torch import Timer, finish_ranks, gather_rows, peak_extra_bytes, start_ranks, write_result
+from .sharded_torch import Timer, finish_ranks, gather_rows, parse_args, peak_extra_bytes, start_ranks, write_result
 
 IGNORE_INDEX = -100
 
@@ -110,16 +97,8 @@ def run_shape(n_rows, width, vocab, dtype, device, timer, mesh, backend, warmup,
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="8192x4096x128256,8192x4096x256000", help="global NxHxV, comma-separated")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU processes (gloo), code paths only")
-    args = parser.parse_args()
+    args = parse_args(__doc__, "8192x4096x128256,8192x4096x256000", 3, 15, "16x8x64")
     smoke = args.smoke
-    if smoke:
-        args.shapes, args.warmup, args.reps = "16x8x64", 1, 2
     device, rank, world, mesh = start_ranks(smoke)
     timer = Timer(device)
     backend = "reference" if smoke else "auto"

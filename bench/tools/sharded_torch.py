@@ -1,31 +1,15 @@
-"""Vocab-parallel cross-entropy over the ranks of one host (torchrun, NCCL): fastce_torch with process_group= vs
-PyTorch's DTensor loss_parallel() + F.cross_entropy, in the same run.
+"""Vocab-parallel cross-entropy over the ranks of one host (torchrun, NCCL): fastce_torch with process_group= and
+with a Shard(-1) DTensor against DTensor's loss_parallel() + F.cross_entropy, in the same run.
 
     torchrun --nproc-per-node 2 -m bench.tools.sharded_torch --json bench/results/<date>-h200x2-sharded-torch.json
 
-Per global shape (N rows, V columns, bf16, each rank holding V / ranks contiguous columns), forward+backward
-(torch.autograd.grad of the loss w.r.t. the non-leaf local logits, as in bench/torch_measure.py), every rank:
-  * time: median over a fixed number of calls (the same on every rank: the calls hold collectives, so ranks must
-    not disagree on how many), CUDA events around each call, the L2 flushed between calls;
-  * peak extra memory: max_memory_allocated during one call above what was allocated before it (the inputs);
-  * floor: the local shard's three passes (forward read, backward read and write: N * V_local * 2 bytes * 3)
-    at the device-to-device copy bandwidth measured in this run;
-  * collectives: the two all-reduces the vocab-parallel loss makes (MAX of N + 2 floats, SUM of 2N floats; 3N with
-    label smoothing), timed alone with the same method;
-  * fwdbwd_graph_ms (fastce_torch and fastce_torch_dtensor): the same call captured once in a CUDA graph, the
-    collectives with it, and replayed the same fixed number of times on every rank: the device time with no host
-    in the way (bench/torch_measure.measure_graph: inputs, warm-up and capture on one side stream; None and the
-    error where the capture fails). DTensor's loss_parallel is not captured: a failed capture in the middle of
-    collectives can leave the ranks waiting;
-  * breakdown (fastce_torch, each rank): torch.profiler over BREAKDOWN_CALLS calls, each started together (a gloo
-    barrier, which puts no kernel on the device): per call the device span from its first kernel's start to its last
-    kernel's end, split into fastce's kernels, NCCL's (their excess over the collectives timed alone is the wait for
-    the other rank: skew), torch's other kernels, and idle time between kernels (the host not keeping up); and the
-    host time until the call returns (launches only, no synchronisation).
-Rank 0 prints a table and writes the JSON (every rank's numbers) with --json.
-
---smoke runs tiny shapes on CPU processes (gloo, the plain-torch backend) with wall-clock timing: it checks the
-code paths, its numbers mean nothing.
+Per global shape (N rows, V columns, bf16, V / ranks contiguous columns per rank), forward+backward with respect to
+the non-leaf local logits, every rank: the median time over a fixed number of calls (the same on every rank; CUDA
+events, L2 flushed), peak extra memory, the local three-pass floor at this run's copy bandwidth, the two all-reduces
+alone, fastce's two entries replayed from a CUDA graph (torch_measure.measure_graph), and fastce_torch's breakdown:
+torch.profiler over BREAKDOWN_CALLS calls, each started by a gloo barrier, splitting the device span into fastce's
+kernels, NCCL's, other kernels and idle time, with the host time until the call returns. `--smoke`: tiny shapes on
+CPU processes (gloo, plain-torch backend), code paths only.
 """
 
 import argparse
@@ -309,17 +293,24 @@ def finish_ranks(smoke):
     dist.destroy_process_group()
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="8192x128256,8192x256000", help="global NxV, comma-separated")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=30)
+def parse_args(doc, shapes, warmup, reps, smoke_shapes):
+    """The sharded benches' command line: --shapes (global sizes, comma-separated), --warmup, --reps, --json,
+    --smoke (smoke_shapes, one warm-up call, two timed)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--shapes", default=shapes, help="global sizes, comma-separated")
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--reps", type=int, default=reps)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU processes (gloo), code paths only")
     args = parser.parse_args()
+    if args.smoke:
+        args.shapes, args.warmup, args.reps = smoke_shapes, 1, 2
+    return args
+
+
+def main():
+    args = parse_args(__doc__, "8192x128256,8192x256000", 5, 30, "16x64")
     smoke = args.smoke
-    if smoke:
-        args.shapes, args.warmup, args.reps = "16x64", 1, 2
     device, rank, world, mesh = start_ranks(smoke)
     timer = Timer(device)
     bandwidth = None if smoke else copy_bandwidth_TBps(timer, device)

@@ -3,21 +3,12 @@ fastce_torch.patch_transformers(): same weights, same batches, same optimizer.
 
     python -m bench.tools.transformers_step --json bench/results/transformers-step-h200.json
 
-Modes (--modes, default transformers,fastce,fastce_fused,liger_flce): transformers (stock loss), fastce
-(patch_transformers(): fastce's loss on the logits), fastce-no-inplace, fastce_fused (patch_transformers(
-fused_linear=True): linear_cross_entropy from the hidden states, no logits) and liger_flce (Liger-Kernel's fused
-linear cross-entropy forward on the model, its other kernels off; skipped, with the reason, when liger_kernel does
-not import or the device is not CUDA).
-
-Defaults: Llama-3.2-1B's shape cut to 2 layers (hidden 2048, 16 heads / 8 KV heads, MLP 8192, vocab 128256), bf16
-weights, AdamW, batch 8 x 1024 tokens. With 2 layers the (8192 x 128256) logits dominate the step, which is where
-the loss matters: transformers upcasts them to float32 (4.2 GB) and keeps float32 log-probabilities and their
-gradient, fastce reads the bf16 logits and writes the gradient into them.
-
-Step time: median over --steps of CUDA-event timings around forward + backward + optimizer step, after --warmup
-steps. Peak memory: torch.cuda.max_memory_allocated over the timed steps; "resident" is what was allocated before
-them (weights, optimizer state), so peak - resident is the step's own working memory.
-`--device cpu` runs a tiny smoke version (wall-clock timing, no memory numbers).
+Modes (MODES): transformers (stock loss), fastce (patch_transformers()), fastce-no-inplace, fastce_fused
+(fused_linear=True: no logits) and liger_flce (Liger's fused linear CE on the model; skipped where liger_kernel does
+not import or there is no CUDA). Defaults: Llama-3.2-1B's shape cut to 2 layers (V=128256), bf16, AdamW, 8 x 1024
+tokens, so the logits dominate the step. Step time: median of CUDA-event timings of forward + backward + optimizer
+step after --warmup steps; peak memory: max_memory_allocated over the timed steps, and above what was resident
+before them. `--device cpu`: a tiny smoke run.
 """
 
 import argparse
@@ -68,14 +59,9 @@ def liger_available():
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--intermediate", type=int, default=8192)
-    parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=1024)
+    sizes = dict(hidden=2048, layers=2, heads=16, kv_heads=8, intermediate=8192, vocab=128256, batch=8, seq_len=1024)
+    for name, default in sizes.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     parser.add_argument(
         "--precision",
         choices=["bf16", "autocast"],
@@ -83,15 +69,14 @@ def parse_args(argv=None):
         help="bf16: bf16 weights; autocast: float32 weights under bf16 autocast (Trainer's bf16=True)",
     )
     parser.add_argument("--tie-embeddings", action="store_true", help="tie lm_head to the embedding (Llama 3.2)")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
+    for name, default in (("steps", 20), ("warmup", 3), ("seed", 0)):
+        parser.add_argument("--" + name, type=int, default=default)
     parser.add_argument(
         "--modes",
         default="transformers,fastce,fastce_fused,liger_flce",
         help=f"comma-separated, from {', '.join(MODES)}",
     )
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     args.modes = args.modes.split(",")
@@ -258,30 +243,15 @@ def main(argv=None):
             }
             if r["peak_bytes"] is not None:
                 summary[mode]["peak_saved_gib"] = (base["peak_bytes"] - r["peak_bytes"]) * gib
-            print(
-                f"{mode}: {summary[mode]['speedup']:.3f}x step speed"
-                + (
-                    f", {summary[mode]['peak_saved_gib']:.2f} GiB less peak"
-                    if "peak_saved_gib" in summary[mode]
-                    else ""
-                )
-                + f", first-step loss differs by {summary[mode]['first_loss_rel_diff']:.1e} (relative)"
-            )
+            saved = summary[mode].get("peak_saved_gib")
+            print(f"{mode}: {summary[mode]['speedup']:.3f}x step speed"
+                  + (f", {saved:.2f} GiB less peak" if saved is not None else "")
+                  + f", first-step loss differs by {summary[mode]['first_loss_rel_diff']:.1e} (relative)")  # fmt: skip
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        record = {"benchmark": "transformers_step", "args": vars(args), "environment": environment(args)}
         with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "benchmark": "transformers_step",
-                    "args": vars(args),
-                    "environment": environment(args),
-                    "results": results,
-                    "vs_transformers": summary,
-                    "skipped": skipped,
-                },
-                f,
-                indent=1,
-            )
+            json.dump(record | {"results": results, "vs_transformers": summary, "skipped": skipped}, f, indent=1)
         print(f"wrote {args.json}")
 
 

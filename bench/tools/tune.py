@@ -117,19 +117,8 @@ def tune_fastce_torch(json_path=None):
             ms = triton.testing.do_bench(
                 lambda: kernels.forward(logits, labels, options, config=config), return_mode="median"
             )
-            rows.append(
-                dict(
-                    kernel="forward",
-                    N=n_rows,
-                    V=vocab,
-                    block=block,
-                    warps=warps,
-                    chunk=chunk,
-                    stages=stages,
-                    ms=ms,
-                    ratio=ms / one_pass_ms,
-                )
-            )
+            candidate = dict(block=block, warps=warps, chunk=chunk, stages=stages)
+            rows.append(dict(kernel="forward", N=n_rows, V=vocab, **candidate, ms=ms, ratio=ms / one_pass_ms))
         _, lse, _ = kernels.forward(logits, labels, options)
         for block, warps in itertools.product([1024, 2048, 4096, 8192], [4, 8]):
             config = kernels.backward_config(vocab, block=block, warps=warps)
@@ -137,30 +126,14 @@ def tune_fastce_torch(json_path=None):
                 lambda: kernels.backward(grad_loss, logits, labels, lse, logits, options, config=config),
                 return_mode="median",
             )
-            rows.append(
-                dict(
-                    kernel="backward",
-                    N=n_rows,
-                    V=vocab,
-                    block=block,
-                    warps=warps,
-                    chunk=0,
-                    ms=ms,
-                    ratio=ms / (2 * one_pass_ms),
-                )
-            )
+            candidate = dict(block=block, warps=warps, chunk=0)
+            rows.append(dict(kernel="backward", N=n_rows, V=vocab, **candidate, ms=ms, ratio=ms / (2 * one_pass_ms)))
         del logits
         for kernel in ("forward", "backward"):
-            best = sorted(
-                (r for r in rows if r["kernel"] == kernel and r["V"] == vocab and r["N"] == n_rows),
-                key=lambda r: r["ms"],
-            )[:4]
-            for r in best:
-                print(
-                    f"{kernel:8s} N={n_rows} V={vocab} block={r['block']} warps={r['warps']} chunk={r['chunk']} "
-                    f"stages={r.get('stages', '-')}: "
-                    f"{r['ms']:.3f} ms = {r['ratio']:.2f}x floor"
-                )
+            timed = (r for r in rows if r["kernel"] == kernel and r["V"] == vocab and r["N"] == n_rows)
+            for r in sorted(timed, key=lambda r: r["ms"])[:4]:
+                candidate = f"block={r['block']} warps={r['warps']} chunk={r['chunk']} stages={r.get('stages', '-')}"
+                print(f"{kernel:8s} N={n_rows} V={vocab} {candidate}: {r['ms']:.3f} ms = {r['ratio']:.2f}x floor")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(dict(copy_bandwidth_TBps=bandwidth, rows=rows), f, indent=1)
