@@ -265,9 +265,8 @@ def _forward_kernel(
         apart: the int32 argmax per row (a global column in vocab-parallel mode), the mean of z under softmax(z),
         and in vocab-parallel mode the slice's largest z). arrivals_ptr: the same buffer as int32 counters: [row] the
         row's finished chunks, [n_rows] the finished groups, [n_rows + 1 + g] group g's finished rows.
-    reduced_ptr: the 0-d reduced loss (REDUCE). denominator_out_ptr: the divisor it used (REDUCE).
-        n_items_ptr: a device n_items (DENOMINATOR == 2).
-    n_rows, V (this launch's columns), chunk_width, n_chunks: the grid's extent.
+    reduced_ptr: the 0-d reduced loss (REDUCE). denominator_out_ptr: the divisor it used (REDUCE). n_items_ptr: a
+        device n_items (DENOMINATOR == 2). n_rows, V (this launch's columns), chunk_width, n_chunks: the grid's extent.
     ignore_index, scaling, softcap, label_smoothing, z_loss: the options (their flags below switch them on).
     denominator_value: the divisor when DENOMINATOR == 1. vocab_start: the slice's first global column.
     BLOCK: the tile width. CHUNKS_BLOCK: n_chunks rounded up to a power of 2. HAS_SCALING, HAS_SOFTCAP,
@@ -278,9 +277,8 @@ def _forward_kernel(
     sum of exponentials; -inf logits contribute 0), two more partials (the int32 one at arrivals_ptr), and write the
     row's argmax and mean of z (the extra outputs: accuracy and entropy).
     HAS_WEIGHT: class weights, float32 (V,) at weight_ptr and their sum at weight_sum_ptr (read with smoothing):
-    the loss is weighted as F.cross_entropy's (`_weighted_token_loss`), the sum-of-z partial becomes
-    sum_c w_c z_c (a class of weight 0 adds nothing, even at z = -inf), and "mean" divides by sum_t w[y_t]. Not
-    with VOCAB_PARALLEL.
+    the loss is weighted as F.cross_entropy's (`_weighted_token_loss`), the sum-of-z partial becomes sum_c w_c z_c
+    (a class of weight 0 adds nothing, even at z = -inf), and "mean" divides by sum_t w[y_t]. Not with VOCAB_PARALLEL.
     """
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -304,7 +302,6 @@ def _forward_kernel(
     group_partials_ptr = scratch_ptr + groups_offset
     row_ptr = logits_ptr + _row_offset(row, logits_batch_stride, logits_row_stride, rows_per_batch)
     label = tl.load(labels_ptr + row).to(tl.int64)
-
     start = chunk * chunk_width
     end = tl.minimum(start + chunk_width, V)
     end = tl.where(label == ignore_index, start, end)  # an ignored row's logits are never read
