@@ -113,7 +113,7 @@ def test_compiles_for_h200_without_spills():
 def test_the_patched_fused_loss_gives_the_package_gradients():
     # triton_d_weight swaps only the d weight product of fastce_torch's chunk loop (first chunk written, later chunks
     # added, a short last chunk) and puts the package's function back afterwards.
-    package = importlib.import_module("fastce_torch.linear_cross_entropy")
+    package = importlib.import_module("fastce_torch.linear.chunks")
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(30, 24, generator=generator).to(DEVICE).requires_grad_()
     weight = (torch.randn(70, 24, generator=generator) * 0.2).to(DEVICE).requires_grad_()

@@ -21,7 +21,7 @@ from bench.linear_shapes import LINEAR_SHAPES
 from bench.tools.gemm_ce_probe import cuda_timer, finish
 
 # The module, not the function of the same name that the package exports.
-linear_module = importlib.import_module("fastce_torch.linear_cross_entropy")
+linear_module = importlib.import_module("fastce_torch.linear.chunks")
 
 MULTIPLES = (128, 256, 64, 32)  # the package's first: a shape where another multiple changes nothing is timed once
 

@@ -233,7 +233,7 @@ def triton_d_weight(config=None, schedule="prefetch"):
     keywords, None: its defaults; schedule: one of SCHEDULES) for the duration; d hidden and d bias as the package
     computes them."""
     # The module (the package exports the function under the same name).
-    package = importlib.import_module("fastce_torch.linear_cross_entropy")
+    package = importlib.import_module("fastce_torch.linear.chunks")
     original = package.accumulate_grads
     config = config or {}
     keywords = None  # the schedule's keywords, from the first gradient's device
@@ -386,7 +386,7 @@ def run_loop(shapes, best, timer, device="cuda", **base_settings):
     Returns (rows, number of failed checks): a failed check is an error more than 1.25x the package's + 1e-4.
     base_settings: more keywords of every call (the CPU test's backend and chunk rows)."""
     from bench import linear as linear_bench
-    from fastce_torch.linear_cross_entropy import rows_per_chunk
+    from fastce_torch.linear import rows_per_chunk
 
     linear_bench.DEVICE = device
     rows_out, failures = [], 0

@@ -5,8 +5,8 @@ The two kernels are replaced by no-op launch objects, so what is timed is everyt
 besides Triton's own launch path (argument checks, Options, the layout checks, the autograd.Function with its
 three outputs, the launchers' allocations and argument marshalling, the backward through the autograd engine).
 Triton's launch (its dispatch on the arguments, then the driver call) comes on top: bench/tools/overhead.py measures
-it on the GPU. The "cached launch" rows take kernels._Launcher's cached path instead (the launch key, the lookup, the
-call), with only the compiled launcher's C call stubbed. Minimum over repeats of the mean over
+it on the GPU. The "cached launch" rows take the kernels' Launcher's cached path instead (the launch key, the lookup,
+the call), with only the compiled launcher's C call stubbed. Minimum over repeats of the mean over
 `number` calls: the minimum is the least disturbed by other processes on a shared machine. On CPU tensors the
 autograd engine runs the backward on the calling thread; with CUDA tensors it hands it to a device thread, which
 costs more (bench/NOTES.md).
@@ -21,8 +21,10 @@ import timeit
 import torch
 
 from fastce_torch import contract, kernels
+from fastce_torch.kernels import launch as launch_module
 
 ce_module = importlib.import_module("fastce_torch.cross_entropy")  # the module (the package exports the function)
+cache_module = importlib.import_module("fastce_torch.kernels.launch_cache")  # kernels.launch_cache is the function
 
 
 class _NoLaunch:
@@ -36,20 +38,20 @@ class _NoLaunch:
         return None
 
 
-LAUNCHERS = ("_forward_launcher", "_backward_launcher")
+LAUNCHERS = ("forward_launcher", "backward_launcher")
 
 
 @contextlib.contextmanager
 def no_launches():
     """The launchers' generic path with Triton's launch taken out (the launch cache is off on the CPU)."""
-    saved = [getattr(kernels, name) for name in LAUNCHERS]
+    saved = [getattr(launch_module, name) for name in LAUNCHERS]
     for name in LAUNCHERS:
-        setattr(kernels, name, kernels._Launcher(_NoLaunch(), setting=_Setting(False)))
+        setattr(launch_module, name, launch_module.Launcher(_NoLaunch(), setting=_Setting(False)))
     try:
         yield
     finally:
         for name, launcher in zip(LAUNCHERS, saved):
-            setattr(kernels, name, launcher)
+            setattr(launch_module, name, launcher)
 
 
 class _Setting:
@@ -64,20 +66,20 @@ def cached_launches():
     launchers do nothing. The first launch of each variant records it, later ones take the cached path."""
     from fastce_torch.tests.test_launch_cache import FakeJIT
 
-    saved = [getattr(kernels, name) for name in LAUNCHERS]
+    saved = [getattr(launch_module, name) for name in LAUNCHERS]
     launchers = {}
-    for name, kernel in zip(LAUNCHERS, (kernels._forward_kernel, kernels._backward_kernel)):
+    for name, kernel in zip(LAUNCHERS, (launcher.kernel for launcher in saved)):
         fake = FakeJIT(kernel)
         fake.direct = _Discard()
-        launchers[name] = kernels._Launcher(
+        launchers[name] = launch_module.Launcher(
             fake, setting=_Setting(True), current_device=lambda: 0, current_stream=lambda device: 0
         )
-        setattr(kernels, name, launchers[name])
+        setattr(launch_module, name, launchers[name])
     try:
         yield launchers
     finally:
         for name, launcher in zip(LAUNCHERS, saved):
-            setattr(kernels, name, launcher)
+            setattr(launch_module, name, launcher)
 
 
 class _Discard:
@@ -147,17 +149,17 @@ def _forward_args(logits, labels, options):
     """The argument tuple kernels.forward passes to its launcher (captured from one call)."""
     captured = []
 
-    class Capture(kernels._Launcher):
+    class Capture(launch_module.Launcher):
         def cached(self, grid, args, *rest):
             captured.append((grid, rest, args))
             return True
 
-    saved = kernels._forward_launcher
-    kernels._forward_launcher = Capture(None)
+    saved = launch_module.forward_launcher
+    launch_module.forward_launcher = Capture(None)
     try:
         kernels.forward(logits, labels, options, "mean")
     finally:
-        kernels._forward_launcher = saved
+        launch_module.forward_launcher = saved
     return captured[0]
 
 
@@ -192,10 +194,10 @@ def breakdown(device="cpu", n_rows=64, vocab=1000, number=2000, repeat=7):
                 contract.check_options(-100, "mean", None, 0.0, 0.0, 0.0, 0.0, backend),
             ),
         )
-        if hasattr(ce_module, "_checked_options"):  # cross_entropy's cache of checked Options
+        if hasattr(contract, "checked_options"):  # cross_entropy's cache of checked Options
             time(
                 "  check_options through cross_entropy's cache",
-                lambda: ce_module._checked_options(-100, "mean", None, 0.0, 0.0, 0.0, 0.0, backend),
+                lambda: contract.checked_options(-100, "mean", None, 0.0, 0.0, 0.0, 0.0, backend),
             )
         zero = 0.0
         time("Options(...) with four float() calls", lambda: contract.Options(-100, *map(float, (zero,) * 4)))
@@ -223,7 +225,7 @@ def breakdown(device="cpu", n_rows=64, vocab=1000, number=2000, repeat=7):
             "kernels.backward, launch stubbed",
             lambda: kernels.backward(grad_loss, raw, labels, lse, raw, options, denominator=denominator),
         )
-        function = ce_module._CrossEntropyFunction
+        function = ce_module.CrossEntropyFunction
         apply_args = (logits, labels, "mean", None, True, options)
         time("_CrossEntropyFunction.apply, forward only", lambda: function.apply(*apply_args))
         base_apply = super(torch.autograd.Function, function).apply  # what Function.apply calls after binding
@@ -266,18 +268,21 @@ def breakdown(device="cpu", n_rows=64, vocab=1000, number=2000, repeat=7):
             "kernels.backward, cached launch (C launcher stubbed)",
             lambda: kernels.backward(grad_loss, raw, labels, lse, raw, options, denominator=denominator),
         )
-        forward = launchers["_forward_launcher"]
+        forward = launchers["forward_launcher"]
         _, _, args = _forward_args(raw, labels, options)
         layout = forward.layout(args)
         binder = forward.kernel.device_caches[0][4]
         assert layout[1] is not None  # the real arguments are keyed without the binder
-        time("  the forward's launch key (kernels._ArgumentLayout)", lambda: forward._key(layout, args, 4, 3))
-        time("  the forward's key through Triton's binder", lambda: kernels._binder_key(binder)(args, 4, 3, False, ""))
+        time("  the forward's launch key (kernels._ArgumentLayout)", lambda: forward.key(layout, args, 4, 3))
+        time(
+            "  the forward's key through Triton's binder",
+            lambda: cache_module.binder_key(binder)(args, 4, 3, False, ""),
+        )
         time(
             "cross_entropy forward+backward, cached launches",
             lambda: torch.autograd.grad(ce_module.cross_entropy(logits, labels, backend=backend), logits),
         )
-        assert forward.hits and launchers["_backward_launcher"].hits and forward.failure is None
+        assert forward.hits and launchers["backward_launcher"].hits and forward.failure is None
     with no_launches():
         time(
             "F.cross_entropy forward+backward (baseline)",

@@ -24,7 +24,7 @@ import torch
 import triton.testing
 
 from fastce_torch import kernels
-from fastce_torch.linear_cross_entropy import accumulate_grads
+from fastce_torch.linear.chunks import accumulate_grads
 
 
 def per_op_ms(n_rows, hidden_size, vocab, chunk, dtype=torch.bfloat16, seed=0):

@@ -2,7 +2,7 @@
 `PYTHONPATH=. python -m bench.tools.overhead` (about a minute on the H200 machine).
 
 Part 1 times the Python + launch path with tiny inputs (the GPU idle, so wall time per call is host time), each row
-twice: through the launch cache (kernels._Launcher's direct call of the compiled launcher) and through Triton's
+twice: through the launch cache (the kernels' Launcher calling the compiled launcher directly) and through Triton's
 generic `kernel[grid](...)` (kernels.launch_cache(False)), beside the baselines no loss can beat: an
 autograd.Function that does nothing, one shaped like fastce's (three outputs, two non-differentiable, four saved
 tensors), each the autograd engine's own round trip (on a CUDA graph task the backward runs on the engine's device
@@ -41,9 +41,12 @@ import triton.testing
 import fastce_torch
 from bench import envinfo
 from fastce_torch import kernels
+from fastce_torch.kernels import launch as launch_module
 
 from . import host_cost
-from .host_cost import _ThreeOutputs, _ThreeOutputsUnmaterialized, ce_module  # no-work stand-ins for fastce's Function
+
+# _ThreeOutputs*: no-work stand-ins for fastce's Function
+from .host_cost import _ThreeOutputs, _ThreeOutputsUnmaterialized, cache_module, ce_module
 
 OPTIONS = kernels.Options()
 
@@ -164,14 +167,14 @@ def host_costs(device="cuda", n=300, repeat=5):
     _row(rows, "  kernels.forward, Triton's launch stubbed", stubbed_forward)
     _row(rows, "  kernels.backward, Triton's launch stubbed", stubbed_backward)
     grid, (warps, stages), args = host_cost._forward_args(raw, labels, OPTIONS)
-    launcher = kernels._forward_launcher
+    launcher = launch_module.forward_launcher
     cached_path = launcher.failure is None and launcher.cached(grid, args, warps, stages)
     if cached_path:
-        device_index = kernels._current_device()
+        device_index = cache_module.current_device()
         layout = launcher.layout(args, device_index)
         binder = launcher.kernel.device_caches[device_index][4]
-        run, function, metadata = layout[2][launcher._key(layout, args, warps, stages)]
-        stream = kernels._current_stream(device_index)
+        run, function, metadata = layout[2][launcher.key(layout, args, warps, stages)]
+        stream = cache_module.current_stream(device_index)
         _row(
             rows,
             "  _Launcher.cached (key, lookup, C launch)",
@@ -180,12 +183,12 @@ def host_costs(device="cuda", n=300, repeat=5):
         _row(
             rows,
             "    launch key (kernels._ArgumentLayout)",
-            per_call_us(lambda: launcher._key(layout, args, warps, stages), n, repeat),
+            per_call_us(lambda: launcher.key(layout, args, warps, stages), n, repeat),
         )
         _row(
             rows,
             "    the same key through Triton's binder",
-            per_call_us(lambda: kernels._binder_key(binder)(args, warps, stages, False, ""), n, repeat),
+            per_call_us(lambda: cache_module.binder_key(binder)(args, warps, stages, False, ""), n, repeat),
         )
         _row(
             rows,
@@ -195,7 +198,7 @@ def host_costs(device="cuda", n=300, repeat=5):
         _row(
             rows,
             "    the current device and stream",
-            per_call_us(lambda: kernels._current_stream(kernels._current_device()), n, repeat),
+            per_call_us(lambda: cache_module.current_stream(cache_module.current_device()), n, repeat),
         )
     # The forward's zeroed buffer: its one int32 tensor argument (counters, then the float32 scratch).
     n_scratch = max((a.numel() for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32), default=0)
@@ -218,13 +221,13 @@ def host_costs(device="cuda", n=300, repeat=5):
     )
 
     print("  torch's share: autograd.Function and engine, no work (baselines no autograd.Function loss can beat):")
-    function = ce_module._CrossEntropyFunction
+    function = ce_module.CrossEntropyFunction
     apply_args = (logits, labels, "mean", None, True, OPTIONS)
     try:
         _row(
             rows,
             "  _CrossEntropyFunction.apply, forward only",
-            per_call_us(lambda: ce_module._apply(function, *apply_args), n, repeat),
+            per_call_us(lambda: ce_module.apply_function(function, *apply_args), n, repeat),
         )
     except Exception as error:  # the Function's signature is cross_entropy.py's; this row follows it or is left out
         print(f"  _CrossEntropyFunction.apply: not measured ({type(error).__name__}: {error})")
@@ -654,7 +657,7 @@ def bitwise_check():
     from fastce_torch.tests.test_launch_cache import GPU_CASES, _step, bits
 
     device = torch.device("cuda")
-    hits = kernels._forward_launcher.hits, kernels._backward_launcher.hits
+    hits = launch_module.forward_launcher.hits, launch_module.backward_launcher.hits
     for strided in (False, True):
         for case in GPU_CASES:
             with kernels.launch_cache(False):
@@ -664,7 +667,7 @@ def bitwise_check():
             same = all(torch.equal(bits(a), bits(b)) for a, b in zip(got, expected))
             if not same:
                 raise SystemExit(f"cached and generic launches differ: {case}, strided={strided}")
-    hits = kernels._forward_launcher.hits - hits[0], kernels._backward_launcher.hits - hits[1]
+    hits = launch_module.forward_launcher.hits - hits[0], launch_module.backward_launcher.hits - hits[1]
     print(f"part 3: cached == generic bitwise on {2 * len(GPU_CASES)} cases ({hits[0]} + {hits[1]} cached launches)")
 
 
@@ -694,7 +697,7 @@ def main(argv=None):
     gpu = args.device != "cpu"
     print(
         f"launch cache: {'on' if kernels.launch_cache_enabled() else 'off'} "
-        f"{kernels._launch_cache_setting.refusal}; torch {torch.__version__}, triton {triton.__version__}, "
+        f"{cache_module.launch_cache_setting.refusal}; torch {torch.__version__}, triton {triton.__version__}, "
         f"{torch.cuda.get_device_name() if gpu else 'cpu'}"
     )
     if gpu and not kernels.launch_cache_enabled():
@@ -754,7 +757,10 @@ def parts_2b_and_3():
     bitwise_check()
     failures = {
         name: launcher.failure
-        for name, launcher in (("forward", kernels._forward_launcher), ("backward", kernels._backward_launcher))
+        for name, launcher in (
+            ("forward", launch_module.forward_launcher),
+            ("backward", launch_module.backward_launcher),
+        )
         if launcher.failure
     }
     print(f"launch cache failures: {failures or 'none'}")
