@@ -217,7 +217,7 @@ class Launcher:
         self.hits = 0  # cached launches, for tests and bench tools
         self.current_device, self.current_stream = current_device, current_stream
 
-    def _key(self, layout, args, num_warps, num_stages):
+    def key(self, layout, args, num_warps, num_stages):
         # Triton keys its compiled variants on (its specialisation of the arguments, str(the options)), where the
         # options are the launch's keywords (num_warps, num_stages) plus debug and instrumentation_mode.
         debug = self.kernel.debug or knobs.runtime.debug
@@ -299,7 +299,7 @@ class Launcher:
         if kernel_cache.get(compute_cache_key(kernel_key_cache, specialization, triton_options)) is not compiled:
             raise RuntimeError("Triton's own key for these arguments does not give the kernel it launched")
         layout = self.layout(args, device)
-        key = self._key(layout, args, num_warps, num_stages)
+        key = self.key(layout, args, num_warps, num_stages)
         if layout[1] is not None and layout[1].specialization(key) != specialization:
             raise RuntimeError("the launch key does not rebuild Triton's specialisation of these arguments")
         known = layout[2].get(key)
