@@ -21,9 +21,13 @@ sum_j e^(z_j - max) z_j, combines them like the other partials and writes per ro
 
 Modules: common.py (the @triton.jit helpers), forward.py, backward.py, combine.py (the kernels), launch.py (the
 host side: configs, capture guard, scratch layout, launch functions), launch_cache.py (the reproduction of Triton
-3.6.0's launch path; deletable). This package re-exports what the other layers call.
+3.6.0's launch path; deletable). This package re-exports what the other layers call, and forgets the launchers'
+variants (forget_launches, and after a fork).
 """
 
+import os
+
+from . import combine, launch
 from .combine import (
     VOCAB_PARALLEL_BLOCK,
     VocabParallelStatistics,
@@ -51,7 +55,6 @@ from .launch import (
     backward_config,
     class_weight_operands,
     denominator_operands,
-    forget_launches,
     forward,
     forward_config,
     launch_cache,
@@ -99,3 +102,30 @@ __all__ = [
     "vocab_parallel_rescale",
     "vocab_parallel_statistics",
 ]
+
+
+def _launchers():
+    # Looked up at each call, so a launcher replaced by a test is the one forgotten.
+    return (
+        launch.forward_launcher, launch.backward_launcher, launch.scale_launcher, combine.maxima_launcher,
+        combine.rescale_launcher, combine.vocab_parallel_loss_launcher,
+    )  # fmt: skip
+
+
+def forget_launches():
+    """Forget which kernel variants have run (the capture guard's record and the launch cache): the next launch of
+    each variant takes Triton's generic path again, as in a fresh process."""
+    launch._launched.clear()
+    for launcher in _launchers():
+        launcher.forget()
+
+
+def _forget_variants_after_fork():
+    # A forked child cannot use its parent's CUDA context: its first launch must take Triton's generic path (and
+    # torch.cuda's checks), not a cached launcher whose device getter skips them.
+    for launcher in _launchers():
+        launcher.forget()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_variants_after_fork)

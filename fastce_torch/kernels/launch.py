@@ -12,7 +12,6 @@ off), or GenericLauncher, Triton's own path every time, where launch_cache.py is
 
 import contextlib
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -182,35 +181,6 @@ def _guard_capture(variant, tensor):
 forward_launcher = Launcher(_forward_kernel)
 backward_launcher = Launcher(_backward_kernel)
 scale_launcher = Launcher(_scale_unless_one_kernel)
-
-
-def _launchers():
-    # Looked up at each call, so a launcher replaced by a test is the one forgotten (combine.py's three included).
-    from . import combine
-
-    return (
-        forward_launcher, backward_launcher, scale_launcher, combine.maxima_launcher, combine.rescale_launcher,
-        combine.vocab_parallel_loss_launcher,
-    )  # fmt: skip
-
-
-def forget_launches():
-    """Forget which kernel variants have run (the capture guard's record and the launch cache): the next launch of
-    each variant takes Triton's generic path again, as in a fresh process."""
-    _launched.clear()
-    for launcher in _launchers():
-        launcher.forget()
-
-
-def _forget_variants_after_fork():
-    # A forked child cannot use its parent's CUDA context: its first launch must take Triton's generic path (and
-    # torch.cuda's checks), not a cached launcher whose device getter skips them.
-    for launcher in _launchers():
-        launcher.forget()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_variants_after_fork)
 
 
 def row_layout(logits):

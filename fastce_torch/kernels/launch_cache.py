@@ -73,7 +73,7 @@ _MISSING = object()
 # torch.cuda.current_device, get_current_stream torch._C._cuda_getCurrentRawStream), as the C getters themselves: a
 # cached launch skips torch.cuda.current_device's lazy-initialisation check, which cannot matter there, since a
 # variant is only known after a generic launch initialised CUDA in this process, and a forked child forgets every
-# variant (launch.py's fork hook). CPU builds of torch have neither getter; nothing is cached there.
+# variant (the fork hook in kernels/__init__.py). CPU builds of torch have neither getter; nothing is cached there.
 current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda device: torch.cuda.current_stream(device).cuda_stream

@@ -535,7 +535,7 @@ def test_a_forked_child_forgets_the_variants(monkeypatch):
     fake_launchers(monkeypatch)
     run_forward(dict(n_rows=16, vocab=1000))
     assert launch.forward_launcher.variants
-    launch._forget_variants_after_fork()  # what os.register_at_fork runs in the child
+    kernels._forget_variants_after_fork()  # what os.register_at_fork runs in the child
     assert not launch.forward_launcher.variants
 
 
