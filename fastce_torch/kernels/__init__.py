@@ -19,10 +19,11 @@ their instructions are unchanged): the forward also keeps per chunk the first co
 sum_j e^(z_j - max) z_j, combines them like the other partials and writes per row the argmax and the mean of z
 (accuracy and entropy in cross_entropy's CrossEntropyOutput); `lse_backward` is the z_loss output's gradient.
 
-Modules: common.py (the @triton.jit helpers), forward.py, backward.py, combine.py (the kernels), launch.py (the
-host side: configs, capture guard, scratch layout, launch functions), launch_cache.py (the reproduction of Triton
-3.6.0's launch path; deletable). This package re-exports what the other layers call, and forgets the launchers'
-variants (forget_launches, and after a fork).
+Modules: common.py (the @triton.jit helpers), forward.py and backward.py (the kernels), combine.py (the
+vocab-parallel combine kernels and their three host-side steps), launch.py (the host side: configs, capture guard,
+scratch layout, launch functions), launch_cache.py (the reproduction of Triton 3.6.0's launch path; deletable).
+This package re-exports what the other layers call, and forgets the launchers' variants (forget_launches, and after
+a fork).
 """
 
 import os
