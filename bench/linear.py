@@ -258,7 +258,7 @@ def check_fastce(shape, chunk=1024):
     reference = float32_reference(*inputs, chunk=chunk)
     errors = gradient_errors(fastce_torch.linear_cross_entropy, inputs, reference)
     # bf16 logits and gradients: one rounding each is ~2e-3 rms relative; the weight gradient adds one rounding per
-    # chunk (see fastce_torch/linear_cross_entropy.py). A wrong formula is off by far more.
+    # chunk (see fastce_torch/linear/chunks.py). A wrong formula is off by far more.
     errors["ok"] = (
         errors["loss_rel"] < 1e-3 and errors["grad_hidden_rel_rms"] < 1e-2 and errors["grad_weight_rel_rms"] < 2e-2
     )

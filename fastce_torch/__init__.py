@@ -12,18 +12,22 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 
 from .contract import CrossEntropyOutput  # noqa: E402
 from .cross_entropy import CrossEntropyLoss, cross_entropy, cross_entropy_reference  # noqa: E402
-from .linear_cross_entropy import linear_cross_entropy  # noqa: E402
-from .transformers import patch_transformers, unpatch_transformers  # noqa: E402
+from .linear import DEFAULT_WORKSPACE_BYTES, linear_cross_entropy  # noqa: E402
+from .transformers import fastce_for_causal_lm_loss, patch_transformers, unpatch_transformers  # noqa: E402
 from .unsloth import fast_cross_entropy_loss, patch_loss_functions  # noqa: E402
 
+# What users call: the losses, their output record, the integration patches (and the loss function the transformers
+# patch installs), and the fused linear loss's default workspace budget (its `workspace_bytes` keyword).
 __all__ = [
     "cross_entropy",
     "cross_entropy_reference",
     "CrossEntropyLoss",
     "CrossEntropyOutput",
     "linear_cross_entropy",
+    "DEFAULT_WORKSPACE_BYTES",
     "patch_transformers",
     "unpatch_transformers",
+    "fastce_for_causal_lm_loss",
     "fast_cross_entropy_loss",
     "patch_loss_functions",
 ]

@@ -13,6 +13,9 @@ from triton.compiler import ASTSource
 
 from . import kernels
 from .kernels import BACKWARD_BLOCK, BACKWARD_WARPS, FORWARD_BLOCK, FORWARD_WARPS, GROUPS_BLOCK, ROWS_PER_GROUP
+from .kernels.backward import _backward_kernel, _scale_unless_one_kernel
+from .kernels.combine import _vocab_parallel_loss_kernel, _vocab_parallel_maxima_kernel, _vocab_parallel_rescale_kernel
+from .kernels.forward import _forward_kernel
 
 H200 = GPUTarget("cuda", 90, 32)
 POINTER = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16"}
@@ -85,7 +88,7 @@ def variants():
                     HAS_WEIGHT=weighted,
                     **flags,
                 )
-                yield kernels._forward_kernel, signature(kernels._forward_kernel, logits, index), constexprs, warps
+                yield _forward_kernel, signature(_forward_kernel, logits, index), constexprs, warps
         backward_modes = [(False, False), (True, False)] if all_options else [(False, False)]
         if flag_set in FLAG_SETS[:2] or flag_set == FLAG_SETS[4]:
             backward_modes.append((False, True))
@@ -98,13 +101,13 @@ def variants():
                 **flags,
             )
             yield (
-                kernels._backward_kernel,
-                signature(kernels._backward_kernel, logits, index),
+                _backward_kernel,
+                signature(_backward_kernel, logits, index),
                 constexprs,
                 BACKWARD_WARPS,
             )
         if flag_set == FLAG_SETS[0]:  # linear_cross_entropy's gradient scaling, once per dtype
-            scale = kernels._scale_unless_one_kernel
+            scale = _scale_unless_one_kernel
             yield scale, signature(scale, logits, index), dict(BLOCK=kernels.SCALE_BLOCK), 4
     yield from vocab_parallel_variants()
 
@@ -112,11 +115,11 @@ def variants():
 def vocab_parallel_variants():
     # The vocab-parallel combine kernels: with and without the width check, every option and reduction mode.
     block = kernels.VOCAB_PARALLEL_BLOCK
-    maxima, rescale = kernels._vocab_parallel_maxima_kernel, kernels._vocab_parallel_rescale_kernel
+    maxima, rescale = _vocab_parallel_maxima_kernel, _vocab_parallel_rescale_kernel
     for check in (False, True):
         yield maxima, signature(maxima, "*fp32", "i32"), dict(CHECK_WIDTHS=check, BLOCK=block), 4
     yield rescale, signature(rescale, "*fp32", "i32"), dict(BLOCK=block), 4
-    loss = kernels._vocab_parallel_loss_kernel
+    loss = _vocab_parallel_loss_kernel
     for check, smoothing, z_loss, reduce, mode in itertools.product(
         (False, True), (False, True), (False, True), (False, True), (0, 1, 2)
     ):

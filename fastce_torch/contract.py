@@ -120,6 +120,43 @@ def check_options(ignore_index, reduction, n_items, logit_softcapping, logit_sca
     return options
 
 
+# Options already checked, for calls with plain keyword values (exact int / float / str types, no n_items): the
+# checks are a pure function of those values, and values equal under == give the same Options (-0.0 and 0.0, or 1
+# and 1.0, only differ where every kernel treats them alike). Bounded: past its size, calls just check again. Not
+# used while torch.compile traces.
+_OPTIONS_CACHE = {}
+_OPTIONS_CACHE_SIZE = 64
+_PLAIN_TYPES = frozenset((int, float))
+
+
+def checked_options(
+    ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
+):
+    """check_options through a small cache of the Options already checked (cross_entropy's per-call checks)."""
+    key = (ignore_index, reduction, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend)
+    plain = (
+        n_items is None
+        and not torch.compiler.is_compiling()  # no dict side effects for dynamo to trace
+        and type(ignore_index) is int
+        and type(reduction) is str
+        and type(backend) is str
+        and type(logit_softcapping) in _PLAIN_TYPES
+        and type(logit_scaling) in _PLAIN_TYPES
+        and type(label_smoothing) in _PLAIN_TYPES
+        and type(z_loss) in _PLAIN_TYPES
+    )
+    if plain:
+        options = _OPTIONS_CACHE.get(key)
+        if options is not None:
+            return options
+    options = check_options(
+        ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
+    )
+    if plain and len(_OPTIONS_CACHE) < _OPTIONS_CACHE_SIZE:
+        _OPTIONS_CACHE[key] = options
+    return options
+
+
 def check_extras(return_z_loss, return_lse, return_accuracy, return_entropy):
     """The return_* keywords as Extras; each must be a bool."""
     extras = Extras(return_z_loss, return_lse, return_accuracy, return_entropy)
@@ -279,6 +316,24 @@ def row_statistics(z, labels, options, vocab_start=0):
     label_logit = torch.where(owned, z.gather(-1, column.unsqueeze(-1)).squeeze(-1), 0.0)
     sum_z = z.sum(dim=-1) if options.label_smoothing > 0.0 else torch.zeros_like(lse)
     return lse, label_logit, sum_z
+
+
+def row_shift(maxima, n_rows):
+    """The shift of each row's combined logsumexp: the reduced maximum, 0 where it is -inf (rows that are -inf on
+    every rank, ignored or all -inf logits: -inf - -inf would be NaN)."""
+    row_max = maxima[:n_rows]
+    return torch.where(row_max == float("-inf"), 0.0, row_max)
+
+
+def global_statistics(maxima, sums, n_rows, shift=None):
+    """Vocab-parallel: (lse, z_label, sum_z or None) per row from the two all-reduced tensors of
+    sharding.reduced_statistics (maxima holds 2 more entries, the widths, when they are checked; sums a third row,
+    sum_z, with label smoothing) and its shift (derived again from maxima when None)."""
+    shift = row_shift(maxima, n_rows) if shift is None else shift
+    lse = shift + torch.log(sums[0])
+    if maxima.shape[0] > n_rows:
+        lse = torch.where(maxima[n_rows] == -maxima[n_rows + 1], lse, float("nan"))
+    return lse, sums[1], (sums[2] if sums.shape[0] > 2 else None)
 
 
 def token_loss_from_statistics(lse, label_logit, sum_z, labels, options, vocab):

@@ -3,7 +3,7 @@ functional `cross_entropy`, the `CrossEntropyLoss` module, and `cross_entropy_re
 plain torch). The checks and plain-torch formulas are in contract.py, the kernels and their launchers in kernels.py,
 the vocab-parallel path in sharding.py.
 
-Eager calls go through `_CrossEntropyFunction`: one forward launch that also reduces "mean"/"sum" in-kernel
+Eager calls go through `CrossEntropyFunction`: one forward launch that also reduces "mean"/"sum" in-kernel
 (a fixed summation order, no host synchronisation), one backward launch, nothing else on the host's hot path, since
 at N=8192, V=32000 the kernels take ~0.4 ms and host-side framework steps would otherwise dominate. Under
 torch.compile the custom ops give the compiler opaque per-token ops and the reduction is plain torch arithmetic.
@@ -35,7 +35,7 @@ def _float32_like(tensor):
     return torch.empty(tensor.shape, dtype=torch.float32, device=tensor.device)
 
 
-class _CrossEntropyFunction(torch.autograd.Function):
+class CrossEntropyFunction(torch.autograd.Function):
     """The eager path, reduction included, with the fewest host-side steps: one launch forward, one launch
     backward, and no autograd nodes besides this one (each costs host time per step). Outputs: the loss (it owns
     its storage), lse and the reduction's denominator (both non-differentiable, for the backward); with `extras`
@@ -80,7 +80,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         if grad_lse is None or not ctx.z_grad:
             if grad_output is None:
                 return None, *_NO_GRADS
-            return _CrossEntropyFunction._loss_backward(ctx, grad_output, saved)
+            return CrossEntropyFunction._loss_backward(ctx, grad_output, saved)
         # The z_loss output's gradient, from the intact logits before an in-place backward overwrites them.
         logits, labels, lse, _ = saved
         tensors = (grad_lse, *saved)
@@ -97,7 +97,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         lse_part = contract.lse_gradient(grad_lse, logits, labels, ctx.options)
         if grad_output is None:
             return lse_part, *_NO_GRADS
-        grad = _CrossEntropyFunction._loss_backward(ctx, grad_output, saved)[0]
+        grad = CrossEntropyFunction._loss_backward(ctx, grad_output, saved)[0]
         return grad + lse_part, *_NO_GRADS
 
     @staticmethod
@@ -106,7 +106,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         transformed = under_functorch()
         plain = not transformed and not any(map(torch._C._functorch.is_functorch_wrapped_tensor, tensors))
         if plain and not torch.is_grad_enabled():  # the first-order path: one kernel launch
-            return _CrossEntropyFunction._gradient(ctx, *tensors), *_NO_GRADS
+            return CrossEntropyFunction._gradient(ctx, *tensors), *_NO_GRADS
         # Decided before anything is written in place: a gradient that is differentiated again is computed in plain
         # torch from the intact logits.
         if differentiated_again(tensors):
@@ -124,13 +124,13 @@ class _CrossEntropyFunction(torch.autograd.Function):
                 grad_output, logits, labels, denominator, ctx.options, ctx.weight
             ), *_NO_GRADS
         if plain:
-            return _CrossEntropyFunction._gradient(ctx, *tensors), *_NO_GRADS
+            return CrossEntropyFunction._gradient(ctx, *tensors), *_NO_GRADS
         # torch.func.grad / vjp run this backward on their wrapped tensors, inside the transform (grad) or after it
         # (the function vjp returns). Differentiated once, the kernel runs on the plain tensors with the transforms
         # switched off (anything allocated under them, Triton's interpreter copies included, would be a wrapper
         # without storage).
         with torch._C._DisableFuncTorch():
-            grad = _CrossEntropyFunction._gradient(ctx, *map(unwrapped, tensors))
+            grad = CrossEntropyFunction._gradient(ctx, *map(unwrapped, tensors))
         return grad, *_NO_GRADS
 
     @staticmethod
@@ -165,7 +165,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         raise RuntimeError(contract.VMAP_UNSUPPORTED)
 
 
-def _apply(function, logits, labels, reduction, n_items, *rest):
+def apply_function(function, logits, labels, reduction, n_items, *rest):
     """function.apply(logits, labels, reduction, n_items, *rest) without torch.autograd.Function.apply's per-call
     inspect.signature binding (~15 us of host time, bench/NOTES.md), which only fills in default arguments: every
     argument is passed here, positionally. Under torch.func transforms the full path runs. As Function.apply does, a
@@ -362,7 +362,7 @@ def cross_entropy(
             "with reduction='none' and weight it yourself"
         )
     weight = contract.check_class_weight(weight, logits.shape[-1] if logits.dim() else 0, logits.device)
-    options = _checked_options(
+    options = contract.checked_options(
         ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
     )
     if vocab_start is not None and process_group is None:
@@ -383,42 +383,6 @@ def cross_entropy(
     if isinstance(loss, contract.CrossEntropyOutput):
         return contract.unshifted(loss, kept, reduction)
     return loss[..., :kept] if kept is not None and reduction == "none" else loss
-
-
-# Options already checked, for calls with plain keyword values (exact int / float / str types, no n_items): the
-# checks are a pure function of those values, and values equal under == give the same Options (-0.0 and 0.0, or 1
-# and 1.0, only differ where every kernel treats them alike). Bounded: past its size, calls just check again. Not
-# used while torch.compile traces.
-_OPTIONS_CACHE = {}
-_OPTIONS_CACHE_SIZE = 64
-_PLAIN_TYPES = frozenset((int, float))
-
-
-def _checked_options(
-    ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
-):
-    key = (ignore_index, reduction, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend)
-    plain = (
-        n_items is None
-        and not torch.compiler.is_compiling()  # no dict side effects for dynamo to trace
-        and type(ignore_index) is int
-        and type(reduction) is str
-        and type(backend) is str
-        and type(logit_softcapping) in _PLAIN_TYPES
-        and type(logit_scaling) in _PLAIN_TYPES
-        and type(label_smoothing) in _PLAIN_TYPES
-        and type(z_loss) in _PLAIN_TYPES
-    )
-    if plain:
-        options = _OPTIONS_CACHE.get(key)
-        if options is not None:
-            return options
-    options = contract.check_options(
-        ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
-    )
-    if plain and len(_OPTIONS_CACHE) < _OPTIONS_CACHE_SIZE:
-        _OPTIONS_CACHE[key] = options
-    return options
 
 
 def _cross_entropy(
@@ -469,8 +433,8 @@ def _cross_entropy(
         and not under_functorch()
     )
     if any(extras):
-        loss, lse, _, argmax, mean_z = _apply(
-            _CrossEntropyFunction, kernel_logits, labels_1d, reduction, n_items, inplace, options, layout, extras,
+        loss, lse, _, argmax, mean_z = apply_function(
+            CrossEntropyFunction, kernel_logits, labels_1d, reduction, n_items, inplace, options, layout, extras,
             weight,
         )  # fmt: skip
         loss = loss.view(labels.shape) if reduction == "none" else loss
@@ -479,11 +443,12 @@ def _cross_entropy(
             loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab, weight
         )
     if weight is not None:
-        loss = _apply(
-            _CrossEntropyFunction, kernel_logits, labels_1d, reduction, n_items, inplace, options, layout, None, weight
+        loss = apply_function(
+            CrossEntropyFunction, kernel_logits, labels_1d, reduction, n_items, inplace, options, layout, None, weight
         )[0]
         return loss.view(labels.shape) if reduction == "none" else loss
-    loss = _apply(_CrossEntropyFunction, kernel_logits, labels_1d, reduction, n_items, inplace, options, layout)[0]
+    function = CrossEntropyFunction
+    loss = apply_function(function, kernel_logits, labels_1d, reduction, n_items, inplace, options, layout)[0]
     return loss.view(labels.shape) if reduction == "none" else loss
 
 

@@ -33,10 +33,10 @@ def shard_statistics(logits, labels, options, vocab_start, vocab_total, use_kern
         return kernels.forward(
             logits, labels, options, vocab_start=vocab_start, vocab_total=vocab_total, outputs=outputs
         )
-    statistics = _shard_statistics_torch(logits, labels, options, vocab_start)
+    z = contract.transform(logits, options, labels)
+    statistics = contract.row_statistics(z, labels, options, vocab_start)
     if not outputs:
         return statistics
-    z = contract.transform(logits, options, labels)
     argmax, mean_z = contract.row_extras(z)
     return (*statistics, argmax + vocab_start, mean_z, z.max(-1).values)
 
@@ -54,15 +54,6 @@ def shard_gradient(grad_output, denominator, logits, labels, lse, grad, options,
     grad_rows = grad_output.to(lse.dtype)
     if denominator is not None:
         grad_rows = (grad_rows / denominator).expand(labels.shape)
-    return _shard_gradient_torch(grad_rows, logits, labels, lse, grad, options, vocab_start, vocab_total)
-
-
-def _shard_statistics_torch(logits, labels, options, vocab_start):
-    z = contract.transform(logits, options, labels)
-    return contract.row_statistics(z, labels, options, vocab_start)
-
-
-def _shard_gradient_torch(grad_rows, logits, labels, lse, grad, options, vocab_start, vocab_total):
     return grad.copy_(contract.logits_gradient(grad_rows, logits, labels, lse, options, vocab_start, vocab_total))
 
 
@@ -94,7 +85,7 @@ def combine_statistics(
     maxima, sums, shift = reduced_statistics(
         lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z, _all_reduce_in_place
     )
-    return global_statistics(maxima, sums, lse_local.shape[0], shift)
+    return contract.global_statistics(maxima, sums, lse_local.shape[0], shift)
 
 
 def reduced_statistics(lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z, all_reduce):
@@ -113,27 +104,10 @@ def reduced_statistics(lse_local, z_label, sum_z, group, local_width, check_equa
         maxima[n_rows].fill_(local_width)
         maxima[n_rows + 1].fill_(-local_width)
     maxima = all_reduce(maxima, "max", group)
-    shift = _row_shift(maxima, n_rows)
+    shift = contract.row_shift(maxima, n_rows)
     parts = [torch.exp(lse_local - shift), z_label] + ([sum_z] if with_sum_z else [])
     sums = all_reduce(torch.stack(parts), "sum", group)
     return maxima, sums, shift
-
-
-def _row_shift(maxima, n_rows):
-    # Rows that are -inf on every rank (ignored rows, all -inf logits) shift by 0 (-inf - -inf would be NaN).
-    row_max = maxima[:n_rows]
-    return torch.where(row_max == float("-inf"), 0.0, row_max)
-
-
-def global_statistics(maxima, sums, n_rows, shift=None):
-    """(lse, z_label, sum_z or None) per row from reduced_statistics' two reduced tensors (maxima holds 2 more
-    entries, the widths, when they are checked; sums a third row, sum_z, with label smoothing) and its shift
-    (derived again from maxima when None)."""
-    shift = _row_shift(maxima, n_rows) if shift is None else shift
-    lse = shift + torch.log(sums[0])
-    if maxima.shape[0] > n_rows:
-        lse = torch.where(maxima[n_rows] == -maxima[n_rows + 1], lse, float("nan"))
-    return lse, sums[1], (sums[2] if sums.shape[0] > 2 else None)
 
 
 def _combine_statistics_with_outputs(
@@ -269,8 +243,10 @@ class _VocabParallelFunction(torch.autograd.Function):
                 kernels.lse_backward(grad_lse, logits, labels, lse, grad, ctx.options, vocab_total=ctx.vocab_total)
             else:
                 lse_options = ctx.options._replace(label_smoothing=0.0, z_loss=0.0)
-                _shard_gradient_torch(
-                    grad_lse.to(lse.dtype), logits, labels, lse, grad, lse_options, ctx.vocab_total, ctx.vocab_total
+                grad.copy_(
+                    contract.logits_gradient(
+                        grad_lse.to(lse.dtype), logits, labels, lse, lse_options, ctx.vocab_total, ctx.vocab_total
+                    )
                 )
             if grad_output is not None:
                 loss_grad = torch.empty_like(grad)
@@ -361,7 +337,7 @@ def _loss_op(logits, labels, maxima, sums, *options_and_layout):
     again: were anything computed from the logits before the all-reduces saved for the backward, a partitioner
     could recompute it there, collectives included (torch never eliminates a collective as dead code)."""
     *options, _, vocab_total, _ = options_and_layout
-    lse, z_label, sum_z = global_statistics(maxima, sums, labels.shape[0])
+    lse, z_label, sum_z = contract.global_statistics(maxima, sums, labels.shape[0])
     return contract.token_loss_from_statistics(lse, z_label, sum_z, labels, contract.Options(*options), vocab_total)
 
 
@@ -397,7 +373,7 @@ def _loss_setup_context(ctx, inputs, output):
 
 def _loss_backward(ctx, grad_loss):
     logits, labels, maxima, sums = ctx.saved_tensors
-    lse = global_statistics(maxima, sums, labels.shape[0])[0]
+    lse = contract.global_statistics(maxima, sums, labels.shape[0])[0]
     if ctx.use_kernel:
         grad = _backward_op(grad_loss, logits, labels, lse, *ctx.options_and_layout)
     else:
@@ -427,7 +403,8 @@ def traced_vocab_parallel_cross_entropy(logits, labels, reduction, n_items, opti
         if use_kernel:
             statistics = _statistics_op(logits_2d, labels_1d, *options, vocab_start, vocab_total)
         else:
-            statistics = _shard_statistics_torch(logits_2d, labels_1d, options, vocab_start)
+            z = contract.transform(logits_2d, options, labels_1d)
+            statistics = contract.row_statistics(z, labels_1d, options, vocab_start)
     with_sum_z = options.label_smoothing > 0.0
     maxima, sums, _ = reduced_statistics(
         *statistics, group, local_width, check_equal_widths, with_sum_z, _functional_all_reduce

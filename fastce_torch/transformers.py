@@ -56,7 +56,7 @@ import torch
 
 from .contract import BACKENDS
 from .cross_entropy import cross_entropy
-from .linear_cross_entropy import linear_cross_entropy
+from .linear import linear_cross_entropy
 
 _LOSS_NAME = "ForCausalLMLoss"
 # *ForCausalLM classes of transformers 5.x whose forward computes torch.nn.CrossEntropyLoss itself: not patched.

@@ -302,11 +302,17 @@ def test_skip_ignored_rows_against_float64_reference(case, package, device):
     check(case, device, runner, chunks)
 
 
+def linear_module(package):
+    """The package's fused linear loss module (its `linear` package; `linear_cross_entropy` before that split): the
+    public function, the chunking defaults and rows_per_chunk."""
+    return sys.modules.get(f"{package}.linear") or sys.modules[f"{package}.linear_cross_entropy"]
+
+
 @pytest.mark.parametrize("package", ["fastce_torch", "fastce_jax"])
 def test_chunk_rows_from_the_budget(package):
     """The same defaults and chunking rule in both packages."""
     package_runner(package)
-    module = sys.modules[f"{package}.linear_cross_entropy"]
+    module = linear_module(package)
     assert module.DEFAULT_WORKSPACE_BYTES == 256 << 20 and module.ROWS_MULTIPLE == 128
     for name in ("WORKSPACE_BYTES", "CHUNK_ROWS", "ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32"):
         assert not hasattr(module, name), f"{name} is a keyword of linear_cross_entropy, not a module setting"
@@ -345,7 +351,7 @@ def test_mid_shapes_on_gpu(case, package, device):
     runner = package_runner(package)
     n_rows = int(np.prod(case.shape))
     itemsize = TORCH_DTYPES[case.dtype].itemsize
-    chunks = -(-n_rows // sys.modules[f"{package}.linear_cross_entropy"].rows_per_chunk(n_rows, case.vocab, itemsize))
+    chunks = -(-n_rows // linear_module(package).rows_per_chunk(n_rows, case.vocab, itemsize))
     check(case, device, runner, chunks)
 
 

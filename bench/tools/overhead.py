@@ -14,6 +14,7 @@ off, so the C call and the figures that need it are null in the JSON.
 """
 
 import argparse
+import importlib
 import json
 import time
 
@@ -23,6 +24,9 @@ import triton.testing
 import fastce_torch
 from bench import envinfo, torch_measure
 from fastce_torch import kernels
+from fastce_torch.kernels import launch as launch_module
+
+cache_module = importlib.import_module("fastce_torch.kernels.launch_cache")  # kernels.launch_cache is the function
 
 OPTIONS = kernels.Options()
 
@@ -95,17 +99,17 @@ def _forward_args(logits, labels, options):
     """(grid, (warps, stages), args): what kernels.forward passes to its launcher, captured from one call."""
     captured = []
 
-    class Capture(kernels._Launcher):
+    class Capture(launch_module.Launcher):
         def cached(self, grid, args, *rest):
             captured.append((grid, rest, args))
             return True
 
-    saved = kernels._forward_launcher
-    kernels._forward_launcher = Capture(None)
+    saved = launch_module.forward_launcher
+    launch_module.forward_launcher = Capture(None)
     try:
         kernels.forward(logits, labels, options, "mean")
     finally:
-        kernels._forward_launcher = saved
+        launch_module.forward_launcher = saved
     return captured[0]
 
 
@@ -134,13 +138,13 @@ def _launch_and_allocation_rows(rows, device, raw, labels, n, repeat):
     """The compiled launcher's C call alone (reached through the launch cache: CUDA only) and the forward's
     allocations; whether the C call was measured."""
     grid, (warps, stages), args = _forward_args(raw, labels, OPTIONS)
-    launcher = kernels._forward_launcher
+    launcher = launch_module.forward_launcher
     cached_path = launcher.failure is None and launcher.cached(grid, args, warps, stages)
     if cached_path:
-        device_index = kernels._current_device()
+        device_index = cache_module.current_device()
         layout = launcher.layout(args, device_index)
-        run, function, metadata = layout[2][launcher._key(layout, args, warps, stages)]
-        stream = kernels._current_stream(device_index)
+        run, function, metadata = layout[2][launcher.key(layout, args, warps, stages)]
+        stream = cache_module.current_stream(device_index)
         _row(rows, "    the compiled launcher's C call alone", per_call_us(
             lambda: run(*grid, stream, function, metadata, None, None, None, *args), n, repeat))  # fmt: skip
     # The forward's zeroed buffer: its one int32 tensor argument (counters, then the float32 scratch).
@@ -338,7 +342,7 @@ def main(argv=None):
     gpu = args.device != "cpu"
     print(
         f"launch cache: {'on' if kernels.launch_cache_enabled() else 'off'} "
-        f"{kernels._launch_cache_setting.refusal}; torch {torch.__version__}, triton {triton.__version__}, "
+        f"{cache_module.launch_cache_setting.refusal}; torch {torch.__version__}, triton {triton.__version__}, "
         f"{torch.cuda.get_device_name() if gpu else 'cpu'}"
     )
     if gpu and not kernels.launch_cache_enabled():
@@ -356,7 +360,7 @@ def main(argv=None):
     }
     if not args.part1_only:
         result["device_times"] = device_times()
-    launchers = (kernels._forward_launcher, kernels._backward_launcher)
+    launchers = (launch_module.forward_launcher, launch_module.backward_launcher)
     failures = [launcher.failure for launcher in launchers if launcher.failure]
     print(f"launch cache failures: {failures or 'none'}")
     if args.json:

@@ -4,7 +4,9 @@
 
 For each variant that fastce_torch/compile_check.py lists at BASE_COMMIT (compiled for the H200 without a GPU), the
 PTX of the kernel body here and there is compared, less parameter declarations and loads, register numbers and
-debug lines (a new kernel parameter or constexpr that the variant does not use changes only those). Constexprs that
+debug lines (a new kernel parameter or constexpr that the variant does not use changes only those; a @triton.jit
+helper that the compiler inlines adds only `$L__tmp` labels, which mark source scopes for the debug sections and are
+no branch targets). Constexprs that
 exist only here are given their default-off value (False). Prints one line per differing variant and a summary;
 exit status 1 when any differs.
 """
@@ -23,7 +25,7 @@ def kernel_body(ptx):
     lines = []
     for line in ptx[start : end if end >= 0 else len(ptx)].splitlines():
         text = line.split("//")[0].strip()
-        if text and "param" not in text and not text.startswith((".loc", ".file")):
+        if text and "param" not in text and not text.startswith((".loc", ".file", "$L__tmp")):
             lines.append(BODY_LINE.sub("%", text))
     return "\n".join(lines)
 

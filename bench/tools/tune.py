@@ -1,8 +1,8 @@
 """`python -m bench.tools.tune`: sweep fastce's launch parameters on the GPU.
 
 fastce_torch: kernel-level times of the forward and backward launchers for each candidate tile size, warp count,
-chunk and stage count, against the same run's copy bandwidth, so the constants at the top of fastce_torch/kernels.py
-can be chosen from measurements (--json: every row).
+chunk and stage count, against the same run's copy bandwidth, so the constants at the top of
+fastce_torch/kernels/launch.py can be chosen from measurements (--json: every row).
 fastce_jax: the kernels read module constants of fastce_jax.kernels (FWD_MAX_BLOCK, ...) when a jit traces, so
 this sets each candidate, re-traces, times the stage it affects (host timing as in bench.jax_measure; "bwd" is
 fwd+bwd minus the default fwd), restores the defaults and prints the best per shape. Knobs the package does not

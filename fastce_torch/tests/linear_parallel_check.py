@@ -61,7 +61,7 @@ def chunked(case):
     (tp: the rows against V / ranks columns; fsdp: N / ranks rows against V, the ranks' gradients summed)."""
     if not case.name.startswith("mid"):
         return lin.small_chunks(case)
-    from fastce_torch.linear_cross_entropy import rows_per_chunk
+    from fastce_torch.linear import rows_per_chunk
 
     world, n_rows = dist.get_world_size(), case.shape[0]
     itemsize = lin.TORCH_DTYPES[case.dtype].itemsize

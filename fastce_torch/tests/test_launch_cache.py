@@ -1,9 +1,9 @@
-"""The launch cache (kernels._Launcher): a cached launch must start exactly the compiled variant Triton's generic
-`kernel[grid](...)` would start for the same arguments, on the current stream, and every case it cannot serve must
-take the generic path.
+"""The launch cache (kernels/launch_cache.py's Launcher): a cached launch must start exactly the compiled variant
+Triton's generic `kernel[grid](...)` would start for the same arguments, on the current stream, and every case it
+cannot serve must take the generic path.
 
 On the CPU (Triton's interpreter) the real kernels cannot be compiled, so the launchers are given a stand-in for
-the JIT function that reproduces what _Launcher relies on from Triton 3.6's JITFunction.run: the kernel's own
+the JIT function that reproduces what Launcher relies on from Triton 3.6's JITFunction.run: the kernel's own
 binder (Triton's specialisation of every argument, built for the CUDA backend), Triton's cache key
 (compute_cache_key) and its per-device kernel cache of CompiledKernel objects. The launcher arguments are the ones
 kernels.forward / backward / scale_unless_one really build. With --gpu, the real kernels run through both paths
@@ -26,6 +26,18 @@ from triton.runtime.jit import JITFunction, compute_cache_key, create_function_f
 import fastce_torch
 from fastce_torch import kernels
 from fastce_torch.kernels import Options
+from fastce_torch.kernels.backward import _backward_kernel, _scale_unless_one_kernel
+from fastce_torch.kernels.combine import (
+    _vocab_parallel_loss_kernel,
+    _vocab_parallel_maxima_kernel,
+    _vocab_parallel_rescale_kernel,
+)
+from fastce_torch.kernels.forward import _forward_kernel
+
+# The modules themselves (the package's `launch_cache` and `forward` are the functions of those names).
+launch = sys.modules["fastce_torch.kernels.launch"]
+combine = sys.modules["fastce_torch.kernels.combine"]
+cache = sys.modules["fastce_torch.kernels.launch_cache"]
 
 STREAM = 1234  # the stand-in current stream
 # Nothing is launched in the stand-in tests, but the launchers take only CUDA tensors outside the interpreter.
@@ -73,23 +85,24 @@ class FakeJIT:
 
 
 LAUNCHERS = {
-    "_forward_launcher": kernels._forward_kernel,
-    "_backward_launcher": kernels._backward_kernel,
-    "_scale_launcher": kernels._scale_unless_one_kernel,
-    "_maxima_launcher": kernels._vocab_parallel_maxima_kernel,
-    "_rescale_launcher": kernels._vocab_parallel_rescale_kernel,
-    "_vocab_parallel_loss_launcher": kernels._vocab_parallel_loss_kernel,
+    "forward_launcher": _forward_kernel,
+    "backward_launcher": _backward_kernel,
+    "scale_launcher": _scale_unless_one_kernel,
+    "maxima_launcher": _vocab_parallel_maxima_kernel,
+    "rescale_launcher": _vocab_parallel_rescale_kernel,
+    "vocab_parallel_loss_launcher": _vocab_parallel_loss_kernel,
 }
+LAUNCHER_MODULES = {name: combine if hasattr(combine, name) else launch for name in LAUNCHERS}
 
 
 def fake_launchers(monkeypatch, setting=None):
     setting = FakeSetting() if setting is None else setting
-    monkeypatch.setattr(kernels, "_launched", set())  # the capture guard's record: these variants never compiled
+    monkeypatch.setattr(launch, "_launched", set())  # the capture guard's record: these variants never compiled
     fakes = {}
     for name, kernel in LAUNCHERS.items():
         fakes[name] = FakeJIT(kernel)
-        launcher = kernels._Launcher(fakes[name], setting, current_device=lambda: 0, current_stream=lambda d: STREAM)
-        monkeypatch.setattr(kernels, name, launcher)
+        launcher = cache.Launcher(fakes[name], setting, current_device=lambda: 0, current_stream=lambda d: STREAM)
+        monkeypatch.setattr(LAUNCHER_MODULES[name], name, launcher)
     return fakes
 
 
@@ -159,8 +172,8 @@ def run_forward(case, seed=0):
 
 def test_cached_forward_launches_are_tritons_own_choice(monkeypatch):
     fakes = fake_launchers(monkeypatch)
-    fake = fakes["_forward_launcher"]
-    launcher = kernels._forward_launcher
+    fake = fakes["forward_launcher"]
+    launcher = launch.forward_launcher
     options = FORWARD_OPTIONS
     for case in FORWARD_CASES:
         generic, direct = len(fake.generic), len(fake.direct)
@@ -181,7 +194,7 @@ def test_cached_forward_launches_are_tritons_own_choice(monkeypatch):
 
 
 def test_integer_one_and_divisibility_get_their_own_variants(monkeypatch):
-    fake = fake_launchers(monkeypatch)["_forward_launcher"]
+    fake = fake_launchers(monkeypatch)["forward_launcher"]
     run_forward(dict(n_rows=32, vocab=1000))
     run_forward(dict(n_rows=32, vocab=1000))
     assert (len(fake.generic), len(fake.direct)) == (1, 1)
@@ -201,7 +214,7 @@ def test_integer_one_and_divisibility_get_their_own_variants(monkeypatch):
 @pytest.mark.parametrize("grad_shape", ["scalar", "per_token", "strided"])
 @pytest.mark.parametrize("with_denominator", [True, False])
 def test_cached_backward_launches_are_tritons_own_choice(monkeypatch, grad_shape, with_denominator):
-    fake = fake_launchers(monkeypatch)["_backward_launcher"]
+    fake = fake_launchers(monkeypatch)["backward_launcher"]
     options = dict(num_warps=kernels.BACKWARD_WARPS)
     for n_rows, vocab, offset in ((16, 1000, 0), (17, 3000, 0), (16, 1000, 1), (1, 1000, 0)):
         for seed in (0, 1):
@@ -225,7 +238,7 @@ def test_cached_backward_launches_are_tritons_own_choice(monkeypatch, grad_shape
 
 
 def test_cached_scale_launches_are_tritons_own_choice(monkeypatch):
-    fake = fake_launchers(monkeypatch)["_scale_launcher"]
+    fake = fake_launchers(monkeypatch)["scale_launcher"]
     for numel in (16, 17, 1, 16, 17, 1, 8192):
         kernels.scale_unless_one(torch.randn(numel, device=STAND_IN_DEVICE), torch.ones((), device=STAND_IN_DEVICE))
         if fake.direct:
@@ -236,7 +249,7 @@ def test_cached_scale_launches_are_tritons_own_choice(monkeypatch):
 
 def test_hooks_setting_and_failures_take_the_generic_path(monkeypatch):
     setting = FakeSetting()
-    fake = fake_launchers(monkeypatch, setting)["_forward_launcher"]
+    fake = fake_launchers(monkeypatch, setting)["forward_launcher"]
     case = dict(n_rows=16, vocab=1000)
     run_forward(case)
     run_forward(case)
@@ -272,10 +285,10 @@ def test_hooks_setting_and_failures_take_the_generic_path(monkeypatch):
     fake.used_global_vals = {}
 
     kernels.forget_launches()
-    assert not kernels._forward_launcher.variants
+    assert not launch.forward_launcher.variants
     fake.returns_compiled = False  # a launch Triton skipped (jit_cache_hook): the cache gives up, the launch stays
     run_forward(case)
-    assert kernels._forward_launcher.failure is not None
+    assert launch.forward_launcher.failure is not None
     fake.returns_compiled = True
     run_forward(case)
     run_forward(case)
@@ -286,7 +299,8 @@ def test_the_setting_is_read_once_from_the_environment():
     # Compiled mode (TRITON_INTERPRET=0) in a fresh process: the cache is on unless the variable says 0. Nothing
     # is launched, so no GPU is needed.
     code = (
-        "from fastce_torch import kernels; print(kernels.launch_cache_enabled(), kernels._launch_cache_setting.refusal)"
+        "import sys; from fastce_torch import kernels; cache = sys.modules['fastce_torch.kernels.launch_cache']; "
+        "print(kernels.launch_cache_enabled(), cache.launch_cache_setting.refusal)"
     )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for value, expected in (("0", "False FASTCE_TORCH_LAUNCH_CACHE=0"), ("1", "True")):
@@ -419,7 +433,7 @@ def check_keys_against_binder(fake, launcher, argument_sets, rng):
 def test_launch_keys_are_tritons_specialisation_over_random_arguments(monkeypatch, name):
     real = captured_arguments(monkeypatch)[name]
     fake = FakeJIT(LAUNCHERS[name])
-    launcher = kernels._Launcher(fake, FakeSetting(), current_device=lambda: 0, current_stream=lambda d: STREAM)
+    launcher = cache.Launcher(fake, FakeSetting(), current_device=lambda: 0, current_stream=lambda d: STREAM)
     constexpr = [param.is_constexpr for param in fake.params]
     rng = random.Random(f"keys {name}")
     sets = list(real)
@@ -448,7 +462,7 @@ def test_launch_keys_follow_do_not_specialize_and_fall_back_where_unsure():
     bool, a backend without Triton's native tensor specialisation."""
     jit = JITFunction(_toy_kernel, do_not_specialize=["n", "s"], do_not_specialize_on_alignment=["p", "m"])
     fake = FakeJIT(jit)
-    launcher = kernels._Launcher(fake, FakeSetting(), current_device=lambda: 0, current_stream=lambda d: STREAM)
+    launcher = cache.Launcher(fake, FakeSetting(), current_device=lambda: 0, current_stream=lambda d: STREAM)
     rng = random.Random("toy")
     sets = []
     for _ in range(3000):
@@ -472,30 +486,30 @@ def test_launch_keys_follow_do_not_specialize_and_fall_back_where_unsure():
     assert all(launcher.layout(args)[1] is None for args in sets[:50])
     check_keys_against_binder(fake, launcher, sets, rng)
     backend = fake.device_caches[0][3]
-    assert kernels._ArgumentLayout.build(fake.params[:8], tuple(map(type, sets[0][:8])), backend) is not None
+    assert cache.ArgumentLayout.build(fake.params[:8], tuple(map(type, sets[0][:8])), backend) is not None
     for args in sets:
-        layout = kernels._ArgumentLayout.build(fake.params[:8], tuple(map(type, args[:8])), backend)
+        layout = cache.ArgumentLayout.build(fake.params[:8], tuple(map(type, args[:8])), backend)
         key = layout.key(args[:8], None, None, False, "")
         full = binder_outcome(fake.binder, args)
         if not isinstance(full, type):
             assert layout_outcome(layout, key) == full[:8], args
     subclass = (torch.zeros(4).as_subclass(_Subclass),) + sets[0][1:8]
-    assert kernels._ArgumentLayout.build(fake.params[:8], tuple(map(type, subclass)), backend) is None
+    assert cache.ArgumentLayout.build(fake.params[:8], tuple(map(type, subclass)), backend) is None
     float_constexpr = tuple(map(type, sets[0][:9])) + (float, int)
-    assert kernels._ArgumentLayout.build(fake.params, float_constexpr, backend) is None
+    assert cache.ArgumentLayout.build(fake.params, float_constexpr, backend) is None
 
     class OtherBackend:
         supports_native_tensor_specialization = False
 
-    assert kernels._ArgumentLayout.build(fake.params[:8], tuple(map(type, sets[0][:8])), OtherBackend()) is None
+    assert cache.ArgumentLayout.build(fake.params[:8], tuple(map(type, sets[0][:8])), OtherBackend()) is None
 
 
 def test_a_key_that_does_not_rebuild_tritons_specialisation_turns_the_cache_off(monkeypatch):
-    fake = fake_launchers(monkeypatch)["_forward_launcher"]
-    monkeypatch.setattr(kernels._ArgumentLayout, "specialization", lambda self, key: [("i32", "D")])
+    fake = fake_launchers(monkeypatch)["forward_launcher"]
+    monkeypatch.setattr(cache.ArgumentLayout, "specialization", lambda self, key: [("i32", "D")])
     case = dict(n_rows=16, vocab=1000)
     run_forward(case)
-    assert "rebuild" in kernels._forward_launcher.failure
+    assert "rebuild" in launch.forward_launcher.failure
     run_forward(case)
     assert (len(fake.generic), len(fake.direct)) == (2, 0)  # the generic path, every time
 
@@ -503,26 +517,26 @@ def test_a_key_that_does_not_rebuild_tritons_specialisation_turns_the_cache_off(
 def test_argument_types_outside_the_layout_are_keyed_by_the_binder(monkeypatch):
     """A tensor subclass (here the logits): its launches go through the binder's key, still cached, still Triton's
     own choice of variant."""
-    fake = fake_launchers(monkeypatch)["_forward_launcher"]
+    fake = fake_launchers(monkeypatch)["forward_launcher"]
     for seed in (0, 1):
         logits = logits_of(16, 1000, seed=seed).as_subclass(_Subclass)
         kernels.forward(logits, labels_of(16, 1000), Options(), "mean")
     assert (len(fake.generic), len(fake.direct)) == (1, 1)
     check_last_direct_call(fake, tuple(fake.direct[-1][:3]), FORWARD_OPTIONS)
-    (layout,) = kernels._forward_launcher.variants[0].values()
+    (layout,) = launch.forward_launcher.variants[0].values()
     assert layout[1] is None
     run_forward(dict(n_rows=16, vocab=1000))  # plain tensors: a layout of their own, keyed without the binder
     run_forward(dict(n_rows=16, vocab=1000))
-    assert [layout[1] is None for layout in kernels._forward_launcher.variants[0].values()] == [True, False]
+    assert [layout[1] is None for layout in launch.forward_launcher.variants[0].values()] == [True, False]
     assert len(fake.direct) == 2
 
 
 def test_a_forked_child_forgets_the_variants(monkeypatch):
     fake_launchers(monkeypatch)
     run_forward(dict(n_rows=16, vocab=1000))
-    assert kernels._forward_launcher.variants
+    assert launch.forward_launcher.variants
     kernels._forget_variants_after_fork()  # what os.register_at_fork runs in the child
-    assert not kernels._forward_launcher.variants
+    assert not launch.forward_launcher.variants
 
 
 class RunningJIT(FakeJIT):
@@ -554,12 +568,12 @@ def test_cached_launches_match_generic_launches_bitwise_in_the_interpreter(monke
         pytest.skip("the CPU run (Triton's interpreter) only")
     setting = FakeSetting()
     for name, kernel in (
-        ("_forward_launcher", kernels._forward_kernel),
-        ("_backward_launcher", kernels._backward_kernel),
+        ("forward_launcher", _forward_kernel),
+        ("backward_launcher", _backward_kernel),
     ):
-        launcher = kernels._Launcher(RunningJIT(kernel), setting, current_device=lambda: 0, current_stream=lambda d: 0)
-        monkeypatch.setattr(kernels, name, launcher)
-    monkeypatch.setattr(kernels, "_launched", set())
+        launcher = cache.Launcher(RunningJIT(kernel), setting, current_device=lambda: 0, current_stream=lambda d: 0)
+        monkeypatch.setattr(launch, name, launcher)
+    monkeypatch.setattr(launch, "_launched", set())
     for n_rows, vocab, options in ((16, 300, Options()), (5, 40000, Options(label_smoothing=0.1, z_loss=1e-4))):
         results = []
         for enabled in (False, True, True):  # generic; first cached call records; second one is cached
@@ -573,7 +587,7 @@ def test_cached_launches_match_generic_launches_bitwise_in_the_interpreter(monke
         for got in results[1:]:
             for a, b in zip(got, results[0]):
                 assert torch.equal(bits(a), bits(b))
-    assert kernels._forward_launcher.hits == 2 and kernels._backward_launcher.hits == 2
+    assert launch.forward_launcher.hits == 2 and launch.backward_launcher.hits == 2
 
 
 # --- on the GPU: the real kernels, cached and generic, bitwise ---------------------------------------------------
@@ -613,18 +627,18 @@ def _step(case, seed, device, strided):
 @pytest.mark.parametrize("strided", [False, True])
 def test_cached_launches_match_generic_launches_bitwise(device, strided):
     if not kernels.launch_cache_enabled():
-        pytest.skip(f"launch cache off in this process: {kernels._launch_cache_setting.refusal}")
+        pytest.skip(f"launch cache off in this process: {cache.launch_cache_setting.refusal}")
     for case in GPU_CASES:
         with kernels.launch_cache(False):
             expected = [_step(case, seed, device, strided) for seed in (0, 1)]
-        hits = kernels._forward_launcher.hits, kernels._backward_launcher.hits
+        hits = launch.forward_launcher.hits, launch.backward_launcher.hits
         # Twice: the first call of a variant may take the generic path (and records it), the second is cached.
         got = [_step(case, seed, device, strided) for seed in (0, 1)]
-        assert kernels._forward_launcher.hits > hits[0] and kernels._backward_launcher.hits > hits[1], case
+        assert launch.forward_launcher.hits > hits[0] and launch.backward_launcher.hits > hits[1], case
         for (loss, grad), (loss_ref, grad_ref) in zip(got, expected):
             assert torch.equal(bits(loss), bits(loss_ref)), case
             assert torch.equal(bits(grad), bits(grad_ref)), case
-    assert kernels._forward_launcher.failure is None and kernels._backward_launcher.failure is None
+    assert launch.forward_launcher.failure is None and launch.backward_launcher.failure is None
 
 
 @pytest.mark.gpu
@@ -632,7 +646,7 @@ def test_cached_launches_are_captured_in_a_cuda_graph(device):
     """After the warm-up, the captured launches are cached ones, on the capture stream, and the replay gives the
     eager step's numbers bitwise."""
     if not kernels.launch_cache_enabled():
-        pytest.skip(f"launch cache off in this process: {kernels._launch_cache_setting.refusal}")
+        pytest.skip(f"launch cache off in this process: {cache.launch_cache_setting.refusal}")
     case = dict(shape=(48,), vocab=40000, dtype=torch.bfloat16, reduction="mean", options=dict(label_smoothing=0.1))
     generator = torch.Generator(device="cpu").manual_seed(3)
     static_leaf = torch.randn(48, 40000, generator=generator).to(device, torch.bfloat16).requires_grad_()
@@ -648,11 +662,11 @@ def test_cached_launches_are_captured_in_a_cuda_graph(device):
         for _ in range(2):
             step()
     torch.cuda.current_stream().wait_stream(side)
-    hits = kernels._forward_launcher.hits, kernels._backward_launcher.hits
+    hits = launch.forward_launcher.hits, launch.backward_launcher.hits
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_loss, static_grad = step()
-    assert kernels._forward_launcher.hits == hits[0] + 1 and kernels._backward_launcher.hits == hits[1] + 1
+    assert launch.forward_launcher.hits == hits[0] + 1 and launch.backward_launcher.hits == hits[1] + 1
     graph.replay()
     with kernels.launch_cache(False):
         loss, grad = step()

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array:DeprecationWarning",
 )
 
-module = sys.modules["fastce_torch.linear_cross_entropy"]
+module = sys.modules["fastce_torch.linear.chunks"]
 
 
 def problem(device, n=18, width=20, vocab=70, bias=True, dtype=torch.float32, seed=0, shape=None):

@@ -1,0 +1,134 @@
+"""The backward kernel (grid (N, cdiv(V, BLOCK)): recomputes z and writes the gradient in one pass, in place when the
+caller passes the logits buffer as the gradient buffer) and _scale_unless_one_kernel, linear_cross_entropy's gradient
+scaling."""
+
+import triton
+import triton.language as tl
+
+from .common import _dloss_dlogits, _row_offset, _tanh
+
+
+@triton.jit
+def _backward_kernel(
+    logits_ptr,
+    logits_batch_stride,
+    logits_row_stride,
+    grad_ptr,
+    grad_batch_stride,
+    grad_row_stride,
+    rows_per_batch,
+    labels_ptr,
+    lse_ptr,
+    grad_loss_ptr,
+    grad_loss_stride,
+    denominator_ptr,
+    V,
+    ignore_index,
+    scaling,
+    softcap,
+    label_smoothing,
+    z_loss,
+    vocab_start,
+    vocab_total,
+    weight_ptr,
+    weight_sum_ptr,
+    BLOCK: tl.constexpr,
+    HAS_SCALING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_DENOMINATOR: tl.constexpr,
+    VOCAB_PARALLEL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+):
+    """Program (row, tile) of the backward: d loss / d logits of BLOCK columns of one row, written to the gradient.
+
+    logits_ptr, logits_batch_stride, logits_row_stride / grad_ptr, grad_batch_stride, grad_row_stride: the logits
+        and the gradient (may be the same buffer), both with rows_per_batch rows per batch (`row_layout`).
+    labels_ptr: (n_rows,) int labels. lse_ptr: (n_rows,) float32 logsumexp (vocab-parallel: the global one).
+    grad_loss_ptr, grad_loss_stride: the upstream gradient per token (stride 1) or one scalar (stride 0).
+    denominator_ptr: the 1-element divisor of a reduced loss (HAS_DENOMINATOR).
+    V: this launch's columns. ignore_index, scaling, softcap, label_smoothing, z_loss: the options.
+    vocab_start, vocab_total: the slice's first global column and the global vocabulary (VOCAB_PARALLEL).
+    BLOCK: the tile width. HAS_SCALING, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS: which options apply.
+    HAS_DENOMINATOR: divide the upstream by *denominator_ptr. VOCAB_PARALLEL: columns are a slice of vocab_total.
+    HAS_WEIGHT: class weights at weight_ptr (float32 (V,)), their sum at weight_sum_ptr (read with smoothing):
+    dL/dz_j = w[y] ((1 - eps)(p_j - [j == y]) + 2 z_loss lse p_j) + (eps / V)(W p_j - w_j). Not with
+    VOCAB_PARALLEL.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_row = cols < V
+
+    label = tl.load(labels_ptr + row).to(tl.int64)
+    ignored = label == ignore_index
+    if VOCAB_PARALLEL:  # columns are local, the label and the uniform target are global
+        label_column = label - vocab_start
+        vocab_all = vocab_total
+    else:
+        label_column = label
+        vocab_all = V
+    lse = tl.load(lse_ptr + row)
+    # Upstream gradient of this token's loss; stride 0 when it is one scalar broadcast over the rows.
+    grad_loss = tl.load(grad_loss_ptr + row * grad_loss_stride).to(tl.float32)
+    if HAS_DENOMINATOR:  # a reduced loss: d loss / d token loss = 1 / denominator
+        grad_loss = grad_loss / tl.load(denominator_ptr)
+    grad_loss = tl.where((label >= 0) & (label < vocab_all), grad_loss, float("nan"))
+    if HAS_WEIGHT:
+        w_label = tl.load(weight_ptr + label, mask=(label >= 0) & (label < V) & ~ignored, other=0.0)
+        if not HAS_SMOOTHING:  # the weight of the label is a per-row factor of the unweighted gradient
+            grad_loss = grad_loss * w_label
+
+    logits_row = logits_ptr + _row_offset(row, logits_batch_stride, logits_row_stride, rows_per_batch)
+    x = tl.load(logits_row + cols, mask=in_row & ~ignored, other=0.0).to(tl.float32)
+    if HAS_SCALING:
+        x = x * scaling
+    tanh_z = x  # unused without soft-capping
+    if HAS_SOFTCAP:
+        tanh_z = _tanh(x / softcap)
+        x = softcap * tanh_z
+    if HAS_WEIGHT and HAS_SMOOTHING:
+        p = tl.exp(x - lse)
+        coefficient = w_label * (1.0 - label_smoothing) + label_smoothing / V * tl.load(weight_sum_ptr)
+        if HAS_Z_LOSS:
+            coefficient += w_label * 2.0 * z_loss * lse
+        w = tl.load(weight_ptr + cols, mask=in_row, other=0.0)
+        dx = p * coefficient - label_smoothing / V * w
+        dx = tl.where(cols == label, dx - w_label * (1.0 - label_smoothing), dx)
+        if HAS_SOFTCAP:
+            dx = dx * (1.0 - tanh_z * tanh_z)
+        if HAS_SCALING:
+            dx = dx * scaling
+    else:
+        dx = _dloss_dlogits(
+            tl.exp(x - lse),
+            tanh_z,
+            cols,
+            label_column,
+            lse,
+            vocab_all,
+            scaling,
+            label_smoothing,
+            z_loss,
+            HAS_SCALING,
+            HAS_SOFTCAP,
+            HAS_SMOOTHING,
+            HAS_Z_LOSS,
+        )
+    dx = tl.where(ignored, 0.0, dx * grad_loss)
+    grad_row = grad_ptr + _row_offset(row, grad_batch_stride, grad_row_stride, rows_per_batch)
+    tl.store(grad_row + cols, dx.to(grad_ptr.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def _scale_unless_one_kernel(tensor_ptr, n_elements, factor_ptr, BLOCK: tl.constexpr):
+    """tensor_ptr[:n_elements] *= *factor_ptr, and no memory traffic at all when the factor is exactly 1 (the usual
+    upstream gradient of a loss), which the host cannot know without a synchronisation. Exact zeros stay zero
+    whatever the factor (NaN, inf): an ignored token's gradient is 0, as the backward kernel writes it."""
+    factor = tl.load(factor_ptr).to(tl.float32)
+    if factor != 1.0:
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        in_range = offsets < n_elements
+        x = tl.load(tensor_ptr + offsets, mask=in_range)
+        scaled = tl.where(x == 0, 0.0, x.to(tl.float32) * factor)
+        tl.store(tensor_ptr + offsets, scaled.to(tensor_ptr.dtype.element_ty), mask=in_range)

@@ -1,0 +1,156 @@
+"""Fused linear cross-entropy: the loss of `cross_entropy(hidden @ weight.T + bias, labels)` without the (N, V) logits.
+
+Autocast: under torch.autocast for the tensors' device type the matmuls run in the autocast dtype, as F.linear's do:
+hidden is cast at the entry (through autograd), weight and bias inside the computation (a copy of each), so that a
+weight in another dtype (a float32 master weight) has its gradient accumulated in float32 and handed back in its own
+dtype. The kernels' own code runs with autocast off.
+
+The chunk loop is linear/chunks.py, its autograd Functions and custom ops linear/autograd.py, the sharded heads
+linear/sharded.py.
+"""
+
+import torch
+
+from .. import contract, sharding
+from .autograd import unsharded_loss, unsharded_outputs
+from .chunks import _check_chunking
+from .sharded import sharded_linear_cross_entropy
+
+# float64 is accepted as in cross_entropy: computed in float64 by the plain-torch reference, whatever the backend.
+LINEAR_DTYPES = (*contract.KERNEL_DTYPES, torch.float64)
+
+
+def _check_tensors(hidden, weight, bias, labels):
+    for name, tensor in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in LINEAR_DTYPES:
+            got = getattr(tensor, "dtype", type(tensor))
+            raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {got}")
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have at least one dimension (..., H)")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be (V, H) with H = hidden.shape[-1] (nn.Linear's layout): hidden {tuple(hidden.shape)}, "
+            f"weight {tuple(weight.shape)}"
+        )
+    if weight.shape[0] < 1:
+        raise ValueError("weight must have a vocabulary dimension of at least 1")
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device} but hidden on {hidden.device}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must be None or a (V,) = ({weight.shape[0]},) tensor, got {bias!r:.80}")
+        if bias.dtype not in LINEAR_DTYPES:
+            raise TypeError(f"bias must be float32, bfloat16, float16 or float64, got {bias.dtype}")
+        if bias.device != hidden.device:
+            raise ValueError(f"bias is on {bias.device} but hidden on {hidden.device}")
+    contract.check_labels(labels, "hidden", hidden.shape, hidden.device)
+
+
+def linear_cross_entropy(
+    hidden,
+    weight,
+    labels,
+    *,
+    bias=None,
+    ignore_index=-100,
+    reduction="mean",
+    n_items=None,
+    logit_softcapping=0.0,
+    logit_scaling=0.0,
+    label_smoothing=0.0,
+    z_loss=0.0,
+    backend="auto",
+    validate_labels=False,
+    shift=0,
+    workspace_bytes=None,
+    chunk_rows=None,
+    accumulate_in_float32=False,
+    skip_ignored_rows=False,
+    return_z_loss=False,
+    return_lse=False,
+    return_accuracy=False,
+    return_entropy=False,
+    process_group=None,
+    vocab_start=None,
+    class_weight=None,
+):
+    """fastce_torch.cross_entropy(hidden @ weight.T + bias, labels, ...) without ever allocating the logits.
+
+    hidden (..., H), weight (V, H) as nn.Linear / lm_head store it, bias (V,) or None, labels (...) int32/int64;
+    hidden, weight and bias are float32, bfloat16, float16 or float64 on one device; mixed dtypes compute in the
+    promoted dtype (a cast copy of the narrower ones), each gradient in its own tensor's dtype; a float64 promoted
+    dtype is computed in float64 by plain torch, whatever `backend` says. Every keyword is cross_entropy's
+    (CONTRACT.md). Returns a float32 scalar ("mean", "sum") or per-token losses shaped like labels ("none"), float64
+    when computed in float64. backend: "auto" = the chunked kernels for CUDA tensors, plain torch (matmul + the
+    reference loss) elsewhere; "kernel" = the chunked kernels always (CPU: Triton's interpreter); "reference" =
+    plain torch.
+
+    For "mean"/"sum" with gradients enabled the gradients are computed during the forward (see
+    linear/chunks.py), so a second backward through the same loss (retain_graph=True) raises.
+
+    shift=k (True = 1): cross_entropy's, along hidden's second-to-last (the sequence) dimension: the loss of
+    `linear_cross_entropy(hidden[..., :-k, :], weight, labels[..., k:])` without slicing (or copying) hidden.
+
+    Chunking (the kernels only; neither changes the loss beyond rounding): `workspace_bytes` bounds the chunk of
+    logits materialised at a time (None: DEFAULT_WORKSPACE_BYTES = 256 MiB), `chunk_rows` (an int) forces the rows
+    per chunk whatever the budget; `accumulate_in_float32=True` sums a bf16/fp16 weight's gradient over the chunks
+    in a float32 accumulator (one rounding instead of one per chunk, 4·V·H more bytes).
+
+    skip_ignored_rows=True (the kernels only): the chunks cover only the rows whose label is not ignore_index
+    (gathered chunk by chunk, a copy of their rows of hidden), so ignored rows (padding, prompt tokens) cost no
+    matmul work: 6·K·H·V flops for K kept rows instead of 6·N·H·V. The same loss and gradients (d hidden exactly 0
+    on ignored rows), every output in the original order. It reads the number of kept rows on the host: one
+    synchronisation per call (under torch.compile a backward that recomputes the logits, "none" or a
+    differentiated z_loss output, reads it again inside its custom op), so it raises under CUDA-graph capture.
+    Off by default: the default path never synchronises.
+
+    return_z_loss, return_lse, return_accuracy, return_entropy: as cross_entropy's (CrossEntropyOutput), collected
+    chunk by chunk from the same forward kernels. Differentiating the z_loss output recomputes each chunk's logits
+    in the backward. Under torch.compile any of them sends "mean"/"sum" through the per-token ops (the backward
+    recomputes the logits: 8·N·H·V flops instead of 6).
+
+    Sharded heads (linear/sharded.py): with `process_group`, weight (V_local, H) and bias (V_local,) are this
+    rank's rows of a column-parallel head, a contiguous slice of the vocabulary starting at `vocab_start` (None:
+    rank * V_local, every rank the same width), hidden and labels (global ids) the same on every rank; O(N)
+    communication per call plus the all-reduce of d hidden. A DTensor weight (FSDP2's fully_shard) with a plain
+    hidden: this rank's rows against the gathered weight, the weight's gradient reduce-scattered (averaged) back to
+    its placements as FSDP2 does. hidden a Replicate DTensor with a Shard(0) weight: vocab-parallel over the mesh.
+
+    class_weight: class weights (V,), cross_entropy's `weight=` (the positional `weight` is the LM head here), in
+    every chunk's kernels; "mean" divides by the kept tokens' summed class weights (on the device).
+    """
+    _check_tensors(hidden, weight, bias, labels)
+    sharded = (
+        process_group is not None or vocab_start is not None or any(map(sharding.is_dtensor, (hidden, weight, bias)))
+    )
+    if sharded and class_weight is not None:
+        raise NotImplementedError(
+            "fastce_torch.linear_cross_entropy: class_weight with a sharded head (process_group=, vocab_start= or a "
+            "DTensor weight) is not supported; call it without class_weight, or gather the head and call it unsharded"
+        )
+    class_weight = contract.check_class_weight(class_weight, weight.shape[0], hidden.device, "class_weight")
+    options = contract.check_options(
+        ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
+    )
+    chunking = _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows)
+    extras = contract.check_extras(return_z_loss, return_lse, return_accuracy, return_entropy)
+    kept = None
+    if shift := contract.check_shift(shift, labels):
+        labels, kept = contract.shifted_labels(labels, shift, ignore_index)
+    if sharded:
+        loss = sharded_linear_cross_entropy(
+            hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras, validate_labels,
+            process_group, vocab_start,
+        )  # fmt: skip
+        if isinstance(loss, contract.CrossEntropyOutput):
+            return contract.unshifted(loss, kept, reduction)
+        return loss[..., :kept] if kept is not None and reduction == "none" else loss
+    if validate_labels:
+        contract.validate_labels(labels, weight.shape[0], ignore_index)
+    if any(extras):
+        output = unsharded_outputs(
+            hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras, class_weight
+        )
+        return contract.unshifted(output, kept, reduction)
+    loss = unsharded_loss(hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, class_weight)
+    return loss[..., :kept] if kept is not None and reduction == "none" else loss
