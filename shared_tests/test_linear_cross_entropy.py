@@ -43,6 +43,8 @@ UNIT_ROUNDOFF = {"float32": 2.0**-23, "bfloat16": 2.0**-8}
 K_FACTOR = {"float32": 16, "bfloat16": 4}
 FLOOR = 2.0**-125
 CHUNK_ROWS_SMALL = 5  # rows per chunk forced in both packages: several chunks, a partial (or clamped) last one
+# The module of each package that holds linear_cross_entropy and its chunking defaults (rows_per_chunk, ...).
+LINEAR_MODULES = {"fastce_torch": "fastce_torch.linear_cross_entropy", "fastce_jax": "fastce_jax.linear"}
 
 
 @dataclass(frozen=True)
@@ -306,7 +308,7 @@ def test_skip_ignored_rows_against_float64_reference(case, package, device):
 def test_chunk_rows_from_the_budget(package):
     """The same defaults and chunking rule in both packages."""
     package_runner(package)
-    module = sys.modules[f"{package}.linear_cross_entropy"]
+    module = sys.modules[LINEAR_MODULES[package]]
     assert module.DEFAULT_WORKSPACE_BYTES == 256 << 20 and module.ROWS_MULTIPLE == 128
     for name in ("WORKSPACE_BYTES", "CHUNK_ROWS", "ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32"):
         assert not hasattr(module, name), f"{name} is a keyword of linear_cross_entropy, not a module setting"
@@ -345,7 +347,7 @@ def test_mid_shapes_on_gpu(case, package, device):
     runner = package_runner(package)
     n_rows = int(np.prod(case.shape))
     itemsize = TORCH_DTYPES[case.dtype].itemsize
-    chunks = -(-n_rows // sys.modules[f"{package}.linear_cross_entropy"].rows_per_chunk(n_rows, case.vocab, itemsize))
+    chunks = -(-n_rows // sys.modules[LINEAR_MODULES[package]].rows_per_chunk(n_rows, case.vocab, itemsize))
     check(case, device, runner, chunks)
 
 
