@@ -38,6 +38,18 @@ def _check_tensors(hidden, weight, bias):
     return hidden, weight, bias
 
 
+def _reference_loss(logits, labels, options, reduction, n_items, returns, class_weight):
+    """backend="reference": the jnp loss of the materialised logits (..., V), with the extra outputs asked for."""
+    if not returns:
+        losses = contract.reference_token_losses(logits, labels, options, class_weight)
+        return contract.reduce_losses(losses, labels, reduction, n_items, options.ignore_index, class_weight)
+    losses, lse, accuracy, entropy = contract.reference_row_outputs(logits, labels, options, returns, class_weight)
+    vocab = logits.shape[-1]
+    return contract.reduce_outputs(
+        losses, lse, accuracy, entropy, labels, reduction, n_items, options, returns, vocab, class_weight
+    )
+
+
 def linear_cross_entropy(
     hidden,
     weight,
@@ -149,16 +161,7 @@ def linear_cross_entropy(
     # No tokens: no chunk to launch; float64: the chunks compute in float32.
     if backend == "reference" or h2.shape[0] == 0 or dtype == jnp.float64:
         logits = chunks.chunk_logits(h2, weight, bias, dtype).reshape(lead + (vocab,))
-        if returns:
-            losses, lse, accuracy, entropy = contract.reference_row_outputs(
-                logits, labels, options, returns, class_weight
-            )
-            loss = contract.reduce_outputs(
-                losses, lse, accuracy, entropy, labels, reduction, n_items, options, returns, vocab, class_weight
-            )
-        else:
-            losses = contract.reference_token_losses(logits, labels, options, class_weight)
-            loss = contract.reduce_losses(losses, labels, reduction, n_items, options.ignore_index, class_weight)
+        loss = _reference_loss(logits, labels, options, reduction, n_items, returns, class_weight)
     else:
         st = StaticConfig(
             options=options,
