@@ -5,12 +5,14 @@
     loss, grads = jax.value_and_grad(lambda x: cross_entropy(x, labels))(logits)
     loss = linear_cross_entropy(hidden, lm_head_weight, labels)   # from hidden states, no (N, V) logits
 
-The loss contract is CONTRACT.md; the kernels are in fastce_jax/kernels.py.
+The loss contract is CONTRACT.md. Layers: contract.py (options, checks, jnp formulas), kernels/ (the Pallas
+kernels and their launchers), ops.py (the op layer every kernel call goes through: custom_partitioning of sharded
+logits), cross_entropy.py, linear/ (the fused linear loss), unsloth.py.
 """
 
 from .contract import CrossEntropyOutput
 from .cross_entropy import cross_entropy, cross_entropy_reference
-from .linear_cross_entropy import linear_cross_entropy
+from .linear import linear_cross_entropy
 from .unsloth import fast_cross_entropy_loss
 
 __all__ = [

@@ -10,7 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import contract, kernels, sharding
+from . import contract, kernels, ops
 from .contract import Options
 
 # Where the kernels run: compiled (GPU), interpreted (Pallas interpret=True), or, for backend="auto" under a trace
@@ -53,7 +53,7 @@ def _route_forward(logits, labels, options: Options, mode: str, configs, returns
     weights = () if weight is None else (weight,)
 
     def compiled(x, y, *w, interpret=False):
-        return sharding.forward(x, y, options, interpret=interpret, config=configs[0], **kw, **dict(zip(["weight"], w)))
+        return ops.forward(x, y, options, interpret=interpret, config=configs[0], **kw, **dict(zip(["weight"], w)))
 
     if mode in (COMPILED, INTERPRETED):
         return compiled(logits, labels, *weights, interpret=mode == INTERPRETED)
@@ -72,7 +72,7 @@ def _route_backward(
         kw["weight"] = weight
 
     def compiled(x, y, lse, g, *gl, interpret=False):
-        return sharding.backward(
+        return ops.backward(
             x, y, lse, g, options, inplace=inplace, interpret=interpret, config=configs[1], **dict(zip(kw, gl))
         )
 
@@ -96,7 +96,7 @@ def _kernel_token_losses(logits, labels, weight, options: Options, inplace: bool
 
 def _kernel_fwd(logits, labels, weight, options: Options, inplace: bool, mode: str, configs, returns):
     # logits (..., V) and labels (...) keep their shape here so that a sharding
-    # of any leading axis reaches sharding.py without a reshape across devices.
+    # of any leading axis reaches ops.py without a reshape across devices.
     outs = _route_forward(logits, labels, options, mode, configs, returns, weight)
     lse = outs[1]
     # Residuals: only what the backward reads.  logits stays in its own dtype

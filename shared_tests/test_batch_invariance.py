@@ -68,8 +68,8 @@ def test_jax_rows_alone_and_in_batches(device, monkeypatch):
     import fastce_jax
     from fastce_jax import kernels as jax_kernels
 
-    monkeypatch.setattr(jax_kernels, "FORWARD_BLOCK", 32)
-    monkeypatch.setattr(jax_kernels, "CHUNK", 64)
+    monkeypatch.setattr(jax_kernels.launch, "FORWARD_BLOCK", 32)
+    monkeypatch.setattr(jax_kernels.launch, "CHUNK", 64)
     assert jax_kernels.forward_config(VOCAB)[2] == 5
     jax.clear_caches()  # the chunking is read while tracing
     logits, labels = inputs()

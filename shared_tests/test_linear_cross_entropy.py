@@ -303,9 +303,8 @@ def test_skip_ignored_rows_against_float64_reference(case, package, device):
 
 
 def linear_module(package):
-    """The package's fused linear loss module (its `linear` package; `linear_cross_entropy` before that split): the
-    public function, the chunking defaults and rows_per_chunk."""
-    return sys.modules.get(f"{package}.linear") or sys.modules[f"{package}.linear_cross_entropy"]
+    """The package's fused linear loss package: the public function, the chunking defaults and rows_per_chunk."""
+    return sys.modules[f"{package}.linear"]
 
 
 @pytest.mark.parametrize("package", ["fastce_torch", "fastce_jax"])

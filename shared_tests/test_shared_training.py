@@ -120,8 +120,8 @@ def several_chunks(monkeypatch, device):
     monkeypatch.setattr(
         torch_kernels, "forward_config", functools.partial(torch_kernels.forward_config, block=256, chunk=1024)
     )
-    monkeypatch.setattr(jax_kernels, "CHUNK", 1024)
-    monkeypatch.setattr(jax_kernels, "FORWARD_BLOCK", 256)
+    monkeypatch.setattr(jax_kernels.launch, "CHUNK", 1024)
+    monkeypatch.setattr(jax_kernels.launch, "FORWARD_BLOCK", 256)
     for module in (torch_kernels, jax_kernels):
         assert module.forward_config(5000)[:3] == (256, 1024, 5)
     return 5000

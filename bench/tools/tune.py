@@ -3,7 +3,7 @@
 fastce_torch: kernel-level times of the forward and backward launchers for each candidate tile size, warp count,
 chunk and stage count, against the same run's copy bandwidth, so the constants at the top of
 fastce_torch/kernels/launch.py can be chosen from measurements (--json: every row).
-fastce_jax: the kernels read module constants of fastce_jax.kernels (FWD_MAX_BLOCK, ...) when a jit traces, so
+fastce_jax: the kernels read module constants of fastce_jax.kernels.launch (FORWARD_BLOCK, ...) when a jit traces, so
 this sets each candidate, re-traces, times the stage it affects (host timing as in bench.jax_measure; "bwd" is
 fwd+bwd minus the default fwd), restores the defaults and prints the best per shape. Knobs the package does not
 have are reported and skipped; edit SEARCH to change the candidates.
@@ -17,7 +17,7 @@ from .. import jax_setup
 from ..progress import say
 from ..shapes import STANDARD_SHAPES, parse_shapes
 
-JAX_KNOBS_MODULE = "fastce_jax.kernels"
+JAX_KNOBS_MODULE = "fastce_jax.kernels.launch"
 SEARCH = [  # (stage timed, {knob: candidates})
     ("fwd", {"FORWARD_BLOCK": (2048, 4096, 8192), "FORWARD_WARPS": (2, 4, 8), "FORWARD_STAGES": (1, 3)}),
     ("fwd", {"CHUNK": (8192, 16384, 32768, 65536)}),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import fastce_jax
-from fastce_jax import cross_entropy, kernels, sharding
+from fastce_jax import cross_entropy, kernels, ops
 
 
 def test_signature_is_the_contract():
@@ -153,15 +153,15 @@ def test_process_filter_survives_a_users_catch_warnings_block():
 
 @pytest.fixture
 def traced(monkeypatch):
-    """One entry per trace of the kernels' launcher (sharding.forward runs only while a call is traced)."""
+    """One entry per trace of the kernels' launcher (ops.forward runs only while a call is traced)."""
     calls = []
-    launch = sharding.forward
+    launch = ops.forward
 
     def counting(*args, **kwargs):
         calls.append(1)
         return launch(*args, **kwargs)
 
-    monkeypatch.setattr(sharding, "forward", counting)
+    monkeypatch.setattr(ops, "forward", counting)
     return calls
 
 

@@ -23,8 +23,8 @@ from shared_tests import reference as float64_reference
 
 from .checks import OPTION_SETS, as_float64, run_on_4_cpu_devices
 
-# The module (the package attribute of the same name is the function).
-LCE = importlib.import_module("fastce_jax.linear_cross_entropy")
+# The chunk loop's module (its budget and the per-chunk matmul the tests count).
+LCE = importlib.import_module("fastce_jax.linear.chunks")
 
 LOSS_TOL = dict(rtol=3e-5, atol=3e-5)
 UPSTREAM = 1.7  # the tests differentiate UPSTREAM * loss, so the backward's scaling is checked too
@@ -465,13 +465,13 @@ def chunks_run(monkeypatch):
     """How many chunks' logits matmuls actually ran (a runtime callback: a chunk skipped by lax.cond adds nothing).
     The jit caches are cleared so that the traced chunk loop carries the callback."""
     calls = []
-    original = LCE._chunk_logits
+    original = LCE.chunk_logits
 
     def counted(h_c, weight, bias, dtype):
         jax.debug.callback(lambda: calls.append(1))
         return original(h_c, weight, bias, dtype)
 
-    monkeypatch.setattr(LCE, "_chunk_logits", counted)
+    monkeypatch.setattr(LCE, "chunk_logits", counted)
     jax.clear_caches()
     yield calls
     jax.clear_caches()

@@ -126,8 +126,8 @@ def test_forward_config():
         block, chunk = config.block, config.chunk
         for value in (block, chunk):
             assert value & (value - 1) == 0
-        assert block <= chunk <= kernels.CHUNK and block <= 4096 and config.n_chunks == -(-v // chunk)
-        assert config.warps == kernels.FORWARD_WARPS
+        assert block <= chunk <= kernels.launch.CHUNK and block <= 4096 and config.n_chunks == -(-v // chunk)
+        assert config.warps == kernels.launch.FORWARD_WARPS
     config = kernels.forward_config(256000)
     assert (config.chunk, config.n_chunks) == (16384, 16)
     config = kernels.backward_config(262147)

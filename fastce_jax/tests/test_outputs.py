@@ -2,7 +2,7 @@
 fastce_jax.cross_entropy and linear_cross_entropy against the float64 reference, shared_tests/reference.py::outputs.
 
 On CPU backend="kernel" runs the Pallas kernels in interpret mode; the forward kernel's tiles are made small
-(kernels.CHUNK / FORWARD_BLOCK, read when a call is made) so that a row spans several chunks of several tiles and
+(kernels.launch.CHUNK / FORWARD_BLOCK, read when a call is made) so that a row spans several chunks of several tiles and
 the argmax / entropy partials are combined across both. The sharded tests re-run this module in a subprocess with 4
 CPU devices, as test_sharding.py does.
 """
@@ -28,8 +28,8 @@ N_ROWS, VOCAB = 8, 300  # with the small tiles below: 3 chunks of 2 tiles, the l
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    monkeypatch.setattr(kernels, "CHUNK", 128)
-    monkeypatch.setattr(kernels, "FORWARD_BLOCK", 64)
+    monkeypatch.setattr(kernels.launch, "CHUNK", 128)
+    monkeypatch.setattr(kernels.launch, "FORWARD_BLOCK", 64)
     assert kernels.forward_config(VOCAB).n_chunks == 3
 
 

@@ -1,4 +1,4 @@
-"""fastce_jax with sharded logits under jit (fastce_jax/sharding.py) and the kernels' vocab-parallel mode.
+"""fastce_jax with sharded logits under jit (fastce_jax/ops.py) and the kernels' vocab-parallel mode.
 
 Everything is compared with the float64 reference in shared_tests/reference.py.  The sharded tests need several
 devices: on CPU, ``test_sharded_suite_on_4_cpu_devices`` re-runs this module in a subprocess with
@@ -400,7 +400,7 @@ def test_vocab_parallel_kernel_mode(name, splits):
 
 # ----------------------------------------------------------------------------
 # linear_cross_entropy with the weight sharded over the vocabulary and / or the rows over another axis
-# (fastce_jax/linear_cross_entropy.py, sharded heads): against shared_tests/test_linear_cross_entropy.py's float64
+# (fastce_jax/linear/sharded.py): against shared_tests/test_linear_cross_entropy.py's float64
 # reference and tolerances, and the compiled HLO holds no weight-sized all-gather and no logits-sized collective.
 # ----------------------------------------------------------------------------
 

@@ -304,9 +304,9 @@ def test_cpu_arrays_under_jit_on_a_gpu_machine(device):
 @pytest.fixture
 def several_chunks(monkeypatch):
     """Five forward chunks at V=5000 (so the chunk combine is exercised) and three backward tiles."""
-    monkeypatch.setattr(kernels, "CHUNK", 1024)
-    monkeypatch.setattr(kernels, "FORWARD_BLOCK", 256)
-    monkeypatch.setattr(kernels, "BACKWARD_BLOCK", 2048)
+    monkeypatch.setattr(kernels.launch, "CHUNK", 1024)
+    monkeypatch.setattr(kernels.launch, "FORWARD_BLOCK", 256)
+    monkeypatch.setattr(kernels.launch, "BACKWARD_BLOCK", 2048)
     config = kernels.forward_config(5000)
     assert (config.block, config.chunk, config.n_chunks) == (256, 1024, 5)
     return 5000

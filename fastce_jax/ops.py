@@ -1,4 +1,5 @@
-"""The kernels under sharded logits: each device runs them on its own block.
+"""The op layer every kernel call goes through (``forward``, ``backward``): the kernels under sharded logits, each
+device running them on its own block, with jvp rules for higher-order autodiff.
 
 A pallas_call is opaque to XLA's partitioner, which would gather the whole
 logits onto every device around it.  So the two kernel launches (forward:
@@ -55,8 +56,7 @@ from .contract import (
     reference_token_losses,
     token_loss_from_statistics,
 )
-
-_INT32_MAX = 2**31 - 1
+from .kernels.common import INT32_MAX
 
 # ----------------------------------------------------------------------------
 # What one device computes.
@@ -114,7 +114,7 @@ def local_forward(
         argmax = mean_z = None
         if want_argmax:
             # The smallest global column holding the row's max: argmax's first index on ties (N ints).
-            argmax = jax.lax.pmin(jnp.where(rest[0] == big, rest[1], _INT32_MAX), vocab_axes)
+            argmax = jax.lax.pmin(jnp.where(rest[0] == big, rest[1], INT32_MAX), vocab_axes)
         if want_entropy:
             mean_z = jnp.where(sums[0] > 0.0, sums[3] / sums[0], 0.0)
         accuracy, entropy = outputs_from_statistics(lse, argmax, mean_z, y1, options, vocab_total)

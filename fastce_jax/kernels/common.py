@@ -1,0 +1,28 @@
+"""Helpers shared by the Pallas kernels (forward.py, backward.py) and their launchers (launch.py)."""
+
+from __future__ import annotations
+
+from .. import contract
+
+INT32_MAX = 2**31 - 1  # the argmax partials' filler: larger than any column
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def cdiv(a, b):
+    """Ceiling division of ints or int32 scalars (traced inside kernels)."""
+    return (a + b - 1) // b
+
+
+def dz_dx(z, options: contract.Options):
+    """dz/dx written with z only, so the backward needs no second tanh (None when z = x)."""
+    d = None
+    if options.logit_softcapping > 0.0:
+        t = z * (1.0 / options.logit_softcapping)
+        d = 1.0 - t * t
+    if options.logit_scaling != 0.0:
+        d = options.logit_scaling if d is None else d * options.logit_scaling
+    return d

@@ -1,0 +1,157 @@
+"""The custom_vjps of the fused linear cross-entropy around the chunk loop (chunks.py), and the jitted kernel path.
+
+Reductions (jax.custom_vjp).
+- "mean" / "sum": the gradients are computed in the forward pass of the VJP and are its residuals (the reduction's
+  per-token factor is traced, no host synchronisation); the backward only multiplies them by the upstream scalar.
+  6·N·H·V flops in all; a plain forward (no VJP) computes no gradients (2·N·H·V flops).
+- "none": the per-token upstream gradients exist only in the backward, so the forward keeps the log-sum-exp (N
+  floats) and the backward recomputes each chunk's logits: 8·N·H·V flops.
+
+A call with ``partitioned`` set (several devices) runs the loop through sharded.py's custom_partitioning ops.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .. import contract
+from . import chunks, sharded
+from .chunks import StaticConfig, extra_names
+
+
+def forward_chunks(hidden, weight, bias, labels, g_tokens, st: StaticConfig, class_weight=None):
+    """chunks.chunked_forward, through sharded.py's partitioned op when ``st.partitioned``."""
+    if st.partitioned:
+        return sharded.fused_forward(hidden, weight, bias, labels, g_tokens, st)
+    return chunks.chunked_forward(hidden, weight, bias, labels, g_tokens, st, class_weight)
+
+
+def backward_chunks(hidden, weight, bias, labels, lse, g_tokens, st: StaticConfig, g_lse=None, class_weight=None):
+    """chunks.chunked_backward, through sharded.py's partitioned op when ``st.partitioned``."""
+    if st.partitioned:
+        return sharded.fused_backward(hidden, weight, bias, labels, lse, g_tokens, st, g_lse)
+    return chunks.chunked_backward(hidden, weight, bias, labels, lse, g_tokens, st, g_lse, class_weight)
+
+
+def _finish_grads(grads, hidden, weight, bias, scale=None, extra=None):
+    """Scale (by the upstream, when given) and cast each gradient to its input's dtype: one fused pass each; extra:
+    gradients to add before the cast (the returned z_loss's), or None."""
+    dh, dw, db = grads
+    extra = (None, None, None) if extra is None else extra
+
+    def fin(g, like, more):
+        # A bf16 gradient times the float32 scale is computed in float32 and rounded once.
+        g = g if scale is None else g * scale
+        return (g if more is None else g + more).astype(like.dtype)
+
+    return fin(dh, hidden, extra[0]), fin(dw, weight, extra[1]), None if bias is None else fin(db, bias, extra[2])
+
+
+def _with_extras(loss, lse, extra: dict, st: StaticConfig):
+    """What the custom_vjps return: the loss alone, or (loss, lse, *extras) when extra outputs are asked for."""
+    return (loss, lse, *extra.values()) if st.returns else loss
+
+
+# --- custom_vjp: "mean"/"sum" (the gradients are residuals) and "none" (lse is) ------------------------------------
+
+
+def _token_scale(labels, n_items, st: StaticConfig, class_weight=None):
+    """d loss / d loss_t of the reduction: 1 / contract.loss_divisor (traced; no host synchronisation)."""
+    divisor = contract.loss_divisor(labels, st.reduction, n_items, st.options.ignore_index, weight=class_weight)
+    return jnp.broadcast_to(1.0 / divisor, labels.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _reduced_loss(hidden, weight, bias, labels, n_items, class_weight, st: StaticConfig):
+    losses, lse, _, extra = forward_chunks(hidden, weight, bias, labels, None, st, class_weight)
+    loss = contract.reduce_losses(losses, labels, st.reduction, n_items, st.options.ignore_index, class_weight)
+    return _with_extras(loss, lse, extra, st)
+
+
+def _reduced_fwd(hidden, weight, bias, labels, n_items, class_weight, st: StaticConfig):
+    g_tokens = _token_scale(labels, n_items, st, class_weight)
+    losses, lse, grads, extra = forward_chunks(hidden, weight, bias, labels, g_tokens, st, class_weight)
+    loss = contract.reduce_losses(losses, labels, st.reduction, n_items, st.options.ignore_index, class_weight)
+    # Zero-size stand-ins keep the input dtypes for the backward's casts.
+    likes = (jnp.zeros((0,), hidden.dtype), jnp.zeros((0,), weight.dtype), None if bias is None else bias[:0])
+    # A returned z_loss: its gradient (through lse) is only known in the backward, which recomputes the chunks.
+    inputs = (hidden, weight, bias, labels, lse) if contract.lse_differentiated(st.options, st.returns) else None
+    return _with_extras(loss, lse, extra, st), (grads, likes, inputs, class_weight)
+
+
+def _reduced_bwd(st: StaticConfig, residuals, g):
+    grads, (h_like, w_like, b_like), inputs, class_weight = residuals
+    extra = None
+    if st.returns:
+        g, g_lse = g[0], g[1]
+        if inputs is not None:
+            hidden, weight, bias, labels, lse = inputs
+
+            def z_loss_part():
+                zeros = jnp.zeros(labels.shape, jnp.float32)
+                # Unweighted: g_lse already holds the class weights' factor of the z_loss output.
+                return backward_chunks(hidden, weight, bias, labels, lse, zeros, st, g_lse.astype(jnp.float32))
+
+            def nothing():
+                return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(z_loss_part))
+
+            # Only a z_loss output that is differentiated costs the recomputing pass (logging it costs nothing).
+            extra = jax.lax.cond(jnp.any(g_lse != 0), z_loss_part, nothing)
+    dh, dw, db = _finish_grads(grads, h_like, w_like, b_like, scale=g, extra=extra)
+    return dh, dw, db, None, None, None if class_weight is None else jnp.zeros_like(class_weight)
+
+
+_reduced_loss.defvjp(_reduced_fwd, _reduced_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _per_token_losses(hidden, weight, bias, labels, class_weight, st: StaticConfig):
+    losses, lse, _, extra = forward_chunks(hidden, weight, bias, labels, None, st, class_weight)
+    return _with_extras(losses, lse, extra, st)
+
+
+def _per_token_fwd(hidden, weight, bias, labels, class_weight, st: StaticConfig):
+    losses, lse, _, extra = forward_chunks(hidden, weight, bias, labels, None, st, class_weight)
+    return _with_extras(losses, lse, extra, st), (hidden, weight, bias, labels, lse, class_weight)
+
+
+def _per_token_bwd(st: StaticConfig, residuals, g):
+    hidden, weight, bias, labels, lse, class_weight = residuals
+    g_lse = None
+    if st.returns:
+        g, g_lse = g[0], (g[1].astype(jnp.float32) if contract.lse_differentiated(st.options, st.returns) else None)
+    grads = backward_chunks(hidden, weight, bias, labels, lse, g.astype(jnp.float32), st, g_lse, class_weight)
+    dh, dw, db = _finish_grads(grads, hidden, weight, bias)
+    return dh, dw, db, None, None if class_weight is None else jnp.zeros_like(class_weight)
+
+
+_per_token_losses.defvjp(_per_token_fwd, _per_token_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("st",))
+def kernel_loss(h2, weight, bias, labels, n_items, class_weight=None, *, st: StaticConfig):
+    """The chunked kernel path, jitted once per static configuration (an eager call reuses its trace)."""
+    if st.reduction == "none":
+        outs = _per_token_losses(h2, weight, bias, labels, class_weight, st)
+    else:
+        outs = _reduced_loss(h2, weight, bias, labels, n_items, class_weight, st)
+    if not st.returns:
+        return outs
+    loss, lse, *rest = outs
+    extra = dict(zip(extra_names(st), rest))
+    return contract.with_outputs(
+        loss,
+        lse,
+        extra.get("accuracy"),
+        extra.get("entropy"),
+        labels,
+        st.reduction,
+        n_items,
+        st.options,
+        st.returns,
+        weight.shape[0],
+        class_weight,
+    )

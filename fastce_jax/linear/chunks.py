@@ -1,0 +1,313 @@
+"""The chunk loop of the fused linear cross-entropy: the loss of `cross_entropy(hidden @ weight.T + bias, labels)`
+chunk by chunk, without the (N, V) logits.
+
+Chunks. The rows are processed in chunks of `rows_per_chunk(n_rows, vocab, itemsize, workspace_bytes, chunk_rows)`
+rows: the workspace budget (the `workspace_bytes` keyword, by default `DEFAULT_WORKSPACE_BYTES` = 256 MiB of logits)
+split evenly over as few chunks as it allows, rounded up to a multiple of `ROWS_MULTIPLE` (whole matmul tiles); the
+`chunk_rows` keyword, when given, overrides it. Per chunk (a `lax.fori_loop` step): the
+logits come from one matmul in the inputs' dtype, fastce's forward kernel gives each row's loss and log-sum-exp
+(`_ce_forward`), the backward kernel overwrites the same fresh logits with d loss / d logits
+(`_ce_backward_in_place`), and two matmuls fold that into the chunk's rows of d hidden and into d weight (a column
+sum into d bias). The last chunk is not padded (shapes are static): its start is clamped to N - chunk rows, and the
+rows it shares with the chunk before get an upstream gradient of 0 and keep the values already written, so no
+padded copy of hidden or of its gradient is made.
+
+Memory beyond the inputs: the gradients (hidden's, weight's, bias's, in their dtypes), the workspace (chunk rows x V
+in the inputs' dtype, at most workspace_bytes) and O(N + V) floats.
+
+Ignored rows: by default every row costs its matmuls. skip_ignored_rows=True orders the chunk loop's rows kept
+first (a stable argsort of the ignored mask, traced), gathers each chunk's rows of hidden and scatters its rows of
+d hidden back, and runs each chunk under a lax.cond on whether it holds a kept row: the chunks after the last kept
+row compute nothing. The kept-row count stays on the device (nothing for the caller to wait on, jit-compatible),
+but XLA's GPU runtime executes a conditional outside a command buffer by copying its predicate to the host and
+waiting for it (ConditionalThunk): one wait per chunk, unless XLA_FLAGS' --xla_gpu_enable_command_buffer includes
+CONDITIONAL (a CUDA-graph conditional node). bench/tools/skip_probe.py measures what that costs.
+
+Precision: each chunk's matmuls accumulate in float32 and round once to the input dtype. By default the weight
+gradient is summed across chunks in the weight's own dtype (one rounding per chunk); a float32 accumulator
+(accumulate_in_float32=True: one rounding at the end) costs 4·V·H more bytes (2 GiB at V=128256,
+H=4096), twice a bf16 gradient. Measured (bf16 weight gradient of a softmax-gradient sum over 4096 rows, float64 as
+truth; fastce_torch/tests/test_linear_cross_entropy.py::test_weight_gradient_accumulation_error), its rms error
+relative to its rms is 2.2e-3 with one rounding (the float32 accumulator), 3.7e-3 with 8 chunks, 6.5e-3 with 32 and
+1.2e-2 with 128. The default workspace gives 8 chunks at N=8192, V=128256 (bf16), 16 at N=8192, V=256000.
+
+The labels reach the kernels as given, with the caller's ignore_index (as in cross_entropy).
+
+The loop runs on the whole arrays it is given; autograd.py routes a partitioned call (several devices) through
+sharded.py, whose per-device computation is this loop on each device's block.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .. import contract, kernels, ops
+from ..contract import Options
+
+# At 256 MiB the workspace holds 1024 rows of bf16 logits at V=128256, 512 at V=256000.
+DEFAULT_WORKSPACE_BYTES = 256 << 20
+ROWS_MULTIPLE = 128  # chunk rows are a multiple of this (whole matmul tiles) when the budget allows that many
+
+
+def rows_per_chunk(n_rows: int, vocab: int, itemsize: int, workspace_bytes=None, chunk_rows=None) -> int:
+    """Rows per chunk: chunk_rows when given; else the workspace budget (DEFAULT_WORKSPACE_BYTES when None) split
+    evenly over as few chunks as it allows (so the clamped last chunk repeats little work), rounded up to
+    ROWS_MULTIPLE when the budget holds that many rows; never more than n_rows, at least 1."""
+    if chunk_rows is not None:
+        return max(1, min(int(chunk_rows), n_rows))
+    workspace_bytes = DEFAULT_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
+    max_rows = max(1, workspace_bytes // (vocab * itemsize))
+    multiple = ROWS_MULTIPLE if max_rows >= ROWS_MULTIPLE else 1
+    max_rows -= max_rows % multiple
+    n_chunks = -(-n_rows // max_rows)
+    rows = -(-n_rows // max(1, n_chunks))
+    rows = -(-rows // multiple) * multiple
+    return max(1, min(rows, n_rows))
+
+
+class StaticConfig(NamedTuple):
+    """Hashable configuration of one call (a custom_vjp nondiff argument)."""
+
+    options: Options
+    interpret: bool  # Pallas interpret mode (off GPU)
+    reduction: str
+    chunk_rows: int
+    dtype: str  # compute dtype of the logits
+    f32_weight_grad: bool
+    with_bias: bool
+    forward_config: kernels.ForwardConfig
+    backward_config: kernels.BackwardConfig
+    returns: contract.Extras = contract.NO_EXTRAS  # the extra outputs asked for
+    skip_ignored_rows: bool = False  # chunks over the kept rows first; chunks without one skipped (lax.cond)
+    partitioned: bool = False  # the chunk loop through sharded.py's custom_partitioning (several devices)
+    vocab_layout: object = None  # inside a partitioned loop: (mesh, vocabulary axes, V) of a vocabulary block
+
+
+def _ce_forward(logits, labels, st: StaticConfig, class_weight=None):
+    if st.vocab_layout is not None:  # a device's vocabulary block: the statistics combined over the devices
+        mesh, axes, vocab_total = st.vocab_layout
+        return ops.local_forward(
+            logits, labels, st.options, st.interpret, None, mesh=mesh, vocab_axes=axes, vocab_total=vocab_total,
+            extras=(st.returns.accuracy, st.returns.entropy),
+        )  # fmt: skip
+    kw = {"returns": st.returns} if st.returns else {}
+    if class_weight is not None:
+        kw["weight"] = class_weight
+    return tuple(
+        ops.forward(
+            logits, labels, st.options, interpret=st.interpret, config=st.forward_config, partitioned=False, **kw
+        )
+    )
+
+
+def _ce_backward_in_place(logits, labels, lse, g, st: StaticConfig, g_lse=None, class_weight=None):
+    if st.vocab_layout is not None:
+        mesh, axes, vocab_total = st.vocab_layout
+        return ops.local_backward(
+            logits, labels, lse, g, st.options, True, st.interpret, None, mesh=mesh, vocab_axes=axes,
+            vocab_total=vocab_total, g_lse=g_lse,
+        )  # fmt: skip
+    return ops.backward(
+        logits,
+        labels,
+        lse,
+        g,
+        st.options,
+        inplace=True,
+        interpret=st.interpret,
+        config=st.backward_config,
+        partitioned=False,
+        **({} if g_lse is None else {"g_lse": g_lse}),
+        **({} if class_weight is None else {"weight": class_weight}),
+    )
+
+
+def extra_names(st: StaticConfig):
+    """The per-token extra outputs the forward kernels give besides (loss, lse), in their order."""
+    return tuple(name for name in ("accuracy", "entropy") if getattr(st.returns, name))
+
+
+# --- the chunked computation ---------------------------------------------------------------------------------------
+
+
+class _Order(NamedTuple):
+    """skip_ignored_rows: the chunk loop's row order, the kept rows first (in their own order, a stable sort), and
+    how many rows are kept (traced: it stays on the device)."""
+
+    rows: jax.Array  # (N,) int32: position p of the loop is row rows[p]
+    n_kept: jax.Array  # int32 scalar
+
+
+def _row_order(labels, st: StaticConfig):
+    """The _Order of skip_ignored_rows, or None (the rows in their order; also when no label can be ignored)."""
+    ign = contract.ignore_value(labels.dtype, st.options.ignore_index)
+    if not st.skip_ignored_rows or ign is None:
+        return None
+    ignored = (labels == ign).astype(jnp.int32)
+    rows = jnp.argsort(ignored, stable=True).astype(jnp.int32)
+    return _Order(rows, (labels.shape[0] - jnp.sum(ignored)).astype(jnp.int32))
+
+
+def _rows_of(array, start, st: StaticConfig, index):
+    """array's chunk rows: a slice at start, or with skip_ignored_rows the rows `index` (a gather)."""
+    if index is None:
+        return jax.lax.dynamic_slice_in_dim(array, start, st.chunk_rows, axis=0)
+    return jnp.take(array, index, axis=0, unique_indices=True, indices_are_sorted=False, mode="clip")
+
+
+def _chunk_inputs(k, hidden, labels, st: StaticConfig, order=None):
+    """Chunk k's rows: its clamped start, the mask of rows that are new in this chunk, its hidden rows and labels,
+    and the rows' indices with skip_ignored_rows (None otherwise)."""
+    n = hidden.shape[0]
+    rows = st.chunk_rows
+    start = jnp.minimum(k * rows, n - rows)
+    fresh = start + jnp.arange(rows) >= k * rows
+    index = None if order is None else jax.lax.dynamic_slice_in_dim(order.rows, start, rows)
+    return start, fresh, _rows_of(hidden, start, st, index), _rows_of(labels, start, st, index), index
+
+
+def _chunk_upstream(g_tokens, start, fresh, st: StaticConfig, index=None):
+    """Chunk rows' upstream factors, 0 on the rows an earlier chunk already covered (so they add nothing to the
+    weight and bias gradients; their hidden rows are not written)."""
+    return jnp.where(fresh, _rows_of(g_tokens, start, st, index), 0.0)
+
+
+def chunk_logits(h_c, weight, bias, dtype):
+    """h_c @ weight.T + bias in dtype (float32 accumulation inside the matmul)."""
+    dt = jnp.dtype(dtype)
+    logits = jax.lax.dot_general(h_c.astype(dt), weight.astype(dt), (((1,), (1,)), ((), ())), preferred_element_type=dt)
+    if bias is not None:
+        logits = logits + bias.astype(dt)
+    return logits
+
+
+def _put_rows(buffer, start, fresh, values, index=None):
+    """Write values into buffer[start:start+rows] (or its rows `index`) where fresh, keep the old rows elsewhere."""
+    mask = fresh.reshape(fresh.shape + (1,) * (values.ndim - 1))
+    if index is not None:
+        old = jnp.take(buffer, index, axis=0, unique_indices=True, mode="clip")
+        return buffer.at[index].set(jnp.where(mask, values, old), unique_indices=True, mode="clip")
+    old = jax.lax.dynamic_slice_in_dim(buffer, start, values.shape[0], axis=0)
+    return jax.lax.dynamic_update_slice_in_dim(buffer, jnp.where(mask, values, old), start, axis=0)
+
+
+def _accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st: StaticConfig, index=None):
+    """The carry's gradients with chunk k's added: its fresh rows of dhidden (compute dtype), its product into
+    dweight (float32 with accumulate_in_float32, else the compute dtype), its column sums into dbias
+    (float32). Chunk 0 (``first``) starts dweight and dbias instead of adding to zeros."""
+    dt = jnp.dtype(st.dtype)
+    dh_c = jax.lax.dot_general(dlogits, weight.astype(dt), (((1,), (0,)), ((), ())), preferred_element_type=dt)
+    acc = jnp.float32 if st.f32_weight_grad else dt
+    dw_c = jax.lax.dot_general(dlogits, h_c.astype(dt), (((0,), (0,)), ((), ())), preferred_element_type=acc)
+    out = dict(dh=_put_rows(carry["dh"], start, fresh, dh_c, index), dw=dw_c if first else carry["dw"] + dw_c)
+    if st.with_bias:
+        db_c = jnp.sum(dlogits.astype(jnp.float32), axis=0)
+        out["db"] = db_c if first else carry["db"] + db_c
+    return out
+
+
+def _loop(n_rows, st: StaticConfig, first, body):
+    """Chunk 0 by ``first`` (it creates the carry, so the weight gradient starts as chunk 0's product instead of
+    zeros plus it), the others by ``body`` in a fori_loop."""
+    n_chunks = -(-n_rows // st.chunk_rows)
+    carry = first()
+    if n_chunks > 1:
+        carry = jax.lax.fori_loop(1, n_chunks, body, carry)
+    return carry
+
+
+def _skipping_loop(n_rows, st: StaticConfig, order: _Order, initial, body):
+    """skip_ignored_rows: every chunk by ``body`` (chunk 0 adds to the zeros of ``initial()``'s carry) under a
+    lax.cond on the device: a chunk none of whose new rows is kept (the kept rows come first, so every chunk after
+    the last kept row) runs nothing and passes the carry on."""
+
+    def chunk(k, carry):
+        return jax.lax.cond(k * st.chunk_rows < order.n_kept, functools.partial(body, k), lambda c: c, carry)
+
+    return jax.lax.fori_loop(0, -(-n_rows // st.chunk_rows), chunk, initial())
+
+
+def _zero_weight_grads(weight, st: StaticConfig):
+    """The weight and bias gradients' carry before any chunk (skip_ignored_rows: chunk 0 may be skipped)."""
+    dt = jnp.dtype(st.dtype)
+    out = dict(dw=jnp.zeros(weight.shape, jnp.float32 if st.f32_weight_grad else dt))
+    if st.with_bias:
+        out["db"] = jnp.zeros((weight.shape[0],), jnp.float32)
+    return out
+
+
+def chunked_forward(hidden, weight, bias, labels, g_tokens, st: StaticConfig, class_weight=None):
+    """The chunk loop on the arrays given. Per-token losses and lse (N,) and, when g_tokens (N,) is given, the
+    gradients of sum_t g_t * loss_t: (dhidden in the compute dtype, dweight in float32 or the compute dtype, dbias
+    float32 or None); then a dict of the per-token extra outputs st.returns asks for (accuracy, entropy), collected
+    chunk by chunk."""
+    n = hidden.shape[0]
+    want_grads = g_tokens is not None
+    extras = extra_names(st)
+    order = _row_order(labels, st)
+
+    def step(k, carry, first):
+        start, fresh, h_c, y_c, index = _chunk_inputs(k, hidden, labels, st, order)
+        logits = chunk_logits(h_c, weight, bias, st.dtype)
+        loss_c, lse_c, *extra_c = _ce_forward(logits, y_c, st, class_weight)
+        out = dict(
+            losses=_put_rows(carry["losses"], start, fresh, loss_c, index),
+            lse=_put_rows(carry["lse"], start, fresh, lse_c, index),
+        )
+        out.update({name: _put_rows(carry[name], start, fresh, v, index) for name, v in zip(extras, extra_c)})
+        if want_grads:
+            g_c = _chunk_upstream(g_tokens, start, fresh, st, index)
+            dlogits = _ce_backward_in_place(logits, y_c, lse_c, g_c, st, class_weight=class_weight)
+            out.update(_accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st, index))
+        return out
+
+    def initial():
+        # Rows no chunk writes (skipped ones) keep what the kernels give an ignored row: loss, accuracy and
+        # entropy 0, lse -inf.
+        carry = dict(
+            losses=jnp.zeros((n,), jnp.float32), lse=jnp.full((n,), 0.0 if order is None else -jnp.inf, jnp.float32)
+        )
+        carry.update({name: jnp.zeros((n,), jnp.float32) for name in extras})
+        if want_grads:
+            carry["dh"] = jnp.zeros((n, hidden.shape[1]), st.dtype)
+            if order is not None:
+                carry.update(_zero_weight_grads(weight, st))
+        return carry
+
+    if order is None:
+        carry = _loop(n, st, lambda: step(0, initial(), first=True), functools.partial(step, first=False))
+    else:
+        carry = _skipping_loop(n, st, order, initial, functools.partial(step, first=False))
+    grads = (carry["dh"], carry["dw"], carry.get("db")) if want_grads else None
+    return carry["losses"], carry["lse"], grads, {name: carry[name] for name in extras}
+
+
+def chunked_backward(hidden, weight, bias, labels, lse, g_tokens, st: StaticConfig, g_lse=None, class_weight=None):
+    """The chunk loop on the arrays given. Gradients of sum_t g_t * loss_t (+ sum_t g_lse_t * lse_t when g_lse is
+    given: a returned z_loss's) from the saved lse: each chunk's logits are recomputed, no forward kernel."""
+    n = hidden.shape[0]
+    order = _row_order(labels, st)
+
+    def step(k, carry, first):
+        start, fresh, h_c, y_c, index = _chunk_inputs(k, hidden, labels, st, order)
+        logits = chunk_logits(h_c, weight, bias, st.dtype)
+        lse_c = _rows_of(lse, start, st, index)
+        g_c = _chunk_upstream(g_tokens, start, fresh, st, index)
+        gl_c = None if g_lse is None else _chunk_upstream(g_lse, start, fresh, st, index)
+        dlogits = _ce_backward_in_place(logits, y_c, lse_c, g_c, st, gl_c, class_weight)
+        return _accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st, index)
+
+    def initial():
+        return dict(dh=jnp.zeros((n, hidden.shape[1]), st.dtype))
+
+    if order is None:
+        carry = _loop(n, st, lambda: step(0, initial(), first=True), functools.partial(step, first=False))
+    else:
+        carry = _skipping_loop(
+            n, st, order, lambda: {**initial(), **_zero_weight_grads(weight, st)}, functools.partial(step, first=False)
+        )
+    return carry["dh"], carry["dw"], carry.get("db")

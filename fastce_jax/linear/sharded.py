@@ -1,0 +1,245 @@
+"""Sharded heads of the fused linear cross-entropy: the chunked kernel path under sharded inputs, each device running
+the chunk loop on its block.
+
+The chunk loop (a fori_loop around matmuls and pallas_calls) is opaque to XLA's partitioner, which would gather the
+weight and the rows onto every device around it. So, as ops.py does for cross_entropy, the loop's two entry
+points (the forward, with the gradients for "mean"/"sum", and the backward of "none") are each wrapped in
+``jax.experimental.custom_partitioning``; the partition callback reads the shardings that propagation gave hidden
+(its rows, over some mesh axes) and the weight (its vocabulary rows, over others) and answers with the per-device
+computation:
+
+* rows sharded: the device's rows against the whole weight, as on one device; the weight (and bias) gradient is
+  summed over the rows' axes (the data-parallel gradient reduction, one all-reduce of the device's weight block).
+* vocabulary sharded: the device's weight rows, the vocabulary offset its index along the vocabulary axes. Per
+  chunk the kernels' vocab-parallel statistics, then one ``pmax`` of the chunk's rows and one ``psum`` of 3x them
+  (ops.local_forward) give every device the chunk's global lse and loss; the kernels' vocab-parallel
+  backward then gives the chunk's d logits of the device's columns (ops.local_backward), folded into the
+  device's d weight (no communication) and its share of d hidden, summed over the vocabulary axes once at the
+  end (an all-reduce of the device's rows x H).
+* both at once (rows over 'data', vocabulary over 'model').
+
+Nothing weight-sized is gathered and nothing logits-sized is communicated. The hidden dimension H is never split:
+a weight or hidden sharded along H is gathered along it first (by XLA, to the shardings the callback asks for).
+Rows or vocabulary that their mesh axes do not divide are replicated instead. Each device's chunk is at most the
+call's chunk rows (computed for the whole vocabulary), so a vocabulary-sharded device materialises less.
+
+The return_* outputs' statistics ride on the same combine (ops.local_forward with extras); a differentiated
+z_loss output's backward is the backward op with the lse cotangent.
+
+vmap: custom_partitioning has no batching rule; a vmapped call runs the unpartitioned loop (jax.vmap of it).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .. import kernels
+from .chunks import chunked_backward, chunked_forward, extra_names
+
+
+def _axes(entry):
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(axes):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _dim_axes(arg, mesh, dim):
+    """The mesh axes arg's dimension `dim` is sharded over, () if none or if they do not divide it evenly."""
+    sharding = arg.sharding
+    if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
+        return ()
+    spec = tuple(sharding.spec) + (None,) * (len(arg.shape) - len(sharding.spec))
+    axes = _axes(spec[dim])
+    if axes and arg.shape[dim] % math.prod(mesh.shape[a] for a in axes) != 0:
+        return ()
+    return axes
+
+
+def _plan(arg_shapes):
+    """(mesh, rows axes, vocabulary axes) from hidden's and the weight's shardings."""
+    hidden, weight = arg_shapes[0], arg_shapes[1]
+    named = [a.sharding for a in (hidden, weight) if isinstance(a.sharding, NamedSharding)]
+    if not named:
+        devices = sorted(hidden.sharding.device_set, key=lambda d: d.id)
+        return Mesh(np.array(devices), ("fastce_replicated",)), (), ()
+    mesh = named[0].mesh
+    rows = _dim_axes(hidden, mesh, 0)
+    vocab = tuple(a for a in _dim_axes(weight, mesh, 0) if a not in rows)
+    if vocab and weight.shape[0] % math.prod(mesh.shape[a] for a in vocab) != 0:
+        vocab = ()
+    return mesh, rows, vocab
+
+
+def _local_static(st, n_local, v_local, mesh, vocab_axes, vocab_total):
+    layout = (mesh, vocab_axes, vocab_total) if vocab_axes else None
+    return st._replace(
+        chunk_rows=min(st.chunk_rows, n_local),
+        partitioned=False,
+        vocab_layout=layout,
+        forward_config=kernels.forward_config(v_local),
+        backward_config=kernels.backward_config(v_local),
+    )
+
+
+def _reduced_grads(grads, rows, vocab):
+    """d hidden summed over the vocabulary axes (each device held its columns' share), d weight and d bias over
+    the rows' axes (each device held its rows' share)."""
+    dh, dw, db = grads
+    if vocab:
+        dh = jax.lax.psum(dh, vocab)
+    if rows:
+        dw = jax.lax.psum(dw, rows)
+        db = None if db is None else jax.lax.psum(db, rows)
+    return dh, dw, db
+
+
+def _split(args, st):
+    """(hidden, weight, bias or None, labels, rest) of an op's operands."""
+    if st.with_bias:
+        hidden, weight, bias, labels, *rest = args
+    else:
+        (hidden, weight, labels, *rest), bias = args, None
+    return hidden, weight, bias, labels, rest
+
+
+def _outputs(grads, st):
+    return grads[:2] + ((grads[2],) if st.with_bias else ())
+
+
+def _n_extras(st):
+    return len(extra_names(st))
+
+
+def _forward_local(*args, st, with_grads, mesh=None, rows=(), vocab=(), vocab_total=None):
+    """(losses, lse, the per-token extra outputs st.returns asks for, then with_grads the gradients)."""
+    hidden, weight, bias, labels, rest = _split(args, st)
+    local = _local_static(st, hidden.shape[0], weight.shape[0], mesh, vocab, vocab_total or weight.shape[0])
+    g_tokens = rest[0] if with_grads else None
+    losses, lse, grads, extra = chunked_forward(hidden, weight, bias, labels, g_tokens, local)
+    out = (losses, lse, *extra.values())
+    return out + (_outputs(_reduced_grads(grads, rows, vocab), st) if with_grads else ())
+
+
+def _backward_local(*args, st, with_lse=False, mesh=None, rows=(), vocab=(), vocab_total=None):
+    hidden, weight, bias, labels, (lse, g, *g_lse) = _split(args, st)
+    local = _local_static(st, hidden.shape[0], weight.shape[0], mesh, vocab, vocab_total or weight.shape[0])
+    grads = chunked_backward(hidden, weight, bias, labels, lse, g, local, g_lse[0] if with_lse else None)
+    return _outputs(_reduced_grads(grads, rows, vocab), st)
+
+
+def _shardings(mesh, rows, vocab, st, n_row_args):
+    """(the operands' shardings, row-, hidden- and weight-shaped result shardings)."""
+    row = NamedSharding(mesh, P(_entry(rows)))
+    hid = NamedSharding(mesh, P(_entry(rows), None))
+    wgt = NamedSharding(mesh, P(_entry(vocab), None))
+    vec = NamedSharding(mesh, P(_entry(vocab)))
+    operands = (hid, wgt) + ((vec,) if st.with_bias else ()) + (row,) * (1 + n_row_args)
+    grads = (hid, wgt) + ((vec,) if st.with_bias else ())
+    return operands, row, grads
+
+
+def _n_row_args(kind, with_grads):
+    """Per-row operands after labels: the forward's upstream factors (with gradients); the backward's lse, upstream
+    and (with_grads there: the lse cotangent) its upstream too."""
+    return int(with_grads) if kind == "forward" else 2 + int(with_grads)
+
+
+def _partition(kind, st, with_grads, mesh, arg_shapes, result_shape):
+    del result_shape
+    mesh, rows, vocab = _plan(arg_shapes)
+    operands, row, grads = _shardings(mesh, rows, vocab, st, _n_row_args(kind, with_grads))
+    static = dict(st=st, mesh=mesh, rows=rows, vocab=vocab, vocab_total=arg_shapes[1].shape[0])
+    if kind == "forward":
+        lower = functools.partial(_forward_local, with_grads=with_grads, **static)
+        results = (row,) * (2 + _n_extras(st)) + (grads if with_grads else ())
+    else:
+        lower = functools.partial(_backward_local, with_lse=with_grads, **static)
+        results = grads
+    return mesh, lower, results, operands
+
+
+def _infer(kind, st, with_grads, mesh, arg_shapes, result_shape):
+    del result_shape
+    mesh, rows, vocab = _plan(arg_shapes)
+    _, row, grads = _shardings(mesh, rows, vocab, st, 0)
+    if kind == "forward":
+        return (row,) * (2 + _n_extras(st)) + (grads if with_grads else ())
+    return grads
+
+
+def _rule(kind, st, with_grads):
+    """The Shardy rule: n the rows, v the vocabulary, h the hidden width."""
+    weights = ("v h",) + (("v",) if st.with_bias else ())
+    operands = ("n h", *weights, "n") + ("n",) * _n_row_args(kind, with_grads)
+    if kind == "forward":
+        results = ("n",) * (2 + _n_extras(st)) + (("n h", *weights) if with_grads else ())
+    else:
+        results = ("n h", *weights)
+    return ", ".join(operands) + " -> " + ", ".join(results)
+
+
+@functools.cache
+def _op(kind, st, with_grads=False):
+    """kind "forward" (with_grads: also the gradients) or "backward" (with_grads: an lse cotangent as well)."""
+    plain = (
+        functools.partial(_forward_local, st=st, with_grads=with_grads)
+        if kind == "forward"
+        else functools.partial(_backward_local, st=st, with_lse=with_grads)
+    )
+
+    @custom_partitioning
+    def op(*args):
+        return plain(*args)
+
+    op.def_partition(
+        partition=functools.partial(_partition, kind, st, with_grads),
+        infer_sharding_from_operands=functools.partial(_infer, kind, st, with_grads),
+        sharding_rule=_rule(kind, st, with_grads),
+    )
+
+    @jax.custom_batching.custom_vmap
+    def batchable(*args):
+        return op(*args)
+
+    @batchable.def_vmap
+    def _(axis_size, in_batched, *args):
+        axes = tuple(0 if b else None for b in in_batched)
+        out = jax.vmap(plain, in_axes=axes)(*args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return batchable
+
+
+def fused_forward(hidden, weight, bias, labels, g_tokens, st):
+    """chunks.chunked_forward, partitioned."""
+    with_grads = g_tokens is not None
+    args = (hidden, weight) + (() if bias is None else (bias,)) + (labels,) + ((g_tokens,) if with_grads else ())
+    out = _op("forward", st, with_grads)(*args)
+    n_extras = _n_extras(st)
+    losses, lse, extra = out[0], out[1], dict(zip(extra_names(st), out[2 : 2 + n_extras]))
+    grads = None
+    if with_grads:
+        dh, dw, *db = out[2 + n_extras :]
+        grads = (dh, dw, db[0] if st.with_bias else None)
+    return losses, lse, grads, extra
+
+
+def fused_backward(hidden, weight, bias, labels, lse, g_tokens, st, g_lse=None):
+    """chunks.chunked_backward, partitioned."""
+    with_lse = g_lse is not None
+    args = (
+        (hidden, weight) + (() if bias is None else (bias,)) + (labels, lse, g_tokens) + ((g_lse,) if with_lse else ())
+    )
+    out = _op("backward", st, with_lse)(*args)
+    return out[0], out[1], out[2] if st.with_bias else None
