@@ -546,14 +546,15 @@ def _backward_kernel(
         grad_loss = grad_loss / tl.load(denominator_ptr)
     grad_loss = tl.where((label >= 0) & (label < vocab_all), grad_loss, float("nan"))
     if HAS_WEIGHT:
-        w_label = tl.load(weight_ptr + label, mask=(label >= 0) & (label < V) & (label != ignore_index), other=0.0)
+        w_label = tl.load(weight_ptr + label, mask=(label >= 0) & (label < V) & ~ignored, other=0.0)
         if not HAS_SMOOTHING:  # the weight of the label is a per-row factor of the unweighted gradient
             grad_loss = grad_loss * w_label
 
     logits_row = logits_ptr + _row_offset(row, logits_batch_stride, logits_row_stride, rows_per_batch)
-    # `label != ignore_index`, not `~ignored`: Triton's interpreter gives `~` of a scalar int1 an int32 payload, which
-    # Triton 3.9's interpreted masked load rejects ("mask has unsupported dtype"). Compiled, both are the same compare.
-    x = tl.load(logits_row + cols, mask=in_row & (label != ignore_index), other=0.0).to(tl.float32)
+    # `!= 0` is a no-op compiled (the compare of an int1 with false folds away: same PTX) but makes the mask a bool
+    # payload in Triton's interpreter, which splats the scalar `~ignored` to int64; Triton 3.9's interpreted masked
+    # load rejects a non-bool mask ("mask has unsupported dtype").
+    x = tl.load(logits_row + cols, mask=(in_row & ~ignored) != 0, other=0.0).to(tl.float32)
     if HAS_SCALING:
         x = x * scaling
     tanh_z = x  # unused without soft-capping
