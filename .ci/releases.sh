@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Release jobs: fastce_torch on the torch and Triton releases newer than the pinned CI stack (issue 36). .ci/run calls
 # this after its main job; each job runs a representative subset, so the whole script stays within ~6 minutes on the
-# 2-core CI machine. Measured there on 2026-12-03 while five other sessions shared its CPU (load 7-9): 4 min 21 s
-# wall, 3 min 24 s of CPU (environments 78 s with the torch 2.13 venv already built, then 45 / 47 / 91 s for the
-# three jobs: 113, 113 and 119 passed, 50 skipped each); a fresh torch 2.13 venv adds ~30 s.
+# 2-core CI machine. Measured there on 2026-12-03 from a clean tree while five other sessions shared its CPU (load
+# 6-9): 4 min 11 s wall, 3 min 38 s of CPU: environments 108 s, then 44 / 41 / 57 s for the three jobs (113, 113 and
+# 119 passed, 50 skipped each: 45 of them shared cases whose torch side passed, 5 GPU-only tests).
 #
 # Environments, built cheaply:
 #   .ci-venv-releases     torch 2.13.0 (CPU build, from disk) + triton 3.8.0 + the test tools; no jax (the shared
