@@ -14,6 +14,9 @@ from .contract import CrossEntropyOutput
 from .cross_entropy import cross_entropy, cross_entropy_reference
 from .linear import linear_cross_entropy
 from .unsloth import fast_cross_entropy_loss
+from .versions import warn_if_untested
+
+warn_if_untested()  # once per process, on a jax or jaxlib release outside the tested range (versions.py)
 
 __all__ = [
     "CrossEntropyOutput",

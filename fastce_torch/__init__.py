@@ -15,6 +15,9 @@ from .cross_entropy import CrossEntropyLoss, cross_entropy, cross_entropy_refere
 from .linear import DEFAULT_WORKSPACE_BYTES, linear_cross_entropy  # noqa: E402
 from .transformers import fastce_for_causal_lm_loss, patch_transformers, unpatch_transformers  # noqa: E402
 from .unsloth import fast_cross_entropy_loss, patch_loss_functions  # noqa: E402
+from .versions import warn_if_untested  # noqa: E402
+
+warn_if_untested()  # once per process, on a torch or Triton release outside the tested range (versions.py)
 
 # What users call: the losses, their output record, the integration patches (and the loss function the transformers
 # patch installs), and the fused linear loss's default workspace budget (its `workspace_bytes` keyword).

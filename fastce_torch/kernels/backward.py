@@ -80,7 +80,10 @@ def _backward_kernel(
             grad_loss = grad_loss * w_label
 
     logits_row = logits_ptr + _row_offset(row, logits_batch_stride, logits_row_stride, rows_per_batch)
-    x = tl.load(logits_row + cols, mask=in_row & ~ignored, other=0.0).to(tl.float32)
+    # `!= 0` is a no-op compiled (the compare of an int1 with false folds away: same PTX) but makes the mask a bool
+    # payload in Triton's interpreter, which splats the scalar `~ignored` to int64; Triton 3.9's interpreted masked
+    # load rejects a non-bool mask ("mask has unsupported dtype").
+    x = tl.load(logits_row + cols, mask=(in_row & ~ignored) != 0, other=0.0).to(tl.float32)
     if HAS_SCALING:
         x = x * scaling
     tanh_z = x  # unused without soft-capping

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+import triton
 import triton.language as tl
 from triton import knobs
 from triton.backends.compiler import GPUTarget
@@ -302,12 +303,48 @@ def test_the_setting_is_read_once_from_the_environment():
         "import sys; from fastce_torch import kernels; cache = sys.modules['fastce_torch.kernels.launch_cache']; "
         "print(kernels.launch_cache_enabled(), cache.launch_cache_setting.refusal)"
     )
+    # On a Triton other than the reproduced release the cache is refused at import, naming that release: Triton's
+    # own launch path then serves every launch (test_other_triton_releases_take_tritons_own_launch_path).
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    for value, expected in (("0", "False FASTCE_TORCH_LAUNCH_CACHE=0"), ("1", "True")):
-        env = {**os.environ, "TRITON_INTERPRET": "0", kernels.LAUNCH_CACHE_VARIABLE: value, "PYTHONPATH": root}
+    path = os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    on = "True" if triton.__version__ == cache.LAUNCH_CACHE_TRITON else f"False {_other_release(triton.__version__)}"
+    for value, expected in (("0", "False FASTCE_TORCH_LAUNCH_CACHE=0"), ("1", on)):
+        env = {**os.environ, "TRITON_INTERPRET": "0", kernels.LAUNCH_CACHE_VARIABLE: value, "PYTHONPATH": path}
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.strip() == expected
+
+
+def _other_release(version):
+    return f"Triton {version}: the cached launch is written for Triton {cache.LAUNCH_CACHE_TRITON}"
+
+
+def test_other_triton_releases_take_tritons_own_launch_path(monkeypatch):
+    # The refusal as import computes it in compiled mode, for the installed Triton when it is not the reproduced
+    # release (the release jobs of .ci/releases.sh), else for a stand-in version string. Launchers holding that
+    # setting never record or replay a variant: every launch is Triton's own kernel[grid](...), with right results.
+    version = triton.__version__ if triton.__version__ != cache.LAUNCH_CACHE_TRITON else "3.99.0"
+    with monkeypatch.context() as compiled:
+        compiled.setattr(cache.triton, "__version__", version)
+        compiled.setattr(knobs.runtime, "interpret", False)
+        compiled.delenv(kernels.LAUNCH_CACHE_VARIABLE, raising=False)
+        setting = cache.LaunchCacheSetting()
+    assert not setting.enabled and setting.refusal == _other_release(version)
+    for name, kernel in (("forward_launcher", _forward_kernel), ("backward_launcher", _backward_kernel)):
+        monkeypatch.setattr(launch, name, cache.Launcher(kernel, setting))
+    monkeypatch.setattr(launch, "_launched", set())
+    for _ in range(2):  # the second call is the one a cache would serve
+        leaf = logits_of(12, 3000, seed=5).requires_grad_()
+        labels = labels_of(12, 3000, seed=6)
+        loss = fastce_torch.cross_entropy(leaf * 1.0, labels)
+        (grad,) = torch.autograd.grad(loss, leaf)
+        exact = leaf.detach().double().requires_grad_()
+        want = torch.nn.functional.cross_entropy(exact, labels)
+        (want_grad,) = torch.autograd.grad(want, exact)
+        torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grad.double(), want_grad, rtol=1e-5, atol=1e-7)
+    for launcher in (launch.forward_launcher, launch.backward_launcher):
+        assert launcher.hits == 0 and launcher.variants == {} and launcher.failure is None
 
 
 def test_the_interpreter_never_uses_the_cache():
