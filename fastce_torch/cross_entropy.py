@@ -1,6 +1,6 @@
 """Fused cross-entropy for PyTorch: the eager autograd.Function, torch.library custom ops for torch.compile, the
 functional `cross_entropy`, the `CrossEntropyLoss` module, and `cross_entropy_reference` (the same contract in
-plain torch). The checks and plain-torch formulas are in contract.py, the kernels and their launchers in kernels.py,
+plain torch). The checks and plain-torch formulas are in contract.py, the kernels and their launchers in kernels/,
 the vocab-parallel path in sharding.py.
 
 Eager calls go through `CrossEntropyFunction`: one forward launch that also reduces "mean"/"sum" in-kernel

@@ -24,7 +24,7 @@ from .forward import _forward_kernel
 INTERPRETED = bool(knobs.runtime.interpret)
 
 
-# Tiles and warps from bench/tools/tune_kernels.py on the H200 (2026-11-30, bench/NOTES.md): forward tiles of 4096
+# Tiles and warps from bench/tools/tune.py on the H200 (2026-11-30, bench/NOTES.md): forward tiles of 4096
 # with 4 warps reached 0.95-1.08x the one-read floor at N=8192 (stages 1 or 3 alike); backward tiles of 2048 with
 # 4 warps 1.01-1.05x the read+write floor. Rows are split into chunks of 16384 columns whatever N is (batch
 # invariance): at N=512, V=256000 chunks of 16384 (8192 programs) took 75 us against 90 us for 65536, and at N=8192

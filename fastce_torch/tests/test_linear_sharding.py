@@ -1,4 +1,4 @@
-"""linear_cross_entropy with a sharded LM head (linear_cross_entropy.py, sharded heads) against the float64 reference of
+"""linear_cross_entropy with a sharded LM head (fastce_torch/linear/sharded.py) against the float64 reference of
 shared_tests/test_linear_cross_entropy.py: each test launches `linear_parallel_check` under torch.distributed.run,
 gloo processes on the CPU, or, with --gpu, NCCL over two GPUs at mid shapes.
 
