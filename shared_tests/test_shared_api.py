@@ -131,3 +131,24 @@ def test_n_items_overrides_the_sum_denominator_in_both(n_items, device):
     assert np.isclose(ref.loss * float(n_items), plain.loss)
     for package, loss in (("torch", t_loss.item()), ("jax", float(j_loss))):
         tolerances.assert_loss(loss, ref, f"{package} loss")
+
+
+# Names only one framework has a use for: torch's nn.Module, the transformers patch and Unsloth's patch function.
+TORCH_ONLY = {
+    "CrossEntropyLoss",
+    "patch_transformers",
+    "unpatch_transformers",
+    "fastce_for_causal_lm_loss",
+    "patch_loss_functions",
+}
+
+
+def test_public_surface_is_the_same_in_both_packages():
+    """Each package's __all__ names what users call; every name exists, and the two lists differ only by the
+    torch-only integrations, so code moves between the frameworks by changing the import."""
+    for package in (fastce_torch, fastce_jax):
+        missing = [name for name in package.__all__ if not hasattr(package, name)]
+        assert not missing, f"{package.__name__}.__all__ names what it lacks: {missing}"
+        assert not [name for name in package.__all__ if name.startswith("_")]
+    assert set(fastce_torch.__all__) - TORCH_ONLY == set(fastce_jax.__all__)
+    assert fastce_torch.DEFAULT_WORKSPACE_BYTES == fastce_jax.DEFAULT_WORKSPACE_BYTES
