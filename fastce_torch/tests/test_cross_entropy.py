@@ -289,15 +289,31 @@ def test_float64_passes_gradcheck(backend, reduction, n_items, options, device):
     tolerances.check(loss.detach().cpu().numpy(), ref.loss, tolerances.loss_bound(ref, tolerances.RTOL64), "loss")
 
 
-def test_kernels_compile_for_h200():
+# The sm_90 compile check (about 200 variants, seconds each without a warm Triton cache) in slices that run in
+# parallel under pytest-xdist: slice k of COMPILE_SLICES runs compile_check.main over every COMPILE_SLICES-th variant.
+COMPILE_SLICES = 4
+COMPILE_SLICE_SCRIPT = """
+import itertools, sys
+from fastce_torch import compile_check
+every, k, n = compile_check.variants, int(sys.argv[1]), int(sys.argv[2])
+print("variants", sum(1 for _ in every()))
+compile_check.variants = lambda: itertools.islice(every(), k, None, n)
+compile_check.main()
+"""
+
+
+@pytest.mark.parametrize("part", range(COMPILE_SLICES))
+def test_kernels_compile_for_h200(part):
     """Every kernel variant compiles for sm_90 with the real compiler (no GPU needed): catches what the
-    interpreter does not check (non-power-of-two blocks, unsupported ops)."""
+    interpreter does not check (non-power-of-two blocks, unsupported ops). The slices together are
+    `python -m fastce_torch.compile_check`."""
     env = dict(os.environ, TRITON_INTERPRET="0")
-    result = subprocess.run(
-        [sys.executable, "-m", "fastce_torch.compile_check"], env=env, capture_output=True, text=True, timeout=900
-    )
+    command = [sys.executable, "-c", COMPILE_SLICE_SCRIPT, str(part), str(COMPILE_SLICES)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "compiled" in result.stdout
+    total = int(result.stdout.split("variants ")[1].split()[0])
+    assert total > 100, result.stdout
+    assert f"compiled {len(range(part, total, COMPILE_SLICES))} kernel variants for sm_90" in result.stdout
 
 
 # --- GPU only ------------------------------------------------------------------------------------------------
