@@ -302,6 +302,7 @@ compile_check.main()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("part", range(COMPILE_SLICES))
 def test_kernels_compile_for_h200(part):
     """Every kernel variant compiles for sm_90 with the real compiler (no GPU needed): catches what the

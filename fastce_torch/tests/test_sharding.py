@@ -12,6 +12,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.slow  # gloo processes under torch.distributed.run: started first under pytest-xdist
 
 
 def run_ranks(n_ranks, *args, timeout=900, module="fastce_torch.tests.vocab_parallel_check"):
