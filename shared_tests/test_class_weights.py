@@ -522,6 +522,7 @@ print("sharded ok")
 """
 
 
+@pytest.mark.slow
 def test_jax_sharded_logits_on_4_cpu_devices(use_gpu_flag):
     """fastce_jax with class weights under jit with logits sharded over rows or over the vocabulary (4 CPU devices,
     the kernels interpreted): the weighted kernels run on the whole array (no partitioning rule), exactly."""

@@ -14,6 +14,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = "mean-bias,none-all-options"
+pytestmark = pytest.mark.slow  # gloo process groups and a 4-device JAX child: minutes
 
 
 def _env(**extra):

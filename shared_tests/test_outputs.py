@@ -391,6 +391,7 @@ def test_torch_keyword_checks(device):
             fastce_torch.linear_cross_entropy(logits, torch.randn(4, 5, device=device), labels, **{name: "yes"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "n_ranks,backend,widths,extra",
     [

@@ -567,6 +567,7 @@ def test_skip_ignored_rows_must_be_a_bool(put):
         linear_cross_entropy(hidden, weight, labels, backend="kernel", skip_ignored_rows=1)
 
 
+@pytest.mark.slow
 def test_skip_ignored_rows_with_sharded_rows_on_4_cpu_devices(use_gpu):
     out = run_on_4_cpu_devices(use_gpu, __file__, "skip_ignored_rows_sharded", timeout=1200)
     assert re.search(r"1 passed", out) and " skipped" not in out
@@ -615,6 +616,7 @@ def test_gpu_skip_ignored_rows_compiled_memory(capsys, n, dim, vocab):
     assert skipping - default <= 16 * n + (1 << 20)
 
 
+@pytest.mark.slow
 def test_class_weight_with_several_devices_on_4_cpu_devices(use_gpu):
     out = run_on_4_cpu_devices(use_gpu, __file__, "class_weight_rows_sharded", timeout=1200)
     assert re.search(r"1 passed", out) and " skipped" not in out

@@ -379,6 +379,7 @@ def test_linear_other_outputs_carry_no_gradient(small_tiles):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sharded_outputs_on_4_cpu_devices(use_gpu):
     out = run_on_4_cpu_devices(use_gpu, __file__, "sharded_layout")
     print(out[-3000:])

@@ -48,6 +48,7 @@ def _platform(use_gpu):
     return "gpu" if use_gpu else "cpu"
 
 
+@pytest.mark.slow
 def test_sharded_suite_on_4_cpu_devices(use_gpu):
     print(checks.run_on_4_cpu_devices(use_gpu, __file__)[-3000:])
 

@@ -109,6 +109,7 @@ def test_no_graph_break_with_tensor_n_items(device):
     torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_inductor_matches_eager(device):
     """The default backend too (on the CPU inductor compiles the surrounding C++ once: ~25 s)."""
     torch.manual_seed(0)

@@ -16,6 +16,8 @@ import torch
 
 from .test_sharding import run_ranks
 
+pytestmark = pytest.mark.slow  # each test runs gloo processes under torch.distributed.run
+
 MODULE = "fastce_torch.tests.linear_parallel_check"
 KERNEL_CASES = "--only=mean-bias,none-all-options,smoothing-zloss,bad-label-none,ignore-7-sum-n_items"
 
