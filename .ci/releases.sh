@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Release jobs: fastce_torch on the torch and Triton releases newer than the pinned CI stack (issue 36). .ci/run calls
-# this after its main job; each job runs a representative subset, so the whole script stays within ~6 minutes on the
-# 2-core CI machine. Measured there on 2026-12-03 from a clean tree while five other sessions shared its CPU (load
+# Release jobs: fastce_torch on the torch and Triton releases newer than the pinned CI stack. .ci/run starts
+# `releases.sh prepare` in the background during its main suite and `releases.sh run` after it; each job runs a
+# representative subset, so the whole script stays within ~6 minutes on the 2-core CI machine. Measured there on 2026-12-03 from a clean tree while five other sessions shared its CPU (load
 # 6-9): 4 min 11 s wall, 3 min 38 s of CPU: environments 108 s, then 44 / 41 / 57 s for the three jobs (113, 113 and
 # 119 passed, 50 skipped each: 45 of them shared cases whose torch side passed, 5 GPU-only tests).
 #
@@ -38,17 +38,21 @@ cd "$(dirname "$0")/.."
 SECONDS=0
 step() { echo "== [${SECONDS}s] $*"; }
 
-step "environments"
-python3 -m venv .ci-venv-releases
+# `releases.sh prepare` builds the environments (mostly unpacking: .ci/run starts it in the background while its main
+# suite runs), `releases.sh run` runs the jobs on them; no argument does both.
 VENV_PY=.ci-venv-releases/bin/python
-# torch first and alone (the CPU build on disk; an unpinned torch would pull a CUDA build), then the rest.
-$VENV_PY -m pip install -q -c .ci/constraints-triton38.txt torch==2.13.0
-$VENV_PY -m pip install -q -c .ci/constraints-triton38.txt triton numpy pytest pytest-xdist hypothesis
-rm -rf .ci-overlay-triton39 .ci-overlay-torch214
-$VENV_PY -m pip install -q --no-deps --no-compile --target .ci-overlay-triton39 -c .ci/constraints-triton39.txt triton
-# With its dependencies (the CUDA 13 libraries: torch 2.14.1's import loads them, GPU or not; ~5 GB unpacked).
-$VENV_PY -m pip install -q --no-compile --target .ci-overlay-torch214 -c .ci/constraints-torch214.txt torch
-step "environments ready"
+prepare() {
+    step "environments"
+    python3 -m venv .ci-venv-releases
+    # torch first and alone (the CPU build on disk; an unpinned torch would pull a CUDA build), then the rest.
+    $VENV_PY -m pip install -q -c .ci/constraints-triton38.txt torch==2.13.0
+    $VENV_PY -m pip install -q -c .ci/constraints-triton38.txt triton numpy pytest pytest-xdist hypothesis
+    rm -rf .ci-overlay-triton39 .ci-overlay-torch214
+    $VENV_PY -m pip install -q --no-deps --no-compile --target .ci-overlay-triton39 -c .ci/constraints-triton39.txt triton
+    # With its dependencies (the CUDA 13 libraries: torch 2.14.1's import loads them, GPU or not; ~5 GB unpacked).
+    $VENV_PY -m pip install -q --no-compile --target .ci-overlay-torch214 -c .ci/constraints-torch214.txt torch
+    step "environments ready"
+}
 
 KERNEL_TESTS=(fastce_torch/tests/test_cross_entropy.py fastce_torch/tests/test_linear_cross_entropy.py
     fastce_torch/tests/test_versions.py)
@@ -74,14 +78,23 @@ SELECTION="(test_cross_entropy and not gradcheck and not 128256 and not 256000 a
     or test_versions or (test_launch_cache and (other_triton or read_once)) or (test_case and bfloat16) \
     or (test_linear_cross_entropy and not gradcheck and not compile and not chunking_keywords_reach"
 
-# Every job runs even when one fails; the script fails at the end if any did.
-failed=()
-run_job triton-3.8 "" "2.13.0 3.8.0" "and not autocast" || failed+=(triton-3.8)
-run_job triton-3.9 .ci-overlay-triton39 "2.13.0 3.9.0" "and not autocast" || failed+=(triton-3.9)
-run_job torch-2.14 .ci-overlay-torch214 "2.14.1 3.8.0" "" || failed+=(torch-2.14)
-step "release jobs done"
-times  # CPU time (user, system) of this shell and of its children
-if [ ${#failed[@]} -gt 0 ]; then
-    echo "release jobs failed: ${failed[*]}" >&2
-    exit 1
-fi
+run_jobs() {
+    # Every job runs even when one fails; the script fails at the end if any did.
+    failed=()
+    run_job triton-3.8 "" "2.13.0 3.8.0" "and not autocast" || failed+=(triton-3.8)
+    run_job triton-3.9 .ci-overlay-triton39 "2.13.0 3.9.0" "and not autocast" || failed+=(triton-3.9)
+    run_job torch-2.14 .ci-overlay-torch214 "2.14.1 3.8.0" "" || failed+=(torch-2.14)
+    step "release jobs done"
+    times  # CPU time (user, system) of this shell and of its children
+    if [ ${#failed[@]} -gt 0 ]; then
+        echo "release jobs failed: ${failed[*]}" >&2
+        exit 1
+    fi
+}
+
+case "${1:-all}" in
+    prepare) prepare ;;
+    run) run_jobs ;;
+    all) prepare && run_jobs ;;
+    *) echo "usage: $0 [prepare|run]" >&2 && exit 2 ;;
+esac
