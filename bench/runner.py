@@ -1,11 +1,6 @@
-"""The GPU run. The parent process only orchestrates: every measurement happens in a worker process of its own,
-`python -m bench --worker PASS --impls IMPL --shapes ... --json PART`, one per pass (bandwidth, torch-eager,
-torch-graph, jax) and implementation, so no framework's allocator, compiled state or failed capture reaches another's
-numbers. A worker that fails on a shape records it and goes on; a graph worker stops after a failed capture and a
-fresh one takes the remaining shapes; a worker that dies leaves the rows it wrote, the shape it was on is marked
-failed with its exit status and last output line, and a fresh worker takes the rest. The parent merges the parts and
-adds the floor ratios.
-"""
+"""The GPU run: one worker process per pass and implementation (bench/worker.py), so no framework's allocator,
+compiled state or failed capture reaches another's numbers. A dead worker's shape is marked failed and a fresh
+worker takes the rest; the parent merges the parts and adds the floor ratios."""
 
 import collections
 import contextlib
@@ -35,17 +30,8 @@ def _shape_key(impl, shape):
 
 
 def worker_command(pass_name, impls, shapes, quick, json_path) -> list:
-    command = [
-        sys.executable,
-        "-m",
-        "bench",
-        "--worker",
-        pass_name,
-        "--impls",
-        ",".join(impls),
-        "--json",
-        str(json_path),
-    ]
+    command = [sys.executable, "-m", "bench", "--worker", pass_name, "--impls", ",".join(impls)]
+    command += ["--json", str(json_path)]
     if shapes:
         command += ["--shapes", ",".join(f"{s.N}x{s.V}:{s.dtype}" for s in shapes)]
     return command + (["--quick"] if quick else [])
@@ -60,8 +46,7 @@ def _forward_output(stream, tail):
 
 
 def _die_with_parent():
-    """In the worker, before exec (Linux): SIGKILL when the parent dies, so a parent killed by a timeout leaves no
-    worker holding the GPU (the worker runs in a session of its own, out of reach of the timeout's group kill)."""
+    """In the worker, before exec (Linux): SIGKILL when the parent dies, so no orphan holds the GPU."""
     try:
         import ctypes
 
@@ -71,8 +56,7 @@ def _die_with_parent():
 
 
 def spawn_worker(pass_name, impls, shapes, quick, timeout_s=WORKER_TIMEOUT_S):
-    """Runs one worker process; (its JSON part, or {} if it wrote none; None, or why it ended abnormally). Its
-    output goes to this process's stderr as it comes (stdout keeps the table)."""
+    """One worker process: (its JSON part or {}, None or why it ended abnormally); its output goes to stderr."""
     root = str(envinfo.REPO_ROOT)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     with tempfile.TemporaryDirectory(prefix="bench-worker-") as tmp:
@@ -213,9 +197,8 @@ def run_gpu(shapes, impls, quick=False, isolate=True, worker_timeout_s=WORKER_TI
 
 
 def merge_results(results) -> dict:
-    """One result from several runs' JSON (e.g. `--frameworks torch` and `--frameworks jax` in two device calls):
-    rows and failures concatenated (a row measured twice: the later file's), ratios recomputed against the first
-    run's copy bandwidth (each run's bandwidth and commit are kept under merged_from)."""
+    """One result from several runs' JSON (a row measured twice: the later file's), ratios recomputed against the
+    first run's copy bandwidth."""
     if not results:
         raise ValueError("nothing to merge")
     first = results[0]
@@ -233,14 +216,9 @@ def merge_results(results) -> dict:
         "copy_bandwidth_TBps": bandwidth,
         "rows": [add_ratios(row, bandwidth) for row in rows.values()],
         "merged_from": [
-            {
-                "source": r.get("_source", "?"),
-                "commit": r["commit"],
-                "date": r["date"],
-                "copy_bandwidth_TBps": r["copy_bandwidth_TBps"],
-            }
+            {"source": r.get("_source", "?"), **{k: r[k] for k in ("commit", "date", "copy_bandwidth_TBps")}}
             for r in results
-        ],  # fmt: skip
+        ],
     }
     for result in results[1:]:
         merged["versions"] = {**result["versions"], **merged["versions"]}

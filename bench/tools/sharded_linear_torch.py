@@ -4,9 +4,8 @@ DTensor's column-parallel F.linear + loss_parallel() F.cross_entropy, in the sam
 
     torchrun --nproc-per-node 2 -m bench.tools.sharded_linear_torch --json bench/results/<date>-h200x2-linear.json
 
-Per global shape NxHxV (bf16, forward+backward for hidden and the weight), every rank: one_gpu (full weight, all
-rows), tp (V / ranks weight rows each), tp_dtensor_loss_parallel, fsdp (N / ranks rows each against the gathered
-weight) and the collectives alone; times and memory as in sharded_torch. `--smoke`: CPU processes, code paths only.
+Per global shape NxHxV (bf16): one_gpu, tp, tp_dtensor_loss_parallel, fsdp and the collectives alone, timed as in
+sharded_torch. `--smoke`: CPU processes, code paths only.
 """
 
 import torch

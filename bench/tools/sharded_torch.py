@@ -3,16 +3,13 @@ with a Shard(-1) DTensor against DTensor's loss_parallel() + F.cross_entropy, in
 
     torchrun --nproc-per-node 2 -m bench.tools.sharded_torch --json bench/results/<date>-h200x2-sharded-torch.json
 
-Per global shape (N rows, V columns, bf16, V / ranks contiguous columns per rank), forward+backward with respect to
-the non-leaf local logits, every rank: the median time over a fixed number of calls (the same on every rank; CUDA
-events, L2 flushed), peak extra memory, the local three-pass floor at this run's copy bandwidth, the two all-reduces
-alone, fastce's two entries replayed from a CUDA graph (torch_measure.measure_graph), and fastce_torch's breakdown:
-torch.profiler over BREAKDOWN_CALLS calls, each started by a gloo barrier, splitting the device span into fastce's
-kernels, NCCL's, other kernels and idle time, with the host time until the call returns. `--smoke`: tiny shapes on
-CPU processes (gloo, plain-torch backend), code paths only.
+Per global shape (bf16, V / ranks columns per rank), forward+backward on every rank: median time (CUDA events, L2
+flushed), peak extra memory, the local three-pass floor, the all-reduces alone, fastce from a CUDA graph, and a
+torch.profiler breakdown of fastce_torch's device span (fastce / NCCL / other kernels / idle). `--smoke`: CPU, gloo.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -75,9 +72,7 @@ def copy_bandwidth_TBps(timer, device, nbytes=2 << 30):
 
 
 def make_inputs(n_rows, vocab, dtype, device, seed=0):
-    """The full logits are never built: each rank draws its own columns from a generator seeded by (seed, rank);
-    labels (global ids, every 7th ignored) come from a generator seeded by the seed alone, the same on every rank.
-    The local logits are a non-leaf tensor with its own storage (an LM head's output), as in bench/torch_impls."""
+    """Each rank's own columns as non-leaf logits (seeded by seed and rank); the same labels on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     local_vocab = vocab // world
     gen = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
@@ -140,9 +135,8 @@ def kernel_category(name):
 
 
 def per_call_breakdown(kernels, calls):
-    """kernels: (name, start_us, end_us) of every device kernel of `calls` identical calls that ran one after another
-    -> the median call's {span, each category's busy time, idle}_ms and kernels_per_call; None when there are no
-    kernels (a CPU run) or their count is not a multiple of `calls` (the calls did not launch the same kernels)."""
+    """(name, start_us, end_us) of the kernels of `calls` identical calls -> the median call's span, busy time per
+    category and idle (ms); None without kernels or when the calls did not launch the same ones."""
     if not kernels or len(kernels) % calls:
         return None
     kernels = sorted(kernels, key=lambda kernel: kernel[1])
@@ -195,10 +189,10 @@ def run_shape(n_rows, vocab, dtype, device, timer, impls, warmup, reps, bandwidt
         logits, labels = make_inputs(n_rows, vocab, dtype, device)
 
         def fwdbwd():
-            with context() if context else _nothing():
+            with context() if context else contextlib.nullcontext():
                 return torch.autograd.grad(loss_fn(logits, labels), logits)
 
-        with torch.no_grad(), context() if context else _nothing():
+        with torch.no_grad(), context() if context else contextlib.nullcontext():
             loss = loss_fn(logits, labels)
         loss = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
         peak = peak_extra_bytes(fwdbwd, device)
@@ -231,14 +225,6 @@ def format_breakdown(rank, row):
     )
 
 
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def gather_rows(rows):
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, rows)
@@ -246,8 +232,7 @@ def gather_rows(rows):
 
 
 def start_ranks(smoke):
-    """This process's rank, launched by torchrun: (device, rank, world size, a 1-D device mesh over the ranks).
-    smoke: gloo on CPU processes; else NCCL on the GPU of LOCAL_RANK."""
+    """(device, rank, world size, 1-D device mesh) of this torchrun process: gloo on CPU with smoke, else NCCL."""
     if smoke:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
@@ -263,8 +248,7 @@ def start_ranks(smoke):
 
 
 def write_result(path, doc, device, world, rows, every_rank, smoke, **extra):
-    """The run's JSON record (date, commit, device, versions, method, rows, every rank's rows) at path; `extra`
-    fields go in after the rank count."""
+    """The run's JSON record at path (`extra` fields after the rank count)."""
     result = {
         "date": envinfo.today(),
         "commit": envinfo.git_commit(),
@@ -294,8 +278,7 @@ def finish_ranks(smoke):
 
 
 def parse_args(doc, shapes, warmup, reps, smoke_shapes):
-    """The sharded benches' command line: --shapes (global sizes, comma-separated), --warmup, --reps, --json,
-    --smoke (smoke_shapes, one warm-up call, two timed)."""
+    """The sharded torch benches' command line (--smoke: smoke_shapes, one warm-up call, two timed)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--shapes", default=shapes, help="global sizes, comma-separated")
     parser.add_argument("--warmup", type=int, default=warmup)
