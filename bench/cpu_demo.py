@@ -1,9 +1,5 @@
-"""CPU-only machines: a small correctness-and-timing demo of the fastce kernels run *interpreted*
-(fastce_torch under TRITON_INTERPRET=1, fastce_jax's Pallas kernels with interpret=True), next to each
-package's pure-framework reference and the plain framework loss, all checked against the repository's float64
-reference with its tolerance model (shared_tests/reference.py, shared_tests/tolerances.py: run from the repository
-root). The times are interpreter times: they say nothing about GPU performance.
-"""
+"""CPU-only machines: the fastce kernels run *interpreted*, beside each package's reference and the plain framework
+loss, checked against shared_tests' float64 reference and tolerances; the times are interpreter times."""
 
 import os
 import statistics

@@ -1,10 +1,7 @@
 """The README's shifted-labels examples, measured: `PYTHONPATH=. python -m bench.tools.readme_memory [--json PATH]`.
 
-The three ways to write the next-token loss on an LM head's output (`hidden @ projection`): slice
-(`logits[:, :-1]`, `input_ids[:, 1:]`), shift=1, and labels padded with one -100 column (transformers'
-ForCausalLMLoss); per form the loss, the peak extra memory of forward + backward (CUDA only) and whether the gradient
-reaching the logits is their own buffer. All three must give the same loss and gradient of hidden (checked). Default
-shape 8x1025x32000 bf16 on CUDA; on the CPU (Triton's interpreter) pass a tiny --shape.
+Slice, shift=1 and padded labels: per form the loss (checked equal), the peak extra memory of forward + backward and
+whether the logits' gradient is their own buffer. On the CPU (Triton's interpreter) pass a tiny --shape.
 """
 
 import argparse
@@ -35,8 +32,7 @@ def loss_of(form, logits, input_ids):
 
 
 def measure(form, hidden, projection, input_ids):
-    """One forward + backward of `form` on fresh logits: (loss, hidden's gradient, peak extra bytes or None, whether
-    the logits' gradient is their own buffer)."""
+    """(loss, hidden's gradient, peak extra bytes or None, whether the logits' gradient is their buffer)."""
     cuda = hidden.is_cuda
     hidden.grad = None
     logits = hidden @ projection  # an intermediate, as lm_head's output: the in-place backward may use its buffer

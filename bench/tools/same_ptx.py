@@ -2,13 +2,9 @@
 
     TRITON_INTERPRET=0 PYTHONPATH=. python -m bench.tools.same_ptx BASE_COMMIT
 
-For each variant that fastce_torch/compile_check.py lists at BASE_COMMIT (compiled for the H200 without a GPU), the
-PTX of the kernel body here and there is compared, less parameter declarations and loads, register numbers and
-debug lines (a new kernel parameter or constexpr that the variant does not use changes only those; a @triton.jit
-helper that the compiler inlines adds only `$L__tmp` labels, which mark source scopes for the debug sections and are
-no branch targets). Constexprs that
-exist only here are given their default-off value (False). Prints one line per differing variant and a summary;
-exit status 1 when any differs.
+Compares the kernel-body PTX of each compile_check variant (compiled for the H200 without a GPU) here and at
+BASE_COMMIT, less parameters, register numbers and debug lines and labels; constexprs new here are set False.
+Exit status 1 when any variant differs.
 """
 
 import re
@@ -31,8 +27,7 @@ def kernel_body(ptx):
 
 
 def digests(root, constexpr_names=None):
-    """(variant description, digest of its kernel body) for compile_check's variants of the tree at `root`; with
-    constexpr_names (the base's names per kernel), each variant is restricted to them and the rest set False."""
+    """(variant, digest of its kernel body) for the tree at `root`, restricted to constexpr_names when given."""
     code = f"""
 import hashlib, json, sys
 sys.path.insert(0, {root!r})

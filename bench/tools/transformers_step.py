@@ -3,12 +3,8 @@ fastce_torch.patch_transformers(): same weights, same batches, same optimizer.
 
     python -m bench.tools.transformers_step --json bench/results/transformers-step-h200.json
 
-Modes (MODES): transformers (stock loss), fastce (patch_transformers()), fastce-no-inplace, fastce_fused
-(fused_linear=True: no logits) and liger_flce (Liger's fused linear CE on the model; skipped where liger_kernel does
-not import or there is no CUDA). Defaults: Llama-3.2-1B's shape cut to 2 layers (V=128256), bf16, AdamW, 8 x 1024
-tokens, so the logits dominate the step. Step time: median of CUDA-event timings of forward + backward + optimizer
-step after --warmup steps; peak memory: max_memory_allocated over the timed steps, and above what was resident
-before them. `--device cpu`: a tiny smoke run.
+Defaults: Llama-3.2-1B's shape cut to 2 layers, bf16, AdamW, 8 x 1024 tokens, so the logits dominate the step; the
+median CUDA-event step time after --warmup steps and the peak memory. `--device cpu`: a tiny smoke run.
 """
 
 import argparse

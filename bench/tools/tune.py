@@ -1,12 +1,7 @@
 """`python -m bench.tools.tune`: sweep fastce's launch parameters on the GPU.
 
-fastce_torch: kernel-level times of the forward and backward launchers for each candidate tile size, warp count,
-chunk and stage count, against the same run's copy bandwidth, so the constants at the top of
-fastce_torch/kernels/launch.py can be chosen from measurements (--json: every row).
-fastce_jax: the kernels read module constants of fastce_jax.kernels.launch (FORWARD_BLOCK, ...) when a jit traces, so
-this sets each candidate, re-traces, times the stage it affects (host timing as in bench.jax_measure; "bwd" is
-fwd+bwd minus the default fwd), restores the defaults and prints the best per shape. Knobs the package does not
-have are reported and skipped; edit SEARCH to change the candidates.
+fastce_torch: the forward and backward launchers timed per candidate config against the copy bandwidth (--json: every
+row). fastce_jax: each SEARCH candidate set on fastce_jax.kernels.launch's constants, re-traced and timed.
 """
 
 import argparse
@@ -89,9 +84,7 @@ TORCH_SHAPES = [(8192, 32000), (8192, 128256), (8192, 256000), (512, 256000)]
 
 
 def tune_fastce_torch(json_path=None):
-    """The forward and backward launchers of fastce_torch.kernels timed for every candidate of their module
-    constants (tiles, warps, chunk, stages), against the same run's copy bandwidth; the best four per shape printed,
-    every row written to json_path."""
+    """Every candidate launcher config timed; the best four per shape printed, every row written to json_path."""
     import torch
     import triton.testing
 
