@@ -4,7 +4,7 @@ host-timed as bench/jax_measure.py; memory is the step's XLA temp size."""
 
 import sys
 
-from .linear_shapes import FASTCE_SETTINGS, LINEAR_SHAPES, ignored_rows
+from .linear_shapes import FASTCE_SETTINGS, LINEAR_SHAPES, accuracy_text, ignored_rows
 from .shapes import IGNORE_INDEX
 
 FASTCE_IMPLS = {f"fastce_jax_linear{suffix}": settings for suffix, settings in FASTCE_SETTINGS.items()}
@@ -141,7 +141,6 @@ def run(
     """Every implementation on every shape, failures recorded; with accuracy, gradient errors against float32."""
     import gc
 
-    from .linear import accuracy_text
     from .progress import failure
 
     say = say or (lambda message: print(message, file=sys.stderr, flush=True))

@@ -14,6 +14,7 @@ from .linear_shapes import (
     LINEAR_SHAPES,
     QUICK_SHAPE,
     LinearShape,
+    accuracy_text,
     ignored_rows,
 )
 from .progress import Unavailable, error_text, failure, say
@@ -284,12 +285,6 @@ def _add_jax_rows(shapes, matmul, peak, rows, failures, impls=None):
         row["extra_beyond_grads_bytes"] = row["peak_extra_bytes"]
         rows.append(row)
     failures.extend(result["failures"])
-
-
-def accuracy_text(r):
-    if "grad_weight_rel_rms" not in r:
-        return ""
-    return f", dW err {r['grad_weight_rel_rms']:.1e}, dh err {r['grad_hidden_rel_rms']:.1e}"
 
 
 def _say_row(r):

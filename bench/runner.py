@@ -86,12 +86,6 @@ def spawn_worker(pass_name, impls, shapes, quick, timeout_s=WORKER_TIMEOUT_S):
     return part, why
 
 
-def run_in_process(pass_name, impls, shapes, quick, timeout_s=None):
-    """The same contract as spawn_worker, without a process (the CPU tests)."""
-    del timeout_s
-    return run_pass(pass_name, impls, shapes, quick), None
-
-
 def _run_until_done(launch, pass_name, impl, shapes, quick, on_row, on_failure, on_lost):
     """Workers for (pass, impl) until every shape is measured or failed; on_lost(shape, why) for the shape a dead
     worker was on (and for any a finished worker did not report)."""
@@ -132,7 +126,7 @@ def run_gpu(shapes, impls, quick=False, isolate=True, worker_timeout_s=WORKER_TI
         if isolate:
             part, why = spawn_worker(pass_name, impl_list, pass_shapes, quick, worker_timeout_s)
         else:
-            part, why = run_in_process(pass_name, impl_list, pass_shapes, quick)
+            part, why = run_pass(pass_name, impl_list, pass_shapes, quick), None
         fastce_versions.update(part.get("fastce_versions", {}))
         return part, why
 

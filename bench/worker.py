@@ -16,12 +16,8 @@ def _timing(quick):
 
 
 def _fastce_versions() -> dict:
-    found = {}
-    for name in ("fastce_torch", "fastce_jax"):
-        module = sys.modules.get(name)
-        if module is not None and hasattr(module, "__version__"):
-            found[name] = module.__version__
-    return found
+    loaded = (sys.modules.get(name) for name in ("fastce_torch", "fastce_jax"))
+    return {module.__name__: module.__version__ for module in loaded if hasattr(module, "__version__")}
 
 
 def _summary(row) -> str:

@@ -35,15 +35,6 @@ MODES = {
 }
 
 
-def apply_liger_flce(model):
-    """Liger's fused linear cross-entropy forward on `model` (an instance patch: nothing global to undo)."""
-    from liger_kernel.transformers import apply_liger_kernel_to_llama
-
-    apply_liger_kernel_to_llama(
-        rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True, model=model
-    )
-
-
 def liger_available():
     """None when liger_kernel imports, else why not."""
     try:
@@ -55,25 +46,16 @@ def liger_available():
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
     sizes = dict(hidden=2048, layers=2, heads=16, kv_heads=8, intermediate=8192, vocab=128256, batch=8, seq_len=1024)
-    for name, default in sizes.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
-    parser.add_argument(
-        "--precision",
-        choices=["bf16", "autocast"],
-        default="bf16",
-        help="bf16: bf16 weights; autocast: float32 weights under bf16 autocast (Trainer's bf16=True)",
-    )
-    parser.add_argument("--tie-embeddings", action="store_true", help="tie lm_head to the embedding (Llama 3.2)")
-    for name, default in (("steps", 20), ("warmup", 3), ("seed", 0)):
-        parser.add_argument("--" + name, type=int, default=default)
-    parser.add_argument(
-        "--modes",
-        default="transformers,fastce,fastce_fused,liger_flce",
-        help=f"comma-separated, from {', '.join(MODES)}",
-    )
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--json", help="write the results here")
+    for name, default in (sizes | dict(steps=20, warmup=3, seed=0)).items():
+        add("--" + name.replace("_", "-"), type=int, default=default)
+    precision = "bf16: bf16 weights; autocast: float32 weights under bf16 autocast (Trainer's bf16=True)"
+    add("--precision", choices=["bf16", "autocast"], default="bf16", help=precision)
+    add("--tie-embeddings", action="store_true", help="tie lm_head to the embedding (Llama 3.2)")
+    add("--modes", default="transformers,fastce,fastce_fused,liger_flce", help=f"comma-separated, from {list(MODES)}")
+    add("--device", default="cuda")
+    add("--json", help="write the results here")
     args = parser.parse_args(argv)
     args.modes = args.modes.split(",")
     unknown = [m for m in args.modes if m not in MODES]
@@ -112,27 +94,17 @@ def make_batches(args, count):
     return batches
 
 
-class Timer:
-    """CUDA events on the GPU (device time of the whole step); perf_counter elsewhere."""
-
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-
-    def __enter__(self):
-        if self.cuda:
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            self.end.record()
-            self.end.synchronize()
-            self.ms = self.start.elapsed_time(self.end)
-        else:
-            self.ms = (time.perf_counter() - self.t0) * 1e3
+def timed(fn, cuda):
+    """(fn(), its time in ms): CUDA events on the GPU (device time of the whole step), perf_counter elsewhere."""
+    if not cuda:
+        start = time.perf_counter()
+        return fn(), (time.perf_counter() - start) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = fn()
+    end.record()
+    end.synchronize()
+    return out, start.elapsed_time(end)
 
 
 def run_mode(mode, args, batches):
@@ -140,8 +112,12 @@ def run_mode(mode, args, batches):
     if isinstance(MODES[mode], dict):
         fastce_torch.patch_transformers(**MODES[mode])
     model = build_model(args)
-    if MODES[mode] == "liger":
-        apply_liger_flce(model)
+    if MODES[mode] == "liger":  # an instance patch of the loss only: nothing global to undo
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(
+            rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True, model=model
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     cuda = torch.device(args.device).type == "cuda"
     autocast = torch.autocast(
@@ -162,11 +138,10 @@ def run_mode(mode, args, batches):
             torch.cuda.synchronize()
             resident = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        with Timer(args.device) as timer:
-            loss = step(ids, labels)
+        loss, ms = timed(lambda: step(ids, labels), cuda)
         losses.append(loss.item())
         if i >= args.warmup:
-            times.append(timer.ms)
+            times.append(ms)
     result = {
         "median_ms": statistics.median(times),
         "mean_ms": statistics.fmean(times),
