@@ -11,7 +11,7 @@ import numpy as np
 from shared_tests import reference, tolerances
 
 from . import envinfo, jax_setup
-from .progress import failure, say
+from .progress import failure, load, say
 
 BANNER = (
     "CPU-only machine: no GPU benchmark was run. This is the interpreted correctness-and-timing demo "
@@ -108,16 +108,13 @@ def _row(impl, backend, shape, loss, grad, ref, times, ulps):
     return {**row, "peak_extra_bytes": 0, "backend": backend or "framework", **tolerance}
 
 
-def _run_cases(cases, load, run_case, shapes, impls, runs, rows, failures):
+def _run_cases(cases, loader, run_case, shapes, impls, runs, rows, failures):
     for impl, backend in cases:
         if impl not in impls:
             continue
         name = f"{impl}[{backend}]"
-        try:
-            loss_fn = load(impl, backend)
-        except Exception as exc:  # noqa: BLE001
-            failures.append(failure(name, None, "load", exc))
-            say(f"{name}: skipped ({failures[-1]['error']})")
+        loss_fn = load(name, lambda: loader(impl, backend), failures)
+        if loss_fn is None:
             continue
         for shape in shapes:
             try:

@@ -17,7 +17,7 @@ from .linear_shapes import (
     accuracy_text,
     ignored_rows,
 )
-from .progress import Unavailable, error_text, failure, say
+from .progress import Unavailable, error_text, failure, load, say
 from .shapes import IGNORE_INDEX
 
 MiB = 1 << 20
@@ -326,13 +326,8 @@ def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=Non
     for shape in dict.fromkeys(s.dense for s in shapes):
         matmul[str(shape)] = matmul_tflops(shape)
         say(f"bf16 matmul {shape}: {matmul[str(shape)]:.0f} TFLOP/s")
-    loaded = {}
-    for impl in impls:
-        try:
-            loaded[impl] = LOADERS[impl]()
-        except Exception as exc:  # noqa: BLE001 - a missing package must not stop the run
-            failures.append(failure(impl, None, "load", exc))
-            say(f"{impl}: skipped ({failures[-1]['error']})")
+    loaded = {impl: load(impl, LOADERS[impl], failures) for impl in impls}
+    loaded = {impl: loss_fn for impl, loss_fn in loaded.items() if loss_fn is not None}
     for shape in shapes:
         inputs = make_inputs(shape)
         reference = float32_reference(*inputs) if accuracy else None

@@ -33,6 +33,16 @@ class Unavailable(ImportError):
     """The implementation's package is not installed: a note, not a failure."""
 
 
+def load(name, loader, failures):
+    """loader() or, where it raises (a missing or broken package must not stop the run), None and a failure noted."""
+    try:
+        return loader()
+    except Exception as exc:  # noqa: BLE001
+        failures.append(failure(name, None, "load", exc))
+        say(f"{name}: skipped ({failures[-1]['error']})")
+        return None
+
+
 def failure(impl, shape, stage, exc) -> dict:
     stage = "unavailable" if isinstance(exc, Unavailable) else stage
     record = {"impl": impl, "stage": stage, "error": error_text(exc)}

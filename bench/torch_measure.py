@@ -2,6 +2,7 @@
 device copy bandwidth."""
 
 import contextlib
+import time
 
 import torch
 import triton.testing
@@ -162,11 +163,24 @@ def measure_graph(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda", inpu
         _free(device)
 
 
-def copy_bandwidth_TBps(nbytes=2 << 30) -> float:
-    """Device-to-device copy of `nbytes`; bandwidth counts bytes read plus bytes written."""
+def timed(fn, cuda=True):
+    """(fn(), its time in ms): CUDA events on the GPU (all the device work fn queues), perf_counter elsewhere."""
+    if not cuda:
+        start = time.perf_counter()
+        return fn(), (time.perf_counter() - start) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = fn()
+    end.record()
+    end.synchronize()
+    return out, start.elapsed_time(end)
+
+
+def copy_bandwidth_TBps(nbytes=2 << 30, time_ms=None) -> float:
+    """Device-to-device copy of `nbytes` (timed by do_bench or time_ms(copy)); bytes read plus bytes written."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src), 100, 500)
+    ms = (time_ms or (lambda copy: bench_ms(copy, 100, 500)))(lambda: dst.copy_(src))
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes / (ms * 1e-3) / 1e12

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from .progress import Unavailable, error_text, failure, say
+from .progress import Unavailable, error_text, failure, load, say
 
 PASSES = ("bandwidth", "torch-eager", "torch-graph", "jax")
 
@@ -61,15 +61,6 @@ def run_pass(pass_name, impls, shapes, quick=False, emit=None) -> dict:
     return part
 
 
-def _load(impl, loaders, part):
-    try:
-        return loaders[impl]()
-    except Exception as exc:  # noqa: BLE001 - a missing or broken package must not stop the run
-        part["failures"].append(failure(impl, None, "load", exc))
-        say(f"{impl}: skipped ({part['failures'][-1]['error']})")
-        return None
-
-
 def _torch_pass(pass_name, impls, shapes, quick, part, emit):
     from . import torch_impls, torch_measure
 
@@ -81,7 +72,7 @@ def _torch_pass(pass_name, impls, shapes, quick, part, emit):
         except Exception as exc:  # noqa: BLE001 - the real captures still run and say what fails
             say(f"priming capture failed: {error_text(exc)}")
     for impl in impls:
-        loss_fn = _load(impl, torch_impls.LOADERS, part)
+        loss_fn = load(impl, torch_impls.LOADERS[impl], part["failures"])
         if loss_fn is None:
             continue
         for shape in shapes:
@@ -120,7 +111,7 @@ def _jax_pass(impls, shapes, quick, part, emit):
         say(f"JAX implementations skipped: {part['failures'][-1]['error']}")
         return
     for impl in impls:
-        loss_fn = _load(impl, jax_impls.LOADERS, part)
+        loss_fn = load(impl, jax_impls.LOADERS[impl], part["failures"])
         if loss_fn is None:
             continue
         for shape in shapes:

@@ -45,30 +45,12 @@ class Timer:
         for _ in range(reps):
             if self.cuda:
                 self.flush.zero_()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
+            times.append(torch_measure.timed(fn, self.cuda)[1])
         return statistics.median(times)
 
 
 def peak_extra_bytes(fn, device):
     return torch_measure.peak_extra_bytes(fn) if device.type == "cuda" else None
-
-
-def copy_bandwidth_TBps(timer, device, nbytes=2 << 30):
-    """Device-to-device copy; bandwidth counts bytes read plus bytes written."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = timer.median_ms(lambda: dst.copy_(src), 5, 20)
-    del src, dst
-    return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
 def make_inputs(n_rows, vocab, dtype, device, seed=0):
@@ -296,7 +278,7 @@ def main():
     smoke = args.smoke
     device, rank, world, mesh = start_ranks(smoke)
     timer = Timer(device)
-    bandwidth = None if smoke else copy_bandwidth_TBps(timer, device)
+    bandwidth = None if smoke else torch_measure.copy_bandwidth_TBps(time_ms=lambda copy: timer.median_ms(copy, 5, 20))
     impls = implementations(mesh, "reference" if smoke else "auto")
     host_barrier = dist.new_group(backend="gloo")  # a barrier that launches nothing on the device
     if device.type == "cuda":

@@ -13,7 +13,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO_ROOT)  # fastce_torch and bench from this checkout when run as a script
@@ -22,6 +21,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import fastce_torch  # noqa: E402
+from bench import envinfo  # noqa: E402
+from bench.torch_measure import timed  # noqa: E402
 
 MODES = {
     "transformers": None,  # transformers' ForCausalLMLoss (float32 upcast, F.cross_entropy)
@@ -94,19 +95,6 @@ def make_batches(args, count):
     return batches
 
 
-def timed(fn, cuda):
-    """(fn(), its time in ms): CUDA events on the GPU (device time of the whole step), perf_counter elsewhere."""
-    if not cuda:
-        start = time.perf_counter()
-        return fn(), (time.perf_counter() - start) * 1e3
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    out = fn()
-    end.record()
-    end.synchronize()
-    return out, start.elapsed_time(end)
-
-
 def run_mode(mode, args, batches):
     fastce_torch.unpatch_transformers()
     if isinstance(MODES[mode], dict):
@@ -167,12 +155,7 @@ def environment(args):
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
-    try:
-        from bench import envinfo
-
-        info.update(commit=envinfo.git_commit(), versions=envinfo.versions({"transformers": transformers.__version__}))
-    except Exception as error:  # the shared helpers are optional here; the numbers do not depend on them
-        info["envinfo_error"] = repr(error)
+    info.update(commit=envinfo.git_commit(), versions=envinfo.versions({"transformers": transformers.__version__}))
     return info
 
 
