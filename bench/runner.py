@@ -137,9 +137,6 @@ def run_gpu(shapes, impls, quick=False, isolate=True, worker_timeout_s=WORKER_TI
     device, bandwidth = env.get("device", "unknown"), env.get("copy_bandwidth_TBps", 0.0)
     rows, failures = {}, []
 
-    def on_failure(fail):
-        failures.append(fail)
-
     def lost_as_failure(impl, stage):
         def on_lost(shape, why):
             failures.append({"impl": impl, "stage": stage, "error": why, "N": shape.N, "V": shape.V,
@@ -154,8 +151,8 @@ def run_gpu(shapes, impls, quick=False, isolate=True, worker_timeout_s=WORKER_TI
     torch_selected = [i for i in impls if i in TORCH_IMPLS]
     jax_selected = [i for i in impls if i in JAX_IMPLS]
     for impl in torch_selected:
-        _run_until_done(launch, "torch-eager", impl, shapes, quick, add_row, on_failure,
-                        lost_as_failure(impl, "crash"))  # fmt: skip
+        lost = lost_as_failure(impl, "crash")
+        _run_until_done(launch, "torch-eager", impl, shapes, quick, add_row, failures.append, lost)
     for impl in torch_selected:
         measured = [s for s in shapes if _shape_key(impl, s) in rows]
 
@@ -172,7 +169,7 @@ def run_gpu(shapes, impls, quick=False, isolate=True, worker_timeout_s=WORKER_TI
 
         _run_until_done(launch, "torch-graph", impl, measured, quick, add_graph, graph_failure, graph_lost)
     for impl in jax_selected:
-        _run_until_done(launch, "jax", impl, shapes, quick, add_row, on_failure, lost_as_failure(impl, "crash"))
+        _run_until_done(launch, "jax", impl, shapes, quick, add_row, failures.append, lost_as_failure(impl, "crash"))
 
     # Table order: implementations in ALL_IMPLS order, shapes in the order given.
     order = {k: i for i, k in enumerate(_shape_key(impl, s) for impl in torch_selected + jax_selected for s in shapes)}

@@ -5,13 +5,14 @@ whether the logits' gradient is their own buffer. On the CPU (Triton's interpret
 """
 
 import argparse
-import json
 import math
 
 import torch
 
 import fastce_torch  # noqa: F401  (before triton: chooses Triton's interpreter on a CPU machine)
 from fastce_torch import cross_entropy
+
+from ..report import write_json
 
 HIDDEN = 64
 FORMS = ("slice", "shift", "padded labels")
@@ -104,8 +105,7 @@ def main(argv=None):
     result = run(args.shape, args.device, getattr(torch, args.dtype))
     print(table(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(result, args.json)
     return result
 
 

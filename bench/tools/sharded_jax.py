@@ -10,12 +10,10 @@ the gradient's sharding, and the local three-pass floor (1.5 x one elementwise p
 """
 
 import argparse
-import json
 import math
 import os
 import re
 import sys
-from pathlib import Path
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 SHAPES = [(8192, 128256), (8192, 256000)]
@@ -60,6 +58,7 @@ def main(argv=None):
     from .. import envinfo
     from ..jax_impls import xla_loss
     from ..jax_measure import bench_ms
+    from ..report import write_json
     from ..shapes import IGNORE_INDEX
 
     devices = jax.devices()
@@ -138,9 +137,7 @@ def main(argv=None):
     if args.json:
         env = envinfo.versions({"devices": [str(d.device_kind) for d in devices]})
         out = {"date": envinfo.today(), "commit": envinfo.git_commit(), "env": env, "smoke": args.smoke, "rows": rows}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1))
-        print(f"wrote {args.json}")
+        print(f"wrote {write_json(out, args.json)}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ torch.profiler breakdown of fastce_torch's device span (fastce / NCCL / other ke
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 import fastce_torch
 
 from .. import envinfo, torch_measure
+from ..report import write_json
 
 IGNORE_INDEX = -100
 BREAKDOWN_CALLS = 10
@@ -243,9 +243,7 @@ def write_result(path, doc, device, world, rows, every_rank, smoke, **extra):
         "per_rank": every_rank,
         "mode": "smoke" if smoke else "gpu",
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {write_json(result, path)}")
 
 
 def finish_ranks(smoke):

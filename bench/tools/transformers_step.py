@@ -9,7 +9,6 @@ median CUDA-event step time after --warmup steps and the peak memory. `--device 
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -22,6 +21,7 @@ import transformers  # noqa: E402
 
 import fastce_torch  # noqa: E402
 from bench import envinfo  # noqa: E402
+from bench.report import write_json  # noqa: E402
 from bench.torch_measure import timed  # noqa: E402
 
 MODES = {
@@ -202,10 +202,8 @@ def main(argv=None):
                   + (f", {saved:.2f} GiB less peak" if saved is not None else "")
                   + f", first-step loss differs by {summary[mode]['first_loss_rel_diff']:.1e} (relative)")  # fmt: skip
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         record = {"benchmark": "transformers_step", "args": vars(args), "environment": environment(args)}
-        with open(args.json, "w") as f:
-            json.dump(record | {"results": results, "vs_transformers": summary, "skipped": skipped}, f, indent=1)
+        write_json(record | {"results": results, "vs_transformers": summary, "skipped": skipped}, args.json)
         print(f"wrote {args.json}")
 
 
