@@ -4,7 +4,9 @@ and method in bench/METHOD.md and NOTES.md. `--quick`: one shape, fastce_torch o
 
 import contextlib
 import gc
+import json
 import sys
+from pathlib import Path
 
 from .linear_shapes import (
     FASTCE_SETTINGS,
@@ -17,7 +19,6 @@ from .linear_shapes import (
     ignored_rows,
 )
 from .progress import Unavailable, error_text, failure, load, say
-from .report import write_json
 from .shapes import IGNORE_INDEX
 
 MiB = 1 << 20
@@ -411,7 +412,8 @@ def main_linear(quick, json_path=None, shapes=None, ignored=None) -> int:
     for f in result.get("failures", []):
         print(f"not measured: {f['impl']} {f.get('shape', '')} ({f['stage']}): {f['error']}")
     if json_path:
-        print(f"wrote {write_json(result, json_path)}")
+        Path(json_path).write_text(json.dumps(result, indent=2))
+        print(f"wrote {json_path}")
     bad = [f for f in result.get("failures", []) if f["impl"].startswith("fastce") and f["stage"] != "unavailable"]
     if quick and not result["check"]["ok"]:
         print(f"FAILED fastce_torch.linear_cross_entropy check: {result['check']}", file=sys.stderr)
