@@ -162,8 +162,14 @@ def host_costs(device="cuda", n=300, repeat=5):
     leaf_logits = raw.clone().requires_grad_()
     ones = torch.ones(labels.shape, device=device)
 
+    def shaped_fwd_bwd(function):  # a fastce-shaped Function's fwd+bwd
+        return lambda: torch.autograd.grad(function.apply(leaf, labels)[0], leaf, allow_unused=True)
+
     def step():
         return torch.autograd.grad(fastce_torch.cross_entropy(logits, labels), logits)
+
+    def unreduced_step():  # reduction='none' keeps no counters: the forward's scratch is not filled
+        return torch.autograd.grad(fastce_torch.cross_entropy(logits, labels, reduction="none"), logits, ones)
 
     def leaf_step(loss_fn=fastce_torch.cross_entropy):
         leaf_logits.grad = None  # as optimizer.zero_grad() leaves it
@@ -173,25 +179,15 @@ def host_costs(device="cuda", n=300, repeat=5):
     _both_paths(rows, "cross_entropy forward", lambda: fastce_torch.cross_entropy(logits, labels), n, repeat)
     fwd_bwd = _both_paths(rows, "cross_entropy forward+backward", step, n, repeat)
     leaf_bwd = _both_paths(rows, "cross_entropy(leaf).backward()", leaf_step, n, repeat)
-    _both_paths(
-        rows,
-        "cross_entropy(reduction='none') fwd+bwd",  # no counters: the forward's scratch is not filled
-        lambda: torch.autograd.grad(fastce_torch.cross_entropy(logits, labels, reduction="none"), logits, ones),
-        n,
-        repeat,
-    )
+    _both_paths(rows, "cross_entropy(reduction='none') fwd+bwd", unreduced_step, n, repeat)
     cached_path = _launch_and_allocation_rows(rows, device, raw, labels, n, repeat)
 
     print("  torch's share: autograd.Function and engine, no work (baselines no autograd.Function loss can beat):")
     baselines = {
         "do-nothing Function, forward only": lambda: _DoNothing.apply(leaf),
         "do-nothing Function fwd+bwd": lambda: torch.autograd.grad(_DoNothing.apply(leaf), leaf, allow_unused=True),
-        "fastce-shaped Function fwd+bwd": lambda: torch.autograd.grad(
-            _ThreeOutputs.apply(leaf, labels)[0], leaf, allow_unused=True
-        ),
-        "  the same, output grads not materialised": lambda: torch.autograd.grad(
-            _ThreeOutputsUnmaterialized.apply(leaf, labels)[0], leaf, allow_unused=True
-        ),
+        "fastce-shaped Function fwd+bwd": shaped_fwd_bwd(_ThreeOutputs),
+        "  the same, output grads not materialised": shaped_fwd_bwd(_ThreeOutputsUnmaterialized),
         "F.cross_entropy forward+backward": lambda: torch.autograd.grad(
             torch.nn.functional.cross_entropy(logits, labels), logits
         ),
