@@ -134,17 +134,17 @@ def run_cpu_demo(shapes, impls, runs=3) -> dict:
     if any(impl in impls for impl, _ in TORCH_CASES):
         from . import torch_impls  # fastce_torch itself turns the interpreter on when torch sees no CUDA
 
-        def load(impl, backend):
+        def loader(impl, backend):
             return torch_impls.fastce_torch_loss(backend) if backend else torch_impls.LOADERS[impl]()
 
-        _run_cases(TORCH_CASES, load, _torch_case, shapes, impls, runs, rows, failures)
+        _run_cases(TORCH_CASES, loader, _torch_case, shapes, impls, runs, rows, failures)
     if any(impl in impls for impl, _ in JAX_CASES):
         from . import jax_impls
 
-        def load(impl, backend):
+        def loader(impl, backend):
             return jax_impls.fastce_jax_loss(backend) if backend else jax_impls.LOADERS[impl]()
 
-        _run_cases(JAX_CASES, load, _jax_case, shapes, impls, runs, rows, failures)
+        _run_cases(JAX_CASES, loader, _jax_case, shapes, impls, runs, rows, failures)
     result = {
         "device": "cpu (interpreted demo)",
         "date": envinfo.today(),

@@ -87,12 +87,12 @@ def loss_fn(impl, backend="auto"):
 def measure(impl, shape, inputs, batch_target_ms=50.0, backend="auto", reference=None) -> dict:
     import jax
 
-    from .jax_measure import bench_ms
+    from .jax_measure import bench_ms, peak_extra_bytes
 
     fn = loss_fn(impl, backend)
     fwd = jax.jit(fn).lower(*inputs).compile()
     step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(*inputs).compile()
-    temp = int(step.memory_analysis().temp_size_in_bytes)
+    temp = peak_extra_bytes(step)
     loss, (dh, dw) = step(*inputs)
     finite = bool(jax.numpy.isfinite(loss)) and all(
         bool(jax.numpy.isfinite(g[:4].astype("float32")).all()) for g in (dh, dw)

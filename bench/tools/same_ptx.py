@@ -7,6 +7,7 @@ BASE_COMMIT, less parameters, register numbers and debug lines and labels; const
 Exit status 1 when any variant differs.
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -53,17 +54,9 @@ print(json.dumps(out))
     import json
 
     args = [sys.executable, "-c", code] + ([json.dumps(constexpr_names)] if constexpr_names else [])
-    done = subprocess.run(args, capture_output=True, text=True, check=True, env=_env())
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.getcwd())
+    done = subprocess.run(args, capture_output=True, text=True, check=True, env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _env():
-    import os
-
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "0"
-    env["PYTHONPATH"] = os.getcwd()
-    return env
 
 
 def main():

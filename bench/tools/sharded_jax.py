@@ -57,7 +57,7 @@ def main(argv=None):
 
     from .. import envinfo
     from ..jax_impls import xla_loss
-    from ..jax_measure import bench_ms
+    from ..jax_measure import bench_ms, peak_extra_bytes
     from ..report import write_json
     from ..shapes import IGNORE_INDEX
 
@@ -90,7 +90,7 @@ def main(argv=None):
                 logits = make_logits(key_x)
                 compiled = step_fn.lower(logits, labels).compile()
                 found = collectives(compiled.as_text())
-                temp = compiled.memory_analysis().temp_size_in_bytes
+                temp = peak_extra_bytes(compiled)
                 loss, grad = compiled(logits, labels)
                 grad_spec = str(grad.sharding.spec)
                 keeps = grad.sharding.is_equivalent_to(x_sharding, 2)
