@@ -213,9 +213,18 @@ def gather_rows(rows):
     return every
 
 
-def start_ranks(smoke):
-    """(device, rank, world size, 1-D device mesh) of this torchrun process: gloo on CPU with smoke, else NCCL."""
-    if smoke:
+def start(doc, shapes, warmup, reps, smoke_shapes):
+    """The sharded torch benches' command line and this torchrun process's group: (args, device, rank, world size,
+    1-D device mesh, timer). --smoke: gloo on CPU, smoke_shapes, one warm-up call, two timed; else NCCL."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--shapes", default=shapes, help="global sizes, comma-separated")
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU processes (gloo), code paths only")
+    args = parser.parse_args()
+    if args.smoke:
+        args.shapes, args.warmup, args.reps = smoke_shapes, 1, 2
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     else:
@@ -226,7 +235,7 @@ def start_ranks(smoke):
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    return device, dist.get_rank(), world, init_device_mesh(device.type, (world,))
+    return args, device, dist.get_rank(), world, init_device_mesh(device.type, (world,)), Timer(device)
 
 
 def write_result(path, doc, device, world, rows, every_rank, smoke, **extra):
@@ -257,25 +266,9 @@ def finish_ranks(smoke):
     dist.destroy_process_group()
 
 
-def parse_args(doc, shapes, warmup, reps, smoke_shapes):
-    """The sharded torch benches' command line (--smoke: smoke_shapes, one warm-up call, two timed)."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--shapes", default=shapes, help="global sizes, comma-separated")
-    parser.add_argument("--warmup", type=int, default=warmup)
-    parser.add_argument("--reps", type=int, default=reps)
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU processes (gloo), code paths only")
-    args = parser.parse_args()
-    if args.smoke:
-        args.shapes, args.warmup, args.reps = smoke_shapes, 1, 2
-    return args
-
-
 def main():
-    args = parse_args(__doc__, "8192x128256,8192x256000", 5, 30, "16x64")
+    args, device, rank, world, mesh, timer = start(__doc__, "8192x128256,8192x256000", 5, 30, "16x64")
     smoke = args.smoke
-    device, rank, world, mesh = start_ranks(smoke)
-    timer = Timer(device)
     bandwidth = None if smoke else torch_measure.copy_bandwidth_TBps(time_ms=lambda copy: timer.median_ms(copy, 5, 20))
     impls = implementations(mesh, "reference" if smoke else "auto")
     host_barrier = dist.new_group(backend="gloo")  # a barrier that launches nothing on the device
