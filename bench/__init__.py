@@ -1,9 +1,5 @@
-"""Side-by-side benchmark of fastce against the cross-entropy implementations users would otherwise use: the
-implementations it knows, and how a fastce one is loaded.
-
-`python -m bench` measures on a GPU and prints a table (see `python -m bench --help`); on a machine without
-a GPU it runs a small interpreted correctness-and-timing demo of the fastce kernels instead.
-"""
+"""`python -m bench`: fastce against the cross-entropy implementations users would otherwise use (GPU), or an
+interpreted correctness demo (CPU); the implementations it knows, and how a fastce one is loaded."""
 
 import importlib
 

@@ -1,10 +1,6 @@
 """`python -m bench`: the side-by-side benchmark (GPU), or the interpreted demo (CPU-only machines).
 
-On a GPU this process only orchestrates: every pass (torch eager, torch CUDA graph, JAX) of every implementation
-runs in a worker process of its own (bench/runner.py), and the results are merged here.
-
-Exit status 1 when a fastce implementation failed or gave a wrong result (other implementations failing,
-e.g. a missing Liger or an OOM of the eager float32 loss, are reported and do not change it).
+Exit status 1 when a fastce implementation failed or gave a wrong result (other implementations' failures are notes).
 """
 
 import argparse

@@ -1,9 +1,5 @@
-"""CPU-only machines: a small correctness-and-timing demo of the fastce kernels run *interpreted*
-(fastce_torch under TRITON_INTERPRET=1, fastce_jax's Pallas kernels with interpret=True), next to each
-package's pure-framework reference and the plain framework loss, all checked against the repository's float64
-reference with its tolerance model (shared_tests/reference.py, shared_tests/tolerances.py: run from the repository
-root). The times are interpreter times: they say nothing about GPU performance.
-"""
+"""CPU-only machines: the fastce kernels run *interpreted*, beside each package's reference and the plain framework
+loss, checked against shared_tests' float64 reference and tolerances; the times are interpreter times."""
 
 import os
 import statistics
@@ -15,7 +11,7 @@ import numpy as np
 from shared_tests import reference, tolerances
 
 from . import envinfo, jax_setup
-from .progress import failure, say
+from .progress import failure, load, say
 
 BANNER = (
     "CPU-only machine: no GPU benchmark was run. This is the interpreted correctness-and-timing demo "
@@ -112,16 +108,13 @@ def _row(impl, backend, shape, loss, grad, ref, times, ulps):
     return {**row, "peak_extra_bytes": 0, "backend": backend or "framework", **tolerance}
 
 
-def _run_cases(cases, load, run_case, shapes, impls, runs, rows, failures):
+def _run_cases(cases, loader, run_case, shapes, impls, runs, rows, failures):
     for impl, backend in cases:
         if impl not in impls:
             continue
         name = f"{impl}[{backend}]"
-        try:
-            loss_fn = load(impl, backend)
-        except Exception as exc:  # noqa: BLE001
-            failures.append(failure(name, None, "load", exc))
-            say(f"{name}: skipped ({failures[-1]['error']})")
+        loss_fn = load(name, lambda: loader(impl, backend), failures)
+        if loss_fn is None:
             continue
         for shape in shapes:
             try:
@@ -141,17 +134,17 @@ def run_cpu_demo(shapes, impls, runs=3) -> dict:
     if any(impl in impls for impl, _ in TORCH_CASES):
         from . import torch_impls  # fastce_torch itself turns the interpreter on when torch sees no CUDA
 
-        def load(impl, backend):
+        def loader(impl, backend):
             return torch_impls.fastce_torch_loss(backend) if backend else torch_impls.LOADERS[impl]()
 
-        _run_cases(TORCH_CASES, load, _torch_case, shapes, impls, runs, rows, failures)
+        _run_cases(TORCH_CASES, loader, _torch_case, shapes, impls, runs, rows, failures)
     if any(impl in impls for impl, _ in JAX_CASES):
         from . import jax_impls
 
-        def load(impl, backend):
+        def loader(impl, backend):
             return jax_impls.fastce_jax_loss(backend) if backend else jax_impls.LOADERS[impl]()
 
-        _run_cases(JAX_CASES, load, _jax_case, shapes, impls, runs, rows, failures)
+        _run_cases(JAX_CASES, loader, _jax_case, shapes, impls, runs, rows, failures)
     result = {
         "device": "cpu (interpreted demo)",
         "date": envinfo.today(),

@@ -1,8 +1,5 @@
-"""The JAX implementations under test, each a function (logits, labels) -> mean loss, and their inputs.
-
-Import this module only after bench.jax_setup.configure() (it must set XLA_PYTHON_CLIENT_PREALLOCATE=false
-before jax is first imported, or JAX grabs 75% of the GPU that torch also needs).
-"""
+"""The JAX implementations under test, each (logits, labels) -> mean loss, and their inputs; import after
+bench.jax_setup.configure() (no preallocation of the GPU that torch also needs)."""
 
 import jax
 import jax.numpy as jnp

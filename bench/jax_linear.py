@@ -1,15 +1,10 @@
-"""The JAX rows of `python -m bench --linear`; import this module only after bench.jax_setup.configure().
-
-Every implementation runs as jit(value_and_grad(loss, argnums=(0, 1))) (nothing donated: hidden and weight are
-live): fastce_jax.linear_cross_entropy at each FASTCE_SETTINGS entry, xla_linear (hidden @ weight.T and XLA's
-float32-upcast CE), matmul+fastce_jax, and `matmul`, the step's three matmuls alone (the ceiling). Host-timed as
-bench/jax_measure.py; memory = the compiled step's temp_size_in_bytes; accuracy = each gradient's rms error relative
-to a float32 computation (precision HIGHEST). `run(...)` returns {"rows", "failures"} for bench.linear to merge.
-"""
+"""The JAX rows of `python -m bench --linear` (import after bench.jax_setup.configure()): jit(value_and_grad) of
+fastce_jax at each FASTCE_SETTINGS entry, xla_linear, matmul+fastce_jax and the three matmuls alone (the ceiling),
+host-timed as bench/jax_measure.py; memory is the step's XLA temp size."""
 
 import sys
 
-from .linear_shapes import FASTCE_SETTINGS, LINEAR_SHAPES, ignored_rows
+from .linear_shapes import FASTCE_SETTINGS, LINEAR_SHAPES, accuracy_text, ignored_rows
 from .shapes import IGNORE_INDEX
 
 FASTCE_IMPLS = {f"fastce_jax_linear{suffix}": settings for suffix, settings in FASTCE_SETTINGS.items()}
@@ -31,9 +26,7 @@ def make_inputs(shape, seed=0):
 
 
 def float32_reference(hidden, weight, labels, chunk=1024):
-    """The same mean loss on float32 copies of hidden and weight with float32 matmuls (precision HIGHEST) and the
-    float32 CE formula of xla_linear (bench.jax_impls.xla_loss), row chunk by row chunk (a scan, so it fits):
-    (d hidden, d weight), float32."""
+    """(d hidden, d weight) of the same loss in float32 (precision HIGHEST, xla_loss), a scan over row chunks."""
     import math
 
     import jax
@@ -94,12 +87,12 @@ def loss_fn(impl, backend="auto"):
 def measure(impl, shape, inputs, batch_target_ms=50.0, backend="auto", reference=None) -> dict:
     import jax
 
-    from .jax_measure import bench_ms
+    from .jax_measure import bench_ms, peak_extra_bytes
 
     fn = loss_fn(impl, backend)
     fwd = jax.jit(fn).lower(*inputs).compile()
     step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(*inputs).compile()
-    temp = int(step.memory_analysis().temp_size_in_bytes)
+    temp = peak_extra_bytes(step)
     loss, (dh, dw) = step(*inputs)
     finite = bool(jax.numpy.isfinite(loss)) and all(
         bool(jax.numpy.isfinite(g[:4].astype("float32")).all()) for g in (dh, dw)
@@ -145,8 +138,7 @@ def measure_matmuls(shape, inputs, batch_target_ms=50.0) -> dict:
 def run(
     shapes=LINEAR_SHAPES, impls=LINEAR_IMPLS, batch_target_ms=50.0, backend="auto", say=None, accuracy=True
 ) -> dict:
-    """Every implementation on every shape; failures (OOM, missing package) are recorded, the run goes on. With
-    accuracy, each row's gradients are compared with float32_reference's (grad_*_rel_rms: rms error / rms)."""
+    """Every implementation on every shape, failures recorded; with accuracy, gradient errors against float32."""
     import gc
 
     from .progress import failure
@@ -187,11 +179,8 @@ def run(
                 r["of_matmul"] = r["TFLOPs"] / matmul_tflops
             rows.append({"impl": impl, **base, **r})
             of_matmul = f" ({r['of_matmul']:.0%} of matmul)" if matmul_tflops else ""
-            memory = f"temp {r['peak_extra_bytes'] / 2**20:.0f} MiB, loss {r['loss']:.5f}"
-            accuracy = ""
-            if "grad_weight_rel_rms" in r:
-                accuracy = f", dW err {r['grad_weight_rel_rms']:.1e}, dh err {r['grad_hidden_rel_rms']:.1e}"
-            say(f"{impl} {shape}: {r['fwdbwd_ms']:.2f} ms, {r['TFLOPs']:.0f} TFLOP/s{of_matmul}, {memory}{accuracy}")
+            memory = f"temp {r['peak_extra_bytes'] / 2**20:.0f} MiB, loss {r['loss']:.5f}{accuracy_text(r)}"
+            say(f"{impl} {shape}: {r['fwdbwd_ms']:.2f} ms, {r['TFLOPs']:.0f} TFLOP/s{of_matmul}, {memory}")
             gc.collect()
         for r in rows:
             if r["impl"] != "matmul" and all(r[k] == v for k, v in base.items()):

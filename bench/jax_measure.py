@@ -1,9 +1,5 @@
-"""Timing and memory of one JAX implementation on one shape (the twin of bench/torch_measure.py); import it only
-after bench.jax_setup.configure(). fwd = jit(loss); fwdbwd = jit(value_and_grad(loss), donate_argnums=0), each call
-feeding its gradient back as the next logits (donated: the training situation, where fastce_jax's backward may alias
-the logits); fwdbwd_undonated = the same without donation (what a plain jax.grad caller gets). Host timing of calls
-queued back to back (bench_ms); peak extra memory = the compiled fwdbwd's temp_size_in_bytes.
-"""
+"""Timing and memory of one JAX implementation on one shape (import after bench.jax_setup.configure()): fwd, fwdbwd
+donated (each gradient fed back as the next logits) and not donated, host-timed; memory is XLA's temp size."""
 
 import statistics
 import time

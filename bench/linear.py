@@ -1,22 +1,12 @@
-"""`python -m bench --linear`: fused linear + cross-entropy, the loss from hidden states and the LM-head weight.
-
-Each implementation computes mean CE(hidden @ weight.T, labels) in bf16 (every 7th label ignored) and its gradients
-for hidden and weight; timed is forward + backward (`torch.autograd.grad(loss, (hidden, weight))`, do_bench medians).
-Per row: time; effective TFLOP/s = 6·N·H·V / time (the three matmuls of a forward + backward), as a share of a plain
-bf16 matmul of the shape (of_matmul) and of an 8192³ one (PEAK_MATMUL: of_peak), both measured in the same run; the
-peak memory above the inputs (and `extra beyond grads`, less the two gradients); the rms error of each gradient
-relative to a float32 computation of the same loss (float32_reference). Implementations: LOADERS (fastce_torch at
-each FASTCE_SETTINGS entry, matmul + fastce_torch.cross_entropy, torch.compile, Liger, Cut Cross-Entropy,
-torch.nn.functional.linear_cross_entropy where torch has it; a missing package is a note, not a failure), then
-bench.jax_linear's JAX rows. `--quick`: one shape, fastce_torch only, and a float32 check of its loss and gradients
-(exit status 1 when it fails). `--ignored 0,0.5,0.9`: each shape at those fractions of ignored labels, fastce with and
-without skip_ignored_rows beside the other fused implementations (bench/linear_shapes.py has the shapes).
-"""
+"""`python -m bench --linear [--quick] [--ignored 0,0.5,0.9]`: fused linear + cross-entropy forward+backward
+(hidden and weight gradients) against matmul + CE, torch.compile, Liger, Cut Cross-Entropy and torch's own; columns
+and method in bench/METHOD.md and NOTES.md. `--quick`: one shape, fastce_torch only, plus a float32 check."""
 
 import contextlib
 import gc
 import json
 import sys
+from pathlib import Path
 
 from .linear_shapes import (
     FASTCE_SETTINGS,
@@ -25,15 +15,15 @@ from .linear_shapes import (
     LINEAR_SHAPES,
     QUICK_SHAPE,
     LinearShape,
+    accuracy_text,
     ignored_rows,
 )
-from .progress import Unavailable, error_text, failure, say
+from .progress import Unavailable, error_text, failure, load, say
 from .shapes import IGNORE_INDEX
 
 MiB = 1 << 20
 DEVICE = "cuda"  # the CPU tests of this module set "cpu" (with the CUDA timers stubbed)
-# The card's peak: a plain square bf16 matmul (2·M·K·N flops) measured in the same run; every row's effective
-# TFLOP/s is also given as a fraction of it (of_peak).
+# The card's peak: a square bf16 matmul measured in the same run (each row's of_peak).
 PEAK_MATMUL = (8192, 8192, 8192)
 
 
@@ -73,8 +63,7 @@ def liger():
 
 
 def torch_linear_cross_entropy():
-    """torch.nn.functional.linear_cross_entropy's chunked path (LinearCrossEntropyOptions(): its automatic chunking
-    and accumulation policy), where the installed torch has it."""
+    """torch.nn.functional.linear_cross_entropy's chunked path, where the installed torch has it."""
     import torch
     import torch.nn.functional as F
 
@@ -169,8 +158,7 @@ def _no_tf32():
 
 
 def float32_reference(hidden, weight, labels, chunk=1024):
-    """The same mean loss on float32 copies of hidden and weight with float32 matmuls (TF32 off) and fastce's torch
-    reference loss, in row chunks so that it fits: (loss, d hidden, d weight), all float32."""
+    """(loss, d hidden, d weight) in float32 (TF32 off, fastce's reference loss), in row chunks so that it fits."""
     import torch
 
     import fastce_torch
@@ -248,8 +236,7 @@ def measure(loss_fn, shape, quick=False, inputs=None, reference=None):
 
 
 def check_fastce(shape, chunk=1024):
-    """fastce_torch.linear_cross_entropy at `shape` against float32 (float32_reference): returns a dict of relative
-    errors and whether they are within bf16 expectations."""
+    """fastce_torch.linear_cross_entropy's relative errors against float32_reference, and whether they are ok."""
     import torch
 
     import fastce_torch
@@ -276,10 +263,8 @@ def _row(impl, shape, measured, matmul_tflops, peak_tflops):
 
 
 def _add_jax_rows(shapes, matmul, peak, rows, failures, impls=None):
-    """bench.jax_linear's rows on the same shapes, in this table's terms: of_matmul against the torch bf16 matmul
-    measured above (their own three-matmul ceiling is kept as of_jax_matmuls), of_peak against the square matmul;
-    memory is XLA's temp size, which does not hold the gradients (outputs), so it is the extra beyond the gradients;
-    their gradient errors are against JAX's own float32 computation on their inputs."""
+    """bench.jax_linear's rows in this table's terms (of_matmul against the torch matmul; their own ceiling kept as
+    of_jax_matmuls); XLA's temp size holds no gradients, so it is also the extra beyond them."""
     try:
         from . import jax_linear
         from .jax_measure import has_gpu
@@ -303,29 +288,19 @@ def _add_jax_rows(shapes, matmul, peak, rows, failures, impls=None):
     failures.extend(result["failures"])
 
 
-def _accuracy_text(r):
-    return (
-        f", dW err {r['grad_weight_rel_rms']:.1e}, dh err {r['grad_hidden_rel_rms']:.1e}"
-        if "grad_weight_rel_rms" in r
-        else ""
-    )
-
-
 def _say_row(r):
-    accuracy = _accuracy_text(r)
     say(
         f"{r['impl']:28s} N={r['N']} H={r['H']} V={r['V']} ({r.get('ignored', 0):.0%} ignored): "
         f"{r['fwdbwd_ms']:.2f} ms, {r['effective_TFLOPs']:.0f} "
         f"TFLOP/s ({r['of_matmul']:.0%} of matmul, {r['of_peak']:.0%} of peak), peak extra "
         f"{r['peak_extra_bytes'] / MiB:.0f} MiB ({r['extra_beyond_grads_bytes'] / MiB:.0f} beyond the gradients), "
-        f"loss {r['loss']:.5f}{accuracy}"
+        f"loss {r['loss']:.5f}{accuracy_text(r)}"
     )
 
 
 def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=None, ignored=None):
-    """Every implementation on every shape, shape by shape (one float32 reference per shape for the accuracy
-    columns, `accuracy` defaults to on except with quick). ignored: fractions of ignored labels (--ignored): each
-    shape at each of them, IGNORED_IMPLS (with quick: fastce_torch's two rows) unless impls says otherwise."""
+    """Every implementation on every shape (one float32 reference per shape; `accuracy` off by default with
+    quick); with `ignored` fractions each shape at each of them, IGNORED_IMPLS unless impls says otherwise."""
     import dataclasses
 
     import torch
@@ -352,13 +327,8 @@ def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=Non
     for shape in dict.fromkeys(s.dense for s in shapes):
         matmul[str(shape)] = matmul_tflops(shape)
         say(f"bf16 matmul {shape}: {matmul[str(shape)]:.0f} TFLOP/s")
-    loaded = {}
-    for impl in impls:
-        try:
-            loaded[impl] = LOADERS[impl]()
-        except Exception as exc:  # noqa: BLE001 - a missing package must not stop the run
-            failures.append(failure(impl, None, "load", exc))
-            say(f"{impl}: skipped ({failures[-1]['error']})")
+    loaded = {impl: load(impl, LOADERS[impl], failures) for impl in impls}
+    loaded = {impl: loss_fn for impl, loss_fn in loaded.items() if loss_fn is not None}
     for shape in shapes:
         inputs = make_inputs(shape)
         reference = float32_reference(*inputs) if accuracy else None
@@ -442,8 +412,7 @@ def main_linear(quick, json_path=None, shapes=None, ignored=None) -> int:
     for f in result.get("failures", []):
         print(f"not measured: {f['impl']} {f.get('shape', '')} ({f['stage']}): {f['error']}")
     if json_path:
-        with open(json_path, "w") as out:
-            json.dump(result, out, indent=2)
+        Path(json_path).write_text(json.dumps(result, indent=2))
         print(f"wrote {json_path}")
     bad = [f for f in result.get("failures", []) if f["impl"].startswith("fastce") and f["stage"] != "unavailable"]
     if quick and not result["check"]["ok"]:

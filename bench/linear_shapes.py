@@ -1,5 +1,5 @@
-"""The fused linear bench's shapes and the fastce configurations it times, shared by its torch rows (bench.linear)
-and its JAX rows (bench.jax_linear)."""
+"""The fused linear bench's shapes, the fastce configurations it times and its rows' error text, shared by its torch
+rows (bench.linear) and its JAX rows (bench.jax_linear)."""
 
 import dataclasses
 from dataclasses import dataclass
@@ -23,8 +23,7 @@ class LinearShape:
 
     @property
     def flops(self) -> float:
-        """The full problem's 6·N·H·V, whatever is ignored (a row that skips ignored rows does less work than that:
-        its effective TFLOP/s then exceed what the card computes)."""
+        """The full problem's 6·N·H·V, whatever is ignored (rows skipping ignored rows can exceed the card's peak)."""
         return 6.0 * self.N * self.H * self.V
 
     @property
@@ -38,13 +37,19 @@ class LinearShape:
 
 
 def ignored_rows(shape):
-    """The bench's ignored labels for `shape`, a boolean mask (N,): every IGNORE_EVERY-th row, or with
-    shape.ignored the first round(ignored * SEQUENCE) rows of every SEQUENCE-row sequence."""
+    """A boolean mask (N,) of the ignored labels: every IGNORE_EVERY-th row, or each sequence's ignored prefix."""
     index = np.arange(shape.N)
     if shape.ignored is None:
         return index % IGNORE_EVERY == 0
     length = min(SEQUENCE, shape.N)
     return index % length < round(shape.ignored * length)
+
+
+def accuracy_text(r):
+    """A row's gradient errors for the progress lines (empty without them)."""
+    if "grad_weight_rel_rms" not in r:
+        return ""
+    return f", dW err {r['grad_weight_rel_rms']:.1e}, dh err {r['grad_hidden_rel_rms']:.1e}"
 
 
 def parse_ignored(text):

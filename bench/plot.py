@@ -39,13 +39,8 @@ def write_plot(result, path) -> bool:
             points = sorted((r["V"], r[key]) for r in rows if r["impl"] == impl)
             ax.plot(*zip(*points), marker="o", label=impl, linewidth=2.5 if impl.startswith("fastce") else 1.2)
         for passes in floors if bandwidth else ():
-            ax.plot(
-                vs,
-                [floor_ms({"N": n, "V": v, "dtype": dtype}, passes, bandwidth) for v in vs],
-                color="black",
-                linestyle=FLOOR_STYLES[passes],
-                label=f"{passes}-pass memory floor",
-            )
+            floor = [floor_ms({"N": n, "V": v, "dtype": dtype}, passes, bandwidth) for v in vs]
+            ax.plot(vs, floor, color="black", linestyle=FLOOR_STYLES[passes], label=f"{passes}-pass memory floor")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xticks(vs, [str(v) for v in vs])

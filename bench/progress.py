@@ -17,10 +17,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 def error_text(exc: BaseException) -> str:
-    """One line: the exception type and the first line of its message (OOM messages run to paragraphs), then the
-    first line of the error it was raised while handling, if any: an error inside `with torch.cuda.graph(...)`
-    surfaces as capture_end's "operation failed due to a previous error during capture", which names no cause;
-    the cause is the exception the body raised (Python chains it as __context__)."""
+    """One line: the exception's type and first message line, then the first line of the error it was raised while
+    handling (a failed capture's own error names no cause; the body's exception does)."""
     text = _first_line(exc)[:300]
     root, seen = exc, {id(exc)}
     while (root.__cause__ or root.__context__) is not None and id(root.__cause__ or root.__context__) not in seen:
@@ -33,6 +31,16 @@ def error_text(exc: BaseException) -> str:
 
 class Unavailable(ImportError):
     """The implementation's package is not installed: a note, not a failure."""
+
+
+def load(name, loader, failures):
+    """loader() or, where it raises (a missing or broken package must not stop the run), None and a failure noted."""
+    try:
+        return loader()
+    except Exception as exc:  # noqa: BLE001
+        failures.append(failure(name, None, "load", exc))
+        say(f"{name}: skipped ({failures[-1]['error']})")
+        return None
 
 
 def failure(impl, shape, stage, exc) -> dict:

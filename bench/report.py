@@ -11,24 +11,27 @@ MiB = 1 << 20
 
 
 def floor_ms(row, passes, bandwidth_TBps) -> float:
-    """Time to move the logits' bytes `passes` times at the measured copy bandwidth.
-    1 pass: read once (forward). 2 passes: read once, write the gradient once (a fused single-pass fwd+bwd).
-    3 passes: read in forward, read and write in backward (a two-kernel fwd+bwd)."""
+    """Time to move the logits' bytes `passes` times at the measured copy bandwidth (1: a forward; 2: a fused
+    single-pass fwd+bwd; 3: a two-kernel fwd+bwd)."""
     nbytes = row["N"] * row["V"] * DTYPE_BYTES[row["dtype"]]
     return passes * nbytes / (bandwidth_TBps * 1e12) * 1e3
 
 
+# (time key, floor passes, ratio key); the first three are in every row, the others where measured.
+RATIOS = (
+    ("fwd_ms", 1, "fwd_over_1pass"),
+    ("fwdbwd_ms", 3, "fwdbwd_over_3pass"),
+    ("fwdbwd_ms", 2, "fwdbwd_over_2pass"),
+    ("fwdbwd_leaf_ms", 3, "fwdbwd_leaf_over_3pass"),
+    ("fwdbwd_graph_ms", 3, "fwdbwd_graph_over_3pass"),
+    ("fwdbwd_undonated_ms", 3, "fwdbwd_undonated_over_3pass"),
+)
+
+
 def add_ratios(row, bandwidth_TBps) -> dict:
-    if bandwidth_TBps:
-        row["fwd_over_1pass"] = row["fwd_ms"] / floor_ms(row, 1, bandwidth_TBps)
-        row["fwdbwd_over_3pass"] = row["fwdbwd_ms"] / floor_ms(row, 3, bandwidth_TBps)
-        row["fwdbwd_over_2pass"] = row["fwdbwd_ms"] / floor_ms(row, 2, bandwidth_TBps)
-        if row.get("fwdbwd_leaf_ms") is not None:
-            row["fwdbwd_leaf_over_3pass"] = row["fwdbwd_leaf_ms"] / floor_ms(row, 3, bandwidth_TBps)
-        if row.get("fwdbwd_graph_ms") is not None:
-            row["fwdbwd_graph_over_3pass"] = row["fwdbwd_graph_ms"] / floor_ms(row, 3, bandwidth_TBps)
-        if row.get("fwdbwd_undonated_ms") is not None:
-            row["fwdbwd_undonated_over_3pass"] = row["fwdbwd_undonated_ms"] / floor_ms(row, 3, bandwidth_TBps)
+    for time_key, passes, ratio_key in RATIOS if bandwidth_TBps else ():
+        if row.get(time_key) is not None:
+            row[ratio_key] = row[time_key] / floor_ms(row, passes, bandwidth_TBps)
     return row
 
 
@@ -133,18 +136,14 @@ def results_markdown(result, plot_name=None) -> str:
         )
     parts += ["", markdown_table(sort_rows(result["rows"])), ""]
     rows = result["rows"]
+
+    def unmeasured(key):
+        return [r for r in rows if r.get(key, 0) is None]
+
     sections = (  # (title, the rows or failures it lists, the key that says why)
         ("Not measured:", result.get("failures") or [], "error"),
-        (
-            "Not captured in a CUDA graph:",
-            [r for r in rows if r.get("fwdbwd_graph_ms", 0) is None],
-            "fwdbwd_graph_error",
-        ),
-        (
-            "Leaf .backward() not measured:",
-            [r for r in rows if r.get("fwdbwd_leaf_ms", 0) is None],
-            "fwdbwd_leaf_error",
-        ),
+        ("Not captured in a CUDA graph:", unmeasured("fwdbwd_graph_ms"), "fwdbwd_graph_error"),
+        ("Leaf .backward() not measured:", unmeasured("fwdbwd_leaf_ms"), "fwdbwd_leaf_error"),
     )
     for title, entries, why in sections:
         if entries:
@@ -171,8 +170,7 @@ def results_markdown(result, plot_name=None) -> str:
 
 
 def latest_linear_runs(results_dir=RESULTS_DIR) -> list:
-    """The fused linear table's JSON files (`run_h200.sh linear-a` / `linear-b`: the five shapes in two calls): for
-    each of the two, every file of its newest date."""
+    """For each of `run_h200.sh linear-a` / `linear-b` (the linear shapes in two calls), its newest date's files."""
     runs = {}
     for path in results_dir.glob("*-linear-[ab]-*.json"):
         stage = "a" if "-linear-a-" in path.name else "b"
@@ -219,8 +217,7 @@ HOST_TIME_PARTS = (
 
 
 def host_time_markdown(run, source) -> str:
-    """bench/tools/overhead.py's JSON: host time of one eager forward+backward and what it is made of, and the eager
-    call against its kernels at the two host-bound shapes."""
+    """bench/tools/overhead.py's JSON: host time of one eager forward+backward and what it is made of."""
     summary = run["summary"]
 
     def us(key):

@@ -1,11 +1,6 @@
-"""The GPU run. The parent process only orchestrates: every measurement happens in a worker process of its own,
-`python -m bench --worker PASS --impls IMPL --shapes ... --json PART`, one per pass (bandwidth, torch-eager,
-torch-graph, jax) and implementation, so no framework's allocator, compiled state or failed capture reaches another's
-numbers. A worker that fails on a shape records it and goes on; a graph worker stops after a failed capture and a
-fresh one takes the remaining shapes; a worker that dies leaves the rows it wrote, the shape it was on is marked
-failed with its exit status and last output line, and a fresh worker takes the rest. The parent merges the parts and
-adds the floor ratios.
-"""
+"""The GPU run: one worker process per pass and implementation (bench/worker.py), so no framework's allocator,
+compiled state or failed capture reaches another's numbers. A dead worker's shape is marked failed and a fresh
+worker takes the rest; the parent merges the parts and adds the floor ratios."""
 
 import collections
 import contextlib
@@ -35,17 +30,8 @@ def _shape_key(impl, shape):
 
 
 def worker_command(pass_name, impls, shapes, quick, json_path) -> list:
-    command = [
-        sys.executable,
-        "-m",
-        "bench",
-        "--worker",
-        pass_name,
-        "--impls",
-        ",".join(impls),
-        "--json",
-        str(json_path),
-    ]
+    command = [sys.executable, "-m", "bench", "--worker", pass_name, "--impls", ",".join(impls)]
+    command += ["--json", str(json_path)]
     if shapes:
         command += ["--shapes", ",".join(f"{s.N}x{s.V}:{s.dtype}" for s in shapes)]
     return command + (["--quick"] if quick else [])
@@ -60,8 +46,7 @@ def _forward_output(stream, tail):
 
 
 def _die_with_parent():
-    """In the worker, before exec (Linux): SIGKILL when the parent dies, so a parent killed by a timeout leaves no
-    worker holding the GPU (the worker runs in a session of its own, out of reach of the timeout's group kill)."""
+    """In the worker, before exec (Linux): SIGKILL when the parent dies, so no orphan holds the GPU."""
     try:
         import ctypes
 
@@ -71,8 +56,7 @@ def _die_with_parent():
 
 
 def spawn_worker(pass_name, impls, shapes, quick, timeout_s=WORKER_TIMEOUT_S):
-    """Runs one worker process; (its JSON part, or {} if it wrote none; None, or why it ended abnormally). Its
-    output goes to this process's stderr as it comes (stdout keeps the table)."""
+    """One worker process: (its JSON part or {}, None or why it ended abnormally); its output goes to stderr."""
     root = str(envinfo.REPO_ROOT)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     with tempfile.TemporaryDirectory(prefix="bench-worker-") as tmp:
@@ -100,12 +84,6 @@ def spawn_worker(pass_name, impls, shapes, quick, timeout_s=WORKER_TIMEOUT_S):
     if why and tail:
         why += f": {tail[-1][-300:]}"
     return part, why
-
-
-def run_in_process(pass_name, impls, shapes, quick, timeout_s=None):
-    """The same contract as spawn_worker, without a process (the CPU tests)."""
-    del timeout_s
-    return run_pass(pass_name, impls, shapes, quick), None
 
 
 def _run_until_done(launch, pass_name, impl, shapes, quick, on_row, on_failure, on_lost):
@@ -148,7 +126,7 @@ def run_gpu(shapes, impls, quick=False, isolate=True, worker_timeout_s=WORKER_TI
         if isolate:
             part, why = spawn_worker(pass_name, impl_list, pass_shapes, quick, worker_timeout_s)
         else:
-            part, why = run_in_process(pass_name, impl_list, pass_shapes, quick)
+            part, why = run_pass(pass_name, impl_list, pass_shapes, quick), None
         fastce_versions.update(part.get("fastce_versions", {}))
         return part, why
 
@@ -158,9 +136,6 @@ def run_gpu(shapes, impls, quick=False, isolate=True, worker_timeout_s=WORKER_TI
         say(f"bandwidth worker: {why}")
     device, bandwidth = env.get("device", "unknown"), env.get("copy_bandwidth_TBps", 0.0)
     rows, failures = {}, []
-
-    def on_failure(fail):
-        failures.append(fail)
 
     def lost_as_failure(impl, stage):
         def on_lost(shape, why):
@@ -176,8 +151,8 @@ def run_gpu(shapes, impls, quick=False, isolate=True, worker_timeout_s=WORKER_TI
     torch_selected = [i for i in impls if i in TORCH_IMPLS]
     jax_selected = [i for i in impls if i in JAX_IMPLS]
     for impl in torch_selected:
-        _run_until_done(launch, "torch-eager", impl, shapes, quick, add_row, on_failure,
-                        lost_as_failure(impl, "crash"))  # fmt: skip
+        lost = lost_as_failure(impl, "crash")
+        _run_until_done(launch, "torch-eager", impl, shapes, quick, add_row, failures.append, lost)
     for impl in torch_selected:
         measured = [s for s in shapes if _shape_key(impl, s) in rows]
 
@@ -194,7 +169,7 @@ def run_gpu(shapes, impls, quick=False, isolate=True, worker_timeout_s=WORKER_TI
 
         _run_until_done(launch, "torch-graph", impl, measured, quick, add_graph, graph_failure, graph_lost)
     for impl in jax_selected:
-        _run_until_done(launch, "jax", impl, shapes, quick, add_row, on_failure, lost_as_failure(impl, "crash"))
+        _run_until_done(launch, "jax", impl, shapes, quick, add_row, failures.append, lost_as_failure(impl, "crash"))
 
     # Table order: implementations in ALL_IMPLS order, shapes in the order given.
     order = {k: i for i, k in enumerate(_shape_key(impl, s) for impl in torch_selected + jax_selected for s in shapes)}
@@ -213,9 +188,8 @@ def run_gpu(shapes, impls, quick=False, isolate=True, worker_timeout_s=WORKER_TI
 
 
 def merge_results(results) -> dict:
-    """One result from several runs' JSON (e.g. `--frameworks torch` and `--frameworks jax` in two device calls):
-    rows and failures concatenated (a row measured twice: the later file's), ratios recomputed against the first
-    run's copy bandwidth (each run's bandwidth and commit are kept under merged_from)."""
+    """One result from several runs' JSON (a row measured twice: the later file's), ratios recomputed against the
+    first run's copy bandwidth."""
     if not results:
         raise ValueError("nothing to merge")
     first = results[0]
@@ -233,14 +207,9 @@ def merge_results(results) -> dict:
         "copy_bandwidth_TBps": bandwidth,
         "rows": [add_ratios(row, bandwidth) for row in rows.values()],
         "merged_from": [
-            {
-                "source": r.get("_source", "?"),
-                "commit": r["commit"],
-                "date": r["date"],
-                "copy_bandwidth_TBps": r["copy_bandwidth_TBps"],
-            }
+            {"source": r.get("_source", "?"), **{k: r[k] for k in ("commit", "date", "copy_bandwidth_TBps")}}
             for r in results
-        ],  # fmt: skip
+        ],
     }
     for result in results[1:]:
         merged["versions"] = {**result["versions"], **merged["versions"]}

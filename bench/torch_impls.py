@@ -1,8 +1,4 @@
-"""The PyTorch implementations under test, each a function (logits, labels) -> mean loss, and their inputs.
-
-A loader raises ImportError (with a readable message) when its package is missing; the runner records that and
-moves on.
-"""
+"""The PyTorch implementations under test, each a function (logits, labels) -> mean loss, and their inputs."""
 
 import torch
 import torch.nn.functional as F
@@ -25,15 +21,10 @@ def _fill(logits, shape, device, seed):
 
 
 def make_inputs(shape, device, seed=0):
-    """Fresh random logits as a *non-leaf* tensor with its own storage, and labels with every 7th token ignored.
-
-    Non-leaf on purpose: in training the logits come out of the lm_head matmul, and that is the case where
-    fastce_torch writes its gradient in place into the logits buffer. The graph above the logits is one
-    expand+copy of a 0-d anchor (it saves nothing); the values are then filled in under no_grad. Callers take
-    gradients with torch.autograd.grad(loss, logits), so that graph is never run and no .grad is accumulated.
-    The autograd node above the logits records the stream current here: the CUDA-graph pass makes the inputs on
-    its capture stream, so the backward never has to synchronise with another stream inside the capture.
-    """
+    """Fresh random logits as a *non-leaf* tensor with its own storage (as lm_head's output, where fastce_torch
+    writes its gradient in place), and labels with every 7th token ignored. The autograd node above the logits (an
+    expand+copy of a 0-d anchor) records the current stream: the CUDA-graph pass makes the inputs on its capture
+    stream."""
     dtype = TORCH_DTYPES[shape.dtype]
     anchor = torch.zeros((), dtype=dtype, device=device, requires_grad=True)
     logits = anchor.expand(shape.N, shape.V).contiguous()
@@ -43,9 +34,7 @@ def make_inputs(shape, device, seed=0):
 
 
 def make_leaf_inputs(shape, device, seed=0):
-    """The same values as make_inputs, as a *leaf* tensor that requires grad: how most training code and Unsloth's
-    users call a loss (`loss.backward()`, the gradient lands in logits.grad). Implementations that write the
-    gradient in place must not do so here (fastce_torch does not; Liger overwrites its input regardless)."""
+    """The same values as make_inputs, as a *leaf* tensor that requires grad (`loss.backward()` into logits.grad)."""
     logits = torch.empty(shape.N, shape.V, dtype=TORCH_DTYPES[shape.dtype], device=device)
     labels = _fill(logits, shape, device, seed)
     logits.requires_grad_(True)

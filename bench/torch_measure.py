@@ -1,10 +1,8 @@
-"""Timing and memory of one PyTorch implementation on one shape (the twin of bench/jax_measure.py), and the
-device copy bandwidth. What each closure times (fwd, fwd+bwd on non-leaf logits, leaf `.backward()`, the CUDA-graph
-replay) and how: bench/METHOD.md, rendered into RESULTS.md. Times are triton.testing.do_bench medians (the L2 flushed
-between calls); the runner (bench/runner.py) calls these in worker processes of their own.
-"""
+"""Timing and memory of one PyTorch implementation on one shape (do_bench medians; bench/METHOD.md), and the
+device copy bandwidth."""
 
 import contextlib
+import time
 
 import torch
 import triton.testing
@@ -32,9 +30,7 @@ def peak_extra_bytes(fn) -> int:
 
 
 def prime_capture() -> None:
-    """Capture and replay a one-kernel graph, so that the process's first capture (torch.cuda.graph's own lazy
-    state, the driver's first capture) is not an implementation's (the first-capture failures had another cause:
-    bench/NOTES.md, "Settled probes")."""
+    """Capture and replay a one-kernel graph, so that the process's first capture is not an implementation's."""
     x = torch.zeros(16, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -50,11 +46,8 @@ def prime_capture() -> None:
 
 
 def graph_ms(fn, warmup_ms, rep_ms, stream=None, time_replays=None) -> float:
-    """do_bench median of replaying fn captured in a CUDA graph. fn runs GRAPH_WARMUP_CALLS times on `stream` (a
-    side stream; a new one when None) first, then is captured on that same stream (not torch.cuda.graph's own
-    capture stream, which no warm-up has touched): Triton has compiled and loaded its kernels, the caching
-    allocator settled. The graph and its private memory pool are released before returning. time_replays(replay)
-    -> ms replaces do_bench (several ranks replaying collectives must replay the same number of times)."""
+    """do_bench median (or time_replays(replay) -> ms) of replaying fn captured in a CUDA graph, after warm-up calls
+    on the same side stream; the graph and its memory pool are released before returning."""
     side = stream if stream is not None else torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -109,8 +102,7 @@ def _free(device):
 
 
 def measure(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda") -> dict:
-    """Eager fwd and fwd+bwd times (non-leaf logits, then leaf logits), peak memory and loss. device is "cuda" in
-    real runs; the tests run it on the CPU with bench_ms and peak_extra_bytes stubbed."""
+    """Eager fwd and fwd+bwd times (non-leaf, then leaf logits), peak memory and loss (the tests use device "cpu")."""
     logits, labels = make_inputs(shape, device)
     fwd, fwdbwd = _closures(loss_fn, logits, labels)
     try:
@@ -134,8 +126,7 @@ def measure(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda") -> dict:
 
 
 def measure_leaf(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda") -> dict:
-    """fwdbwd_leaf_ms and peak_extra_leaf_bytes (the fresh .grad included), or fwdbwd_leaf_ms None and the error:
-    the non-leaf numbers of the row stand either way."""
+    """fwdbwd_leaf_ms and peak_extra_leaf_bytes (the fresh .grad included), or fwdbwd_leaf_ms None and the error."""
     try:
         logits, labels = make_leaf_inputs(shape, device)
         fwdbwd_leaf = _leaf_closure(loss_fn, logits, labels)
@@ -154,11 +145,8 @@ def measure_leaf(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda") -> di
 
 
 def measure_graph(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda", inputs=None, time_replays=None) -> dict:
-    """graph_entry of fwd+bwd on fresh inputs (from inputs() when given, else make_inputs(shape, device)). The
-    inputs (and with them the autograd node above the non-leaf logits: made on another stream, the backward's
-    stream sync would reach outside the capture), the eager calls (compilation and autotuning, outside the capture),
-    the warm-up and the capture all happen on one side stream. The runner calls it in a process that measures
-    nothing else (a failed capture can leave the caching allocator holding memory for the rest of the process)."""
+    """graph_entry of fwd+bwd on fresh inputs (inputs() or make_inputs): inputs, eager calls, warm-up and capture
+    all on one side stream, so the backward's stream sync stays inside the capture."""
     side = torch.cuda.Stream() if device == "cuda" else None
     if side is not None:
         side.wait_stream(torch.cuda.current_stream())
@@ -175,11 +163,24 @@ def measure_graph(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda", inpu
         _free(device)
 
 
-def copy_bandwidth_TBps(nbytes=2 << 30) -> float:
-    """Device-to-device copy of `nbytes`; bandwidth counts bytes read plus bytes written."""
+def timed(fn, cuda=True):
+    """(fn(), its time in ms): CUDA events on the GPU (all the device work fn queues), perf_counter elsewhere."""
+    if not cuda:
+        start = time.perf_counter()
+        return fn(), (time.perf_counter() - start) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = fn()
+    end.record()
+    end.synchronize()
+    return out, start.elapsed_time(end)
+
+
+def copy_bandwidth_TBps(nbytes=2 << 30, time_ms=None) -> float:
+    """Device-to-device copy of `nbytes` (timed by do_bench or time_ms(copy)); bytes read plus bytes written."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src), 100, 500)
+    ms = (time_ms or (lambda copy: bench_ms(copy, 100, 500)))(lambda: dst.copy_(src))
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes / (ms * 1e-3) / 1e12

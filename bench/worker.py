@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from .progress import Unavailable, error_text, failure, say
+from .progress import Unavailable, error_text, failure, load, say
 
 PASSES = ("bandwidth", "torch-eager", "torch-graph", "jax")
 
@@ -16,12 +16,8 @@ def _timing(quick):
 
 
 def _fastce_versions() -> dict:
-    found = {}
-    for name in ("fastce_torch", "fastce_jax"):
-        module = sys.modules.get(name)
-        if module is not None and hasattr(module, "__version__"):
-            found[name] = module.__version__
-    return found
+    loaded = (sys.modules.get(name) for name in ("fastce_torch", "fastce_jax"))
+    return {module.__name__: module.__version__ for module in loaded if hasattr(module, "__version__")}
 
 
 def _summary(row) -> str:
@@ -65,15 +61,6 @@ def run_pass(pass_name, impls, shapes, quick=False, emit=None) -> dict:
     return part
 
 
-def _load(impl, loaders, part):
-    try:
-        return loaders[impl]()
-    except Exception as exc:  # noqa: BLE001 - a missing or broken package must not stop the run
-        part["failures"].append(failure(impl, None, "load", exc))
-        say(f"{impl}: skipped ({part['failures'][-1]['error']})")
-        return None
-
-
 def _torch_pass(pass_name, impls, shapes, quick, part, emit):
     from . import torch_impls, torch_measure
 
@@ -85,7 +72,7 @@ def _torch_pass(pass_name, impls, shapes, quick, part, emit):
         except Exception as exc:  # noqa: BLE001 - the real captures still run and say what fails
             say(f"priming capture failed: {error_text(exc)}")
     for impl in impls:
-        loss_fn = _load(impl, torch_impls.LOADERS, part)
+        loss_fn = load(impl, torch_impls.LOADERS[impl], part["failures"])
         if loss_fn is None:
             continue
         for shape in shapes:
@@ -124,7 +111,7 @@ def _jax_pass(impls, shapes, quick, part, emit):
         say(f"JAX implementations skipped: {part['failures'][-1]['error']}")
         return
     for impl in impls:
-        loss_fn = _load(impl, jax_impls.LOADERS, part)
+        loss_fn = load(impl, jax_impls.LOADERS[impl], part["failures"])
         if loss_fn is None:
             continue
         for shape in shapes:

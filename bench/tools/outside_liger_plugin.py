@@ -1,14 +1,8 @@
 """pytest plugin: fastce behind Liger-Kernel's cross-entropy entry points (`-p bench.tools.outside_liger_plugin`).
 
-At pytest_configure it replaces, in the installed liger_kernel (API of 0.8.5), `LigerCrossEntropyFunction.apply`,
-`LigerCrossEntropyLoss.forward`, `LigerFusedLinearCrossEntropyFunction.apply` and the directly launched
-`liger_cross_entropy_kernel` by fastce adapters, so Liger's own tests check fastce; a keyword fastce cannot honour
-raises NotImplementedError naming it. Mapping: weight / ce_weight -> weight / class_weight, lse_square_scale ->
-z_loss (with class weights, Liger's unweighted z-loss term comes from a second, unweighted fastce call), softcap ->
-logit_softcapping, return_token_accuracy -> return_accuracy, accum_dtype=float32 -> accumulate_in_float32;
-return_predicted_tokens, use_token_scaling, ce_impl / ce_mode raise; chunk_mem_const is ignored. Returns Liger's
-tuple (loss, z_loss, token_accuracy, predicted_tokens) in Liger's dtypes; out-of-range labels raise AssertionError
-as Liger's host check does. The adapters take `backend`, so the CPU tests run them on the reference backend.
+Replaces liger_kernel 0.8.5's cross-entropy entry points (Function.apply, the Loss module's forward, the fused linear
+Function) by fastce adapters, so Liger's own tests check fastce; a keyword fastce cannot honour raises
+NotImplementedError. With class weights, Liger's unweighted z-loss term comes from a second, unweighted fastce call.
 """
 
 import torch

@@ -2,12 +2,8 @@
 
     python -m bench.tools.outside_suites --liger-tests DIR [--json OUT] [--baseline] [-k EXPR] [--workers N]
 
-DIR holds Liger's test tree (test/__init__.py, test/conftest.py, test/utils.py, test/transformers/
-test_cross_entropy.py and test_fused_linear_cross_entropy.py; bench/NOTES.md says how to extract them from a git
-mirror); liger_kernel 0.8.5 must be importable. pytest runs those files in a subprocess with
-bench.tools.outside_liger_plugin loaded; `--baseline` also runs them on Liger itself. Expected to fail by design:
-the predicted-token and token-scaling cases and test_float32_internal (it launches Liger's kernel). Without CUDA the
-tool says so and exits 2.
+DIR holds Liger's test tree (bench/NOTES.md says how to extract it; liger_kernel 0.8.5 importable); pytest runs its
+cross-entropy files with bench.tools.outside_liger_plugin loaded (`--baseline`: also on Liger). Needs CUDA.
 """
 
 import argparse

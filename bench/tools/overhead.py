@@ -1,16 +1,10 @@
 """Host time per call of fastce_torch's eager calls (what a GPU cannot hide when the kernels are short):
 `PYTHONPATH=. python -m bench.tools.overhead [--json PATH]` (about a minute on the H200 machine).
 
-Part 1, tiny inputs (64 x 1000 float32: the GPU idles, so wall time per call is host time): cross_entropy forward,
-forward+backward (non-leaf, leaf `.backward()`, reduction 'none'), each through the launch cache and through Triton's
-generic launch; the compiled launcher's C call and the forward's allocations; the baselines no eager loss can beat
-(autograd.Functions doing nothing, one shaped like fastce's, engine threads on and off; F.cross_entropy); a summary of
-what remains of the eager forward+backward, computed from those rows (RESULTS.md renders it from --json); then
-linear_cross_entropy beside F.linear + F.cross_entropy. Part 2 (GPU) times forward+backward at the two host-bound
-shapes of `python -m bench`: eager, the two kernels launched back to back without autograd, and the two kernels
-replayed from a CUDA graph (no host work at all). The vocab-parallel call's host time: sharded_torch's breakdown.
-`--part1-only --device cpu --calls 2 --repeat 1` (TRITON_INTERPRET=1) is a CPU smoke run; there the launch cache is
-off, so the C call and the figures that need it are null in the JSON.
+Part 1: tiny inputs (the GPU idles, so wall time is host time), fastce's calls with and without the launch cache
+beside do-nothing autograd.Functions and F.cross_entropy, and the summary RESULTS.md renders. Part 2 (GPU): eager
+against the bare kernels and a CUDA graph at the two host-bound shapes. CPU smoke run: `--part1-only --device cpu
+--calls 2 --repeat 1` with TRITON_INTERPRET=1 (launch cache off: its figures are null).
 """
 
 import argparse
@@ -37,8 +31,7 @@ def _synchronize():
 
 
 def per_call_us(fn, n=300, repeat=5):
-    """Minimum over repeats of the mean wall time per call over n calls (synchronised at both ends): the minimum is
-    the least disturbed by other processes."""
+    """Minimum over repeats of the mean wall time per call over n calls (the least disturbed by other processes)."""
     for _ in range(min(n, 20)):
         fn()
     best = float("inf")
@@ -135,8 +128,7 @@ def _both_paths(rows, name, fn, n, repeat):
 
 
 def _launch_and_allocation_rows(rows, device, raw, labels, n, repeat):
-    """The compiled launcher's C call alone (reached through the launch cache: CUDA only) and the forward's
-    allocations; whether the C call was measured."""
+    """The compiled launcher's C call alone (CUDA only) and the forward's allocations; whether the C call ran."""
     grid, (warps, stages), args = _forward_args(raw, labels, OPTIONS)
     launcher = launch_module.forward_launcher
     cached_path = launcher.failure is None and launcher.cached(grid, args, warps, stages)
@@ -170,8 +162,14 @@ def host_costs(device="cuda", n=300, repeat=5):
     leaf_logits = raw.clone().requires_grad_()
     ones = torch.ones(labels.shape, device=device)
 
+    def shaped_fwd_bwd(function):  # a fastce-shaped Function's fwd+bwd
+        return lambda: torch.autograd.grad(function.apply(leaf, labels)[0], leaf, allow_unused=True)
+
     def step():
         return torch.autograd.grad(fastce_torch.cross_entropy(logits, labels), logits)
+
+    def unreduced_step():  # reduction='none' keeps no counters: the forward's scratch is not filled
+        return torch.autograd.grad(fastce_torch.cross_entropy(logits, labels, reduction="none"), logits, ones)
 
     def leaf_step(loss_fn=fastce_torch.cross_entropy):
         leaf_logits.grad = None  # as optimizer.zero_grad() leaves it
@@ -181,25 +179,15 @@ def host_costs(device="cuda", n=300, repeat=5):
     _both_paths(rows, "cross_entropy forward", lambda: fastce_torch.cross_entropy(logits, labels), n, repeat)
     fwd_bwd = _both_paths(rows, "cross_entropy forward+backward", step, n, repeat)
     leaf_bwd = _both_paths(rows, "cross_entropy(leaf).backward()", leaf_step, n, repeat)
-    _both_paths(
-        rows,
-        "cross_entropy(reduction='none') fwd+bwd",  # no counters: the forward's scratch is not filled
-        lambda: torch.autograd.grad(fastce_torch.cross_entropy(logits, labels, reduction="none"), logits, ones),
-        n,
-        repeat,
-    )
+    _both_paths(rows, "cross_entropy(reduction='none') fwd+bwd", unreduced_step, n, repeat)
     cached_path = _launch_and_allocation_rows(rows, device, raw, labels, n, repeat)
 
     print("  torch's share: autograd.Function and engine, no work (baselines no autograd.Function loss can beat):")
     baselines = {
         "do-nothing Function, forward only": lambda: _DoNothing.apply(leaf),
         "do-nothing Function fwd+bwd": lambda: torch.autograd.grad(_DoNothing.apply(leaf), leaf, allow_unused=True),
-        "fastce-shaped Function fwd+bwd": lambda: torch.autograd.grad(
-            _ThreeOutputs.apply(leaf, labels)[0], leaf, allow_unused=True
-        ),
-        "  the same, output grads not materialised": lambda: torch.autograd.grad(
-            _ThreeOutputsUnmaterialized.apply(leaf, labels)[0], leaf, allow_unused=True
-        ),
+        "fastce-shaped Function fwd+bwd": shaped_fwd_bwd(_ThreeOutputs),
+        "  the same, output grads not materialised": shaped_fwd_bwd(_ThreeOutputsUnmaterialized),
         "F.cross_entropy forward+backward": lambda: torch.autograd.grad(
             torch.nn.functional.cross_entropy(logits, labels), logits
         ),

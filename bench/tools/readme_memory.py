@@ -1,20 +1,18 @@
 """The README's shifted-labels examples, measured: `PYTHONPATH=. python -m bench.tools.readme_memory [--json PATH]`.
 
-The three ways to write the next-token loss on an LM head's output (`hidden @ projection`): slice
-(`logits[:, :-1]`, `input_ids[:, 1:]`), shift=1, and labels padded with one -100 column (transformers'
-ForCausalLMLoss); per form the loss, the peak extra memory of forward + backward (CUDA only) and whether the gradient
-reaching the logits is their own buffer. All three must give the same loss and gradient of hidden (checked). Default
-shape 8x1025x32000 bf16 on CUDA; on the CPU (Triton's interpreter) pass a tiny --shape.
+Slice, shift=1 and padded labels: per form the loss (checked equal), the peak extra memory of forward + backward and
+whether the logits' gradient is their own buffer. On the CPU (Triton's interpreter) pass a tiny --shape.
 """
 
 import argparse
-import json
 import math
 
 import torch
 
 import fastce_torch  # noqa: F401  (before triton: chooses Triton's interpreter on a CPU machine)
 from fastce_torch import cross_entropy
+
+from ..report import write_json
 
 HIDDEN = 64
 FORMS = ("slice", "shift", "padded labels")
@@ -35,8 +33,7 @@ def loss_of(form, logits, input_ids):
 
 
 def measure(form, hidden, projection, input_ids):
-    """One forward + backward of `form` on fresh logits: (loss, hidden's gradient, peak extra bytes or None, whether
-    the logits' gradient is their own buffer)."""
+    """(loss, hidden's gradient, peak extra bytes or None, whether the logits' gradient is their buffer)."""
     cuda = hidden.is_cuda
     hidden.grad = None
     logits = hidden @ projection  # an intermediate, as lm_head's output: the in-place backward may use its buffer
@@ -108,8 +105,7 @@ def main(argv=None):
     result = run(args.shape, args.device, getattr(torch, args.dtype))
     print(table(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(result, args.json)
     return result
 
 

@@ -2,15 +2,12 @@
 
     TRITON_INTERPRET=0 PYTHONPATH=. python -m bench.tools.same_ptx BASE_COMMIT
 
-For each variant that fastce_torch/compile_check.py lists at BASE_COMMIT (compiled for the H200 without a GPU), the
-PTX of the kernel body here and there is compared, less parameter declarations and loads, register numbers and
-debug lines (a new kernel parameter or constexpr that the variant does not use changes only those; a @triton.jit
-helper that the compiler inlines adds only `$L__tmp` labels, which mark source scopes for the debug sections and are
-no branch targets). Constexprs that
-exist only here are given their default-off value (False). Prints one line per differing variant and a summary;
-exit status 1 when any differs.
+Compares the kernel-body PTX of each compile_check variant (compiled for the H200 without a GPU) here and at
+BASE_COMMIT, less parameters, register numbers and debug lines and labels; constexprs new here are set False.
+Exit status 1 when any variant differs.
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -31,8 +28,7 @@ def kernel_body(ptx):
 
 
 def digests(root, constexpr_names=None):
-    """(variant description, digest of its kernel body) for compile_check's variants of the tree at `root`; with
-    constexpr_names (the base's names per kernel), each variant is restricted to them and the rest set False."""
+    """(variant, digest of its kernel body) for the tree at `root`, restricted to constexpr_names when given."""
     code = f"""
 import hashlib, json, sys
 sys.path.insert(0, {root!r})
@@ -58,17 +54,9 @@ print(json.dumps(out))
     import json
 
     args = [sys.executable, "-c", code] + ([json.dumps(constexpr_names)] if constexpr_names else [])
-    done = subprocess.run(args, capture_output=True, text=True, check=True, env=_env())
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.getcwd())
+    done = subprocess.run(args, capture_output=True, text=True, check=True, env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _env():
-    import os
-
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "0"
-    env["PYTHONPATH"] = os.getcwd()
-    return env
 
 
 def main():

@@ -10,12 +10,10 @@ the gradient's sharding, and the local three-pass floor (1.5 x one elementwise p
 """
 
 import argparse
-import json
 import math
 import os
 import re
 import sys
-from pathlib import Path
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 SHAPES = [(8192, 128256), (8192, 256000)]
@@ -59,7 +57,8 @@ def main(argv=None):
 
     from .. import envinfo
     from ..jax_impls import xla_loss
-    from ..jax_measure import bench_ms
+    from ..jax_measure import bench_ms, peak_extra_bytes
+    from ..report import write_json
     from ..shapes import IGNORE_INDEX
 
     devices = jax.devices()
@@ -91,7 +90,7 @@ def main(argv=None):
                 logits = make_logits(key_x)
                 compiled = step_fn.lower(logits, labels).compile()
                 found = collectives(compiled.as_text())
-                temp = compiled.memory_analysis().temp_size_in_bytes
+                temp = peak_extra_bytes(compiled)
                 loss, grad = compiled(logits, labels)
                 grad_spec = str(grad.sharding.spec)
                 keeps = grad.sharding.is_equivalent_to(x_sharding, 2)
@@ -138,9 +137,7 @@ def main(argv=None):
     if args.json:
         env = envinfo.versions({"devices": [str(d.device_kind) for d in devices]})
         out = {"date": envinfo.today(), "commit": envinfo.git_commit(), "env": env, "smoke": args.smoke, "rows": rows}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1))
-        print(f"wrote {args.json}")
+        print(f"wrote {write_json(out, args.json)}")
 
 
 if __name__ == "__main__":

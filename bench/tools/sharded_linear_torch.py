@@ -4,9 +4,8 @@ DTensor's column-parallel F.linear + loss_parallel() F.cross_entropy, in the sam
 
     torchrun --nproc-per-node 2 -m bench.tools.sharded_linear_torch --json bench/results/<date>-h200x2-linear.json
 
-Per global shape NxHxV (bf16, forward+backward for hidden and the weight), every rank: one_gpu (full weight, all
-rows), tp (V / ranks weight rows each), tp_dtensor_loss_parallel, fsdp (N / ranks rows each against the gathered
-weight) and the collectives alone; times and memory as in sharded_torch. `--smoke`: CPU processes, code paths only.
+Per global shape NxHxV (bf16): one_gpu, tp, tp_dtensor_loss_parallel, fsdp and the collectives alone, timed as in
+sharded_torch. `--smoke`: CPU processes, code paths only.
 """
 
 import torch
@@ -15,7 +14,7 @@ import torch.nn.functional as F
 
 import fastce_torch
 
-from .sharded_torch import Timer, finish_ranks, gather_rows, parse_args, peak_extra_bytes, start_ranks, write_result
+from .sharded_torch import finish_ranks, gather_rows, peak_extra_bytes, start, write_result
 
 IGNORE_INDEX = -100
 
@@ -97,10 +96,8 @@ def run_shape(n_rows, width, vocab, dtype, device, timer, mesh, backend, warmup,
 
 
 def main():
-    args = parse_args(__doc__, "8192x4096x128256,8192x4096x256000", 3, 15, "16x8x64")
+    args, device, rank, world, mesh, timer = start(__doc__, "8192x4096x128256,8192x4096x256000", 3, 15, "16x8x64")
     smoke = args.smoke
-    device, rank, world, mesh = start_ranks(smoke)
-    timer = Timer(device)
     backend = "reference" if smoke else "auto"
     dtype = torch.float32 if smoke else torch.bfloat16
     rows = []

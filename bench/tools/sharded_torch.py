@@ -3,17 +3,13 @@ with a Shard(-1) DTensor against DTensor's loss_parallel() + F.cross_entropy, in
 
     torchrun --nproc-per-node 2 -m bench.tools.sharded_torch --json bench/results/<date>-h200x2-sharded-torch.json
 
-Per global shape (N rows, V columns, bf16, V / ranks contiguous columns per rank), forward+backward with respect to
-the non-leaf local logits, every rank: the median time over a fixed number of calls (the same on every rank; CUDA
-events, L2 flushed), peak extra memory, the local three-pass floor at this run's copy bandwidth, the two all-reduces
-alone, fastce's two entries replayed from a CUDA graph (torch_measure.measure_graph), and fastce_torch's breakdown:
-torch.profiler over BREAKDOWN_CALLS calls, each started by a gloo barrier, splitting the device span into fastce's
-kernels, NCCL's, other kernels and idle time, with the host time until the call returns. `--smoke`: tiny shapes on
-CPU processes (gloo, plain-torch backend), code paths only.
+Per global shape (bf16, V / ranks columns per rank), forward+backward on every rank: median time (CUDA events, L2
+flushed), peak extra memory, the local three-pass floor, the all-reduces alone, fastce from a CUDA graph, and a
+torch.profiler breakdown of fastce_torch's device span (fastce / NCCL / other kernels / idle). `--smoke`: CPU, gloo.
 """
 
 import argparse
-import json
+import contextlib
 import os
 import statistics
 import sys
@@ -27,6 +23,7 @@ import torch.nn.functional as F
 import fastce_torch
 
 from .. import envinfo, torch_measure
+from ..report import write_json
 
 IGNORE_INDEX = -100
 BREAKDOWN_CALLS = 10
@@ -48,16 +45,7 @@ class Timer:
         for _ in range(reps):
             if self.cuda:
                 self.flush.zero_()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
+            times.append(torch_measure.timed(fn, self.cuda)[1])
         return statistics.median(times)
 
 
@@ -65,19 +53,8 @@ def peak_extra_bytes(fn, device):
     return torch_measure.peak_extra_bytes(fn) if device.type == "cuda" else None
 
 
-def copy_bandwidth_TBps(timer, device, nbytes=2 << 30):
-    """Device-to-device copy; bandwidth counts bytes read plus bytes written."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = timer.median_ms(lambda: dst.copy_(src), 5, 20)
-    del src, dst
-    return 2 * nbytes / (ms * 1e-3) / 1e12
-
-
 def make_inputs(n_rows, vocab, dtype, device, seed=0):
-    """The full logits are never built: each rank draws its own columns from a generator seeded by (seed, rank);
-    labels (global ids, every 7th ignored) come from a generator seeded by the seed alone, the same on every rank.
-    The local logits are a non-leaf tensor with its own storage (an LM head's output), as in bench/torch_impls."""
+    """Each rank's own columns as non-leaf logits (seeded by seed and rank); the same labels on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     local_vocab = vocab // world
     gen = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
@@ -140,9 +117,8 @@ def kernel_category(name):
 
 
 def per_call_breakdown(kernels, calls):
-    """kernels: (name, start_us, end_us) of every device kernel of `calls` identical calls that ran one after another
-    -> the median call's {span, each category's busy time, idle}_ms and kernels_per_call; None when there are no
-    kernels (a CPU run) or their count is not a multiple of `calls` (the calls did not launch the same kernels)."""
+    """(name, start_us, end_us) of the kernels of `calls` identical calls -> the median call's span, busy time per
+    category and idle (ms); None without kernels or when the calls did not launch the same ones."""
     if not kernels or len(kernels) % calls:
         return None
     kernels = sorted(kernels, key=lambda kernel: kernel[1])
@@ -195,10 +171,10 @@ def run_shape(n_rows, vocab, dtype, device, timer, impls, warmup, reps, bandwidt
         logits, labels = make_inputs(n_rows, vocab, dtype, device)
 
         def fwdbwd():
-            with context() if context else _nothing():
+            with context() if context else contextlib.nullcontext():
                 return torch.autograd.grad(loss_fn(logits, labels), logits)
 
-        with torch.no_grad(), context() if context else _nothing():
+        with torch.no_grad(), context() if context else contextlib.nullcontext():
             loss = loss_fn(logits, labels)
         loss = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
         peak = peak_extra_bytes(fwdbwd, device)
@@ -231,24 +207,24 @@ def format_breakdown(rank, row):
     )
 
 
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def gather_rows(rows):
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, rows)
     return every
 
 
-def start_ranks(smoke):
-    """This process's rank, launched by torchrun: (device, rank, world size, a 1-D device mesh over the ranks).
-    smoke: gloo on CPU processes; else NCCL on the GPU of LOCAL_RANK."""
-    if smoke:
+def start(doc, shapes, warmup, reps, smoke_shapes):
+    """The sharded torch benches' command line and this torchrun process's group: (args, device, rank, world size,
+    1-D device mesh, timer). --smoke: gloo on CPU, smoke_shapes, one warm-up call, two timed; else NCCL."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--shapes", default=shapes, help="global sizes, comma-separated")
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU processes (gloo), code paths only")
+    args = parser.parse_args()
+    if args.smoke:
+        args.shapes, args.warmup, args.reps = smoke_shapes, 1, 2
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     else:
@@ -259,12 +235,11 @@ def start_ranks(smoke):
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    return device, dist.get_rank(), world, init_device_mesh(device.type, (world,))
+    return args, device, dist.get_rank(), world, init_device_mesh(device.type, (world,)), Timer(device)
 
 
 def write_result(path, doc, device, world, rows, every_rank, smoke, **extra):
-    """The run's JSON record (date, commit, device, versions, method, rows, every rank's rows) at path; `extra`
-    fields go in after the rank count."""
+    """The run's JSON record at path (`extra` fields after the rank count)."""
     result = {
         "date": envinfo.today(),
         "commit": envinfo.git_commit(),
@@ -277,9 +252,7 @@ def write_result(path, doc, device, world, rows, every_rank, smoke, **extra):
         "per_rank": every_rank,
         "mode": "smoke" if smoke else "gpu",
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {write_json(result, path)}")
 
 
 def finish_ranks(smoke):
@@ -293,27 +266,10 @@ def finish_ranks(smoke):
     dist.destroy_process_group()
 
 
-def parse_args(doc, shapes, warmup, reps, smoke_shapes):
-    """The sharded benches' command line: --shapes (global sizes, comma-separated), --warmup, --reps, --json,
-    --smoke (smoke_shapes, one warm-up call, two timed)."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--shapes", default=shapes, help="global sizes, comma-separated")
-    parser.add_argument("--warmup", type=int, default=warmup)
-    parser.add_argument("--reps", type=int, default=reps)
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU processes (gloo), code paths only")
-    args = parser.parse_args()
-    if args.smoke:
-        args.shapes, args.warmup, args.reps = smoke_shapes, 1, 2
-    return args
-
-
 def main():
-    args = parse_args(__doc__, "8192x128256,8192x256000", 5, 30, "16x64")
+    args, device, rank, world, mesh, timer = start(__doc__, "8192x128256,8192x256000", 5, 30, "16x64")
     smoke = args.smoke
-    device, rank, world, mesh = start_ranks(smoke)
-    timer = Timer(device)
-    bandwidth = None if smoke else copy_bandwidth_TBps(timer, device)
+    bandwidth = None if smoke else torch_measure.copy_bandwidth_TBps(time_ms=lambda copy: timer.median_ms(copy, 5, 20))
     impls = implementations(mesh, "reference" if smoke else "auto")
     host_barrier = dist.new_group(backend="gloo")  # a barrier that launches nothing on the device
     if device.type == "cuda":

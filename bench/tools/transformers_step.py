@@ -3,21 +3,15 @@ fastce_torch.patch_transformers(): same weights, same batches, same optimizer.
 
     python -m bench.tools.transformers_step --json bench/results/transformers-step-h200.json
 
-Modes (MODES): transformers (stock loss), fastce (patch_transformers()), fastce-no-inplace, fastce_fused
-(fused_linear=True: no logits) and liger_flce (Liger's fused linear CE on the model; skipped where liger_kernel does
-not import or there is no CUDA). Defaults: Llama-3.2-1B's shape cut to 2 layers (V=128256), bf16, AdamW, 8 x 1024
-tokens, so the logits dominate the step. Step time: median of CUDA-event timings of forward + backward + optimizer
-step after --warmup steps; peak memory: max_memory_allocated over the timed steps, and above what was resident
-before them. `--device cpu`: a tiny smoke run.
+Defaults: Llama-3.2-1B's shape cut to 2 layers, bf16, AdamW, 8 x 1024 tokens, so the logits dominate the step; the
+median CUDA-event step time after --warmup steps and the peak memory. `--device cpu`: a tiny smoke run.
 """
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
-import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO_ROOT)  # fastce_torch and bench from this checkout when run as a script
@@ -26,6 +20,9 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import fastce_torch  # noqa: E402
+from bench import envinfo  # noqa: E402
+from bench.report import write_json  # noqa: E402
+from bench.torch_measure import timed  # noqa: E402
 
 MODES = {
     "transformers": None,  # transformers' ForCausalLMLoss (float32 upcast, F.cross_entropy)
@@ -39,15 +36,6 @@ MODES = {
 }
 
 
-def apply_liger_flce(model):
-    """Liger's fused linear cross-entropy forward on `model` (an instance patch: nothing global to undo)."""
-    from liger_kernel.transformers import apply_liger_kernel_to_llama
-
-    apply_liger_kernel_to_llama(
-        rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True, model=model
-    )
-
-
 def liger_available():
     """None when liger_kernel imports, else why not."""
     try:
@@ -59,25 +47,16 @@ def liger_available():
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
     sizes = dict(hidden=2048, layers=2, heads=16, kv_heads=8, intermediate=8192, vocab=128256, batch=8, seq_len=1024)
-    for name, default in sizes.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
-    parser.add_argument(
-        "--precision",
-        choices=["bf16", "autocast"],
-        default="bf16",
-        help="bf16: bf16 weights; autocast: float32 weights under bf16 autocast (Trainer's bf16=True)",
-    )
-    parser.add_argument("--tie-embeddings", action="store_true", help="tie lm_head to the embedding (Llama 3.2)")
-    for name, default in (("steps", 20), ("warmup", 3), ("seed", 0)):
-        parser.add_argument("--" + name, type=int, default=default)
-    parser.add_argument(
-        "--modes",
-        default="transformers,fastce,fastce_fused,liger_flce",
-        help=f"comma-separated, from {', '.join(MODES)}",
-    )
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--json", help="write the results here")
+    for name, default in (sizes | dict(steps=20, warmup=3, seed=0)).items():
+        add("--" + name.replace("_", "-"), type=int, default=default)
+    precision = "bf16: bf16 weights; autocast: float32 weights under bf16 autocast (Trainer's bf16=True)"
+    add("--precision", choices=["bf16", "autocast"], default="bf16", help=precision)
+    add("--tie-embeddings", action="store_true", help="tie lm_head to the embedding (Llama 3.2)")
+    add("--modes", default="transformers,fastce,fastce_fused,liger_flce", help=f"comma-separated, from {list(MODES)}")
+    add("--device", default="cuda")
+    add("--json", help="write the results here")
     args = parser.parse_args(argv)
     args.modes = args.modes.split(",")
     unknown = [m for m in args.modes if m not in MODES]
@@ -116,36 +95,17 @@ def make_batches(args, count):
     return batches
 
 
-class Timer:
-    """CUDA events on the GPU (device time of the whole step); perf_counter elsewhere."""
-
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-
-    def __enter__(self):
-        if self.cuda:
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            self.end.record()
-            self.end.synchronize()
-            self.ms = self.start.elapsed_time(self.end)
-        else:
-            self.ms = (time.perf_counter() - self.t0) * 1e3
-
-
 def run_mode(mode, args, batches):
     fastce_torch.unpatch_transformers()
     if isinstance(MODES[mode], dict):
         fastce_torch.patch_transformers(**MODES[mode])
     model = build_model(args)
-    if MODES[mode] == "liger":
-        apply_liger_flce(model)
+    if MODES[mode] == "liger":  # an instance patch of the loss only: nothing global to undo
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(
+            rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True, model=model
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     cuda = torch.device(args.device).type == "cuda"
     autocast = torch.autocast(
@@ -166,11 +126,10 @@ def run_mode(mode, args, batches):
             torch.cuda.synchronize()
             resident = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        with Timer(args.device) as timer:
-            loss = step(ids, labels)
+        loss, ms = timed(lambda: step(ids, labels), cuda)
         losses.append(loss.item())
         if i >= args.warmup:
-            times.append(timer.ms)
+            times.append(ms)
     result = {
         "median_ms": statistics.median(times),
         "mean_ms": statistics.fmean(times),
@@ -196,12 +155,7 @@ def environment(args):
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
-    try:
-        from bench import envinfo
-
-        info.update(commit=envinfo.git_commit(), versions=envinfo.versions({"transformers": transformers.__version__}))
-    except Exception as error:  # the shared helpers are optional here; the numbers do not depend on them
-        info["envinfo_error"] = repr(error)
+    info.update(commit=envinfo.git_commit(), versions=envinfo.versions({"transformers": transformers.__version__}))
     return info
 
 
@@ -248,10 +202,8 @@ def main(argv=None):
                   + (f", {saved:.2f} GiB less peak" if saved is not None else "")
                   + f", first-step loss differs by {summary[mode]['first_loss_rel_diff']:.1e} (relative)")  # fmt: skip
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         record = {"benchmark": "transformers_step", "args": vars(args), "environment": environment(args)}
-        with open(args.json, "w") as f:
-            json.dump(record | {"results": results, "vs_transformers": summary, "skipped": skipped}, f, indent=1)
+        write_json(record | {"results": results, "vs_transformers": summary, "skipped": skipped}, args.json)
         print(f"wrote {args.json}")
 
 

@@ -1,20 +1,15 @@
 """`python -m bench.tools.tune`: sweep fastce's launch parameters on the GPU.
 
-fastce_torch: kernel-level times of the forward and backward launchers for each candidate tile size, warp count,
-chunk and stage count, against the same run's copy bandwidth, so the constants at the top of
-fastce_torch/kernels/launch.py can be chosen from measurements (--json: every row).
-fastce_jax: the kernels read module constants of fastce_jax.kernels.launch (FORWARD_BLOCK, ...) when a jit traces, so
-this sets each candidate, re-traces, times the stage it affects (host timing as in bench.jax_measure; "bwd" is
-fwd+bwd minus the default fwd), restores the defaults and prints the best per shape. Knobs the package does not
-have are reported and skipped; edit SEARCH to change the candidates.
+fastce_torch: the forward and backward launchers timed per candidate config against the copy bandwidth (--json: every
+row). fastce_jax: each SEARCH candidate set on fastce_jax.kernels.launch's constants, re-traced and timed.
 """
 
 import argparse
 import itertools
-import json
 
 from .. import jax_setup
 from ..progress import say
+from ..report import write_json
 from ..shapes import STANDARD_SHAPES, parse_shapes
 
 JAX_KNOBS_MODULE = "fastce_jax.kernels.launch"
@@ -89,15 +84,12 @@ TORCH_SHAPES = [(8192, 32000), (8192, 128256), (8192, 256000), (512, 256000)]
 
 
 def tune_fastce_torch(json_path=None):
-    """The forward and backward launchers of fastce_torch.kernels timed for every candidate of their module
-    constants (tiles, warps, chunk, stages), against the same run's copy bandwidth; the best four per shape printed,
-    every row written to json_path."""
+    """Every candidate launcher config timed; the best four per shape printed, every row written to json_path."""
     import torch
-    import triton.testing
 
     from fastce_torch import kernels
 
-    from ..torch_measure import copy_bandwidth_TBps
+    from ..torch_measure import bench_ms, copy_bandwidth_TBps  # timed with do_bench's default 25 / 100 ms
 
     bandwidth = copy_bandwidth_TBps()
     print(f"copy bandwidth {bandwidth:.2f} TB/s")
@@ -114,29 +106,24 @@ def tune_fastce_torch(json_path=None):
         ):
             # Each candidate as a config of its own (the module constants are cached per V, never changed here).
             config = kernels.forward_config(vocab, block=block, chunk=max(chunk, block), warps=warps, stages=stages)
-            ms = triton.testing.do_bench(
-                lambda: kernels.forward(logits, labels, options, config=config), return_mode="median"
-            )
+            ms = bench_ms(lambda: kernels.forward(logits, labels, options, config=config), 25, 100)
             candidate = dict(block=block, warps=warps, chunk=chunk, stages=stages)
             rows.append(dict(kernel="forward", N=n_rows, V=vocab, **candidate, ms=ms, ratio=ms / one_pass_ms))
         _, lse, _ = kernels.forward(logits, labels, options)
+        backward_args = (grad_loss, logits, labels, lse, logits, options)
         for block, warps in itertools.product([1024, 2048, 4096, 8192], [4, 8]):
             config = kernels.backward_config(vocab, block=block, warps=warps)
-            ms = triton.testing.do_bench(
-                lambda: kernels.backward(grad_loss, logits, labels, lse, logits, options, config=config),
-                return_mode="median",
-            )
+            ms = bench_ms(lambda: kernels.backward(*backward_args, config=config), 25, 100)
             candidate = dict(block=block, warps=warps, chunk=0)
             rows.append(dict(kernel="backward", N=n_rows, V=vocab, **candidate, ms=ms, ratio=ms / (2 * one_pass_ms)))
-        del logits
+        del logits, backward_args
         for kernel in ("forward", "backward"):
             timed = (r for r in rows if r["kernel"] == kernel and r["V"] == vocab and r["N"] == n_rows)
             for r in sorted(timed, key=lambda r: r["ms"])[:4]:
                 candidate = f"block={r['block']} warps={r['warps']} chunk={r['chunk']} stages={r.get('stages', '-')}"
                 print(f"{kernel:8s} N={n_rows} V={vocab} {candidate}: {r['ms']:.3f} ms = {r['ratio']:.2f}x floor")
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(dict(copy_bandwidth_TBps=bandwidth, rows=rows), f, indent=1)
+        write_json(dict(copy_bandwidth_TBps=bandwidth, rows=rows), json_path)
 
 
 def main(argv=None):
