@@ -361,7 +361,7 @@ def main():
         any_failed = any_failed or total.item() != 0
         if rank == 0:
             status = "ok" if total.item() == 0 else "FAILED"
-            print(f"linear-parallel {args.mode} {args.backend} {args.size}: {status}", flush=True)
+            print(f"linear-parallel {args.mode} {args.backend}: {status}", flush=True)
     dist.barrier()
     # Skip the process groups' teardown: gloo's sometimes aborts at exit ("terminate called without an active
     # exception") after every check has passed (as vocab_parallel_check does).
