@@ -28,6 +28,12 @@ import torch.distributed as dist
 
 import fastce_torch  # noqa: F401  (before triton: chooses Triton's interpreter on a CPU machine)
 from fastce_torch.tests import checks
+from fastce_torch.tests.checks import gather_columns, same_on_every_rank
+from fastce_torch.tests.vocab_parallel_second_order import (
+    run_second_order_dtensor,
+    run_second_order_group,
+    second_order_cases,
+)
 from shared_tests import harness, tolerances
 from shared_tests.harness import Case
 from shared_tests.reference import Options
@@ -101,22 +107,6 @@ def widths_for(args, world):
             raise SystemExit(f"--widths has {len(widths)} entries for {world} ranks")
         return widths, True
     return [args.local_vocab] * world, False
-
-
-def gather_columns(local, widths, group):
-    """The full (..., V) tensor from every rank's columns (all_gather needs one size: pad to the widest)."""
-    widest = max(widths)
-    padded = torch.zeros((*local.shape[:-1], widest), dtype=local.dtype, device=local.device)
-    padded[..., : local.shape[-1]] = local
-    pieces = [torch.empty_like(padded) for _ in widths]
-    dist.all_gather(pieces, padded.contiguous(), group=group)
-    return torch.cat([p[..., :w] for p, w in zip(pieces, widths)], dim=-1)
-
-
-def same_on_every_rank(tensor, group):
-    pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(pieces, tensor.contiguous(), group=group)
-    return all(torch.equal(harness.bits(p), harness.bits(pieces[0])) for p in pieces)
 
 
 def compare(case, inputs, loss, grad):
@@ -304,81 +294,6 @@ def run_dtensor_2d(case, device, mesh, backend, compile_backend=""):
     compare(case, inputs, total.detach(), logits.grad.full_tensor())
 
 
-def second_order_cases(vocab, rows):
-    return [
-        Case("hvp-mean", opts=ALL, vocab=vocab, shape=(rows,), seed=41),
-        Case("hvp-sum", reduction="sum", opts=Options(logit_softcapping=5.0, z_loss=1e-2), vocab=vocab, shape=(rows,),
-             seed=42),
-        Case("hvp-none", reduction="none", opts=Options(label_smoothing=0.2, logit_scaling=1.5), vocab=vocab,
-             shape=(rows,), seed=43),
-        Case("hvp-n-items", n_items=2.5, opts=ALL, vocab=vocab, shape=(rows,), inplace=False, seed=44),
-    ]  # fmt: skip
-
-
-def hessian_vector_product(case, inputs, logits_of, group_loss):
-    """Each rank differentiates sum(grad * v) over its own columns; the sum over ranks is <v, grad loss>, so each
-    rank's result is its columns of H v. Returns (this rank's columns of H v, the full v)."""
-    gen = torch.Generator().manual_seed(case.seed + 1000)
-    v = torch.randn(inputs.logits.shape, generator=gen).to(inputs.logits.dtype).to(inputs.logits.device)
-    leaf, x, v_local = logits_of(v)
-    loss = group_loss(x)
-    if case.reduction == "none":
-        loss = (loss * inputs.upstream).sum()
-    (grad,) = torch.autograd.grad(loss, x, create_graph=True)
-    (hvp,) = torch.autograd.grad((grad * v_local).sum(), leaf)
-    return hvp, v
-
-
-def check_hvp(case, inputs, hvp_full, v):
-    from shared_tests.test_second_order import check_hvp as check
-    from shared_tests.test_second_order import exact_hvp
-
-    n_items = inputs.n_items.item() if isinstance(inputs.n_items, torch.Tensor) else inputs.n_items
-    exact, row_scale = exact_hvp(inputs.logits, inputs.labels, v, inputs.upstream, case.reduction, n_items, case.opts)
-    check(hvp_full, exact, row_scale, case.dtype, "hvp vs float64 reference")
-
-
-def run_second_order_group(case, device, widths, explicit, group, backend):
-    rank = dist.get_rank(group)
-    start, width = sum(widths[:rank]), widths[rank]
-    inputs = harness.make_inputs(case, device)
-
-    def logits_of(v):
-        leaf = inputs.logits[..., start : start + width].detach().clone().requires_grad_()
-        return leaf, leaf.clone(), v[..., start : start + width]
-
-    def group_loss(x):
-        return fastce_torch.cross_entropy(
-            x, inputs.labels, reduction=case.reduction, n_items=inputs.n_items, backend=backend,
-            inplace_backward=case.inplace, process_group=group, vocab_start=start if explicit else None,
-            **case.opts.as_kwargs(),
-        )  # fmt: skip
-
-    hvp, v = hessian_vector_product(case, inputs, logits_of, group_loss)
-    check_hvp(case, inputs, gather_columns(hvp, widths, group), v)
-
-
-def run_second_order_dtensor(case, device, mesh, backend):
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    inputs = harness.make_inputs(case, device)
-    placements = [Shard(inputs.logits.dim() - 1)]
-
-    def logits_of(v):
-        leaf = distribute_tensor(inputs.logits.detach().contiguous(), mesh, placements).requires_grad_()
-        return leaf, leaf, distribute_tensor(v, mesh, placements)
-
-    def group_loss(x):
-        loss = fastce_torch.cross_entropy(
-            x, inputs.labels, reduction=case.reduction, n_items=inputs.n_items, backend=backend,
-            **case.opts.as_kwargs(),
-        )  # fmt: skip
-        return loss.to_local()
-
-    hvp, v = hessian_vector_product(case, inputs, logits_of, group_loss)
-    check_hvp(case, inputs, hvp.full_tensor(), v)
-
-
 def run_errors(device, widths, explicit, group, backend):
     """Unequal widths without vocab_start give NaN; offsets that do not tile the vocabulary raise."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -563,7 +478,7 @@ def run_segment(args, device, group, mesh):
     widths, explicit = widths_for(args, world)
     only = set(args.only.split(",")) if args.only else None
     failures, ran = [], 0
-    for case in second_order_cases(sum(widths), args.rows) if args.second_order else ():
+    for case in second_order_cases(sum(widths), args.rows, ALL) if args.second_order else ():
         for how, run in (("group", run_second_order_group), ("dtensor", run_second_order_dtensor)):
             if how == "dtensor" and explicit:
                 continue

@@ -25,7 +25,7 @@ from shared_tests import harness, reference, tolerances
 from shared_tests.harness import Case
 from shared_tests.test_outputs import ALL, ALL_RETURNS, FIELDS, Z, check_outputs, z_loss_gradient_reference
 
-from .vocab_parallel_check import gather_columns, same_on_every_rank
+from .checks import gather_columns, same_on_every_rank
 
 
 def cases(vocab):
