@@ -355,7 +355,14 @@ def main():
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=300))
     torch.backends.cuda.matmul.allow_tf32 = False
     any_failed = False
+    initial_seed = torch.initial_seed()
     for args in segments:
+        # Each set starts as in a fresh process: the global generator as it started (run_refusals draws its labels
+        # from it, and an fsdp set draws a different amount on each rank) and no dynamo cache (run_refusals
+        # compiles linear_cross_entropy: recompiled for another backend over an earlier set's graph, the ranks
+        # diverged and hung in a collective).
+        torch.manual_seed(initial_seed)
+        torch._dynamo.reset()
         total = torch.tensor([run_segment(args, device, rank)], dtype=torch.float64, device=device)
         dist.all_reduce(total)
         any_failed = any_failed or total.item() != 0
