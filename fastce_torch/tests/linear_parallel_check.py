@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import fastce_torch
+from fastce_torch.linear import sharded as fastce_linear_sharded
 from shared_tests import test_linear_cross_entropy as lin
 from shared_tests.reference import Options
 
@@ -358,11 +359,12 @@ def main():
     initial_seed = torch.initial_seed()
     for args in segments:
         # Each set starts as in a fresh process: the global generator as it started (run_refusals draws its labels
-        # from it, and an fsdp set draws a different amount on each rank) and no dynamo cache (run_refusals
-        # compiles linear_cross_entropy: recompiled for another backend over an earlier set's graph, the ranks
-        # diverged and hung in a collective).
+        # from it, and an fsdp set draws a different amount on each rank), no dynamo cache, and no widths
+        # remembered as verified by the sharded head (the first call per (group, width) gathers every rank's width:
+        # run_refusals' unequal widths would otherwise gather on the rank with the new width only, and hang).
         torch.manual_seed(initial_seed)
         torch._dynamo.reset()
+        fastce_linear_sharded._VERIFIED_WIDTHS.clear()
         total = torch.tensor([run_segment(args, device, rank)], dtype=torch.float64, device=device)
         dist.all_reduce(total)
         any_failed = any_failed or total.item() != 0
