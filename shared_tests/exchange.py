@@ -17,9 +17,10 @@ shows up as a failure there rather than as silently wrong numbers elsewhere:
   unchanged inside `jax.enable_x64(True)`.
 * Arrays come back with `torch.from_dlpack(jax_array)`, zero-copy.
 Everything stays on the tensor's device: with CUDA tensors there is no host round trip.
+jax is imported where a function needs it, not with this module: the torch-only gloo ranks that import shared
+checks (fastce_torch/tests/*_check.py) then start without paying jax's import (seconds a process).
 """
 
-import jax
 import numpy as np
 import torch
 
@@ -28,6 +29,8 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 def x64_enabled():
     """Whether JAX keeps 64-bit integers right now (the global flag or an enclosing jax.enable_x64(True))."""
+    import jax
+
     return jax.dtypes.canonicalize_dtype(np.int64) == np.int64
 
 
@@ -35,6 +38,8 @@ def to_jax(tensor):
     """A torch tensor as a JAX array on the same device: zero-copy for a contiguous, aligned tensor; detached
     first (export refuses tensors that require grad); made contiguous first when its rows are strided (a copy:
     JAX arrays cannot describe strides). int64 tensors must go through `labels_to_jax`."""
+    import jax
+
     if tensor.dtype == torch.int64:
         raise TypeError("int64 tensors must go through labels_to_jax (jax without x64 would truncate them)")
     tensor = tensor.detach()
@@ -55,6 +60,8 @@ def labels_to_jax(labels):
     fit int32 (checked on the device: one reduction and one synchronisation), then an explicit cast to int32 (a
     copy of N integers); a value that does not fit raises OverflowError naming it, instead of arriving wrapped.
     """
+    import jax
+
     labels = labels.detach()
     if labels.dtype == torch.int32:
         return to_jax(labels)

@@ -35,12 +35,12 @@ def inputs(seed=8):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    # The launchers take forward_config(V) when given no config: the fixture swaps in the tuned function with the
-    # small settings (the module constants are read once per V and cached, so they are never changed).
-    monkeypatch.setattr(
-        torch_kernels, "forward_config", functools.partial(torch_kernels.forward_config, block=32, chunk=64)
-    )
-    assert torch_kernels.forward_config(VOCAB).n_chunks == 5
+    # The launchers take forward_config(V) from kernels/launch.py when given no config (the kernels package only
+    # re-exports it): the fixture swaps in the tuned function with the small settings there (the module constants
+    # are read once per V and cached, so they are never changed).
+    launch = torch_kernels.launch
+    monkeypatch.setattr(launch, "forward_config", functools.partial(launch.forward_config, block=32, chunk=64))
+    assert launch.forward_config(VOCAB).n_chunks == 5
 
 
 def test_torch_rows_alone_and_in_batches(device, small_chunks):

@@ -230,18 +230,23 @@ def dataclass_with_grad(ref, grad):
 
 
 def small_vocab_chunks(package, monkeypatch):
-    """Tiles of 16 and chunks of 32 columns: a row of V = 300 is 10 chunks, the last one partial."""
+    """Tiles of 16 and chunks of 32 columns: a row of V = 300 is 10 chunks, the last one partial. Patched in each
+    package's kernels/launch.py, where the launchers look them up (the kernels package only re-exports them):
+    fastce_torch's launch.forward_config (it caches per argument set), fastce_jax's tile constants (read at each
+    call, part of its jit key). Returns that launch module, whose forward_config gives the patched tiles."""
     if package == "torch":
-        from fastce_torch import kernels
+        from fastce_torch.kernels import launch
 
-        monkeypatch.setattr(kernels, "forward_config", functools.partial(kernels.forward_config, block=16, chunk=32))
+        monkeypatch.setattr(launch, "forward_config", functools.partial(launch.forward_config, block=16, chunk=32))
     else:
         jax_or_skip()
-        from fastce_jax import kernels
+        from fastce_jax.kernels import launch
 
-        monkeypatch.setattr(kernels, "FORWARD_BLOCK", 16)
-        monkeypatch.setattr(kernels, "CHUNK", 32)
-        monkeypatch.setattr(kernels, "BACKWARD_BLOCK", 64)
+        monkeypatch.setattr(launch, "FORWARD_BLOCK", 16)
+        monkeypatch.setattr(launch, "CHUNK", 32)
+        monkeypatch.setattr(launch, "BACKWARD_BLOCK", 64)
+    assert launch.forward_config(300)[2] == 10, launch.forward_config(300)
+    return launch
 
 
 @pytest.mark.parametrize("package", PACKAGES)

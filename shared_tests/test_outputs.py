@@ -243,18 +243,22 @@ def test_ties_go_to_the_first_index(reduction, package, device):
 
 
 def small_vocab_chunks(package, monkeypatch):
-    """Tiles of 16 and chunks of 32 columns: a row of V = 300 is 10 chunks, the last one partial."""
+    """Tiles of 16 and chunks of 32 columns: a row of V = 300 is 10 chunks, the last one partial. Patched in each
+    package's kernels/launch.py, where the launchers look them up (the kernels package only re-exports them):
+    fastce_torch's launch.forward_config (it caches per argument set), fastce_jax's tile constants (read at each
+    call, part of its jit key). Returns that launch module, whose forward_config gives the patched tiles."""
     if package == "torch":
-        from fastce_torch import kernels
+        from fastce_torch.kernels import launch
+
+        monkeypatch.setattr(launch, "forward_config", functools.partial(launch.forward_config, block=16, chunk=32))
     else:
         jax_or_skip()
-        from fastce_jax import kernels
-    if package == "torch":  # its forward_config is cached per argument set: the launchers get a small one
-        monkeypatch.setattr(kernels, "forward_config", functools.partial(kernels.forward_config, block=16, chunk=32))
-    else:  # fastce_jax reads the tile constants at each call (they are part of its jit key)
-        monkeypatch.setattr(kernels, "FORWARD_BLOCK", 16)
-        monkeypatch.setattr(kernels, "CHUNK", 32)
-    return kernels
+        from fastce_jax.kernels import launch
+
+        monkeypatch.setattr(launch, "FORWARD_BLOCK", 16)
+        monkeypatch.setattr(launch, "CHUNK", 32)
+    assert launch.forward_config(300)[2] == 10, launch.forward_config(300)
+    return launch
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -391,33 +395,41 @@ def test_torch_keyword_checks(device):
             fastce_torch.linear_cross_entropy(logits, torch.randn(4, 5, device=device), labels, **{name: "yes"})
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "n_ranks,backend,widths,extra",
-    [
-        (2, "reference", "15,15", ()),
-        (2, "kernel", "20,20", ()),
-        (3, "kernel", "10,15,12", ()),
-        (2, "kernel", "20,17", ("--small-chunks",)),
+# One launch per rank count, its argument sets separated by `--then` (run in turn in the same processes, one
+# summary line each): the plain-torch backend and the kernels on equal widths, the kernels with several chunks per
+# slice (tiles of 4, chunks of 8) on unequal ones; three ranks: the kernels on unequal widths.
+VOCAB_PARALLEL_RUNS = {
+    2: [
+        ["--backend=reference", "--widths=15,15"],
+        ["--backend=kernel", "--widths=20,20"],
+        ["--backend=kernel", "--widths=20,17", "--small-chunks"],
     ],
-)
-def test_torch_vocab_parallel(n_ranks, backend, widths, extra, device):
+    3: [["--backend=kernel", "--widths=10,15,12"]],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n_ranks", sorted(VOCAB_PARALLEL_RUNS))
+def test_torch_vocab_parallel(n_ranks, device):
     """process_group=: every output and the z_loss output's gradient over gloo ranks on the CPU
     (fastce_torch/tests/vocab_parallel_outputs_check.py; with --gpu, NCCL needs as many GPUs)."""
     if device.type == "cuda" and torch.cuda.device_count() < n_ranks:
         pytest.skip(f"needs {n_ranks} GPUs")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runs = VOCAB_PARALLEL_RUNS[n_ranks]
+    arguments = [
+        arg for i, run in enumerate(runs) for arg in [*(["--then"] if i else []), f"--device={device.type}", *run]
+    ]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n_ranks}",
-        "-m", "fastce_torch.tests.vocab_parallel_outputs_check", f"--device={device.type}", f"--backend={backend}",
-        f"--widths={widths}", *extra,
+        "-m", "fastce_torch.tests.vocab_parallel_outputs_check", *arguments,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     env.setdefault("OMP_NUM_THREADS", "1")
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     report = [line for line in done.stdout.splitlines() if "FAIL" in line or line.startswith("vocab-parallel")]
     assert done.returncode == 0, "\n".join(report + [done.stderr[-3000:]])
-    assert any(line.endswith(": ok") for line in report), done.stdout[-2000:]
+    assert sum(line.endswith(": ok") for line in report) == len(runs), done.stdout[-2000:]
 
 
 @pytest.mark.parametrize("backend", ["reference", "kernel"])

@@ -46,19 +46,19 @@ def assert_grad(grad, ref, what="grad"):
     return tolerances.assert_grad(as_float64(grad), ref, grad.dtype, what)
 
 
-def run_on_4_cpu_devices(use_gpu, test_file, keyword=None, timeout=3000):
-    """Runs test_file's tests (those matching `keyword`) in a child process with 4 CPU devices (XLA's host platform
-    split in four), for tests that need several devices; returns the child's pytest output. Skips in a GPU run or
-    where this process already has several devices (the tests then run in it directly)."""
+def run_on_4_cpu_devices(use_gpu, targets, timeout=3000):
+    """Runs the tests named in `targets` (pytest node ids or files, relative to the repository root) in one child
+    process with 4 CPU devices (XLA's host platform split in four), for tests that need several devices; returns the
+    child's pytest output (with the reason of every skip, -rs). One child for every such test of the suite: each
+    child pays jax's start and a collection. Skips in a GPU run or where this process already has several devices
+    (the tests then run in it directly)."""
     if use_gpu or len(jax.devices("cpu")) >= 2:
         pytest.skip("this process has several devices: the tests run here")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x"] + (["-k", keyword] if keyword else [])
-    done = subprocess.run(
-        cmd + [os.path.abspath(test_file)], cwd=root, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-x", *targets]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-4000:]
     assert re.search(r"\d+ passed", done.stdout) and " failed" not in done.stdout, done.stdout[-3000:]
     return done.stdout

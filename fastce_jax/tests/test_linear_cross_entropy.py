@@ -8,7 +8,6 @@ compiled memory at the benchmark shapes.
 """
 
 import importlib
-import re
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +20,7 @@ import fastce_jax
 from fastce_jax import linear_cross_entropy
 from shared_tests import reference as float64_reference
 
-from .checks import OPTION_SETS, as_float64, run_on_4_cpu_devices
+from .checks import OPTION_SETS, as_float64
 
 # The chunk loop's module (its budget and the per-chunk matmul the tests count).
 LCE = importlib.import_module("fastce_jax.linear.chunks")
@@ -567,17 +566,11 @@ def test_skip_ignored_rows_must_be_a_bool(put):
         linear_cross_entropy(hidden, weight, labels, backend="kernel", skip_ignored_rows=1)
 
 
-@pytest.mark.slow
-def test_skip_ignored_rows_with_sharded_rows_on_4_cpu_devices(use_gpu):
-    out = run_on_4_cpu_devices(use_gpu, __file__, "skip_ignored_rows_sharded", timeout=1200)
-    assert re.search(r"1 passed", out) and " skipped" not in out
-
-
 def test_skip_ignored_rows_sharded(use_gpu):
     """Rows sharded over 4 devices (data parallel) under jit: the same loss and gradients as without the keyword."""
     devices = jax.devices("gpu" if use_gpu else "cpu")
     if len(devices) < 4:
-        pytest.skip("needs 4 devices (run through test_skip_ignored_rows_with_sharded_rows_on_4_cpu_devices)")
+        pytest.skip("needs 4 devices (run through test_sharding.py::test_sharded_suite_on_4_cpu_devices)")
     mesh = Mesh(np.array(devices[:4]), ("d",))
     put = lambda x, dtype: jax.device_put(jnp.asarray(x, dtype), devices[0])  # noqa: E731
     hidden, weight, _, labels = make_inputs(put, 32, 16, 50, seed=35, n_ignored=0)
@@ -616,18 +609,12 @@ def test_gpu_skip_ignored_rows_compiled_memory(capsys, n, dim, vocab):
     assert skipping - default <= 16 * n + (1 << 20)
 
 
-@pytest.mark.slow
-def test_class_weight_with_several_devices_on_4_cpu_devices(use_gpu):
-    out = run_on_4_cpu_devices(use_gpu, __file__, "class_weight_rows_sharded", timeout=1200)
-    assert re.search(r"1 passed", out) and " skipped" not in out
-
-
 def test_class_weight_rows_sharded(use_gpu):
     """With several devices the chunk loop is partitioned, which has no rule for class weights: a weighted call must
     still weigh (it runs the loop unpartitioned), rows sharded or not."""
     devices = jax.devices("gpu" if use_gpu else "cpu")
     if len(devices) < 4:
-        pytest.skip("needs 4 devices (run through test_class_weight_with_several_devices_on_4_cpu_devices)")
+        pytest.skip("needs 4 devices (run through test_sharding.py::test_sharded_suite_on_4_cpu_devices)")
     mesh = Mesh(np.array(devices[:4]), ("d",))
     put = lambda x, dtype: jax.device_put(jnp.asarray(x, dtype), devices[0])  # noqa: E731
     hidden, weight, _, labels = make_inputs(put, 32, 16, 50, seed=36)

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from fastce_jax import CrossEntropyOutput, cross_entropy, kernels, linear_cross_entropy
 from shared_tests import reference, tolerances
 
-from .checks import OPTION_SETS, as_float64, run_on_4_cpu_devices
+from .checks import OPTION_SETS, as_float64
 from .test_sharding import collectives
 
 RTOL, FLOOR = tolerances.RTOL, tolerances.FLOOR
@@ -379,13 +379,6 @@ def test_linear_other_outputs_carry_no_gradient(small_tiles):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_sharded_outputs_on_4_cpu_devices(use_gpu):
-    out = run_on_4_cpu_devices(use_gpu, __file__, "sharded_layout")
-    print(out[-3000:])
-    assert " skipped" not in out
-
-
 SHARDED_LAYOUTS = {"rows": P("d", None), "vocab": P(None, "d"), "2d": P("r", "v"), "vocab2": P(None, ("v", "r"))}
 
 
@@ -394,7 +387,7 @@ SHARDED_LAYOUTS = {"rows": P("d", None), "vocab": P(None, "d"), "2d": P("r", "v"
 def test_sharded_layout(use_gpu, layout, reduction):
     devices = jax.devices("gpu" if use_gpu else "cpu")
     if len(devices) < 4:
-        pytest.skip("needs 4 devices (run through test_sharded_outputs_on_4_cpu_devices)")
+        pytest.skip("needs 4 devices (run through test_sharding.py::test_sharded_suite_on_4_cpu_devices)")
     if layout in ("rows", "vocab"):
         mesh = Mesh(np.array(devices[:4]), ("d",))
     else:

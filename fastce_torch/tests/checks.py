@@ -1,12 +1,13 @@
 """fastce_torch's results against the repository's float64 reference, with its one tolerance model: the logic is
 shared_tests' (reference.expected, tolerances.assert_loss / assert_grad); this module only turns tensors into
-host arrays. The same names as fastce_jax/tests/checks.py."""
+host arrays. The same names as fastce_jax/tests/checks.py. Also the collectives the vocab-parallel rank checks
+(*_check.py under torch.distributed.run) gather their results with."""
 
 import contextlib
 
 import torch
 
-from shared_tests import reference, tolerances
+from shared_tests import harness, reference, tolerances
 
 
 @contextlib.contextmanager
@@ -69,3 +70,19 @@ def tiny_causal_lm(config_name, class_name, vocab, device, seed=0, dtype=torch.f
     model_config = getattr(transformers, config_name)(**settings)
     torch.manual_seed(seed)
     return getattr(transformers, class_name)(model_config).to(device=device, dtype=dtype)
+
+
+def gather_columns(local, widths, group):
+    """The full (..., V) tensor from every rank's columns (all_gather needs one size: pad to the widest)."""
+    widest = max(widths)
+    padded = torch.zeros((*local.shape[:-1], widest), dtype=local.dtype, device=local.device)
+    padded[..., : local.shape[-1]] = local
+    pieces = [torch.empty_like(padded) for _ in widths]
+    torch.distributed.all_gather(pieces, padded.contiguous(), group=group)
+    return torch.cat([p[..., :w] for p, w in zip(pieces, widths)], dim=-1)
+
+
+def same_on_every_rank(tensor, group):
+    pieces = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(pieces, tensor.contiguous(), group=group)
+    return all(torch.equal(harness.bits(p), harness.bits(pieces[0])) for p in pieces)

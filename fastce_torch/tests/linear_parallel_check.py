@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import fastce_torch
+from fastce_torch.linear import sharded as fastce_linear_sharded
 from shared_tests import test_linear_cross_entropy as lin
 from shared_tests.reference import Options
 
@@ -292,22 +293,8 @@ def run_fully_shard(device, backend, bias):
         torch.testing.assert_close(other.full_tensor(), grad.full_tensor(), rtol=1e-4, atol=1e-6, msg=name)
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("tp", "dtensor-tp", "fsdp"), default="tp")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--backend", default="reference")
-    parser.add_argument("--size", choices=("small", "mid"), default="small")
-    parser.add_argument("--only", default=None)
-    args = parser.parse_args()
-    rank = int(os.environ["RANK"])
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=300))
-    torch.backends.cuda.matmul.allow_tf32 = False
+def run_segment(args, device, rank):
+    """Every case of one argument set: the number that failed on this rank."""
     failures = 0
     cases = selected(args.only, args.size)
     if args.mode == "fsdp":
@@ -340,16 +327,56 @@ def main():
             except Exception as error:  # noqa: BLE001
                 failures += 1
                 print(f"FAIL fully_shard-bias={bias} (rank {rank}): {type(error).__name__}: {error}", flush=True)
-    total = torch.tensor([failures], dtype=torch.float64, device=device)
-    dist.all_reduce(total)
-    if rank == 0:
-        print(f"linear-parallel {args.mode} {args.backend}: {'ok' if total.item() == 0 else 'FAILED'}", flush=True)
+    return failures
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=("tp", "dtensor-tp", "fsdp"), default="tp")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backend", default="reference")
+    parser.add_argument("--size", choices=("small", "mid"), default="small")
+    parser.add_argument("--only", default=None)
+    # `--then` separates argument sets that one launch runs in turn (the imports paid once), one summary line each.
+    argument_sets = [[]]
+    for arg in sys.argv[1:]:
+        if arg == "--then":
+            argument_sets.append([])
+        else:
+            argument_sets[-1].append(arg)
+    segments = [parser.parse_args(arguments) for arguments in argument_sets]
+    if len({args.device for args in segments}) != 1:
+        raise SystemExit("every argument set runs on the same device")
+    rank = int(os.environ["RANK"])
+    if segments[0].device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=300))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    any_failed = False
+    initial_seed = torch.initial_seed()
+    for args in segments:
+        # Each set starts as in a fresh process: the global generator as it started (run_refusals draws its labels
+        # from it, and an fsdp set draws a different amount on each rank), no dynamo cache, and no widths
+        # remembered as verified by the sharded head (the first call per (group, width) gathers every rank's width:
+        # run_refusals' unequal widths would otherwise gather on the rank with the new width only, and hang).
+        torch.manual_seed(initial_seed)
+        torch._dynamo.reset()
+        fastce_linear_sharded._VERIFIED_WIDTHS.clear()
+        total = torch.tensor([run_segment(args, device, rank)], dtype=torch.float64, device=device)
+        dist.all_reduce(total)
+        any_failed = any_failed or total.item() != 0
+        if rank == 0:
+            status = "ok" if total.item() == 0 else "FAILED"
+            print(f"linear-parallel {args.mode} {args.backend}: {status}", flush=True)
     dist.barrier()
     # Skip the process groups' teardown: gloo's sometimes aborts at exit ("terminate called without an active
     # exception") after every check has passed (as vocab_parallel_check does).
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0 if total.item() == 0 else 1)
+    os._exit(1 if any_failed else 0)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ CPU, slow) a few.
 import pytest
 import torch
 
-from .test_sharding import run_ranks
+from .test_sharding import run_ranks, segments
 
 pytestmark = pytest.mark.slow  # each test runs gloo processes under torch.distributed.run
 
@@ -23,18 +23,15 @@ KERNEL_CASES = "--only=mean-bias,none-all-options,smoothing-zloss,bad-label-none
 
 
 @pytest.mark.parametrize("n_ranks", [2, 3])
-@pytest.mark.parametrize("mode", ["tp", "dtensor-tp", "fsdp"])
-def test_reference_backend(mode, n_ranks):
-    run_ranks(n_ranks, "--device=cpu", "--backend=reference", f"--mode={mode}", module=MODULE)
-
-
-@pytest.mark.parametrize("mode", ["tp", "fsdp"])
-def test_kernel_backend_two_ranks(mode):
-    run_ranks(2, "--device=cpu", "--backend=kernel", f"--mode={mode}", KERNEL_CASES, module=MODULE)
-
-
-def test_kernel_backend_three_ranks_uneven():
-    run_ranks(3, "--device=cpu", "--backend=kernel", "--mode=tp", "--only=none-all-options,mean-bias", module=MODULE)
+def test_ranks(n_ranks):
+    # One launch per rank count (`--then` between the argument sets): the plain-torch backend in every mode, then
+    # the kernels (2 ranks: tp and fsdp; 3 ranks: tp on V = 130 split 44/43/43).
+    reference = [["--backend=reference", f"--mode={mode}"] for mode in ("tp", "dtensor-tp", "fsdp")]
+    if n_ranks == 2:
+        kernel = [["--backend=kernel", f"--mode={mode}", KERNEL_CASES] for mode in ("tp", "fsdp")]
+    else:
+        kernel = [["--backend=kernel", "--mode=tp", "--only=none-all-options,mean-bias"]]
+    run_ranks(n_ranks, *segments(*reference, *kernel, common=["--device=cpu"]), module=MODULE)
 
 
 @pytest.mark.gpu

@@ -15,11 +15,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 pytestmark = pytest.mark.slow  # gloo processes under torch.distributed.run: started first under pytest-xdist
 
 
+def segments(*argument_sets, common=()):
+    """One launch for several argument sets (`--then` between them, `common` in each): every set is checked and
+    reported on its own, in the same processes, so the imports and the interpreter's warm-up are paid once."""
+    joined = []
+    for arguments in argument_sets:
+        joined += [*(["--then"] if joined else []), *common, *arguments]
+    return joined
+
+
 def run_ranks(n_ranks, *args, timeout=900, module="fastce_torch.tests.vocab_parallel_check"):
     from fastce_torch import kernels
 
-    if "--device=cpu" in args and "--backend=kernel" in args and not kernels.INTERPRETED:
-        pytest.skip("CPU kernels need Triton's interpreter (a CUDA machine runs test_two_gpus_nccl instead)")
+    argument_sets = [[]]
+    for arg in args:
+        if arg == "--then":
+            argument_sets.append([])
+        else:
+            argument_sets[-1].append(arg)
+    if not kernels.INTERPRETED:  # CPU kernels need Triton's interpreter (a CUDA machine runs test_two_gpus_nccl)
+        argument_sets = [s for s in argument_sets if not ("--device=cpu" in s and "--backend=kernel" in s)]
+        if not argument_sets:
+            pytest.skip("CPU kernels need Triton's interpreter (a CUDA machine runs test_two_gpus_nccl instead)")
+    args = segments(*argument_sets)
     command = [
         sys.executable,
         "-m",
@@ -39,41 +57,9 @@ def run_ranks(n_ranks, *args, timeout=900, module="fastce_torch.tests.vocab_para
         if "FAIL" in line or line.startswith(("vocab-parallel", "linear-parallel"))
     ]
     assert done.returncode == 0, "\n".join(report + [done.stderr[-3000:]])
-    assert any(line.endswith(": ok") for line in report), done.stdout[-2000:]
-
-
-@pytest.mark.parametrize("backend", ["kernel", "reference"])
-def test_two_ranks_equal_slices(backend):
-    run_ranks(2, "--device=cpu", f"--backend={backend}", "--local-vocab=20", "--poisoned")
-
-
-@pytest.mark.parametrize("backend", ["kernel", "reference"])
-def test_three_ranks_unequal_slices(backend):
-    # Explicit vocab_start; also checks that unequal widths without it give NaN, and that overlapping slices raise.
-    run_ranks(3, "--device=cpu", f"--backend={backend}", "--widths=10,15,12", "--poisoned")
-
-
-def test_two_ranks_chunked_rows():
-    # Local rows wider than one chunk (16384): the kernel's in-launch combine of chunks, then across ranks.
-    run_ranks(2, "--device=cpu", "--backend=kernel", "--local-vocab=17000", "--rows=3",
-              "--only=all-options,smoothing-sum,nonfinite-rows,bad-labels-none")  # fmt: skip
-
-
-def test_four_ranks_2d_mesh():
-    # Also a (data, tensor) 2x2 DTensor mesh: rows sharded, vocabulary sharded, Partial sums. Plain-torch backend
-    # (the per-shard numbers are the same functions as in the tests above; four interpreters would be slow).
-    run_ranks(4, "--device=cpu", "--backend=reference", "--local-vocab=10")
-
-
-@pytest.mark.parametrize("backend", ["kernel", "reference"])
-def test_two_ranks_hessian_vector_product(backend):
-    # create_graph=True through the vocab-parallel loss (process group and DTensor): each rank's columns of H v
-    # against the float64 reference's, the cross-rank terms through a differentiable all-reduce.
-    run_ranks(2, "--device=cpu", f"--backend={backend}", "--local-vocab=20", "--second-order")
-
-
-def test_three_ranks_unequal_slices_hessian_vector_product():
-    run_ranks(3, "--device=cpu", "--backend=reference", "--widths=10,15,12", "--second-order")
+    # One summary line per argument set (`--then` separates them), each of them ok.
+    n_ok = sum(line.endswith(": ok") for line in report)
+    assert n_ok == args.count("--then") + 1, done.stdout[-2000:]
 
 
 # Under torch.compile(fullgraph=True) (--compile): each case compiled and eager, both against the float64 reference
@@ -91,30 +77,57 @@ COMPILE_CASES = (
 REFERENCE_COMPILE_CASES = "--only=mean,sum,none,all-options,all-options-3d,n-items-tensor,bad-labels-none,n0"
 
 
-@pytest.mark.parametrize(
-    "backend, only", [("kernel", COMPILE_CASES), ("reference", REFERENCE_COMPILE_CASES)], ids=["kernel", "reference"]
-)
-def test_two_ranks_compiled(backend, only):
-    run_ranks(2, "--device=cpu", f"--backend={backend}", "--local-vocab=20", "--compile=aot_eager", only)
+# Each set: --poisoned (every case eager on NaN-filled torch.empty buffers), --second-order (create_graph=True
+# through the vocab-parallel loss, process group and DTensor: each rank's columns of H v against the float64
+# reference's, the cross-rank terms through a differentiable all-reduce), --compile (above).
+TWO_RANKS = {
+    "kernel": (
+        ["--backend=kernel", "--local-vocab=20", "--poisoned"],
+        ["--backend=kernel", "--local-vocab=20", "--second-order"],
+        ["--backend=kernel", "--local-vocab=20", "--compile=aot_eager", COMPILE_CASES],
+        # The default backend (on the CPU inductor compiles C++ around the custom ops: ~25 s a graph).
+        ["--backend=kernel", "--local-vocab=20", "--compile=inductor", "--only=all-options-mean"],
+        # Local rows wider than one chunk (16384): the kernel's in-launch combine of chunks, then across ranks.
+        [
+            "--backend=kernel",
+            "--local-vocab=17000",
+            "--rows=3",
+            "--only=all-options,smoothing-sum,nonfinite-rows,bad-labels-none",
+        ],
+    ),
+    "reference": (
+        ["--backend=reference", "--local-vocab=20", "--poisoned"],
+        ["--backend=reference", "--local-vocab=20", "--second-order"],
+        ["--backend=reference", "--local-vocab=20", "--compile=aot_eager", REFERENCE_COMPILE_CASES],
+    ),
+}
 
 
-def test_three_ranks_compiled():
-    run_ranks(3, "--device=cpu", "--backend=kernel", "--local-vocab=12", "--compile=aot_eager",
-              "--only=mean,none,all-options-mean,smoothing-sum,bad-labels-none")  # fmt: skip
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+def test_two_ranks(backend):
+    run_ranks(2, *segments(*TWO_RANKS[backend], common=["--device=cpu"]))
 
 
-def test_three_ranks_uneven_dtensor_compiled():
-    # V = 37 on 3 ranks: Shard's chunks of 13, 13, 11 (a DTensor); the process-group calls with vocab_start= are
-    # checked to be refused under fullgraph=True, and unequal widths without it to give NaN.
-    run_ranks(3, "--device=cpu", "--backend=kernel", "--widths=13,13,11", "--compile=aot_eager",
-              "--only=mean,none,all-options-mean")  # fmt: skip
+def test_three_ranks():
+    run_ranks(3, *segments(
+        # Explicit vocab_start; also checks that unequal widths without it give NaN, and that overlapping slices
+        # raise.
+        ["--backend=kernel", "--widths=10,15,12", "--poisoned"],
+        ["--backend=reference", "--widths=10,15,12", "--poisoned"],
+        ["--backend=reference", "--widths=10,15,12", "--second-order"],
+        ["--backend=kernel", "--local-vocab=12", "--compile=aot_eager",
+         "--only=mean,none,all-options-mean,smoothing-sum,bad-labels-none"],
+        # V = 37 on 3 ranks: Shard's chunks of 13, 13, 11 (a DTensor); the process-group calls with vocab_start= are
+        # checked to be refused under fullgraph=True, and unequal widths without it to give NaN.
+        ["--backend=kernel", "--widths=13,13,11", "--compile=aot_eager", "--only=mean,none,all-options-mean"],
+        common=["--device=cpu"],
+    ))  # fmt: skip
 
 
-def test_two_ranks_inductor():
-    # The default backend (on the CPU inductor compiles C++ around the custom ops: ~25 s a graph).
-    run_ranks(
-        2, "--device=cpu", "--backend=kernel", "--local-vocab=20", "--compile=inductor", "--only=all-options-mean"
-    )
+def test_four_ranks_2d_mesh():
+    # Also a (data, tensor) 2x2 DTensor mesh: rows sharded, vocabulary sharded, Partial sums. Plain-torch backend
+    # (the per-shard numbers are the same functions as in the tests above; four interpreters would be slow).
+    run_ranks(4, "--device=cpu", "--backend=reference", "--local-vocab=10")
 
 
 @pytest.mark.gpu

@@ -7,7 +7,8 @@
 Every rank makes the same full inputs (seeded), takes its columns, runs fastce_torch.cross_entropy with the
 process group (and with a DTensor sharded on the vocabulary), and the loss and the gathered gradient are compared
 with the float64 reference of shared_tests/reference.py on the full logits, with the shared suite's tolerances.
-Every rank must return the same loss bits. Exit status 0 only when every case passed on every rank.
+Every rank must return the same loss bits. Exit status 0 only when every case passed on every rank. `--then`
+separates argument sets that one launch runs in turn (one summary line each), e.g. `--poisoned --then --second-order`.
 
 With --compile=aot_eager (or inductor) every call runs under torch.compile(fullgraph=True) as well (a graph break
 raises): the compiled loss and gradient against the float64 reference and against the eager call's; with aot_eager
@@ -16,6 +17,7 @@ backward and no host synchronisation.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -26,6 +28,12 @@ import torch.distributed as dist
 
 import fastce_torch  # noqa: F401  (before triton: chooses Triton's interpreter on a CPU machine)
 from fastce_torch.tests import checks
+from fastce_torch.tests.checks import gather_columns, same_on_every_rank
+from fastce_torch.tests.vocab_parallel_second_order import (
+    run_second_order_dtensor,
+    run_second_order_group,
+    second_order_cases,
+)
 from shared_tests import harness, tolerances
 from shared_tests.harness import Case
 from shared_tests.reference import Options
@@ -99,22 +107,6 @@ def widths_for(args, world):
             raise SystemExit(f"--widths has {len(widths)} entries for {world} ranks")
         return widths, True
     return [args.local_vocab] * world, False
-
-
-def gather_columns(local, widths, group):
-    """The full (..., V) tensor from every rank's columns (all_gather needs one size: pad to the widest)."""
-    widest = max(widths)
-    padded = torch.zeros((*local.shape[:-1], widest), dtype=local.dtype, device=local.device)
-    padded[..., : local.shape[-1]] = local
-    pieces = [torch.empty_like(padded) for _ in widths]
-    dist.all_gather(pieces, padded.contiguous(), group=group)
-    return torch.cat([p[..., :w] for p, w in zip(pieces, widths)], dim=-1)
-
-
-def same_on_every_rank(tensor, group):
-    pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(pieces, tensor.contiguous(), group=group)
-    return all(torch.equal(harness.bits(p), harness.bits(pieces[0])) for p in pieces)
 
 
 def compare(case, inputs, loss, grad):
@@ -302,81 +294,6 @@ def run_dtensor_2d(case, device, mesh, backend, compile_backend=""):
     compare(case, inputs, total.detach(), logits.grad.full_tensor())
 
 
-def second_order_cases(vocab, rows):
-    return [
-        Case("hvp-mean", opts=ALL, vocab=vocab, shape=(rows,), seed=41),
-        Case("hvp-sum", reduction="sum", opts=Options(logit_softcapping=5.0, z_loss=1e-2), vocab=vocab, shape=(rows,),
-             seed=42),
-        Case("hvp-none", reduction="none", opts=Options(label_smoothing=0.2, logit_scaling=1.5), vocab=vocab,
-             shape=(rows,), seed=43),
-        Case("hvp-n-items", n_items=2.5, opts=ALL, vocab=vocab, shape=(rows,), inplace=False, seed=44),
-    ]  # fmt: skip
-
-
-def hessian_vector_product(case, inputs, logits_of, group_loss):
-    """Each rank differentiates sum(grad * v) over its own columns; the sum over ranks is <v, grad loss>, so each
-    rank's result is its columns of H v. Returns (this rank's columns of H v, the full v)."""
-    gen = torch.Generator().manual_seed(case.seed + 1000)
-    v = torch.randn(inputs.logits.shape, generator=gen).to(inputs.logits.dtype).to(inputs.logits.device)
-    leaf, x, v_local = logits_of(v)
-    loss = group_loss(x)
-    if case.reduction == "none":
-        loss = (loss * inputs.upstream).sum()
-    (grad,) = torch.autograd.grad(loss, x, create_graph=True)
-    (hvp,) = torch.autograd.grad((grad * v_local).sum(), leaf)
-    return hvp, v
-
-
-def check_hvp(case, inputs, hvp_full, v):
-    from shared_tests.test_second_order import check_hvp as check
-    from shared_tests.test_second_order import exact_hvp
-
-    n_items = inputs.n_items.item() if isinstance(inputs.n_items, torch.Tensor) else inputs.n_items
-    exact, row_scale = exact_hvp(inputs.logits, inputs.labels, v, inputs.upstream, case.reduction, n_items, case.opts)
-    check(hvp_full, exact, row_scale, case.dtype, "hvp vs float64 reference")
-
-
-def run_second_order_group(case, device, widths, explicit, group, backend):
-    rank = dist.get_rank(group)
-    start, width = sum(widths[:rank]), widths[rank]
-    inputs = harness.make_inputs(case, device)
-
-    def logits_of(v):
-        leaf = inputs.logits[..., start : start + width].detach().clone().requires_grad_()
-        return leaf, leaf.clone(), v[..., start : start + width]
-
-    def group_loss(x):
-        return fastce_torch.cross_entropy(
-            x, inputs.labels, reduction=case.reduction, n_items=inputs.n_items, backend=backend,
-            inplace_backward=case.inplace, process_group=group, vocab_start=start if explicit else None,
-            **case.opts.as_kwargs(),
-        )  # fmt: skip
-
-    hvp, v = hessian_vector_product(case, inputs, logits_of, group_loss)
-    check_hvp(case, inputs, gather_columns(hvp, widths, group), v)
-
-
-def run_second_order_dtensor(case, device, mesh, backend):
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    inputs = harness.make_inputs(case, device)
-    placements = [Shard(inputs.logits.dim() - 1)]
-
-    def logits_of(v):
-        leaf = distribute_tensor(inputs.logits.detach().contiguous(), mesh, placements).requires_grad_()
-        return leaf, leaf, distribute_tensor(v, mesh, placements)
-
-    def group_loss(x):
-        loss = fastce_torch.cross_entropy(
-            x, inputs.labels, reduction=case.reduction, n_items=inputs.n_items, backend=backend,
-            **case.opts.as_kwargs(),
-        )  # fmt: skip
-        return loss.to_local()
-
-    hvp, v = hessian_vector_product(case, inputs, logits_of, group_loss)
-    check_hvp(case, inputs, hvp.full_tensor(), v)
-
-
 def run_errors(device, widths, explicit, group, backend):
     """Unequal widths without vocab_start give NaN; offsets that do not tile the vocabulary raise."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -522,7 +439,9 @@ def run_shift(device, widths, explicit, group, mesh, backend, compile_backend=""
         raise AssertionError("a DTensor with shift did not raise NotImplementedError")
 
 
-def main():
+def parse_segments(argv):
+    """One argument set per segment: `--then` separates them, so that one launch (one set of processes, each paying
+    the imports and the interpreter's warm-up once) runs several configurations in turn."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--backend", choices=("kernel", "reference"), default="kernel")
@@ -536,26 +455,30 @@ def main():
     parser.add_argument(
         "--compile", default="", choices=("", "aot_eager", "inductor"), help="also under torch.compile(fullgraph=True)"
     )
-    args = parser.parse_args()
-    if args.poisoned:  # for the whole process: every case runs on poisoned buffers
-        checks.poisoned_allocations().__enter__()
-    if args.compile and args.second_order:
-        raise SystemExit("--second-order runs eagerly (under --compile a second backward is checked to raise)")
-    if args.size == "mid":
-        args.rows, args.local_vocab = 128, 40000  # three chunks per local row
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=300))
-    group = dist.group.WORLD
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    widths, explicit = widths_for(args, world)
-    from torch.distributed.device_mesh import init_device_mesh
+    segments, current = [], []
+    for arg in [*argv, "--then"]:
+        if arg != "--then":
+            current.append(arg)
+            continue
+        args = parser.parse_args(current)
+        if args.compile and args.second_order:
+            raise SystemExit("--second-order runs eagerly (under --compile a second backward is checked to raise)")
+        if args.size == "mid":
+            args.rows, args.local_vocab = 128, 40000  # three chunks per local row
+        segments.append(args)
+        current = []
+    if len({args.device for args in segments}) != 1:
+        raise SystemExit("every segment runs on the same device")
+    return segments
 
-    mesh = init_device_mesh(args.device, (world,))
+
+def run_segment(args, device, group, mesh):
+    """Every case of one argument set on every rank: (cases run, failure lines)."""
+    world = dist.get_world_size()
+    widths, explicit = widths_for(args, world)
     only = set(args.only.split(",")) if args.only else None
     failures, ran = [], 0
-    for case in second_order_cases(sum(widths), args.rows) if args.second_order else ():
+    for case in second_order_cases(sum(widths), args.rows, ALL) if args.second_order else ():
         for how, run in (("group", run_second_order_group), ("dtensor", run_second_order_dtensor)):
             if how == "dtensor" and explicit:
                 continue
@@ -584,6 +507,8 @@ def main():
             except AssertionError as e:
                 failures.append(f"{case.id} [{how}]: {e}")
     if world == 4 and not args.only and not args.second_order:
+        from torch.distributed.device_mesh import init_device_mesh
+
         mesh_2d = init_device_mesh(args.device, (2, 2))
         for case in cases(sum(widths), args.rows):
             if case.reduction == "mean" and case.n_items is None or case.dtype != "float32" or not case.shape[0]:
@@ -593,37 +518,61 @@ def main():
                 run_dtensor_2d(case, device, mesh_2d, args.backend, args.compile)
             except AssertionError as e:
                 failures.append(f"{case.id} [dtensor 2-D]: {e}")
-    try:
-        run_errors(device, widths, explicit, group, args.backend)
-    except AssertionError as e:
-        failures.append(f"errors: {e}")
-    try:
-        run_shift(device, widths, explicit, group, mesh, args.backend, args.compile)
-    except AssertionError as e:
-        failures.append(f"shift: {e}")
+    checks_of_segment = [
+        ("errors", lambda: run_errors(device, widths, explicit, group, args.backend)),
+        ("shift", lambda: run_shift(device, widths, explicit, group, mesh, args.backend, args.compile)),
+    ]
     if args.compile:
         ran += 1
-        try:
-            run_compile_checks(device, widths, explicit, group, args.backend, args.compile)
-        except AssertionError as e:
-            failures.append(f"compile checks: {e}")
-    counts = torch.tensor([len(failures)], device=device)
-    dist.all_reduce(counts)
-    for line in failures:
-        print(f"rank {rank} FAIL {line}", flush=True)
-    if rank == 0:
-        status = "ok" if int(counts) == 0 else f"{int(counts)} failures"
-        how = f", torch.compile {args.compile}" if args.compile else ""
-        print(
-            f"vocab-parallel: {ran} cases x {world} ranks (widths {widths}, {args.backend}, {args.device}{how}): "
-            f"{status}"
+        checks_of_segment.append(
+            ("compile checks", lambda: run_compile_checks(device, widths, explicit, group, args.backend, args.compile))
         )
+    for name, check in checks_of_segment:
+        try:
+            check()
+        except AssertionError as e:
+            failures.append(f"{name}: {e}")
+    return ran, failures, widths
+
+
+def main():
+    segments = parse_segments(sys.argv[1:])
+    device_kind = segments[0].device
+    if device_kind == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device_kind == "cuda" else "gloo", timeout=datetime.timedelta(seconds=300))
+    group = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device(device_kind, torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_kind, (world,))
+    any_failed = False
+    for args in segments:
+        # Poisoning holds for the whole segment (every case on poisoned buffers) and ends with it.
+        with checks.poisoned_allocations() if args.poisoned else contextlib.nullcontext():
+            ran, failures, widths = run_segment(args, device, group, mesh)
+        counts = torch.tensor([len(failures)], device=device)
+        dist.all_reduce(counts)
+        any_failed = any_failed or int(counts) > 0
+        for line in failures:
+            print(f"rank {rank} FAIL {line}", flush=True)
+        if rank == 0:
+            status = "ok" if int(counts) == 0 else f"{int(counts)} failures"
+            how = f", torch.compile {args.compile}" if args.compile else ""
+            how += ", second order" if args.second_order else ""
+            how += ", poisoned" if args.poisoned else ""
+            print(
+                f"vocab-parallel: {ran} cases x {world} ranks (widths {widths}, {args.backend}, {args.device}{how}): "
+                f"{status}",
+                flush=True,
+            )
     dist.barrier()
     # Skip the process groups' teardown: gloo's sometimes aborts at exit ("terminate called without an active
     # exception") after every check has passed, which would fail the run for nothing.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1 if int(counts) else 0)
+    os._exit(1 if any_failed else 0)
 
 
 if __name__ == "__main__":

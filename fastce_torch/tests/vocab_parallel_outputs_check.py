@@ -25,7 +25,7 @@ from shared_tests import harness, reference, tolerances
 from shared_tests.harness import Case
 from shared_tests.test_outputs import ALL, ALL_RETURNS, FIELDS, Z, check_outputs, z_loss_gradient_reference
 
-from .vocab_parallel_check import gather_columns, same_on_every_rank
+from .checks import gather_columns, same_on_every_rank
 
 
 def cases(vocab):
@@ -114,42 +114,73 @@ def run_dtensor_case(case, device, mesh, backend):
     tolerances.check(grad, z_part, bound, "DTensor d z_loss")
 
 
+def run_segment(args, device, mesh):
+    """Every case of one argument set on this rank: the number that failed."""
+    rank = dist.get_rank()
+    widths = [int(w) for w in args.widths.split(",")]
+    assert len(widths) == dist.get_world_size(), "--widths needs one entry per rank"
+    from fastce_torch.kernels import launch
+
+    # Several chunks per slice: the kernel's in-launch combine, then the ranks'. The constants live in
+    # kernels/launch.py (the package only re-exports them) and forward_config caches what it read from them.
+    tiles = launch.FORWARD_BLOCK, launch.CHUNK
+    if args.small_chunks:
+        launch.FORWARD_BLOCK, launch.CHUNK = 4, 8
+        launch.forward_config.cache_clear()
+    failures = 0
+    try:
+        for case in cases(sum(widths)):
+            try:
+                run_case(case, device, widths, dist.group.WORLD, args.backend)
+                if case.std != 0.0:  # the ties case places its maxima by the explicit widths
+                    run_dtensor_case(case, device, mesh, args.backend)
+            except Exception as error:  # report every case, not only the first
+                failures += 1
+                print(f"rank {rank} FAIL {case.id}: {type(error).__name__}: {error}", flush=True)
+    finally:
+        launch.FORWARD_BLOCK, launch.CHUNK = tiles
+        launch.forward_config.cache_clear()
+    return failures, widths
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", default="kernel")
     parser.add_argument("--widths", default="10,15,12")
     parser.add_argument("--small-chunks", action="store_true", help="tiles of 4 and chunks of 8 columns")
-    args = parser.parse_args()
-    if args.small_chunks:  # several chunks per slice: the kernel's in-launch combine, then the ranks'
-        from fastce_torch import kernels
-
-        kernels.FORWARD_BLOCK, kernels.CHUNK = 4, 8
-    cuda = args.device == "cuda"
+    # `--then` separates argument sets that one launch runs in turn (the imports paid once), one summary line each.
+    argument_sets = [[]]
+    for arg in sys.argv[1:]:
+        if arg == "--then":
+            argument_sets.append([])
+        else:
+            argument_sets[-1].append(arg)
+    segments = [parser.parse_args(arguments) for arguments in argument_sets]
+    if len({args.device for args in segments}) != 1:
+        raise SystemExit("every argument set runs on the same device")
+    cuda = segments[0].device == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10))
     rank = dist.get_rank()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     device = torch.device("cuda" if cuda else "cpu")
-    widths = [int(w) for w in args.widths.split(",")]
-    assert len(widths) == dist.get_world_size(), "--widths needs one entry per rank"
-    failures = 0
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for case in cases(sum(widths)):
-        try:
-            run_case(case, device, widths, dist.group.WORLD, args.backend)
-            if case.std != 0.0:  # the ties case places its maxima by the explicit widths
-                run_dtensor_case(case, device, mesh, args.backend)
-        except Exception as error:  # report every case, not only the first
-            failures += 1
-            print(f"rank {rank} FAIL {case.id}: {type(error).__name__}: {error}", flush=True)
+    any_failed = False
+    for args in segments:
+        failures, widths = run_segment(args, device, mesh)
+        total = torch.tensor([failures], device=device)
+        dist.all_reduce(total)
+        any_failed = any_failed or int(total) > 0
+        if rank == 0:
+            how = ", small chunks" if args.small_chunks else ""
+            status = "ok" if int(total) == 0 else "FAILED"
+            print(f"vocab-parallel outputs {args.backend} widths {widths}{how}: {status}", flush=True)
     dist.barrier()
-    if rank == 0:
-        print(f"vocab-parallel outputs {args.backend} widths {widths}: {'ok' if not failures else 'FAILED'}")
     dist.destroy_process_group()
-    sys.exit(1 if failures else 0)
+    sys.exit(1 if any_failed else 0)
 
 
 if __name__ == "__main__":
