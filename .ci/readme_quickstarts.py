@@ -23,7 +23,8 @@ CLONE_ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.DOTALL | re.MULTILINE)
 PACKAGES = ("fastce_torch", "fastce_jax")
 
-# Runs the block as __main__, then refuses a fastce package imported from the clone (the check the run exists for).
+# Runs the block as __main__, then refuses a fastce package imported from the clone's source folders (the check the
+# run exists for; a venv inside the clone, as CI's, is an installed package).
 DRIVER = f"""
 import os, runpy, sys
 block, clone = sys.argv[1], os.path.realpath(sys.argv[2])
@@ -31,7 +32,7 @@ sys.argv = [block]
 runpy.run_path(block, run_name="__main__")
 for name in {PACKAGES!r}:
     module = sys.modules.get(name)
-    if module is not None and os.path.realpath(module.__file__).startswith(clone + os.sep):
+    if module is not None and os.path.realpath(module.__file__).startswith(os.path.join(clone, name) + os.sep):
         sys.exit(f"{{name}} was imported from the clone ({{module.__file__}}), not from the installed package")
 """
 

@@ -86,3 +86,18 @@ def same_on_every_rank(tensor, group):
     pieces = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(group))]
     torch.distributed.all_gather(pieces, tensor.contiguous(), group=group)
     return all(torch.equal(harness.bits(p), harness.bits(pieces[0])) for p in pieces)
+
+
+def argument_sets(parser, argv):
+    """`--then` separates argument sets that one torch.distributed.run launch runs in turn (one set of processes
+    paying the imports and the interpreter's warm-up once): each set parsed by `parser`, all on one device."""
+    sets, current = [], []
+    for arg in [*argv, "--then"]:
+        if arg != "--then":
+            current.append(arg)
+            continue
+        sets.append(parser.parse_args(current))
+        current = []
+    if len({args.device for args in sets}) != 1:
+        raise SystemExit("every argument set runs on the same device")
+    return sets

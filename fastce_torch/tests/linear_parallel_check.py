@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 import fastce_torch
 from fastce_torch.linear import sharded as fastce_linear_sharded
+from fastce_torch.tests import checks
 from shared_tests import test_linear_cross_entropy as lin
 from shared_tests.reference import Options
 
@@ -337,16 +338,7 @@ def main():
     parser.add_argument("--backend", default="reference")
     parser.add_argument("--size", choices=("small", "mid"), default="small")
     parser.add_argument("--only", default=None)
-    # `--then` separates argument sets that one launch runs in turn (the imports paid once), one summary line each.
-    argument_sets = [[]]
-    for arg in sys.argv[1:]:
-        if arg == "--then":
-            argument_sets.append([])
-        else:
-            argument_sets[-1].append(arg)
-    segments = [parser.parse_args(arguments) for arguments in argument_sets]
-    if len({args.device for args in segments}) != 1:
-        raise SystemExit("every argument set runs on the same device")
+    segments = checks.argument_sets(parser, sys.argv[1:])  # `--then` between sets, one summary line each
     rank = int(os.environ["RANK"])
     if segments[0].device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

@@ -455,20 +455,12 @@ def parse_segments(argv):
     parser.add_argument(
         "--compile", default="", choices=("", "aot_eager", "inductor"), help="also under torch.compile(fullgraph=True)"
     )
-    segments, current = [], []
-    for arg in [*argv, "--then"]:
-        if arg != "--then":
-            current.append(arg)
-            continue
-        args = parser.parse_args(current)
+    segments = checks.argument_sets(parser, argv)
+    for args in segments:
         if args.compile and args.second_order:
             raise SystemExit("--second-order runs eagerly (under --compile a second backward is checked to raise)")
         if args.size == "mid":
             args.rows, args.local_vocab = 128, 40000  # three chunks per local row
-        segments.append(args)
-        current = []
-    if len({args.device for args in segments}) != 1:
-        raise SystemExit("every segment runs on the same device")
     return segments
 
 

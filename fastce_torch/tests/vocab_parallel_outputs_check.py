@@ -25,6 +25,7 @@ from shared_tests import harness, reference, tolerances
 from shared_tests.harness import Case
 from shared_tests.test_outputs import ALL, ALL_RETURNS, FIELDS, Z, check_outputs, z_loss_gradient_reference
 
+from . import checks
 from .checks import gather_columns, same_on_every_rank
 
 
@@ -149,16 +150,7 @@ def main():
     parser.add_argument("--backend", default="kernel")
     parser.add_argument("--widths", default="10,15,12")
     parser.add_argument("--small-chunks", action="store_true", help="tiles of 4 and chunks of 8 columns")
-    # `--then` separates argument sets that one launch runs in turn (the imports paid once), one summary line each.
-    argument_sets = [[]]
-    for arg in sys.argv[1:]:
-        if arg == "--then":
-            argument_sets.append([])
-        else:
-            argument_sets[-1].append(arg)
-    segments = [parser.parse_args(arguments) for arguments in argument_sets]
-    if len({args.device for args in segments}) != 1:
-        raise SystemExit("every argument set runs on the same device")
+    segments = checks.argument_sets(parser, sys.argv[1:])  # `--then` between sets, one summary line each
     cuda = segments[0].device == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10))
     rank = dist.get_rank()
