@@ -105,7 +105,8 @@ class CrossEntropyFunction(torch.autograd.Function):
         tensors = tuple(t for t in (grad_output, grad_lse, grad_entropy, *saved) if t is not None)
         if not any(map(torch._C._functorch.is_functorch_wrapped_tensor, tensors)) and not torch.is_grad_enabled():
             denominator = denominator if denominator.numel() else None
-            if grad_output is None:  # the entropy's part alone: no loss upstream, and no divisor
+            loss_or_entropy = grad_output is not None or grad_entropy is not None
+            if grad_output is None:  # no loss upstream (and no divisor) for the pass that adds the entropy's part
                 grad_output, denominator = torch.zeros((), dtype=torch.float32, device=logits.device), None
             entropy = {} if grad_entropy is None else dict(grad_entropy=grad_entropy, mean_z=mean_z)
             if grad_lse is None:  # the loss's and the entropy's parts in one pass, in place when allowed
@@ -115,10 +116,11 @@ class CrossEntropyFunction(torch.autograd.Function):
                 ), *_NO_GRADS
             # With the z_loss output's part: each part in float32, rounded to the logits' dtype once.
             grad = kernels.lse_backward(grad_lse, logits, labels, lse, _float32_like(logits), ctx.options)
-            grad += kernels.backward(
-                grad_output, logits, labels, lse, _float32_like(logits), ctx.options, denominator,
-                weight=ctx.weight, **entropy,
-            )  # fmt: skip
+            if loss_or_entropy:
+                grad += kernels.backward(
+                    grad_output, logits, labels, lse, _float32_like(logits), ctx.options, denominator,
+                    weight=ctx.weight, **entropy,
+                )  # fmt: skip
             return grad.to(logits.dtype), *_NO_GRADS
         # Differentiated again, or under torch.func: plain torch from the intact logits, before the loss's part may
         # write in place.
@@ -316,7 +318,9 @@ def cross_entropy(
         labels, kept = contract.shifted_labels(labels, shift, ignore_index)
         if token_weights is not None:
             token_weights = contract.shifted_token_weights(token_weights, shift)
-    if token_weights is not None:  # per-token losses from the kernels; the weights act as the per-row upstream
+    if token_weights is not None and not sharding.is_dtensor(logits):
+        # Per-token losses from the kernels, weighted and reduced in O(N) ops: the weights reach the backward kernel
+        # as its per-row upstream. (DTensor logits weight their local rows: dtensor.py.)
         loss = _cross_entropy(
             logits, labels, options, "none", None, backend, inplace_backward, validate_labels, process_group,
             vocab_start, extras, weight,
@@ -325,7 +329,7 @@ def cross_entropy(
     else:
         loss = _cross_entropy(
             logits, labels, options, reduction, n_items, backend, inplace_backward, validate_labels, process_group,
-            vocab_start, extras, weight,
+            vocab_start, extras, weight, token_weights,
         )  # fmt: skip
     if isinstance(loss, contract.CrossEntropyOutput):
         return contract.unshifted(loss, kept, reduction)
@@ -334,13 +338,14 @@ def cross_entropy(
 
 def _cross_entropy(
     logits, labels, options, reduction, n_items, backend, inplace_backward, validate_labels, process_group, vocab_start,
-    extras=NO_EXTRAS, weight=None,
+    extras=NO_EXTRAS, weight=None, token_weights=None,
 ):  # fmt: skip
+    # token_weights: only for DTensor logits (cross_entropy weights every other call itself).
     ignore_index = options.ignore_index
     if process_group is not None or sharding.is_dtensor(logits):
         return _vocab_parallel(
             logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group,
-            vocab_start, extras if any(extras) else None,
+            vocab_start, extras if any(extras) else None, token_weights,
         )  # fmt: skip
     if validate_labels:
         contract.validate_labels(labels, logits.shape[-1], ignore_index)
@@ -407,7 +412,7 @@ def _in_kernel_dtype(logits):
 
 def _vocab_parallel(
     logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group, vocab_start,
-    extras=None,
+    extras=None, token_weights=None,
 ):  # fmt: skip
     """Eager: an autograd.Function with the collectives in its forward. Under torch.compile (process group or
     DTensor): functional collectives around custom ops, traced without a graph break; explicit vocab_start (its
@@ -419,15 +424,16 @@ def _vocab_parallel(
             logits = _in_kernel_dtype(logits)
         if sharding.is_dtensor(logits):  # traces sharding's compiled path too
             return sharding.dtensor_cross_entropy(
-                logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start
-            )
+                logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start, None,
+                token_weights,
+            )  # fmt: skip
         layout = sharding.layout_of(process_group, None, logits.shape[-1], logits.device)
         return sharding.traced_vocab_parallel_cross_entropy(
             logits, labels, reduction, n_items, options, layout, use_kernel
         )
     return _eager_vocab_parallel(
         logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group,
-        vocab_start, extras,
+        vocab_start, extras, token_weights,
     )  # fmt: skip
 
 
@@ -445,7 +451,7 @@ def _compiler_disable(reason):
 )
 def _eager_vocab_parallel(
     logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group, vocab_start,
-    extras=None,
+    extras=None, token_weights=None,
 ):  # fmt: skip
     """Eager even under torch.compile (a graph break): the collectives run in the autograd.Function's forward."""
     use_kernel = contract.use_kernel(logits, backend)
@@ -456,7 +462,7 @@ def _eager_vocab_parallel(
             full_labels = labels.full_tensor() if sharding.is_dtensor(labels) else labels
             contract.validate_labels(full_labels, logits.shape[-1], options.ignore_index)
         return sharding.dtensor_cross_entropy(
-            logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start, extras
+            logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start, extras, token_weights
         )
     layout = sharding.layout_of(process_group, vocab_start, logits.shape[-1], logits.device)
     if validate_labels:

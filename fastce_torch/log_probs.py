@@ -5,6 +5,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import sharding
 from .cross_entropy import cross_entropy
 
 
@@ -48,9 +49,11 @@ def log_probs(
         vocab_start=vocab_start, shift=shift, return_entropy=return_entropy, temperature=temperature,
     )  # fmt: skip
     loss = result.loss if return_entropy else result
-    kept_tokens = tokens[..., int(shift) :] if shift else tokens
-    if hasattr(kept_tokens, "to_local") and not hasattr(loss, "to_local"):
-        kept_tokens = kept_tokens.to_local()
+    ignored = (tokens[..., int(shift) :] if shift else tokens) == ignore_index
+    if sharding.is_dtensor(loss) and not sharding.is_dtensor(ignored):  # DTensor logits, plain tokens
+        from torch.distributed.tensor import DTensor
+
+        ignored = DTensor.from_local(ignored, loss.device_mesh, loss.placements, run_check=False)
     # Negated where kept, 0.0 (not -0.0) where ignored: a where, not 0 - loss, which a compiler may fold to -loss.
-    logprobs = torch.where(kept_tokens == ignore_index, 0.0, -loss)
+    logprobs = torch.where(ignored, 0.0, -loss)
     return LogProbOutput(logprobs, result.entropy) if return_entropy else logprobs

@@ -113,14 +113,19 @@ def softmax_mean(z):
     return p, (p * z_kept).sum(-1, keepdim=True), z_kept
 
 
-def entropy_gradient(grad_entropy, logits, labels, options):
+def entropy_gradient(grad_entropy, logits, labels, options, lse=None, mean_z=None):
     """d(sum_t grad_entropy_t * H_t) / d logits (..., V) in differentiable plain torch (float32; float64 for float64
     logits), H the entropy of softmax(z): dH/dz_j = p_j (mz - z_j), mz = sum_j p_j z_j, then dz/dx; 0 on ignored
-    rows. What kernels.backward(grad_entropy=, mean_z=) adds."""
+    rows. What kernels.backward(grad_entropy=, mean_z=) adds. lse, mean_z: per row (N,), given for a slice of the
+    vocabulary (vocab-parallel: the global ones); None: those of these logits."""
     shape, labels = logits.shape, labels.reshape(-1)
     logits = logits.reshape(-1, shape[-1])
     z = contract.transform(logits, options, labels)
-    p, mean_z, z_kept = softmax_mean(z)
+    if lse is None:
+        p, mean_z, z_kept = softmax_mean(z)
+    else:
+        p = torch.exp(z - lse.to(z.dtype).unsqueeze(-1))
+        z_kept, mean_z = torch.where(p > 0, z, 0.0), mean_z.to(z.dtype).unsqueeze(-1)
     dz = p * (mean_z - z_kept) * grad_entropy.reshape(labels.shape).to(z.dtype).unsqueeze(-1)
     if options.logit_softcapping > 0.0:
         tanh_z = z / options.logit_softcapping

@@ -41,20 +41,29 @@ def shard_statistics(logits, labels, options, vocab_start, vocab_total, use_kern
     return (*statistics, argmax + vocab_start, mean_z, z.max(-1).values)
 
 
-def shard_gradient(grad_output, denominator, logits, labels, lse, grad, options, vocab_start, vocab_total, use_kernel):
+def shard_gradient(
+    grad_output, denominator, logits, labels, lse, grad, options, vocab_start, vocab_total, use_kernel,
+    grad_entropy=None, mean_z=None,
+):  # fmt: skip
     """Writes the local columns of d loss / d logits into `grad` (which may be `logits` itself); grad_output is the
     per-token upstream gradient or one scalar, divided by denominator (0-d) unless None; lse the global
-    logsumexp."""
+    logsumexp. grad_entropy, mean_z (per row, mean_z the global mz = lse - H): the entropy output's gradient too,
+    in the same pass (kernels.backward's HAS_ENTROPY_GRAD variant)."""
+    entropy = {} if grad_entropy is None else dict(grad_entropy=grad_entropy, mean_z=mean_z)
     if use_kernel:
         denominator = None if denominator is None else denominator.reshape(1)
         return kernels.backward(
             grad_output, logits, labels, lse, grad, options, denominator, vocab_start=vocab_start,
-            vocab_total=vocab_total,
+            vocab_total=vocab_total, **entropy,
         )  # fmt: skip
     grad_rows = grad_output.to(lse.dtype)
     if denominator is not None:
         grad_rows = (grad_rows / denominator).expand(labels.shape)
-    return grad.copy_(contract.logits_gradient(grad_rows, logits, labels, lse, options, vocab_start, vocab_total))
+    gradient = contract.logits_gradient(grad_rows.expand(labels.shape), logits, labels, lse, options, vocab_start,
+                                        vocab_total)  # fmt: skip
+    if grad_entropy is not None:
+        gradient = gradient + contract.entropy_gradient(grad_entropy, logits, labels, options, lse, mean_z)
+    return grad.copy_(gradient)
 
 
 # --- the collectives -----------------------------------------------------------------------------------------
@@ -193,7 +202,8 @@ class _VocabParallelFunction(torch.autograd.Function):
             # Labels are the same on every rank, so the local kept-token count is the global one.
             denominator = contract.loss_divisor(labels, reduction, n_items, options.ignore_index)
             loss = losses if denominator is None else losses.sum() / denominator
-        ctx.save_for_backward(logits, labels, lse, denominator)
+        entropy_grad = outputs and extras.entropy  # lse_out and mean_z then carry their true derivatives
+        ctx.save_for_backward(logits, labels, lse, denominator, *(global_extras[1:] if entropy_grad else ()))
         ctx.inplace_backward, ctx.options, ctx.use_kernel = inplace_backward, options, use_kernel
         ctx.vocab_start, ctx.vocab_total, ctx.consumed, ctx.group = vocab_start, vocab_total, False, group
         ctx.extras = extras
@@ -201,17 +211,23 @@ class _VocabParallelFunction(torch.autograd.Function):
             return loss
         # The extra outputs' statistics: lse is differentiable when the z_loss output is asked.
         lse_out = lse.clone()
-        ctx.mark_non_differentiable(*global_extras, *(() if extras.z_loss else (lse_out,)))
+        constant = global_extras[: 1 if entropy_grad else 2]  # argmax; mean_z unless the entropy is asked
+        ctx.mark_non_differentiable(*constant, *(() if extras.z_loss or entropy_grad else (lse_out,)))
         ctx.set_materialize_grads(False)
         return loss, lse_out, *global_extras
 
     @staticmethod
     def backward(ctx, grad_output, *grad_extras):
-        logits, labels, lse, denominator = contract.saved_logits(ctx)
+        logits, labels, lse, denominator, *mean_z = contract.saved_logits(ctx)
         grad_lse = grad_extras[0] if grad_extras and ctx.extras.z_loss else None
-        if grad_lse is not None:
+        # The entropy (lse - mz): mz's upstream b is -g_H, and the lse part's upstream a + b (cross_entropy.py).
+        grad_mean_z = grad_extras[2] if mean_z else None
+        if grad_lse is not None and grad_mean_z is not None:
+            grad_lse = grad_lse + grad_mean_z
+        grad_entropy = None if grad_mean_z is None else -grad_mean_z
+        if grad_lse is not None or grad_entropy is not None:
             return _VocabParallelFunction._backward_outputs(
-                ctx, grad_output, grad_lse, logits, labels, lse, denominator
+                ctx, grad_output, grad_lse, logits, labels, lse, denominator, grad_entropy, *mean_z
             )
         if grad_output is None:
             return (None,) * 9
@@ -229,13 +245,27 @@ class _VocabParallelFunction(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None
 
     @staticmethod
-    def _backward_outputs(ctx, grad_output, grad_lse, logits, labels, lse, denominator):
-        """With the z_loss output differentiated: its part (the gradient of the global lse on this rank's columns,
-        no communication) from the intact logits, then the loss's."""
+    def _backward_outputs(ctx, grad_output, grad_lse, logits, labels, lse, denominator, grad_entropy=None, mean_z=None):
+        """With the z_loss or the entropy output differentiated: the z_loss output's part (the gradient of the global
+        lse on this rank's columns, no communication) from the intact logits, then the loss's and the entropy's
+        (with the global mz, no communication either) in one pass."""
         if torch.is_grad_enabled():
             raise NotImplementedError(
-                "create_graph=True through the z_loss output of vocab-parallel cross_entropy is not supported"
+                "create_graph=True through the z_loss or entropy output of vocab-parallel cross_entropy is not "
+                "supported; differentiate the loss alone twice, or use plain (unsharded) logits"
             )
+        loss_or_entropy = grad_output is not None or grad_entropy is not None
+        if grad_output is None:  # no loss upstream (and no divisor) for the pass that adds the entropy's part
+            grad_output, denominator = torch.zeros((), dtype=torch.float32, device=logits.device), None
+        entropy = dict(grad_entropy=grad_entropy, mean_z=mean_z)
+        if grad_lse is None:  # the loss's and the entropy's parts in one pass, in place when allowed
+            grad = contract.gradient_buffer(ctx, logits)
+            with kernels.on_device(logits):
+                shard_gradient(
+                    grad_output, denominator, logits, labels, lse, grad, ctx.options, ctx.vocab_start,
+                    ctx.vocab_total, ctx.use_kernel, **entropy,
+                )  # fmt: skip
+            return grad, *(None,) * 8
         # Both parts in float32, rounded to the logits' dtype once.
         grad = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
         with kernels.on_device(logits):
@@ -248,11 +278,11 @@ class _VocabParallelFunction(torch.autograd.Function):
                         grad_lse.to(lse.dtype), logits, labels, lse, lse_options, ctx.vocab_total, ctx.vocab_total
                     )
                 )
-            if grad_output is not None:
+            if loss_or_entropy:
                 loss_grad = torch.empty_like(grad)
                 shard_gradient(
                     grad_output, denominator, logits, labels, lse, loss_grad, ctx.options, ctx.vocab_start,
-                    ctx.vocab_total, ctx.use_kernel,
+                    ctx.vocab_total, ctx.use_kernel, **entropy,
                 )  # fmt: skip
                 grad += loss_grad
         return grad.to(logits.dtype), *(None,) * 8
@@ -478,7 +508,7 @@ def vocab_parallel_cross_entropy(
         loss = loss.view(labels.shape) if reduction == "none" else loss
         vocab_total = layout[2]
         return contract.extra_outputs(
-            loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab_total
+            loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab_total, None, extras.entropy
         )
     loss = _VocabParallelFunction.apply(
         logits_2d, labels_1d, reduction, n_items, inplace_backward, options, layout, use_kernel
@@ -486,111 +516,6 @@ def vocab_parallel_cross_entropy(
     return loss.view(labels.shape) if reduction == "none" else loss
 
 
-class _LocalShard(torch.autograd.Function):
-    """dtensor.to_local(), with a backward that hands the gradient back as a DTensor of the input's own placements,
-    global shape and strides. to_local's own backward derives the global strides from the local gradient; with
-    uneven shards (V not a multiple of the mesh size) those differ from the input's (13 local columns of V = 37 on
-    3 ranks give a row stride of 39, not 37), and torch 2.11's gradient accumulation then re-lays the .grad out
-    through a replicated DTensor, handing back a Replicate gradient instead of the logits' placements."""
-
-    @staticmethod
-    def forward(ctx, tensor):
-        ctx.spec = (tensor.device_mesh, tuple(tensor.placements), tensor.shape, tensor.stride())
-        return tensor.to_local()
-
-    @staticmethod
-    def backward(ctx, grad):
-        from torch.distributed.tensor import DTensor
-
-        mesh, placements, shape, stride = ctx.spec
-        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
-
-
-def dtensor_cross_entropy(
-    logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start, extras=None
-):
-    """A DTensor whose last dimension is sharded on exactly one mesh dimension (the tensor-parallel one); the other
-    mesh dimensions may shard leading (batch) dimensions or replicate. Returns a DTensor with loss_parallel's
-    placements: "none" per-token losses placed like the labels, "sum"/"mean" a scalar replicated on the
-    tensor-parallel dimension and Partial(sum) on batch-sharded ones. The gradient is a fresh DTensor with the
-    logits' placements (the DTensor's storage is never overwritten). With extras: a CrossEntropyOutput of DTensors,
-    per-token fields placed like the labels, reduced ones like the loss (a reduced accuracy, a fraction of this
-    shard's rows, needs rows that are not sharded)."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-
-    if process_group is not None or vocab_start is not None:
-        raise ValueError(
-            "a DTensor carries its own process group and offsets: pass neither process_group nor vocab_start"
-        )
-    mesh, placements, ndim = logits.device_mesh, tuple(logits.placements), logits.dim()
-    last = ndim - 1
-
-    def shards(p, dim):
-        return isinstance(p, Shard) and p.dim % ndim == dim
-
-    vocab_dims = [i for i, p in enumerate(placements) if shards(p, last)]
-    others_ok = all(i in vocab_dims or p.is_replicate() or p.is_shard() for i, p in enumerate(placements))
-    if len(vocab_dims) != 1 or not others_ok:
-        raise NotImplementedError(
-            f"fastce_torch takes a DTensor sharded on its last (vocabulary) dimension on exactly one mesh dimension, "
-            f"other mesh dimensions Shard or Replicate; got placements {placements}. For other layouts call "
-            f"cross_entropy on logits.full_tensor() or on logits.to_local() with process_group="
-        )
-    tp_dim = vocab_dims[0]
-    batch_sharded = any(p.is_shard() and i != tp_dim for i, p in enumerate(placements))
-    if extras is not None and extras.accuracy and reduction != "none" and batch_sharded:
-        raise NotImplementedError(
-            "return_accuracy with a reduced loss over batch-sharded DTensor logits (a fraction of each shard's rows "
-            "does not add up over the shards): use reduction='none' and reduce the per-token accuracy yourself"
-        )
-    if reduction == "mean" and batch_sharded and n_items is None:
-        raise ValueError(
-            "reduction='mean' over a batch-sharded DTensor needs the global token count: pass n_items "
-            "(or use reduction='sum' and divide yourself)"
-        )
-    label_placements = tuple(Replicate() if i == tp_dim else p for i, p in enumerate(placements))
-    if isinstance(labels, DTensor):
-        if tuple(labels.placements) != label_placements:
-            raise ValueError(f"labels must be placed {label_placements} (the logits' without the vocabulary dim)")
-        local_labels = labels.to_local()
-    elif batch_sharded:
-        raise ValueError(f"with batch-sharded logits pass labels as a DTensor placed {label_placements}")
-    else:
-        local_labels = labels
-    # Shard's chunking (torch.chunk): ceil(V / n) columns per rank, the last ranks get fewer (or none).
-    vocab_total, n_ranks, rank = logits.shape[-1], mesh.size(tp_dim), mesh.get_local_rank(tp_dim)
-    chunk = -(-vocab_total // n_ranks)
-    start = min(rank * chunk, vocab_total)
-    local = _LocalShard.apply(logits)
-    if local.shape[-1] != min(chunk, vocab_total - start):
-        raise NotImplementedError(
-            f"this rank holds {local.shape[-1]} columns where Shard's chunking gives "
-            f"{min(chunk, vocab_total - start)}; call cross_entropy on to_local() with vocab_start="
-        )
-    if local.shape[-1] == 0:
-        raise NotImplementedError("a rank holds no vocabulary columns (V < mesh size); not supported")
-    layout = (mesh.get_group(tp_dim), start, vocab_total, False)
-    if torch.compiler.is_compiling() and extras is None:
-        loss = traced_vocab_parallel_cross_entropy(local, local_labels, reduction, n_items, options, layout, use_kernel)
-    else:
-        loss = vocab_parallel_cross_entropy(
-            local, local_labels, reduction, n_items, False, options, layout, use_kernel, extras
-        )
-    if reduction == "none":
-        out_placements = label_placements
-    else:
-        out_placements = tuple(
-            Replicate() if i == tp_dim or p.is_replicate() else Partial("sum") for i, p in enumerate(placements)
-        )
-    if extras is None:
-        return DTensor.from_local(loss, mesh, out_placements, run_check=False)
-    fields = {}
-    for name, value in loss._asdict().items():
-        if value is not None:
-            per_token = name == "lse" or reduction == "none"
-            placed = label_placements if per_token else out_placements
-            if name == "accuracy" and not per_token:
-                placed = tuple(Replicate() for _ in placements)  # rows not sharded (checked above)
-            value = DTensor.from_local(value, mesh, placed, run_check=False)
-        fields[name] = value
-    return contract.CrossEntropyOutput(**fields)
+# DTensor logits (Shard(-1)) are unwrapped to this rank's columns in dtensor.py, which builds on the functions above;
+# re-exported so every layer reaches them as sharding.*.
+from .dtensor import _LocalShard, dtensor_cross_entropy  # noqa: E402, F401

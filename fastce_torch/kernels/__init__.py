@@ -18,6 +18,8 @@ Extra outputs (OUTPUTS, a constexpr: the default variants compile without it, be
 their instructions are unchanged): the forward also keeps per chunk the first column of the largest z and
 sum_j e^(z_j - max) z_j, combines them like the other partials and writes per row the argmax and the mean of z
 (accuracy and entropy in cross_entropy's CrossEntropyOutput); `lse_backward` is the z_loss output's gradient.
+The entropy output's gradient (HAS_ENTROPY_GRAD, a constexpr of the backward kernel; `backward(..., grad_entropy=,
+mean_z=)`) adds g_H p_j (mz - z_j) dz/dx in the backward's one pass; the variants without it are unchanged.
 
 Modules: common.py (the @triton.jit helpers), forward.py and backward.py (the kernels), combine.py (the
 vocab-parallel combine kernels and their three host-side steps), launch.py (the host side: configs, capture guard,

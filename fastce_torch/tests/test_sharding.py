@@ -84,6 +84,8 @@ TWO_RANKS = {
     "kernel": (
         ["--backend=kernel", "--local-vocab=20", "--poisoned"],
         ["--backend=kernel", "--local-vocab=20", "--second-order"],
+        # temperature, token_weights and the entropy's gradient (vocab_parallel_rl.py), process group and DTensor.
+        ["--backend=kernel", "--local-vocab=20", "--rl"],
         ["--backend=kernel", "--local-vocab=20", "--compile=aot_eager", COMPILE_CASES],
         # The default backend (on the CPU inductor compiles C++ around the custom ops: ~25 s a graph).
         ["--backend=kernel", "--local-vocab=20", "--compile=inductor", "--only=all-options-mean"],
@@ -98,6 +100,7 @@ TWO_RANKS = {
     "reference": (
         ["--backend=reference", "--local-vocab=20", "--poisoned"],
         ["--backend=reference", "--local-vocab=20", "--second-order"],
+        ["--backend=reference", "--local-vocab=20", "--rl"],
         ["--backend=reference", "--local-vocab=20", "--compile=aot_eager", REFERENCE_COMPILE_CASES],
     ),
 }
@@ -113,6 +116,7 @@ def test_three_ranks():
         # Explicit vocab_start; also checks that unequal widths without it give NaN, and that overlapping slices
         # raise.
         ["--backend=kernel", "--widths=10,15,12", "--poisoned"],
+        ["--backend=kernel", "--widths=10,15,12", "--rl"],
         ["--backend=reference", "--widths=10,15,12", "--poisoned"],
         ["--backend=reference", "--widths=10,15,12", "--second-order"],
         ["--backend=kernel", "--local-vocab=12", "--compile=aot_eager",

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import fastce_torch  # noqa: F401  (before triton: chooses Triton's interpreter on a CPU machine)
-from fastce_torch.tests import checks
+from fastce_torch.tests import checks, vocab_parallel_rl
 from fastce_torch.tests.checks import gather_columns, same_on_every_rank
 from fastce_torch.tests.vocab_parallel_second_order import (
     run_second_order_dtensor,
@@ -452,6 +452,7 @@ def parse_segments(argv):
     parser.add_argument("--only", default="", help="comma-separated case names")
     parser.add_argument("--second-order", action="store_true", help="only the Hessian-vector product cases")
     parser.add_argument("--poisoned", action="store_true", help="torch.empty / empty_like buffers start as NaN")
+    parser.add_argument("--rl", action="store_true", help="only the RL keywords' cases (vocab_parallel_rl.py)")
     parser.add_argument(
         "--compile", default="", choices=("", "aot_eager", "inductor"), help="also under torch.compile(fullgraph=True)"
     )
@@ -468,6 +469,8 @@ def run_segment(args, device, group, mesh):
     """Every case of one argument set on every rank: (cases run, failure lines)."""
     world = dist.get_world_size()
     widths, explicit = widths_for(args, world)
+    if args.rl:
+        return (*vocab_parallel_rl.run_rl(device, widths, explicit, group, mesh, args.backend), widths)
     only = set(args.only.split(",")) if args.only else None
     failures, ran = [], 0
     for case in second_order_cases(sum(widths), args.rows, ALL) if args.second_order else ():
@@ -554,6 +557,7 @@ def main():
             how = f", torch.compile {args.compile}" if args.compile else ""
             how += ", second order" if args.second_order else ""
             how += ", poisoned" if args.poisoned else ""
+            how += ", RL keywords" if args.rl else ""
             print(
                 f"vocab-parallel: {ran} cases x {world} ranks (widths {widths}, {args.backend}, {args.device}{how}): "
                 f"{status}",
