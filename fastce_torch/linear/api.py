@@ -13,7 +13,7 @@ import torch
 
 from .. import contract, sharding
 from .autograd import unsharded_loss, unsharded_outputs
-from .chunks import _check_chunking
+from .chunks import _check_chunking, check_logits_dtype
 from .sharded import sharded_linear_cross_entropy
 
 # float64 is accepted as in cross_entropy: computed in float64 by the plain-torch reference, whatever the backend.
@@ -46,6 +46,56 @@ def _check_tensors(hidden, weight, bias, labels):
     contract.check_labels(labels, "hidden", hidden.shape, hidden.device)
 
 
+def _check_temperature(temperature):
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a Python int or float > 0, got {temperature!r}")
+    if not 0.0 < temperature < float("inf"):
+        raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
+    return float(temperature)
+
+
+def with_temperature(options, temperature):
+    """The options with the temperature folded in, exactly: softcap_c(s x) / T == softcap_{c/T}((s/T) x), so the
+    kernels need no new argument; T == 1 leaves the options (and so the kernel variant) as they are."""
+    temperature = _check_temperature(temperature)
+    if temperature == 1.0:
+        return options
+    scaling = (options.logit_scaling or 1.0) / temperature
+    return options._replace(logit_scaling=scaling, logit_softcapping=options.logit_softcapping / temperature)
+
+
+def _check_token_weights(token_weights, labels):
+    if token_weights is None:
+        return None
+    if not isinstance(token_weights, torch.Tensor) or not token_weights.is_floating_point():
+        got = getattr(token_weights, "dtype", type(token_weights))
+        raise TypeError(f"token_weights must be a floating-point tensor shaped like labels, got {got}")
+    if tuple(token_weights.shape) != tuple(labels.shape):
+        raise ValueError(
+            f"token_weights must be shaped like labels: labels {tuple(labels.shape)}, token_weights "
+            f"{tuple(token_weights.shape)}"
+        )
+    if token_weights.device != labels.device:
+        raise ValueError(f"token_weights are on {token_weights.device} but labels on {labels.device}")
+    if token_weights.requires_grad:
+        raise ValueError(
+            "token_weights requires grad: fastce computes no gradient for token weights; pass token_weights.detach()"
+        )
+    return token_weights
+
+
+def prepared_token_weights(token_weights, labels, shift, ignore_index, dtype):
+    """The token weights as the chunks take them: aligned with the (shifted) labels, in the loss's compute dtype,
+    0 where the label is ignore_index (the loss and gradient are 0 there whatever the weight, NaN included)."""
+    if token_weights is None:
+        return None
+    if shift:
+        kept = token_weights[..., shift:]
+        pad = token_weights.new_zeros((*kept.shape[:-1], token_weights.shape[-1] - kept.shape[-1]))
+        token_weights = torch.cat((kept, pad), dim=-1)
+    return torch.where(labels == ignore_index, 0.0, token_weights.to(contract.compute_dtype(dtype)))
+
+
 def linear_cross_entropy(
     hidden,
     weight,
@@ -73,6 +123,9 @@ def linear_cross_entropy(
     process_group=None,
     vocab_start=None,
     class_weight=None,
+    temperature=1.0,
+    token_weights=None,
+    logits_dtype=None,
 ):
     """fastce_torch.cross_entropy(hidden @ weight.T + bias, labels, ...) without ever allocating the logits.
 
@@ -118,6 +171,18 @@ def linear_cross_entropy(
 
     class_weight: class weights (V,), cross_entropy's `weight=` (the positional `weight` is the LM head here), in
     every chunk's kernels; "mean" divides by the kept tokens' summed class weights (on the device).
+
+    temperature (> 0): the transformed logits are softcap(scale * x) / temperature in every output and gradient
+    (folded into the scaling and softcap options). token_weights (shaped like labels, floating, no gradient, may be
+    negative): each token's loss (its z-loss term included, and the z_loss output's term) is multiplied by its weight
+    before the reduction; "mean" still divides by the non-ignored count (or n_items, or the class weights' divisor).
+    "mean"/"sum" keep the gradients computed in the forward (the weights are the backward kernel's per-row factor).
+    return_entropy=True: the entropy output carries a gradient ("none": in the same recomputing backward;
+    "mean"/"sum": when it is differentiated, the backward recomputes each chunk's logits, as for the z_loss output).
+    logits_dtype: None (the inputs' dtype) or float32 ("float32" or torch.float32): with bf16/fp16 inputs the
+    chunks' logits are float32 (on CUDA the matmul reads the bf16/fp16 operands and writes float32; on the CPU the
+    chunk's operands are cast), the workspace counts 4 bytes per logit plus, in a pass that computes gradients, the
+    gradient chunk in the inputs' dtype (the products' operand, as with the default logits).
     """
     _check_tensors(hidden, weight, bias, labels)
     sharded = (
@@ -132,11 +197,19 @@ def linear_cross_entropy(
     options = contract.check_options(
         ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
     )
-    chunking = _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows)
+    options = with_temperature(options, temperature)
+    token_weights = _check_token_weights(token_weights, labels)
+    dtype = hidden.dtype if bias is None else torch.promote_types(hidden.dtype, bias.dtype)
+    dtype = torch.promote_types(dtype, weight.dtype)
+    if torch.is_autocast_enabled(hidden.device.type) and dtype != torch.float64:
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+    float32_logits = check_logits_dtype(logits_dtype, dtype)
+    chunking = _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows, float32_logits)
     extras = contract.check_extras(return_z_loss, return_lse, return_accuracy, return_entropy)
     kept = None
     if shift := contract.check_shift(shift, labels):
         labels, kept = contract.shifted_labels(labels, shift, ignore_index)
+    token_weights = prepared_token_weights(token_weights, labels, shift, ignore_index, dtype)
     if sharded:
         loss = sharded_linear_cross_entropy(
             hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras, validate_labels,
@@ -149,8 +222,11 @@ def linear_cross_entropy(
         contract.validate_labels(labels, weight.shape[0], ignore_index)
     if any(extras):
         output = unsharded_outputs(
-            hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras, class_weight
-        )
+            hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras, class_weight,
+            token_weights,
+        )  # fmt: skip
         return contract.unshifted(output, kept, reduction)
-    loss = unsharded_loss(hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, class_weight)
+    loss = unsharded_loss(
+        hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, class_weight, token_weights
+    )
     return loss[..., :kept] if kept is not None and reduction == "none" else loss

@@ -74,13 +74,17 @@ def _sum_over_ranks(tensor, group):
     return tensor
 
 
-def _chunk_gradient(grad_rows, denominator, logits, labels, lse, options, layout, use_kernel, grad_lse=None):
-    """Overwrites the chunk's local logits with d(loss, and lse where grad_lse is given) / d logits of its columns
-    (no communication): the loss's with grad_rows (None: none), the lse's (the z_loss output's) with grad_lse."""
+def _chunk_gradient(
+    grad_rows, denominator, logits, labels, lse, options, layout, use_kernel, grad_lse=None, dlogits=None
+):
+    """Writes into dlogits (default: the chunk's local logits themselves) d(loss, and lse where grad_lse is given)
+    / d logits of its columns (no communication): the loss's with grad_rows (None: none), the lse's (the z_loss
+    output's) with grad_lse."""
     group, vocab_start, vocab_total, _ = layout
+    dlogits = logits if dlogits is None else dlogits
     if grad_lse is None:
         sharding.shard_gradient(
-            grad_rows, denominator, logits, labels, lse, logits, options, vocab_start, vocab_total, use_kernel
+            grad_rows, denominator, logits, labels, lse, dlogits, options, vocab_start, vocab_total, use_kernel
         )
         return
     # Both parts in float32, rounded to the logits' dtype once.
@@ -98,7 +102,7 @@ def _chunk_gradient(grad_rows, denominator, logits, labels, lse, options, layout
             grad_rows, denominator, logits, labels, lse, loss_part, options, vocab_start, vocab_total, use_kernel
         )
         grad += loss_part
-    logits.copy_(grad)
+    dlogits.copy_(grad)
 
 
 def _recomputed_grads(hidden, weight, bias, labels, lse, grad_losses, grad_lse, needs, ctx):
@@ -108,14 +112,14 @@ def _recomputed_grads(hidden, weight, bias, labels, lse, grad_losses, grad_lse, 
         grads = new_grads(hidden, weight, bias, needs, ctx.chunking)
         if any(needs):
             weight_c, bias_c = in_compute_dtype(hidden, weight, bias)
-            for rows, hidden_chunk, labels_chunk, logits, first in row_chunks(
+            for rows, hidden_chunk, labels_chunk, logits, dlogits, first in row_chunks(
                 hidden, weight_c, bias_c, labels, ctx.chunking
             ):
                 _chunk_gradient(
                     None if grad_losses is None else grad_losses[rows], None, logits, labels_chunk, lse[rows],
-                    ctx.options, ctx.layout, ctx.use_kernel, None if grad_lse is None else grad_lse[rows],
+                    ctx.options, ctx.layout, ctx.use_kernel, None if grad_lse is None else grad_lse[rows], dlogits,
                 )  # fmt: skip
-                accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first)
+                accumulate_grads(dlogits, hidden_chunk, weight_c, rows, grads, first)
         grads = finish_grads(grads, weight, bias)
         if grads[0] is not None:
             _sum_over_ranks(grads[0], ctx.layout[0])
@@ -136,9 +140,8 @@ class _VocabParallelLinearFunction(torch.autograd.Function):
         dtype = contract.compute_dtype(hidden.dtype)
         with_sum_z = options.label_smoothing > 0.0
         # The same rows per chunk on every rank (from the widest slice): the ranks' collectives pair up.
-        step = chunks.rows_per_chunk(
-            n_rows, widest, hidden.element_size(), chunking.workspace_bytes, chunking.chunk_rows
-        )
+        itemsize = chunks.logit_bytes(hidden, chunking, True)  # the backward's passes compute gradients
+        step = chunks.rows_per_chunk(n_rows, widest, itemsize, chunking.workspace_bytes, chunking.chunk_rows)
         chunking = chunking._replace(chunk_rows=step)
         with kernel_context(hidden):
             weight_c, bias_c = in_compute_dtype(hidden, weight, bias)
@@ -149,8 +152,8 @@ class _VocabParallelLinearFunction(torch.autograd.Function):
                 mean_z = torch.zeros(n_rows, dtype=dtype, device=hidden.device)
             grads = new_grads(hidden, weight, bias, grad_now, chunking)
             one = torch.ones((), dtype=torch.float32, device=hidden.device)
-            for rows, hidden_chunk, labels_chunk, logits, first in row_chunks(
-                hidden, weight_c, bias_c, labels, chunking
+            for rows, hidden_chunk, labels_chunk, logits, dlogits, first in row_chunks(
+                hidden, weight_c, bias_c, labels, chunking, with_grads=any(grad_now)
             ):
                 lse_local, z_label, sum_z, *local_extras = sharding.shard_statistics(
                     logits, labels_chunk, options, vocab_start, vocab_total, use_kernel, outputs
@@ -166,8 +169,10 @@ class _VocabParallelLinearFunction(torch.autograd.Function):
                 if outputs:
                     argmax[rows], mean_z[rows] = chunk_extras
                 if any(grad_now):
-                    _chunk_gradient(one, denominator, logits, labels_chunk, chunk_lse, options, layout, use_kernel)
-                    accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first)
+                    _chunk_gradient(
+                        one, denominator, logits, labels_chunk, chunk_lse, options, layout, use_kernel, None, dlogits
+                    )
+                    accumulate_grads(dlogits, hidden_chunk, weight_c, rows, grads, first)
             grads = finish_grads(grads, weight, bias)
             if grads[0] is not None:
                 _sum_over_ranks(grads[0], group)
