@@ -58,7 +58,8 @@ def signature(fn, logits_type, index_type):
 def variants():
     # Every dtype with no option, each option alone and all of them; 64-bit strides (huge tensors) and the
     # vocab-parallel mode on the all-options set; the extra outputs (OUTPUTS) with no option and all of them,
-    # per-token and reduced; class weights (HAS_WEIGHT) with no option, smoothing alone and all of them.
+    # per-token and reduced; class weights (HAS_WEIGHT) with no option, smoothing alone and all of them; the entropy
+    # gradient (HAS_ENTROPY_GRAD) with no option and all of them, plain, vocab-parallel and weighted.
     for dtype, flag_set in itertools.product(POINTER, FLAG_SETS):
         scaling, softcap, smoothing, z_loss = flag_set
         all_options = flag_set == FLAG_SETS[1]
@@ -89,15 +90,18 @@ def variants():
                     **flags,
                 )
                 yield _forward_kernel, signature(_forward_kernel, logits, index), constexprs, warps
-        backward_modes = [(False, False), (True, False)] if all_options else [(False, False)]
+        backward_modes = [(False, False, False), (True, False, False)] if all_options else [(False, False, False)]
         if flag_set in FLAG_SETS[:2] or flag_set == FLAG_SETS[4]:
-            backward_modes.append((False, True))
-        for vocab_parallel, weighted in backward_modes:
+            backward_modes.append((False, True, False))
+        if flag_set in FLAG_SETS[:2]:  # the entropy gradient: no option, all of them, vocab-parallel, weighted
+            backward_modes += [(False, False, True), (True, False, True), (False, True, True)]
+        for vocab_parallel, weighted, entropy_grad in backward_modes:
             constexprs = dict(
                 BLOCK=BACKWARD_BLOCK,
                 HAS_DENOMINATOR=flag_set == FLAG_SETS[0],
                 VOCAB_PARALLEL=vocab_parallel,
                 HAS_WEIGHT=weighted,
+                HAS_ENTROPY_GRAD=entropy_grad,
                 **flags,
             )
             yield (

@@ -1,12 +1,23 @@
 """The contract of fastce_torch in plain torch, shared by every entry point (cross_entropy, linear_cross_entropy,
 the vocab-parallel path in sharding.py): the options record and its checks, the reduction's divisor, the per-token
 loss and its gradient in framework ops (the reference, the vocab-parallel statistics and linear's plain path all
-use the same formulas), the error messages and the autograd guards. Imports no sibling module."""
+use the same formulas), the error messages; the autograd guards live in guards.py (re-exported here)."""
 
 import math
 from typing import NamedTuple
 
 import torch
+
+from .guards import (  # noqa: F401  (re-exported: the other layers reach them as contract.*)
+    LOGITS_REUSED,
+    differentiated_again,
+    functorch_transforms,
+    gradient_buffer,
+    is_intermediate,
+    saved_logits,
+    under_functorch,
+    unwrapped,
+)
 
 
 class Options(NamedTuple):
@@ -25,11 +36,6 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LABEL_DTYPES = (torch.int32, torch.int64)
 FLOAT32_TINY = torch.finfo(torch.float32).tiny  # 2**-126: options between 0 and this are refused
 
-LOGITS_REUSED = (
-    "fastce_torch.cross_entropy wrote its gradient into the logits' buffer (inplace_backward=True), and these "
-    "logits were needed again: by a second backward through the same loss, by a second loss over the same logits, "
-    "or by another op that saved them. Pass inplace_backward=False to keep the logits intact."
-)
 VMAP_UNSUPPORTED = (
     "fastce_torch.cross_entropy's kernels have no torch.func.vmap rule: a vmapped batch is only more rows, so "
     "flatten it into the rows instead (logits.reshape(-1, V), labels.reshape(-1), reduction='none', then reduce "
@@ -194,6 +200,80 @@ def label_weights(labels, weight, vocab):
     """w[y] per token (labels' shape, weight's dtype), 0 where the label is not a class (ignored, out of range)."""
     has_class = (labels >= 0) & (labels < vocab)
     return torch.where(has_class, weight[torch.where(has_class, labels, 0).long()], 0.0)
+
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def check_temperature(temperature):
+    """temperature as a float: a Python int or float, > 0 and finite (bool and other types: TypeError)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a positive number (int or float), got {temperature!r}")
+    if not (_is_finite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
+    return float(temperature)
+
+
+def with_temperature(options, temperature):
+    """Options whose transform is softcap(scaling * x) / temperature, folded into the existing options (exact
+    algebra: softcap_c(s x) / T = softcap_{c/T}((s/T) x)): scaling (s or 1) / T, softcapping c / T (0 stays 0).
+    temperature == 1 returns `options` itself (the same kernel variants as without it). Raises ValueError naming
+    temperature when a folded option leaves float32's normal range (the kernels compute in float32)."""
+    if temperature == 1.0:
+        return options
+    scaling = (options.logit_scaling or 1.0) / temperature
+    softcap = options.logit_softcapping / temperature
+    for value in (scaling, softcap):
+        if value != 0.0 and not FLOAT32_TINY <= abs(value) <= FLOAT32_MAX:
+            raise ValueError(
+                f"temperature={temperature} folds logit_scaling / logit_softcapping to {value}, outside float32's "
+                "normal range (the kernels compute in float32)"
+            )
+    return options._replace(logit_scaling=scaling, logit_softcapping=softcap)
+
+
+TOKEN_WEIGHTS_GRAD_UNSUPPORTED = (
+    "token_weights requires grad: fastce computes no gradient for the token weights (advantages, masks); pass "
+    "token_weights.detach()"
+)
+
+
+def check_token_weights(token_weights, labels):
+    """token_weights: None, or a floating tensor shaped exactly like `labels` (before any shift) on labels' device,
+    not requiring grad. Negative weights (advantages) are allowed; NaN shows as that token's NaN loss."""
+    if token_weights is None:
+        return None
+    if not isinstance(token_weights, torch.Tensor) or not token_weights.is_floating_point():
+        raise TypeError(
+            "token_weights must be a floating-point tensor shaped like labels, got "
+            f"{getattr(token_weights, 'dtype', type(token_weights))}"
+        )
+    if tuple(token_weights.shape) != tuple(labels.shape):
+        raise ValueError(
+            f"token_weights must have labels' shape {tuple(labels.shape)}, got {tuple(token_weights.shape)}"
+        )
+    if token_weights.device != labels.device:
+        raise ValueError(f"token_weights are on {token_weights.device} but labels on {labels.device}")
+    if token_weights.requires_grad:
+        raise ValueError(TOKEN_WEIGHTS_GRAD_UNSUPPORTED)
+    return token_weights
+
+
+def shifted_token_weights(token_weights, shift):
+    """token_weights[..., shift:] followed by `shift` zeros: aligned with contract.shifted_labels' labels (w[..., t]
+    goes with label[..., t]; the first `shift` weights are unused)."""
+    kept = token_weights[..., shift:]
+    pad = token_weights.new_zeros((*token_weights.shape[:-1], token_weights.shape[-1] - kept.shape[-1]))
+    return torch.cat((kept, pad), dim=-1)
+
+
+def apply_token_weights(token_losses, labels, token_weights, ignore_index):
+    """w_t * loss_t per token (the losses' dtype; ignored tokens stay 0 whatever their weight), before the
+    reduction. token_weights None: the losses unchanged."""
+    if token_weights is None:
+        return token_losses
+    weighted = token_weights.to(token_losses.dtype).reshape(token_losses.shape) * token_losses
+    return torch.where(labels.reshape(token_losses.shape) == ignore_index, 0.0, weighted)
 
 
 def check_shift(shift, labels):
@@ -419,157 +499,14 @@ def logits_gradient(grad_rows, logits, labels, lse, options, vocab_start=0, voca
     return torch.where(ignored.unsqueeze(-1), 0.0, dz * scale.unsqueeze(-1))
 
 
-# --- the extra outputs (CrossEntropyOutput) from per-token statistics --------------------------------------------
-
-
-def row_extras(z):
-    """Per row of transformed logits z (..., V): (argmax, first index on ties, as int64; the mean of z under
-    softmax(z), with -inf logits contributing 0). Plain torch, for the reference paths."""
-    lse = torch.logsumexp(z, dim=-1, keepdim=True)
-    p = torch.exp(z - lse)
-    mean_z = torch.where(p > 0, p * z, 0.0).sum(-1)
-    return z.argmax(-1), mean_z
-
-
-def extra_outputs(loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab, weight=None):
-    """CrossEntropyOutput from the loss and per-token (lse, argmax, mean of z under softmax) of flat rows (N,),
-    shaped like `labels`. Only z_loss is differentiable (through lse, when lse requires grad); the rest is computed
-    from detached values. O(N) framework ops. weight: class weights (V,) or None: z_loss is then the loss's
-    weighted term (w[y] z_loss lse^2, over the loss's weighted divisor); lse, accuracy and entropy ignore them."""
-    ignore_index = options.ignore_index
-    ignored = labels == ignore_index
-    in_range = (labels >= 0) & (labels < vocab)
-    shape = labels.shape
-    lse = lse.view(shape)
-    # A row holding +inf has no logsumexp (torch's gives +inf there, the kernels NaN): NaN in every output.
-    lse = torch.where(lse.detach() == float("inf"), float("nan"), lse)
-    bad_row = torch.isnan(lse.detach())
-    out = dict(loss=loss)
-    divisor = loss_divisor(labels, reduction, n_items, ignore_index, lse.dtype)
-
-    def reduced(values):
-        return values if divisor is None else values.sum() / divisor
-
-    if extras.z_loss:
-        kept_lse = torch.where(ignored, 0.0, lse)  # ignored rows' lse is -inf: no inf * 0 in the gradient
-        z_term = (options.z_loss * kept_lse * kept_lse) * torch.where(in_range | ignored, 1.0, float("nan")).to(
-            lse.dtype
-        )
-        if weight is not None:
-            z_term = z_term * label_weights(labels, weight.to(z_term.dtype), vocab)
-            z_divisor = loss_divisor(labels, reduction, n_items, ignore_index, lse.dtype, weight)
-            out["z_loss"] = z_term if z_divisor is None else z_term.sum() / z_divisor
-        else:
-            out["z_loss"] = reduced(z_term)
-    lse = lse.detach()
-    if extras.lse:
-        out["lse"] = torch.where(ignored, -float("inf"), lse)
-    if extras.accuracy:
-        hit = (argmax.view(shape) == labels).to(lse.dtype)
-        hit = torch.where(in_range & ~bad_row, hit, float("nan"))
-        hit = torch.where(ignored, 0.0, hit)
-        if divisor is not None:
-            hit = hit.sum() / (~ignored).sum().clamp_min(1).to(hit.dtype)
-        out["accuracy"] = hit
-    if extras.entropy:
-        entropy = torch.where(bad_row, float("nan"), lse - mean_z.detach().view(shape))
-        out["entropy"] = reduced(torch.where(ignored, 0.0, entropy))
-    return CrossEntropyOutput(**out)
-
-
-def unshifted(output, kept, reduction):
-    """A CrossEntropyOutput of shifted labels cut to the kept positions (shift=): per-token fields only."""
-    if kept is None:
-        return output
-    fields = output._asdict()
-    for name, value in fields.items():
-        if value is not None and (name == "lse" or reduction == "none"):
-            fields[name] = value[..., :kept]
-    return CrossEntropyOutput(**fields)
-
-
-def reference_outputs(logits, labels, options, extras, reduction, n_items, loss, weight=None):
-    """CrossEntropyOutput of the plain-torch path (the loss already computed by it)."""
-    z = transform(logits, options, labels)
-    lse = torch.logsumexp(z, dim=-1)
-    with torch.no_grad():
-        argmax, mean_z = row_extras(z.detach())
-    return extra_outputs(
-        loss, lse.reshape(-1), argmax.reshape(-1), mean_z.reshape(-1), labels, options, extras, reduction, n_items,
-        logits.shape[-1], weight,
-    )  # fmt: skip
-
-
-def lse_gradient(grad_lse, logits, labels, options):
-    """d(sum_t grad_lse_t * lse_t) / d logits (..., V) in differentiable plain torch (float32; float64 for
-    float64 logits): the z_loss output's gradient, as kernels.lse_backward computes it."""
-    vocab = logits.shape[-1]
-    options = options._replace(label_smoothing=0.0, z_loss=0.0)
-    rows, flat = logits.reshape(-1, vocab), labels.reshape(-1)
-    grad = logits_gradient(grad_lse.reshape(-1), rows, flat, None, options, vocab_start=vocab, vocab_total=vocab)
-    return grad.to(logits.dtype).reshape(logits.shape)
-
-
-# --- autograd guards ---------------------------------------------------------------------------------------------
-
-
-def is_intermediate(tensor):
-    """True when the tensor's storage belongs to the autograd graph alone (not a leaf, not a view of one)."""
-    base = tensor if tensor._base is None else tensor._base
-    return tensor.requires_grad and not tensor.is_leaf and not base.is_leaf
-
-
-def saved_logits(ctx):
-    """ctx.saved_tensors, or LOGITS_REUSED when an in-place backward already overwrote the logits (a second backward)
-    or another op changed them since the forward."""
-    if ctx.consumed:
-        raise RuntimeError(LOGITS_REUSED)
-    try:
-        return ctx.saved_tensors
-    except RuntimeError as error:
-        if ctx.inplace_backward and "modified by an inplace operation" in str(error):
-            raise RuntimeError(LOGITS_REUSED) from error
-        raise
-
-
-def gradient_buffer(ctx, logits):
-    """Where the backward writes d loss / d logits: the logits themselves with ctx.inplace_backward, else a new
-    tensor."""
-    if not ctx.inplace_backward:
-        return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    # The logits are about to hold the gradient: any other op that saved them for its own backward then fails
-    # loudly ("modified by an inplace operation") instead of reading gradients as logits.
-    torch.autograd.graph.increment_version(logits)
-    ctx.consumed = True
-    return logits
-
-
-def functorch_transforms():
-    """The torch.func transforms (grad, vjp, jvp, vmap, ...) the current call runs under, outermost first."""
-    return [interpreter.key() for interpreter in torch._functorch.pyfunctorch.retrieve_all_functorch_interpreters()]
-
-
-def under_functorch():
-    return torch._C._functorch.maybe_current_level() is not None
-
-
-def unwrapped(tensor):
-    """The plain tensor inside torch.func's wrappers (grad/vjp run the backward on them; a kernel needs memory)."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
-        tensor = torch._C._functorch.get_unwrapped(tensor)
-    return tensor
-
-
-def differentiated_again(tensors):
-    """Whether the gradient a backward returns will itself be differentiated, so it must be built from
-    differentiable torch ops rather than by a kernel (whose output autograd would take for a constant): under
-    create_graph=True (grad mode on inside backward) when the saved logits or the upstream gradient are tracked
-    beneath the torch.func wrappers, or inside an outer torch.func transform that differentiates again (grad of
-    grad, jvp of grad) or batches the cotangent (vmap: jacrev, per-example gradients)."""
-    if torch.is_grad_enabled() and any(unwrapped(tensor).requires_grad for tensor in tensors[:2]):
-        return True
-    if not under_functorch():
-        return False
-    transforms = functorch_transforms()
-    kind = torch._C._functorch.TransformType
-    return kind.Vmap in transforms or sum(key in (kind.Grad, kind.Jvp) for key in transforms) > 1
+# The extra outputs' formulas (CrossEntropyOutput from per-token statistics, their gradients) live in outputs.py,
+# which builds on the functions above; re-exported so every layer reaches them as contract.*.
+from .outputs import (  # noqa: E402, F401
+    entropy_gradient,
+    extra_outputs,
+    lse_gradient,
+    reference_outputs,
+    row_extras,
+    softmax_mean,
+    unshifted,
+)

@@ -32,6 +32,8 @@ def _backward_kernel(
     vocab_total,
     weight_ptr,
     weight_sum_ptr,
+    grad_entropy_ptr,
+    mean_z_ptr,
     BLOCK: tl.constexpr,
     HAS_SCALING: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -40,6 +42,7 @@ def _backward_kernel(
     HAS_DENOMINATOR: tl.constexpr,
     VOCAB_PARALLEL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
+    HAS_ENTROPY_GRAD: tl.constexpr,
 ):
     """Program (row, tile) of the backward: d loss / d logits of BLOCK columns of one row, written to the gradient.
 
@@ -55,6 +58,9 @@ def _backward_kernel(
     HAS_WEIGHT: class weights at weight_ptr (float32 (V,)), their sum at weight_sum_ptr (read with smoothing):
     dL/dz_j = w[y] ((1 - eps)(p_j - [j == y]) + 2 z_loss lse p_j) + (eps / V)(W p_j - w_j). Not with
     VOCAB_PARALLEL.
+    HAS_ENTROPY_GRAD: also the gradient of the entropy output, from grad_entropy_ptr (float32 (n_rows,), the
+    upstream of each row's entropy H) and mean_z_ptr (float32 (n_rows,), mz = sum_j p_j z_j = lse - H; in
+    vocab-parallel mode the global one): adds g_H p_j (mz - z_j) dz/dx in the same pass (0 where p_j = 0).
     """
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -119,6 +125,14 @@ def _backward_kernel(
             HAS_Z_LOSS,
         )
     dx = tl.where(ignored, 0.0, dx * grad_loss)
+    if HAS_ENTROPY_GRAD:  # dH/dz_j = p_j (mz - z_j); -inf logits (p_j = 0) contribute 0, not 0 * inf
+        p = tl.exp(x - lse)
+        dh = tl.where(p > 0, p * (tl.load(mean_z_ptr + row) - x), 0.0) * tl.load(grad_entropy_ptr + row)
+        if HAS_SOFTCAP:
+            dh = dh * (1.0 - tanh_z * tanh_z)
+        if HAS_SCALING:
+            dh = dh * scaling
+        dx = tl.where(ignored, 0.0, dx + dh)
     grad_row = grad_ptr + _row_offset(row, grad_batch_stride, grad_row_stride, rows_per_batch)
     tl.store(grad_row + cols, dx.to(grad_ptr.dtype.element_ty), mask=in_row)
 

@@ -402,13 +402,21 @@ def backward(
     vocab_total=None,
     config=None,
     weight=None,
+    grad_entropy=None,
+    mean_z=None,
 ):
     """Writes d(sum_t grad_loss_t * loss_t / denominator)/d logits into `grad` (the shape of logits; it may be
     `logits` itself). grad_loss is per token (N,), or 0-d (one upstream scalar for all tokens); denominator a
     1-element tensor or None. Vocab-parallel mode (vocab_total given): the logits are columns
     [vocab_start, vocab_start + V) of vocab_total, lse the global logsumexp; labels outside [0, vocab_total) give
     NaN rows. config: a BackwardConfig (default backward_config(V)). weight: class weights as in `forward` (the
-    same tensor the forward had; not in vocab-parallel mode)."""
+    same tensor the forward had; not in vocab-parallel mode).
+    grad_entropy, mean_z: the entropy output's gradient as well (the HAS_ENTROPY_GRAD variant, in the same pass):
+    both per row (N,), grad_entropy the upstream of each row's entropy H_t (already divided by a "mean" entropy's
+    count), mean_z the row's mz = lse - H (the forward's `outputs=True` mean of z; vocab-parallel: the global one);
+    adds sum_t grad_entropy_t dH_t/d logits, dH/dz_j = p_j (mz - z_j). Both or neither."""
+    if (grad_entropy is None) != (mean_z is None):
+        raise ValueError("the entropy gradient needs both grad_entropy and mean_z (per row)")
     if weight is not None and vocab_total is not None:
         raise NotImplementedError("class weights are not supported in vocab-parallel mode")
     _checked(logits)
@@ -432,6 +440,14 @@ def backward(
     block, warps = backward_config(vocab) if config is None else config
     flags = _flags(options)
     weight, weight_sum = class_weight_operands(weight, options, lse)
+    entropy_grad = grad_entropy is not None
+    if entropy_grad:  # per-row float32, contiguous: the kernel reads element `row` of each
+        grad_entropy = grad_entropy.to(torch.float32).contiguous()
+        mean_z = mean_z.to(torch.float32).contiguous()
+        if grad_entropy.shape != (n_rows,) or mean_z.shape != (n_rows,):
+            raise ValueError(f"grad_entropy and mean_z must have shape ({n_rows},)")
+    else:  # placeholders, as for the class weights: the default variant's arguments keep their types
+        grad_entropy = mean_z = lse
     args = (
         logits,
         batch_stride,
@@ -455,11 +471,14 @@ def backward(
         vocab if vocab_total is None else vocab_total,
         weight,
         weight_sum,
+        grad_entropy,
+        mean_z,
         block,  # the constexprs, in the kernel's order: BLOCK, the four flags, HAS_DENOMINATOR, VOCAB_PARALLEL, ...
         *flags,
         denominator is not None,
         vocab_total is not None,
         weight is not lse,
+        entropy_grad,
     )
     grid = (n_rows, _cdiv(vocab, block), 1)
     with on_device(logits):
@@ -477,6 +496,7 @@ def backward(
                     denominator is not None,
                     *flags,
                     weight is not lse,
+                    entropy_grad,
                 ),
                 logits,
             )
