@@ -12,6 +12,7 @@ linear/sharded.py.
 import torch
 
 from .. import contract, sharding
+from ..log_probs import LogProbOutput
 from .autograd import unsharded_loss, unsharded_outputs
 from .chunks import _check_chunking, check_logits_dtype
 from .sharded import sharded_linear_cross_entropy
@@ -46,53 +47,13 @@ def _check_tensors(hidden, weight, bias, labels):
     contract.check_labels(labels, "hidden", hidden.shape, hidden.device)
 
 
-def _check_temperature(temperature):
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a Python int or float > 0, got {temperature!r}")
-    if not 0.0 < temperature < float("inf"):
-        raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
-    return float(temperature)
-
-
-def with_temperature(options, temperature):
-    """The options with the temperature folded in, exactly: softcap_c(s x) / T == softcap_{c/T}((s/T) x), so the
-    kernels need no new argument; T == 1 leaves the options (and so the kernel variant) as they are."""
-    temperature = _check_temperature(temperature)
-    if temperature == 1.0:
-        return options
-    scaling = (options.logit_scaling or 1.0) / temperature
-    return options._replace(logit_scaling=scaling, logit_softcapping=options.logit_softcapping / temperature)
-
-
-def _check_token_weights(token_weights, labels):
-    if token_weights is None:
-        return None
-    if not isinstance(token_weights, torch.Tensor) or not token_weights.is_floating_point():
-        got = getattr(token_weights, "dtype", type(token_weights))
-        raise TypeError(f"token_weights must be a floating-point tensor shaped like labels, got {got}")
-    if tuple(token_weights.shape) != tuple(labels.shape):
-        raise ValueError(
-            f"token_weights must be shaped like labels: labels {tuple(labels.shape)}, token_weights "
-            f"{tuple(token_weights.shape)}"
-        )
-    if token_weights.device != labels.device:
-        raise ValueError(f"token_weights are on {token_weights.device} but labels on {labels.device}")
-    if token_weights.requires_grad:
-        raise ValueError(
-            "token_weights requires grad: fastce computes no gradient for token weights; pass token_weights.detach()"
-        )
-    return token_weights
-
-
 def prepared_token_weights(token_weights, labels, shift, ignore_index, dtype):
     """The token weights as the chunks take them: aligned with the (shifted) labels, in the loss's compute dtype,
     0 where the label is ignore_index (the loss and gradient are 0 there whatever the weight, NaN included)."""
     if token_weights is None:
         return None
     if shift:
-        kept = token_weights[..., shift:]
-        pad = token_weights.new_zeros((*kept.shape[:-1], token_weights.shape[-1] - kept.shape[-1]))
-        token_weights = torch.cat((kept, pad), dim=-1)
+        token_weights = contract.shifted_token_weights(token_weights, shift)
     return torch.where(labels == ignore_index, 0.0, token_weights.to(contract.compute_dtype(dtype)))
 
 
@@ -197,8 +158,8 @@ def linear_cross_entropy(
     options = contract.check_options(
         ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
     )
-    options = with_temperature(options, temperature)
-    token_weights = _check_token_weights(token_weights, labels)
+    options = contract.with_temperature(options, contract.check_temperature(temperature))
+    token_weights = contract.check_token_weights(token_weights, labels)
     dtype = hidden.dtype if bias is None else torch.promote_types(hidden.dtype, bias.dtype)
     dtype = torch.promote_types(dtype, weight.dtype)
     if torch.is_autocast_enabled(hidden.device.type) and dtype != torch.float64:
@@ -230,3 +191,43 @@ def linear_cross_entropy(
         hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, class_weight, token_weights
     )
     return loss[..., :kept] if kept is not None and reduction == "none" else loss
+
+
+def linear_log_probs(
+    hidden,
+    weight,
+    tokens,
+    *,
+    bias=None,
+    temperature=1.0,
+    return_entropy=False,
+    ignore_index=-100,
+    logit_softcapping=0.0,
+    logit_scaling=0.0,
+    shift=0,
+    workspace_bytes=None,
+    chunk_rows=None,
+    logits_dtype=None,
+    backend="auto",
+    validate_labels=False,
+    process_group=None,
+    vocab_start=None,
+):
+    """Per-token log-probabilities log p(token_t) of softmax(softcap(scale * (hidden @ weight.T + bias)) /
+    temperature), shaped like tokens (with shift=k like tokens[..., k:]), float32 (float64 for float64 inputs): 0.0
+    where the token is ignore_index, NaN for a token outside [0, V). return_entropy=True: LogProbOutput(logprobs,
+    entropy), the entropy per token (0 where ignored). Both differentiable through any objective built on them
+    (hidden, weight and bias get gradients): linear_cross_entropy(reduction="none") underneath, so no (N, V) logits
+    (the backward recomputes each chunk: 2NHV of matmul work forward, 6NHV backward). With gradients off
+    (torch.no_grad, inference_mode, inputs not requiring grad) nothing is kept for a backward. The other keywords
+    are linear_cross_entropy's."""
+    out = linear_cross_entropy(
+        hidden, weight, tokens, bias=bias, ignore_index=ignore_index, reduction="none",
+        logit_softcapping=logit_softcapping, logit_scaling=logit_scaling, backend=backend,
+        validate_labels=validate_labels, shift=shift, workspace_bytes=workspace_bytes, chunk_rows=chunk_rows,
+        return_entropy=return_entropy, process_group=process_group, vocab_start=vocab_start, temperature=temperature,
+        logits_dtype=logits_dtype,
+    )  # fmt: skip
+    if not return_entropy:
+        return 0.0 - out  # 0.0 - 0.0 is +0.0 where ignored (a negation would give -0.0)
+    return LogProbOutput(0.0 - out.loss, out.entropy)

@@ -24,12 +24,6 @@ BACKWARD_TWICE = (
 )
 
 
-ENTROPY_SECOND_ORDER = (
-    "fastce_torch.linear_cross_entropy: create_graph=True through a differentiated entropy output is not supported; "
-    "differentiate the entropy once, or use backend='reference' for higher derivatives"
-)
-
-
 def row_entropy(lse, mean_z, labels, ignore_index):
     """Per-row entropy H = lse - E_p[z] from the forward kernel's statistics; 0 on ignored rows (lse -inf there)."""
     return torch.where(labels == ignore_index, 0.0, lse - mean_z)
@@ -127,12 +121,10 @@ class _ReducedFunction(torch.autograd.Function):
                 return (None,) * 3
             return _ReducedFunction._loss_grads(ctx, grad_loss, ctx.saved_tensors[:6])
         if torch.is_grad_enabled():
-            if grad_entropy is not None:
-                raise NotImplementedError(ENTROPY_SECOND_ORDER)
             grad_rows = None if grad_loss is None else (grad_loss.float() / denominator[0]).expand(labels.shape)
             return _differentiable_grads(
                 _weighted(grad_rows, token_weights), hidden, weight, bias, labels, ctx.options, ctx.needs, grad_lse,
-                ctx.class_weight,
+                ctx.class_weight, grad_entropy,
             )  # fmt: skip
         upstream = (None, _detached(grad_lse), _detached(grad_entropy), entropy)
         # unweighted: grad_lse holds the class weights' factor
@@ -190,11 +182,9 @@ class _PerTokenFunction(torch.autograd.Function):
         if grad_losses is None and grad_lse is None and grad_entropy is None:
             return (None,) * 3 + nones
         if torch.is_grad_enabled():  # create_graph=True: a gradient that autograd can differentiate again
-            if grad_entropy is not None:
-                raise NotImplementedError(ENTROPY_SECOND_ORDER)
             grad_rows = None if grad_losses is None else grad_losses.float()
             grads = _differentiable_grads(
-                grad_rows, hidden, weight, bias, labels, ctx.options, needs, grad_lse, ctx.class_weight
+                grad_rows, hidden, weight, bias, labels, ctx.options, needs, grad_lse, ctx.class_weight, grad_entropy
             )
             return (*grads, *nones)
         upstream = (_detached(grad_losses), _detached(grad_lse), _detached(grad_entropy), entropy)

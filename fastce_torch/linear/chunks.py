@@ -90,21 +90,6 @@ def _ce_forward(logits, labels, options, outputs=False, class_weight=None):
     return loss, lse, *statistics
 
 
-def _entropy_part(grad_entropy, logits, labels, lse, entropy, options):
-    """d(sum_t grad_entropy_t H_t) / d logits (float32) in plain torch, chunk-sized: p_j (mz_t - z_j) dz/dx with
-    mz = lse - H; 0 on ignored rows."""
-    ignored = (labels == options.ignore_index).unsqueeze(-1)
-    z = contract.transform(logits, options, labels).float()
-    lse, mz = lse.unsqueeze(-1), (lse - entropy).unsqueeze(-1)
-    grad = torch.exp(z - torch.where(ignored, 0.0, lse)) * (torch.where(ignored, 0.0, mz) - z)
-    if options.logit_softcapping > 0.0:
-        tanh_z = z / options.logit_softcapping
-        grad = grad * (1.0 - tanh_z * tanh_z)
-    if options.logit_scaling != 0.0:
-        grad = grad * options.logit_scaling
-    return torch.where(ignored, 0.0, grad * grad_entropy.float().unsqueeze(-1))
-
-
 def chunk_gradient(logits, dlogits, labels, lse, options, upstream, denominator=None, class_weight=None):
     """Writes into `dlogits` (the logits' own buffer, or the chunk in the inputs' dtype next to float32 logits) the
     gradient of sum_t (g_loss_t loss_t / denominator + g_lse_t lse_t + g_entropy_t H_t) with upstream = (g_loss,
@@ -112,23 +97,25 @@ def chunk_gradient(logits, dlogits, labels, lse, options, upstream, denominator=
     denominator, a per-row g_loss is the token weights' factor w_t / denominator); g_lse (the z_loss output's)
     already holds any class weights' factor (the lse part is unweighted); entropy (the rows' H) gives mz = lse - H."""
     grad_loss, grad_lse, grad_entropy, entropy = upstream
-    if grad_lse is None and grad_entropy is None:
-        return kernels.backward(grad_loss, logits, labels, lse, dlogits, options, denominator, weight=class_weight)
-    if grad_loss is None and grad_entropy is None:
-        return kernels.lse_backward(grad_lse, logits, labels, lse, dlogits, options)
-    # Several parts: summed in float32, rounded to the gradient's dtype once.
-    total = None
-    if grad_loss is not None:
-        total = torch.empty_like(logits, dtype=torch.float32)
-        kernels.backward(grad_loss, logits, labels, lse, total, options, denominator, weight=class_weight)
-    if grad_lse is not None:
-        part = kernels.lse_backward(
-            grad_lse, logits, labels, lse, torch.empty_like(logits, dtype=torch.float32), options
-        )
-        total = part if total is None else total.add_(part)
+    # The entropy's part rides in the loss's pass (the kernel's entropy variant; a zero upstream for the loss when
+    # only the entropy is differentiated).
+    entropy_keywords = {}
     if grad_entropy is not None:
-        part = _entropy_part(grad_entropy, logits, labels, lse, entropy, options)
-        total = part if total is None else total.add_(part)
+        entropy_keywords = dict(grad_entropy=grad_entropy, mean_z=lse - entropy)
+        if grad_loss is None:
+            grad_loss = torch.zeros((), dtype=torch.float32, device=logits.device)
+    if grad_lse is None:
+        return kernels.backward(
+            grad_loss, logits, labels, lse, dlogits, options, denominator, weight=class_weight, **entropy_keywords
+        )
+    if grad_loss is None:
+        return kernels.lse_backward(grad_lse, logits, labels, lse, dlogits, options)
+    # Both parts in float32, rounded to the gradient's dtype once.
+    total = kernels.lse_backward(grad_lse, logits, labels, lse, torch.empty_like(logits, dtype=torch.float32), options)
+    part = torch.empty_like(logits, dtype=torch.float32)
+    total += kernels.backward(
+        grad_loss, logits, labels, lse, part, options, denominator, weight=class_weight, **entropy_keywords
+    )
     return dlogits.copy_(total)
 
 
@@ -413,21 +400,27 @@ def chunked_backward(
         return finish_grads(grads, weight, bias)
 
 
-def _differentiable_grads(grad_rows, hidden, weight, bias, labels, options, needs, grad_lse=None, class_weight=None):
-    """The gradients of sum_t grad_rows_t * loss_t in plain torch (F.linear, then the contract's d loss / d logits
-    and the two products), so that autograd can differentiate them again (create_graph=True: gradient penalties,
-    Hessian-vector products). It materialises the (N, V) logits; only a second-order computation comes here."""
+def _differentiable_grads(
+    grad_rows, hidden, weight, bias, labels, options, needs, grad_lse=None, class_weight=None, grad_entropy=None
+):
+    """The gradients of sum_t (grad_rows_t loss_t + grad_lse_t lse_t + grad_entropy_t H_t) (each None for none of
+    it) in plain torch (F.linear, then the contract's d / d logits and the two products), so that autograd can
+    differentiate them again (create_graph=True: gradient penalties, Hessian-vector products). It materialises the
+    (N, V) logits; only a second-order computation comes here."""
     # Under autocast a float32 master weight meets bf16 hidden here: compute in hidden's dtype, as the kernels did.
     weight = weight.to(hidden.dtype)
     bias = None if bias is None else bias.to(hidden.dtype)
     logits = torch.nn.functional.linear(hidden, weight, bias)
-    if grad_rows is None:
-        dlogits = contract.lse_gradient(grad_lse, logits, labels, options)
-    else:
-        dlogits = contract.logits_gradient(grad_rows, logits, labels, None, options, weight=class_weight)
-        dlogits = dlogits.to(logits.dtype)
-        if grad_lse is not None:
-            dlogits = dlogits + contract.lse_gradient(grad_lse, logits, labels, options)
+    parts = []
+    if grad_rows is not None:
+        parts.append(contract.logits_gradient(grad_rows, logits, labels, None, options, weight=class_weight))
+    if grad_lse is not None:
+        parts.append(contract.lse_gradient(grad_lse, logits, labels, options))
+    if grad_entropy is not None:
+        parts.append(contract.entropy_gradient(grad_entropy, logits, labels, options))
+    dlogits = parts[0].to(logits.dtype)
+    for part in parts[1:]:
+        dlogits = dlogits + part.to(logits.dtype)
     need_hidden, need_weight, need_bias = needs
     return (
         dlogits @ weight if need_hidden else None,
