@@ -174,7 +174,7 @@ def linear_cross_entropy(
     if sharded:
         loss = sharded_linear_cross_entropy(
             hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras, validate_labels,
-            process_group, vocab_start,
+            process_group, vocab_start, token_weights,
         )  # fmt: skip
         if isinstance(loss, contract.CrossEntropyOutput):
             return contract.unshifted(loss, kept, reduction)
