@@ -5,17 +5,23 @@ rows: the workspace budget (the `workspace_bytes` keyword, by default `DEFAULT_W
 logits) split evenly over as few chunks as it allows, rounded up to a multiple of `ROWS_MULTIPLE` (whole matmul
 tiles); the `chunk_rows` keyword, when given, overrides it. Per chunk: the logits come from one
 matmul into the workspace, fastce's forward kernel gives each row's loss and log-sum-exp (`_ce_forward`), the
-backward kernel overwrites the same fresh logits with d loss / d logits (`_ce_backward_in_place`), and two matmuls
+backward kernel overwrites the same fresh logits with d loss / d logits (`chunk_gradient`), and two matmuls
 fold that into the chunk's rows of d hidden and into d weight (a column sum into d bias). The last chunk is
-shorter (a slice of the workspace).
+shorter (a slice of the workspace). logits_dtype=float32 with bf16/fp16 inputs: the workspace holds float32 logits
+(4 bytes each) and, in a pass that computes gradients, the backward kernel writes d logits into a second chunk in the
+inputs' dtype (the products' operand, as with the default logits), so such a pass counts 4 + itemsize bytes per
+logit against workspace_bytes.
 
 Reductions.
 - "mean" / "sum": the gradients are complete after the forward (the denominator is counted on the device first, no
   host synchronisation); the backward only multiplies them by the upstream scalar, and skips even that on the device
-  when the scalar is exactly 1. 6·N·H·V flops in all. Gradients are computed only when grad mode is on and an input
-  requires one (2·N·H·V flops otherwise).
+  when the scalar is exactly 1. 6·N·H·V flops in all. Token weights keep this: w_t / denominator is the backward
+  kernel's per-row upstream. A differentiated z_loss or entropy output is the exception: its upstream exists only in
+  the backward, which then recomputes each chunk's logits for that part. Gradients are computed only when grad mode
+  is on and an input requires one (2·N·H·V flops otherwise).
 - "none": the per-token upstream gradients exist only in the backward, so the forward keeps the log-sum-exp (N
-  floats) and the backward recomputes each chunk's logits: 8·N·H·V flops.
+  floats) and the backward recomputes each chunk's logits: 8·N·H·V flops. A differentiated entropy output adds its
+  term in the same backward kernel pass (the kernel's entropy variant, from the forward's per-row entropy).
 
 Memory beyond the inputs: the gradients (hidden's, weight's, bias's, in their dtypes), the workspace (chunk rows x V
 in the inputs' dtype, at most workspace_bytes) and O(N + V) floats.
