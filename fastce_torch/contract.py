@@ -509,4 +509,5 @@ from .outputs import (  # noqa: E402, F401
     row_extras,
     softmax_mean,
     unshifted,
+    weighted_output,
 )

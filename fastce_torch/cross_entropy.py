@@ -1,7 +1,12 @@
-"""Fused cross-entropy for PyTorch: the eager autograd.Function, torch.library custom ops for torch.compile, the
-functional `cross_entropy`, the `CrossEntropyLoss` module, and `cross_entropy_reference` (the same contract in
-plain torch). The checks and plain-torch formulas are in contract.py, the kernels and their launchers in kernels/,
-the vocab-parallel path in sharding.py.
+"""Fused cross-entropy for PyTorch: the eager autograd.Function, the functional `cross_entropy`, the
+`CrossEntropyLoss` module, and `cross_entropy_reference` (the same contract in plain torch). The torch.library
+custom ops used under torch.compile are in custom_ops.py, the checks and plain-torch formulas in contract.py (and
+outputs.py), the kernels and their launchers in kernels/, the vocab-parallel path in sharding.py.
+
+temperature is folded into the options on the host (contract.with_temperature); token_weights turn the call into
+per-token losses that are weighted and reduced in O(N) torch ops (contract.weighted_output), so that the weights
+reach the kernel backward as its per-row upstream; a differentiated entropy output adds its gradient in the
+backward kernel's pass (HAS_ENTROPY_GRAD).
 
 Eager calls go through `CrossEntropyFunction`: one forward launch that also reduces "mean"/"sum" in-kernel
 (a fixed summation order, no host synchronisation), one backward launch, nothing else on the host's hot path, since
@@ -12,7 +17,8 @@ torch.compile the custom ops give the compiler opaque per-token ops and the redu
 import torch
 
 from . import contract, kernels, sharding
-from .contract import Extras, Options, differentiated_again, under_functorch, unwrapped
+from .contract import Extras, differentiated_again, under_functorch, unwrapped
+from .custom_ops import forward_op, forward_outputs_op
 
 
 def _differentiable_gradient(grad_output, logits, labels, denominator, options, weight=None):
@@ -56,6 +62,8 @@ class CrossEntropyFunction(torch.autograd.Function):
         loss, lse, denominator, argmax, mean_z = kernels.forward(
             logits, labels, options, reduction, n_items, layout=layout, outputs=True, weight=weight
         )
+        if extras.entropy:  # differentiable lse and mean_z of their own: not two views of one scratch buffer
+            lse, mean_z = lse.clone(), mean_z.clone()
         return loss, lse, (lse[:0] if denominator is None else denominator), argmax, mean_z
 
     @staticmethod
@@ -65,40 +73,63 @@ class CrossEntropyFunction(torch.autograd.Function):
         ctx.weight = inputs[8] if len(inputs) > 8 else None  # no gradient, so not saved as an input to check
         _, lse, denominator, *statistics = output
         ctx.z_grad = extras is not None and bool(extras.z_loss)
-        ctx.mark_non_differentiable(denominator, *statistics, *(() if ctx.z_grad else (lse,)))
+        # A differentiable entropy (lse - mean_z): lse and mean_z carry their true derivatives (see backward).
+        ctx.entropy_grad = extras is not None and bool(extras.entropy)
+        constant = [denominator, *statistics[: 1 if ctx.entropy_grad else 2]]  # argmax; mean_z unless entropy
+        ctx.mark_non_differentiable(*constant, *(() if ctx.z_grad or ctx.entropy_grad else (lse,)))
         # The non-differentiable outputs never get a gradient: no zero-filled stand-ins for them.
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(logits, labels, lse, denominator)
+        ctx.save_for_backward(logits, labels, lse, denominator, *statistics[1:] * ctx.entropy_grad)
         if under_functorch() or torch.autograd.forward_ad._current_level >= 0:  # forward mode may ask for jvp
             ctx.save_for_forward(logits, labels, lse, denominator)
         ctx.inplace_backward, ctx.options, ctx.consumed = inplace_backward, options, False
         ctx.needs_extras = extras
 
     @staticmethod
-    def backward(ctx, grad_output, grad_lse, *unused):
+    def backward(ctx, grad_output, grad_lse, _grad_denominator=None, _grad_argmax=None, grad_mean_z=None):
         saved = contract.saved_logits(ctx)
-        if grad_lse is None or not ctx.z_grad:
+        saved, mean_z = saved[:4], (saved[4] if len(saved) > 4 else None)
+        # The entropy H = lse - mz hands lse an upstream a and mz an upstream b = -g_H: d(a lse + b mz)/dz_j =
+        # (a + b) p_j - b p_j (mz - z_j), the lse part with upstream a + b (0 unless the z_loss output is
+        # differentiated too: lse has no other differentiable use) and the entropy part with g_H = -b.
+        grad_entropy = None if grad_mean_z is None or not ctx.entropy_grad else -grad_mean_z
+        if not ctx.z_grad:
+            grad_lse = None
+        elif grad_lse is not None and grad_mean_z is not None:
+            grad_lse = grad_lse + grad_mean_z
+        if grad_lse is None and grad_entropy is None:
             if grad_output is None:
                 return None, *_NO_GRADS
             return CrossEntropyFunction._loss_backward(ctx, grad_output, saved)
-        # The z_loss output's gradient, from the intact logits before an in-place backward overwrites them.
-        logits, labels, lse, _ = saved
-        tensors = (grad_lse, *saved)
+        logits, labels, lse, denominator = saved
+        tensors = tuple(t for t in (grad_output, grad_lse, grad_entropy, *saved) if t is not None)
         if not any(map(torch._C._functorch.is_functorch_wrapped_tensor, tensors)) and not torch.is_grad_enabled():
-            # Both parts in float32, rounded to the logits' dtype once.
+            denominator = denominator if denominator.numel() else None
+            if grad_output is None:  # the entropy's part alone: no loss upstream, and no divisor
+                grad_output, denominator = torch.zeros((), dtype=torch.float32, device=logits.device), None
+            entropy = {} if grad_entropy is None else dict(grad_entropy=grad_entropy, mean_z=mean_z)
+            if grad_lse is None:  # the loss's and the entropy's parts in one pass, in place when allowed
+                grad = contract.gradient_buffer(ctx, logits)
+                return kernels.backward(
+                    grad_output, logits, labels, lse, grad, ctx.options, denominator, weight=ctx.weight, **entropy
+                ), *_NO_GRADS
+            # With the z_loss output's part: each part in float32, rounded to the logits' dtype once.
             grad = kernels.lse_backward(grad_lse, logits, labels, lse, _float32_like(logits), ctx.options)
-            if grad_output is not None:
-                denominator = saved[3] if saved[3].numel() else None
-                loss_part = _float32_like(logits)
-                grad += kernels.backward(
-                    grad_output, logits, labels, lse, loss_part, ctx.options, denominator, weight=ctx.weight
-                )
+            grad += kernels.backward(
+                grad_output, logits, labels, lse, _float32_like(logits), ctx.options, denominator,
+                weight=ctx.weight, **entropy,
+            )  # fmt: skip
             return grad.to(logits.dtype), *_NO_GRADS
-        lse_part = contract.lse_gradient(grad_lse, logits, labels, ctx.options)
+        # Differentiated again, or under torch.func: plain torch from the intact logits, before the loss's part may
+        # write in place.
+        grad = 0
+        if grad_lse is not None:
+            grad = contract.lse_gradient(grad_lse, logits, labels, ctx.options)
+        if grad_entropy is not None:
+            grad = grad + contract.entropy_gradient(grad_entropy, logits, labels, ctx.options)
         if grad_output is None:
-            return lse_part, *_NO_GRADS
-        grad = CrossEntropyFunction._loss_backward(ctx, grad_output, saved)[0]
-        return grad + lse_part, *_NO_GRADS
+            return grad, *_NO_GRADS
+        return CrossEntropyFunction._loss_backward(ctx, grad_output, saved)[0] + grad, *_NO_GRADS
 
     @staticmethod
     def _loss_backward(ctx, grad_output, saved):
@@ -145,7 +176,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     def jvp(ctx, logits_tangent, *unused_tangents):
         # Forward mode (torch.func.jvp, jacfwd, hessian): the loss's tangent is <d loss / d logits, tangent>, with
         # that gradient in differentiable plain torch, so transforms around this one differentiate it again.
-        logits, labels, _, denominator = ctx.saved_tensors
+        logits, labels, _, denominator = ctx.saved_tensors[:4]
         reduced = denominator.numel() > 0
         ones = torch.ones((() if reduced else labels.shape), dtype=torch.float32, device=logits.device)
         grad = _differentiable_gradient(ones, logits, labels, denominator, ctx.options, ctx.weight)
@@ -153,12 +184,17 @@ class CrossEntropyFunction(torch.autograd.Function):
         loss_tangent = product.sum() if reduced else product.sum(-1)
         if ctx.needs_extras is None:
             return loss_tangent, None, None
-        lse_tangent = None
-        if ctx.z_grad:
-            ones = torch.ones(labels.shape, dtype=torch.float32, device=logits.device)
-            lse_grad = contract.lse_gradient(ones, logits, labels, ctx.options)
-            lse_tangent = (lse_grad.float() * logits_tangent.float()).reshape(labels.shape[0], -1).sum(-1)
-        return loss_tangent, lse_tangent, None, None, None
+        lse_tangent = mean_z_tangent = None
+        ones = torch.ones(labels.shape, dtype=torch.float32, device=logits.device)
+
+        def tangent(grad):
+            return (grad.float() * logits_tangent.float()).reshape(labels.shape[0], -1).sum(-1)
+
+        if ctx.z_grad or ctx.entropy_grad:
+            lse_tangent = tangent(contract.lse_gradient(ones, logits, labels, ctx.options))
+        if ctx.entropy_grad:  # mz = lse - H
+            mean_z_tangent = lse_tangent - tangent(contract.entropy_gradient(ones, logits, labels, ctx.options))
+        return loss_tangent, lse_tangent, None, None, mean_z_tangent
 
     @staticmethod
     def vmap(info, in_dims, *args):
@@ -181,116 +217,6 @@ def apply_function(function, logits, labels, reduction, n_items, *rest):
 
 
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
-
-
-# --- custom ops for torch.compile: opaque to the compiler, fake implementations for tracing, no graph break ------
-
-
-# Each op takes the Options fields, in their order, after its tensors (contract.op_schema spells them out once).
-OPTIONS_SCHEMA = contract.op_schema(Options)
-
-
-@torch.library.custom_op(
-    "fastce::cross_entropy_forward",
-    mutates_args=(),
-    schema=f"(Tensor logits, Tensor labels, {OPTIONS_SCHEMA}, Tensor? weight=None) -> (Tensor, Tensor)",
-)
-def _forward_op(logits, labels, *settings):
-    # settings: the Options fields, then the class weights (omitted or None without them).
-    options, weight = _options_and_weight(settings)
-    loss, lse, _ = kernels.forward(logits, labels, options, weight=weight)
-    return loss, lse.clone()  # lse is a view of the launch's scratch buffer; an op's output owns its storage
-
-
-def _options_and_weight(settings):
-    """(Options, class weights or None) of a custom op's trailing arguments: the Options fields, then weight (a
-    caller may leave it out: the op schema's default)."""
-    count = len(Options._fields)
-    return Options(*settings[:count]), (settings[count] if len(settings) > count else None)
-
-
-@_forward_op.register_fake
-def _(logits, labels, *options):
-    n_rows = labels.shape[0]
-    return logits.new_empty(n_rows, dtype=torch.float32), logits.new_empty(n_rows, dtype=torch.float32)
-
-
-@torch.library.custom_op(
-    "fastce::cross_entropy_backward",
-    mutates_args=(),
-    schema=f"(Tensor grad_loss, Tensor logits, Tensor labels, Tensor lse, {OPTIONS_SCHEMA}, Tensor? weight=None) "
-    "-> Tensor",
-)
-def _backward_op(grad_loss, logits, labels, lse, *settings):
-    options, weight = _options_and_weight(settings)
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    return kernels.backward(grad_loss, logits, labels, lse, grad, options, weight=weight)
-
-
-@_backward_op.register_fake
-def _(grad_loss, logits, labels, lse, *options):
-    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-
-
-def _setup_context(ctx, inputs, output):
-    logits, labels, *settings = inputs
-    ctx.save_for_backward(logits, labels, output[1])
-    ctx.options = settings  # the Options fields and the class weights
-
-
-def _backward(ctx, grad_loss, grad_lse):
-    # Under the compiler the gradient is a fresh tensor; the compiler plans that memory itself.
-    logits, labels, lse = ctx.saved_tensors
-    return _backward_op(grad_loss, logits, labels, lse, *ctx.options), None, *[None] * (len(Options._fields) + 1)
-
-
-torch.library.register_autograd("fastce::cross_entropy_forward", _backward, setup_context=_setup_context)
-
-
-@torch.library.custom_op(
-    "fastce::cross_entropy_forward_outputs",
-    mutates_args=(),
-    schema=f"(Tensor logits, Tensor labels, {OPTIONS_SCHEMA}, bool z_grad, Tensor? weight=None) -> "
-    "(Tensor, Tensor, Tensor, Tensor)",
-)
-def _forward_outputs_op(logits, labels, *settings):
-    """The forward with the extra outputs' statistics: (losses, lse, argmax, mean of z) per row. z_grad: lse is
-    differentiated (the z_loss output asked). weight: class weights or None."""
-    count = len(Options._fields)
-    weight = settings[count + 1] if len(settings) > count + 1 else None
-    loss, lse, _, argmax, mean_z = kernels.forward(
-        logits, labels, Options(*settings[:count]), outputs=True, weight=weight
-    )
-    return loss, lse.clone(), argmax.clone(), mean_z.clone()  # views of the launch's scratch buffer
-
-
-@_forward_outputs_op.register_fake
-def _(logits, labels, *settings):
-    n_rows = labels.shape[0]
-    floats = [logits.new_empty(n_rows, dtype=torch.float32) for _ in range(3)]
-    return floats[0], floats[1], logits.new_empty(n_rows, dtype=torch.int32), floats[2]
-
-
-def _outputs_setup_context(ctx, inputs, output):
-    logits, labels, *settings = inputs
-    ctx.save_for_backward(logits, labels, output[1])
-    count = len(Options._fields)
-    ctx.options, ctx.z_grad = settings[:count], settings[count]
-    ctx.weight = settings[count + 1] if len(settings) > count + 1 else None
-    ctx.mark_non_differentiable(output[2], output[3])
-
-
-def _outputs_backward(ctx, grad_loss, grad_lse, *unused):
-    logits, labels, lse = ctx.saved_tensors
-    grad = _backward_op(grad_loss, logits, labels, lse, *ctx.options, ctx.weight)
-    if ctx.z_grad and grad_lse is not None:  # the z_loss output's part, in plain torch for the compiler to fuse
-        grad = grad + contract.lse_gradient(grad_lse, logits, labels, Options(*ctx.options))
-    return grad, None, *[None] * (len(Options._fields) + 2)
-
-
-torch.library.register_autograd(
-    "fastce::cross_entropy_forward_outputs", _outputs_backward, setup_context=_outputs_setup_context
-)
 
 
 # --- the functions -------------------------------------------------------------------------------------------
@@ -327,6 +253,8 @@ def cross_entropy(
     return_accuracy=False,
     return_entropy=False,
     weight=None,
+    temperature=1.0,
+    token_weights=None,
 ):
     """Cross-entropy of logits (..., V) against integer labels (...), fused on the GPU.
 
@@ -349,7 +277,15 @@ def cross_entropy(
 
     return_z_loss, return_lse, return_accuracy, return_entropy: any True returns CrossEntropyOutput(loss, z_loss,
     lse, accuracy, entropy), None for what was not asked, computed in the same forward pass (CONTRACT.md, "Extra
-    outputs"); only loss and z_loss are differentiable.
+    outputs"); loss, z_loss and entropy are differentiable (the entropy's gradient is added in the same backward
+    pass over the logits; an entropy returned but not differentiated costs nothing).
+
+    temperature: z = softcap(scaling * x) / temperature in every output and gradient (folded on the host into the
+    scaling and softcapping, exact; 1.0 changes nothing). token_weights: a floating tensor shaped like labels (no
+    gradient; may be negative): each token's loss (its z-loss term included) times its weight before the
+    reduction, "mean" still dividing by the non-ignored count (or n_items, or the class weights' divisor); the
+    z_loss output is weighted alike, lse, accuracy and entropy are not. With shift, w[..., t] goes with
+    labels[..., t].
 
     weight: class weights (V,) as F.cross_entropy's weight= (CONTRACT.md, "Class weights"): a floating tensor on
     the logits' device without requires_grad; "mean" is then the weighted mean. Not with process_group / DTensor.
@@ -365,6 +301,8 @@ def cross_entropy(
     options = contract.checked_options(
         ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
     )
+    options = contract.with_temperature(options, contract.check_temperature(temperature))
+    token_weights = contract.check_token_weights(token_weights, labels)
     if vocab_start is not None and process_group is None:
         raise ValueError("vocab_start is only meaningful with process_group (vocab-parallel logits)")
     extras = contract.check_extras(return_z_loss, return_lse, return_accuracy, return_entropy)
@@ -376,10 +314,19 @@ def cross_entropy(
                 "ignore_index), or pass plain tensors with process_group"
             )
         labels, kept = contract.shifted_labels(labels, shift, ignore_index)
-    loss = _cross_entropy(
-        logits, labels, options, reduction, n_items, backend, inplace_backward, validate_labels, process_group,
-        vocab_start, extras, weight,
-    )  # fmt: skip
+        if token_weights is not None:
+            token_weights = contract.shifted_token_weights(token_weights, shift)
+    if token_weights is not None:  # per-token losses from the kernels; the weights act as the per-row upstream
+        loss = _cross_entropy(
+            logits, labels, options, "none", None, backend, inplace_backward, validate_labels, process_group,
+            vocab_start, extras, weight,
+        )  # fmt: skip
+        loss = contract.weighted_output(loss, labels, token_weights, reduction, n_items, ignore_index, weight)
+    else:
+        loss = _cross_entropy(
+            logits, labels, options, reduction, n_items, backend, inplace_backward, validate_labels, process_group,
+            vocab_start, extras, weight,
+        )  # fmt: skip
     if isinstance(loss, contract.CrossEntropyOutput):
         return contract.unshifted(loss, kept, reduction)
     return loss[..., :kept] if kept is not None and reduction == "none" else loss
@@ -413,16 +360,16 @@ def _cross_entropy(
     # Flat contiguous labels as they are: reshape(-1) would make a view object (~0.5 us) of the same memory.
     labels_1d = labels if labels.dim() == 1 and labels.is_contiguous() else labels.reshape(-1).contiguous()
     if torch.compiler.is_compiling() and any(extras):
-        token_losses, lse, argmax, mean_z = _forward_outputs_op(
-            kernel_logits, labels_1d, *options, extras.z_loss, weight
+        token_losses, lse, argmax, mean_z = forward_outputs_op(
+            kernel_logits, labels_1d, *options, extras.z_loss, weight, extras.entropy
         )
         loss = contract.reduce_losses(token_losses.view(labels.shape), labels, reduction, n_items, ignore_index, weight)
         vocab = logits.shape[-1]
         return contract.extra_outputs(
-            loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab, weight
+            loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab, weight, extras.entropy
         )
     if torch.compiler.is_compiling():
-        token_losses = _forward_op(kernel_logits, labels_1d, *options, weight)[0].view(labels.shape)
+        token_losses = forward_op(kernel_logits, labels_1d, *options, weight)[0].view(labels.shape)
         return contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index, weight)
     # In place only into memory the graph alone owns, and only where no two rows share memory.
     # Never under torch.func: its wrappers hide who else holds the memory.
@@ -440,7 +387,7 @@ def _cross_entropy(
         loss = loss.view(labels.shape) if reduction == "none" else loss
         vocab = logits.shape[-1]
         return contract.extra_outputs(
-            loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab, weight
+            loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab, weight, extras.entropy
         )
     if weight is not None:
         loss = apply_function(
@@ -549,6 +496,7 @@ class CrossEntropyLoss(torch.nn.Module):
         return_lse=False,
         return_accuracy=False,
         return_entropy=False,
+        temperature=1.0,
     ):
         super().__init__()
         # A buffer, as torch.nn.CrossEntropyLoss keeps it: it follows .to(device) and lands in the state dict.
@@ -575,9 +523,14 @@ class CrossEntropyLoss(torch.nn.Module):
             return_entropy=return_entropy,
         )
         self.options.update({name: value for name, value in returns.items() if value is not False})
+        if temperature != 1.0:
+            self.options["temperature"] = contract.check_temperature(temperature)
 
-    def forward(self, input, target, n_items=None):
+    def forward(self, input, target, n_items=None, token_weights=None):
+        """token_weights: per-token weights shaped like target (see cross_entropy), per call."""
         weights = {} if self.weight is None else {"weight": self.weight}
+        if token_weights is not None:
+            weights["token_weights"] = token_weights
         return cross_entropy(
             input, target, ignore_index=self.ignore_index, reduction=self.reduction, n_items=n_items, **self.options,
             **weights,

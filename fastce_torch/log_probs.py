@@ -5,6 +5,8 @@ from typing import NamedTuple
 
 import torch
 
+from .cross_entropy import cross_entropy
+
 
 class LogProbOutput(NamedTuple):
     """What log_probs / linear_log_probs return with return_entropy=True: float32 log-probabilities of the tokens
@@ -13,3 +15,42 @@ class LogProbOutput(NamedTuple):
 
     logprobs: torch.Tensor
     entropy: torch.Tensor
+
+
+def log_probs(
+    logits,
+    tokens,
+    *,
+    temperature=1.0,
+    return_entropy=False,
+    ignore_index=-100,
+    logit_softcapping=0.0,
+    logit_scaling=0.0,
+    shift=0,
+    backend="auto",
+    validate_labels=False,
+    process_group=None,
+    vocab_start=None,
+):
+    """log p(token_t) at the temperature, p = softmax(softcap(scaling * logits) / temperature): float32 (float64 for
+    float64 logits) shaped like tokens (with shift=k like tokens[..., k:]: position t scores token t + k), 0.0 where
+    the token is ignore_index, NaN for a token outside [0, V). return_entropy=True: LogProbOutput(logprobs,
+    entropy), the entropy of each position's distribution (0 where ignored). Both differentiable through any
+    downstream objective (an importance ratio, a KL to a reference policy), the entropy's gradient added in the
+    loss's backward pass. cross_entropy(reduction="none") underneath: the same kernels, keywords and errors
+    (process_group / vocab_start: vocab-parallel logits). With gradients off (torch.no_grad, inference_mode,
+    logits not requiring grad) nothing is kept for a backward."""
+    if not isinstance(return_entropy, bool):
+        raise TypeError(f"return_entropy must be a bool, got {return_entropy!r}")
+    result = cross_entropy(
+        logits, tokens, ignore_index=ignore_index, reduction="none", logit_softcapping=logit_softcapping,
+        logit_scaling=logit_scaling, backend=backend, validate_labels=validate_labels, process_group=process_group,
+        vocab_start=vocab_start, shift=shift, return_entropy=return_entropy, temperature=temperature,
+    )  # fmt: skip
+    loss = result.loss if return_entropy else result
+    kept_tokens = tokens[..., int(shift) :] if shift else tokens
+    if hasattr(kept_tokens, "to_local") and not hasattr(loss, "to_local"):
+        kept_tokens = kept_tokens.to_local()
+    # Negated where kept, 0.0 (not -0.0) where ignored: a where, not 0 - loss, which a compiler may fold to -loss.
+    logprobs = torch.where(kept_tokens == ignore_index, 0.0, -loss)
+    return LogProbOutput(logprobs, result.entropy) if return_entropy else logprobs

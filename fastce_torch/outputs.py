@@ -16,10 +16,14 @@ def row_extras(z):
     return z.argmax(-1), mean_z
 
 
-def extra_outputs(loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab, weight=None):
+def extra_outputs(
+    loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab, weight=None, entropy_grad=False
+):
     """CrossEntropyOutput from the loss and per-token (lse, argmax, mean of z under softmax) of flat rows (N,),
-    shaped like `labels`. Only z_loss is differentiable (through lse, when lse requires grad); the rest is computed
-    from detached values. O(N) framework ops. weight: class weights (V,) or None: z_loss is then the loss's
+    shaped like `labels`. z_loss is differentiable through lse (when lse requires grad); the entropy, lse - mean_z,
+    through both with entropy_grad (mean_z then carries its true derivative: the caller's backward turns the pair
+    of upstreams (a, b) into a + b on the lse and -b on the entropy, whose gradient is p (mz - z)), else detached. lse
+    and accuracy carry no gradient. O(N) framework ops. weight: class weights (V,) or None: z_loss is then the loss's
     weighted term (w[y] z_loss lse^2, over the loss's weighted divisor); lse, accuracy and entropy ignore them."""
     ignore_index = options.ignore_index
     ignored = labels == ignore_index
@@ -29,6 +33,7 @@ def extra_outputs(loss, lse, argmax, mean_z, labels, options, extras, reduction,
     # A row holding +inf has no logsumexp (torch's gives +inf there, the kernels NaN): NaN in every output.
     lse = torch.where(lse.detach() == float("inf"), float("nan"), lse)
     bad_row = torch.isnan(lse.detach())
+    live_lse = lse if entropy_grad else lse.detach()
     out = dict(loss=loss)
     divisor = contract.loss_divisor(labels, reduction, n_items, ignore_index, lse.dtype)
 
@@ -57,7 +62,8 @@ def extra_outputs(loss, lse, argmax, mean_z, labels, options, extras, reduction,
             hit = hit.sum() / (~ignored).sum().clamp_min(1).to(hit.dtype)
         out["accuracy"] = hit
     if extras.entropy:
-        entropy = torch.where(bad_row, float("nan"), lse - mean_z.detach().view(shape))
+        live_mean_z = mean_z if entropy_grad else mean_z.detach()
+        entropy = torch.where(bad_row, float("nan"), live_lse - live_mean_z.view(shape))
         out["entropy"] = reduced(torch.where(ignored, 0.0, entropy))
     return contract.CrossEntropyOutput(**out)
 
@@ -79,9 +85,11 @@ def reference_outputs(logits, labels, options, extras, reduction, n_items, loss,
     lse = torch.logsumexp(z, dim=-1)
     with torch.no_grad():
         argmax, mean_z = row_extras(z.detach())
+    if extras.entropy:  # a differentiable entropy: mz with its gradient, NaN-free at -inf
+        mean_z = softmax_mean(z)[1].squeeze(-1)
     return extra_outputs(
         loss, lse.reshape(-1), argmax.reshape(-1), mean_z.reshape(-1), labels, options, extras, reduction, n_items,
-        logits.shape[-1], weight,
+        logits.shape[-1], weight, extras.entropy,
     )  # fmt: skip
 
 
@@ -109,6 +117,8 @@ def entropy_gradient(grad_entropy, logits, labels, options):
     """d(sum_t grad_entropy_t * H_t) / d logits (..., V) in differentiable plain torch (float32; float64 for float64
     logits), H the entropy of softmax(z): dH/dz_j = p_j (mz - z_j), mz = sum_j p_j z_j, then dz/dx; 0 on ignored
     rows. What kernels.backward(grad_entropy=, mean_z=) adds."""
+    shape, labels = logits.shape, labels.reshape(-1)
+    logits = logits.reshape(-1, shape[-1])
     z = contract.transform(logits, options, labels)
     p, mean_z, z_kept = softmax_mean(z)
     dz = p * (mean_z - z_kept) * grad_entropy.reshape(labels.shape).to(z.dtype).unsqueeze(-1)
@@ -118,4 +128,27 @@ def entropy_gradient(grad_entropy, logits, labels, options):
     if options.logit_scaling != 0.0:
         dz = dz * options.logit_scaling
     dz = torch.where((labels == options.ignore_index).unsqueeze(-1), 0.0, dz)
-    return dz.to(logits.dtype)
+    return dz.to(logits.dtype).reshape(shape)
+
+
+def weighted_output(result, labels, token_weights, reduction, n_items, ignore_index, weight=None):
+    """The loss (or CrossEntropyOutput) of a call made with reduction="none", token-weighted and then reduced as
+    `reduction` asks (CONTRACT.md, token_weights): loss and z_loss per token times w_t (ignored tokens 0), then
+    divided like the loss (n_items, the kept count or the class weights' divisor; never the weights' sum); lse,
+    accuracy and entropy unweighted, reduced as extra_outputs reduces them. O(N) framework ops."""
+    output = result if isinstance(result, contract.CrossEntropyOutput) else contract.CrossEntropyOutput(result)
+    fields = output._asdict()
+    for name in ("loss", "z_loss"):
+        if fields[name] is not None:
+            fields[name] = contract.apply_token_weights(fields[name], labels, token_weights, ignore_index)
+    if reduction != "none":
+        dtype = fields["loss"].dtype
+        divisor = contract.loss_divisor(labels, reduction, n_items, ignore_index, dtype, weight)
+        plain_divisor = contract.loss_divisor(labels, reduction, n_items, ignore_index, dtype)
+        kept = (labels != ignore_index).sum().clamp_min(1).to(dtype)
+        for name, by in (("loss", divisor), ("z_loss", divisor), ("accuracy", kept), ("entropy", plain_divisor)):
+            if fields[name] is not None:
+                fields[name] = fields[name].sum() / by
+    if isinstance(result, contract.CrossEntropyOutput):
+        return contract.CrossEntropyOutput(**fields)
+    return fields["loss"]

@@ -8,7 +8,9 @@ import torch
 from fastce_torch import contract, kernels
 from fastce_torch.contract import Options
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore:invalid value:RuntimeWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::DeprecationWarning", "ignore:invalid value:RuntimeWarning", "ignore:divide by zero:RuntimeWarning"
+)
 
 OPTION_SETS = {
     "plain": Options(),
