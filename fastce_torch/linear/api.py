@@ -228,6 +228,10 @@ def linear_log_probs(
         return_entropy=return_entropy, process_group=process_group, vocab_start=vocab_start, temperature=temperature,
         logits_dtype=logits_dtype,
     )  # fmt: skip
-    if not return_entropy:
-        return 0.0 - out  # 0.0 - 0.0 is +0.0 where ignored (a negation would give -0.0)
-    return LogProbOutput(0.0 - out.loss, out.entropy)
+    loss = out.loss if return_entropy else out
+    kept_tokens = tokens[..., int(shift) :] if shift else tokens
+    if sharding.is_dtensor(kept_tokens) and not sharding.is_dtensor(loss):
+        kept_tokens = kept_tokens.to_local()
+    # Negated where kept, 0.0 (not -0.0) where ignored: a where, not 0 - loss, which a compiler may fold to -loss.
+    logprobs = torch.where(kept_tokens == ignore_index, 0.0, -loss)
+    return LogProbOutput(logprobs, out.entropy) if return_entropy else logprobs

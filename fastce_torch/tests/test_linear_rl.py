@@ -465,3 +465,28 @@ def test_linear_log_probs_without_gradients_save_nothing(device):
         linear_log_probs(hidden, weight, labels, bias=bias, backend="kernel")
     assert packed  # with gradients on, the backward's inputs are saved (no logits among them)
     assert all(shape[-1] != weight.shape[0] or len(shape) == 1 for shape in packed)
+
+
+def test_linear_log_probs_under_fullgraph_compile(device):
+    """A PPO-style objective on linear_log_probs under torch.compile(fullgraph=True): the custom ops, the eager
+    values and gradients, +0.0 where ignored."""
+    hidden, weight, bias, labels, weights = problem(device)
+
+    def step(h, w, b):
+        out = linear_log_probs(h, w, labels, bias=b, backend="kernel", chunk_rows=5, temperature=0.7,
+                               return_entropy=True)  # fmt: skip
+        ratio = torch.exp(out.logprobs - out.logprobs.detach())
+        return out.logprobs, -(ratio * weights).sum() - 0.01 * out.entropy.sum()
+
+    def run(fn):
+        inputs = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
+        logprobs, value = fn(*inputs)
+        return [logprobs.detach(), value.detach(), *torch.autograd.grad(value, inputs)]
+
+    expected = run(step)
+    torch._dynamo.reset()
+    got = run(torch.compile(step, fullgraph=True))
+    torch._dynamo.reset()
+    ignored = labels == IGNORE
+    assert (got[0][ignored] == 0).all() and not torch.signbit(got[0][ignored]).any()
+    check(got, expected, 1e-5, 1e-6)
