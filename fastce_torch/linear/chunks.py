@@ -33,7 +33,11 @@ its shapes from the host, so the number of kept rows is read there: one synchron
 autograd Functions hand the kept rows to the backward that recomputes the logits; under torch.compile that backward's
 custom op reads them again). Opt-in, and refused under CUDA-graph capture.
 
-Precision: each chunk's matmuls accumulate in float32 and round once to the input dtype. By default the weight
+Precision: each chunk's matmuls accumulate in float32 and round once to the input dtype. With float32 logits the
+gradient chunk is still rounded to the inputs' dtype before the products (which then run at the bf16/fp16 rate, and
+need no float32 copy of the weight): measured on the CPU (bf16, N=512, H=256, V=8192, T=0.7, float64 as truth), the
+relative error of d hidden is 1.9e-3 with it against 1.6e-3 with float32 products (d weight: 1.9e-3 / 1.7e-3), both
+dominated by the gradients' own bf16 rounding. By default the weight
 gradient is summed across chunks in the weight's own dtype (one rounding per chunk); a float32 accumulator
 (accumulate_in_float32=True: one rounding at the end) costs 4·V·H more bytes (2 GiB at V=128256,
 H=4096), twice a bf16 gradient. Measured (bf16 weight gradient of a softmax-gradient sum over 4096 rows, float64 as
