@@ -52,6 +52,8 @@ def prepared_token_weights(token_weights, labels, shift, ignore_index, dtype):
     0 where the label is ignore_index (the loss and gradient are 0 there whatever the weight, NaN included)."""
     if token_weights is None:
         return None
+    # DTensor labels (the vocab-parallel DTensor path takes them whole): the weights go with the full labels.
+    labels, token_weights = (t.full_tensor() if sharding.is_dtensor(t) else t for t in (labels, token_weights))
     if shift:
         token_weights = contract.shifted_token_weights(token_weights, shift)
     return torch.where(labels == ignore_index, 0.0, token_weights.to(contract.compute_dtype(dtype)))

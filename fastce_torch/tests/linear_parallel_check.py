@@ -256,7 +256,8 @@ def run_rl_outputs(device, backend, reduction):
         h = hidden.clone().to(device).requires_grad_()
         w, b = (distribute_tensor(t.clone().to(device), mesh, [Shard(0)]).requires_grad_() for t in (weight, bias))
         hd = DTensor.from_local(h, mesh, [Replicate()], run_check=False)
-        out = fastce_torch.linear_cross_entropy(hd, w, labels.to(device), bias=b, backend=backend, **options)
+        labels_d = DTensor.from_local(labels.to(device), mesh, [Replicate()], run_check=False)  # with plain weights
+        out = fastce_torch.linear_cross_entropy(hd, w, labels_d, bias=b, backend=backend, **options)
         out = type(out)(*(None if v is None else v.to_local() for v in out))
         objective(out).backward()
         return out, [h.grad, w.grad.to_local(), b.grad.to_local()]
