@@ -232,8 +232,14 @@ def linear_log_probs(
     )  # fmt: skip
     loss = out.loss if return_entropy else out
     kept_tokens = tokens[..., int(shift) :] if shift else tokens
-    if sharding.is_dtensor(kept_tokens) and not sharding.is_dtensor(loss):
-        kept_tokens = kept_tokens.to_local()
+    if sharding.is_dtensor(kept_tokens):
+        kept_tokens = kept_tokens.full_tensor()
     # Negated where kept, 0.0 (not -0.0) where ignored: a where, not 0 - loss, which a compiler may fold to -loss.
-    logprobs = torch.where(kept_tokens == ignore_index, 0.0, -loss)
+    if sharding.is_dtensor(loss):  # the vocab-parallel DTensor path: a Replicate DTensor, like the loss
+        from torch.distributed.tensor import DTensor
+
+        local = torch.where(kept_tokens == ignore_index, 0.0, -loss.to_local())
+        logprobs = DTensor.from_local(local, loss.device_mesh, loss.placements, run_check=False)
+    else:
+        logprobs = torch.where(kept_tokens == ignore_index, 0.0, -loss)
     return LogProbOutput(logprobs, out.entropy) if return_entropy else logprobs

@@ -263,6 +263,8 @@ def run_rl_outputs(device, backend, reduction):
         return out, [h.grad, w.grad.to_local(), b.grad.to_local()]
 
     want, want_grads = run(hidden.double(), weight.double(), bias.double(), backend="reference")
+    if reduction == "none":
+        run_log_probs(device, backend, hidden, weight, bias, labels, local)
     for out, grads in (
         run(hidden, weight[local], bias[local], backend=backend, process_group=dist.group.WORLD),
         run_dtensor(),
@@ -273,6 +275,43 @@ def run_rl_outputs(device, backend, reduction):
         torch.testing.assert_close(grads[0].double().cpu(), want_grads[0].cpu(), rtol=2e-5, atol=2e-6)
         for got, full in zip(grads[1:], want_grads[1:]):
             torch.testing.assert_close(got.double().cpu(), full[local].cpu(), rtol=2e-5, atol=2e-6)
+
+
+def run_log_probs(device, backend, hidden, weight, bias, labels, local):
+    """linear_log_probs with an entropy bonus through process_group= and DTensors (Replicate hidden and tokens,
+    Shard(0) weight and bias) against one process with the full weight in float64."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    world = dist.get_world_size()
+    mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (world,))
+    tokens = labels.to(device)
+    upstream = torch.randn(labels.shape, generator=torch.Generator().manual_seed(23)).to(device)
+    options = dict(temperature=0.8, return_entropy=True, chunk_rows=4, shift=1)
+
+    def objective(out):
+        return (torch.exp(out.logprobs) * upstream[1:]).sum() - 0.1 * out.entropy.sum()
+
+    def plain(h, w, b, **kwargs):
+        leaves = [t.detach().clone().to(device).requires_grad_() for t in (h, w, b)]
+        out = fastce_torch.linear_log_probs(leaves[0], leaves[1], tokens, bias=leaves[2], **options, **kwargs)
+        objective(out).backward()
+        return out, [t.grad for t in leaves]
+
+    want, want_grads = plain(hidden.double(), weight.double(), bias.double(), backend="reference")
+    got, grads = plain(hidden, weight[local], bias[local], backend=backend, process_group=dist.group.WORLD)
+    h = hidden.clone().to(device).requires_grad_()
+    w, b = (distribute_tensor(t.clone().to(device), mesh, [Shard(0)]).requires_grad_() for t in (weight, bias))
+    replicated = [DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in (h, tokens)]
+    out = fastce_torch.linear_log_probs(replicated[0], w, replicated[1], bias=b, backend=backend, **options)
+    assert all(isinstance(v, DTensor) for v in out), [type(v) for v in out]
+    out = type(out)(*(v.to_local() for v in out))
+    objective(out).backward()
+    for result, result_grads in ((got, grads), (out, [h.grad, w.grad.to_local(), b.grad.to_local()])):
+        for value, expected in zip(result, want):
+            torch.testing.assert_close(value.double().cpu(), expected.cpu(), rtol=2e-5, atol=2e-6)
+        torch.testing.assert_close(result_grads[0].double().cpu(), want_grads[0].cpu(), rtol=2e-5, atol=2e-6)
+        for g, full in zip(result_grads[1:], want_grads[1:]):
+            torch.testing.assert_close(g.double().cpu(), full[local].cpu(), rtol=2e-5, atol=2e-6)
 
 
 def run_fsdp_rl(device, backend):
