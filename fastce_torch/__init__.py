@@ -12,7 +12,7 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 
 from .contract import CrossEntropyOutput  # noqa: E402
 from .cross_entropy import CrossEntropyLoss, cross_entropy, cross_entropy_reference  # noqa: E402
-from .linear import DEFAULT_WORKSPACE_BYTES, linear_cross_entropy  # noqa: E402
+from .linear import DEFAULT_WORKSPACE_BYTES, linear_cross_entropy, linear_log_probs  # noqa: E402
 from .log_probs import LogProbOutput, log_probs  # noqa: E402
 from .transformers import fastce_for_causal_lm_loss, patch_transformers, unpatch_transformers  # noqa: E402
 from .unsloth import fast_cross_entropy_loss, patch_loss_functions  # noqa: E402
@@ -30,6 +30,7 @@ __all__ = [
     "LogProbOutput",
     "log_probs",
     "linear_cross_entropy",
+    "linear_log_probs",
     "DEFAULT_WORKSPACE_BYTES",
     "patch_transformers",
     "unpatch_transformers",

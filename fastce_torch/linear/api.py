@@ -12,8 +12,9 @@ linear/sharded.py.
 import torch
 
 from .. import contract, sharding
+from ..log_probs import LogProbOutput
 from .autograd import unsharded_loss, unsharded_outputs
-from .chunks import _check_chunking
+from .chunks import _check_chunking, check_logits_dtype
 from .sharded import sharded_linear_cross_entropy
 
 # float64 is accepted as in cross_entropy: computed in float64 by the plain-torch reference, whatever the backend.
@@ -46,6 +47,18 @@ def _check_tensors(hidden, weight, bias, labels):
     contract.check_labels(labels, "hidden", hidden.shape, hidden.device)
 
 
+def prepared_token_weights(token_weights, labels, shift, ignore_index, dtype):
+    """The token weights as the chunks take them: aligned with the (shifted) labels, in the loss's compute dtype,
+    0 where the label is ignore_index (the loss and gradient are 0 there whatever the weight, NaN included)."""
+    if token_weights is None:
+        return None
+    # DTensor labels (the vocab-parallel DTensor path takes them whole): the weights go with the full labels.
+    labels, token_weights = (t.full_tensor() if sharding.is_dtensor(t) else t for t in (labels, token_weights))
+    if shift:
+        token_weights = contract.shifted_token_weights(token_weights, shift)
+    return torch.where(labels == ignore_index, 0.0, token_weights.to(contract.compute_dtype(dtype)))
+
+
 def linear_cross_entropy(
     hidden,
     weight,
@@ -73,6 +86,9 @@ def linear_cross_entropy(
     process_group=None,
     vocab_start=None,
     class_weight=None,
+    temperature=1.0,
+    token_weights=None,
+    logits_dtype=None,
 ):
     """fastce_torch.cross_entropy(hidden @ weight.T + bias, labels, ...) without ever allocating the logits.
 
@@ -118,6 +134,18 @@ def linear_cross_entropy(
 
     class_weight: class weights (V,), cross_entropy's `weight=` (the positional `weight` is the LM head here), in
     every chunk's kernels; "mean" divides by the kept tokens' summed class weights (on the device).
+
+    temperature (> 0): the transformed logits are softcap(scale * x) / temperature in every output and gradient
+    (folded into the scaling and softcap options). token_weights (shaped like labels, floating, no gradient, may be
+    negative): each token's loss (its z-loss term included, and the z_loss output's term) is multiplied by its weight
+    before the reduction; "mean" still divides by the non-ignored count (or n_items, or the class weights' divisor).
+    "mean"/"sum" keep the gradients computed in the forward (the weights are the backward kernel's per-row factor).
+    return_entropy=True: the entropy output carries a gradient ("none": in the same recomputing backward;
+    "mean"/"sum": when it is differentiated, the backward recomputes each chunk's logits, as for the z_loss output).
+    logits_dtype: None (the inputs' dtype) or float32 ("float32" or torch.float32): with bf16/fp16 inputs the
+    chunks' logits are float32 (on CUDA the matmul reads the bf16/fp16 operands and writes float32; on the CPU the
+    chunk's operands are cast), the workspace counts 4 bytes per logit plus, in a pass that computes gradients, the
+    gradient chunk in the inputs' dtype (the products' operand, as with the default logits).
     """
     _check_tensors(hidden, weight, bias, labels)
     sharded = (
@@ -132,15 +160,23 @@ def linear_cross_entropy(
     options = contract.check_options(
         ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
     )
-    chunking = _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows)
+    options = contract.with_temperature(options, contract.check_temperature(temperature))
+    token_weights = contract.check_token_weights(token_weights, labels)
+    dtype = hidden.dtype if bias is None else torch.promote_types(hidden.dtype, bias.dtype)
+    dtype = torch.promote_types(dtype, weight.dtype)
+    if torch.is_autocast_enabled(hidden.device.type) and dtype != torch.float64:
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+    float32_logits = check_logits_dtype(logits_dtype, dtype)
+    chunking = _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows, float32_logits)
     extras = contract.check_extras(return_z_loss, return_lse, return_accuracy, return_entropy)
     kept = None
     if shift := contract.check_shift(shift, labels):
         labels, kept = contract.shifted_labels(labels, shift, ignore_index)
+    token_weights = prepared_token_weights(token_weights, labels, shift, ignore_index, dtype)
     if sharded:
         loss = sharded_linear_cross_entropy(
             hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras, validate_labels,
-            process_group, vocab_start,
+            process_group, vocab_start, token_weights,
         )  # fmt: skip
         if isinstance(loss, contract.CrossEntropyOutput):
             return contract.unshifted(loss, kept, reduction)
@@ -149,8 +185,61 @@ def linear_cross_entropy(
         contract.validate_labels(labels, weight.shape[0], ignore_index)
     if any(extras):
         output = unsharded_outputs(
-            hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras, class_weight
-        )
+            hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras, class_weight,
+            token_weights,
+        )  # fmt: skip
         return contract.unshifted(output, kept, reduction)
-    loss = unsharded_loss(hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, class_weight)
+    loss = unsharded_loss(
+        hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, class_weight, token_weights
+    )
     return loss[..., :kept] if kept is not None and reduction == "none" else loss
+
+
+def linear_log_probs(
+    hidden,
+    weight,
+    tokens,
+    *,
+    bias=None,
+    temperature=1.0,
+    return_entropy=False,
+    ignore_index=-100,
+    logit_softcapping=0.0,
+    logit_scaling=0.0,
+    shift=0,
+    workspace_bytes=None,
+    chunk_rows=None,
+    logits_dtype=None,
+    backend="auto",
+    validate_labels=False,
+    process_group=None,
+    vocab_start=None,
+):
+    """Per-token log-probabilities log p(token_t) of softmax(softcap(scale * (hidden @ weight.T + bias)) /
+    temperature), shaped like tokens (with shift=k like tokens[..., k:]), float32 (float64 for float64 inputs): 0.0
+    where the token is ignore_index, NaN for a token outside [0, V). return_entropy=True: LogProbOutput(logprobs,
+    entropy), the entropy per token (0 where ignored). Both differentiable through any objective built on them
+    (hidden, weight and bias get gradients): linear_cross_entropy(reduction="none") underneath, so no (N, V) logits
+    (the backward recomputes each chunk: 2NHV of matmul work forward, 6NHV backward). With gradients off
+    (torch.no_grad, inference_mode, inputs not requiring grad) nothing is kept for a backward. The other keywords
+    are linear_cross_entropy's."""
+    out = linear_cross_entropy(
+        hidden, weight, tokens, bias=bias, ignore_index=ignore_index, reduction="none",
+        logit_softcapping=logit_softcapping, logit_scaling=logit_scaling, backend=backend,
+        validate_labels=validate_labels, shift=shift, workspace_bytes=workspace_bytes, chunk_rows=chunk_rows,
+        return_entropy=return_entropy, process_group=process_group, vocab_start=vocab_start, temperature=temperature,
+        logits_dtype=logits_dtype,
+    )  # fmt: skip
+    loss = out.loss if return_entropy else out
+    kept_tokens = tokens[..., int(shift) :] if shift else tokens
+    if sharding.is_dtensor(kept_tokens):
+        kept_tokens = kept_tokens.full_tensor()
+    # Negated where kept, 0.0 (not -0.0) where ignored: a where, not 0 - loss, which a compiler may fold to -loss.
+    if sharding.is_dtensor(loss):  # the vocab-parallel DTensor path: a Replicate DTensor, like the loss
+        from torch.distributed.tensor import DTensor
+
+        local = torch.where(kept_tokens == ignore_index, 0.0, -loss.to_local())
+        logprobs = DTensor.from_local(local, loss.device_mesh, loss.placements, run_check=False)
+    else:
+        logprobs = torch.where(kept_tokens == ignore_index, 0.0, -loss)
+    return LogProbOutput(logprobs, out.entropy) if return_entropy else logprobs

@@ -24,73 +24,81 @@ BACKWARD_TWICE = (
 )
 
 
+def row_entropy(lse, mean_z, labels, ignore_index):
+    """Per-row entropy H = lse - E_p[z] from the forward kernel's statistics; 0 on ignored rows (lse -inf there)."""
+    return torch.where(labels == ignore_index, 0.0, lse - mean_z)
+
+
+def _sum_grads(first, second):
+    return [a if b is None else (b if a is None else a + b) for a, b in zip(first, second)]
+
+
 class _ReducedFunction(torch.autograd.Function):
     """ "mean"/"sum": the gradients are computed in the forward; backward scales them in place by the upstream
-    scalar (nothing else holds them, so the caller's .grad takes them over without a copy)."""
+    scalar (nothing else holds them, so the caller's .grad takes them over without a copy). token_weights: the
+    float32 per-row factors (0 on ignored rows), in the loss and as the backward kernel's per-row upstream."""
 
     @staticmethod
     def forward(
         ctx, hidden, weight, bias, labels, denominator, options, chunking, needs, extras=None, class_weight=None,
-        reduction=None,
+        reduction=None, token_weights=None,
     ):  # fmt: skip
         """denominator: the divisor (1,), or None with reduction = (reduction, n_items) when one chunk holds every
         row (reduced_in_one_chunk: the kernel computes it)."""
         ctx.options, ctx.needs, ctx.extras, ctx.class_weight = options, needs, extras, class_weight
         if extras is not None:
-            return _ReducedFunction._forward_outputs(ctx, hidden, weight, bias, labels, denominator, chunking)
+            return _ReducedFunction._forward_outputs(
+                ctx, hidden, weight, bias, labels, denominator, chunking, token_weights
+            )
         if denominator is None:
             loss, denominator, ctx.grads = reduced_in_one_chunk(
                 hidden, weight, bias, labels, options, chunking, needs, *reduction
             )
         else:
             token_losses, _, ctx.grads = chunked_forward(
-                hidden, weight, bias, labels, options, chunking, denominator, needs, class_weight=class_weight
-            )
-            loss = token_losses.sum() / denominator[0]
+                hidden, weight, bias, labels, options, chunking, denominator, needs, class_weight=class_weight,
+                token_weights=token_weights,
+            )  # fmt: skip
+            loss = _weighted(token_losses, token_weights).sum() / denominator[0]
         # References, no copies: read only by a backward that must be differentiable again.
-        ctx.save_for_backward(hidden, weight, bias, labels, denominator)
+        ctx.save_for_backward(hidden, weight, bias, labels, denominator, token_weights)
         return loss
 
     @staticmethod
-    def _forward_outputs(ctx, hidden, weight, bias, labels, denominator, chunking):
-        """With the extra outputs: (loss, lse, argmax, mean of z); lse is differentiable for the z_loss output."""
-        ctx.kept = chunks._kept_rows(
-            labels, ctx.options.ignore_index, chunking
-        )  # for a backward recomputing the logits
+    def _forward_outputs(ctx, hidden, weight, bias, labels, denominator, chunking, token_weights):
+        """With the extra outputs: (loss, lse, argmax, entropy per row); lse is differentiable for the z_loss output,
+        the entropy for the entropy output."""
+        ctx.kept = chunks._kept_rows(labels, ctx.options.ignore_index, chunking)  # for a backward recomputing logits
         token_losses, lse, grads, argmax, mean_z = chunked_forward(
-            hidden,
-            weight,
-            bias,
-            labels,
-            ctx.options,
-            chunking,
-            denominator,
-            ctx.needs,
-            outputs=True,
-            kept=ctx.kept,
-            class_weight=ctx.class_weight,
-        )
+            hidden, weight, bias, labels, ctx.options, chunking, denominator, ctx.needs, outputs=True, kept=ctx.kept,
+            class_weight=ctx.class_weight, token_weights=token_weights,
+        )  # fmt: skip
+        entropy = row_entropy(lse, mean_z, labels, ctx.options.ignore_index)
         ctx.grads, ctx.chunking = grads, chunking
-        ctx.save_for_backward(hidden, weight, bias, labels, denominator, lse)
-        ctx.mark_non_differentiable(argmax, mean_z, *(() if ctx.extras.z_loss else (lse,)))
+        ctx.save_for_backward(hidden, weight, bias, labels, denominator, token_weights, lse, entropy)
+        ctx.mark_non_differentiable(
+            argmax, *(() if ctx.extras.z_loss else (lse,)), *(() if ctx.extras.entropy else (entropy,))
+        )
         ctx.set_materialize_grads(False)
-        return token_losses.sum() / denominator[0], lse, argmax, mean_z
+        return _weighted(token_losses, token_weights).sum() / denominator[0], lse, argmax, entropy
 
     @staticmethod
     def backward(ctx, grad_loss, *grad_outputs):
+        nones = (None,) * 9
         if ctx.extras is not None:
-            return _ReducedFunction._backward_outputs(ctx, grad_loss, grad_outputs[0])
-        return (*_ReducedFunction._loss_grads(ctx, grad_loss, ctx.saved_tensors), *(None,) * 8)
+            return (*_ReducedFunction._backward_outputs(ctx, grad_loss, grad_outputs[0], grad_outputs[2]), *nones)
+        return (*_ReducedFunction._loss_grads(ctx, grad_loss, ctx.saved_tensors[:6]), *nones)
 
     @staticmethod
     def _loss_grads(ctx, grad_loss, saved):
         if torch.is_grad_enabled():
             # create_graph=True: the gradients computed in the forward are constants to autograd; these are not.
-            hidden, weight, bias, labels, denominator = saved
+            hidden, weight, bias, labels, denominator, token_weights = saved
             grad_rows = (grad_loss.float() / denominator[0]).expand(labels.shape)
             return _differentiable_grads(
-                grad_rows, hidden, weight, bias, labels, ctx.options, ctx.needs, class_weight=ctx.class_weight
-            )
+                _weighted(grad_rows, token_weights), hidden, weight, bias, labels, ctx.options, ctx.needs,
+                class_weight=ctx.class_weight,
+            )  # fmt: skip
         grads, ctx.grads = ctx.grads, None
         if grads is None:
             raise RuntimeError(BACKWARD_TWICE)
@@ -102,35 +110,45 @@ class _ReducedFunction(torch.autograd.Function):
         return grads
 
     @staticmethod
-    def _backward_outputs(ctx, grad_loss, grad_lse):
+    def _backward_outputs(ctx, grad_loss, grad_lse, grad_entropy):
         """The backward with extra outputs: the loss's gradients (computed in the forward) plus, when the z_loss
-        output is differentiated, its part (through lse), recomputing each chunk's logits."""
-        *saved, lse = ctx.saved_tensors
-        hidden, weight, bias, labels, denominator = saved
-        nones = (None,) * 8
-        if grad_lse is None or not ctx.extras.z_loss:
+        or the entropy output is differentiated, their part, recomputing each chunk's logits."""
+        hidden, weight, bias, labels, denominator, token_weights, lse, entropy = ctx.saved_tensors
+        grad_lse = grad_lse if ctx.extras.z_loss else None
+        grad_entropy = grad_entropy if ctx.extras.entropy else None
+        if grad_lse is None and grad_entropy is None:
             if grad_loss is None:
-                return (None,) * 3 + nones
-            return (*_ReducedFunction._loss_grads(ctx, grad_loss, saved), *nones)
+                return (None,) * 3
+            return _ReducedFunction._loss_grads(ctx, grad_loss, ctx.saved_tensors[:6])
         if torch.is_grad_enabled():
             grad_rows = None if grad_loss is None else (grad_loss.float() / denominator[0]).expand(labels.shape)
-            grads = _differentiable_grads(
-                grad_rows, hidden, weight, bias, labels, ctx.options, ctx.needs, grad_lse, ctx.class_weight
-            )
-            return (*grads, *nones)
-        lse_grads = chunked_backward(
-            None, hidden, weight, bias, labels, lse, ctx.options, ctx.chunking, ctx.needs, grad_lse.detach(), ctx.kept
-        )  # unweighted: grad_lse holds the class weights' factor
+            return _differentiable_grads(
+                _weighted(grad_rows, token_weights), hidden, weight, bias, labels, ctx.options, ctx.needs, grad_lse,
+                ctx.class_weight, grad_entropy,
+            )  # fmt: skip
+        upstream = (None, _detached(grad_lse), _detached(grad_entropy), entropy)
+        # unweighted: grad_lse holds the class weights' factor
+        extra_grads = chunked_backward(
+            upstream, hidden, weight, bias, labels, lse, ctx.options, ctx.chunking, ctx.needs, ctx.kept
+        )
         if grad_loss is None:
             ctx.grads = None
-            return (*lse_grads, *nones)
-        loss_grads = _ReducedFunction._loss_grads(ctx, grad_loss, saved)
-        grads = [a if b is None else (b if a is None else a + b) for a, b in zip(loss_grads, lse_grads)]
-        return (*grads, *nones)
+            return extra_grads
+        return _sum_grads(_ReducedFunction._loss_grads(ctx, grad_loss, ctx.saved_tensors[:6]), extra_grads)
+
+
+def _weighted(values, token_weights):
+    """values * token_weights (per row), or values without token weights."""
+    return values if token_weights is None or values is None else values * token_weights
+
+
+def _detached(tensor):
+    return None if tensor is None else tensor.detach().float().contiguous()
 
 
 class _PerTokenFunction(torch.autograd.Function):
-    """ "none": the forward keeps lse; the backward recomputes the logits chunk by chunk."""
+    """ "none": the forward keeps lse; the backward recomputes the logits chunk by chunk (the entropy output's
+    gradient, when differentiated, in the same pass). Token weights multiply the losses outside (plain torch)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, options, chunking, extras=None, class_weight=None):
@@ -140,47 +158,40 @@ class _PerTokenFunction(torch.autograd.Function):
             token_losses, lse, _ = chunked_forward(
                 hidden, weight, bias, labels, options, chunking, kept=ctx.kept, class_weight=class_weight
             )
-            ctx.save_for_backward(hidden, weight, bias, labels, lse)
+            ctx.save_for_backward(hidden, weight, bias, labels, lse, None)
             return token_losses
-        # With the extra outputs: (losses, lse, argmax, mean of z); lse is differentiable for the z_loss output.
+        # With the extra outputs: (losses, lse, argmax, entropy per row); lse is differentiable for the z_loss
+        # output, the entropy for the entropy output.
         token_losses, lse, _, argmax, mean_z = chunked_forward(
             hidden, weight, bias, labels, options, chunking, outputs=True, kept=ctx.kept, class_weight=class_weight
         )
-        ctx.save_for_backward(hidden, weight, bias, labels, lse)
-        ctx.mark_non_differentiable(argmax, mean_z, *(() if extras.z_loss else (lse,)))
+        entropy = row_entropy(lse, mean_z, labels, options.ignore_index)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
+        ctx.mark_non_differentiable(argmax, *(() if extras.z_loss else (lse,)), *(() if extras.entropy else (entropy,)))
         ctx.set_materialize_grads(False)
-        return token_losses, lse, argmax, mean_z
+        return token_losses, lse, argmax, entropy
 
     @staticmethod
     def backward(ctx, grad_losses, *grad_outputs):
-        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        grad_lse = grad_outputs[0] if grad_outputs and ctx.extras.z_loss else None
-        if grad_losses is None and grad_lse is None:
-            return (None,) * 8
+        extras = ctx.extras
+        grad_lse = grad_outputs[0] if grad_outputs and extras.z_loss else None
+        grad_entropy = grad_outputs[2] if grad_outputs and extras.entropy else None
+        nones = (None,) * 5
+        if grad_losses is None and grad_lse is None and grad_entropy is None:
+            return (None,) * 3 + nones
         if torch.is_grad_enabled():  # create_graph=True: a gradient that autograd can differentiate again
             grad_rows = None if grad_losses is None else grad_losses.float()
             grads = _differentiable_grads(
-                grad_rows, hidden, weight, bias, labels, ctx.options, needs, grad_lse, ctx.class_weight
+                grad_rows, hidden, weight, bias, labels, ctx.options, needs, grad_lse, ctx.class_weight, grad_entropy
             )
-            return (*grads, None, None, None, None, None)
-        grad_losses = None if grad_losses is None else grad_losses.detach().contiguous()
-        grad_lse = None if grad_lse is None else grad_lse.detach()
+            return (*grads, *nones)
+        upstream = (_detached(grad_losses), _detached(grad_lse), _detached(grad_entropy), entropy)
         grads = chunked_backward(
-            grad_losses,
-            hidden,
-            weight,
-            bias,
-            labels,
-            lse,
-            ctx.options,
-            ctx.chunking,
-            needs,
-            grad_lse,
-            ctx.kept,
-            ctx.class_weight,
+            upstream, hidden, weight, bias, labels, lse, ctx.options, ctx.chunking, needs, ctx.kept, ctx.class_weight
         )
-        return (*grads, None, None, None, None, None)
+        return (*grads, *nones)
 
 
 # --- custom ops for torch.compile -----------------------------------------------------------------------------
@@ -205,12 +216,9 @@ def _settings(settings):
     return Options(*settings[:n_options]), chunking, tuple(settings[n_options + n_chunking :])
 
 
-def _split_class_weight(settings):
-    """(the op's trailing scalars, its class weights or None): the ops take `Tensor? class_weight=None` last; a
-    trailing tensor or None is that argument (the scalars before it are ints, floats and bools)."""
-    if settings and (settings[-1] is None or isinstance(settings[-1], torch.Tensor)):
-        return tuple(settings[:-1]), settings[-1]
-    return tuple(settings), None
+def _split_tensors(settings, count):
+    """(the op's trailing scalars, its last `count` arguments: the optional tensors, passed explicitly)."""
+    return tuple(settings[:-count]), tuple(settings[-count:])
 
 
 def _or_empty(tensor, like):
@@ -231,26 +239,27 @@ def _fake_grads(hidden, weight, bias, needs):
     "fastce::linear_cross_entropy_reduced",
     mutates_args=(),
     schema="(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, Tensor denominator, "
-    f"{_SETTINGS}, Tensor? class_weight=None) -> (Tensor, Tensor, Tensor, Tensor)",
+    f"{_SETTINGS}, Tensor? class_weight, Tensor? token_weights) -> (Tensor, Tensor, Tensor, Tensor)",
 )
 def _reduced_op(hidden, weight, bias, labels, denominator, *settings):
-    settings, class_weight = _split_class_weight(settings)
+    settings, (class_weight, token_weights) = _split_tensors(settings, 2)
     options, chunking, needs = _settings(settings)
     token_losses, _, grads = chunked_forward(
-        hidden, weight, bias, labels, options, chunking, denominator, needs, class_weight=class_weight
-    )
-    loss = token_losses.sum() / denominator[0]
+        hidden, weight, bias, labels, options, chunking, denominator, needs, class_weight=class_weight,
+        token_weights=token_weights,
+    )  # fmt: skip
+    loss = _weighted(token_losses, token_weights).sum() / denominator[0]
     return (loss, *(_or_empty(grad, hidden) for grad in grads))
 
 
 @_reduced_op.register_fake
 def _(hidden, weight, bias, labels, denominator, *settings):
-    needs = _settings(_split_class_weight(settings)[0])[2]
+    needs = _settings(_split_tensors(settings, 2)[0])[2]
     return (hidden.new_empty((), dtype=torch.float32), *_fake_grads(hidden, weight, bias, needs))
 
 
 def _reduced_setup_context(ctx, inputs, output):
-    ctx.needs = _settings(_split_class_weight(inputs[5:])[0])[2]
+    ctx.needs = _settings(_split_tensors(inputs[5:], 2)[0])[2]
     ctx.save_for_backward(*output[1:])
 
 
@@ -261,7 +270,7 @@ def _reduced_backward(ctx, grad_loss, *unused_grads_of_grads):
         torch.where(g == 0, 0, g * grad_loss.to(g.dtype)) if need else None
         for g, need in zip(ctx.saved_tensors, ctx.needs)
     ]
-    return (*grads, None, None, *[None] * (_N_SETTINGS + 1))
+    return (*grads, None, None, *[None] * (_N_SETTINGS + 2))
 
 
 torch.library.register_autograd(
@@ -273,10 +282,10 @@ torch.library.register_autograd(
     "fastce::linear_cross_entropy_forward",
     mutates_args=(),
     schema="(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, "
-    f"{contract.op_schema(Options)}, {contract.op_schema(Chunking)}, Tensor? class_weight=None) -> (Tensor, Tensor)",
+    f"{contract.op_schema(Options)}, {contract.op_schema(Chunking)}, Tensor? class_weight) -> (Tensor, Tensor)",
 )
 def _per_token_forward_op(hidden, weight, bias, labels, *settings):
-    settings, class_weight = _split_class_weight(settings)
+    settings, (class_weight,) = _split_tensors(settings, 1)
     options, chunking, _ = _settings(settings)
     token_losses, lse, _ = chunked_forward(hidden, weight, bias, labels, options, chunking, class_weight=class_weight)
     return token_losses, lse
@@ -291,26 +300,36 @@ def _(hidden, weight, bias, labels, *settings):
 @torch.library.custom_op(
     "fastce::linear_cross_entropy_backward",
     mutates_args=(),
-    schema="(Tensor grad_losses, Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, Tensor lse, "
-    f"{_SETTINGS}, Tensor? class_weight=None) -> (Tensor, Tensor, Tensor)",
+    schema="(Tensor grad_losses, Tensor grad_lse, Tensor grad_entropy, Tensor hidden, Tensor weight, Tensor? bias, "
+    f"Tensor labels, Tensor lse, Tensor entropy, {_SETTINGS}, bool z_grad, bool h_grad, Tensor? class_weight) -> "
+    "(Tensor, Tensor, Tensor)",
 )
-def _per_token_backward_op(grad_losses, hidden, weight, bias, labels, lse, *settings):
-    settings, class_weight = _split_class_weight(settings)
+def _per_token_backward_op(grad_losses, grad_lse, grad_entropy, hidden, weight, bias, labels, lse, entropy, *settings):
+    """The gradients of the per-token losses (and, with z_grad, of lse; with h_grad, of the entropy), recomputing
+    each chunk's logits; every upstream is a tensor (zeros where not differentiated)."""
+    settings, (class_weight,) = _split_tensors(settings, 1)
+    *settings, z_grad, h_grad = settings
     options, chunking, needs = _settings(settings)
+    upstream = (
+        grad_losses.float().contiguous(),
+        grad_lse.float().contiguous() if z_grad else None,
+        grad_entropy.float().contiguous() if h_grad else None,
+        entropy,
+    )
     grads = chunked_backward(
-        grad_losses.contiguous(), hidden, weight, bias, labels, lse, options, chunking, needs, None, class_weight
+        upstream, hidden, weight, bias, labels, lse, options, chunking, needs, class_weight=class_weight
     )
     return tuple(_or_empty(grad, hidden) for grad in grads)
 
 
 @_per_token_backward_op.register_fake
-def _(grad_losses, hidden, weight, bias, labels, lse, *settings):
-    return _fake_grads(hidden, weight, bias, _settings(_split_class_weight(settings)[0])[2])
+def _(grad_losses, grad_lse, grad_entropy, hidden, weight, bias, labels, lse, entropy, *settings):
+    return _fake_grads(hidden, weight, bias, _settings(_split_tensors(settings, 1)[0][:-2])[2])
 
 
 def _per_token_setup_context(ctx, inputs, output):
     hidden, weight, bias, labels, *settings = inputs
-    ctx.settings, ctx.class_weight = _split_class_weight(settings)
+    ctx.settings, (ctx.class_weight,) = _split_tensors(settings, 1)
     ctx.has_bias = bias is not None
     ctx.save_for_backward(hidden, weight, bias, labels, output[1])
 
@@ -319,8 +338,9 @@ def _per_token_backward(ctx, grad_losses, unused_grad_lse):
     hidden, weight, bias, labels, lse = ctx.saved_tensors
     needs = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
     grads = _per_token_backward_op(
-        grad_losses, hidden, weight, bias, labels, lse, *ctx.settings, *needs, ctx.class_weight
-    )
+        grad_losses, lse, lse, hidden, weight, bias, labels, lse, lse, *ctx.settings, *needs, False, False,
+        ctx.class_weight,
+    )  # fmt: skip
     grads = [grad if need else None for grad, need in zip(grads, needs)]
     return (*grads, None, *[None] * (len(ctx.settings) + 1))
 
@@ -332,21 +352,22 @@ torch.library.register_autograd(
 
 # With the extra outputs (any return_* keyword) under torch.compile every reduction takes the per-token ops below
 # (the reduction in plain torch, the backward recomputing each chunk's logits): one op pair instead of a reduced
-# variant of each.
+# variant of each. The backward is the per-token one.
 @torch.library.custom_op(
     "fastce::linear_cross_entropy_forward_outputs",
     mutates_args=(),
     schema="(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, "
-    f"{contract.op_schema(Options)}, {contract.op_schema(Chunking)}, bool z_grad, Tensor? class_weight=None) -> "
-    "(Tensor, Tensor, Tensor, Tensor)",
+    f"{contract.op_schema(Options)}, {contract.op_schema(Chunking)}, bool z_grad, bool h_grad, "
+    "Tensor? class_weight) -> (Tensor, Tensor, Tensor, Tensor)",
 )
 def _outputs_forward_op(hidden, weight, bias, labels, *settings):
-    settings, class_weight = _split_class_weight(settings)
-    options, chunking, _ = _settings(settings[:-1])
+    """(token losses, lse, argmax, entropy) per row."""
+    settings, (class_weight,) = _split_tensors(settings, 1)
+    options, chunking, _ = _settings(settings[:-2])
     token_losses, lse, _, argmax, mean_z = chunked_forward(
         hidden, weight, bias, labels, options, chunking, outputs=True, class_weight=class_weight
     )
-    return token_losses, lse, argmax, mean_z
+    return token_losses, lse, argmax, row_entropy(lse, mean_z, labels, options.ignore_index)
 
 
 @_outputs_forward_op.register_fake
@@ -356,46 +377,25 @@ def _(hidden, weight, bias, labels, *settings):
     return floats[0], floats[1], hidden.new_empty(n_rows, dtype=torch.int32), floats[2]
 
 
-@torch.library.custom_op(
-    "fastce::linear_cross_entropy_backward_outputs",
-    mutates_args=(),
-    schema="(Tensor grad_losses, Tensor grad_lse, Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, "
-    f"Tensor lse, {_SETTINGS}, bool z_grad, Tensor? class_weight=None) -> (Tensor, Tensor, Tensor)",
-)
-def _outputs_backward_op(grad_losses, grad_lse, hidden, weight, bias, labels, lse, *settings):
-    settings, class_weight = _split_class_weight(settings)
-    options, chunking, needs = _settings(settings[:-1])
-    grad_lse = grad_lse.contiguous() if settings[-1] else None
-    grads = chunked_backward(
-        grad_losses.contiguous(), hidden, weight, bias, labels, lse, options, chunking, needs, grad_lse, class_weight
-    )
-    return tuple(_or_empty(grad, hidden) for grad in grads)
-
-
-@_outputs_backward_op.register_fake
-def _(grad_losses, grad_lse, hidden, weight, bias, labels, lse, *settings):
-    return _fake_grads(hidden, weight, bias, _settings(_split_class_weight(settings)[0][:-1])[2])
-
-
 def _outputs_setup_context(ctx, inputs, output):
     hidden, weight, bias, labels, *settings = inputs
-    ctx.settings, ctx.class_weight = _split_class_weight(settings)
+    ctx.settings, (ctx.class_weight,) = _split_tensors(settings, 1)
     ctx.has_bias = bias is not None
-    ctx.save_for_backward(hidden, weight, bias, labels, output[1])
-    ctx.mark_non_differentiable(output[2], output[3])
+    ctx.save_for_backward(hidden, weight, bias, labels, output[1], output[3])
+    z_grad, h_grad = ctx.settings[-2:]
+    ctx.mark_non_differentiable(output[2], *(() if z_grad else (output[1],)), *(() if h_grad else (output[3],)))
 
 
-def _outputs_backward(ctx, grad_losses, grad_lse, *unused):
-    hidden, weight, bias, labels, lse = ctx.saved_tensors
+def _outputs_backward(ctx, grad_losses, grad_lse, unused_grad_argmax, grad_entropy):
+    hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
     needs = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
-    *settings, z_grad = ctx.settings
-    if grad_losses is None:
-        grad_losses = torch.zeros_like(lse)
-    if grad_lse is None:
-        grad_lse, z_grad = lse, False
-    grads = _outputs_backward_op(
-        grad_losses, grad_lse, hidden, weight, bias, labels, lse, *settings, *needs, z_grad, ctx.class_weight
-    )
+    *settings, z_grad, h_grad = ctx.settings
+    grad_losses = torch.zeros_like(lse) if grad_losses is None else grad_losses
+    z_grad, h_grad = z_grad and grad_lse is not None, h_grad and grad_entropy is not None
+    grads = _per_token_backward_op(
+        grad_losses, grad_lse if z_grad else lse, grad_entropy if h_grad else lse, hidden, weight, bias, labels, lse,
+        entropy, *settings, *needs, z_grad, h_grad, ctx.class_weight,
+    )  # fmt: skip
     grads = [grad if need else None for grad, need in zip(grads, needs)]
     return (*grads, None, *[None] * (len(ctx.settings) + 1))
 
@@ -405,40 +405,98 @@ torch.library.register_autograd(
 )
 
 
+def output_fields(loss, lse, argmax, entropy, labels, options, extras, reduction, n_items, vocab, class_weight=None,
+                  token_weights=None):  # fmt: skip
+    """CrossEntropyOutput from the loss and per-row (lse, argmax, entropy) (N,): lse and accuracy as
+    contract.extra_outputs gives them; the z_loss field (differentiable through lse) also weighted by the token
+    weights (per row, 0 where ignored); the entropy field differentiable through `entropy`, not weighted, reduced
+    by the unweighted divisor. NaN in both on a row holding NaN or +inf."""
+    out = contract.extra_outputs(
+        loss, lse, argmax, None, labels, options, extras._replace(z_loss=False, entropy=False), reduction, n_items,
+        vocab, class_weight,
+    )._asdict()  # fmt: skip
+    shape, ignore_index = labels.shape, options.ignore_index
+    ignored, in_range = labels == ignore_index, (labels >= 0) & (labels < vocab)
+    lse = lse.view(shape)
+    lse = torch.where(lse.detach() == float("inf"), float("nan"), lse)
+    if extras.z_loss:
+        kept_lse = torch.where(ignored, 0.0, lse)  # ignored rows' lse is -inf: no inf * 0 in the gradient
+        term = options.z_loss * kept_lse * kept_lse * torch.where(in_range | ignored, 1.0, float("nan")).to(lse.dtype)
+        if class_weight is not None:
+            term = term * contract.label_weights(labels, class_weight.to(term.dtype), vocab)
+        term = _weighted(term, None if token_weights is None else token_weights.view(shape))
+        divisor = contract.loss_divisor(labels, reduction, n_items, ignore_index, lse.dtype, class_weight)
+        out["z_loss"] = term if divisor is None else term.sum() / divisor
+    if extras.entropy:
+        entropy = torch.where(torch.isnan(lse.detach()), float("nan"), entropy.view(shape))
+        entropy = torch.where(ignored, 0.0, entropy)
+        divisor = contract.loss_divisor(labels, reduction, n_items, ignore_index, lse.dtype)
+        out["entropy"] = entropy if divisor is None else entropy.sum() / divisor
+    return contract.CrossEntropyOutput(**out)
+
+
+def reference_logits(hidden, weight, bias, chunking):
+    """The plain-torch path's logits: F.linear in the compute dtype, or in float32 for float32 logits."""
+    if chunking.float32_logits:
+        hidden, weight, bias = (None if t is None else t.float() for t in (hidden, weight, bias))
+    return torch.nn.functional.linear(hidden, weight, bias)
+
+
+def _reference_outputs(hidden, weight, bias, labels, options, reduction, n_items, chunking, extras, class_weight,
+                       token_weights):  # fmt: skip
+    """The plain-torch path with extra outputs: every field differentiable where the contract says so."""
+    logits = reference_logits(hidden, weight, bias, chunking)
+    token_losses = contract.reference_token_losses(logits, labels, options, class_weight)
+    loss = contract.reduce_losses(
+        _weighted(token_losses, token_weights), labels, reduction, n_items, options.ignore_index, class_weight
+    )
+    z = contract.transform(logits, options, labels)
+    lse = torch.logsumexp(z, dim=-1)
+    p = torch.softmax(z, dim=-1)
+    entropy = row_entropy(lse, torch.where(p > 0, p * z, 0.0).sum(-1), labels, options.ignore_index)
+    argmax = z.detach().argmax(-1)
+    return output_fields(
+        loss, lse.reshape(-1), argmax.reshape(-1), entropy.reshape(-1), labels, options, extras, reduction, n_items,
+        logits.shape[-1], class_weight, token_weights,
+    )  # fmt: skip
+
+
 def unsharded_outputs(
-    hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras, class_weight=None
-):
-    """linear_cross_entropy with extra outputs: CrossEntropyOutput."""
+    hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras, class_weight=None,
+    token_weights=None,
+):  # fmt: skip
+    """linear_cross_entropy with extra outputs: CrossEntropyOutput. token_weights: shaped like labels, in the
+    compute dtype, 0 where ignored (api.py prepares them), or None."""
     ignore_index = options.ignore_index
     hidden, weight, bias = autocast_or_common_dtype(hidden, weight, bias)
     vocab = weight.shape[0]
     if not contract.use_kernel(hidden, backend):
-        logits = torch.nn.functional.linear(hidden, weight, bias)
-        token_losses = contract.reference_token_losses(logits, labels, options, class_weight)
-        loss = contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index, class_weight)
-        return contract.reference_outputs(logits, labels, options, extras, reduction, n_items, loss, class_weight)
+        return _reference_outputs(
+            hidden, weight, bias, labels, options, reduction, n_items, chunking, extras, class_weight, token_weights
+        )
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     labels_1d = labels.reshape(-1).contiguous()
+    weights_1d = None if token_weights is None else token_weights.reshape(-1).contiguous()
     if torch.compiler.is_compiling():
-        token_losses, lse, argmax, mean_z = _outputs_forward_op(
-            hidden_2d, weight, bias, labels_1d, *options, *chunking, extras.z_loss, class_weight
+        token_losses, lse, argmax, entropy = _outputs_forward_op(
+            hidden_2d, weight, bias, labels_1d, *options, *chunking, extras.z_loss, extras.entropy, class_weight
         )
-        loss = contract.reduce_losses(
-            token_losses.view(labels.shape), labels, reduction, n_items, ignore_index, class_weight
-        )
+        token_losses = _weighted(token_losses.view(labels.shape), token_weights)
+        loss = contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index, class_weight)
     elif reduction == "none":
-        token_losses, lse, argmax, mean_z = _PerTokenFunction.apply(
+        token_losses, lse, argmax, entropy = _PerTokenFunction.apply(
             hidden_2d, weight, bias, labels_1d, options, chunking, extras, class_weight
         )
-        loss = token_losses.view(labels.shape)
+        loss = _weighted(token_losses, weights_1d).view(labels.shape)
     else:
         needs = gradients_needed(hidden, weight, bias)
         denominator = contract.loss_divisor(labels_1d, reduction, n_items, ignore_index, weight=class_weight).reshape(1)
-        loss, lse, argmax, mean_z = _ReducedFunction.apply(
-            hidden_2d, weight, bias, labels_1d, denominator, options, chunking, needs, extras, class_weight
-        )
-    return contract.extra_outputs(
-        loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab, class_weight
+        loss, lse, argmax, entropy = _ReducedFunction.apply(
+            hidden_2d, weight, bias, labels_1d, denominator, options, chunking, needs, extras, class_weight, None,
+            weights_1d,
+        )  # fmt: skip
+    return output_fields(
+        loss, lse, argmax, entropy, labels, options, extras, reduction, n_items, vocab, class_weight, weights_1d
     )
 
 
@@ -452,39 +510,43 @@ def gradients_needed(hidden, weight, bias):
     )
 
 
-def unsharded_loss(hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, class_weight=None):
+def unsharded_loss(
+    hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, class_weight=None,
+    token_weights=None,
+):  # fmt: skip
     ignore_index = options.ignore_index
     hidden, weight, bias = autocast_or_common_dtype(hidden, weight, bias)
     if not contract.use_kernel(hidden, backend):
-        token_losses = contract.reference_token_losses(
-            torch.nn.functional.linear(hidden, weight, bias), labels, options, class_weight
-        )
+        logits = reference_logits(hidden, weight, bias, chunking)
+        token_losses = _weighted(contract.reference_token_losses(logits, labels, options, class_weight), token_weights)
         return contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index, class_weight)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     labels_1d = labels.reshape(-1).contiguous()
+    weights_1d = None if token_weights is None else token_weights.reshape(-1).contiguous()
     compiling = torch.compiler.is_compiling()
     if reduction == "none":
         if compiling:
-            token_losses = _per_token_forward_op(hidden_2d, weight, bias, labels_1d, *options, *chunking, class_weight)[
-                0
-            ]
+            token_losses = _per_token_forward_op(hidden_2d, weight, bias, labels_1d, *options, *chunking, class_weight)
+            token_losses = token_losses[0]
         else:
             token_losses = _PerTokenFunction.apply(
                 hidden_2d, weight, bias, labels_1d, options, chunking, None, class_weight
             )
-        return token_losses.view(labels.shape)
+        return _weighted(token_losses, weights_1d).view(labels.shape)
     needs = gradients_needed(hidden, weight, bias)
     n_rows = hidden_2d.shape[0]
     one_chunk = 0 < n_rows <= chunks.rows_per_chunk(n_rows, weight.shape[0], hidden.element_size(), *chunking[:2])
-    if not compiling and one_chunk and class_weight is None and not chunking.skip_ignored_rows:
+    plain = class_weight is None and token_weights is None and not chunking.skip_ignored_rows
+    if not compiling and one_chunk and plain and not chunking.float32_logits:
         return _ReducedFunction.apply(
             hidden_2d, weight, bias, labels_1d, None, options, chunking, needs, None, None, (reduction, n_items)
         )
     denominator = contract.loss_divisor(labels_1d, reduction, n_items, ignore_index, weight=class_weight).reshape(1)
     if compiling:
-        return _reduced_op(hidden_2d, weight, bias, labels_1d, denominator, *options, *chunking, *needs, class_weight)[
-            0
-        ]
+        return _reduced_op(
+            hidden_2d, weight, bias, labels_1d, denominator, *options, *chunking, *needs, class_weight, weights_1d
+        )[0]
     return _ReducedFunction.apply(
-        hidden_2d, weight, bias, labels_1d, denominator, options, chunking, needs, None, class_weight
-    )
+        hidden_2d, weight, bias, labels_1d, denominator, options, chunking, needs, None, class_weight, None,
+        weights_1d,
+    )  # fmt: skip

@@ -5,17 +5,23 @@ rows: the workspace budget (the `workspace_bytes` keyword, by default `DEFAULT_W
 logits) split evenly over as few chunks as it allows, rounded up to a multiple of `ROWS_MULTIPLE` (whole matmul
 tiles); the `chunk_rows` keyword, when given, overrides it. Per chunk: the logits come from one
 matmul into the workspace, fastce's forward kernel gives each row's loss and log-sum-exp (`_ce_forward`), the
-backward kernel overwrites the same fresh logits with d loss / d logits (`_ce_backward_in_place`), and two matmuls
+backward kernel overwrites the same fresh logits with d loss / d logits (`chunk_gradient`), and two matmuls
 fold that into the chunk's rows of d hidden and into d weight (a column sum into d bias). The last chunk is
-shorter (a slice of the workspace).
+shorter (a slice of the workspace). logits_dtype=float32 with bf16/fp16 inputs: the workspace holds float32 logits
+(4 bytes each) and, in a pass that computes gradients, the backward kernel writes d logits into a second chunk in the
+inputs' dtype (the products' operand, as with the default logits), so such a pass counts 4 + itemsize bytes per
+logit against workspace_bytes.
 
 Reductions.
 - "mean" / "sum": the gradients are complete after the forward (the denominator is counted on the device first, no
   host synchronisation); the backward only multiplies them by the upstream scalar, and skips even that on the device
-  when the scalar is exactly 1. 6·N·H·V flops in all. Gradients are computed only when grad mode is on and an input
-  requires one (2·N·H·V flops otherwise).
+  when the scalar is exactly 1. 6·N·H·V flops in all. Token weights keep this: w_t / denominator is the backward
+  kernel's per-row upstream. A differentiated z_loss or entropy output is the exception: its upstream exists only in
+  the backward, which then recomputes each chunk's logits for that part. Gradients are computed only when grad mode
+  is on and an input requires one (2·N·H·V flops otherwise).
 - "none": the per-token upstream gradients exist only in the backward, so the forward keeps the log-sum-exp (N
-  floats) and the backward recomputes each chunk's logits: 8·N·H·V flops.
+  floats) and the backward recomputes each chunk's logits: 8·N·H·V flops. A differentiated entropy output adds its
+  term in the same backward kernel pass (the kernel's entropy variant, from the forward's per-row entropy).
 
 Memory beyond the inputs: the gradients (hidden's, weight's, bias's, in their dtypes), the workspace (chunk rows x V
 in the inputs' dtype, at most workspace_bytes) and O(N + V) floats.
@@ -27,7 +33,11 @@ its shapes from the host, so the number of kept rows is read there: one synchron
 autograd Functions hand the kept rows to the backward that recomputes the logits; under torch.compile that backward's
 custom op reads them again). Opt-in, and refused under CUDA-graph capture.
 
-Precision: each chunk's matmuls accumulate in float32 and round once to the input dtype. By default the weight
+Precision: each chunk's matmuls accumulate in float32 and round once to the input dtype. With float32 logits the
+gradient chunk is still rounded to the inputs' dtype before the products (which then run at the bf16/fp16 rate, and
+need no float32 copy of the weight): measured on the CPU (bf16, N=512, H=256, V=8192, T=0.7, float64 as truth), the
+relative error of d hidden is 1.9e-3 with it against 1.6e-3 with float32 products (d weight: 1.9e-3 / 1.7e-3), both
+dominated by the gradients' own bf16 rounding. By default the weight
 gradient is summed across chunks in the weight's own dtype (one rounding per chunk); a float32 accumulator
 (accumulate_in_float32=True: one rounding at the end) costs 4·V·H more bytes (2 GiB at V=128256,
 H=4096), twice a bf16 gradient. Measured (bf16 weight gradient of a softmax-gradient sum over 4096 rows, float64 as
@@ -55,9 +65,21 @@ class Chunking(NamedTuple):
     chunk_rows: int | None = None
     accumulate_in_float32: bool = False
     skip_ignored_rows: bool = False
+    float32_logits: bool = False  # logits_dtype=float32 with bf16/fp16 inputs
 
 
-def _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows=False):
+LOGITS_DTYPES = (None, "float32", torch.float32)
+
+
+def check_logits_dtype(logits_dtype, dtype):
+    """Whether the chunks' logits are float32 for inputs computed in `dtype`: logits_dtype None (the inputs' dtype)
+    or float32 (the string "float32" or torch.float32); a no-op for float32 and float64 inputs."""
+    if not any(logits_dtype is ok or (isinstance(logits_dtype, str) and logits_dtype == ok) for ok in LOGITS_DTYPES):
+        raise ValueError(f'logits_dtype must be None, "float32" or torch.float32, got {logits_dtype!r}')
+    return logits_dtype is not None and dtype in (torch.bfloat16, torch.float16)
+
+
+def _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows=False, float32_logits=False):
     workspace_bytes = DEFAULT_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
     for name, value in (("workspace_bytes", workspace_bytes), ("chunk_rows", chunk_rows)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -65,7 +87,7 @@ def _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ign
     for name, value in (("accumulate_in_float32", accumulate_in_float32), ("skip_ignored_rows", skip_ignored_rows)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {value!r}")
-    return Chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows)
+    return Chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows, float32_logits)
 
 
 # --- the one place that calls fastce's launchers ----------------------------------------------------------------
@@ -78,24 +100,33 @@ def _ce_forward(logits, labels, options, outputs=False, class_weight=None):
     return loss, lse, *statistics
 
 
-def _ce_backward_in_place(logits, labels, lse, grad_loss, options, denominator=None, class_weight=None):
-    """Overwrites `logits` with d(sum_t grad_loss_t * loss_t / denominator) / d logits; grad_loss is per row or 0-d."""
-    kernels.backward(grad_loss, logits, labels, lse, logits, options, denominator, weight=class_weight)
-
-
-def _ce_chunk_backward(logits, labels, lse, grad_loss, grad_lse, options, denominator=None, class_weight=None):
-    """Overwrites `logits` with the gradient of sum_t (grad_loss_t * loss_t / denominator + grad_lse_t * lse_t),
-    either upstream None for none of it (the z_loss output's gradient comes through lse; grad_lse already holds
-    the class weights' factor, so the lse part is unweighted)."""
+def chunk_gradient(logits, dlogits, labels, lse, options, upstream, denominator=None, class_weight=None):
+    """Writes into `dlogits` (the logits' own buffer, or the chunk in the inputs' dtype next to float32 logits) the
+    gradient of sum_t (g_loss_t loss_t / denominator + g_lse_t lse_t + g_entropy_t H_t) with upstream = (g_loss,
+    g_lse, g_entropy, entropy) of the chunk's rows, each None for none of that part: g_loss per row or 0-d (with a
+    denominator, a per-row g_loss is the token weights' factor w_t / denominator); g_lse (the z_loss output's)
+    already holds any class weights' factor (the lse part is unweighted); entropy (the rows' H) gives mz = lse - H."""
+    grad_loss, grad_lse, grad_entropy, entropy = upstream
+    # The entropy's part rides in the loss's pass (the kernel's entropy variant; a zero upstream for the loss when
+    # only the entropy is differentiated).
+    entropy_keywords = {}
+    if grad_entropy is not None:
+        entropy_keywords = dict(grad_entropy=grad_entropy, mean_z=lse - entropy)
+        if grad_loss is None:
+            grad_loss = torch.zeros((), dtype=torch.float32, device=logits.device)
     if grad_lse is None:
-        return _ce_backward_in_place(logits, labels, lse, grad_loss, options, denominator, class_weight)
+        return kernels.backward(
+            grad_loss, logits, labels, lse, dlogits, options, denominator, weight=class_weight, **entropy_keywords
+        )
     if grad_loss is None:
-        return kernels.lse_backward(grad_lse, logits, labels, lse, logits, options)
-    # Both parts in float32, rounded to the logits' dtype once.
-    grad = kernels.lse_backward(grad_lse, logits, labels, lse, torch.empty_like(logits, dtype=torch.float32), options)
-    loss_part = torch.empty_like(logits, dtype=torch.float32)
-    grad += kernels.backward(grad_loss, logits, labels, lse, loss_part, options, denominator, weight=class_weight)
-    logits.copy_(grad)
+        return kernels.lse_backward(grad_lse, logits, labels, lse, dlogits, options)
+    # Both parts in float32, rounded to the gradient's dtype once.
+    total = kernels.lse_backward(grad_lse, logits, labels, lse, torch.empty_like(logits, dtype=torch.float32), options)
+    part = torch.empty_like(logits, dtype=torch.float32)
+    total += kernels.backward(
+        grad_loss, logits, labels, lse, part, options, denominator, weight=class_weight, **entropy_keywords
+    )
+    return dlogits.copy_(total)
 
 
 # --- the chunked computation ------------------------------------------------------------------------------------
@@ -118,11 +149,38 @@ def rows_per_chunk(n_rows, vocab, itemsize, workspace_bytes=None, chunk_rows=Non
 
 
 def _chunk_logits(workspace, hidden_chunk, weight, bias):
+    """The chunk's logits into the workspace. A float32 workspace with bf16/fp16 operands (logits_dtype=float32):
+    cuBLAS takes the operands as they are and writes float32 (no float32 copy of the weight); the CPU has no
+    mixed-dtype matmul, so there `weight` and `bias` are already float32 (logits_operands) and the chunk is cast."""
+    if workspace.dtype != hidden_chunk.dtype:
+        if workspace.is_cuda:
+            torch.mm(hidden_chunk, weight.t(), out_dtype=torch.float32, out=workspace)
+            if bias is not None:
+                workspace += bias
+            return workspace
+        hidden_chunk = hidden_chunk.to(workspace.dtype)
     if bias is None:
         torch.matmul(hidden_chunk, weight.t(), out=workspace)
     else:
         torch.addmm(bias, hidden_chunk, weight.t(), out=workspace)
     return workspace
+
+
+def logit_bytes(hidden, chunking, with_grads):
+    """Workspace bytes per logit: the inputs' itemsize; with float32 logits 4, plus the gradient chunk in the inputs'
+    dtype (the products' operand, written by the backward kernel next to the float32 logits) when gradients are
+    computed in that pass."""
+    if not chunking.float32_logits:
+        return hidden.element_size()
+    return 4 + (hidden.element_size() if with_grads else 0)
+
+
+def logits_operands(weight, bias, chunking):
+    """weight and bias as the logits matmul takes them: as given, except float32 logits on the CPU (no mixed-dtype
+    matmul there: one float32 copy per pass; on CUDA the matmul reads the bf16/fp16 operands)."""
+    if not chunking.float32_logits or weight.is_cuda:
+        return weight, bias
+    return weight.float(), None if bias is None else bias.float()
 
 
 def in_compute_dtype(hidden, weight, bias):
@@ -226,20 +284,27 @@ def _kept_rows(labels, ignore_index, chunking):
     return None if kept.numel() == labels.numel() else kept
 
 
-def row_chunks(hidden, weight, bias, labels, chunking, kept=None):
-    """Yields (rows, hidden_chunk, labels_chunk, logits, first) chunk by chunk, first True for the first chunk;
-    logits is a view of one workspace that the next chunk overwrites. rows is a slice of the rows, or with `kept`
-    (_kept_rows) a slice of those indices: the chunks then cover only the kept rows (gathered, a chunk x H copy
-    each), so ignored rows cost no matmul."""
+def row_chunks(hidden, weight, bias, labels, chunking, kept=None, with_grads=True):
+    """Yields (rows, hidden_chunk, labels_chunk, logits, dlogits, first) chunk by chunk, first True for the first
+    chunk; logits is a view of one workspace that the next chunk overwrites, dlogits where the chunk's gradient goes
+    (the logits themselves, or with float32 logits and gradients a chunk in the inputs' dtype). rows is a slice of
+    the rows, or with `kept` (_kept_rows) a slice of those indices: the chunks then cover only the kept rows
+    (gathered, a chunk x H copy each), so ignored rows cost no matmul."""
     n_rows, vocab = hidden.shape[0] if kept is None else kept.numel(), weight.shape[0]
-    step = rows_per_chunk(n_rows, vocab, hidden.element_size(), chunking.workspace_bytes, chunking.chunk_rows)
-    workspace = torch.empty(step, vocab, dtype=hidden.dtype, device=hidden.device)
+    itemsize = logit_bytes(hidden, chunking, with_grads)
+    step = rows_per_chunk(n_rows, vocab, itemsize, chunking.workspace_bytes, chunking.chunk_rows)
+    logits_dtype = torch.float32 if chunking.float32_logits else hidden.dtype
+    workspace = torch.empty(step, vocab, dtype=logits_dtype, device=hidden.device)
+    grad_workspace = workspace
+    if with_grads and logits_dtype != hidden.dtype:
+        grad_workspace = torch.empty(step, vocab, dtype=hidden.dtype, device=hidden.device)
+    logits_weight, logits_bias = logits_operands(weight, bias, chunking)
     for start in range(0, n_rows, step):
         stop = min(start + step, n_rows)
         rows = slice(start, stop) if kept is None else kept[start:stop]
         hidden_chunk = hidden[rows] if kept is None else hidden.index_select(0, rows)
-        logits = _chunk_logits(workspace[: stop - start], hidden_chunk, weight, bias)
-        yield rows, hidden_chunk, labels[rows], logits, start == 0
+        logits = _chunk_logits(workspace[: stop - start], hidden_chunk, logits_weight, logits_bias)
+        yield rows, hidden_chunk, labels[rows], logits, grad_workspace[: stop - start], start == 0
 
 
 def _per_row(n_rows, kept, fill, dtype, device):
@@ -262,9 +327,11 @@ def chunked_forward(
     outputs=False,
     kept=_FIND,
     class_weight=None,
+    token_weights=None,
 ):
     """Token losses (N,) and lse (N,) of 2-D hidden; with any of `needs` (hidden, weight, bias) also the gradients of
-    sum_t loss_t / denominator (a 1-element float32 device tensor) computed chunk by chunk. Returns
+    sum_t w_t loss_t / denominator (a 1-element float32 device tensor; w_t the float32 token_weights (N,), or 1)
+    computed chunk by chunk. The token losses are not multiplied by the weights. Returns
     (token_losses, lse, (grad_hidden, grad_weight, grad_bias)), None for gradients not needed; with outputs, then
     also the per-row argmax (int32) and mean of z (the extra outputs' statistics, collected chunk by chunk)."""
     n_rows, device = hidden.shape[0], hidden.device
@@ -274,15 +341,15 @@ def chunked_forward(
         # One chunk over every row (every small call) keeps the kernel's own per-row outputs (no allocation, no
         # copy); otherwise the chunks gather theirs into (token losses, lse[, argmax, mean of z]).
         per_row = None
-        step = rows_per_chunk(n_rows, weight.shape[0], hidden.element_size(), *chunking[:2])
+        step = rows_per_chunk(n_rows, weight.shape[0], logit_bytes(hidden, chunking, any(needs)), *chunking[:2])
         if kept is not None or step < n_rows or n_rows == 0:
             fills = (0.0, -float("inf")) + ((0, float("nan")) if outputs else ())
             kinds = (torch.float32, torch.float32) + ((torch.int32, torch.float32) if outputs else ())
             per_row = [_per_row(n_rows, kept, fill, kind, device) for fill, kind in zip(fills, kinds, strict=True)]
         grads = new_grads(hidden, weight, bias, needs, chunking, kept)
-        one = torch.ones((), dtype=torch.float32, device=device) if any(needs) else None
-        for rows, hidden_chunk, labels_chunk, logits, first in row_chunks(
-            hidden, weight_c, bias_c, labels, chunking, kept
+        one = torch.ones((), dtype=torch.float32, device=device) if any(needs) and token_weights is None else None
+        for rows, hidden_chunk, labels_chunk, logits, dlogits, first in row_chunks(
+            hidden, weight_c, bias_c, labels, chunking, kept, any(needs)
         ):
             chunk_outputs = _ce_forward(logits, labels_chunk, options, outputs, class_weight)
             if per_row is None:
@@ -291,8 +358,12 @@ def chunked_forward(
                 for whole, part in zip(per_row, chunk_outputs, strict=True):
                     whole[rows] = part
             if any(needs):
-                _ce_backward_in_place(logits, labels_chunk, chunk_outputs[1], one, options, denominator, class_weight)
-                accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first)
+                factor = one if token_weights is None else token_weights[rows]
+                upstream = (factor, None, None, None)
+                chunk_gradient(
+                    logits, dlogits, labels_chunk, chunk_outputs[1], options, upstream, denominator, class_weight
+                )
+                accumulate_grads(dlogits, hidden_chunk, weight_c, rows, grads, first)
         token_losses, lse, *statistics = per_row
         result = token_losses, lse, finish_grads(grads, weight, bias)
         return (*result, *statistics) if outputs else result
@@ -310,27 +381,17 @@ def reduced_in_one_chunk(hidden, weight, bias, labels, options, chunking, needs,
         loss, lse, denominator = kernels.forward(logits, labels, options, reduction, n_items)
         if any(needs):
             one = torch.ones((), dtype=torch.float32, device=hidden.device)
-            _ce_backward_in_place(logits, labels, lse, one, options, denominator)
+            chunk_gradient(logits, logits, labels, lse, options, (one, None, None, None), denominator)
             accumulate_grads(logits, hidden, weight_c, slice(None), grads, True)
         return loss, denominator, finish_grads(grads, weight, bias)
 
 
 def chunked_backward(
-    grad_losses,
-    hidden,
-    weight,
-    bias,
-    labels,
-    lse,
-    options,
-    chunking,
-    needs,
-    grad_lse=None,
-    kept=_FIND,
-    class_weight=None,
+    upstream, hidden, weight, bias, labels, lse, options, chunking, needs, kept=_FIND, class_weight=None
 ):
-    """Gradients of sum_t grad_losses_t * loss_t (+ grad_lse_t * lse_t: the z_loss output's), recomputing each
-    chunk's logits from hidden and weight; grad_losses None for the lse part alone."""
+    """Gradients of sum_t (g_loss_t loss_t + g_lse_t lse_t + g_entropy_t H_t) with upstream = (g_loss, g_lse,
+    g_entropy, entropy) per row (N,) (chunk_gradient; None for a part not there), recomputing each chunk's logits
+    from hidden and weight."""
     # no_grad: under create_graph=True autograd runs backward with grad mode on, and these are kernels and out= ops.
     with kernel_context(hidden):
         if not any(needs):
@@ -340,37 +401,36 @@ def chunked_backward(
         kept = _kept_rows(labels, options.ignore_index, chunking) if kept is _FIND else kept
         grads = new_grads(hidden, weight, bias, needs, chunking, kept)
         weight_c, bias_c = in_compute_dtype(hidden, weight, bias)
-        for rows, hidden_chunk, labels_chunk, logits, first in row_chunks(
+        for rows, hidden_chunk, labels_chunk, logits, dlogits, first in row_chunks(
             hidden, weight_c, bias_c, labels, chunking, kept
         ):
-            if grad_lse is None:
-                _ce_backward_in_place(
-                    logits, labels_chunk, lse[rows], grad_losses[rows], options, class_weight=class_weight
-                )
-            else:
-                grad_rows = None if grad_losses is None else grad_losses[rows]
-                _ce_chunk_backward(
-                    logits, labels_chunk, lse[rows], grad_rows, grad_lse[rows], options, class_weight=class_weight
-                )
-            accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first)
+            rows_upstream = tuple(None if part is None else part[rows] for part in upstream)
+            chunk_gradient(logits, dlogits, labels_chunk, lse[rows], options, rows_upstream, class_weight=class_weight)
+            accumulate_grads(dlogits, hidden_chunk, weight_c, rows, grads, first)
         return finish_grads(grads, weight, bias)
 
 
-def _differentiable_grads(grad_rows, hidden, weight, bias, labels, options, needs, grad_lse=None, class_weight=None):
-    """The gradients of sum_t grad_rows_t * loss_t in plain torch (F.linear, then the contract's d loss / d logits
-    and the two products), so that autograd can differentiate them again (create_graph=True: gradient penalties,
-    Hessian-vector products). It materialises the (N, V) logits; only a second-order computation comes here."""
+def _differentiable_grads(
+    grad_rows, hidden, weight, bias, labels, options, needs, grad_lse=None, class_weight=None, grad_entropy=None
+):
+    """The gradients of sum_t (grad_rows_t loss_t + grad_lse_t lse_t + grad_entropy_t H_t) (each None for none of
+    it) in plain torch (F.linear, then the contract's d / d logits and the two products), so that autograd can
+    differentiate them again (create_graph=True: gradient penalties, Hessian-vector products). It materialises the
+    (N, V) logits; only a second-order computation comes here."""
     # Under autocast a float32 master weight meets bf16 hidden here: compute in hidden's dtype, as the kernels did.
     weight = weight.to(hidden.dtype)
     bias = None if bias is None else bias.to(hidden.dtype)
     logits = torch.nn.functional.linear(hidden, weight, bias)
-    if grad_rows is None:
-        dlogits = contract.lse_gradient(grad_lse, logits, labels, options)
-    else:
-        dlogits = contract.logits_gradient(grad_rows, logits, labels, None, options, weight=class_weight)
-        dlogits = dlogits.to(logits.dtype)
-        if grad_lse is not None:
-            dlogits = dlogits + contract.lse_gradient(grad_lse, logits, labels, options)
+    parts = []
+    if grad_rows is not None:
+        parts.append(contract.logits_gradient(grad_rows, logits, labels, None, options, weight=class_weight))
+    if grad_lse is not None:
+        parts.append(contract.lse_gradient(grad_lse, logits, labels, options))
+    if grad_entropy is not None:
+        parts.append(contract.entropy_gradient(grad_entropy, logits, labels, options))
+    dlogits = parts[0].to(logits.dtype)
+    for part in parts[1:]:
+        dlogits = dlogits + part.to(logits.dtype)
     need_hidden, need_weight, need_bias = needs
     return (
         dlogits @ weight if need_hidden else None,

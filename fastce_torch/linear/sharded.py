@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from .. import contract, kernels, sharding
 from . import chunks
-from .autograd import BACKWARD_TWICE, gradients_needed, unsharded_loss, unsharded_outputs
+from .autograd import BACKWARD_TWICE, gradients_needed, output_fields, row_entropy, unsharded_loss, unsharded_outputs
 from .chunks import (
     accumulate_grads,
     autocast_or_common_dtype,
@@ -74,60 +74,121 @@ def _sum_over_ranks(tensor, group):
     return tensor
 
 
-def _chunk_gradient(grad_rows, denominator, logits, labels, lse, options, layout, use_kernel, grad_lse=None):
-    """Overwrites the chunk's local logits with d(loss, and lse where grad_lse is given) / d logits of its columns
-    (no communication): the loss's with grad_rows (None: none), the lse's (the z_loss output's) with grad_lse."""
-    group, vocab_start, vocab_total, _ = layout
-    if grad_lse is None:
-        sharding.shard_gradient(
-            grad_rows, denominator, logits, labels, lse, logits, options, vocab_start, vocab_total, use_kernel
+def _slice_entropy_gradient(grad_entropy, logits, labels, lse, mean_z, options):
+    """d(sum_t g_t H_t) / d logits of a vocabulary slice in plain torch (float32; float64 for float64 logits), from
+    the global lse and mz = E_p[z]: p_j (mz - z_j) dz/dx, 0 on ignored rows (the kernels' entropy variant)."""
+    ignored = (labels == options.ignore_index).unsqueeze(-1)
+    z = contract.transform(logits, options, labels)
+    lse, mean_z = (torch.where(ignored, 0.0, t.to(z.dtype).unsqueeze(-1)) for t in (lse, mean_z))
+    grad = torch.exp(z - lse) * (mean_z - z)
+    if options.logit_softcapping > 0.0:
+        tanh_z = z / options.logit_softcapping
+        grad = grad * (1.0 - tanh_z * tanh_z)
+    if options.logit_scaling != 0.0:
+        grad = grad * options.logit_scaling
+    return torch.where(ignored, 0.0, grad * grad_entropy.to(z.dtype).unsqueeze(-1))
+
+
+def _chunk_gradient(logits, dlogits, labels, lse, options, layout, use_kernel, upstream, denominator=None):
+    """Writes into dlogits (the chunk's local logits themselves, or the inputs'-dtype chunk next to float32 logits)
+    d/d logits of its columns (no communication) of sum_t (g_t loss_t / denominator + g_lse_t lse_t + g_H_t H_t),
+    upstream = (g, g_lse, g_H, mz) per row (each upstream None for none of that part; g may be 0-d; mz the global
+    E_p[z] = lse - H). The kernels add the entropy's part in the loss's pass."""
+    _, vocab_start, vocab_total, _ = layout
+    grad_rows, grad_lse, grad_entropy, mean_z = upstream
+    float32 = dict(dtype=torch.float32 if logits.dtype != torch.float64 else torch.float64, device=logits.device)
+    passes = []
+    if use_kernel and grad_entropy is not None:
+        zero = torch.zeros((), **float32)
+        denominator = None if denominator is None else denominator.reshape(1)
+        passes.append(
+            lambda out: kernels.backward(
+                zero if grad_rows is None else grad_rows,
+                logits,
+                labels,
+                lse,
+                out,
+                options,
+                denominator,
+                vocab_start=vocab_start,
+                vocab_total=vocab_total,
+                grad_entropy=grad_entropy,
+                mean_z=mean_z,
+            )  # fmt: skip
         )
+    elif grad_rows is not None:
+        passes.append(
+            lambda out: sharding.shard_gradient(
+                grad_rows, denominator, logits, labels, lse, out, options, vocab_start, vocab_total, use_kernel
+            )
+        )
+    if grad_entropy is not None and not use_kernel:
+        passes.append(
+            lambda out: out.copy_(_slice_entropy_gradient(grad_entropy, logits, labels, lse, mean_z, options))
+        )
+    if grad_lse is not None:
+        if use_kernel:
+            passes.append(
+                lambda out: kernels.lse_backward(grad_lse, logits, labels, lse, out, options, vocab_total=vocab_total)
+            )
+        else:
+            lse_options = options._replace(label_smoothing=0.0, z_loss=0.0)
+            passes.append(
+                lambda out: out.copy_(
+                    contract.logits_gradient(
+                        grad_lse.to(lse.dtype), logits, labels, lse, lse_options, vocab_total, vocab_total
+                    )
+                )
+            )
+    if len(passes) == 1:
+        passes[0](dlogits)
         return
-    # Both parts in float32, rounded to the logits' dtype once.
-    grad = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-    if use_kernel:
-        kernels.lse_backward(grad_lse, logits, labels, lse, grad, options, vocab_total=vocab_total)
-    else:
-        lse_options = options._replace(label_smoothing=0.0, z_loss=0.0)
-        grad.copy_(
-            contract.logits_gradient(grad_lse.to(lse.dtype), logits, labels, lse, lse_options, vocab_total, vocab_total)
-        )
-    if grad_rows is not None:
-        loss_part = torch.empty_like(grad)
-        sharding.shard_gradient(
-            grad_rows, denominator, logits, labels, lse, loss_part, options, vocab_start, vocab_total, use_kernel
-        )
-        grad += loss_part
-    logits.copy_(grad)
+    # Several parts in float32, rounded to the gradient's dtype once.
+    total = torch.empty(logits.shape, **float32)
+    passes[0](total)
+    part = torch.empty_like(total)
+    for add in passes[1:]:
+        add(part)
+        total += part
+    dlogits.copy_(total)
 
 
-def _recomputed_grads(hidden, weight, bias, labels, lse, grad_losses, grad_lse, needs, ctx):
-    """The gradients of sum_t (grad_losses_t loss_t + grad_lse_t lse_t) (either None for none of it), each chunk's
-    logits recomputed; d hidden summed over the ranks."""
+def _recomputed_grads(hidden, weight, bias, labels, lse, upstream, needs, ctx):
+    """The gradients of sum_t (g_t loss_t + g_lse_t lse_t + g_H_t H_t) (upstream as _chunk_gradient's, per row),
+    each chunk's logits recomputed; d hidden summed over the ranks."""
     with kernel_context(hidden):
         grads = new_grads(hidden, weight, bias, needs, ctx.chunking)
         if any(needs):
             weight_c, bias_c = in_compute_dtype(hidden, weight, bias)
-            for rows, hidden_chunk, labels_chunk, logits, first in row_chunks(
+            for rows, hidden_chunk, labels_chunk, logits, dlogits, first in row_chunks(
                 hidden, weight_c, bias_c, labels, ctx.chunking
             ):
+                rows_upstream = tuple(None if part is None else part[rows] for part in upstream)
                 _chunk_gradient(
-                    None if grad_losses is None else grad_losses[rows], None, logits, labels_chunk, lse[rows],
-                    ctx.options, ctx.layout, ctx.use_kernel, None if grad_lse is None else grad_lse[rows],
-                )  # fmt: skip
-                accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first)
+                    logits, dlogits, labels_chunk, lse[rows], ctx.options, ctx.layout, ctx.use_kernel, rows_upstream
+                )
+                accumulate_grads(dlogits, hidden_chunk, weight_c, rows, grads, first)
         grads = finish_grads(grads, weight, bias)
         if grads[0] is not None:
             _sum_over_ranks(grads[0], ctx.layout[0])
     return grads
 
 
+def _detached(tensor, dtype):
+    return None if tensor is None else tensor.detach().contiguous().to(dtype)
+
+
 class _VocabParallelLinearFunction(torch.autograd.Function):
     """hidden (N, H) replicated, weight (V_local, H) and bias (V_local,) this rank's rows, labels (N,) global. With
-    extras (the return_* outputs): (loss, lse, argmax, mean of z), lse differentiable for the z_loss output."""
+    extras (the return_* outputs): (loss, lse, argmax, entropy per row), lse differentiable for the z_loss output,
+    the entropy for the entropy output. token_weights (N,) or None: the per-row factors of a reduced loss (0 where
+    ignored), in its gradient computed in the forward ("none" is weighted by the caller)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, denominator, options, chunking, needs, layout, use_kernel, extras):
+    def forward(
+        ctx, hidden, weight, bias, labels, denominator, options, chunking, needs, layout, use_kernel, extras,
+        token_weights=None,
+    ):  # fmt: skip
         group, vocab_start, vocab_total, widest = layout
         reduced = denominator is not None
         grad_now = needs if reduced else (False, False, False)
@@ -136,9 +197,8 @@ class _VocabParallelLinearFunction(torch.autograd.Function):
         dtype = contract.compute_dtype(hidden.dtype)
         with_sum_z = options.label_smoothing > 0.0
         # The same rows per chunk on every rank (from the widest slice): the ranks' collectives pair up.
-        step = chunks.rows_per_chunk(
-            n_rows, widest, hidden.element_size(), chunking.workspace_bytes, chunking.chunk_rows
-        )
+        itemsize = chunks.logit_bytes(hidden, chunking, True)  # the backward's passes compute gradients
+        step = chunks.rows_per_chunk(n_rows, widest, itemsize, chunking.workspace_bytes, chunking.chunk_rows)
         chunking = chunking._replace(chunk_rows=step)
         with kernel_context(hidden):
             weight_c, bias_c = in_compute_dtype(hidden, weight, bias)
@@ -149,8 +209,8 @@ class _VocabParallelLinearFunction(torch.autograd.Function):
                 mean_z = torch.zeros(n_rows, dtype=dtype, device=hidden.device)
             grads = new_grads(hidden, weight, bias, grad_now, chunking)
             one = torch.ones((), dtype=torch.float32, device=hidden.device)
-            for rows, hidden_chunk, labels_chunk, logits, first in row_chunks(
-                hidden, weight_c, bias_c, labels, chunking
+            for rows, hidden_chunk, labels_chunk, logits, dlogits, first in row_chunks(
+                hidden, weight_c, bias_c, labels, chunking, with_grads=any(grad_now)
             ):
                 lse_local, z_label, sum_z, *local_extras = sharding.shard_statistics(
                     logits, labels_chunk, options, vocab_start, vocab_total, use_kernel, outputs
@@ -166,22 +226,30 @@ class _VocabParallelLinearFunction(torch.autograd.Function):
                 if outputs:
                     argmax[rows], mean_z[rows] = chunk_extras
                 if any(grad_now):
-                    _chunk_gradient(one, denominator, logits, labels_chunk, chunk_lse, options, layout, use_kernel)
-                    accumulate_grads(logits, hidden_chunk, weight_c, rows, grads, first)
+                    factor = one if token_weights is None else token_weights[rows]
+                    _chunk_gradient(
+                        logits, dlogits, labels_chunk, chunk_lse, options, layout, use_kernel,
+                        (factor, None, None, None), denominator,
+                    )  # fmt: skip
+                    accumulate_grads(dlogits, hidden_chunk, weight_c, rows, grads, first)
             grads = finish_grads(grads, weight, bias)
             if grads[0] is not None:
                 _sum_over_ranks(grads[0], group)
         ctx.options, ctx.chunking, ctx.layout, ctx.use_kernel = options, chunking, layout, use_kernel
         ctx.grads = grads if reduced else None
         ctx.reduced, ctx.extras = reduced, extras
-        loss = token_losses.sum() / denominator if reduced else token_losses
-        if not reduced or (outputs and extras.z_loss):
-            ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        weighted = token_losses if token_weights is None else token_losses * token_weights
+        loss = weighted.sum() / denominator if reduced else token_losses
         if not outputs:
+            if not reduced:
+                ctx.save_for_backward(hidden, weight, bias, labels, lse, None)
             return loss
-        ctx.mark_non_differentiable(argmax, mean_z, *(() if extras.z_loss else (lse,)))
+        entropy = row_entropy(lse, mean_z, labels, options.ignore_index)
+        if not reduced or extras.z_loss or extras.entropy:
+            ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
+        ctx.mark_non_differentiable(argmax, *(() if extras.z_loss else (lse,)), *(() if extras.entropy else (entropy,)))
         ctx.set_materialize_grads(False)
-        return loss, lse, argmax, mean_z
+        return loss, lse, argmax, entropy
 
     @staticmethod
     def backward(ctx, grad_output, *grad_extras):
@@ -189,9 +257,10 @@ class _VocabParallelLinearFunction(torch.autograd.Function):
             raise NotImplementedError(
                 "create_graph=True through a vocab-parallel linear_cross_entropy is not supported"
             )
-        nones = (None,) * 8
-        grad_lse = grad_extras[0] if grad_extras and ctx.extras.z_loss else None
-        grad_lse = None if grad_lse is None else grad_lse.detach().contiguous()
+        nones = (None,) * 9
+        extras = ctx.extras
+        grad_lse = grad_extras[0] if grad_extras and extras.z_loss else None
+        grad_entropy = grad_extras[2] if grad_extras and extras.entropy else None
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2])
         if ctx.reduced:
             grads, ctx.grads = ctx.grads, None
@@ -207,28 +276,31 @@ class _VocabParallelLinearFunction(torch.autograd.Function):
                             grad.mul_(factor.to(grad.dtype))
             else:
                 grads = (None, None, None)
-            if grad_lse is None:
+            if grad_lse is None and grad_entropy is None:
                 return (*grads, *nones)
-            hidden, weight, bias, labels, lse = ctx.saved_tensors
-            needs = (needs[0], needs[1], bias is not None and needs[2])
-            lse_grads = _recomputed_grads(hidden, weight, bias, labels, lse, None, grad_lse, needs, ctx)
-            grads = [a if b is None else (b if a is None else a + b) for a, b in zip(grads, lse_grads)]
-            return (*grads, *nones)
-        hidden, weight, bias, labels, lse = ctx.saved_tensors
+            grad_output = None
+        else:
+            grads = (None, None, None)
+            if grad_output is None and grad_lse is None and grad_entropy is None:
+                return (*grads, *nones)
+        hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
         needs = (needs[0], needs[1], bias is not None and needs[2])
-        if grad_output is None and grad_lse is None:
-            return (None,) * 3 + nones
-        grad_losses = None if grad_output is None else grad_output.detach().contiguous().to(lse.dtype)
-        grads = _recomputed_grads(hidden, weight, bias, labels, lse, grad_losses, grad_lse, needs, ctx)
+        upstream = (
+            _detached(grad_output, lse.dtype), _detached(grad_lse, lse.dtype), _detached(grad_entropy, lse.dtype),
+            None if entropy is None else lse - entropy,
+        )  # fmt: skip
+        extra_grads = _recomputed_grads(hidden, weight, bias, labels, lse, upstream, needs, ctx)
+        grads = [a if b is None else (b if a is None else a + b) for a, b in zip(grads, extra_grads)]
         return (*grads, *nones)
 
 
 def vocab_parallel_linear_cross_entropy(
-    hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, layout, extras=None
-):
+    hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, layout, extras=None,
+    token_weights=None,
+):  # fmt: skip
     """hidden (..., H) and labels (...) the same on every rank, weight (V_local, H) and bias (V_local,) this rank's
     rows; the loss of the full head on every rank (with extras, a contract.Extras asking for some:
-    CrossEntropyOutput)."""
+    CrossEntropyOutput). token_weights: shaped like labels, 0 where ignored (api.py prepares them), or None."""
     hidden, weight, bias = autocast_or_common_dtype(hidden, weight, bias)
     use_kernel = contract.use_kernel(hidden, backend)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
@@ -236,14 +308,20 @@ def vocab_parallel_linear_cross_entropy(
     needs = gradients_needed(hidden, weight, bias)
     # Labels are the same on every rank, so the local kept-token count is the global one.
     denominator = contract.loss_divisor(labels_1d, reduction, n_items, options.ignore_index)
+    weights_1d = None if token_weights is None else token_weights.reshape(-1).contiguous()
     out = _VocabParallelLinearFunction.apply(
-        hidden_2d, weight, bias, labels_1d, denominator, options, chunking, needs, layout, use_kernel, extras
-    )
+        hidden_2d, weight, bias, labels_1d, denominator, options, chunking, needs, layout, use_kernel, extras,
+        weights_1d,
+    )  # fmt: skip
+    loss, *statistics = (out,) if extras is None else out
+    if reduction == "none":  # "none" is weighted here (the reduced losses in the Function)
+        loss = (loss if weights_1d is None else loss * weights_1d).view(labels.shape)
     if extras is None:
-        return out.view(labels.shape) if reduction == "none" else out
-    loss, lse, argmax, mean_z = out
-    loss = loss.view(labels.shape) if reduction == "none" else loss
-    return contract.extra_outputs(loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, layout[2])
+        return loss
+    lse, argmax, entropy = statistics
+    return output_fields(
+        loss, lse, argmax, entropy, labels, options, extras, reduction, n_items, layout[2], None, weights_1d
+    )
 
 
 # --- DTensor weights -------------------------------------------------------------------------------------------
@@ -299,7 +377,9 @@ class _ReplicatedLocal(torch.autograd.Function):
         return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
-def _dtensor_vocab_parallel(hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras):
+def _dtensor_vocab_parallel(
+    hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras, token_weights=None
+):
     """hidden a Replicate DTensor, weight Shard(0) on a 1-D mesh (bias Shard(0) or None): vocab-parallel, the loss
     (and every extra output) a Replicate DTensor, the gradients DTensors placed like their inputs."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -325,9 +405,11 @@ def _dtensor_vocab_parallel(hidden, weight, bias, labels, options, reduction, n_
     if local_weight.shape[0] == 0:
         raise NotImplementedError("a rank holds no weight rows (V < mesh size); not supported")
     layout = (mesh.get_group(), start, vocab_total, chunk)
+    if sharding.is_dtensor(token_weights):
+        token_weights = token_weights.full_tensor()
     loss = vocab_parallel_linear_cross_entropy(
         _ReplicatedLocal.apply(hidden), local_weight, local_bias, labels, options, reduction, n_items, backend,
-        chunking, layout, extras,
+        chunking, layout, extras, token_weights,
     )  # fmt: skip
     if extras is None:
         return DTensor.from_local(loss, mesh, [Replicate()], run_check=False)
@@ -341,7 +423,7 @@ def _dtensor_vocab_parallel(hidden, weight, bias, labels, options, reduction, n_
 @torch.compiler.disable
 def sharded_linear_cross_entropy(
     hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras, validate_labels,
-    process_group, vocab_start,
+    process_group, vocab_start, token_weights=None,
 ):  # fmt: skip
     """linear_cross_entropy's entry for process_group= / vocab_start= or DTensor inputs (eager: the collectives
     run in an autograd.Function; under torch.compile a graph break)."""
@@ -357,7 +439,7 @@ def sharded_linear_cross_entropy(
                 contract.validate_labels(full, weight.shape[0], options.ignore_index)
             return _dtensor_vocab_parallel(
                 hidden, weight, bias, labels, options, reduction, n_items, backend, chunking,
-                extras if any(extras) else None,
+                extras if any(extras) else None, token_weights,
             )  # fmt: skip
         for name, tensor in (("weight", weight), ("bias", bias)):
             if sharding.is_dtensor(tensor):
@@ -370,9 +452,12 @@ def sharded_linear_cross_entropy(
             contract.validate_labels(labels, full_weight.shape[0], options.ignore_index)
         if any(extras):
             return unsharded_outputs(
-                hidden, full_weight, full_bias, labels, options, reduction, n_items, backend, chunking, extras
-            )
-        return unsharded_loss(hidden, full_weight, full_bias, labels, options, reduction, n_items, backend, chunking)
+                hidden, full_weight, full_bias, labels, options, reduction, n_items, backend, chunking, extras,
+                None, token_weights,
+            )  # fmt: skip
+        return unsharded_loss(
+            hidden, full_weight, full_bias, labels, options, reduction, n_items, backend, chunking, None, token_weights
+        )
     if process_group is None:
         raise ValueError("vocab_start is only meaningful with process_group (a vocab-parallel weight)")
     layout = _layout(process_group, vocab_start, weight.shape[0], hidden.device)
@@ -380,5 +465,5 @@ def sharded_linear_cross_entropy(
         contract.validate_labels(labels, layout[2], options.ignore_index)
     return vocab_parallel_linear_cross_entropy(
         hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, layout,
-        extras if any(extras) else None,
+        extras if any(extras) else None, token_weights,
     )  # fmt: skip

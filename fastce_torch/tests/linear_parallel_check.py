@@ -219,6 +219,131 @@ def run_outputs(device, backend, reduction):
             torch.testing.assert_close(got.double().cpu(), full[local].cpu(), rtol=2e-5, atol=2e-6)
 
 
+def run_rl_outputs(device, backend, reduction):
+    """Issue 37's keywords through process_group= and the DTensor vocab-parallel path: temperature, token weights
+    (either sign) and the entropy output differentiated together with the loss and the z_loss output, against
+    linear_cross_entropy on one process with the full weight in float64."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(17)
+    n_rows, width, vocab = 11, 8, 10 * world
+    hidden = torch.randn(n_rows, width, generator=gen)
+    weight = torch.randn(vocab, width, generator=gen) * 0.5
+    bias = torch.randn(vocab, generator=gen)
+    labels = torch.randint(0, vocab, (n_rows,), generator=gen)
+    labels[::4] = -100
+    token_weights = torch.randn(n_rows, generator=gen).to(device)
+    ups = [torch.randn(n_rows, generator=gen).to(device) for _ in range(3)]
+    if reduction != "none":
+        ups = [up[0] for up in ups]
+    options = dict(label_smoothing=0.1, z_loss=1e-2, logit_softcapping=6.0, reduction=reduction, chunk_rows=4,
+                   temperature=0.7, token_weights=token_weights, return_z_loss=True, return_entropy=True)  # fmt: skip
+    local = slice(rank * 10, (rank + 1) * 10)
+
+    def objective(out):
+        return sum((value * up).sum() for value, up in zip((out.loss, out.z_loss, out.entropy), ups))
+
+    def run(h, w, b, **kwargs):
+        leaves = [t.detach().clone().to(device).requires_grad_() for t in (h, w, b)]
+        out = fastce_torch.linear_cross_entropy(leaves[0], leaves[1], labels.to(device), bias=leaves[2], **options,
+                                                **kwargs)  # fmt: skip
+        objective(out).backward()
+        return out, [t.grad for t in leaves]
+
+    def run_dtensor():
+        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+        mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (world,))
+        h = hidden.clone().to(device).requires_grad_()
+        w, b = (distribute_tensor(t.clone().to(device), mesh, [Shard(0)]).requires_grad_() for t in (weight, bias))
+        hd = DTensor.from_local(h, mesh, [Replicate()], run_check=False)
+        labels_d = DTensor.from_local(labels.to(device), mesh, [Replicate()], run_check=False)  # with plain weights
+        out = fastce_torch.linear_cross_entropy(hd, w, labels_d, bias=b, backend=backend, **options)
+        out = type(out)(*(None if v is None else v.to_local() for v in out))
+        objective(out).backward()
+        return out, [h.grad, w.grad.to_local(), b.grad.to_local()]
+
+    want, want_grads = run(hidden.double(), weight.double(), bias.double(), backend="reference")
+    if reduction == "none":
+        run_log_probs(device, backend, hidden, weight, bias, labels, local)
+    for out, grads in (
+        run(hidden, weight[local], bias[local], backend=backend, process_group=dist.group.WORLD),
+        run_dtensor(),
+    ):
+        for name in ("loss", "z_loss", "entropy"):
+            torch.testing.assert_close(getattr(out, name).double().cpu(), getattr(want, name).cpu(), rtol=2e-5,
+                                       atol=2e-6, msg=name)  # fmt: skip
+        torch.testing.assert_close(grads[0].double().cpu(), want_grads[0].cpu(), rtol=2e-5, atol=2e-6)
+        for got, full in zip(grads[1:], want_grads[1:]):
+            torch.testing.assert_close(got.double().cpu(), full[local].cpu(), rtol=2e-5, atol=2e-6)
+
+
+def run_log_probs(device, backend, hidden, weight, bias, labels, local):
+    """linear_log_probs with an entropy bonus through process_group= and DTensors (Replicate hidden and tokens,
+    Shard(0) weight and bias) against one process with the full weight in float64."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    world = dist.get_world_size()
+    mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (world,))
+    tokens = labels.to(device)
+    upstream = torch.randn(labels.shape, generator=torch.Generator().manual_seed(23)).to(device)
+    options = dict(temperature=0.8, return_entropy=True, chunk_rows=4, shift=1)
+
+    def objective(out):
+        return (torch.exp(out.logprobs) * upstream[1:]).sum() - 0.1 * out.entropy.sum()
+
+    def plain(h, w, b, **kwargs):
+        leaves = [t.detach().clone().to(device).requires_grad_() for t in (h, w, b)]
+        out = fastce_torch.linear_log_probs(leaves[0], leaves[1], tokens, bias=leaves[2], **options, **kwargs)
+        objective(out).backward()
+        return out, [t.grad for t in leaves]
+
+    want, want_grads = plain(hidden.double(), weight.double(), bias.double(), backend="reference")
+    got, grads = plain(hidden, weight[local], bias[local], backend=backend, process_group=dist.group.WORLD)
+    h = hidden.clone().to(device).requires_grad_()
+    w, b = (distribute_tensor(t.clone().to(device), mesh, [Shard(0)]).requires_grad_() for t in (weight, bias))
+    replicated = [DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in (h, tokens)]
+    out = fastce_torch.linear_log_probs(replicated[0], w, replicated[1], bias=b, backend=backend, **options)
+    assert all(isinstance(v, DTensor) for v in out), [type(v) for v in out]
+    out = type(out)(*(v.to_local() for v in out))
+    objective(out).backward()
+    for result, result_grads in ((got, grads), (out, [h.grad, w.grad.to_local(), b.grad.to_local()])):
+        for value, expected in zip(result, want):
+            torch.testing.assert_close(value.double().cpu(), expected.cpu(), rtol=2e-5, atol=2e-6)
+        torch.testing.assert_close(result_grads[0].double().cpu(), want_grads[0].cpu(), rtol=2e-5, atol=2e-6)
+        for g, full in zip(result_grads[1:], want_grads[1:]):
+            torch.testing.assert_close(g.double().cpu(), full[local].cpu(), rtol=2e-5, atol=2e-6)
+
+
+def run_fsdp_rl(device, backend):
+    """A Shard(0) DTensor weight (data parallel) with issue 37's keywords: each rank's loss, outputs and d hidden
+    are those of the gathered weight, its weight gradient the ranks' average."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    world = dist.get_world_size()
+    mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (world,))
+    gen = torch.Generator().manual_seed(200 + dist.get_rank())  # each rank its own batch
+    width, vocab, n_rows = 8, 6 * world, 7
+    weight = torch.randn(vocab, width, generator=torch.Generator().manual_seed(3)).to(device)
+    hidden = torch.randn(n_rows, width, generator=gen).to(device)
+    labels = torch.randint(0, vocab, (n_rows,), generator=gen).to(device)
+    labels[::3] = -100
+    options = dict(temperature=0.6, token_weights=torch.randn(n_rows, generator=gen).to(device), return_entropy=True,
+                   backend=backend, chunk_rows=3)  # fmt: skip
+    results = []
+    for sharded in (False, True):
+        h = hidden.clone().requires_grad_()
+        w = distribute_tensor(weight.clone(), mesh, [Shard(0)]) if sharded else weight.clone()
+        w.requires_grad_()
+        out = fastce_torch.linear_cross_entropy(h, w, labels, **options)
+        (out.loss - 0.1 * out.entropy).backward()
+        grad_w = w.grad.full_tensor() if sharded else w.grad / world
+        if not sharded:
+            dist.all_reduce(grad_w)
+        results.append([out.loss.detach(), out.entropy.detach(), h.grad, grad_w])
+    for got, want in zip(*reversed(results)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def run_fsdp(case, device, backend):
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -317,10 +442,18 @@ def run_segment(args, device, rank):
             for reduction in ("mean", "sum", "none"):
                 run_outputs(device, args.backend, reduction)
                 print(f"outputs-{reduction}: ok", flush=True)
+                run_rl_outputs(device, args.backend, reduction)
+                print(f"rl-outputs-{reduction}: ok", flush=True)
         except Exception as error:  # noqa: BLE001
             failures += 1
             print(f"FAIL refusals (rank {rank}): {type(error).__name__}: {error}", flush=True)
     if args.mode == "fsdp" and args.size == "small":
+        try:
+            run_fsdp_rl(device, args.backend)
+            print("fsdp-rl: ok", flush=True)
+        except Exception as error:  # noqa: BLE001
+            failures += 1
+            print(f"FAIL fsdp-rl (rank {rank}): {type(error).__name__}: {error}", flush=True)
         for bias in (False, True):
             try:
                 run_fully_shard(device, args.backend, bias)
