@@ -327,6 +327,25 @@ def test_jit_vmap_and_second_order():
     np.testing.assert_allclose(hvp("kernel"), hvp("reference"), rtol=1e-4, atol=1e-6)
 
 
+def test_float64_logits():
+    """float64 logits are computed in float64 by the reference (any backend): temperature, token weights and the
+    entropy's gradient within RTOL64 of the float64 expectation."""
+    x, y, tw = make(seed=18)
+    with jax.enable_x64(True):
+        x64 = jnp.asarray(np.asarray(x, np.float64))  # float32 values: the float64 expectation reads them exactly
+        loss, entropy, grad = run(
+            x64, y, "mean", "kernel", np.float64(1.0), np.float64(-0.2), temperature=0.7, logit_softcapping=6.0,
+            token_weights=jnp.asarray(tw),
+        )  # fmt: skip
+        assert loss.dtype == entropy.dtype == grad.dtype == jnp.float64
+        exp = expected_rl(
+            x64, y, "mean", token_weights=tw, entropy_upstream=-0.2, temperature=0.7, logit_softcapping=6.0
+        )
+        np.testing.assert_allclose(loss, exp.loss.loss, rtol=1e-12)
+        np.testing.assert_allclose(entropy, exp.entropy.loss, rtol=1e-12)
+        np.testing.assert_allclose(grad, exp.loss.grad, rtol=1e-10, atol=1e-14)
+
+
 def test_token_weights_errors():
     x, y, tw = make(seed=12)
     with pytest.raises(ValueError, match="token_weights"):
