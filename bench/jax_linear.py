@@ -2,9 +2,8 @@
 fastce_jax at each FASTCE_SETTINGS entry, xla_linear, matmul+fastce_jax and the three matmuls alone (the ceiling),
 host-timed as bench/jax_measure.py; memory is the step's XLA temp size."""
 
-import sys
-
-from .linear_shapes import FASTCE_SETTINGS, LINEAR_SHAPES, accuracy_text, ignored_rows
+from .linear_shapes import FASTCE_SETTINGS, LINEAR_SHAPES, accuracy_text, ignored_rows, rel_rms
+from .linear_shapes import float32_reference as float32_reference_torch
 from .shapes import IGNORE_INDEX
 
 FASTCE_IMPLS = {f"fastce_jax_linear{suffix}": settings for suffix, settings in FASTCE_SETTINGS.items()}
@@ -25,46 +24,12 @@ def make_inputs(shape, seed=0):
     return hidden, weight, jnp.where(ignored_rows(shape), IGNORE_INDEX, labels)
 
 
-def float32_reference(hidden, weight, labels, chunk=1024):
-    """(d hidden, d weight) of the same loss in float32 (precision HIGHEST, xla_loss), a scan over row chunks."""
-    import math
+def float32_reference(hidden, weight, labels):
+    """(d hidden, d weight) from the torch rows' float32 reference (linear_shapes), the arrays read through DLPack."""
+    import torch
 
-    import jax
-    import jax.numpy as jnp
-
-    from .jax_impls import xla_loss
-
-    xla_ce = xla_loss()
-    n, width = hidden.shape
-    chunk = math.gcd(n, chunk)
-    kept = jnp.maximum((labels != IGNORE_INDEX).sum(), 1).astype(jnp.float32)
-
-    def chunk_sum(h, w, y):
-        z = jnp.dot(h, w.T, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-        return xla_ce(z, y) * jnp.maximum((y != IGNORE_INDEX).sum(), 1) / kept
-
-    @jax.jit
-    def grads(hidden, weight, labels):
-        w32 = weight.astype(jnp.float32)
-
-        def step(grad_w, hy):
-            h, y = hy
-            gh, gw = jax.grad(chunk_sum, argnums=(0, 1))(h.astype(jnp.float32), w32, y)
-            return grad_w + gw, gh
-
-        grad_w, grad_h = jax.lax.scan(
-            step, jnp.zeros_like(w32), (hidden.reshape(-1, chunk, width), labels.reshape(-1, chunk))
-        )
-        return grad_h.reshape(n, width), grad_w
-
-    return grads(hidden, weight, labels)
-
-
-def _rel_rms(got, ref):
-    import jax.numpy as jnp
-
-    diff = got.astype(jnp.float32) - ref
-    return float(jnp.sqrt(jnp.mean(diff * diff)) / jnp.sqrt(jnp.mean(ref * ref)))
+    hidden, weight, labels = (torch.from_dlpack(array) for array in (hidden, weight, labels))
+    return float32_reference_torch(hidden, weight, labels.long())[1:]
 
 
 def loss_fn(impl, backend="auto"):
@@ -99,7 +64,12 @@ def measure(impl, shape, inputs, batch_target_ms=50.0, backend="auto", reference
     )
     errors = {}
     if reference is not None:
-        errors = {"grad_hidden_rel_rms": _rel_rms(dh, reference[0]), "grad_weight_rel_rms": _rel_rms(dw, reference[1])}
+        import torch
+
+        errors = {
+            f"grad_{name}_rel_rms": rel_rms(torch.from_dlpack(grad), ref)
+            for name, grad, ref in (("hidden", dh, reference[0]), ("weight", dw, reference[1]))
+        }
     del dh, dw
     fwd_ms = bench_ms(lambda: fwd(*inputs), batch_target_ms)
     fwdbwd_ms = bench_ms(lambda: step(*inputs)[1][1], batch_target_ms)
@@ -141,9 +111,10 @@ def run(
     """Every implementation on every shape, failures recorded; with accuracy, gradient errors against float32."""
     import gc
 
-    from .progress import failure
+    from . import progress
+    from .progress import note_failure  # failures are said on progress.say's stderr
 
-    say = say or (lambda message: print(message, file=sys.stderr, flush=True))
+    say = say or progress.say
     rows, failures = [], []
     for shape in shapes:
         inputs = make_inputs(shape)
@@ -156,22 +127,19 @@ def run(
             rows.append({"impl": "matmul", **base, **m})
             say(f"matmul {shape}: {m['fwdbwd_ms']:.2f} ms, {m['TFLOPs']:.0f} TFLOP/s")
         except Exception as exc:  # noqa: BLE001
-            failures.append({**failure("matmul", None, "measure", exc), **base})
-            say(f"matmul {shape}: FAILED {failures[-1]['error']}")
+            note_failure(failures, f"matmul {shape}", "matmul", None, "measure", exc, **base)
         reference_loss = None
         reference = None
         if accuracy:
             try:
                 reference = float32_reference(*inputs)
             except Exception as exc:  # noqa: BLE001 - the timings do not depend on it
-                failures.append({**failure("float32_reference", None, "measure", exc), **base})
-                say(f"float32 reference {shape}: FAILED {failures[-1]['error']}")
+                note_failure(failures, f"float32 reference {shape}", "float32_reference", None, "measure", exc, **base)
         for impl in impls:
             try:
                 r = measure(impl, shape, inputs, batch_target_ms, backend, reference)
             except Exception as exc:  # noqa: BLE001
-                failures.append({**failure(impl, None, "measure", exc), **base})
-                say(f"{impl} {shape}: FAILED {failures[-1]['error']}")
+                note_failure(failures, f"{impl} {shape}", impl, None, "measure", exc, **base)
                 continue
             if impl == "xla_linear":
                 reference_loss = r["loss"]

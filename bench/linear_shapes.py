@@ -1,10 +1,12 @@
-"""The fused linear bench's shapes, the fastce configurations it times and its rows' error text, shared by its torch
-rows (bench.linear) and its JAX rows (bench.jax_linear)."""
+"""The fused linear bench's shapes, the fastce configurations it times, the float32 reference its rows' errors are
+measured against and their text, shared by its torch rows (bench.linear) and its JAX rows (bench.jax_linear)."""
 
 import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
+
+from .shapes import IGNORE_INDEX
 
 # Every 7th label is ignored unless a shape says otherwise (LinearShape.ignored).
 IGNORE_EVERY = 7
@@ -50,6 +52,39 @@ def accuracy_text(r):
     if "grad_weight_rel_rms" not in r:
         return ""
     return f", dW err {r['grad_weight_rel_rms']:.1e}, dh err {r['grad_hidden_rel_rms']:.1e}"
+
+
+def float32_reference(hidden, weight, labels, chunk=1024):
+    """(loss, d hidden, d weight) of the mean loss in float32 (TF32 off, fastce_torch's reference loss), in row
+    chunks so that it fits; torch tensors (JAX arrays come through DLPack)."""
+    import torch
+
+    import fastce_torch
+
+    h32, w32 = hidden.detach().float(), weight.detach().float()
+    kept = (labels != IGNORE_INDEX).sum().clamp_min(1).float()
+    loss = torch.zeros((), device=h32.device)
+    grad_hidden = torch.empty_like(h32)
+    grad_weight = torch.zeros_like(w32)
+    tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
+    try:
+        for start in range(0, h32.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            logits = (h32[rows] @ w32.t()).requires_grad_()
+            chunk_loss = fastce_torch.cross_entropy(logits, labels[rows], reduction="sum", backend="reference") / kept
+            (grad,) = torch.autograd.grad(chunk_loss, logits)
+            loss += chunk_loss.detach()
+            grad_hidden[rows] = grad @ w32
+            grad_weight.addmm_(grad.t(), h32[rows])
+            del logits, grad
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return loss, grad_hidden, grad_weight
+
+
+def rel_rms(got, ref):
+    """rms(got - ref) / rms(ref) of torch tensors, in float32."""
+    return float((got.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
 
 
 def parse_ignored(text):

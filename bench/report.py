@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+from .progress import aligned, markdown
 from .shapes import DTYPE_BYTES
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -17,76 +18,59 @@ def floor_ms(row, passes, bandwidth_TBps) -> float:
     return passes * nbytes / (bandwidth_TBps * 1e12) * 1e3
 
 
-# (time key, floor passes, ratio key); the first three are in every row, the others where measured.
-RATIOS = (
-    ("fwd_ms", 1, "fwd_over_1pass"),
-    ("fwdbwd_ms", 3, "fwdbwd_over_3pass"),
-    ("fwdbwd_ms", 2, "fwdbwd_over_2pass"),
-    ("fwdbwd_leaf_ms", 3, "fwdbwd_leaf_over_3pass"),
-    ("fwdbwd_graph_ms", 3, "fwdbwd_graph_over_3pass"),
-    ("fwdbwd_undonated_ms", 3, "fwdbwd_undonated_over_3pass"),
-)
+# (time key, floor passes); the first three are in every row, the others where measured.
+RATIOS = (("fwd_ms", 1), ("fwdbwd_ms", 3), ("fwdbwd_ms", 2), ("fwdbwd_leaf_ms", 3), ("fwdbwd_graph_ms", 3),
+          ("fwdbwd_undonated_ms", 3))  # fmt: skip
+
+
+def ratio_key(time_key, passes) -> str:
+    """The row key of a time's ratio to its floor: fwdbwd_ms, 3 -> fwdbwd_over_3pass."""
+    return f"{time_key.removesuffix('_ms')}_over_{passes}pass"
 
 
 def add_ratios(row, bandwidth_TBps) -> dict:
-    for time_key, passes, ratio_key in RATIOS if bandwidth_TBps else ():
+    for time_key, passes in RATIOS if bandwidth_TBps else ():
         if row.get(time_key) is not None:
-            row[ratio_key] = row[time_key] / floor_ms(row, passes, bandwidth_TBps)
+            row[ratio_key(time_key, passes)] = row[time_key] / floor_ms(row, passes, bandwidth_TBps)
     return row
 
 
-# (heading, row key of a time in ms or None, row key of its ratio to a floor or None). A cell reads "-" where the
+# (heading, row key: a time in ms (_ms), its ratio to a floor (pass), or the row's own). A cell reads "-" where the
 # implementation's framework does not measure it and "n/a" where it was tried and could not be measured (the JSON
 # and the lists under the table say why).
 COLUMNS = (
-    ("impl", None, None),
-    ("N", None, None),
-    ("V", None, None),
-    ("dtype", None, None),
-    ("fwd ms", "fwd_ms", None),
-    ("fwd/1-pass floor", None, "fwd_over_1pass"),
-    ("fwd+bwd ms (torch: non-leaf, JAX: donated)", "fwdbwd_ms", None),
-    ("fwd+bwd/3-pass floor", None, "fwdbwd_over_3pass"),
-    ("fwd+bwd/2-pass floor", None, "fwdbwd_over_2pass"),
-    ("leaf .backward() ms", "fwdbwd_leaf_ms", None),
-    ("leaf/3-pass floor", None, "fwdbwd_leaf_over_3pass"),
-    ("CUDA graph fwd+bwd ms", "fwdbwd_graph_ms", None),
-    ("graph/3-pass floor", None, "fwdbwd_graph_over_3pass"),
-    ("JAX not donated ms", "fwdbwd_undonated_ms", None),
-    ("not donated/3-pass floor", None, "fwdbwd_undonated_over_3pass"),
-    ("peak extra MiB", None, None),
-)
-HEADINGS = tuple(heading for heading, _, _ in COLUMNS)
+    ("impl", "impl"), ("N", "N"), ("V", "V"), ("dtype", "dtype"), ("fwd ms", "fwd_ms"),
+    ("fwd/1-pass floor", "fwd_over_1pass"), ("fwd+bwd ms (torch: non-leaf, JAX: donated)", "fwdbwd_ms"),
+    ("fwd+bwd/3-pass floor", "fwdbwd_over_3pass"), ("fwd+bwd/2-pass floor", "fwdbwd_over_2pass"),
+    ("leaf .backward() ms", "fwdbwd_leaf_ms"), ("leaf/3-pass floor", "fwdbwd_leaf_over_3pass"),
+    ("CUDA graph fwd+bwd ms", "fwdbwd_graph_ms"), ("graph/3-pass floor", "fwdbwd_graph_over_3pass"),
+    ("JAX not donated ms", "fwdbwd_undonated_ms"), ("not donated/3-pass floor", "fwdbwd_undonated_over_3pass"),
+    ("peak extra MiB", "peak_extra_bytes"),
+)  # fmt: skip
+HEADINGS = tuple(heading for heading, _ in COLUMNS)
 
 
 def table_cells(row) -> list:
-    def ratio(key):
-        return f"{row[key]:.2f}x" if key in row else "-"
-
-    def ms(key):
+    def cell(key):
+        if key == "peak_extra_bytes":
+            return ("temp " if row.get("peak_extra_kind") == "xla_temp_size" else "") + f"{row[key] / MiB:.1f}"
+        if key.endswith("pass"):
+            return f"{row[key]:.2f}x" if key in row else "-"
+        if not key.endswith("_ms"):
+            return str(row[key])
         if key not in row:
             return "-"  # not measured for this implementation's framework
         return "n/a" if row[key] is None else f"{row[key]:.3f}"  # tried and failed: the JSON says why
 
-    peak = f"{row['peak_extra_bytes'] / MiB:.1f}"
-    if row.get("peak_extra_kind") == "xla_temp_size":
-        peak = "temp " + peak
-    fixed = {"impl": row["impl"], "N": str(row["N"]), "V": str(row["V"]), "dtype": row["dtype"], "peak extra MiB": peak}
-    return [fixed[h] if h in fixed else ms(t) if t else ratio(r) for h, t, r in COLUMNS]
+    return [cell(key) for _, key in COLUMNS]
 
 
 def text_table(rows) -> str:
-    cells = [list(HEADINGS)] + [table_cells(r) for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADINGS))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))) for line in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return aligned([HEADINGS, *map(table_cells, rows)])
 
 
 def markdown_table(rows) -> str:
-    lines = ["| " + " | ".join(HEADINGS) + " |", "|" + "---|" * len(HEADINGS)]
-    lines += ["| " + " | ".join(table_cells(r)) + " |" for r in rows]
-    return "\n".join(lines)
+    return markdown([HEADINGS, *map(table_cells, rows)])
 
 
 def sort_rows(rows) -> list:
@@ -159,13 +143,13 @@ def results_markdown(result, plot_name=None) -> str:
     for linear_json in latest_linear_runs():
         parts += ["", linear_markdown(read_json(linear_json), _link(linear_json, RESULTS_MD.parent.parent))]
     # The bench tools' sections, each from the newest of its JSON files.
-    for pattern, markdown in (
+    for pattern, section in (
         ("*-overhead-*.json", host_time_markdown),
         ("*transformers-step*.json", transformers_step_markdown),
     ):
         found = sorted(RESULTS_DIR.glob(pattern))
         if found:
-            parts += ["", markdown(read_json(found[-1]), _link(found[-1], RESULTS_MD.parent.parent))]
+            parts += ["", section(read_json(found[-1]), _link(found[-1], RESULTS_MD.parent.parent))]
     return "\n".join(parts)
 
 
@@ -184,14 +168,51 @@ def latest_linear_runs(results_dir=RESULTS_DIR) -> list:
 
 def linear_markdown(result, source) -> str:
     """A `python -m bench --linear` JSON (forward+backward with the hidden and weight gradients) as a table."""
-    from .linear import text_table
-
     heading = f"## Fused linear cross-entropy (from `{source}`)"
     about = (
         f"{result['device']}, commit {result['commit']}, {result['date']}, torch {result['torch']}; "
         "bench/NOTES.md explains where the fused rows lose to the unfused ones (the chunked cuBLAS products)."
     )
-    return "\n".join([heading, "", about, "", text_table(result), ""])
+    return "\n".join([heading, "", about, "", linear_table(result), ""])
+
+
+def _error_cell(r, key):
+    return f"{r[key]:.1e}" if key in r else "-"
+
+
+TABLE_HEADER = (
+    "impl|N|H|V|ignored|fwd+bwd ms|TFLOP/s (6NHV)|of matmul|of peak|peak extra MiB|beyond grads MiB|"
+    "dW rel rms err|dh rel rms err"
+).split("|")
+
+
+def _table_cells(r):
+    peak = f"{r['peak_extra_bytes'] / MiB:.0f}" + (" (temp)" if r.get("peak_extra_kind") == "xla_temp_size" else "")
+    ignored = f"{r['ignored']:.0%}" if "ignored" in r else "-"
+    of_peak = f"{r['of_peak']:.0%}" if "of_peak" in r else "-"
+    timing = (f"{r['fwdbwd_ms']:.2f}", f"{r['effective_TFLOPs']:.0f}", f"{r['of_matmul']:.0%}", of_peak)
+    errors = (_error_cell(r, "grad_weight_rel_rms"), _error_cell(r, "grad_hidden_rel_rms"))
+    return (r["impl"], r["N"], r["H"], r["V"], ignored, *timing, peak, f"{r['extra_beyond_grads_bytes'] / MiB:.0f}",
+            *errors)  # fmt: skip
+
+
+def linear_table(result):
+    """A `python -m bench --linear` result's rows as a markdown table, with its notes."""
+    matmul = ", ".join(f"{shape}: {tf:.0f}" for shape, tf in result["matmul_TFLOPs"].items())
+    text = (
+        markdown([TABLE_HEADER, *map(_table_cells, result["rows"])])
+        + f"\n\nbf16 matmul TFLOP/s in the same run: {matmul}"
+    )
+    if "peak_matmul" in result:
+        dims = "x".join(map(str, result["peak_matmul"]["shape"]))
+        text += f"; the peak ({dims} bf16 matmul): {result['peak_matmul']['TFLOPs']:.0f}"
+    text += (
+        "\nGradient errors: rms(g - g32) / rms(g32), g32 from float32 copies of the same inputs, float32 matmuls and"
+        " the reference loss."
+    )
+    if "note" in result:
+        text += f"\n{result['note']}"
+    return text
 
 
 # The overhead summary's figures in the host-time table's columns.

@@ -17,6 +17,7 @@ import triton.testing
 
 import fastce_torch
 from bench import envinfo, torch_measure
+from bench.report import HOST_TIME_PARTS, write_json
 from fastce_torch import kernels
 from fastce_torch.kernels import launch as launch_module
 
@@ -224,24 +225,7 @@ def summary(rows, fwd_bwd, leaf_bwd, cached_path):
     # difference of the real call less that of the do-nothing Function (no CUDA work in its backward; the
     # fastce-shaped one with materialised output grads allocates zeros there, so it is no baseline).
     thread_excess = fwd_bwd - rows["cross_entropy fwd+bwd, engine threads off"] - hand_off
-    ours = fwd_bwd - shaped - launches - allocations - thread_excess
-    floor = shaped + launches + allocations
-    parts = {
-        "torch's autograd.Function with fastce's outputs and saved tensors, doing nothing": shaped,
-        "two C launches (the compiled launchers' own call into the driver)": launches,
-        "the forward's two allocations (its counters must start at zero: a fill launch)": allocations,
-        "the engine's device thread beyond the bare hand-off (engine threads off or a CUDA graph avoid it)": (
-            thread_excess
-        ),
-        "fastce's own Python (checks, layouts, views, launch keys, lookups): what could still go": ours,
-    }
-    print(f"what remains of cross_entropy forward+backward, {fwd_bwd:.1f} us (leaf .backward() {leaf_bwd:.1f}; "
-          f"F.cross_entropy {rows['F.cross_entropy forward+backward']:.1f}), and why:")  # fmt: skip
-    for what, us in parts.items():
-        print(f"  {us:7.1f} us {what}")
-    print(f"  a do-nothing Function costs {nothing:.1f} us, of which the hand-off to the device thread "
-          f"{hand_off:.1f}; floor of this design on this host: {floor:.1f} us")  # fmt: skip
-    return {
+    figures = {
         "total_us": fwd_bwd,
         "leaf_backward_us": leaf_bwd,
         "torch_cross_entropy_us": rows["F.cross_entropy forward+backward"],
@@ -252,9 +236,16 @@ def summary(rows, fwd_bwd, leaf_bwd, cached_path):
         "launches_us": launches,
         "allocations_us": allocations,
         "device_thread_excess_us": thread_excess,
-        "fastce_python_us": ours,
-        "floor_us": floor,
+        "fastce_python_us": fwd_bwd - shaped - launches - allocations - thread_excess,
+        "floor_us": shaped + launches + allocations,
     }
+    print(f"what remains of cross_entropy forward+backward, {fwd_bwd:.1f} us (leaf .backward() {leaf_bwd:.1f}; "
+          f"F.cross_entropy {figures['torch_cross_entropy_us']:.1f}), and why:")  # fmt: skip
+    for key, label in HOST_TIME_PARTS:
+        print(f"  {figures[key]:7.1f} us {label}")
+    print(f"  a do-nothing Function costs {nothing:.1f} us, of which the hand-off to the device thread "
+          f"{hand_off:.1f}; floor of this design on this host: {figures['floor_us']:.1f} us")  # fmt: skip
+    return figures
 
 
 def _linear_rows(rows, device, n, repeat, n_rows=64, hidden_size=64, vocab=1000):
@@ -310,15 +301,6 @@ def device_times(shapes=((512, 256000), (8192, 32000))):
     return measured
 
 
-def _nan_to_none(value):
-    """Strict JSON: a figure not measured here (NaN) is written as null."""
-    if isinstance(value, dict):
-        return {key: _nan_to_none(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_nan_to_none(item) for item in value]
-    return None if isinstance(value, float) and value != value else value
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.tools.overhead", description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -352,8 +334,8 @@ def main(argv=None):
     failures = [launcher.failure for launcher in launchers if launcher.failure]
     print(f"launch cache failures: {failures or 'none'}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(_nan_to_none(result), f, indent=1, allow_nan=False)
+        # Strict JSON: a figure not measured here (NaN) is written as null.
+        write_json(json.loads(json.dumps(result), parse_constant=lambda nan: None), args.json)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import torch
 import fastce_torch  # noqa: F401  (before triton: chooses Triton's interpreter on a CPU machine)
 from fastce_torch import cross_entropy
 
+from ..progress import aligned
 from ..report import write_json
 
 HIDDEN = 64
@@ -82,17 +83,12 @@ def run(shape, device, dtype, seed=0):
 
 def table(result):
     shape = result["shape"]
-    lines = [
-        f"{shape['batch']}x{shape['seq']}x{shape['vocab']} {result['dtype']} on {result['device']} "
-        f"(logits {result['logits_bytes'] / 2**20:.0f} MiB)",
-        f"{'form':<15}{'loss':>12}{'peak extra':>14}  gradient in the logits' buffer",
-    ]
+    rows = [("form", "loss", "peak extra", "gradient in the logits' buffer")]
     for row in result["rows"]:
         peak = "n/a" if row["peak_extra_bytes"] is None else f"{row['peak_extra_bytes'] / 2**20:.1f} MiB"
-        lines.append(
-            f"{row['form']:<15}{row['loss']:>12.6f}{peak:>14}  {'yes' if row['grad_in_logits_buffer'] else 'no'}"
-        )
-    return "\n".join(lines)
+        rows.append((row["form"], f"{row['loss']:.6f}", peak, "yes" if row["grad_in_logits_buffer"] else "no"))
+    caption = f"{shape['batch']}x{shape['seq']}x{shape['vocab']} {result['dtype']} on {result['device']}"
+    return f"{caption} (logits {result['logits_bytes'] / 2**20:.0f} MiB)\n" + aligned(rows, rule=False)
 
 
 def main(argv=None):

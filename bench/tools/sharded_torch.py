@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -207,15 +208,10 @@ def format_breakdown(rank, row):
     )
 
 
-def gather_rows(rows):
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, rows)
-    return every
-
-
 def start(doc, shapes, warmup, reps, smoke_shapes):
-    """The sharded torch benches' command line and this torchrun process's group: (args, device, rank, world size,
-    1-D device mesh, timer). --smoke: gloo on CPU, smoke_shapes, one warm-up call, two timed; else NCCL."""
+    """The sharded torch benches' command line and this torchrun process's group, as a namespace: args, shapes (int
+    tuples), device, rank, world, mesh (1-D), timer, smoke, backend, dtype. --smoke: gloo on CPU, smoke_shapes, one
+    warm-up call, two timed, the plain-torch backend, float32; else NCCL, bf16."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--shapes", default=shapes, help="global sizes, comma-separated")
     parser.add_argument("--warmup", type=int, default=warmup)
@@ -235,29 +231,29 @@ def start(doc, shapes, warmup, reps, smoke_shapes):
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    return args, device, dist.get_rank(), world, init_device_mesh(device.type, (world,)), Timer(device)
+    return SimpleNamespace(
+        args=args, shapes=[tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")],
+        device=device, rank=dist.get_rank(), world=world, mesh=init_device_mesh(device.type, (world,)),
+        timer=Timer(device), smoke=args.smoke, backend="reference" if args.smoke else "auto",
+        dtype=torch.float32 if args.smoke else torch.bfloat16,
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    )  # fmt: skip
 
 
-def write_result(path, doc, device, world, rows, every_rank, smoke, **extra):
-    """The run's JSON record at path (`extra` fields after the rank count)."""
-    result = {
-        "date": envinfo.today(),
-        "commit": envinfo.git_commit(),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "ranks": world,
-        **extra,
-        "versions": envinfo.versions(),
-        "method": (doc or "").strip(),
-        "rows": rows,
-        "per_rank": every_rank,
-        "mode": "smoke" if smoke else "gpu",
-    }
-    print(f"wrote {write_json(result, path)}")
-
-
-def finish_ranks(smoke):
+def finish(run, doc, rows, report, **extra):
+    """Every rank's rows to rank 0, which prints report(rows, every_rank) and writes the JSON record (`extra` fields
+    after the rank count); then the ranks leave their groups."""
+    every_rank = [None] * run.world
+    dist.all_gather_object(every_rank, rows)
+    if run.rank == 0:
+        report(rows, every_rank)
+        if run.args.json:
+            result = {"date": envinfo.today(), "commit": envinfo.git_commit(), "device": run.device_name,
+                      "ranks": run.world, **extra, "versions": envinfo.versions(), "method": (doc or "").strip(),
+                      "rows": rows, "per_rank": every_rank, "mode": "smoke" if run.smoke else "gpu"}  # fmt: skip
+            print(f"wrote {write_json(result, run.args.json)}")
     dist.barrier()  # no rank tears its groups down while another still uses them
-    if smoke:
+    if run.smoke:
         # gloo's teardown sometimes aborts at exit ("terminate called without an active exception") after the run
         # has finished and written its results; skip it, as fastce_torch/tests/vocab_parallel_check.py does.
         sys.stdout.flush()
@@ -267,26 +263,22 @@ def finish_ranks(smoke):
 
 
 def main():
-    args, device, rank, world, mesh, timer = start(__doc__, "8192x128256,8192x256000", 5, 30, "16x64")
-    smoke = args.smoke
-    bandwidth = None if smoke else torch_measure.copy_bandwidth_TBps(time_ms=lambda copy: timer.median_ms(copy, 5, 20))
-    impls = implementations(mesh, "reference" if smoke else "auto")
+    run = start(__doc__, "8192x128256,8192x256000", 5, 30, "16x64")
+    timer, device = run.timer, run.device
+    bandwidth = None if run.smoke else torch_measure.copy_bandwidth_TBps(time_ms=lambda c: timer.median_ms(c, 5, 20))
+    impls = implementations(run.mesh, run.backend)
     host_barrier = dist.new_group(backend="gloo")  # a barrier that launches nothing on the device
     if device.type == "cuda":
         torch_measure.prime_capture()
-    dtype = torch.float32 if smoke else torch.bfloat16
     rows = []
-    for shape in args.shapes.split(","):
-        n_rows, vocab = (int(v) for v in shape.split("x"))
-        if vocab % world:
-            raise SystemExit(f"V={vocab} is not divisible by {world} ranks")
-        rows.append(
-            run_shape(n_rows, vocab, dtype, device, timer, impls, args.warmup, args.reps, bandwidth, host_barrier)
-        )
-    every_rank = gather_rows(rows)
-    if rank == 0:
-        print(f"{world} ranks, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}", end="")
-        print(f", copy bandwidth {bandwidth:.2f} TB/s" if bandwidth else "")
+    for n_rows, vocab in run.shapes:
+        if vocab % run.world:
+            raise SystemExit(f"V={vocab} is not divisible by {run.world} ranks")
+        warm = (run.args.warmup, run.args.reps, bandwidth, host_barrier)
+        rows.append(run_shape(n_rows, vocab, run.dtype, device, timer, impls, *warm))
+
+    def report(rows, every_rank):
+        print(f"{run.world} ranks, {run.device_name}" + (f", copy bandwidth {bandwidth:.2f} TB/s" if bandwidth else ""))
         for row in rows:
             print(
                 f"N={row['N']} V={row['V']} (V_local={row['V_local']}): floor {row['floor_ms'] or 0:.3f} ms, "
@@ -305,9 +297,8 @@ def main():
         for row_index in range(len(rows)):
             for rank_index, rank_rows in enumerate(every_rank):
                 print(format_breakdown(rank_index, rank_rows[row_index]))
-        if args.json:
-            write_result(args.json, __doc__, device, world, rows, every_rank, smoke, copy_bandwidth_TBps=bandwidth)
-    finish_ranks(smoke)
+
+    finish(run, __doc__, rows, report, copy_bandwidth_TBps=bandwidth)
 
 
 if __name__ == "__main__":

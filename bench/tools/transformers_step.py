@@ -9,20 +9,18 @@ median CUDA-event step time after --warmup steps and the peak memory. `--device 
 
 import argparse
 import gc
-import os
 import statistics
 import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO_ROOT)  # fastce_torch and bench from this checkout when run as a script
+import torch
+import transformers
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import fastce_torch
 
-import fastce_torch  # noqa: E402
-from bench import envinfo  # noqa: E402
-from bench.report import write_json  # noqa: E402
-from bench.torch_measure import timed  # noqa: E402
+from .. import envinfo
+from ..progress import aligned
+from ..report import write_json
+from ..torch_measure import timed
 
 MODES = {
     "transformers": None,  # transformers' ForCausalLMLoss (float32 upcast, F.cross_entropy)
@@ -177,14 +175,19 @@ def main(argv=None):
         f"Llama {args.layers} layers, hidden {args.hidden}, V={args.vocab}, {args.batch}x{args.seq_len} tokens, "
         f"{args.precision}, AdamW; {args.steps} timed steps"
     )
-    print(f"{'mode':<20}{'median ms':>11}{'min ms':>9}{'peak GiB':>10}{'step GiB':>10}  first/last loss")
+    rows = [("mode", "median ms", "min ms", "peak GiB", "step GiB", "first/last loss")]
     for mode, r in results.items():
-        peak = f"{r['peak_bytes'] * gib:10.2f}" if r["peak_bytes"] is not None else f"{'-':>10}"
-        work = f"{r['step_working_bytes'] * gib:10.2f}" if r["peak_bytes"] is not None else f"{'-':>10}"
-        print(
-            f"{mode:<20}{r['median_ms']:11.2f}{r['min_ms']:9.2f}{peak}{work}  "
-            f"{r['losses'][0]:.5f} / {r['losses'][-1]:.5f}"
+        memory = ["-" if r["peak_bytes"] is None else f"{r[k] * gib:.2f}" for k in ("peak_bytes", "step_working_bytes")]
+        rows.append(
+            (
+                mode,
+                f"{r['median_ms']:.2f}",
+                f"{r['min_ms']:.2f}",
+                *memory,
+                f"{r['losses'][0]:.5f} / {r['losses'][-1]:.5f}",
+            )
         )
+    print(aligned(rows))
     summary = {}
     if "transformers" in results:
         base = results["transformers"]
