@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .shapes import IGNORE_INDEX
+from .shapes import IGNORE_INDEX, parse_shapes
 
 # Every 7th label is ignored unless a shape says otherwise (LinearShape.ignored).
 IGNORE_EVERY = 7
@@ -54,9 +54,10 @@ def accuracy_text(r):
     return f", dW err {r['grad_weight_rel_rms']:.1e}, dh err {r['grad_hidden_rel_rms']:.1e}"
 
 
-def float32_reference(hidden, weight, labels, chunk=1024):
-    """(loss, d hidden, d weight) of the mean loss in float32 (TF32 off, fastce_torch's reference loss), in row
-    chunks so that it fits; torch tensors (JAX arrays come through DLPack)."""
+def float32_reference(hidden, weight, labels, chunk=1024, chunk_loss=None):
+    """(loss, d hidden, d weight) in float32 (TF32 off), in row chunks so that it fits; torch tensors (JAX arrays come
+    through DLPack). The loss: the sum of chunk_loss(float32 logits, rows) over the chunks, by default each chunk's
+    share of the mean cross-entropy (fastce_torch's reference loss)."""
     import torch
 
     import fastce_torch
@@ -71,9 +72,12 @@ def float32_reference(hidden, weight, labels, chunk=1024):
         for start in range(0, h32.shape[0], chunk):
             rows = slice(start, start + chunk)
             logits = (h32[rows] @ w32.t()).requires_grad_()
-            chunk_loss = fastce_torch.cross_entropy(logits, labels[rows], reduction="sum", backend="reference") / kept
-            (grad,) = torch.autograd.grad(chunk_loss, logits)
-            loss += chunk_loss.detach()
+            if chunk_loss is None:
+                share = fastce_torch.cross_entropy(logits, labels[rows], reduction="sum", backend="reference") / kept
+            else:
+                share = chunk_loss(logits, rows)
+            (grad,) = torch.autograd.grad(share, logits)
+            loss += share.detach()
             grad_hidden[rows] = grad @ w32
             grad_weight.addmm_(grad.t(), h32[rows])
             del logits, grad
@@ -128,11 +132,4 @@ DEFAULT_IGNORED = (0.0, 0.5, 0.9)
 
 def parse_linear_shapes(text):
     """'NxHxV[:dtype],...' -> LinearShapes (dtype defaults to bfloat16)."""
-    shapes = []
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        dims, _, dtype = item.partition(":")
-        parts = dims.lower().split("x")
-        if len(parts) != 3 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"--linear-shapes: cannot read {item!r}; expected NxHxV or NxHxV:dtype")
-        shapes.append(LinearShape(*map(int, parts), dtype or "bfloat16"))
-    return tuple(shapes)
+    return parse_shapes(text, LinearShape, "--linear-shapes", "NxHxV")

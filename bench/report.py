@@ -142,6 +142,8 @@ def results_markdown(result, plot_name=None) -> str:
     parts += [METHOD_MD.read_text()]
     for linear_json in latest_linear_runs():
         parts += ["", linear_markdown(read_json(linear_json), _link(linear_json, RESULTS_MD.parent.parent))]
+    for rl_json in newest_runs("*-rl-step-*.json"):
+        parts += ["", rl_markdown(read_json(rl_json), _link(rl_json, RESULTS_MD.parent.parent))]
     # The bench tools' sections, each from the newest of its JSON files.
     for pattern, section in (
         ("*-overhead-*.json", host_time_markdown),
@@ -153,17 +155,15 @@ def results_markdown(result, plot_name=None) -> str:
     return "\n".join(parts)
 
 
+def newest_runs(pattern, results_dir=RESULTS_DIR) -> list:
+    """The files matching pattern whose JSON date is the newest among them."""
+    dated = [(read_json(path)["date"], path) for path in results_dir.glob(pattern)]
+    return sorted(path for date, path in dated if date == max(dated)[0])
+
+
 def latest_linear_runs(results_dir=RESULTS_DIR) -> list:
     """For each of `run_h200.sh linear-a` / `linear-b` (the linear shapes in two calls), its newest date's files."""
-    runs = {}
-    for path in results_dir.glob("*-linear-[ab]-*.json"):
-        stage = "a" if "-linear-a-" in path.name else "b"
-        runs.setdefault(stage, []).append((read_json(path)["date"], path))
-    latest = []
-    for stage in sorted(runs):
-        newest = max(date for date, _ in runs[stage])
-        latest += sorted(path for date, path in runs[stage] if date == newest)
-    return latest
+    return [path for stage in "ab" for path in newest_runs(f"*-linear-{stage}-*.json", results_dir)]
 
 
 def linear_markdown(result, source) -> str:
@@ -196,13 +196,16 @@ def _table_cells(r):
             *errors)  # fmt: skip
 
 
-def linear_table(result):
-    """A `python -m bench --linear` result's rows as a markdown table, with its notes."""
+def linear_table(result, extra=()):
+    """A `python -m bench --linear` result's rows as a markdown table, with its notes; extra: more columns, each
+    (heading, row key, format), "-" where a row has no such key."""
     matmul = ", ".join(f"{shape}: {tf:.0f}" for shape, tf in result["matmul_TFLOPs"].items())
-    text = (
-        markdown([TABLE_HEADER, *map(_table_cells, result["rows"])])
-        + f"\n\nbf16 matmul TFLOP/s in the same run: {matmul}"
-    )
+    rows = [
+        (*_table_cells(r), *(form.format(r[key]) if key in r else "-" for _, key, form in extra))
+        for r in result["rows"]
+    ]
+    text = markdown([TABLE_HEADER + [heading for heading, _, _ in extra], *rows])
+    text += f"\n\nbf16 matmul TFLOP/s in the same run: {matmul}"
     if "peak_matmul" in result:
         dims = "x".join(map(str, result["peak_matmul"]["shape"]))
         text += f"; the peak ({dims} bf16 matmul): {result['peak_matmul']['TFLOPs']:.0f}"
@@ -294,6 +297,60 @@ def transformers_step_markdown(step, source) -> str:
             f"{r['step_working_bytes'] / 2**30:.2f} | {r['losses'][0]:.5f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+# bench/tools/rl_step.py's columns beyond the fused linear table's.
+RL_COLUMNS = (('/ "mean"', "of_ce_mean", "{:.2f}x"), ("max log-prob err", "logprob_error", "{:.1e}"))
+# issue 37's targets as ratios in the same run: (what, the row (a prefix: the fastest such row), its divisor, limit).
+RL_TARGETS = (
+    ('nonlinear objective through linear_log_probs / "mean"', "fastce_torch", "fastce_torch_ce_mean", 1.35),
+    ("the entropy bonus: with / without", "fastce_torch", "fastce_torch_no_entropy", 1.05),
+    (
+        'linear objective ("sum" with token_weights) / "mean"',
+        "fastce_torch_ce_token_weights",
+        "fastce_torch_ce_mean",
+        1.05,
+    ),
+    ("logits_dtype=float32 / default", "fastce_torch_f32_logits", "fastce_torch", None),
+    ("the fastest workspace_bytes / torch.compile", "fastce_torch_ws*", "trl_compile", 1.2),
+)
+
+
+def rl_targets(result) -> list:
+    """A line for each target at each shape whose rows are there."""
+    lines = []
+    for shape in dict.fromkeys((r["N"], r["H"], r["V"]) for r in result["rows"]):
+        rows = {r["impl"]: r for r in result["rows"] if (r["N"], r["H"], r["V"]) == shape}
+        name = "x".join(map(str, shape))
+        for what, top, bottom, limit in RL_TARGETS:
+            tops = [r for impl, r in rows.items() if impl == top or top.endswith("*") and impl.startswith(top[:-1])]
+            if tops and bottom in rows:
+                best = min(tops, key=lambda r: r["fwdbwd_ms"])
+                ratio = f"{best['fwdbwd_ms'] / rows[bottom]['fwdbwd_ms']:.3f}x"
+                ratio += (f" (target <= {limit}x)" if limit else "") + (
+                    f", {best['impl']}" if top.endswith("*") else ""
+                )
+                lines.append(f"- {name}, {what}: {ratio}")
+        if "logprob_error" in rows.get("fastce_torch_f32_logits", {}):
+            error = rows["fastce_torch_f32_logits"]["logprob_error"]
+            lines.append(f"- {name}, max log-prob error with logits_dtype=float32: {error:.1e} (target <= 1e-4)")
+        if "extra_beyond_grads_bytes" in rows.get("fastce_torch", {}):
+            beyond = rows["fastce_torch"]["extra_beyond_grads_bytes"] / MiB
+            lines.append(f"- {name}, linear_log_probs' memory beyond the gradients: {beyond:.0f} MiB (target <= 256)")
+    return lines
+
+
+def rl_markdown(result, source) -> str:
+    """bench/tools/rl_step.py's JSON: the table, the targets and what was not measured."""
+    about = (
+        f"{result['device']}, commit {result['commit']}, {result['date']}: temperature {result['temperature']}, "
+        f"clip {result['clip']}, entropy bonus {result['entropy_bonus']}, per-token advantages, forward + "
+        "backward into hidden and weight (bench/tools/rl_step.py). of matmul: over the 6 NHV floor; a path that "
+        "recomputes the logits does 8 NHV (at most 75%). Errors: float32 (gradients), float64 (log-probs)."
+    )
+    failed = [f"- not measured: {f['impl']} {f.get('shape', '')}: {f['error']}" for f in result.get("failures", [])]
+    parts = [f"## The LM head of an RL step (from `{source}`)", "", about, "", linear_table(result, RL_COLUMNS), ""]
+    return "\n".join([*parts, *rl_targets(result), *failed, ""])
 
 
 def _link(path, start) -> str:

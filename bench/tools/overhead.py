@@ -60,7 +60,8 @@ class _DoNothing(torch.autograd.Function):
 
 
 class _ThreeOutputs(torch.autograd.Function):
-    """The shape of fastce's Function (three outputs, two non-differentiable, four saved tensors), no work."""
+    """The shape of fastce's Function (three outputs, two non-differentiable, four saved tensors, output gradients not
+    materialised: backward gets None for the two non-differentiable outputs, not a zero tensor each), no work."""
 
     @staticmethod
     def forward(x, labels):
@@ -72,21 +73,12 @@ class _ThreeOutputs(torch.autograd.Function):
         _, lse, denominator = output
         ctx.mark_non_differentiable(lse, denominator)
         ctx.save_for_backward(x, labels, lse, denominator)
+        ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, grad, grad_lse, grad_denominator):
         assert len(ctx.saved_tensors) == 4  # unpacking the saved tensors is part of the cost
         return None, None
-
-
-class _ThreeOutputsUnmaterialized(_ThreeOutputs):
-    """With ctx.set_materialize_grads(False) (as fastce's Function) autograd hands backward None for the two
-    non-differentiable outputs instead of a zero tensor each."""
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _ThreeOutputs.setup_context(ctx, inputs, output)
-        ctx.set_materialize_grads(False)
 
 
 def _forward_args(logits, labels, options):
@@ -188,7 +180,6 @@ def host_costs(device="cuda", n=300, repeat=5):
         "do-nothing Function, forward only": lambda: _DoNothing.apply(leaf),
         "do-nothing Function fwd+bwd": lambda: torch.autograd.grad(_DoNothing.apply(leaf), leaf, allow_unused=True),
         "fastce-shaped Function fwd+bwd": shaped_fwd_bwd(_ThreeOutputs),
-        "  the same, output grads not materialised": shaped_fwd_bwd(_ThreeOutputsUnmaterialized),
         "F.cross_entropy forward+backward": lambda: torch.autograd.grad(
             torch.nn.functional.cross_entropy(logits, labels), logits
         ),
@@ -215,15 +206,12 @@ def summary(rows, fwd_bwd, leaf_bwd, cached_path):
     """What remains of the eager forward+backward and why, from the rows just measured (NaN where a row needs the
     launch cache and it did not run)."""
     nothing = rows["do-nothing Function fwd+bwd"]
-    # The cheaper of the two fastce-shaped Functions: what a Function with these outputs can reach (they differ by
-    # noise on the H200 host: 138.8 / 119.8 us in one lease, 141.8 / 154.1 in another).
-    shaped = min(rows["fastce-shaped Function fwd+bwd"], rows["  the same, output grads not materialised"])
+    shaped = rows["fastce-shaped Function fwd+bwd"]  # what a Function with these outputs can reach
     hand_off = nothing - rows["do-nothing Function fwd+bwd, threads off"]
     launches = 2 * rows["    the compiled launcher's C call alone"] if cached_path else float("nan")
     allocations = rows["  the forward's allocations (empty loss, zeroed scratch)"]
     # What the engine's device thread costs this call beyond the bare hand-off: the threads-on minus threads-off
-    # difference of the real call less that of the do-nothing Function (no CUDA work in its backward; the
-    # fastce-shaped one with materialised output grads allocates zeros there, so it is no baseline).
+    # difference of the real call less that of the do-nothing Function (no CUDA work in its backward).
     thread_excess = fwd_bwd - rows["cross_entropy fwd+bwd, engine threads off"] - hand_off
     figures = {
         "total_us": fwd_bwd,

@@ -12,6 +12,7 @@ import torch
 import fastce_torch  # noqa: F401  (before triton: chooses Triton's interpreter on a CPU machine)
 from fastce_torch import cross_entropy
 
+from .. import torch_measure
 from ..progress import aligned
 from ..report import write_json
 
@@ -35,22 +36,17 @@ def loss_of(form, logits, input_ids):
 
 def measure(form, hidden, projection, input_ids):
     """(loss, hidden's gradient, peak extra bytes or None, whether the logits' gradient is their buffer)."""
-    cuda = hidden.is_cuda
     hidden.grad = None
     logits = hidden @ projection  # an intermediate, as lm_head's output: the in-place backward may use its buffer
     seen = {}
     logits.register_hook(lambda grad: seen.update(same=grad.data_ptr() == logits.data_ptr()))
-    if cuda:
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    loss = loss_of(form, logits, input_ids)
-    loss.backward(inputs=[hidden])
-    peak = None
-    if cuda:
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-    return loss.detach(), hidden.grad.detach().clone(), peak, seen["same"]
+
+    def forward_backward():
+        seen["loss"] = loss_of(form, logits, input_ids)
+        seen["loss"].backward(inputs=[hidden])
+
+    peak = torch_measure.peak_extra_bytes(forward_backward) if hidden.is_cuda else forward_backward()
+    return seen["loss"].detach(), hidden.grad.detach().clone(), peak, seen["same"]
 
 
 def run(shape, device, dtype, seed=0):

@@ -104,7 +104,7 @@ def main():
         warm = (run.args.warmup, run.args.reps)
         rows.append(run_shape(n_rows, width, vocab, run.dtype, run.device, run.timer, run.mesh, run.backend, *warm))
 
-    def report(rows, every_rank):
+    def report(rows):
         print(f"{run.world} ranks, {run.device_name}")
         for row in rows:
             collectives = ", ".join(f"{k} {v:.3f}" for k, v in row["collectives"].items())
