@@ -1,35 +1,22 @@
 """The JAX rows of `python -m bench --linear` (import after bench.jax_setup.configure()): jit(value_and_grad) of
-fastce_jax at each FASTCE_SETTINGS entry, xla_linear, matmul+fastce_jax and the three matmuls alone (the ceiling),
-host-timed as bench/jax_measure.py; memory is the step's XLA temp size."""
+fastce_jax at each FASTCE_SETTINGS entry, xla_linear, matmul+fastce_jax and the three matmuls alone
+(jax_three_matmuls), host-timed as bench/jax_measure.py; memory is the step's XLA temp size (it holds no gradients,
+so it is also the extra beyond them). bench.linear adds the throughput columns."""
 
-from .linear_shapes import FASTCE_SETTINGS, LINEAR_SHAPES, accuracy_text, ignored_rows, rel_rms
-from .linear_shapes import float32_reference as float32_reference_torch
-from .shapes import IGNORE_INDEX
+from .linear_shapes import (
+    FASTCE_SETTINGS,
+    LINEAR_SHAPES,
+    accuracy_text,
+    float32_reference,
+    ignored_rows,
+    make_inputs,
+    rel_rms,
+    to_jax,
+)
 
 FASTCE_IMPLS = {f"fastce_jax_linear{suffix}": settings for suffix, settings in FASTCE_SETTINGS.items()}
 # The default rows; fastce_jax_linear_skip is timed by `--ignored` runs (bench.linear_shapes.IGNORED_JAX_IMPLS).
 LINEAR_IMPLS = (*(i for i in FASTCE_IMPLS if not i.endswith("_skip")), "xla_linear", "matmul+fastce_jax")
-
-
-def make_inputs(shape, seed=0):
-    import jax
-    import jax.numpy as jnp
-
-    dtype = jnp.dtype(shape.dtype)
-    kh, kw, ky = jax.random.split(jax.random.key(seed), 3)
-    hidden = jax.random.normal(kh, (shape.N, shape.H), dtype)
-    # Logits of unit scale, as a trained LM head gives roughly.
-    weight = (jax.random.normal(kw, (shape.V, shape.H), jnp.float32) / shape.H**0.5).astype(dtype)
-    labels = jax.random.randint(ky, (shape.N,), 0, shape.V, dtype=jnp.int32)
-    return hidden, weight, jnp.where(ignored_rows(shape), IGNORE_INDEX, labels)
-
-
-def float32_reference(hidden, weight, labels):
-    """(d hidden, d weight) from the torch rows' float32 reference (linear_shapes), the arrays read through DLPack."""
-    import torch
-
-    hidden, weight, labels = (torch.from_dlpack(array) for array in (hidden, weight, labels))
-    return float32_reference_torch(hidden, weight, labels.long())
 
 
 def loss_fn(impl, backend="auto"):
@@ -77,8 +64,8 @@ def measure(impl, shape, inputs, batch_target_ms=50.0, backend="auto", reference
     return {
         "fwd_ms": fwd_ms,
         "fwdbwd_ms": fwdbwd_ms,
-        "TFLOPs": shape.flops / (fwdbwd_ms * 1e-3) / 1e12,
         "peak_extra_bytes": temp,
+        "extra_beyond_grads_bytes": temp,
         "peak_extra_kind": "xla_temp_size",
         "loss": float(loss),
         "ok": ok,
@@ -103,7 +90,7 @@ def measure_matmuls(shape, inputs, batch_target_ms=50.0) -> dict:
     del out
     ms = bench_ms(lambda: three(hidden, weight, grad_logits)[2], batch_target_ms)
     del grad_logits
-    return {"fwdbwd_ms": ms, "TFLOPs": shape.flops / (ms * 1e-3) / 1e12}
+    return {"fwdbwd_ms": ms, "peak_extra_bytes": 0, "extra_beyond_grads_bytes": 0}
 
 
 def run(
@@ -112,27 +99,27 @@ def run(
     """Every implementation on every shape, failures recorded; with accuracy, gradient errors against float32."""
     import gc
 
+    import jax
+
     from . import progress
     from .progress import note_failure  # failures are said on progress.say's stderr
 
     say = say or progress.say
     rows, failures = [], []
     for shape in shapes:
-        inputs = make_inputs(shape)
+        torch_inputs = make_inputs(shape, "cuda" if jax.default_backend() == "gpu" else "cpu")
+        inputs = to_jax(*torch_inputs)  # the torch rows' values
         base = {"N": shape.N, "H": shape.H, "V": shape.V, "dtype": shape.dtype}
         base["ignored"] = float(ignored_rows(shape).mean())
-        matmul_tflops = None
         try:
-            m = measure_matmuls(shape, inputs, batch_target_ms)
-            matmul_tflops = m["TFLOPs"]
-            rows.append({"impl": "matmul", **base, **m})
-            say(f"matmul {shape}: {m['fwdbwd_ms']:.2f} ms, {m['TFLOPs']:.0f} TFLOP/s")
+            rows.append({"impl": "jax_three_matmuls", **base, **measure_matmuls(shape, inputs, batch_target_ms)})
+            say(f"jax_three_matmuls {shape}: {rows[-1]['fwdbwd_ms']:.2f} ms")
         except Exception as exc:  # noqa: BLE001
-            note_failure(failures, f"matmul {shape}", "matmul", None, "measure", exc, **base)
+            note_failure(failures, f"matmul {shape}", "jax_three_matmuls", None, "measure", exc, **base)
         reference = None
         if accuracy:
             try:
-                reference = float32_reference(*inputs)
+                reference = float32_reference(*torch_inputs)
             except Exception as exc:  # noqa: BLE001 - the timings do not depend on it
                 note_failure(failures, f"float32 reference {shape}", "float32_reference", None, "measure", exc, **base)
         for impl in impls:
@@ -141,13 +128,10 @@ def run(
             except Exception as exc:  # noqa: BLE001
                 note_failure(failures, f"{impl} {shape}", impl, None, "measure", exc, **base)
                 continue
-            if matmul_tflops:
-                r["of_matmul"] = r["TFLOPs"] / matmul_tflops
             rows.append({"impl": impl, **base, **r})
-            of_matmul = f" ({r['of_matmul']:.0%} of matmul)" if matmul_tflops else ""
             memory = f"temp {r['peak_extra_bytes'] / 2**20:.0f} MiB, loss {r['loss']:.5f}{accuracy_text(r)}"
-            say(f"{impl} {shape}: {r['fwdbwd_ms']:.2f} ms, {r['TFLOPs']:.0f} TFLOP/s{of_matmul}, {memory}")
+            say(f"{impl} {shape}: {r['fwdbwd_ms']:.2f} ms, {memory}")
             gc.collect()
-        del inputs, reference
+        del inputs, torch_inputs, reference
         gc.collect()
     return {"rows": rows, "failures": failures}

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import fastce_torch
 
-from . import torch_measure  # (as a module: the CPU tests stub its timers)
+from . import linear_shapes, torch_measure  # (modules: the CPU tests stub the timers)
 from .linear_shapes import (
     FASTCE_SETTINGS,
     IGNORED_IMPLS,
@@ -95,14 +95,7 @@ LOADERS = {
 
 
 def make_inputs(shape, seed=0):
-    device = DEVICE
-    gen = torch.Generator(device=device).manual_seed(seed)
-    dtype = getattr(torch, shape.dtype)
-    hidden = torch.randn(shape.N, shape.H, device=device, generator=gen).to(dtype).requires_grad_()
-    weight = (torch.randn(shape.V, shape.H, device=device, generator=gen) / shape.H**0.5).to(dtype).requires_grad_()
-    labels = torch.randint(0, shape.V, (shape.N,), device=device, generator=gen)
-    labels[torch.from_numpy(ignored_rows(shape)).to(device)] = IGNORE_INDEX
-    return hidden, weight, labels
+    return linear_shapes.make_inputs(shape, DEVICE, seed)
 
 
 def _matmul_tflops(a, b):
@@ -183,16 +176,17 @@ def check_fastce(rows):
 
 
 def _row(impl, shape, measured, matmul_tflops, peak_tflops):
+    """A row of the table: the measured figures and the throughput columns (measured keys win: the JAX rows say
+    which fraction of their labels was ignored)."""
     tflops = shape.flops / (measured["fwdbwd_ms"] * 1e-3) / 1e12
-    row = {"impl": impl, "N": shape.N, "H": shape.H, "V": shape.V, "dtype": shape.dtype, **measured}
-    row["ignored"] = float(ignored_rows(shape).mean())
+    row = {"impl": impl, "N": shape.N, "H": shape.H, "V": shape.V, "dtype": shape.dtype}
+    row |= {"ignored": float(ignored_rows(shape).mean()), **measured}
     row.update(effective_TFLOPs=tflops, of_matmul=tflops / matmul_tflops, of_peak=tflops / peak_tflops)
     return row
 
 
 def _add_jax_rows(shapes, matmul, peak, rows, failures, impls=None):
-    """bench.jax_linear's rows in this table's terms (of_matmul against the torch matmul; their own ceiling kept as
-    of_jax_matmuls); XLA's temp size holds no gradients, so it is also the extra beyond them."""
+    """bench.jax_linear's rows with this table's throughput columns (of_matmul against the torch matmul)."""
     try:
         from . import jax_linear
         from .jax_measure import has_gpu
@@ -206,13 +200,7 @@ def _add_jax_rows(shapes, matmul, peak, rows, failures, impls=None):
         return
     for r in result["rows"]:
         shape = LinearShape(r["N"], r["H"], r["V"], r["dtype"])  # dense: the matmul's key
-        row = dict(r, impl="jax_three_matmuls" if r["impl"] == "matmul" else r["impl"])
-        if "of_matmul" in row:
-            row["of_jax_matmuls"] = row.pop("of_matmul")
-        row.update(effective_TFLOPs=r["TFLOPs"], of_matmul=r["TFLOPs"] / matmul[str(shape)], of_peak=r["TFLOPs"] / peak)
-        row.setdefault("peak_extra_bytes", 0)
-        row["extra_beyond_grads_bytes"] = row["peak_extra_bytes"]
-        rows.append(row)
+        rows.append(_row(r.pop("impl"), shape, r, matmul[str(shape)], peak))
     failures.extend(result["failures"])
 
 

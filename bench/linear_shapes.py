@@ -54,6 +54,28 @@ def accuracy_text(r):
     return f", dW err {r['grad_weight_rel_rms']:.1e}, dh err {r['grad_hidden_rel_rms']:.1e}"
 
 
+def make_inputs(shape, device, seed=0):
+    """hidden and weight (leaves that require grad; logits of unit scale, as a trained LM head gives roughly) and the
+    labels, torch tensors: both packages' rows take the same values (the JAX rows through to_jax)."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dtype = getattr(torch, shape.dtype)
+    hidden = torch.randn(shape.N, shape.H, device=device, generator=gen).to(dtype).requires_grad_()
+    weight = (torch.randn(shape.V, shape.H, device=device, generator=gen) / shape.H**0.5).to(dtype).requires_grad_()
+    labels = torch.randint(0, shape.V, (shape.N,), device=device, generator=gen)
+    labels[torch.from_numpy(ignored_rows(shape)).to(device)] = IGNORE_INDEX
+    return hidden, weight, labels
+
+
+def to_jax(*tensors) -> list:
+    """torch tensors as JAX arrays over the same memory (DLPack); int64 as int32 (JAX without x64)."""
+    import jax.numpy as jnp
+    import torch
+
+    return [jnp.from_dlpack(t.detach().int() if t.dtype == torch.int64 else t.detach()) for t in tensors]
+
+
 def float32_reference(hidden, weight, labels, chunk=1024, chunk_loss=None):
     """(loss, d hidden, d weight) in float32 (TF32 off), in row chunks so that it fits; torch tensors (JAX arrays come
     through DLPack). The loss: the sum of chunk_loss(float32 logits, rows) over the chunks, by default each chunk's

@@ -93,7 +93,7 @@ def test_optional_implementations_are_reported_not_fatal(on_cpu):
 
 def test_jax_rows_join_the_table(on_cpu, monkeypatch):
     """bench.jax_linear's rows (stubbed here: its own CPU plumbing test runs the real thing) land in the table with
-    of_matmul against the torch matmul of the same run and XLA's temp size as the memory beyond the gradients."""
+    the throughput columns against the torch matmul of the same run and XLA's temp size as their memory."""
     from bench import jax_linear, jax_measure
 
     shape = LinearShape(32, 8, 50, "float32")
@@ -103,14 +103,19 @@ def test_jax_rows_join_the_table(on_cpu, monkeypatch):
         base = {"N": s.N, "H": s.H, "V": s.V, "dtype": s.dtype}
         return {
             "rows": [
-                {"impl": "matmul", **base, "fwdbwd_ms": 1.0, "TFLOPs": 6.0, "peak_extra_bytes": 0},
+                {
+                    "impl": "jax_three_matmuls",
+                    **base,
+                    "fwdbwd_ms": 1.0,
+                    "peak_extra_bytes": 0,
+                    "extra_beyond_grads_bytes": 0,
+                },
                 {
                     "impl": "fastce_jax_linear",
                     **base,
                     "fwdbwd_ms": 2.0,
-                    "TFLOPs": 3.0,
-                    "of_matmul": 0.5,
                     "peak_extra_bytes": 5 << 20,
+                    "extra_beyond_grads_bytes": 5 << 20,
                     "peak_extra_kind": "xla_temp_size",
                     "loss": 1.0,
                 },
@@ -123,7 +128,8 @@ def test_jax_rows_join_the_table(on_cpu, monkeypatch):
     monkeypatch.setattr(linear, "matmul_tflops", lambda shape: 12.0)
     result = linear.run_linear(impls=["fastce_torch_linear"], shapes=(shape,), with_jax=True)
     jax_row = next(r for r in result["rows"] if r["impl"] == "fastce_jax_linear")
-    assert jax_row["of_matmul"] == 0.25 and jax_row["of_jax_matmuls"] == 0.5
+    assert jax_row["effective_TFLOPs"] == pytest.approx(6 * 32 * 8 * 50 / 2e-3 / 1e12)
+    assert jax_row["of_matmul"] == pytest.approx(jax_row["effective_TFLOPs"] / 12.0)
     assert jax_row["extra_beyond_grads_bytes"] == 5 << 20
     assert "jax_three_matmuls" in {r["impl"] for r in result["rows"]}
     assert "(temp)" in report.linear_table(result)

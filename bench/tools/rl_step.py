@@ -17,7 +17,7 @@ import argparse
 import sys
 
 from .. import envinfo, jax_setup, linear, linear_shapes
-from ..linear_shapes import SEQUENCE, parse_linear_shapes, rel_rms
+from ..linear_shapes import SEQUENCE, parse_linear_shapes, rel_rms, to_jax
 from ..progress import load, note_failure, optional, say
 from ..report import RL_COLUMNS, linear_table, rl_targets, write_json
 from ..shapes import IGNORE_INDEX
@@ -54,14 +54,10 @@ def policy_inputs(hidden, weight, tokens, seed=1):
     sides of the clip are taken; standard normal advantages per token; 1.0 where the token is kept."""
     import torch
 
-    gen = torch.Generator(device=hidden.device).manual_seed(seed)
     mask = (tokens != IGNORE_INDEX).float()
+    noise = torch.randn(2, len(mask), device=hidden.device, generator=torch.Generator(hidden.device).manual_seed(seed))
     with torch.no_grad():
-        chunks = [
-            trl_log_probs(hidden[i : i + 1024], weight, tokens[i : i + 1024])[0] for i in range(0, len(mask), 1024)
-        ]
-    noise = torch.randn(2, len(mask), device=hidden.device, generator=gen)
-    return torch.cat(chunks) * mask + 0.1 * noise[0], noise[1], mask
+        return trl_log_probs(hidden, weight, tokens)[0] * mask + 0.1 * noise[0], noise[1], mask
 
 
 def torch_implementations(backend):
@@ -162,9 +158,6 @@ def jax_rows(shape, inputs, reference, backend, failures):
     import fastce_jax
 
     from ..jax_measure import bench_ms, peak_extra_bytes
-
-    def to_jax(*tensors):  # tokens as int32: JAX without x64
-        return [jnp.from_dlpack(t.detach().int() if t.dtype == torch.int64 else t.detach()) for t in tensors]
 
     hidden, weight, tokens, old, advantages, mask = to_jax(*inputs)
 
