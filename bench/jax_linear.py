@@ -36,12 +36,13 @@ def loss_fn(impl, backend="auto"):
     raise ValueError(f"unknown implementation {impl!r}; known: {', '.join(LINEAR_IMPLS)}")
 
 
-def measure(impl, shape, inputs, batch_target_ms=50.0, backend="auto", reference=None) -> dict:
+def measure(fn, inputs, batch_target_ms=50.0, reference=None) -> dict:
+    """jit(fn) and jit(value_and_grad(fn)) of fn(hidden, weight, labels) -> loss, and its gradients' errors against
+    reference (the torch float32 (loss, d hidden, d weight)); bench.tools.rl_step's JAX rows are measured here too."""
     import jax
 
     from .jax_measure import bench_ms, peak_extra_bytes
 
-    fn = loss_fn(impl, backend)
     fwd = jax.jit(fn).lower(*inputs).compile()
     step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(*inputs).compile()
     temp = peak_extra_bytes(step)
@@ -124,7 +125,7 @@ def run(
                 note_failure(failures, f"float32 reference {shape}", "float32_reference", None, "measure", exc, **base)
         for impl in impls:
             try:
-                r = measure(impl, shape, inputs, batch_target_ms, backend, reference)
+                r = measure(loss_fn(impl, backend), inputs, batch_target_ms, reference)
             except Exception as exc:  # noqa: BLE001
                 note_failure(failures, f"{impl} {shape}", impl, None, "measure", exc, **base)
                 continue

@@ -175,7 +175,7 @@ def check_fastce(rows):
     return check | {"ok": all(error < limit for error, limit in zip(check.values(), limits))}
 
 
-def _row(impl, shape, measured, matmul_tflops, peak_tflops):
+def table_row(impl, shape, measured, matmul_tflops, peak_tflops):
     """A row of the table: the measured figures and the throughput columns (measured keys win: the JAX rows say
     which fraction of their labels was ignored)."""
     tflops = shape.flops / (measured["fwdbwd_ms"] * 1e-3) / 1e12
@@ -200,7 +200,7 @@ def _add_jax_rows(shapes, matmul, peak, rows, failures, impls=None):
         return
     for r in result["rows"]:
         shape = LinearShape(r["N"], r["H"], r["V"], r["dtype"])  # dense: the matmul's key
-        rows.append(_row(r.pop("impl"), shape, r, matmul[str(shape)], peak))
+        rows.append(table_row(r.pop("impl"), shape, r, matmul[str(shape)], peak))
     failures.extend(result["failures"])
 
 
@@ -254,7 +254,7 @@ def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=Tru
                 gc.collect()
                 torch.cuda.empty_cache()
                 continue
-            rows.append(_row(impl, shape, measured, matmul[str(shape.dense)], peak))
+            rows.append(table_row(impl, shape, measured, matmul[str(shape.dense)], peak))
             _say_row(rows[-1])
         del inputs, reference
         gc.collect()

@@ -247,66 +247,53 @@ def host_time_markdown(run, source) -> str:
     def us(key):
         return "-" if summary.get(key) is None else f"{summary[key]:.1f}"
 
-    lines = [
-        f"## Host time of an eager call (from `{source}`)",
-        "",
+    about = (
         f"{run['device']}, commit {run['commit']}, {run['date']}, torch {run['torch']}; "
         "`python -m bench.tools.overhead`, tiny inputs (64 x 1000 float32: the GPU idles, so wall time per call is "
-        "host time), the fastest of "
-        f"{run['repeat']} means over {run['calls']} calls, us per call.",
-        "",
-        "| cross_entropy forward+backward | leaf `.backward()` | F.cross_entropy | a do-nothing autograd.Function "
-        "| of which the hand-off to the engine's device thread | floor of this design |",
-        "|---|---|---|---|---|---|",
-        "| " + " | ".join(map(us, HOST_TIME_KEYS)) + " |",
-        "",
-        "| part of the forward+backward | us |",
-        "|---|---|",
-        *(f"| {label} | {us(key)} |" for key, label in HOST_TIME_PARTS),
-    ]
+        f"host time), the fastest of {run['repeat']} means over {run['calls']} calls, us per call."
+    )
+    headings = ("cross_entropy forward+backward|leaf `.backward()`|F.cross_entropy|a do-nothing autograd.Function|"
+                "of which the hand-off to the engine's device thread|floor of this design").split("|")  # fmt: skip
+    tables = [markdown([headings, [us(key) for key in HOST_TIME_KEYS]])]
+    tables.append(
+        markdown([("part of the forward+backward", "us"), *((label, us(key)) for key, label in HOST_TIME_PARTS)])
+    )
     if run.get("device_times"):
-        lines += [
-            "",
-            "| N, V (bf16) | eager ms | the two kernels launched back to back | the two kernels from a CUDA graph |",
-            "|---|---|---|---|",
-            *(
-                f"| {row['N']}, {row['V']} | {row['eager_ms']:.3f} | {row['kernels_ms']:.3f} | {row['graph_ms']:.3f} |"
-                for row in run["device_times"]
-            ),
+        headings = "N, V (bf16)|eager ms|the two kernels launched back to back|the two kernels from a CUDA graph"
+        times = [
+            (f"{r['N']}, {r['V']}", *(f"{r[k]:.3f}" for k in ("eager_ms", "kernels_ms", "graph_ms")))
+            for r in run["device_times"]
         ]
-    return "\n".join(lines) + "\n"
+        tables.append(markdown([headings.split("|"), *times]))
+    return "\n".join([f"## Host time of an eager call (from `{source}`)", "", about, "", "\n\n".join(tables)]) + "\n"
 
 
 def transformers_step_markdown(step, source) -> str:
     """The training-step comparison written by bench/tools/transformers_step.py, as a table."""
     args, env = step["args"], step["environment"]
-    lines = [
-        f"## Training step with and without `patch_transformers()` (from `{source}`)",
-        "",
+    about = (
         f"{env['device']}, commit {env['commit']}, transformers {env['transformers']}, torch {env['torch']}: "
         f"Llama, {args['layers']} layers, hidden {args['hidden']}, V={args['vocab']}, "
         f"{args['batch']}x{args['seq_len']} tokens, {args['precision']}, AdamW; median of {args['steps']} steps "
-        f"after {args['warmup']} warm-up (CUDA events).",
-        "",
-        "| mode | median step ms | peak GiB | per-step working GiB | first-step loss |",
-        "|---|---|---|---|---|",
-    ]
+        f"after {args['warmup']} warm-up (CUDA events)."
+    )
+    rows = [("mode", "median step ms", "peak GiB", "per-step working GiB", "first-step loss")]
     for mode, r in step["results"].items():
-        lines.append(
-            f"| {mode} | {r['median_ms']:.2f} | {r['peak_bytes'] / 2**30:.2f} | "
-            f"{r['step_working_bytes'] / 2**30:.2f} | {r['losses'][0]:.5f} |"
-        )
-    return "\n".join(lines) + "\n"
+        memory = (f"{r[key] / 2**30:.2f}" for key in ("peak_bytes", "step_working_bytes"))
+        rows.append((mode, f"{r['median_ms']:.2f}", *memory, f"{r['losses'][0]:.5f}"))
+    heading = f"## Training step with and without `patch_transformers()` (from `{source}`)"
+    return "\n".join([heading, "", about, "", markdown(rows)]) + "\n"
 
 
-# bench/tools/rl_step.py's columns beyond the fused linear table's.
+# bench/tools/rl_step.py's columns beyond the fused linear table's (the targets on memory, <= 256 MiB beyond the
+# gradients, and on the float32 logits' log-prob error, <= 1e-4, are read from its columns).
 RL_COLUMNS = (('/ "mean"', "of_ce_mean", "{:.2f}x"), ("max log-prob err", "logprob_error", "{:.1e}"))
 # issue 37's targets as ratios in the same run: (what, the row (a prefix: the fastest such row), its divisor, limit).
 RL_TARGETS = (
     ('nonlinear objective through linear_log_probs / "mean"', "fastce_torch", "fastce_torch_ce_mean", 1.35),
     ("the entropy bonus: with / without", "fastce_torch", "fastce_torch_no_entropy", 1.05),
     (
-        'linear objective ("sum" with token_weights) / "mean"',
+        '"sum" with token_weights (a linear objective) / "mean"',
         "fastce_torch_ce_token_weights",
         "fastce_torch_ce_mean",
         1.05,
@@ -331,12 +318,6 @@ def rl_targets(result) -> list:
                     f", {best['impl']}" if top.endswith("*") else ""
                 )
                 lines.append(f"- {name}, {what}: {ratio}")
-        if "logprob_error" in rows.get("fastce_torch_f32_logits", {}):
-            error = rows["fastce_torch_f32_logits"]["logprob_error"]
-            lines.append(f"- {name}, max log-prob error with logits_dtype=float32: {error:.1e} (target <= 1e-4)")
-        if "extra_beyond_grads_bytes" in rows.get("fastce_torch", {}):
-            beyond = rows["fastce_torch"]["extra_beyond_grads_bytes"] / MiB
-            lines.append(f"- {name}, linear_log_probs' memory beyond the gradients: {beyond:.0f} MiB (target <= 256)")
     return lines
 
 

@@ -15,9 +15,10 @@ log_softmax + gather under jit(value_and_grad) (host-timed, XLA's temp size). Lo
 
 import argparse
 import sys
+from functools import partial
 
 from .. import envinfo, jax_setup, linear, linear_shapes
-from ..linear_shapes import SEQUENCE, parse_linear_shapes, rel_rms, to_jax
+from ..linear_shapes import SEQUENCE, parse_linear_shapes, to_jax
 from ..progress import load, note_failure, optional, say
 from ..report import RL_COLUMNS, linear_table, rl_targets, write_json
 from ..shapes import IGNORE_INDEX
@@ -40,7 +41,8 @@ def objective(xp, logprobs, entropy, old, advantages, mask, kept=None):
 
 
 def from_logits(logits, tokens):
-    """TRL's recipe from float32 logits: log_softmax at the temperature, gather; the entropy from the probabilities."""
+    """TRL's recipe from float32 (or float64) logits: log_softmax at the temperature, gather; the entropy from the
+    probabilities."""
     log_p = (logits / TEMPERATURE).log_softmax(-1)
     return log_p.gather(-1, tokens.clamp_min(0)[:, None])[:, 0], -(log_p.exp() * log_p).sum(-1)
 
@@ -116,8 +118,7 @@ def float64_error(log_probs, hidden, weight, tokens):
     rows = slice(0, ERROR_ROWS)
     with torch.no_grad():
         got = log_probs(hidden[rows], weight, tokens[rows])[0].double()
-        z = hidden[rows].double() @ weight.double().t() / TEMPERATURE
-        want = z.log_softmax(-1).gather(-1, tokens[rows].clamp_min(0)[:, None])[:, 0]
+        want = from_logits(hidden[rows].double() @ weight.double().t(), tokens[rows])[0]
         return float((got - want)[tokens[rows] != IGNORE_INDEX].abs().max())
 
 
@@ -157,14 +158,11 @@ def jax_rows(shape, inputs, reference, backend, failures):
 
     import fastce_jax
 
-    from ..jax_measure import bench_ms, peak_extra_bytes
+    from .. import jax_linear
 
     hidden, weight, tokens, old, advantages, mask = to_jax(*inputs)
 
-    def fastce(h, w, y):
-        return tuple(
-            fastce_jax.linear_log_probs(h, w, y, temperature=TEMPERATURE, return_entropy=True, backend=backend)
-        )
+    fastce = partial(fastce_jax.linear_log_probs, temperature=TEMPERATURE, return_entropy=True, backend=backend)
 
     def xla(h, w, y):
         log_p, keep = jax.nn.log_softmax((h @ w.T).astype(jnp.float32) / TEMPERATURE), y != IGNORE_INDEX
@@ -174,18 +172,12 @@ def jax_rows(shape, inputs, reference, backend, failures):
     rows = []
     for impl, log_probs in (("fastce_jax", fastce), ("xla_log_softmax", xla)):
         try:
-            loss_fn = lambda h, w, lp=log_probs: objective(jnp, *lp(h, w, tokens), old, advantages, mask)
-            step = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1))).lower(hidden, weight).compile()
-            loss, (dh, dw) = step(hidden, weight)
-            jitted, temp = jax.jit(log_probs), peak_extra_bytes(step)
-            errors = [rel_rms(torch.from_dlpack(got), want) for got, want in ((dh, reference[1]), (dw, reference[2]))]
-            logprob_error = float64_error(lambda *t: [torch.from_dlpack(jitted(*to_jax(*t))[0])], *inputs[:3])
-            rows.append({"impl": impl, "fwdbwd_ms": bench_ms(lambda: step(hidden, weight)), "loss": float(loss),
-                         "peak_extra_bytes": temp, "extra_beyond_grads_bytes": temp, "peak_extra_kind": "xla_temp_size",
-                         "grad_hidden_rel_rms": errors[0], "grad_weight_rel_rms": errors[1],
-                         "logprob_error": logprob_error})  # fmt: skip
-            say(f"{impl} {shape}: {rows[-1]['fwdbwd_ms']:.2f} ms, loss {rows[-1]['loss']:.6f}")
-            del dh, dw
+            loss_fn = lambda h, w, y, lp=log_probs: objective(jnp, *lp(h, w, y), old, advantages, mask)
+            row = jax_linear.measure(loss_fn, (hidden, weight, tokens), reference=reference) | {"impl": impl}
+            jitted = jax.jit(log_probs)
+            row["logprob_error"] = float64_error(lambda *t: [torch.from_dlpack(jitted(*to_jax(*t))[0])], *inputs[:3])
+            rows.append(row)
+            say(f"{impl} {shape}: {row['fwdbwd_ms']:.2f} ms, loss {row['loss']:.6f}")
         except Exception as exc:  # noqa: BLE001
             note_failure(failures, f"{impl} {shape}", impl, None, "measure", exc, shape=str(shape))
     return rows
@@ -204,7 +196,7 @@ def run(shapes, frameworks=("torch", "jax"), impls=None, backend="auto") -> dict
         shape_rows, reference = torch_rows(shape, inputs, torch_impls, backend, failures)
         if "jax" in frameworks:
             shape_rows += jax_rows(shape, inputs, reference, backend, failures)
-        shape_rows = [linear._row(r.pop("impl"), shape, r, matmul[str(shape)], peak) for r in shape_rows]
+        shape_rows = [linear.table_row(r.pop("impl"), shape, r, matmul[str(shape)], peak) for r in shape_rows]
         mean = next((r["fwdbwd_ms"] for r in shape_rows if r["impl"] == "fastce_torch_ce_mean"), None)
         rows += [r | ({"of_ce_mean": r["fwdbwd_ms"] / mean} if mean else {}) for r in shape_rows]
         del inputs, reference
@@ -217,7 +209,7 @@ def run(shapes, frameworks=("torch", "jax"), impls=None, backend="auto") -> dict
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.tools.rl_step", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.tools.rl_step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=SHAPES, help="NxHxV[:dtype], comma-separated (bfloat16 by default)")
     parser.add_argument("--frameworks", default="torch,jax", help="a subset of torch,jax")
     parser.add_argument("--impls", help="comma-separated subset of the torch rows (default: all)")
