@@ -60,12 +60,6 @@ def render(json_path, plot_path=None):
     print(f"wrote {md}" + (f" and {plot_path}" if plotted else " (no plot: matplotlib missing)"))
 
 
-def gpu_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def failed_fastce(result) -> list:
     bad = [
         f"{f['impl']}: {f['error']}"
@@ -91,28 +85,14 @@ def main(argv=None) -> int:
         shapes = args.shapes or (QUICK_GPU_SHAPES if args.quick else STANDARD_SHAPES)
         return worker_main(args.worker, args.impls, shapes, args.quick, args.json)
 
-    if args.merge:
-        from .runner import merge_results
-
-        runs = []
-        for path in args.merge:
-            runs.append(report.read_json(path))
-            runs[-1]["_source"] = str(path)
-        result = merge_results(runs)
-        json_path = args.json or report.default_json_path(result["date"], envinfo.device_slug(result["device"]))
-        report.write_json(result, json_path)
-        print(report.text_table(report.sort_rows(result["rows"])))
-        print(f"wrote {json_path}")
-        if args.results_md is not None:
-            render(json_path, args.plot)
-        return 1 if failed_fastce(result) else 0
-
-    if args.results_md:  # render only
+    if args.results_md and not args.merge:  # render only
         render(args.results_md, args.plot)
         return 0
 
-    if args.linear:
-        if not gpu_available():
+    import torch
+
+    if args.linear and not args.merge:
+        if not torch.cuda.is_available():
             print("--linear measures cuBLAS matmuls: it needs a GPU (the CPU tests cover correctness)")
             return 2
         from .linear import main_linear
@@ -121,11 +101,12 @@ def main(argv=None) -> int:
         shapes = parse_linear_shapes(args.linear_shapes) if args.linear_shapes else None
         return main_linear(args.quick, args.json, shapes, args.ignored)
 
-    if gpu_available():
-        from .runner import run_gpu
+    if args.merge or torch.cuda.is_available():
+        from .runner import merge_results, run_gpu
 
         shapes = args.shapes or (QUICK_GPU_SHAPES if args.quick else STANDARD_SHAPES)
-        result = run_gpu(shapes, args.impls, quick=args.quick)
+        runs = [dict(report.read_json(path), _source=str(path)) for path in args.merge or ()]
+        result = merge_results(runs) if args.merge else run_gpu(shapes, args.impls, quick=args.quick)
         print(
             f"\n{result['device']}, copy bandwidth {result['copy_bandwidth_TBps']:.2f} TB/s, "
             f"commit {result['commit']}\n"
@@ -133,7 +114,7 @@ def main(argv=None) -> int:
         print(report.text_table(report.sort_rows(result["rows"])))
         json_path = args.json or (
             None
-            if args.quick and args.results_md is None
+            if args.quick and args.results_md is None and not args.merge
             else report.default_json_path(result["date"], envinfo.device_slug(result["device"]))
         )
     else:

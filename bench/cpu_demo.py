@@ -1,6 +1,7 @@
 """CPU-only machines: the fastce kernels run *interpreted*, beside each package's reference and the plain framework
 loss, checked against shared_tests' float64 reference and tolerances; the times are interpreter times."""
 
+import importlib
 import os
 import statistics
 import time
@@ -10,8 +11,8 @@ import numpy as np
 
 from shared_tests import reference, tolerances
 
-from . import envinfo, jax_setup
-from .progress import failure, load, say
+from . import envinfo, fastce_loss, jax_setup
+from .progress import aligned, load, note_failure, say
 
 BANNER = (
     "CPU-only machine: no GPU benchmark was run. This is the interpreted correctness-and-timing demo "
@@ -20,19 +21,12 @@ BANNER = (
 # (impl, backend) pairs; backend None = the plain framework loss.
 TORCH_CASES = (("fastce_torch", "kernel"), ("fastce_torch", "reference"), ("torch_eager_fp32", None))
 JAX_CASES = (("fastce_jax", "kernel"), ("fastce_jax", "reference"), ("xla", None))
-# The demo table: (heading, the row's cell).
-COLUMNS = {
-    "impl": lambda r: r["impl"],
-    "backend": lambda r: r["backend"],
-    "N": lambda r: str(r["N"]),
-    "V": lambda r: str(r["V"]),
-    "dtype": lambda r: r["dtype"],
-    "fwd_ms": lambda r: f"{r['fwd_ms']:.1f}",
-    "fwdbwd_ms": lambda r: f"{r['fwdbwd_ms']:.1f}",
-    "loss tol used": lambda r: f"{r['loss_tol_used']:.2f}",
-    "grad tol used": lambda r: f"{r['grad_tol_used']:.2f}",
-    "check": lambda r: "ok" if r["ok"] else "MISMATCH",
-}
+HEADINGS = ("impl", "backend", "N", "V", "dtype", "fwd_ms", "fwdbwd_ms", "loss tol used", "grad tol used", "check")
+
+
+def demo_cells(r) -> tuple:
+    times = (f"{r['fwd_ms']:.1f}", f"{r['fwdbwd_ms']:.1f}", f"{r['loss_tol_used']:.2f}", f"{r['grad_tol_used']:.2f}")
+    return (r["impl"], r["backend"], r["N"], r["V"], r["dtype"], *times, "ok" if r["ok"] else "MISMATCH")
 
 
 def _tolerance_used(actual, expected, bound, what):
@@ -120,8 +114,7 @@ def _run_cases(cases, loader, run_case, shapes, impls, runs, rows, failures):
             try:
                 rows.append(_row(impl, backend, shape, *run_case(loss_fn, backend, shape, runs)))
             except Exception as exc:  # noqa: BLE001
-                failures.append(failure(name, shape, "measure", exc))
-                say(f"{name} {shape}: FAILED {failures[-1]['error']}")
+                note_failure(failures, f"{name} {shape}", name, shape, "measure", exc)
 
 
 def run_cpu_demo(shapes, impls, runs=3) -> dict:
@@ -131,20 +124,15 @@ def run_cpu_demo(shapes, impls, runs=3) -> dict:
     jax_setup.configure(interpret_only=True)
     say(BANNER)
     rows, failures = [], []
-    if any(impl in impls for impl, _ in TORCH_CASES):
-        from . import torch_impls  # fastce_torch itself turns the interpreter on when torch sees no CUDA
+    # (fastce_torch itself turns the interpreter on when torch sees no CUDA)
+    for cases, run_case, framework in ((TORCH_CASES, _torch_case, "torch"), (JAX_CASES, _jax_case, "jax")):
+        if any(impl in impls for impl, _ in cases):
+            loaders = importlib.import_module(f"bench.{framework}_impls").LOADERS
 
-        def loader(impl, backend):
-            return torch_impls.fastce_torch_loss(backend) if backend else torch_impls.LOADERS[impl]()
+            def loader(impl, backend, framework=framework, loaders=loaders):
+                return fastce_loss(f"fastce_{framework}", backend) if backend else loaders[impl]()
 
-        _run_cases(TORCH_CASES, loader, _torch_case, shapes, impls, runs, rows, failures)
-    if any(impl in impls for impl, _ in JAX_CASES):
-        from . import jax_impls
-
-        def loader(impl, backend):
-            return jax_impls.fastce_jax_loss(backend) if backend else jax_impls.LOADERS[impl]()
-
-        _run_cases(JAX_CASES, loader, _jax_case, shapes, impls, runs, rows, failures)
+            _run_cases(cases, loader, run_case, shapes, impls, runs, rows, failures)
     result = {
         "device": "cpu (interpreted demo)",
         "date": envinfo.today(),
@@ -160,6 +148,4 @@ def run_cpu_demo(shapes, impls, runs=3) -> dict:
 
 
 def demo_table(rows) -> str:
-    cells = [list(COLUMNS)] + [[cell(r) for cell in COLUMNS.values()] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in cells)
+    return aligned([HEADINGS, *map(demo_cells, rows)])

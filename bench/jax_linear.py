@@ -1,70 +1,22 @@
 """The JAX rows of `python -m bench --linear` (import after bench.jax_setup.configure()): jit(value_and_grad) of
-fastce_jax at each FASTCE_SETTINGS entry, xla_linear, matmul+fastce_jax and the three matmuls alone (the ceiling),
-host-timed as bench/jax_measure.py; memory is the step's XLA temp size."""
+fastce_jax at each FASTCE_SETTINGS entry, xla_linear, matmul+fastce_jax and the three matmuls alone
+(jax_three_matmuls), host-timed as bench/jax_measure.py; memory is the step's XLA temp size (it holds no gradients,
+so it is also the extra beyond them). bench.linear adds the throughput columns."""
 
-import sys
-
-from .linear_shapes import FASTCE_SETTINGS, LINEAR_SHAPES, accuracy_text, ignored_rows
-from .shapes import IGNORE_INDEX
+from .linear_shapes import (
+    FASTCE_SETTINGS,
+    LINEAR_SHAPES,
+    accuracy_text,
+    float32_reference,
+    ignored_rows,
+    make_inputs,
+    rel_rms,
+    to_jax,
+)
 
 FASTCE_IMPLS = {f"fastce_jax_linear{suffix}": settings for suffix, settings in FASTCE_SETTINGS.items()}
 # The default rows; fastce_jax_linear_skip is timed by `--ignored` runs (bench.linear_shapes.IGNORED_JAX_IMPLS).
 LINEAR_IMPLS = (*(i for i in FASTCE_IMPLS if not i.endswith("_skip")), "xla_linear", "matmul+fastce_jax")
-
-
-def make_inputs(shape, seed=0):
-    import jax
-    import jax.numpy as jnp
-
-    dtype = jnp.dtype(shape.dtype)
-    kh, kw, ky = jax.random.split(jax.random.key(seed), 3)
-    hidden = jax.random.normal(kh, (shape.N, shape.H), dtype)
-    # Logits of unit scale, as a trained LM head gives roughly.
-    weight = (jax.random.normal(kw, (shape.V, shape.H), jnp.float32) / shape.H**0.5).astype(dtype)
-    labels = jax.random.randint(ky, (shape.N,), 0, shape.V, dtype=jnp.int32)
-    return hidden, weight, jnp.where(ignored_rows(shape), IGNORE_INDEX, labels)
-
-
-def float32_reference(hidden, weight, labels, chunk=1024):
-    """(d hidden, d weight) of the same loss in float32 (precision HIGHEST, xla_loss), a scan over row chunks."""
-    import math
-
-    import jax
-    import jax.numpy as jnp
-
-    from .jax_impls import xla_loss
-
-    xla_ce = xla_loss()
-    n, width = hidden.shape
-    chunk = math.gcd(n, chunk)
-    kept = jnp.maximum((labels != IGNORE_INDEX).sum(), 1).astype(jnp.float32)
-
-    def chunk_sum(h, w, y):
-        z = jnp.dot(h, w.T, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-        return xla_ce(z, y) * jnp.maximum((y != IGNORE_INDEX).sum(), 1) / kept
-
-    @jax.jit
-    def grads(hidden, weight, labels):
-        w32 = weight.astype(jnp.float32)
-
-        def step(grad_w, hy):
-            h, y = hy
-            gh, gw = jax.grad(chunk_sum, argnums=(0, 1))(h.astype(jnp.float32), w32, y)
-            return grad_w + gw, gh
-
-        grad_w, grad_h = jax.lax.scan(
-            step, jnp.zeros_like(w32), (hidden.reshape(-1, chunk, width), labels.reshape(-1, chunk))
-        )
-        return grad_h.reshape(n, width), grad_w
-
-    return grads(hidden, weight, labels)
-
-
-def _rel_rms(got, ref):
-    import jax.numpy as jnp
-
-    diff = got.astype(jnp.float32) - ref
-    return float(jnp.sqrt(jnp.mean(diff * diff)) / jnp.sqrt(jnp.mean(ref * ref)))
 
 
 def loss_fn(impl, backend="auto"):
@@ -84,33 +36,40 @@ def loss_fn(impl, backend="auto"):
     raise ValueError(f"unknown implementation {impl!r}; known: {', '.join(LINEAR_IMPLS)}")
 
 
-def measure(impl, shape, inputs, batch_target_ms=50.0, backend="auto", reference=None) -> dict:
+def measure(fn, inputs, batch_target_ms=50.0, reference=None) -> dict:
+    """jit(fn) and jit(value_and_grad(fn)) of fn(hidden, weight, labels) -> loss, and its gradients' errors against
+    reference (the torch float32 (loss, d hidden, d weight)); bench.tools.rl_step's JAX rows are measured here too."""
     import jax
 
     from .jax_measure import bench_ms, peak_extra_bytes
 
-    fn = loss_fn(impl, backend)
     fwd = jax.jit(fn).lower(*inputs).compile()
     step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(*inputs).compile()
     temp = peak_extra_bytes(step)
     loss, (dh, dw) = step(*inputs)
-    finite = bool(jax.numpy.isfinite(loss)) and all(
+    # ok: finite, and (bf16 logits either way) within the logits' rounding of the float32 loss
+    ok = bool(jax.numpy.isfinite(loss)) and all(
         bool(jax.numpy.isfinite(g[:4].astype("float32")).all()) for g in (dh, dw)
     )
     errors = {}
     if reference is not None:
-        errors = {"grad_hidden_rel_rms": _rel_rms(dh, reference[0]), "grad_weight_rel_rms": _rel_rms(dw, reference[1])}
+        import torch
+
+        ref_loss, ref_dh, ref_dw = map(torch.as_tensor, reference)
+        ok = ok and abs(float(loss) - float(ref_loss)) <= 2e-3 * abs(float(ref_loss)) + 1e-3
+        errors = {"grad_hidden_rel_rms": rel_rms(torch.from_dlpack(dh), ref_dh)}
+        errors["grad_weight_rel_rms"] = rel_rms(torch.from_dlpack(dw), ref_dw)
     del dh, dw
     fwd_ms = bench_ms(lambda: fwd(*inputs), batch_target_ms)
     fwdbwd_ms = bench_ms(lambda: step(*inputs)[1][1], batch_target_ms)
     return {
         "fwd_ms": fwd_ms,
         "fwdbwd_ms": fwdbwd_ms,
-        "TFLOPs": shape.flops / (fwdbwd_ms * 1e-3) / 1e12,
         "peak_extra_bytes": temp,
+        "extra_beyond_grads_bytes": temp,
         "peak_extra_kind": "xla_temp_size",
         "loss": float(loss),
-        "finite": finite,
+        "ok": ok,
         **errors,
     }
 
@@ -132,7 +91,7 @@ def measure_matmuls(shape, inputs, batch_target_ms=50.0) -> dict:
     del out
     ms = bench_ms(lambda: three(hidden, weight, grad_logits)[2], batch_target_ms)
     del grad_logits
-    return {"fwdbwd_ms": ms, "TFLOPs": shape.flops / (ms * 1e-3) / 1e12}
+    return {"fwdbwd_ms": ms, "peak_extra_bytes": 0, "extra_beyond_grads_bytes": 0}
 
 
 def run(
@@ -141,53 +100,39 @@ def run(
     """Every implementation on every shape, failures recorded; with accuracy, gradient errors against float32."""
     import gc
 
-    from .progress import failure
+    import jax
 
-    say = say or (lambda message: print(message, file=sys.stderr, flush=True))
+    from . import progress
+    from .progress import note_failure  # failures are said on progress.say's stderr
+
+    say = say or progress.say
     rows, failures = [], []
     for shape in shapes:
-        inputs = make_inputs(shape)
+        torch_inputs = make_inputs(shape, "cuda" if jax.default_backend() == "gpu" else "cpu")
+        inputs = to_jax(*torch_inputs)  # the torch rows' values
         base = {"N": shape.N, "H": shape.H, "V": shape.V, "dtype": shape.dtype}
         base["ignored"] = float(ignored_rows(shape).mean())
-        matmul_tflops = None
         try:
-            m = measure_matmuls(shape, inputs, batch_target_ms)
-            matmul_tflops = m["TFLOPs"]
-            rows.append({"impl": "matmul", **base, **m})
-            say(f"matmul {shape}: {m['fwdbwd_ms']:.2f} ms, {m['TFLOPs']:.0f} TFLOP/s")
+            rows.append({"impl": "jax_three_matmuls", **base, **measure_matmuls(shape, inputs, batch_target_ms)})
+            say(f"jax_three_matmuls {shape}: {rows[-1]['fwdbwd_ms']:.2f} ms")
         except Exception as exc:  # noqa: BLE001
-            failures.append({**failure("matmul", None, "measure", exc), **base})
-            say(f"matmul {shape}: FAILED {failures[-1]['error']}")
-        reference_loss = None
+            note_failure(failures, f"matmul {shape}", "jax_three_matmuls", None, "measure", exc, **base)
         reference = None
         if accuracy:
             try:
-                reference = float32_reference(*inputs)
+                reference = float32_reference(*torch_inputs)
             except Exception as exc:  # noqa: BLE001 - the timings do not depend on it
-                failures.append({**failure("float32_reference", None, "measure", exc), **base})
-                say(f"float32 reference {shape}: FAILED {failures[-1]['error']}")
+                note_failure(failures, f"float32 reference {shape}", "float32_reference", None, "measure", exc, **base)
         for impl in impls:
             try:
-                r = measure(impl, shape, inputs, batch_target_ms, backend, reference)
+                r = measure(loss_fn(impl, backend), inputs, batch_target_ms, reference)
             except Exception as exc:  # noqa: BLE001
-                failures.append({**failure(impl, None, "measure", exc), **base})
-                say(f"{impl} {shape}: FAILED {failures[-1]['error']}")
+                note_failure(failures, f"{impl} {shape}", impl, None, "measure", exc, **base)
                 continue
-            if impl == "xla_linear":
-                reference_loss = r["loss"]
-            if matmul_tflops:
-                r["of_matmul"] = r["TFLOPs"] / matmul_tflops
             rows.append({"impl": impl, **base, **r})
-            of_matmul = f" ({r['of_matmul']:.0%} of matmul)" if matmul_tflops else ""
             memory = f"temp {r['peak_extra_bytes'] / 2**20:.0f} MiB, loss {r['loss']:.5f}{accuracy_text(r)}"
-            say(f"{impl} {shape}: {r['fwdbwd_ms']:.2f} ms, {r['TFLOPs']:.0f} TFLOP/s{of_matmul}, {memory}")
+            say(f"{impl} {shape}: {r['fwdbwd_ms']:.2f} ms, {memory}")
             gc.collect()
-        for r in rows:
-            if r["impl"] != "matmul" and all(r[k] == v for k, v in base.items()):
-                # bf16 logits either way; the losses differ by the logits' rounding only.
-                r["ok"] = r["finite"] and (
-                    reference_loss is None or abs(r["loss"] - reference_loss) <= 2e-3 * abs(reference_loss) + 1e-3
-                )
-        del inputs, reference
+        del inputs, torch_inputs, reference
         gc.collect()
     return {"rows": rows, "failures": failures}

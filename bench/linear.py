@@ -2,12 +2,17 @@
 (hidden and weight gradients) against matmul + CE, torch.compile, Liger, Cut Cross-Entropy and torch's own; columns
 and method in bench/METHOD.md and NOTES.md. `--quick`: one shape, fastce_torch only, plus a float32 check."""
 
-import contextlib
 import gc
 import json
 import sys
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
+import fastce_torch
+
+from . import linear_shapes, torch_measure  # (modules: the CPU tests stub the timers)
 from .linear_shapes import (
     FASTCE_SETTINGS,
     IGNORED_IMPLS,
@@ -16,9 +21,12 @@ from .linear_shapes import (
     QUICK_SHAPE,
     LinearShape,
     accuracy_text,
+    float32_reference,
     ignored_rows,
+    rel_rms,
 )
-from .progress import Unavailable, error_text, failure, load, say
+from .progress import Unavailable, failure, load, note_failure, optional, say
+from .report import linear_table
 from .shapes import IGNORE_INDEX
 
 MiB = 1 << 20
@@ -32,21 +40,14 @@ PEAK_MATMUL = (8192, 8192, 8192)
 
 def fastce_linear(settings):
     """fastce_torch.linear_cross_entropy called with `settings` (a FASTCE_SETTINGS entry) as keywords."""
-    import fastce_torch
-
     return lambda hidden, weight, labels: fastce_torch.linear_cross_entropy(hidden, weight, labels, **settings)
 
 
 def matmul_fastce():
-    import fastce_torch
-
     return lambda hidden, weight, labels: fastce_torch.cross_entropy(hidden @ weight.t(), labels)
 
 
 def torch_compile_upcast():
-    import torch
-    import torch.nn.functional as F
-
     def loss_fn(hidden, weight, labels):
         return F.cross_entropy((hidden @ weight.t()).float(), labels, ignore_index=IGNORE_INDEX)
 
@@ -54,19 +55,13 @@ def torch_compile_upcast():
 
 
 def liger():
-    try:
-        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-    except ModuleNotFoundError as exc:
-        raise Unavailable(f"liger-kernel is not installed ({exc})") from exc
-    loss = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="mean")
+    module = "liger_kernel.transformers.fused_linear_cross_entropy"
+    loss = optional(module, "LigerFusedLinearCrossEntropyLoss", "liger-kernel")(ignore_index=IGNORE_INDEX)
     return lambda hidden, weight, labels: loss(weight, hidden, labels)
 
 
 def torch_linear_cross_entropy():
     """torch.nn.functional.linear_cross_entropy's chunked path, where the installed torch has it."""
-    import torch
-    import torch.nn.functional as F
-
     if not hasattr(F, "linear_cross_entropy"):
         raise Unavailable(f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy")
     # Without the options class (an older signature) the function's own default path is what is measured.
@@ -79,10 +74,7 @@ def torch_linear_cross_entropy():
 
 
 def cut_cross_entropy():
-    try:
-        from cut_cross_entropy import linear_cross_entropy
-    except ModuleNotFoundError as exc:
-        raise Unavailable(f"cut-cross-entropy is not installed ({exc})") from exc
+    linear_cross_entropy = optional("cut_cross_entropy", "linear_cross_entropy", "cut-cross-entropy")
     return lambda hidden, weight, labels: linear_cross_entropy(hidden, weight, labels, ignore_index=IGNORE_INDEX)
 
 
@@ -103,27 +95,14 @@ LOADERS = {
 
 
 def make_inputs(shape, seed=0):
-    import torch
-
-    device = DEVICE
-    gen = torch.Generator(device=device).manual_seed(seed)
-    dtype = getattr(torch, shape.dtype)
-    hidden = torch.randn(shape.N, shape.H, device=device, generator=gen).to(dtype).requires_grad_()
-    weight = (torch.randn(shape.V, shape.H, device=device, generator=gen) / shape.H**0.5).to(dtype).requires_grad_()
-    labels = torch.randint(0, shape.V, (shape.N,), device=device, generator=gen)
-    labels[torch.from_numpy(ignored_rows(shape)).to(device)] = IGNORE_INDEX
-    return hidden, weight, labels
+    return linear_shapes.make_inputs(shape, DEVICE, seed)
 
 
 def _matmul_tflops(a, b):
     """TFLOP/s of a plain a @ b (cuBLAS), do_bench median."""
-    import torch
-
-    from .torch_measure import bench_ms
-
     out = torch.empty(a.shape[0], b.shape[1], device=DEVICE, dtype=a.dtype)
     with torch.no_grad():
-        ms = bench_ms(lambda: torch.matmul(a, b, out=out), 100, 500)
+        ms = torch_measure.bench_ms(lambda: torch.matmul(a, b, out=out), 100, 500)
     del out
     torch.cuda.empty_cache()
     return 2.0 * a.shape[0] * a.shape[1] * b.shape[1] / (ms * 1e-3) / 1e12
@@ -137,59 +116,14 @@ def matmul_tflops(shape):
 
 def peak_matmul_tflops(dims=None):
     """An (M, K) @ (K, N) matmul, PEAK_MATMUL by default: the card's peak as this run measures it."""
-    import torch
-
     m, k, n = dims or PEAK_MATMUL
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     a = torch.randn(m, k, device=DEVICE, generator=gen).to(torch.bfloat16)
     return _matmul_tflops(a, torch.randn(k, n, device=DEVICE, generator=gen).to(torch.bfloat16))
 
 
-@contextlib.contextmanager
-def _no_tf32():
-    import torch
-
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
-
-
-def float32_reference(hidden, weight, labels, chunk=1024):
-    """(loss, d hidden, d weight) in float32 (TF32 off, fastce's reference loss), in row chunks so that it fits."""
-    import torch
-
-    import fastce_torch
-
-    h32, w32 = hidden.detach().float(), weight.detach().float()
-    kept = (labels != IGNORE_INDEX).sum().clamp_min(1).float()
-    loss = torch.zeros((), device=h32.device)
-    grad_hidden = torch.empty_like(h32)
-    grad_weight = torch.zeros_like(w32)
-    with _no_tf32():
-        for start in range(0, h32.shape[0], chunk):
-            rows = slice(start, start + chunk)
-            logits = (h32[rows] @ w32.t()).requires_grad_()
-            chunk_loss = fastce_torch.cross_entropy(logits, labels[rows], reduction="sum", backend="reference") / kept
-            (grad,) = torch.autograd.grad(chunk_loss, logits)
-            loss += chunk_loss.detach()
-            grad_hidden[rows] = grad @ w32
-            grad_weight.addmm_(grad.t(), h32[rows])
-            del logits, grad
-    return loss, grad_hidden, grad_weight
-
-
-def rel_rms(got, ref):
-    """rms(got - ref) / rms(ref), in float32."""
-    return float((got.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
-
-
 def gradient_errors(loss_fn, inputs, reference):
     """One forward + backward of loss_fn: its loss and gradients against float32_reference's."""
-    import torch
-
     hidden, weight, labels = inputs
     ref_loss, ref_gh, ref_gw = reference
     loss = loss_fn(hidden, weight, labels)
@@ -204,10 +138,6 @@ def gradient_errors(loss_fn, inputs, reference):
 
 
 def measure(loss_fn, shape, quick=False, inputs=None, reference=None):
-    import torch
-
-    from .torch_measure import bench_ms, peak_extra_bytes
-
     hidden, weight, labels = inputs or make_inputs(shape)
 
     def fwdbwd():
@@ -218,8 +148,8 @@ def measure(loss_fn, shape, quick=False, inputs=None, reference=None):
             loss = float(loss_fn(hidden, weight, labels))
         for _ in range(2):
             fwdbwd()  # compile, JIT, cuBLAS workspaces
-        peak = peak_extra_bytes(fwdbwd)
-        ms = bench_ms(fwdbwd, 50 if quick else 200, 300 if quick else 1500)
+        peak = torch_measure.peak_extra_bytes(fwdbwd)
+        ms = torch_measure.bench_ms(fwdbwd, 50 if quick else 200, 300 if quick else 1500)
         errors = {} if reference is None else gradient_errors(loss_fn, (hidden, weight, labels), reference)
     finally:
         del hidden, weight, labels
@@ -235,36 +165,28 @@ def measure(loss_fn, shape, quick=False, inputs=None, reference=None):
     }
 
 
-def check_fastce(shape, chunk=1024):
-    """fastce_torch.linear_cross_entropy's relative errors against float32_reference, and whether they are ok."""
-    import torch
-
-    import fastce_torch
-
-    inputs = make_inputs(shape)
-    reference = float32_reference(*inputs, chunk=chunk)
-    errors = gradient_errors(fastce_torch.linear_cross_entropy, inputs, reference)
+def check_fastce(rows):
+    """The quick run's check: fastce_torch_linear's errors against float32_reference, and whether they are ok."""
+    row = next((r for r in rows if r["impl"] == "fastce_torch_linear" and "loss_rel" in r), {})
+    check = {k: row.get(k, float("nan")) for k in ("loss_rel", "grad_hidden_rel_rms", "grad_weight_rel_rms")}
     # bf16 logits and gradients: one rounding each is ~2e-3 rms relative; the weight gradient adds one rounding per
     # chunk (see fastce_torch/linear/chunks.py). A wrong formula is off by far more.
-    errors["ok"] = (
-        errors["loss_rel"] < 1e-3 and errors["grad_hidden_rel_rms"] < 1e-2 and errors["grad_weight_rel_rms"] < 2e-2
-    )
-    del inputs, reference
-    torch.cuda.empty_cache()
-    return errors
+    limits = (1e-3, 1e-2, 2e-2)
+    return check | {"ok": all(error < limit for error, limit in zip(check.values(), limits))}
 
 
-def _row(impl, shape, measured, matmul_tflops, peak_tflops):
+def table_row(impl, shape, measured, matmul_tflops, peak_tflops):
+    """A row of the table: the measured figures and the throughput columns (measured keys win: the JAX rows say
+    which fraction of their labels was ignored)."""
     tflops = shape.flops / (measured["fwdbwd_ms"] * 1e-3) / 1e12
-    row = {"impl": impl, "N": shape.N, "H": shape.H, "V": shape.V, "dtype": shape.dtype, **measured}
-    row["ignored"] = float(ignored_rows(shape).mean())
+    row = {"impl": impl, "N": shape.N, "H": shape.H, "V": shape.V, "dtype": shape.dtype}
+    row |= {"ignored": float(ignored_rows(shape).mean()), **measured}
     row.update(effective_TFLOPs=tflops, of_matmul=tflops / matmul_tflops, of_peak=tflops / peak_tflops)
     return row
 
 
 def _add_jax_rows(shapes, matmul, peak, rows, failures, impls=None):
-    """bench.jax_linear's rows in this table's terms (of_matmul against the torch matmul; their own ceiling kept as
-    of_jax_matmuls); XLA's temp size holds no gradients, so it is also the extra beyond them."""
+    """bench.jax_linear's rows with this table's throughput columns (of_matmul against the torch matmul)."""
     try:
         from . import jax_linear
         from .jax_measure import has_gpu
@@ -278,13 +200,7 @@ def _add_jax_rows(shapes, matmul, peak, rows, failures, impls=None):
         return
     for r in result["rows"]:
         shape = LinearShape(r["N"], r["H"], r["V"], r["dtype"])  # dense: the matmul's key
-        row = dict(r, impl="jax_three_matmuls" if r["impl"] == "matmul" else r["impl"])
-        if "of_matmul" in row:
-            row["of_jax_matmuls"] = row.pop("of_matmul")
-        row.update(effective_TFLOPs=r["TFLOPs"], of_matmul=r["TFLOPs"] / matmul[str(shape)], of_peak=r["TFLOPs"] / peak)
-        row.setdefault("peak_extra_bytes", 0)
-        row["extra_beyond_grads_bytes"] = row["peak_extra_bytes"]
-        rows.append(row)
+        rows.append(table_row(r.pop("impl"), shape, r, matmul[str(shape)], peak))
     failures.extend(result["failures"])
 
 
@@ -298,18 +214,16 @@ def _say_row(r):
     )
 
 
-def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=None, ignored=None):
-    """Every implementation on every shape (one float32 reference per shape; `accuracy` off by default with
-    quick); with `ignored` fractions each shape at each of them, IGNORED_IMPLS unless impls says otherwise."""
+def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=True, ignored=None):
+    """Every implementation on every shape (one float32 reference per shape unless `accuracy` is False; quick checks
+    fastce_torch's errors); with `ignored` fractions each shape at each of them, IGNORED_IMPLS unless impls says
+    otherwise."""
     import dataclasses
-
-    import torch
 
     from . import envinfo
 
     shapes = shapes or ((QUICK_SHAPE,) if quick else LINEAR_SHAPES)
     with_jax = (not quick and DEVICE == "cuda") if with_jax is None else with_jax
-    accuracy = (not quick) if accuracy is None else accuracy
     if ignored:
         shapes = tuple(dataclasses.replace(s, ignored=f) for s in shapes for f in ignored)
         impls = impls or (list(IGNORED_IMPLS[:2]) if quick else list(IGNORED_IMPLS))
@@ -336,12 +250,11 @@ def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=Non
             try:
                 measured = measure(loss_fn, shape, quick=quick, inputs=inputs, reference=reference)
             except Exception as exc:  # noqa: BLE001 - OOM is a result too
-                failures.append({"impl": impl, "shape": str(shape), "stage": "measure", "error": error_text(exc)})
-                say(f"{impl} {shape}: FAILED {failures[-1]['error']}")
+                note_failure(failures, f"{impl} {shape}", impl, None, "measure", exc, shape=str(shape))
                 gc.collect()
                 torch.cuda.empty_cache()
                 continue
-            rows.append(_row(impl, shape, measured, matmul[str(shape.dense)], peak))
+            rows.append(table_row(impl, shape, measured, matmul[str(shape.dense)], peak))
             _say_row(rows[-1])
         del inputs, reference
         gc.collect()
@@ -363,52 +276,15 @@ def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=Non
     if failures:
         result["failures"] = failures
     if quick:
-        result["check"] = check_fastce(shapes[0])
+        result["check"] = check_fastce(rows)
         say(f"fastce_torch.linear_cross_entropy vs float32 at {shapes[0]}: {result['check']}")
     return result
-
-
-def _error_cell(r, key):
-    return f"{r[key]:.1e}" if key in r else "-"
-
-
-TABLE_HEADER = (
-    "impl|N|H|V|ignored|fwd+bwd ms|TFLOP/s (6NHV)|of matmul|of peak|peak extra MiB|beyond grads MiB|"
-    "dW rel rms err|dh rel rms err"
-).split("|")
-
-
-def _table_cells(r):
-    peak = f"{r['peak_extra_bytes'] / MiB:.0f}" + (" (temp)" if r.get("peak_extra_kind") == "xla_temp_size" else "")
-    ignored = f"{r['ignored']:.0%}" if "ignored" in r else "-"
-    of_peak = f"{r['of_peak']:.0%}" if "of_peak" in r else "-"
-    timing = (f"{r['fwdbwd_ms']:.2f}", f"{r['effective_TFLOPs']:.0f}", f"{r['of_matmul']:.0%}", of_peak)
-    errors = (_error_cell(r, "grad_weight_rel_rms"), _error_cell(r, "grad_hidden_rel_rms"))
-    return (r["impl"], r["N"], r["H"], r["V"], ignored, *timing, peak, f"{r['extra_beyond_grads_bytes'] / MiB:.0f}",
-            *errors)  # fmt: skip
-
-
-def text_table(result):
-    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
-    lines += ["| " + " | ".join(str(c) for c in _table_cells(r)) + " |" for r in result["rows"]]
-    matmul = ", ".join(f"{shape}: {tf:.0f}" for shape, tf in result["matmul_TFLOPs"].items())
-    text = "\n".join(lines) + f"\n\nbf16 matmul TFLOP/s in the same run: {matmul}"
-    if "peak_matmul" in result:
-        dims = "x".join(map(str, result["peak_matmul"]["shape"]))
-        text += f"; the peak ({dims} bf16 matmul): {result['peak_matmul']['TFLOPs']:.0f}"
-    text += (
-        "\nGradient errors: rms(g - g32) / rms(g32), g32 from float32 copies of the same inputs, float32 matmuls and"
-        " the reference loss."
-    )
-    if "note" in result:
-        text += f"\n{result['note']}"
-    return text
 
 
 def main_linear(quick, json_path=None, shapes=None, ignored=None) -> int:
     result = run_linear(quick=quick, shapes=shapes, ignored=ignored)
     print(f"\n{result['device']}, commit {result['commit']}\n")
-    print(text_table(result))
+    print(linear_table(result))
     for f in result.get("failures", []):
         print(f"not measured: {f['impl']} {f.get('shape', '')} ({f['stage']}): {f['error']}")
     if json_path:

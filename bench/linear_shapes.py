@@ -1,10 +1,12 @@
-"""The fused linear bench's shapes, the fastce configurations it times and its rows' error text, shared by its torch
-rows (bench.linear) and its JAX rows (bench.jax_linear)."""
+"""The fused linear bench's shapes, the fastce configurations it times, the float32 reference its rows' errors are
+measured against and their text, shared by its torch rows (bench.linear) and its JAX rows (bench.jax_linear)."""
 
 import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
+
+from .shapes import IGNORE_INDEX, parse_shapes
 
 # Every 7th label is ignored unless a shape says otherwise (LinearShape.ignored).
 IGNORE_EVERY = 7
@@ -52,6 +54,65 @@ def accuracy_text(r):
     return f", dW err {r['grad_weight_rel_rms']:.1e}, dh err {r['grad_hidden_rel_rms']:.1e}"
 
 
+def make_inputs(shape, device, seed=0):
+    """hidden and weight (leaves that require grad; logits of unit scale, as a trained LM head gives roughly) and the
+    labels, torch tensors: both packages' rows take the same values (the JAX rows through to_jax)."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dtype = getattr(torch, shape.dtype)
+    hidden = torch.randn(shape.N, shape.H, device=device, generator=gen).to(dtype).requires_grad_()
+    weight = (torch.randn(shape.V, shape.H, device=device, generator=gen) / shape.H**0.5).to(dtype).requires_grad_()
+    labels = torch.randint(0, shape.V, (shape.N,), device=device, generator=gen)
+    labels[torch.from_numpy(ignored_rows(shape)).to(device)] = IGNORE_INDEX
+    return hidden, weight, labels
+
+
+def to_jax(*tensors) -> list:
+    """torch tensors as JAX arrays over the same memory (DLPack); int64 as int32 (JAX without x64)."""
+    import jax.numpy as jnp
+    import torch
+
+    return [jnp.from_dlpack(t.detach().int() if t.dtype == torch.int64 else t.detach()) for t in tensors]
+
+
+def float32_reference(hidden, weight, labels, chunk=1024, chunk_loss=None):
+    """(loss, d hidden, d weight) in float32 (TF32 off), in row chunks so that it fits; torch tensors (JAX arrays come
+    through DLPack). The loss: the sum of chunk_loss(float32 logits, rows) over the chunks, by default each chunk's
+    share of the mean cross-entropy (fastce_torch's reference loss)."""
+    import torch
+
+    import fastce_torch
+
+    h32, w32 = hidden.detach().float(), weight.detach().float()
+    kept = (labels != IGNORE_INDEX).sum().clamp_min(1).float()
+    loss = torch.zeros((), device=h32.device)
+    grad_hidden = torch.empty_like(h32)
+    grad_weight = torch.zeros_like(w32)
+    tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
+    try:
+        for start in range(0, h32.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            logits = (h32[rows] @ w32.t()).requires_grad_()
+            if chunk_loss is None:
+                share = fastce_torch.cross_entropy(logits, labels[rows], reduction="sum", backend="reference") / kept
+            else:
+                share = chunk_loss(logits, rows)
+            (grad,) = torch.autograd.grad(share, logits)
+            loss += share.detach()
+            grad_hidden[rows] = grad @ w32
+            grad_weight.addmm_(grad.t(), h32[rows])
+            del logits, grad
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return loss, grad_hidden, grad_weight
+
+
+def rel_rms(got, ref):
+    """rms(got - ref) / rms(ref) of torch tensors, in float32."""
+    return float((got.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+
+
 def parse_ignored(text):
     """'0,0.5,0.9' -> (0.0, 0.5, 0.9): fractions of ignored labels in [0, 1)."""
     fractions = tuple(float(item) for item in text.split(",") if item.strip())
@@ -93,11 +154,4 @@ DEFAULT_IGNORED = (0.0, 0.5, 0.9)
 
 def parse_linear_shapes(text):
     """'NxHxV[:dtype],...' -> LinearShapes (dtype defaults to bfloat16)."""
-    shapes = []
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        dims, _, dtype = item.partition(":")
-        parts = dims.lower().split("x")
-        if len(parts) != 3 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"--linear-shapes: cannot read {item!r}; expected NxHxV or NxHxV:dtype")
-        shapes.append(LinearShape(*map(int, parts), dtype or "bfloat16"))
-    return tuple(shapes)
+    return parse_shapes(text, LinearShape, "--linear-shapes", "NxHxV")

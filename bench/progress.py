@@ -33,6 +33,16 @@ class Unavailable(ImportError):
     """The implementation's package is not installed: a note, not a failure."""
 
 
+def optional(module, name, package):
+    """module.name, or Unavailable when the package that holds it is not installed."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        raise Unavailable(f"{package} is not installed ({exc})") from exc
+
+
 def load(name, loader, failures):
     """loader() or, where it raises (a missing or broken package must not stop the run), None and a failure noted."""
     try:
@@ -41,6 +51,29 @@ def load(name, loader, failures):
         failures.append(failure(name, None, "load", exc))
         say(f"{name}: skipped ({failures[-1]['error']})")
         return None
+
+
+def note_failure(failures, what, impl, shape, stage, exc, **extra) -> None:
+    """failure(...) and the extra fields appended to failures, and said as `what: FAILED why`."""
+    failures.append({**failure(impl, shape, stage, exc), **extra})
+    say(f"{what}: FAILED {failures[-1]['error']}")
+
+
+def aligned(rows, rule=True) -> str:
+    """Rows of cells as aligned text: the first column left-aligned, the others right-aligned; rule: a line of dashes
+    under the first row (the headings)."""
+    cells = [[str(cell) for cell in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
+    if rule:
+        lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def markdown(rows) -> str:
+    """Rows of cells as a markdown table, the first row its headings."""
+    lines = ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+    return "\n".join(lines[:1] + ["|" + "---|" * len(rows[0])] + lines[1:])
 
 
 def failure(impl, shape, stage, exc) -> dict:

@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+from .progress import aligned, markdown
 from .shapes import DTYPE_BYTES
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -17,76 +18,59 @@ def floor_ms(row, passes, bandwidth_TBps) -> float:
     return passes * nbytes / (bandwidth_TBps * 1e12) * 1e3
 
 
-# (time key, floor passes, ratio key); the first three are in every row, the others where measured.
-RATIOS = (
-    ("fwd_ms", 1, "fwd_over_1pass"),
-    ("fwdbwd_ms", 3, "fwdbwd_over_3pass"),
-    ("fwdbwd_ms", 2, "fwdbwd_over_2pass"),
-    ("fwdbwd_leaf_ms", 3, "fwdbwd_leaf_over_3pass"),
-    ("fwdbwd_graph_ms", 3, "fwdbwd_graph_over_3pass"),
-    ("fwdbwd_undonated_ms", 3, "fwdbwd_undonated_over_3pass"),
-)
+# (time key, floor passes); the first three are in every row, the others where measured.
+RATIOS = (("fwd_ms", 1), ("fwdbwd_ms", 3), ("fwdbwd_ms", 2), ("fwdbwd_leaf_ms", 3), ("fwdbwd_graph_ms", 3),
+          ("fwdbwd_undonated_ms", 3))  # fmt: skip
+
+
+def ratio_key(time_key, passes) -> str:
+    """The row key of a time's ratio to its floor: fwdbwd_ms, 3 -> fwdbwd_over_3pass."""
+    return f"{time_key.removesuffix('_ms')}_over_{passes}pass"
 
 
 def add_ratios(row, bandwidth_TBps) -> dict:
-    for time_key, passes, ratio_key in RATIOS if bandwidth_TBps else ():
+    for time_key, passes in RATIOS if bandwidth_TBps else ():
         if row.get(time_key) is not None:
-            row[ratio_key] = row[time_key] / floor_ms(row, passes, bandwidth_TBps)
+            row[ratio_key(time_key, passes)] = row[time_key] / floor_ms(row, passes, bandwidth_TBps)
     return row
 
 
-# (heading, row key of a time in ms or None, row key of its ratio to a floor or None). A cell reads "-" where the
+# (heading, row key: a time in ms (_ms), its ratio to a floor (pass), or the row's own). A cell reads "-" where the
 # implementation's framework does not measure it and "n/a" where it was tried and could not be measured (the JSON
 # and the lists under the table say why).
 COLUMNS = (
-    ("impl", None, None),
-    ("N", None, None),
-    ("V", None, None),
-    ("dtype", None, None),
-    ("fwd ms", "fwd_ms", None),
-    ("fwd/1-pass floor", None, "fwd_over_1pass"),
-    ("fwd+bwd ms (torch: non-leaf, JAX: donated)", "fwdbwd_ms", None),
-    ("fwd+bwd/3-pass floor", None, "fwdbwd_over_3pass"),
-    ("fwd+bwd/2-pass floor", None, "fwdbwd_over_2pass"),
-    ("leaf .backward() ms", "fwdbwd_leaf_ms", None),
-    ("leaf/3-pass floor", None, "fwdbwd_leaf_over_3pass"),
-    ("CUDA graph fwd+bwd ms", "fwdbwd_graph_ms", None),
-    ("graph/3-pass floor", None, "fwdbwd_graph_over_3pass"),
-    ("JAX not donated ms", "fwdbwd_undonated_ms", None),
-    ("not donated/3-pass floor", None, "fwdbwd_undonated_over_3pass"),
-    ("peak extra MiB", None, None),
-)
-HEADINGS = tuple(heading for heading, _, _ in COLUMNS)
+    ("impl", "impl"), ("N", "N"), ("V", "V"), ("dtype", "dtype"), ("fwd ms", "fwd_ms"),
+    ("fwd/1-pass floor", "fwd_over_1pass"), ("fwd+bwd ms (torch: non-leaf, JAX: donated)", "fwdbwd_ms"),
+    ("fwd+bwd/3-pass floor", "fwdbwd_over_3pass"), ("fwd+bwd/2-pass floor", "fwdbwd_over_2pass"),
+    ("leaf .backward() ms", "fwdbwd_leaf_ms"), ("leaf/3-pass floor", "fwdbwd_leaf_over_3pass"),
+    ("CUDA graph fwd+bwd ms", "fwdbwd_graph_ms"), ("graph/3-pass floor", "fwdbwd_graph_over_3pass"),
+    ("JAX not donated ms", "fwdbwd_undonated_ms"), ("not donated/3-pass floor", "fwdbwd_undonated_over_3pass"),
+    ("peak extra MiB", "peak_extra_bytes"),
+)  # fmt: skip
+HEADINGS = tuple(heading for heading, _ in COLUMNS)
 
 
 def table_cells(row) -> list:
-    def ratio(key):
-        return f"{row[key]:.2f}x" if key in row else "-"
-
-    def ms(key):
+    def cell(key):
+        if key == "peak_extra_bytes":
+            return ("temp " if row.get("peak_extra_kind") == "xla_temp_size" else "") + f"{row[key] / MiB:.1f}"
+        if key.endswith("pass"):
+            return f"{row[key]:.2f}x" if key in row else "-"
+        if not key.endswith("_ms"):
+            return str(row[key])
         if key not in row:
             return "-"  # not measured for this implementation's framework
         return "n/a" if row[key] is None else f"{row[key]:.3f}"  # tried and failed: the JSON says why
 
-    peak = f"{row['peak_extra_bytes'] / MiB:.1f}"
-    if row.get("peak_extra_kind") == "xla_temp_size":
-        peak = "temp " + peak
-    fixed = {"impl": row["impl"], "N": str(row["N"]), "V": str(row["V"]), "dtype": row["dtype"], "peak extra MiB": peak}
-    return [fixed[h] if h in fixed else ms(t) if t else ratio(r) for h, t, r in COLUMNS]
+    return [cell(key) for _, key in COLUMNS]
 
 
 def text_table(rows) -> str:
-    cells = [list(HEADINGS)] + [table_cells(r) for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADINGS))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))) for line in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return aligned([HEADINGS, *map(table_cells, rows)])
 
 
 def markdown_table(rows) -> str:
-    lines = ["| " + " | ".join(HEADINGS) + " |", "|" + "---|" * len(HEADINGS)]
-    lines += ["| " + " | ".join(table_cells(r)) + " |" for r in rows]
-    return "\n".join(lines)
+    return markdown([HEADINGS, *map(table_cells, rows)])
 
 
 def sort_rows(rows) -> list:
@@ -158,40 +142,80 @@ def results_markdown(result, plot_name=None) -> str:
     parts += [METHOD_MD.read_text()]
     for linear_json in latest_linear_runs():
         parts += ["", linear_markdown(read_json(linear_json), _link(linear_json, RESULTS_MD.parent.parent))]
+    for rl_json in newest_runs("*-rl-step-*.json"):
+        parts += ["", rl_markdown(read_json(rl_json), _link(rl_json, RESULTS_MD.parent.parent))]
     # The bench tools' sections, each from the newest of its JSON files.
-    for pattern, markdown in (
+    for pattern, section in (
         ("*-overhead-*.json", host_time_markdown),
         ("*transformers-step*.json", transformers_step_markdown),
     ):
         found = sorted(RESULTS_DIR.glob(pattern))
         if found:
-            parts += ["", markdown(read_json(found[-1]), _link(found[-1], RESULTS_MD.parent.parent))]
+            parts += ["", section(read_json(found[-1]), _link(found[-1], RESULTS_MD.parent.parent))]
     return "\n".join(parts)
+
+
+def newest_runs(pattern, results_dir=RESULTS_DIR) -> list:
+    """The files matching pattern whose JSON date is the newest among them."""
+    dated = [(read_json(path)["date"], path) for path in results_dir.glob(pattern)]
+    return sorted(path for date, path in dated if date == max(dated)[0])
 
 
 def latest_linear_runs(results_dir=RESULTS_DIR) -> list:
     """For each of `run_h200.sh linear-a` / `linear-b` (the linear shapes in two calls), its newest date's files."""
-    runs = {}
-    for path in results_dir.glob("*-linear-[ab]-*.json"):
-        stage = "a" if "-linear-a-" in path.name else "b"
-        runs.setdefault(stage, []).append((read_json(path)["date"], path))
-    latest = []
-    for stage in sorted(runs):
-        newest = max(date for date, _ in runs[stage])
-        latest += sorted(path for date, path in runs[stage] if date == newest)
-    return latest
+    return [path for stage in "ab" for path in newest_runs(f"*-linear-{stage}-*.json", results_dir)]
 
 
 def linear_markdown(result, source) -> str:
     """A `python -m bench --linear` JSON (forward+backward with the hidden and weight gradients) as a table."""
-    from .linear import text_table
-
     heading = f"## Fused linear cross-entropy (from `{source}`)"
     about = (
         f"{result['device']}, commit {result['commit']}, {result['date']}, torch {result['torch']}; "
         "bench/NOTES.md explains where the fused rows lose to the unfused ones (the chunked cuBLAS products)."
     )
-    return "\n".join([heading, "", about, "", text_table(result), ""])
+    return "\n".join([heading, "", about, "", linear_table(result), ""])
+
+
+def _error_cell(r, key):
+    return f"{r[key]:.1e}" if key in r else "-"
+
+
+TABLE_HEADER = (
+    "impl|N|H|V|ignored|fwd+bwd ms|TFLOP/s (6NHV)|of matmul|of peak|peak extra MiB|beyond grads MiB|"
+    "dW rel rms err|dh rel rms err"
+).split("|")
+
+
+def _table_cells(r):
+    peak = f"{r['peak_extra_bytes'] / MiB:.0f}" + (" (temp)" if r.get("peak_extra_kind") == "xla_temp_size" else "")
+    ignored = f"{r['ignored']:.0%}" if "ignored" in r else "-"
+    of_peak = f"{r['of_peak']:.0%}" if "of_peak" in r else "-"
+    timing = (f"{r['fwdbwd_ms']:.2f}", f"{r['effective_TFLOPs']:.0f}", f"{r['of_matmul']:.0%}", of_peak)
+    errors = (_error_cell(r, "grad_weight_rel_rms"), _error_cell(r, "grad_hidden_rel_rms"))
+    return (r["impl"], r["N"], r["H"], r["V"], ignored, *timing, peak, f"{r['extra_beyond_grads_bytes'] / MiB:.0f}",
+            *errors)  # fmt: skip
+
+
+def linear_table(result, extra=()):
+    """A `python -m bench --linear` result's rows as a markdown table, with its notes; extra: more columns, each
+    (heading, row key, format), "-" where a row has no such key."""
+    matmul = ", ".join(f"{shape}: {tf:.0f}" for shape, tf in result["matmul_TFLOPs"].items())
+    rows = [
+        (*_table_cells(r), *(form.format(r[key]) if key in r else "-" for _, key, form in extra))
+        for r in result["rows"]
+    ]
+    text = markdown([TABLE_HEADER + [heading for heading, _, _ in extra], *rows])
+    text += f"\n\nbf16 matmul TFLOP/s in the same run: {matmul}"
+    if "peak_matmul" in result:
+        dims = "x".join(map(str, result["peak_matmul"]["shape"]))
+        text += f"; the peak ({dims} bf16 matmul): {result['peak_matmul']['TFLOPs']:.0f}"
+    text += (
+        "\nGradient errors: rms(g - g32) / rms(g32), g32 from float32 copies of the same inputs, float32 matmuls and"
+        " the reference loss."
+    )
+    if "note" in result:
+        text += f"\n{result['note']}"
+    return text
 
 
 # The overhead summary's figures in the host-time table's columns.
@@ -223,56 +247,91 @@ def host_time_markdown(run, source) -> str:
     def us(key):
         return "-" if summary.get(key) is None else f"{summary[key]:.1f}"
 
-    lines = [
-        f"## Host time of an eager call (from `{source}`)",
-        "",
+    about = (
         f"{run['device']}, commit {run['commit']}, {run['date']}, torch {run['torch']}; "
         "`python -m bench.tools.overhead`, tiny inputs (64 x 1000 float32: the GPU idles, so wall time per call is "
-        "host time), the fastest of "
-        f"{run['repeat']} means over {run['calls']} calls, us per call.",
-        "",
-        "| cross_entropy forward+backward | leaf `.backward()` | F.cross_entropy | a do-nothing autograd.Function "
-        "| of which the hand-off to the engine's device thread | floor of this design |",
-        "|---|---|---|---|---|---|",
-        "| " + " | ".join(map(us, HOST_TIME_KEYS)) + " |",
-        "",
-        "| part of the forward+backward | us |",
-        "|---|---|",
-        *(f"| {label} | {us(key)} |" for key, label in HOST_TIME_PARTS),
-    ]
+        f"host time), the fastest of {run['repeat']} means over {run['calls']} calls, us per call."
+    )
+    headings = ("cross_entropy forward+backward|leaf `.backward()`|F.cross_entropy|a do-nothing autograd.Function|"
+                "of which the hand-off to the engine's device thread|floor of this design").split("|")  # fmt: skip
+    tables = [markdown([headings, [us(key) for key in HOST_TIME_KEYS]])]
+    tables.append(
+        markdown([("part of the forward+backward", "us"), *((label, us(key)) for key, label in HOST_TIME_PARTS)])
+    )
     if run.get("device_times"):
-        lines += [
-            "",
-            "| N, V (bf16) | eager ms | the two kernels launched back to back | the two kernels from a CUDA graph |",
-            "|---|---|---|---|",
-            *(
-                f"| {row['N']}, {row['V']} | {row['eager_ms']:.3f} | {row['kernels_ms']:.3f} | {row['graph_ms']:.3f} |"
-                for row in run["device_times"]
-            ),
+        headings = "N, V (bf16)|eager ms|the two kernels launched back to back|the two kernels from a CUDA graph"
+        times = [
+            (f"{r['N']}, {r['V']}", *(f"{r[k]:.3f}" for k in ("eager_ms", "kernels_ms", "graph_ms")))
+            for r in run["device_times"]
         ]
-    return "\n".join(lines) + "\n"
+        tables.append(markdown([headings.split("|"), *times]))
+    return "\n".join([f"## Host time of an eager call (from `{source}`)", "", about, "", "\n\n".join(tables)]) + "\n"
 
 
 def transformers_step_markdown(step, source) -> str:
     """The training-step comparison written by bench/tools/transformers_step.py, as a table."""
     args, env = step["args"], step["environment"]
-    lines = [
-        f"## Training step with and without `patch_transformers()` (from `{source}`)",
-        "",
+    about = (
         f"{env['device']}, commit {env['commit']}, transformers {env['transformers']}, torch {env['torch']}: "
         f"Llama, {args['layers']} layers, hidden {args['hidden']}, V={args['vocab']}, "
         f"{args['batch']}x{args['seq_len']} tokens, {args['precision']}, AdamW; median of {args['steps']} steps "
-        f"after {args['warmup']} warm-up (CUDA events).",
-        "",
-        "| mode | median step ms | peak GiB | per-step working GiB | first-step loss |",
-        "|---|---|---|---|---|",
-    ]
+        f"after {args['warmup']} warm-up (CUDA events)."
+    )
+    rows = [("mode", "median step ms", "peak GiB", "per-step working GiB", "first-step loss")]
     for mode, r in step["results"].items():
-        lines.append(
-            f"| {mode} | {r['median_ms']:.2f} | {r['peak_bytes'] / 2**30:.2f} | "
-            f"{r['step_working_bytes'] / 2**30:.2f} | {r['losses'][0]:.5f} |"
-        )
-    return "\n".join(lines) + "\n"
+        memory = (f"{r[key] / 2**30:.2f}" for key in ("peak_bytes", "step_working_bytes"))
+        rows.append((mode, f"{r['median_ms']:.2f}", *memory, f"{r['losses'][0]:.5f}"))
+    heading = f"## Training step with and without `patch_transformers()` (from `{source}`)"
+    return "\n".join([heading, "", about, "", markdown(rows)]) + "\n"
+
+
+# bench/tools/rl_step.py's columns beyond the fused linear table's (the targets on memory, <= 256 MiB beyond the
+# gradients, and on the float32 logits' log-prob error, <= 1e-4, are read from its columns).
+RL_COLUMNS = (('/ "mean"', "of_ce_mean", "{:.2f}x"), ("max log-prob err", "logprob_error", "{:.1e}"))
+# issue 37's targets as ratios in the same run: (what, the row (a prefix: the fastest such row), its divisor, limit).
+RL_TARGETS = (
+    ('nonlinear objective through linear_log_probs / "mean"', "fastce_torch", "fastce_torch_ce_mean", 1.35),
+    ("the entropy bonus: with / without", "fastce_torch", "fastce_torch_no_entropy", 1.05),
+    (
+        '"sum" with token_weights (a linear objective) / "mean"',
+        "fastce_torch_ce_token_weights",
+        "fastce_torch_ce_mean",
+        1.05,
+    ),
+    ("logits_dtype=float32 / default", "fastce_torch_f32_logits", "fastce_torch", None),
+    ("the fastest workspace_bytes / torch.compile", "fastce_torch_ws*", "trl_compile", 1.2),
+)
+
+
+def rl_targets(result) -> list:
+    """A line for each target at each shape whose rows are there."""
+    lines = []
+    for shape in dict.fromkeys((r["N"], r["H"], r["V"]) for r in result["rows"]):
+        rows = {r["impl"]: r for r in result["rows"] if (r["N"], r["H"], r["V"]) == shape}
+        name = "x".join(map(str, shape))
+        for what, top, bottom, limit in RL_TARGETS:
+            tops = [r for impl, r in rows.items() if impl == top or top.endswith("*") and impl.startswith(top[:-1])]
+            if tops and bottom in rows:
+                best = min(tops, key=lambda r: r["fwdbwd_ms"])
+                ratio = f"{best['fwdbwd_ms'] / rows[bottom]['fwdbwd_ms']:.3f}x"
+                ratio += (f" (target <= {limit}x)" if limit else "") + (
+                    f", {best['impl']}" if top.endswith("*") else ""
+                )
+                lines.append(f"- {name}, {what}: {ratio}")
+    return lines
+
+
+def rl_markdown(result, source) -> str:
+    """bench/tools/rl_step.py's JSON: the table, the targets and what was not measured."""
+    about = (
+        f"{result['device']}, commit {result['commit']}, {result['date']}: temperature {result['temperature']}, "
+        f"clip {result['clip']}, entropy bonus {result['entropy_bonus']}, per-token advantages, forward + "
+        "backward into hidden and weight (bench/tools/rl_step.py). of matmul: over the 6 NHV floor; a path that "
+        "recomputes the logits does 8 NHV (at most 75%). Errors: float32 (gradients), float64 (log-probs)."
+    )
+    failed = [f"- not measured: {f['impl']} {f.get('shape', '')}: {f['error']}" for f in result.get("failures", [])]
+    parts = [f"## The LM head of an RL step (from `{source}`)", "", about, "", linear_table(result, RL_COLUMNS), ""]
+    return "\n".join([*parts, *rl_targets(result), *failed, ""])
 
 
 def _link(path, start) -> str:

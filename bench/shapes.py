@@ -38,16 +38,16 @@ CPU_DEMO_SHAPES_QUICK = (Shape(16, 3000, "float32"), Shape(16, 3000, "bfloat16")
 CPU_DEMO_SHAPES = (Shape(64, 5000, "float32"), Shape(32, 20000, "bfloat16"))
 
 
-def parse_shapes(text: str) -> tuple:
-    """'8192x32000,512x256000:float32' -> Shapes (dtype defaults to bfloat16)."""
+def parse_shapes(text: str, make=Shape, flag="--shapes", form="NxV") -> tuple:
+    """'8192x32000,512x256000:float32' -> Shapes (dtype defaults to bfloat16); make, flag and form: another shape
+    class with more sizes (bench.linear_shapes: NxHxV)."""
     shapes = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         dims, _, dtype = item.partition(":")
-        n, _, v = dims.lower().partition("x")
-        dtype = DTYPE_ALIASES.get(dtype, dtype) or "bfloat16"
-        if dtype not in DTYPE_BYTES or not n.isdigit() or not v.isdigit():
-            raise ValueError(f"--shapes: cannot read {item!r}; expected NxV or NxV:dtype (bfloat16/float32)")
-        shapes.append(Shape(int(n), int(v), dtype))
+        sizes, dtype = dims.lower().split("x"), DTYPE_ALIASES.get(dtype, dtype) or "bfloat16"
+        if dtype not in DTYPE_BYTES or len(sizes) != form.count("x") + 1 or not all(n.isdigit() for n in sizes):
+            raise ValueError(f"{flag}: cannot read {item!r}; expected {form} or {form}:dtype (bfloat16/float32)")
+        shapes.append(make(*map(int, sizes), dtype))
     if not shapes:
-        raise ValueError("--shapes: no shape given")
+        raise ValueError(f"{flag}: no shape given")
     return tuple(shapes)

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fastce_loss
-from .progress import Unavailable
+from .progress import optional
 from .shapes import IGNORE_INDEX
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -42,10 +42,6 @@ def make_leaf_inputs(shape, device, seed=0):
     return logits, labels
 
 
-def fastce_torch_loss(backend="auto"):
-    return fastce_loss("fastce_torch", backend)
-
-
 def torch_eager_fp32_loss():
     """What transformers' ForCausalLMLoss does: upcast the whole logits to float32 first."""
     return lambda logits, labels: F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX)
@@ -62,16 +58,13 @@ def torch_compile_loss():
 
 
 def liger_loss():
-    try:
-        # The cross_entropy module directly: it needs neither transformers nor peft.
-        from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
-    except ModuleNotFoundError as exc:
-        raise Unavailable(f"liger-kernel is not installed ({exc})") from exc
-    return LigerCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="mean")
+    # The cross_entropy module directly: it needs neither transformers nor peft.
+    loss = optional("liger_kernel.transformers.cross_entropy", "LigerCrossEntropyLoss", "liger-kernel")
+    return loss(ignore_index=IGNORE_INDEX, reduction="mean")
 
 
 LOADERS = {
-    "fastce_torch": fastce_torch_loss,
+    "fastce_torch": lambda: fastce_loss("fastce_torch"),
     "torch_eager_fp32": torch_eager_fp32_loss,
     "torch_eager": torch_eager_loss,
     "torch_compile": torch_compile_loss,

@@ -87,20 +87,6 @@ def _closures(loss_fn, logits, labels):
     return fwd, fwdbwd
 
 
-def _leaf_closure(loss_fn, logits, labels):
-    def fwdbwd_leaf():
-        logits.grad = None  # optimizer.zero_grad(set_to_none=True): no accumulation into an old gradient
-        loss_fn(logits, labels).backward()
-        return logits.grad
-
-    return fwdbwd_leaf
-
-
-def _free(device):
-    if device == "cuda":
-        torch.cuda.empty_cache()
-
-
 def measure(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda") -> dict:
     """Eager fwd and fwd+bwd times (non-leaf, then leaf logits), peak memory and loss (the tests use device "cpu")."""
     logits, labels = make_inputs(shape, device)
@@ -120,7 +106,7 @@ def measure(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda") -> dict:
         }
     finally:
         del logits, labels, fwd, fwdbwd
-        _free(device)
+        torch.cuda.empty_cache()
     row.update(measure_leaf(loss_fn, shape, warmup_ms, rep_ms, device))
     return row
 
@@ -129,7 +115,12 @@ def measure_leaf(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda") -> di
     """fwdbwd_leaf_ms and peak_extra_leaf_bytes (the fresh .grad included), or fwdbwd_leaf_ms None and the error."""
     try:
         logits, labels = make_leaf_inputs(shape, device)
-        fwdbwd_leaf = _leaf_closure(loss_fn, logits, labels)
+
+        def fwdbwd_leaf():
+            logits.grad = None  # optimizer.zero_grad(set_to_none=True): no accumulation into an old gradient
+            loss_fn(logits, labels).backward()
+            return logits.grad
+
         try:
             for _ in range(2):
                 fwdbwd_leaf()
@@ -139,7 +130,7 @@ def measure_leaf(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda") -> di
         finally:
             logits.grad = None
             del logits, labels, fwdbwd_leaf
-            _free(device)
+            torch.cuda.empty_cache()
     except Exception as exc:  # noqa: BLE001 - e.g. an OOM of the extra gradient: the row keeps its other columns
         return {"fwdbwd_leaf_ms": None, "fwdbwd_leaf_error": error_text(exc)}
 
@@ -160,7 +151,7 @@ def measure_graph(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda", inpu
         return graph_entry(fwdbwd, warmup_ms, rep_ms, side, time_replays)
     finally:
         del logits, labels, fwdbwd
-        _free(device)
+        torch.cuda.empty_cache()
 
 
 def timed(fn, cuda=True):

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from .progress import Unavailable, error_text, failure, load, say
+from .progress import Unavailable, error_text, failure, load, note_failure, say
 
 PASSES = ("bandwidth", "torch-eager", "torch-graph", "jax")
 
@@ -87,8 +87,7 @@ def _torch_pass(pass_name, impls, shapes, quick, part, emit):
                 try:
                     part["rows"].append({**base, **torch_measure.measure(loss_fn, shape, **timing)})
                 except Exception as exc:  # noqa: BLE001 - OOM and kernel errors are results too
-                    part["failures"].append(failure(impl, shape, "measure", exc))
-                    say(f"{impl:16s} {shape}: FAILED {part['failures'][-1]['error']}")
+                    note_failure(part["failures"], f"{impl:16s} {shape}", impl, shape, "measure", exc)
                     emit(part)
                     continue
             say(f"{pass_name} {impl:16s} {shape}: {_summary(part['rows'][-1])}")
@@ -120,8 +119,7 @@ def _jax_pass(impls, shapes, quick, part, emit):
                 part["rows"].append({"impl": impl, "N": shape.N, "V": shape.V, "dtype": shape.dtype, **measured})
                 say(f"jax {impl:16s} {shape}: {_summary(part['rows'][-1])}")
             except Exception as exc:  # noqa: BLE001
-                part["failures"].append(failure(impl, shape, "measure", exc))
-                say(f"jax {impl:16s} {shape}: FAILED {part['failures'][-1]['error']}")
+                note_failure(part["failures"], f"jax {impl:16s} {shape}", impl, shape, "measure", exc)
             emit(part)
 
 

@@ -152,30 +152,7 @@ def test_sharded_torch_smoke(tmp_path):
     losses = {name: r["loss"] for name, r in row["impls"].items()}
     assert set(losses) == {"fastce_torch", "fastce_torch_dtensor", "torch_loss_parallel"}
     assert max(losses.values()) - min(losses.values()) < 1e-5 * abs(losses["torch_loss_parallel"]), losses
-    for rank_rows in result["per_rank"]:  # a CPU run profiles no device kernels, but the host time is there
-        parts = rank_rows[0]["impls"]["fastce_torch"]["breakdown"]
-        assert parts["device"] is None and parts["host_ms"] > 0
-    assert "host" in done.stdout and "no device kernels profiled" in done.stdout, done.stdout[-2000:]
-
-
-def test_sharded_torch_breakdown_splits_calls_into_categories():
-    from bench.tools.sharded_torch import format_breakdown, per_call_breakdown
-
-    # Two calls of four kernels each (microseconds): fastce 10 + 20, NCCL 5, torch's fill 1, and gaps between.
-    call = [("_forward_kernel_0d1d", 0, 10), ("ncclDevKernel_AllReduce_Sum_f32", 12, 17), ("fill_", 17, 18)]
-    call += [("_backward_kernel", 20, 40)]
-    kernels = call + [(name, start + 100, end + 100) for name, start, end in call]
-    parts = per_call_breakdown(kernels[::-1], calls=2)  # the profiler's order is not assumed
-    assert parts == pytest.approx(
-        {"span_ms": 0.040, "fastce_ms": 0.030, "collectives_ms": 0.005, "other_ms": 0.001, "idle_ms": 0.004,
-         "kernels_per_call": 4}
-    )  # fmt: skip
-    assert per_call_breakdown(kernels[:-1], calls=2) is None  # the calls did not launch the same kernels
-    assert per_call_breakdown([], calls=2) is None
-    row = {"N": 8, "V": 64, "collectives_ms": 0.004}
-    row["impls"] = {"fastce_torch": {"breakdown": {"host_ms": 0.2, "device": parts}}}
-    line = format_breakdown(1, row)
-    assert "rank 1" in line and "fastce 0.030 + collectives 0.005 (alone 0.004)" in line and "idle 0.004" in line
+    assert len(result["per_rank"]) == 2 and "fastce_torch" in done.stdout, done.stdout[-2000:]
 
 
 @pytest.mark.gpu

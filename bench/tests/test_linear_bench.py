@@ -6,7 +6,7 @@ import inspect
 import pytest
 
 import fastce_torch
-from bench import linear, linear_shapes, torch_measure
+from bench import linear, linear_shapes, report, torch_measure
 from bench.linear_shapes import LinearShape, parse_linear_shapes
 
 # The _f32acc / _1GiB rows pass their settings as keywords of linear_cross_entropy; a package without them runs
@@ -43,7 +43,7 @@ def test_run_linear_quick_on_tiny_shapes(on_cpu):
     assert result["peak_matmul"] == {"shape": [32, 16, 24], "TFLOPs": pytest.approx(peak)}
     for row in result["rows"]:
         assert row["of_peak"] == pytest.approx(row["effective_TFLOPs"] / peak)
-    table = linear.text_table(result)
+    table = report.linear_table(result)
     assert "fastce_torch_linear" in table and "of matmul" in table and "of peak" in table
 
 
@@ -68,7 +68,7 @@ def test_accuracy_columns_against_float32(on_cpu):
             assert max(errors) < 1e-5, row
         else:
             assert 1e-5 < max(errors) < 2e-2, row  # bf16 rounding shows, a wrong formula would be ~1
-    table = linear.text_table(result)
+    table = report.linear_table(result)
     assert "dW rel rms err" in table and "e-0" in table
 
 
@@ -93,7 +93,7 @@ def test_optional_implementations_are_reported_not_fatal(on_cpu):
 
 def test_jax_rows_join_the_table(on_cpu, monkeypatch):
     """bench.jax_linear's rows (stubbed here: its own CPU plumbing test runs the real thing) land in the table with
-    of_matmul against the torch matmul of the same run and XLA's temp size as the memory beyond the gradients."""
+    the throughput columns against the torch matmul of the same run and XLA's temp size as their memory."""
     from bench import jax_linear, jax_measure
 
     shape = LinearShape(32, 8, 50, "float32")
@@ -103,14 +103,19 @@ def test_jax_rows_join_the_table(on_cpu, monkeypatch):
         base = {"N": s.N, "H": s.H, "V": s.V, "dtype": s.dtype}
         return {
             "rows": [
-                {"impl": "matmul", **base, "fwdbwd_ms": 1.0, "TFLOPs": 6.0, "peak_extra_bytes": 0},
+                {
+                    "impl": "jax_three_matmuls",
+                    **base,
+                    "fwdbwd_ms": 1.0,
+                    "peak_extra_bytes": 0,
+                    "extra_beyond_grads_bytes": 0,
+                },
                 {
                     "impl": "fastce_jax_linear",
                     **base,
                     "fwdbwd_ms": 2.0,
-                    "TFLOPs": 3.0,
-                    "of_matmul": 0.5,
                     "peak_extra_bytes": 5 << 20,
+                    "extra_beyond_grads_bytes": 5 << 20,
                     "peak_extra_kind": "xla_temp_size",
                     "loss": 1.0,
                 },
@@ -123,10 +128,11 @@ def test_jax_rows_join_the_table(on_cpu, monkeypatch):
     monkeypatch.setattr(linear, "matmul_tflops", lambda shape: 12.0)
     result = linear.run_linear(impls=["fastce_torch_linear"], shapes=(shape,), with_jax=True)
     jax_row = next(r for r in result["rows"] if r["impl"] == "fastce_jax_linear")
-    assert jax_row["of_matmul"] == 0.25 and jax_row["of_jax_matmuls"] == 0.5
+    assert jax_row["effective_TFLOPs"] == pytest.approx(6 * 32 * 8 * 50 / 2e-3 / 1e12)
+    assert jax_row["of_matmul"] == pytest.approx(jax_row["effective_TFLOPs"] / 12.0)
     assert jax_row["extra_beyond_grads_bytes"] == 5 << 20
     assert "jax_three_matmuls" in {r["impl"] for r in result["rows"]}
-    assert "(temp)" in linear.text_table(result)
+    assert "(temp)" in report.linear_table(result)
 
 
 def test_ignored_fractions_are_rows(on_cpu):
@@ -142,7 +148,7 @@ def test_ignored_fractions_are_rows(on_cpu):
     for f in (0.0, 0.5, 0.9):
         losses = [rows[impl, f]["loss"] for impl in impls]
         assert max(losses) - min(losses) < 1e-6 and all(loss > 0 for loss in losses)
-    assert "| 90% |" in linear.text_table(result)
+    assert "| 90% |" in report.linear_table(result)
     assert linear_shapes.ignored_rows(LinearShape(4096, 8, 8, ignored=0.9)).reshape(4, 1024)[:, :922].all()
     assert linear_shapes.ignored_rows(LinearShape(14, 8, 8)).nonzero()[0].tolist() == [0, 7]
     assert cli.parse_args(["--linear", "--ignored"]).ignored == (0.0, 0.5, 0.9)

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..progress import aligned
+
 REPO = Path(__file__).resolve().parents[2]
 PLUGIN = "bench.tools.outside_liger_plugin"
 FILES = ("test/transformers/test_cross_entropy.py", "test/transformers/test_fused_linear_cross_entropy.py")
@@ -67,13 +69,8 @@ def run_suite(liger_tests, files, with_plugin, extra, timeout):
 
 
 def table(results):
-    head = ["implementation", *OUTCOMES[:4]]
-    rows = [head]
-    for result in results:
-        counts = result["counts"] or {}
-        rows.append([result["implementation"], *(str(counts.get(k, "?")) for k in OUTCOMES[:4])])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
+    rows = [[r["implementation"], *((r["counts"] or {}).get(k, "?") for k in OUTCOMES[:4])] for r in results]
+    return aligned([["implementation", *OUTCOMES[:4]], *rows])
 
 
 def main(argv=None):

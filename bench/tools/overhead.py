@@ -17,6 +17,7 @@ import triton.testing
 
 import fastce_torch
 from bench import envinfo, torch_measure
+from bench.report import HOST_TIME_PARTS, write_json
 from fastce_torch import kernels
 from fastce_torch.kernels import launch as launch_module
 
@@ -59,7 +60,8 @@ class _DoNothing(torch.autograd.Function):
 
 
 class _ThreeOutputs(torch.autograd.Function):
-    """The shape of fastce's Function (three outputs, two non-differentiable, four saved tensors), no work."""
+    """The shape of fastce's Function (three outputs, two non-differentiable, four saved tensors, output gradients not
+    materialised: backward gets None for the two non-differentiable outputs, not a zero tensor each), no work."""
 
     @staticmethod
     def forward(x, labels):
@@ -71,21 +73,12 @@ class _ThreeOutputs(torch.autograd.Function):
         _, lse, denominator = output
         ctx.mark_non_differentiable(lse, denominator)
         ctx.save_for_backward(x, labels, lse, denominator)
+        ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, grad, grad_lse, grad_denominator):
         assert len(ctx.saved_tensors) == 4  # unpacking the saved tensors is part of the cost
         return None, None
-
-
-class _ThreeOutputsUnmaterialized(_ThreeOutputs):
-    """With ctx.set_materialize_grads(False) (as fastce's Function) autograd hands backward None for the two
-    non-differentiable outputs instead of a zero tensor each."""
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _ThreeOutputs.setup_context(ctx, inputs, output)
-        ctx.set_materialize_grads(False)
 
 
 def _forward_args(logits, labels, options):
@@ -187,7 +180,6 @@ def host_costs(device="cuda", n=300, repeat=5):
         "do-nothing Function, forward only": lambda: _DoNothing.apply(leaf),
         "do-nothing Function fwd+bwd": lambda: torch.autograd.grad(_DoNothing.apply(leaf), leaf, allow_unused=True),
         "fastce-shaped Function fwd+bwd": shaped_fwd_bwd(_ThreeOutputs),
-        "  the same, output grads not materialised": shaped_fwd_bwd(_ThreeOutputsUnmaterialized),
         "F.cross_entropy forward+backward": lambda: torch.autograd.grad(
             torch.nn.functional.cross_entropy(logits, labels), logits
         ),
@@ -214,34 +206,14 @@ def summary(rows, fwd_bwd, leaf_bwd, cached_path):
     """What remains of the eager forward+backward and why, from the rows just measured (NaN where a row needs the
     launch cache and it did not run)."""
     nothing = rows["do-nothing Function fwd+bwd"]
-    # The cheaper of the two fastce-shaped Functions: what a Function with these outputs can reach (they differ by
-    # noise on the H200 host: 138.8 / 119.8 us in one lease, 141.8 / 154.1 in another).
-    shaped = min(rows["fastce-shaped Function fwd+bwd"], rows["  the same, output grads not materialised"])
+    shaped = rows["fastce-shaped Function fwd+bwd"]  # what a Function with these outputs can reach
     hand_off = nothing - rows["do-nothing Function fwd+bwd, threads off"]
     launches = 2 * rows["    the compiled launcher's C call alone"] if cached_path else float("nan")
     allocations = rows["  the forward's allocations (empty loss, zeroed scratch)"]
     # What the engine's device thread costs this call beyond the bare hand-off: the threads-on minus threads-off
-    # difference of the real call less that of the do-nothing Function (no CUDA work in its backward; the
-    # fastce-shaped one with materialised output grads allocates zeros there, so it is no baseline).
+    # difference of the real call less that of the do-nothing Function (no CUDA work in its backward).
     thread_excess = fwd_bwd - rows["cross_entropy fwd+bwd, engine threads off"] - hand_off
-    ours = fwd_bwd - shaped - launches - allocations - thread_excess
-    floor = shaped + launches + allocations
-    parts = {
-        "torch's autograd.Function with fastce's outputs and saved tensors, doing nothing": shaped,
-        "two C launches (the compiled launchers' own call into the driver)": launches,
-        "the forward's two allocations (its counters must start at zero: a fill launch)": allocations,
-        "the engine's device thread beyond the bare hand-off (engine threads off or a CUDA graph avoid it)": (
-            thread_excess
-        ),
-        "fastce's own Python (checks, layouts, views, launch keys, lookups): what could still go": ours,
-    }
-    print(f"what remains of cross_entropy forward+backward, {fwd_bwd:.1f} us (leaf .backward() {leaf_bwd:.1f}; "
-          f"F.cross_entropy {rows['F.cross_entropy forward+backward']:.1f}), and why:")  # fmt: skip
-    for what, us in parts.items():
-        print(f"  {us:7.1f} us {what}")
-    print(f"  a do-nothing Function costs {nothing:.1f} us, of which the hand-off to the device thread "
-          f"{hand_off:.1f}; floor of this design on this host: {floor:.1f} us")  # fmt: skip
-    return {
+    figures = {
         "total_us": fwd_bwd,
         "leaf_backward_us": leaf_bwd,
         "torch_cross_entropy_us": rows["F.cross_entropy forward+backward"],
@@ -252,9 +224,16 @@ def summary(rows, fwd_bwd, leaf_bwd, cached_path):
         "launches_us": launches,
         "allocations_us": allocations,
         "device_thread_excess_us": thread_excess,
-        "fastce_python_us": ours,
-        "floor_us": floor,
+        "fastce_python_us": fwd_bwd - shaped - launches - allocations - thread_excess,
+        "floor_us": shaped + launches + allocations,
     }
+    print(f"what remains of cross_entropy forward+backward, {fwd_bwd:.1f} us (leaf .backward() {leaf_bwd:.1f}; "
+          f"F.cross_entropy {figures['torch_cross_entropy_us']:.1f}), and why:")  # fmt: skip
+    for key, label in HOST_TIME_PARTS:
+        print(f"  {figures[key]:7.1f} us {label}")
+    print(f"  a do-nothing Function costs {nothing:.1f} us, of which the hand-off to the device thread "
+          f"{hand_off:.1f}; floor of this design on this host: {figures['floor_us']:.1f} us")  # fmt: skip
+    return figures
 
 
 def _linear_rows(rows, device, n, repeat, n_rows=64, hidden_size=64, vocab=1000):
@@ -310,15 +289,6 @@ def device_times(shapes=((512, 256000), (8192, 32000))):
     return measured
 
 
-def _nan_to_none(value):
-    """Strict JSON: a figure not measured here (NaN) is written as null."""
-    if isinstance(value, dict):
-        return {key: _nan_to_none(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_nan_to_none(item) for item in value]
-    return None if isinstance(value, float) and value != value else value
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.tools.overhead", description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -352,8 +322,8 @@ def main(argv=None):
     failures = [launcher.failure for launcher in launchers if launcher.failure]
     print(f"launch cache failures: {failures or 'none'}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(_nan_to_none(result), f, indent=1, allow_nan=False)
+        # Strict JSON: a figure not measured here (NaN) is written as null.
+        write_json(json.loads(json.dumps(result), parse_constant=lambda nan: None), args.json)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ import torch
 import fastce_torch  # noqa: F401  (before triton: chooses Triton's interpreter on a CPU machine)
 from fastce_torch import cross_entropy
 
+from .. import torch_measure
+from ..progress import aligned
 from ..report import write_json
 
 HIDDEN = 64
@@ -34,22 +36,17 @@ def loss_of(form, logits, input_ids):
 
 def measure(form, hidden, projection, input_ids):
     """(loss, hidden's gradient, peak extra bytes or None, whether the logits' gradient is their buffer)."""
-    cuda = hidden.is_cuda
     hidden.grad = None
     logits = hidden @ projection  # an intermediate, as lm_head's output: the in-place backward may use its buffer
     seen = {}
     logits.register_hook(lambda grad: seen.update(same=grad.data_ptr() == logits.data_ptr()))
-    if cuda:
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    loss = loss_of(form, logits, input_ids)
-    loss.backward(inputs=[hidden])
-    peak = None
-    if cuda:
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-    return loss.detach(), hidden.grad.detach().clone(), peak, seen["same"]
+
+    def forward_backward():
+        seen["loss"] = loss_of(form, logits, input_ids)
+        seen["loss"].backward(inputs=[hidden])
+
+    peak = torch_measure.peak_extra_bytes(forward_backward) if hidden.is_cuda else forward_backward()
+    return seen["loss"].detach(), hidden.grad.detach().clone(), peak, seen["same"]
 
 
 def run(shape, device, dtype, seed=0):
@@ -82,17 +79,12 @@ def run(shape, device, dtype, seed=0):
 
 def table(result):
     shape = result["shape"]
-    lines = [
-        f"{shape['batch']}x{shape['seq']}x{shape['vocab']} {result['dtype']} on {result['device']} "
-        f"(logits {result['logits_bytes'] / 2**20:.0f} MiB)",
-        f"{'form':<15}{'loss':>12}{'peak extra':>14}  gradient in the logits' buffer",
-    ]
+    rows = [("form", "loss", "peak extra", "gradient in the logits' buffer")]
     for row in result["rows"]:
         peak = "n/a" if row["peak_extra_bytes"] is None else f"{row['peak_extra_bytes'] / 2**20:.1f} MiB"
-        lines.append(
-            f"{row['form']:<15}{row['loss']:>12.6f}{peak:>14}  {'yes' if row['grad_in_logits_buffer'] else 'no'}"
-        )
-    return "\n".join(lines)
+        rows.append((row["form"], f"{row['loss']:.6f}", peak, "yes" if row["grad_in_logits_buffer"] else "no"))
+    caption = f"{shape['batch']}x{shape['seq']}x{shape['vocab']} {result['dtype']} on {result['device']}"
+    return f"{caption} (logits {result['logits_bytes'] / 2**20:.0f} MiB)\n" + aligned(rows, rule=False)
 
 
 def main(argv=None):

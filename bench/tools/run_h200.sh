@@ -12,6 +12,8 @@
 #     table's five shapes in two calls, ~4-5 each; RESULTS.md renders both), linear-ignored (one shape at 0/50/90%
 #     ignored labels, with and without skip_ignored_rows, both packages; ~4);
 #   host (host time per eager call: bench.tools.overhead; ~2); transformers (training step, four modes; ~2-3);
+#   rl (the RL step's LM head, bench/tools/rl_step.py: each of its two shapes in a process of its own, torch and JAX
+#     rows, ~4 each; or rl-a / rl-b, one shape per call with more slack); JSON and logs $OUT/rl-step-{a,b}.*;
 #   two-gpus (the tests that need two GPUs; kind nvidia-h200-x2), two-gpus-bench (sharded_torch with its per-rank
 #     breakdown, sharded_jax; x2, ~3), two-gpus-linear-bench (sharded_linear_torch; x2, ~1-2), one-rank-breakdown
 #     (sharded_torch as a one-rank NCCL group at the two-GPU run's local shard shapes; < 2);
@@ -65,6 +67,15 @@ for stage in "$@"; do
     host)
       timeout 200 python3 -m bench.tools.overhead --json "$OUT/overhead.json" >"$OUT/overhead.log" 2>&1
       tail -45 "$OUT/overhead.log" ;;
+    rl|rl-a|rl-b)
+      # Shape a: Qwen2.5-7B's head (8192 x 3584 x 152064); b: Llama-3-8B's at 16384 tokens.
+      for part in a b; do
+        [ "$stage" != rl ] && [ "$stage" != "rl-$part" ] && continue
+        shape=8192x3584x152064; [ $part = b ] && shape=16384x4096x128256
+        timeout $([ "$stage" = rl ] && echo 285 || echo 580) python3 -m bench.tools.rl_step --shapes $shape \
+          --json "$OUT/rl-step-$part.json" >"$OUT/rl-step-$part.log" 2>"$OUT/rl-step-$part-progress.log"
+        echo "rl-step $part: exit $?"; tail -32 "$OUT/rl-step-$part.log"; grep -E "FAILED|skipped" "$OUT/rl-step-$part-progress.log"
+      done ;;
     transformers)
       timeout 400 python3 -m bench.tools.transformers_step --json "$OUT/transformers-step.json" 2>&1 | tail -12 ;;
     bench)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import fastce_torch
 
-from .sharded_torch import finish_ranks, gather_rows, peak_extra_bytes, start, write_result
+from .sharded_torch import finish, peak_extra_bytes, start
 
 IGNORE_INDEX = -100
 
@@ -96,28 +96,24 @@ def run_shape(n_rows, width, vocab, dtype, device, timer, mesh, backend, warmup,
 
 
 def main():
-    args, device, rank, world, mesh, timer = start(__doc__, "8192x4096x128256,8192x4096x256000", 3, 15, "16x8x64")
-    smoke = args.smoke
-    backend = "reference" if smoke else "auto"
-    dtype = torch.float32 if smoke else torch.bfloat16
+    run = start(__doc__, "8192x4096x128256,8192x4096x256000", 3, 15, "16x8x64")
     rows = []
-    for shape in args.shapes.split(","):
-        n_rows, width, vocab = (int(v) for v in shape.split("x"))
-        if vocab % world or n_rows % world:
-            raise SystemExit(f"N={n_rows} and V={vocab} must be divisible by {world} ranks")
-        rows.append(run_shape(n_rows, width, vocab, dtype, device, timer, mesh, backend, args.warmup, args.reps))
-    every_rank = gather_rows(rows)
-    if rank == 0:
-        print(f"{world} ranks, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
+    for n_rows, width, vocab in run.shapes:
+        if vocab % run.world or n_rows % run.world:
+            raise SystemExit(f"N={n_rows} and V={vocab} must be divisible by {run.world} ranks")
+        warm = (run.args.warmup, run.args.reps)
+        rows.append(run_shape(n_rows, width, vocab, run.dtype, run.device, run.timer, run.mesh, run.backend, *warm))
+
+    def report(rows):
+        print(f"{run.world} ranks, {run.device_name}")
         for row in rows:
             collectives = ", ".join(f"{k} {v:.3f}" for k, v in row["collectives"].items())
             print(f"N={row['N']} H={row['H']} V={row['V']}: {collectives}")
             for name, r in row["impls"].items():
                 peak = f"{r['peak_extra_bytes'] / 2**20:9.1f} MiB" if r["peak_extra_bytes"] is not None else ""
                 print(f"  {name:<26}{r['fwdbwd_ms']:9.3f} ms {peak}  loss {r['loss']:.6f}")
-        if args.json:
-            write_result(args.json, __doc__, device, world, rows, every_rank, smoke)
-    finish_ranks(smoke)
+
+    finish(run, __doc__, rows, report)
 
 
 if __name__ == "__main__":

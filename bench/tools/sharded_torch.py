@@ -4,8 +4,8 @@ with a Shard(-1) DTensor against DTensor's loss_parallel() + F.cross_entropy, in
     torchrun --nproc-per-node 2 -m bench.tools.sharded_torch --json bench/results/<date>-h200x2-sharded-torch.json
 
 Per global shape (bf16, V / ranks columns per rank), forward+backward on every rank: median time (CUDA events, L2
-flushed), peak extra memory, the local three-pass floor, the all-reduces alone, fastce from a CUDA graph, and a
-torch.profiler breakdown of fastce_torch's device span (fastce / NCCL / other kernels / idle). `--smoke`: CPU, gloo.
+flushed), peak extra memory, the local three-pass floor, the all-reduces alone and fastce from a CUDA graph (every
+rank's rows in the JSON). `--smoke`: CPU, gloo.
 """
 
 import argparse
@@ -13,8 +13,8 @@ import contextlib
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -26,10 +26,7 @@ from .. import envinfo, torch_measure
 from ..report import write_json
 
 IGNORE_INDEX = -100
-BREAKDOWN_CALLS = 10
 CAPTURED = ("fastce_torch", "fastce_torch_dtensor")  # the implementations also timed from a CUDA graph
-FASTCE_KERNELS = ("_forward_kernel", "_backward_kernel", "_vocab_parallel_", "_scale_unless_one_kernel")
-KERNEL_CATEGORIES = ("fastce", "collectives", "other")
 
 
 class Timer:
@@ -110,57 +107,7 @@ def measure_collectives(timer, n_rows, device, warmup, reps):
     )
 
 
-def kernel_category(name):
-    if "nccl" in name.lower():
-        return "collectives"
-    return "fastce" if name.startswith(FASTCE_KERNELS) else "other"
-
-
-def per_call_breakdown(kernels, calls):
-    """(name, start_us, end_us) of the kernels of `calls` identical calls -> the median call's span, busy time per
-    category and idle (ms); None without kernels or when the calls did not launch the same ones."""
-    if not kernels or len(kernels) % calls:
-        return None
-    kernels = sorted(kernels, key=lambda kernel: kernel[1])
-    per_call = len(kernels) // calls
-    parts = []
-    for i in range(calls):
-        call = kernels[i * per_call : (i + 1) * per_call]
-        busy = dict.fromkeys(KERNEL_CATEGORIES, 0.0)
-        for name, start, end in call:
-            busy[kernel_category(name)] += end - start
-        span = max(end for _, _, end in call) - call[0][1]
-        parts.append({"span_ms": span / 1e3, **{f"{c}_ms": t / 1e3 for c, t in busy.items()}})
-        parts[-1]["idle_ms"] = parts[-1]["span_ms"] - sum(busy.values()) / 1e3
-    return {key: statistics.median(part[key] for part in parts) for key in parts[0]} | {"kernels_per_call": per_call}
-
-
-def breakdown(fwdbwd, device, host_barrier, calls=BREAKDOWN_CALLS):
-    """One rank's breakdown of `calls` calls of fwdbwd (see the module docstring); the calls are already warm."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    host_ms = []
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        for _ in range(calls):
-            if cuda:
-                torch.cuda.synchronize(device)
-            dist.barrier(group=host_barrier)
-            start = time.perf_counter()
-            fwdbwd()
-            host_ms.append((time.perf_counter() - start) * 1e3)
-        if cuda:
-            torch.cuda.synchronize(device)
-    kernels = [
-        (event.name, event.time_range.start, event.time_range.end)
-        for event in prof.events()
-        if event.device_type == DeviceType.CUDA
-    ]
-    return {"host_ms": statistics.median(host_ms), "device": per_call_breakdown(kernels, calls)}
-
-
-def run_shape(n_rows, vocab, dtype, device, timer, impls, warmup, reps, bandwidth, host_barrier):
+def run_shape(n_rows, vocab, dtype, device, timer, impls, warmup, reps, bandwidth):
     world = dist.get_world_size()
     local_vocab = vocab // world
     row = {"N": n_rows, "V": vocab, "V_local": local_vocab, "dtype": str(dtype).replace("torch.", ""), "impls": {}}
@@ -180,8 +127,6 @@ def run_shape(n_rows, vocab, dtype, device, timer, impls, warmup, reps, bandwidt
         peak = peak_extra_bytes(fwdbwd, device)
         ms = timer.median_ms(fwdbwd, warmup, reps)
         row["impls"][name] = {"fwdbwd_ms": ms, "peak_extra_bytes": peak, "loss": loss}
-        if name == "fastce_torch":
-            row["impls"][name]["breakdown"] = breakdown(fwdbwd, device, host_barrier)
         del logits, labels
         if name in CAPTURED and device.type == "cuda":
             row["impls"][name] |= torch_measure.measure_graph(
@@ -193,29 +138,10 @@ def run_shape(n_rows, vocab, dtype, device, timer, impls, warmup, reps, bandwidt
     return row
 
 
-def format_breakdown(rank, row):
-    """One rank's fastce_torch breakdown at one shape (that rank's row), as a line."""
-    parts = row["impls"]["fastce_torch"]["breakdown"]
-    head = f"  N={row['N']} V={row['V']} rank {rank}: host {parts['host_ms']:.3f} ms to return"
-    device = parts["device"]
-    if device is None:
-        return head + " (no device kernels profiled)"
-    return (
-        f"{head}; device span {device['span_ms']:.3f} ms = fastce {device['fastce_ms']:.3f} + collectives "
-        f"{device['collectives_ms']:.3f} (alone {row['collectives_ms']:.3f}) + other {device['other_ms']:.3f} "
-        f"+ idle {device['idle_ms']:.3f} ({device['kernels_per_call']} kernels per call)"
-    )
-
-
-def gather_rows(rows):
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, rows)
-    return every
-
-
 def start(doc, shapes, warmup, reps, smoke_shapes):
-    """The sharded torch benches' command line and this torchrun process's group: (args, device, rank, world size,
-    1-D device mesh, timer). --smoke: gloo on CPU, smoke_shapes, one warm-up call, two timed; else NCCL."""
+    """The sharded torch benches' command line and this torchrun process's group, as a namespace: args, shapes (int
+    tuples), device, rank, world, mesh (1-D), timer, smoke, backend, dtype. --smoke: gloo on CPU, smoke_shapes, one
+    warm-up call, two timed, the plain-torch backend, float32; else NCCL, bf16."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--shapes", default=shapes, help="global sizes, comma-separated")
     parser.add_argument("--warmup", type=int, default=warmup)
@@ -235,29 +161,29 @@ def start(doc, shapes, warmup, reps, smoke_shapes):
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    return args, device, dist.get_rank(), world, init_device_mesh(device.type, (world,)), Timer(device)
+    return SimpleNamespace(
+        args=args, shapes=[tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")],
+        device=device, rank=dist.get_rank(), world=world, mesh=init_device_mesh(device.type, (world,)),
+        timer=Timer(device), smoke=args.smoke, backend="reference" if args.smoke else "auto",
+        dtype=torch.float32 if args.smoke else torch.bfloat16,
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    )  # fmt: skip
 
 
-def write_result(path, doc, device, world, rows, every_rank, smoke, **extra):
-    """The run's JSON record at path (`extra` fields after the rank count)."""
-    result = {
-        "date": envinfo.today(),
-        "commit": envinfo.git_commit(),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "ranks": world,
-        **extra,
-        "versions": envinfo.versions(),
-        "method": (doc or "").strip(),
-        "rows": rows,
-        "per_rank": every_rank,
-        "mode": "smoke" if smoke else "gpu",
-    }
-    print(f"wrote {write_json(result, path)}")
-
-
-def finish_ranks(smoke):
+def finish(run, doc, rows, report, **extra):
+    """Every rank's rows to rank 0, which prints report(its rows) and writes the JSON record (`extra` fields
+    after the rank count); then the ranks leave their groups."""
+    every_rank = [None] * run.world
+    dist.all_gather_object(every_rank, rows)
+    if run.rank == 0:
+        report(rows)
+        if run.args.json:
+            result = {"date": envinfo.today(), "commit": envinfo.git_commit(), "device": run.device_name,
+                      "ranks": run.world, **extra, "versions": envinfo.versions(), "method": (doc or "").strip(),
+                      "rows": rows, "per_rank": every_rank, "mode": "smoke" if run.smoke else "gpu"}  # fmt: skip
+            print(f"wrote {write_json(result, run.args.json)}")
     dist.barrier()  # no rank tears its groups down while another still uses them
-    if smoke:
+    if run.smoke:
         # gloo's teardown sometimes aborts at exit ("terminate called without an active exception") after the run
         # has finished and written its results; skip it, as fastce_torch/tests/vocab_parallel_check.py does.
         sys.stdout.flush()
@@ -267,26 +193,21 @@ def finish_ranks(smoke):
 
 
 def main():
-    args, device, rank, world, mesh, timer = start(__doc__, "8192x128256,8192x256000", 5, 30, "16x64")
-    smoke = args.smoke
-    bandwidth = None if smoke else torch_measure.copy_bandwidth_TBps(time_ms=lambda copy: timer.median_ms(copy, 5, 20))
-    impls = implementations(mesh, "reference" if smoke else "auto")
-    host_barrier = dist.new_group(backend="gloo")  # a barrier that launches nothing on the device
+    run = start(__doc__, "8192x128256,8192x256000", 5, 30, "16x64")
+    timer, device = run.timer, run.device
+    bandwidth = None if run.smoke else torch_measure.copy_bandwidth_TBps(time_ms=lambda c: timer.median_ms(c, 5, 20))
+    impls = implementations(run.mesh, run.backend)
     if device.type == "cuda":
         torch_measure.prime_capture()
-    dtype = torch.float32 if smoke else torch.bfloat16
     rows = []
-    for shape in args.shapes.split(","):
-        n_rows, vocab = (int(v) for v in shape.split("x"))
-        if vocab % world:
-            raise SystemExit(f"V={vocab} is not divisible by {world} ranks")
-        rows.append(
-            run_shape(n_rows, vocab, dtype, device, timer, impls, args.warmup, args.reps, bandwidth, host_barrier)
-        )
-    every_rank = gather_rows(rows)
-    if rank == 0:
-        print(f"{world} ranks, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}", end="")
-        print(f", copy bandwidth {bandwidth:.2f} TB/s" if bandwidth else "")
+    for n_rows, vocab in run.shapes:
+        if vocab % run.world:
+            raise SystemExit(f"V={vocab} is not divisible by {run.world} ranks")
+        warm = (run.args.warmup, run.args.reps, bandwidth)
+        rows.append(run_shape(n_rows, vocab, run.dtype, device, timer, impls, *warm))
+
+    def report(rows):
+        print(f"{run.world} ranks, {run.device_name}" + (f", copy bandwidth {bandwidth:.2f} TB/s" if bandwidth else ""))
         for row in rows:
             print(
                 f"N={row['N']} V={row['V']} (V_local={row['V_local']}): floor {row['floor_ms'] or 0:.3f} ms, "
@@ -302,12 +223,8 @@ def main():
                     graph_ratio = f"{graph / target:5.2f}x floor+collectives" if graph and row["floor_ms"] else ""
                     text = f"{graph:9.3f} ms" if graph else f"not captured: {r['fwdbwd_graph_error'][:80]}"
                     print(f"    {'from a CUDA graph':<20}{text} {graph_ratio}")
-        for row_index in range(len(rows)):
-            for rank_index, rank_rows in enumerate(every_rank):
-                print(format_breakdown(rank_index, rank_rows[row_index]))
-        if args.json:
-            write_result(args.json, __doc__, device, world, rows, every_rank, smoke, copy_bandwidth_TBps=bandwidth)
-    finish_ranks(smoke)
+
+    finish(run, __doc__, rows, report, copy_bandwidth_TBps=bandwidth)
 
 
 if __name__ == "__main__":

@@ -9,20 +9,18 @@ median CUDA-event step time after --warmup steps and the peak memory. `--device 
 
 import argparse
 import gc
-import os
 import statistics
 import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO_ROOT)  # fastce_torch and bench from this checkout when run as a script
+import torch
+import transformers
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import fastce_torch
 
-import fastce_torch  # noqa: E402
-from bench import envinfo  # noqa: E402
-from bench.report import write_json  # noqa: E402
-from bench.torch_measure import timed  # noqa: E402
+from .. import envinfo
+from ..progress import aligned
+from ..report import write_json
+from ..torch_measure import timed
 
 MODES = {
     "transformers": None,  # transformers' ForCausalLMLoss (float32 upcast, F.cross_entropy)
@@ -177,33 +175,18 @@ def main(argv=None):
         f"Llama {args.layers} layers, hidden {args.hidden}, V={args.vocab}, {args.batch}x{args.seq_len} tokens, "
         f"{args.precision}, AdamW; {args.steps} timed steps"
     )
-    print(f"{'mode':<20}{'median ms':>11}{'min ms':>9}{'peak GiB':>10}{'step GiB':>10}  first/last loss")
+    # Against transformers' own loss where it ran: step speed and the first step's loss (relative difference).
+    base = results.get("transformers")
+    rows = [("mode", "median ms", "min ms", "peak GiB", "step GiB", "first/last loss", "speed", "first loss diff")]
     for mode, r in results.items():
-        peak = f"{r['peak_bytes'] * gib:10.2f}" if r["peak_bytes"] is not None else f"{'-':>10}"
-        work = f"{r['step_working_bytes'] * gib:10.2f}" if r["peak_bytes"] is not None else f"{'-':>10}"
-        print(
-            f"{mode:<20}{r['median_ms']:11.2f}{r['min_ms']:9.2f}{peak}{work}  "
-            f"{r['losses'][0]:.5f} / {r['losses'][-1]:.5f}"
-        )
-    summary = {}
-    if "transformers" in results:
-        base = results["transformers"]
-        for mode, r in results.items():
-            if mode == "transformers":
-                continue
-            summary[mode] = {
-                "speedup": base["median_ms"] / r["median_ms"],
-                "first_loss_rel_diff": abs(r["losses"][0] - base["losses"][0]) / abs(base["losses"][0]),
-            }
-            if r["peak_bytes"] is not None:
-                summary[mode]["peak_saved_gib"] = (base["peak_bytes"] - r["peak_bytes"]) * gib
-            saved = summary[mode].get("peak_saved_gib")
-            print(f"{mode}: {summary[mode]['speedup']:.3f}x step speed"
-                  + (f", {saved:.2f} GiB less peak" if saved is not None else "")
-                  + f", first-step loss differs by {summary[mode]['first_loss_rel_diff']:.1e} (relative)")  # fmt: skip
+        memory = ["-" if r["peak_bytes"] is None else f"{r[k] * gib:.2f}" for k in ("peak_bytes", "step_working_bytes")]
+        versus = [f"{base['median_ms'] / r['median_ms']:.3f}x", f"{abs(r['losses'][0] / base['losses'][0] - 1):.1e}"]
+        losses = f"{r['losses'][0]:.5f} / {r['losses'][-1]:.5f}"
+        rows.append((mode, f"{r['median_ms']:.2f}", f"{r['min_ms']:.2f}", *memory, losses, *(versus if base else "--")))
+    print(aligned(rows))
     if args.json:
         record = {"benchmark": "transformers_step", "args": vars(args), "environment": environment(args)}
-        write_json(record | {"results": results, "vs_transformers": summary, "skipped": skipped}, args.json)
+        write_json(record | {"results": results, "skipped": skipped}, args.json)
         print(f"wrote {args.json}")
 
 

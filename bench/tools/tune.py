@@ -6,6 +6,7 @@ row). fastce_jax: each SEARCH candidate set on fastce_jax.kernels.launch's const
 
 import argparse
 import itertools
+from unittest import mock
 
 from .. import jax_setup
 from ..progress import say
@@ -41,24 +42,18 @@ def _jax_timer(shape):
 
 
 def _sweep(module, stage, knobs, time_stage, base_fwd):
-    defaults = {k: getattr(module, k) for k in knobs}
+    """[(ms, candidate)] of every candidate set on the module's constants (the defaults back after each)."""
     results = []
-    try:
-        for values in itertools.product(*knobs.values()):
-            candidate = dict(zip(knobs, values))
-            for k, v in candidate.items():
-                setattr(module, k, v)
-            try:
+    for candidate in (dict(zip(knobs, values)) for values in itertools.product(*knobs.values())):
+        try:
+            with mock.patch.multiple(module, **candidate):
                 ms = time_stage("fwd") if stage == "fwd" else time_stage("fwdbwd") - base_fwd
-            except Exception as exc:  # noqa: BLE001 - e.g. a tile too big for the registers
-                say(f"  {stage} {candidate}: failed {type(exc).__name__}: {str(exc)[:120]}")
-                continue
-            results.append((ms, candidate))
-            say(f"  {stage} {candidate}: {ms:.3f} ms")
-    finally:
-        for k, v in defaults.items():
-            setattr(module, k, v)
-    return defaults, results
+        except Exception as exc:  # noqa: BLE001 - e.g. a tile too big for the registers
+            say(f"  {stage} {candidate}: failed {type(exc).__name__}: {str(exc)[:120]}")
+            continue
+        results.append((ms, candidate))
+        say(f"  {stage} {candidate}: {ms:.3f} ms")
+    return results
 
 
 def tune_fastce_jax(shapes):
@@ -74,9 +69,10 @@ def tune_fastce_jax(shapes):
             if missing:
                 say(f"  {JAX_KNOBS_MODULE} has no {missing}: skipped")
                 continue
-            defaults, results = _sweep(module, stage, knobs, time_stage, base_fwd)
+            results = _sweep(module, stage, knobs, time_stage, base_fwd)
             if results:
                 best_ms, best = min(results, key=lambda r: r[0])
+                defaults = {k: getattr(module, k) for k in knobs}
                 print(f"fastce_jax {shape} {stage}: best {best} {best_ms:.3f} ms (defaults {defaults})")
 
 

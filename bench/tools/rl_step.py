@@ -1,0 +1,232 @@
+"""The LM head of an RL step (issue 37): a clipped-ratio policy-gradient objective with per-token advantages, an entropy
+bonus and a sampling temperature, from hidden states; forward + backward into the hidden states and the weight.
+
+    python -m bench.tools.rl_step [--shapes 8192x3584x152064] [--frameworks torch,jax] [--json PATH]
+
+Per shape (bf16, every 7th token ignored), rows as in `python -m bench --linear` (bench.linear.measure: do_bench
+medians, the peak beyond the inputs and beyond the gradients, the gradients' errors against float32; TFLOP/s of the
+6 NHV of a fused step, of the forward product's rate): fastce_torch.linear_log_probs + the objective (also with
+float32 logits, without the entropy, at several workspace_bytes), linear_cross_entropy "mean" (the targets' floor)
+and "sum" with the advantages as token_weights (a linear objective), TRL's eager recipe and its torch.compile, Liger's
+fused GRPO loss (one advantage per 1024-token sequence, no entropy bonus); fastce_jax.linear_log_probs against
+log_softmax + gather under jit(value_and_grad) (host-timed, XLA's temp size). Log-prob errors: the largest |log-prob
+- float64| over the first 64 rows, float64 from the same inputs.
+"""
+
+import argparse
+import sys
+from functools import partial
+
+from .. import envinfo, jax_setup, linear, linear_shapes
+from ..linear_shapes import SEQUENCE, parse_linear_shapes, to_jax
+from ..progress import load, note_failure, optional, say
+from ..report import RL_COLUMNS, linear_table, rl_targets, write_json
+from ..shapes import IGNORE_INDEX
+
+TEMPERATURE, CLIP, ENTROPY_BONUS, ERROR_ROWS = 0.7, 0.2, 0.01, 64
+SHAPES = "8192x3584x152064,16384x4096x128256"
+WORKSPACES = {"256MiB": 256 << 20, "1GiB": 1 << 30, "4GiB": 4 << 30}
+# The torch rows whose loss is not the objective (no gradient errors against its float32 reference).
+OTHER_OBJECTIVES = ("fastce_torch_no_entropy", "fastce_torch_ce_mean", "fastce_torch_ce_token_weights", "liger_grpo")
+
+
+def objective(xp, logprobs, entropy, old, advantages, mask, kept=None):
+    """-min(r A, clip(r) A) - 0.01 entropy with r = exp(logprobs - old), summed over the kept tokens and divided by
+    their number (kept: that of the whole batch when these are some of its rows); xp: torch or jax.numpy."""
+    ratio = xp.exp(logprobs - old)
+    per_token = -xp.minimum(ratio * advantages, xp.clip(ratio, 1 - CLIP, 1 + CLIP) * advantages)
+    if entropy is not None:
+        per_token = per_token - ENTROPY_BONUS * entropy
+    return (per_token * mask).sum() / (mask.sum() if kept is None else kept)
+
+
+def from_logits(logits, tokens):
+    """TRL's recipe from float32 (or float64) logits: log_softmax at the temperature, gather; the entropy from the
+    probabilities."""
+    log_p = (logits / TEMPERATURE).log_softmax(-1)
+    return log_p.gather(-1, tokens.clamp_min(0)[:, None])[:, 0], -(log_p.exp() * log_p).sum(-1)
+
+
+def trl_log_probs(hidden, weight, tokens):
+    return from_logits((hidden @ weight.t()).float(), tokens)
+
+
+def policy_inputs(hidden, weight, tokens, seed=1):
+    """(old log-probs, advantages, mask): the policy's own log-probs (TRL's recipe) plus noise of 0.1, so that both
+    sides of the clip are taken; standard normal advantages per token; 1.0 where the token is kept."""
+    import torch
+
+    mask = (tokens != IGNORE_INDEX).float()
+    noise = torch.randn(2, len(mask), device=hidden.device, generator=torch.Generator(hidden.device).manual_seed(seed))
+    with torch.no_grad():
+        return trl_log_probs(hidden, weight, tokens)[0] * mask + 0.1 * noise[0], noise[1], mask
+
+
+def torch_implementations(backend):
+    """name -> loader of (loss(hidden, weight, tokens, old, advantages, mask), None or the (hidden, weight, tokens)
+    -> (log-probs, entropy or None) function whose log-probs the error column checks)."""
+    import torch
+
+    import fastce_torch
+
+    def fastce(entropy=True, **settings):
+        def log_probs(hidden, weight, tokens):
+            out = fastce_torch.linear_log_probs(hidden, weight, tokens, temperature=TEMPERATURE, backend=backend,
+                                                return_entropy=entropy, **settings)  # fmt: skip
+            return tuple(out) if entropy else (out, None)
+
+        return log_probs
+
+    def policy(log_probs):
+        return lambda h, w, y, old, adv, mask: objective(torch, *log_probs(h, w, y), old, adv, mask)
+
+    def cross_entropy(weighted=False):  # "mean", or the "sum" of the advantage-weighted token losses
+        def loss(h, w, y, old, adv, mask):
+            weights = {"reduction": "sum", "token_weights": adv} if weighted else {}
+            return fastce_torch.linear_cross_entropy(h, w, y, temperature=TEMPERATURE, backend=backend, **weights)
+
+        return loss
+
+    def liger():
+        grpo = optional("liger_kernel.chunked_loss", "LigerFusedLinearGRPOLoss", "liger-kernel")
+        grpo = grpo(beta=0.0, use_ref_model=False, loss_type="bnpo", epsilon_low=CLIP, epsilon_high=CLIP,
+                    temperature=TEMPERATURE)  # fmt: skip
+
+        def loss(h, w, y, old, adv, mask):  # (sequences, tokens) with each sequence's first advantage
+            rows = (-1, min(SEQUENCE, h.shape[0]))
+            out = grpo(h.view(*rows, h.shape[1]), w, y.clamp_min(0).view(rows), mask.view(rows), adv.view(rows)[:, 0],
+                       old_per_token_logps=old.view(rows))  # fmt: skip
+            return out[0] if isinstance(out, tuple) else out
+
+        return loss, None
+
+    variants = {"": fastce(), "_f32_logits": fastce(logits_dtype="float32"), "_no_entropy": fastce(entropy=False)}
+    variants |= {f"_ws{label}": fastce(workspace_bytes=size) for label, size in WORKSPACES.items()}
+    return {f"fastce_torch{suffix}": (lambda f=f: (policy(f), f)) for suffix, f in variants.items()} | {
+        "fastce_torch_ce_mean": lambda: (cross_entropy(), None),
+        "fastce_torch_ce_token_weights": lambda: (cross_entropy(weighted=True), None),
+        "trl_eager": lambda: (policy(trl_log_probs), trl_log_probs),
+        "trl_compile": lambda: (torch.compile(policy(trl_log_probs), dynamic=False), None),
+        "liger_grpo": liger,
+    }
+
+
+def float64_error(log_probs, hidden, weight, tokens):
+    """max |log-prob - float64| over the first ERROR_ROWS rows, float64 computed from the same (rounded) inputs."""
+    import torch
+
+    rows = slice(0, ERROR_ROWS)
+    with torch.no_grad():
+        got = log_probs(hidden[rows], weight, tokens[rows])[0].double()
+        want = from_logits(hidden[rows].double() @ weight.double().t(), tokens[rows])[0]
+        return float((got - want)[tokens[rows] != IGNORE_INDEX].abs().max())
+
+
+def torch_rows(shape, inputs, impls, backend, failures):
+    """The torch rows, each with its gradients' errors against the objective's in float32 where it computes it."""
+    import torch
+
+    hidden, weight, tokens, old, advantages, mask = inputs
+
+    def chunk_objective(logits, rows):  # a chunk's share of the objective, from float32 logits
+        return objective(torch, *from_logits(logits, tokens[rows]), old[rows], advantages[rows], mask[rows], mask.sum())
+
+    reference = linear_shapes.float32_reference(hidden, weight, tokens, chunk_loss=chunk_objective)
+    loaders, rows = torch_implementations(backend), []
+    for impl in [i for i in loaders if i in impls]:
+        loaded = load(impl, loaders[impl], failures)
+        try:
+            if loaded is not None:
+                loss_fn, log_probs = loaded
+                compared = None if impl in OTHER_OBJECTIVES else reference
+                measured = linear.measure(lambda h, w, y: loss_fn(h, w, y, old, advantages, mask), shape,
+                                          inputs=inputs[:3], reference=compared)  # fmt: skip
+                if log_probs is not None:
+                    measured["logprob_error"] = float64_error(log_probs, hidden, weight, tokens)
+                rows.append(measured | {"impl": impl})
+                say(f"{impl} {shape}: {measured['fwdbwd_ms']:.2f} ms, loss {measured['loss']:.6f}")
+        except Exception as exc:  # noqa: BLE001 - an OOM or a keyword the installed fastce lacks is a result too
+            note_failure(failures, f"{impl} {shape}", impl, None, "measure", exc, shape=str(shape))
+    return rows, reference
+
+
+def jax_rows(shape, inputs, reference, backend, failures):
+    """fastce_jax.linear_log_probs and XLA's log_softmax + gather, the same objective on the same values (DLPack)."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import fastce_jax
+
+    from .. import jax_linear
+
+    hidden, weight, tokens, old, advantages, mask = to_jax(*inputs)
+
+    fastce = partial(fastce_jax.linear_log_probs, temperature=TEMPERATURE, return_entropy=True, backend=backend)
+
+    def xla(h, w, y):
+        log_p, keep = jax.nn.log_softmax((h @ w.T).astype(jnp.float32) / TEMPERATURE), y != IGNORE_INDEX
+        picked = jnp.take_along_axis(log_p, jnp.maximum(y, 0)[:, None], axis=-1)[:, 0]
+        return jnp.where(keep, picked, 0.0), jnp.where(keep, -(jnp.exp(log_p) * log_p).sum(-1), 0.0)
+
+    rows = []
+    for impl, log_probs in (("fastce_jax", fastce), ("xla_log_softmax", xla)):
+        try:
+            loss_fn = lambda h, w, y, lp=log_probs: objective(jnp, *lp(h, w, y), old, advantages, mask)
+            row = jax_linear.measure(loss_fn, (hidden, weight, tokens), reference=reference) | {"impl": impl}
+            jitted = jax.jit(log_probs)
+            row["logprob_error"] = float64_error(lambda *t: [torch.from_dlpack(jitted(*to_jax(*t))[0])], *inputs[:3])
+            rows.append(row)
+            say(f"{impl} {shape}: {row['fwdbwd_ms']:.2f} ms, loss {row['loss']:.6f}")
+        except Exception as exc:  # noqa: BLE001
+            note_failure(failures, f"{impl} {shape}", impl, None, "measure", exc, shape=str(shape))
+    return rows
+
+
+def run(shapes, frameworks=("torch", "jax"), impls=None, backend="auto") -> dict:
+    """Every row at every shape (impls: a subset of the torch rows), failures recorded."""
+    import torch
+
+    rows, failures, peak = [], [], linear.peak_matmul_tflops()
+    matmul = {str(shape): linear.matmul_tflops(shape) for shape in shapes}
+    for shape in shapes:
+        inputs = linear.make_inputs(shape)
+        inputs = (*inputs, *policy_inputs(*inputs))
+        torch_impls = (impls or list(torch_implementations(backend))) if "torch" in frameworks else []
+        shape_rows, reference = torch_rows(shape, inputs, torch_impls, backend, failures)
+        if "jax" in frameworks:
+            shape_rows += jax_rows(shape, inputs, reference, backend, failures)
+        shape_rows = [linear.table_row(r.pop("impl"), shape, r, matmul[str(shape)], peak) for r in shape_rows]
+        mean = next((r["fwdbwd_ms"] for r in shape_rows if r["impl"] == "fastce_torch_ce_mean"), None)
+        rows += [r | ({"of_ce_mean": r["fwdbwd_ms"] / mean} if mean else {}) for r in shape_rows]
+        del inputs, reference
+        torch.cuda.empty_cache()
+    device = torch.cuda.get_device_name() if linear.DEVICE == "cuda" else linear.DEVICE
+    return {"mode": "rl_step", "device": device, "date": envinfo.today(), "commit": envinfo.git_commit(),
+            "torch": torch.__version__, "versions": envinfo.versions(), "temperature": TEMPERATURE, "clip": CLIP,
+            "entropy_bonus": ENTROPY_BONUS, "peak_matmul": {"shape": list(linear.PEAK_MATMUL), "TFLOPs": peak},
+            "matmul_TFLOPs": matmul, "rows": rows, "failures": failures}  # fmt: skip
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.tools.rl_step", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default=SHAPES, help="NxHxV[:dtype], comma-separated (bfloat16 by default)")
+    parser.add_argument("--frameworks", default="torch,jax", help="a subset of torch,jax")
+    parser.add_argument("--impls", help="comma-separated subset of the torch rows (default: all)")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    jax_setup.configure()
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("bench.tools.rl_step measures on a GPU (bench/tests/test_rl_step.py runs its code paths on a CPU)")
+    impls = args.impls.split(",") if args.impls else None
+    result = run(parse_linear_shapes(args.shapes), args.frameworks.split(","), impls)
+    print(linear_table(result, RL_COLUMNS) + "\n\n" + "\n".join(rl_targets(result)))
+    if args.json:
+        print(f"wrote {write_json(result, args.json)}")
+    return 1 if any(f["impl"].startswith("fastce") and f["stage"] != "unavailable" for f in result["failures"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
