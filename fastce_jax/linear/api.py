@@ -4,12 +4,16 @@ autograd.py, the custom partitioning of sharded heads in sharded.py.
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import contract, kernels
 from . import chunks
-from .autograd import kernel_loss
+from .autograd import kernel_loss, weighted_z_loss_output
 from .chunks import StaticConfig, rows_per_chunk
 
 
@@ -38,15 +42,112 @@ def _check_tensors(hidden, weight, bias):
     return hidden, weight, bias
 
 
-def _reference_loss(logits, labels, options, reduction, n_items, returns, class_weight):
+LOGITS_DTYPE_ERROR = 'logits_dtype must be None, "float32" or jnp.float32, got {!r}'
+
+
+def check_logits_dtype(logits_dtype, dtype):
+    """The chunks' logits dtype: None (the operands' dtype, as today) or float32; a no-op (None) when the operands
+    are float32 or float64 already."""
+    if logits_dtype is None:
+        return None
+    f32 = (
+        (isinstance(logits_dtype, str) and logits_dtype == "float32")
+        or logits_dtype is jnp.float32
+        or logits_dtype is np.float32
+        or (isinstance(logits_dtype, np.dtype) and logits_dtype == np.float32)
+    )
+    if not f32:
+        raise ValueError(LOGITS_DTYPE_ERROR.format(logits_dtype))
+    return None if dtype.itemsize >= 4 else "float32"
+
+
+def check_temperature(temperature) -> float:
+    """temperature as a float: a Python int / float, finite and > 0."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a Python float > 0, got {temperature!r}")
+    value = float(temperature)
+    if not (math.isfinite(value) and value > 0.0):
+        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+    return value
+
+
+def fold_temperature(options: contract.Options, temperature: float) -> contract.Options:
+    """softcap_c(s x) / T == softcap_{c/T}((s/T) x): the temperature as scaling and soft-capping (exact algebra);
+    T == 1 leaves the options (and so the kernels' variant) untouched."""
+    if temperature == 1.0:
+        return options
+    scaling = (options.logit_scaling if options.logit_scaling != 0.0 else 1.0) / temperature
+    return options._replace(logit_scaling=scaling, logit_softcapping=options.logit_softcapping / temperature)
+
+
+TOKEN_WEIGHTS_GRAD_UNSUPPORTED = (
+    "token_weights: gradients with respect to the token weights are not supported; differentiate with respect to "
+    "the other arguments only (or wrap them in jax.lax.stop_gradient)"
+)
+
+
+@jax.custom_vjp
+def _constant_token_weights(weights):
+    return weights
+
+
+def _constant_token_weights_fwd(weights):
+    if weights.perturbed:  # jax.grad / vjp asks for the weights' gradient
+        raise ValueError(TOKEN_WEIGHTS_GRAD_UNSUPPORTED)
+    return weights.value, None
+
+
+def _constant_token_weights_bwd(residuals, g):
+    return (None,)
+
+
+_constant_token_weights.defvjp(_constant_token_weights_fwd, _constant_token_weights_bwd, symbolic_zeros=True)
+
+
+def check_token_weights(token_weights, labels_shape):
+    """None, or a floating array shaped like labels, as float32 (float64 kept) that carries no gradient."""
+    if token_weights is None:
+        return None
+    weights = contract.as_array(token_weights, "token_weights")
+    if not jnp.issubdtype(jnp.dtype(weights.dtype), jnp.floating):
+        raise TypeError(f"token_weights must be a floating-point array, got {weights.dtype}")
+    if tuple(weights.shape) != tuple(labels_shape):
+        raise ValueError(f"token_weights must have labels' shape {tuple(labels_shape)}, got {tuple(weights.shape)}")
+    if jnp.dtype(weights.dtype) != jnp.float64:
+        weights = jnp.asarray(weights).astype(jnp.float32)
+    return _constant_token_weights(weights)
+
+
+def aligned_token_weights(weights, labels, shift: int, ignore_index: int):
+    """The weights aligned with the (shifted) labels: weights[..., shift:] then zeros, as the labels are shifted;
+    0 on ignored rows, whose weight takes no part (a NaN or inf weight there stays out of the loss)."""
+    if weights is None:
+        return None
+    weights = jnp.asarray(weights)
+    if shift:
+        kept = weights[..., shift:]
+        pad = jnp.zeros((*weights.shape[:-1], weights.shape[-1] - kept.shape[-1]), weights.dtype)
+        weights = jnp.concatenate((kept, pad), axis=-1)
+    ign = contract.ignore_value(labels.dtype, ignore_index)
+    return weights if ign is None else jnp.where(labels == ign, jnp.zeros((), weights.dtype), weights)
+
+
+def _reference_loss(logits, labels, options, reduction, n_items, returns, class_weight, token_weights=None):
     """backend="reference": the jnp loss of the materialised logits (..., V), with the extra outputs asked for."""
     if not returns:
         losses = contract.reference_token_losses(logits, labels, options, class_weight)
+        if token_weights is not None:
+            losses = losses * token_weights.astype(losses.dtype)
         return contract.reduce_losses(losses, labels, reduction, n_items, options.ignore_index, class_weight)
     losses, lse, accuracy, entropy = contract.reference_row_outputs(logits, labels, options, returns, class_weight)
+    if token_weights is not None:
+        losses = losses * token_weights.astype(losses.dtype)
     vocab = logits.shape[-1]
-    return contract.reduce_outputs(
+    out = contract.reduce_outputs(
         losses, lse, accuracy, entropy, labels, reduction, n_items, options, returns, vocab, class_weight
+    )
+    return weighted_z_loss_output(
+        out, lse, labels, reduction, n_items, options, returns, vocab, class_weight, token_weights
     )
 
 
@@ -75,6 +176,9 @@ def linear_cross_entropy(
     return_accuracy=False,
     return_entropy=False,
     class_weight=None,
+    temperature=1.0,
+    token_weights=None,
+    logits_dtype=None,
 ):
     """``cross_entropy(hidden @ weight.T + bias, labels, ...)`` without the (N, V) logits.
 
@@ -121,6 +225,20 @@ def linear_cross_entropy(
     class_weight: class weights (V,), ``cross_entropy``'s ``weight`` (the positional ``weight`` is the LM head
       here), in every chunk's kernels; "mean" divides by the non-ignored tokens' summed class weights.
 
+    temperature: a float > 0: the logits are ``softcap(scaling * x) / temperature`` in every output and gradient
+      (folded into the scaling and soft-capping, exact algebra; 1.0 changes nothing).
+    token_weights: None, or a floating array shaped like ``labels`` (no gradient: differentiating with respect to
+      it raises): each token's loss (its z-loss term included) is multiplied by its weight before the reduction;
+      "mean" still divides by the non-ignored count (or n_items, or the class weights' divisor). Weights may be
+      negative; an ignored token's weight takes no part. With ``shift`` they are aligned with labels. The z_loss
+      output is weighted like the loss's term; lse, accuracy and entropy are not. "mean" / "sum" keep the
+      gradients-in-forward path (each row's factor is w_t / divisor): no recompute.
+    logits_dtype: None (the logits in the inputs' common dtype) or "float32" / jnp.float32: the chunk GEMM takes
+      the bf16 / fp16 operands as they are and gives float32 logits (``preferred_element_type``; no float32 copy
+      of the weight), the kernels read float32 and the workspace counts 4 bytes per logit. d logits is rounded to
+      the operands' dtype for the gradient products (as an unfused head's backward); d bias sums it in float32.
+      A no-op for float32 / float64 inputs.
+
     Returns:
       float32 loss: a scalar, or shaped like ``labels`` for reduction="none"; with any return_* True a
       ``CrossEntropyOutput(loss, z_loss, lse, accuracy, entropy)``, None for what was not asked.
@@ -135,7 +253,9 @@ def linear_cross_entropy(
         z_loss=z_loss,
         backend=backend,
     )
+    options = fold_temperature(options, check_temperature(temperature))
     labels = contract.check_labels(labels, hidden.shape[:-1], options.ignore_index)
+    token_weights = check_token_weights(token_weights, labels.shape)
     check = contract.check_flag(validate_labels, "validate_labels")
     n_items = contract.check_n_items(n_items)
     returns = contract.check_extras(
@@ -153,21 +273,24 @@ def linear_cross_entropy(
     if check:
         contract.validate_labels(labels, vocab, options.ignore_index)
     dtype = jnp.dtype(jnp.result_type(hidden.dtype, weight.dtype, *(() if bias is None else (bias.dtype,))))
+    logits_dtype = check_logits_dtype(logits_dtype, dtype)
     if backend == "auto":
         backend = "kernel" if contract.on_gpu(hidden) else "reference"
     lead = tuple(hidden.shape[:-1])
     h2 = hidden.reshape(-1, dim)
     labels = jnp.asarray(labels)
+    token_weights = aligned_token_weights(token_weights, labels, shift, options.ignore_index)
     # No tokens: no chunk to launch; float64: the chunks compute in float32.
     if backend == "reference" or h2.shape[0] == 0 or dtype == jnp.float64:
-        logits = chunks.chunk_logits(h2, weight, bias, dtype).reshape(lead + (vocab,))
-        loss = _reference_loss(logits, labels, options, reduction, n_items, returns, class_weight)
+        logits = chunks.chunk_logits(h2, weight, bias, dtype, logits_dtype).reshape(lead + (vocab,))
+        loss = _reference_loss(logits, labels, options, reduction, n_items, returns, class_weight, token_weights)
     else:
+        logits_itemsize = 4 if logits_dtype is not None else dtype.itemsize
         st = StaticConfig(
             options=options,
             interpret=not contract.on_gpu(hidden),
             reduction=reduction,
-            chunk_rows=rows_per_chunk(h2.shape[0], vocab, dtype.itemsize, workspace_bytes, chunk_rows),
+            chunk_rows=rows_per_chunk(h2.shape[0], vocab, logits_itemsize, workspace_bytes, chunk_rows),
             dtype=dtype.name,
             f32_weight_grad=bool(accumulate_in_float32),
             with_bias=bias is not None,
@@ -178,9 +301,11 @@ def linear_cross_entropy(
             # Several devices: the loop runs on each device's block of rows and vocabulary (sharded.py);
             # class weights have no partitioning rule: such a call runs the loop on the whole (gathered) arrays.
             partitioned=jax.device_count() > 1 and class_weight is None,
+            logits_dtype=logits_dtype,
         )
+        flat_weights = None if token_weights is None else token_weights.reshape(-1)
         with kernels.quiet_triton(st.interpret):
-            loss = kernel_loss(h2, weight, bias, labels.reshape(-1), n_items, class_weight, st=st)
+            loss = kernel_loss(h2, weight, bias, labels.reshape(-1), n_items, class_weight, flat_weights, st=st)
         if isinstance(loss, contract.CrossEntropyOutput):
             per_token = loss._fields if reduction == "none" else ("lse",)
             loss = loss._replace(

@@ -58,32 +58,42 @@ def _with_extras(loss, lse, extra: dict, st: StaticConfig):
 # --- custom_vjp: "mean"/"sum" (the gradients are residuals) and "none" (lse is) ------------------------------------
 
 
-def _token_scale(labels, n_items, st: StaticConfig, class_weight=None):
-    """d loss / d loss_t of the reduction: 1 / contract.loss_divisor (traced; no host synchronisation)."""
+def _token_scale(labels, n_items, st: StaticConfig, class_weight=None, token_weights=None):
+    """d loss / d loss_t of the reduction: 1 / contract.loss_divisor (traced; no host synchronisation), times the
+    token's weight when there are token weights."""
     divisor = contract.loss_divisor(labels, st.reduction, n_items, st.options.ignore_index, weight=class_weight)
+    if token_weights is not None:
+        return token_weights.astype(jnp.float32) / divisor
     return jnp.broadcast_to(1.0 / divisor, labels.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _reduced_loss(hidden, weight, bias, labels, n_items, class_weight, st: StaticConfig):
+def _weighted_reduce(losses, labels, n_items, st: StaticConfig, class_weight, token_weights):
+    if token_weights is not None:
+        losses = losses * token_weights.astype(losses.dtype)
+    return contract.reduce_losses(losses, labels, st.reduction, n_items, st.options.ignore_index, class_weight)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _reduced_loss(hidden, weight, bias, labels, n_items, class_weight, token_weights, st: StaticConfig):
     losses, lse, _, extra = forward_chunks(hidden, weight, bias, labels, None, st, class_weight)
-    loss = contract.reduce_losses(losses, labels, st.reduction, n_items, st.options.ignore_index, class_weight)
+    loss = _weighted_reduce(losses, labels, n_items, st, class_weight, token_weights)
     return _with_extras(loss, lse, extra, st)
 
 
-def _reduced_fwd(hidden, weight, bias, labels, n_items, class_weight, st: StaticConfig):
-    g_tokens = _token_scale(labels, n_items, st, class_weight)
+def _reduced_fwd(hidden, weight, bias, labels, n_items, class_weight, token_weights, st: StaticConfig):
+    # Token weights: each row's factor w_t / divisor in place of the scalar 1 / divisor; the same single pass.
+    g_tokens = _token_scale(labels, n_items, st, class_weight, token_weights)
     losses, lse, grads, extra = forward_chunks(hidden, weight, bias, labels, g_tokens, st, class_weight)
-    loss = contract.reduce_losses(losses, labels, st.reduction, n_items, st.options.ignore_index, class_weight)
+    loss = _weighted_reduce(losses, labels, n_items, st, class_weight, token_weights)
     # Zero-size stand-ins keep the input dtypes for the backward's casts.
     likes = (jnp.zeros((0,), hidden.dtype), jnp.zeros((0,), weight.dtype), None if bias is None else bias[:0])
     # A returned z_loss: its gradient (through lse) is only known in the backward, which recomputes the chunks.
     inputs = (hidden, weight, bias, labels, lse) if contract.lse_differentiated(st.options, st.returns) else None
-    return _with_extras(loss, lse, extra, st), (grads, likes, inputs, class_weight)
+    return _with_extras(loss, lse, extra, st), (grads, likes, inputs, class_weight, token_weights)
 
 
 def _reduced_bwd(st: StaticConfig, residuals, g):
-    grads, (h_like, w_like, b_like), inputs, class_weight = residuals
+    grads, (h_like, w_like, b_like), inputs, class_weight, token_weights = residuals
     extra = None
     if st.returns:
         g, g_lse = g[0], g[1]
@@ -101,7 +111,12 @@ def _reduced_bwd(st: StaticConfig, residuals, g):
             # Only a z_loss output that is differentiated costs the recomputing pass (logging it costs nothing).
             extra = jax.lax.cond(jnp.any(g_lse != 0), z_loss_part, nothing)
     dh, dw, db = _finish_grads(grads, h_like, w_like, b_like, scale=g, extra=extra)
-    return dh, dw, db, None, None, None if class_weight is None else jnp.zeros_like(class_weight)
+    return dh, dw, db, None, None, _zero_like(class_weight), _zero_like(token_weights)
+
+
+def _zero_like(constant):
+    """The cotangent of a constant operand (class or token weights, which never get a gradient)."""
+    return None if constant is None else jnp.zeros_like(constant)
 
 
 _reduced_loss.defvjp(_reduced_fwd, _reduced_bwd)
@@ -125,24 +140,42 @@ def _per_token_bwd(st: StaticConfig, residuals, g):
         g, g_lse = g[0], (g[1].astype(jnp.float32) if contract.lse_differentiated(st.options, st.returns) else None)
     grads = backward_chunks(hidden, weight, bias, labels, lse, g.astype(jnp.float32), st, g_lse, class_weight)
     dh, dw, db = _finish_grads(grads, hidden, weight, bias)
-    return dh, dw, db, None, None if class_weight is None else jnp.zeros_like(class_weight)
+    return dh, dw, db, None, _zero_like(class_weight)
 
 
 _per_token_losses.defvjp(_per_token_fwd, _per_token_bwd)
 
 
+def weighted_z_loss_output(
+    out, lse, labels, reduction, n_items, options, returns, vocab, class_weight=None, token_weights=None
+):
+    """A CrossEntropyOutput whose z_loss field is weighted by the token weights like the loss's z-loss term:
+    w_t (w[y_t]) z_loss lse_t**2, reduced by the loss's divisor; unchanged without token weights or z_loss."""
+    if token_weights is None or not returns.z_loss:
+        return out
+    lse = lse.reshape(labels.shape)
+    z_term = contract.z_loss_from_lse(lse, labels, options, vocab) * token_weights.astype(lse.dtype)
+    if class_weight is not None:
+        z_term = z_term * contract.label_weights(labels, class_weight, vocab).astype(z_term.dtype)
+    z_loss = contract.reduce_losses(z_term, labels, reduction, n_items, options.ignore_index, class_weight)
+    return out._replace(z_loss=z_loss)
+
+
 @functools.partial(jax.jit, static_argnames=("st",))
-def kernel_loss(h2, weight, bias, labels, n_items, class_weight=None, *, st: StaticConfig):
+def kernel_loss(h2, weight, bias, labels, n_items, class_weight=None, token_weights=None, *, st: StaticConfig):
     """The chunked kernel path, jitted once per static configuration (an eager call reuses its trace)."""
     if st.reduction == "none":
         outs = _per_token_losses(h2, weight, bias, labels, class_weight, st)
+        if token_weights is not None:
+            # Outside the custom_vjp: the backward's per-token upstream is then g_t * w_t.
+            outs = (outs[0] * token_weights, *outs[1:]) if st.returns else outs * token_weights
     else:
-        outs = _reduced_loss(h2, weight, bias, labels, n_items, class_weight, st)
+        outs = _reduced_loss(h2, weight, bias, labels, n_items, class_weight, token_weights, st)
     if not st.returns:
         return outs
     loss, lse, *rest = outs
     extra = dict(zip(extra_names(st), rest))
-    return contract.with_outputs(
+    out = contract.with_outputs(
         loss,
         lse,
         extra.get("accuracy"),
@@ -154,4 +187,7 @@ def kernel_loss(h2, weight, bias, labels, n_items, class_weight=None, *, st: Sta
         st.returns,
         weight.shape[0],
         class_weight,
+    )
+    return weighted_z_loss_output(
+        out, lse, labels, st.reduction, n_items, st.options, st.returns, weight.shape[0], class_weight, token_weights
     )

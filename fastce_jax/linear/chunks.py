@@ -76,7 +76,7 @@ class StaticConfig(NamedTuple):
     interpret: bool  # Pallas interpret mode (off GPU)
     reduction: str
     chunk_rows: int
-    dtype: str  # compute dtype of the logits
+    dtype: str  # compute dtype of the matmul operands (the inputs' promoted dtype)
     f32_weight_grad: bool
     with_bias: bool
     forward_config: kernels.ForwardConfig
@@ -85,6 +85,7 @@ class StaticConfig(NamedTuple):
     skip_ignored_rows: bool = False  # chunks over the kept rows first; chunks without one skipped (lax.cond)
     partitioned: bool = False  # the chunk loop through sharded.py's custom_partitioning (several devices)
     vocab_layout: object = None  # inside a partitioned loop: (mesh, vocabulary axes, V) of a vocabulary block
+    logits_dtype: str | None = None  # logits_dtype="float32": the chunk's logits in float32 from dtype operands
 
 
 def _ce_forward(logits, labels, st: StaticConfig, class_weight=None):
@@ -176,12 +177,15 @@ def _chunk_upstream(g_tokens, start, fresh, st: StaticConfig, index=None):
     return jnp.where(fresh, _rows_of(g_tokens, start, st, index), 0.0)
 
 
-def chunk_logits(h_c, weight, bias, dtype):
-    """h_c @ weight.T + bias in dtype (float32 accumulation inside the matmul)."""
+def chunk_logits(h_c, weight, bias, dtype, logits_dtype=None):
+    """h_c @ weight.T + bias from dtype operands (float32 accumulation inside the matmul), rounded to dtype, or with
+    logits_dtype float32 kept in float32 (the bias added in float32): no float32 copy of either operand."""
     dt = jnp.dtype(dtype)
-    logits = jax.lax.dot_general(h_c.astype(dt), weight.astype(dt), (((1,), (1,)), ((), ())), preferred_element_type=dt)
+    out = dt if logits_dtype is None else jnp.dtype(logits_dtype)
+    dims = (((1,), (1,)), ((), ()))
+    logits = jax.lax.dot_general(h_c.astype(dt), weight.astype(dt), dims, preferred_element_type=out)
     if bias is not None:
-        logits = logits + bias.astype(dt)
+        logits = logits + bias.astype(out)
     return logits
 
 
@@ -200,12 +204,16 @@ def _accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st: Stat
     dweight (float32 with accumulate_in_float32, else the compute dtype), its column sums into dbias
     (float32). Chunk 0 (``first``) starts dweight and dbias instead of adding to zeros."""
     dt = jnp.dtype(st.dtype)
+    d_f32 = dlogits  # float32 with logits_dtype="float32": the bias gradient sums it before any rounding
+    # The products take d logits in the operands' dtype, as an unfused lm_head's backward does: float32 d logits
+    # times a bf16 weight would promote the weight, a weight-sized float32 copy per chunk.
+    dlogits = dlogits.astype(dt)
     dh_c = jax.lax.dot_general(dlogits, weight.astype(dt), (((1,), (0,)), ((), ())), preferred_element_type=dt)
     acc = jnp.float32 if st.f32_weight_grad else dt
     dw_c = jax.lax.dot_general(dlogits, h_c.astype(dt), (((0,), (0,)), ((), ())), preferred_element_type=acc)
     out = dict(dh=_put_rows(carry["dh"], start, fresh, dh_c, index), dw=dw_c if first else carry["dw"] + dw_c)
     if st.with_bias:
-        db_c = jnp.sum(dlogits.astype(jnp.float32), axis=0)
+        db_c = jnp.sum(d_f32.astype(jnp.float32), axis=0)
         out["db"] = db_c if first else carry["db"] + db_c
     return out
 
@@ -252,7 +260,7 @@ def chunked_forward(hidden, weight, bias, labels, g_tokens, st: StaticConfig, cl
 
     def step(k, carry, first):
         start, fresh, h_c, y_c, index = _chunk_inputs(k, hidden, labels, st, order)
-        logits = chunk_logits(h_c, weight, bias, st.dtype)
+        logits = chunk_logits(h_c, weight, bias, st.dtype, st.logits_dtype)
         loss_c, lse_c, *extra_c = _ce_forward(logits, y_c, st, class_weight)
         out = dict(
             losses=_put_rows(carry["losses"], start, fresh, loss_c, index),
@@ -294,7 +302,7 @@ def chunked_backward(hidden, weight, bias, labels, lse, g_tokens, st: StaticConf
 
     def step(k, carry, first):
         start, fresh, h_c, y_c, index = _chunk_inputs(k, hidden, labels, st, order)
-        logits = chunk_logits(h_c, weight, bias, st.dtype)
+        logits = chunk_logits(h_c, weight, bias, st.dtype, st.logits_dtype)
         lse_c = _rows_of(lse, start, st, index)
         g_c = _chunk_upstream(g_tokens, start, fresh, st, index)
         gl_c = None if g_lse is None else _chunk_upstream(g_lse, start, fresh, st, index)

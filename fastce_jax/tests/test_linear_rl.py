@@ -1,0 +1,345 @@
+"""fastce_jax.linear_cross_entropy's RL keywords (issue 37): temperature, token_weights, logits_dtype, the
+differentiable entropy output, and linear_log_probs, against a float64 NumPy reference.
+
+The reference computes the temperature literally, z = softcap(scaling * x) / T (shared_tests/reference.py's
+transform, then the division), and runs shared_tests' cross_entropy on z with the remaining options; the entropy's
+gradient dH/dz_j = p_j (mz - z_j) (mz = sum_j p_j z_j) is added by hand, then chained through dz/dx and the
+matmul. CPU: the chunked path with the Pallas kernels in interpret mode, tiny shapes, several chunks.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fastce_jax import linear_cross_entropy
+from fastce_jax.linear import api as linear_api
+from shared_tests import reference as ref64
+
+from .checks import as_float64
+from .test_linear_cross_entropy import LOSS_TOL, ROWS, assert_close, grad_tol, make_inputs
+
+
+@pytest.fixture(autouse=True)
+def _exact_float32_matmuls():
+    with jax.default_matmul_precision("float32"):
+        yield
+
+
+def expected(
+    hidden,
+    weight,
+    labels,
+    *,
+    bias=None,
+    reduction="mean",
+    n_items=None,
+    temperature=1.0,
+    token_weights=None,
+    class_weight=None,
+    g_loss=1.0,
+    g_entropy=None,
+    **opts,
+):
+    """float64 (loss, entropy output, d hidden, d weight, d bias) of g_loss * loss + g_entropy * entropy (both
+    scalars for "mean" / "sum", per-token arrays for "none"; g_entropy None: the loss alone). Labels flat (N,)."""
+    h = as_float64(hidden).reshape(-1, hidden.shape[-1])
+    w = as_float64(weight)
+    y = np.asarray(labels).reshape(-1).astype(np.int64)
+    x = h @ w.T + (0.0 if bias is None else as_float64(bias))
+    base = ref64.Options(**opts)
+    z = ref64.transform(x, base) / temperature
+    dz_dx = ref64.dz_dx(x, base) / temperature
+    plain = ref64.Options(ignore_index=base.ignore_index, label_smoothing=base.label_smoothing, z_loss=base.z_loss)
+    ignored = y == base.ignore_index
+    tw = np.ones(y.shape) if token_weights is None else np.asarray(token_weights, np.float64).reshape(-1)
+    tw = np.where(ignored, 0.0, tw)
+    cw = None if class_weight is None else np.asarray(class_weight, np.float64)
+    if reduction == "none":
+        den = den_h = 1.0
+        g_tok = np.broadcast_to(np.asarray(g_loss, np.float64), y.shape).reshape(-1)
+        g_h = None if g_entropy is None else np.broadcast_to(np.asarray(g_entropy, np.float64), y.shape).reshape(-1)
+    else:
+        den = ref64.denominator(y, reduction, n_items, base.ignore_index, cw)
+        den_h = ref64.denominator(y, reduction, n_items, base.ignore_index)
+        g_tok = np.full(y.shape, g_loss / den)
+        g_h = None if g_entropy is None else np.full(y.shape, g_entropy / den_h)
+    r = ref64.cross_entropy(z, y, reduction="none", upstream=g_tok * tw, opts=plain, weight=cw)
+    token = r.token_loss * tw
+    loss = token.reshape(np.shape(labels)) if reduction == "none" else np.sum(token) / den
+    ent = ref64.outputs(z, y, reduction="none", opts=plain).entropy
+    entropy = ent.reshape(np.shape(labels)) if reduction == "none" else np.sum(ent) / den_h
+    grad_z = r.grad
+    if g_h is not None:
+        p = np.exp(z - r.lse[:, None])
+        mz = np.sum(p * z, axis=-1, keepdims=True)
+        grad_z = grad_z + np.where(ignored[:, None], 0.0, g_h[:, None] * p * (mz - z))
+    g = grad_z * dz_dx
+    dh = (g @ w).reshape(hidden.shape)
+    return loss, entropy, dh, g.T @ h, None if bias is None else g.sum(axis=0)
+
+
+def run(put, hidden, weight, labels, *, bias=None, reduction="mean", g_loss=1.0, g_entropy=None, **kw):
+    """value and gradients (hidden, weight, bias) of g_loss * loss (+ g_entropy * entropy) through the kernels."""
+    y = put(labels, jnp.int32)
+    entropy_out = g_entropy is not None
+
+    def f(h, w, b):
+        out = linear_cross_entropy(
+            h, w, y, bias=b, reduction=reduction, backend="kernel", chunk_rows=kw.pop("chunk_rows", ROWS),
+            return_entropy=entropy_out, **kw,
+        )  # fmt: skip
+        loss = out.loss if entropy_out else out
+        total = jnp.sum(loss * g_loss)
+        if entropy_out:
+            total = total + jnp.sum(out.entropy * g_entropy)
+        return total, out
+
+    (_, out), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(hidden, weight, bias)
+    return out, grads
+
+
+def compare(out, grads, want, *, entropy=False, grad_rtol=2e-4, loss_tol=LOSS_TOL):
+    loss = out.loss if entropy else out
+    assert_close(loss, want[0], what="loss", **loss_tol)
+    if entropy:
+        assert_close(out.entropy, want[1], what="entropy", **loss_tol)
+    for name, got, ref in zip(("dhidden", "dweight", "dbias"), grads, want[2:]):
+        if ref is None:
+            continue
+        assert_close(got, ref, what=name, **grad_tol(ref, grad_rtol))
+
+
+# ----------------------------------------------------------------------------
+# temperature
+# ----------------------------------------------------------------------------
+
+OPTIONS = {
+    "plain": {},
+    "all": dict(label_smoothing=0.1, z_loss=1e-3, logit_softcapping=5.0, logit_scaling=1.3),
+    "softcap": dict(logit_softcapping=4.0),
+}
+
+
+@pytest.mark.parametrize("option_set", list(OPTIONS))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_temperature(put, option_set, reduction):
+    opts = OPTIONS[option_set]
+    hidden, weight, bias, labels = make_inputs(put, 21, 16, 67, seed=1)
+    g = np.random.default_rng(1).uniform(0.5, 2.0, labels.shape) if reduction == "none" else 1.7
+    out, grads = run(put, hidden, weight, labels, bias=bias, reduction=reduction, g_loss=g, temperature=0.7, **opts)
+    want = expected(hidden, weight, labels, bias=bias, reduction=reduction, temperature=0.7, g_loss=g, **opts)
+    compare(out, grads, want)
+    # The reference backend (plain jnp) folds it the same way.
+    ref_loss = linear_cross_entropy(
+        hidden, weight, put(labels, jnp.int32), bias=bias, reduction=reduction, backend="reference",
+        temperature=0.7, **opts,
+    )  # fmt: skip
+    assert_close(ref_loss, want[0], what="reference backend", **LOSS_TOL)
+
+
+def test_temperature_one_leaves_the_options():
+    options = linear_api.contract.Options(logit_scaling=0.5, logit_softcapping=3.0)
+    assert linear_api.fold_temperature(options, 1.0) is options
+    folded = linear_api.fold_temperature(linear_api.contract.Options(), 2.0)
+    assert folded.logit_scaling == 0.5 and folded.logit_softcapping == 0.0
+
+
+@pytest.mark.parametrize(
+    "value, error", [(True, TypeError), (0.0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
+                     (float("inf"), ValueError), ("1.0", TypeError)]
+)  # fmt: skip
+def test_bad_temperature(put, value, error):
+    hidden, weight, _, labels = make_inputs(put, 4, 8, 10, seed=2)
+    with pytest.raises(error, match="temperature"):
+        linear_cross_entropy(hidden, weight, put(labels, jnp.int32), temperature=value, backend="kernel")
+
+
+# ----------------------------------------------------------------------------
+# logits_dtype
+# ----------------------------------------------------------------------------
+
+
+def _dot_generals(fn, *args):
+    """(operand dtypes, output dtype, output shape) of every dot_general in fn's jaxpr (nested ones included)."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append(
+                    (tuple(str(v.aval.dtype) for v in eqn.invars), str(eqn.outvars[0].aval.dtype),
+                     tuple(eqn.outvars[0].aval.shape))
+                )  # fmt: skip
+            for param in eqn.params.values():
+                for inner in param if isinstance(param, (tuple, list)) else (param,):
+                    if hasattr(inner, "jaxpr") and hasattr(inner.jaxpr, "eqns"):
+                        walk(inner.jaxpr)
+                    elif hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_logits_dtype_float32(put, reduction):
+    """bf16 operands, float32 logits: the loss is the float64 one of the bf16 inputs to float32 accuracy (the
+    default bf16 logits are off by bf16's rounding), the GEMM takes bf16 operands with a float32 result, and the
+    gradients keep the inputs' dtypes."""
+    hidden, weight, bias, labels = make_inputs(put, 24, 32, 70, seed=3, dtype=jnp.bfloat16)
+    g = np.random.default_rng(3).uniform(0.5, 2.0, labels.shape) if reduction == "none" else 1.0
+    want = expected(hidden, weight, labels, bias=bias, reduction=reduction, temperature=0.7, g_loss=g)
+    out, grads = run(
+        put, hidden, weight, labels, bias=bias, reduction=reduction, g_loss=g, temperature=0.7, logits_dtype="float32"
+    )
+    assert_close(out, want[0], what="loss", rtol=2e-5, atol=2e-5)
+    bf16_out, _ = run(put, hidden, weight, labels, bias=bias, reduction=reduction, g_loss=g, temperature=0.7)
+    err32 = np.max(np.abs(np.asarray(out, np.float64) - want[0]))
+    err16 = np.max(np.abs(np.asarray(bf16_out, np.float64) - want[0]))
+    assert err32 < err16 / 10, (err32, err16)
+    for got, ref, like in zip(grads, want[2:], (hidden, weight, bias)):
+        assert got.dtype == like.dtype
+        assert_close(got, ref, what="grad", **grad_tol(ref, 5e-2))
+    y = put(labels, jnp.int32)
+    dots = _dot_generals(
+        lambda h, w: linear_cross_entropy(h, w, y, backend="kernel", chunk_rows=ROWS, logits_dtype=jnp.float32), hidden,
+        weight,
+    )  # fmt: skip
+    assert dots and all(d == (("bfloat16", "bfloat16"), "float32", (ROWS, 70)) for d in dots), dots
+
+
+def test_logits_dtype_workspace_counts_four_bytes(put):
+    """The workspace budget counts 4 bytes per logit with float32 logits: half the rows of bf16 logits."""
+    hidden, weight, _, labels = make_inputs(put, 64, 8, 16, seed=4, dtype=jnp.bfloat16)
+    y = put(labels, jnp.int32)
+    budget = 16 * 2 * 32  # 32 rows of bf16 logits, 16 of float32
+
+    def rows(**kw):
+        fn = lambda h, w: linear_cross_entropy(h, w, y, backend="kernel", workspace_bytes=budget, **kw)  # noqa: E731
+        return {shape[0] for *_, shape in _dot_generals(fn, hidden, weight)}
+
+    assert rows() == {32} and rows(logits_dtype="float32") == {16}
+
+
+@pytest.mark.parametrize("value", ["float16", "bfloat16", "bf16", jnp.bfloat16, jnp.float64, "float64", 4, True])
+def test_bad_logits_dtype(put, value):
+    hidden, weight, _, labels = make_inputs(put, 4, 8, 10, seed=5, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="logits_dtype"):
+        linear_cross_entropy(hidden, weight, put(labels, jnp.int32), logits_dtype=value, backend="kernel")
+
+
+def test_logits_dtype_is_a_no_op_for_float32_inputs(put):
+    hidden, weight, _, labels = make_inputs(put, 16, 8, 30, seed=6)
+    y = put(labels, jnp.int32)
+    a = linear_cross_entropy(hidden, weight, y, backend="kernel", chunk_rows=ROWS, logits_dtype=np.dtype("float32"))
+    b = linear_cross_entropy(hidden, weight, y, backend="kernel", chunk_rows=ROWS)
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+# ----------------------------------------------------------------------------
+# token_weights
+# ----------------------------------------------------------------------------
+
+WEIGHTED = {
+    "plain": {},
+    "z_loss+smoothing": dict(z_loss=1e-2, label_smoothing=0.1),
+    "n_items": dict(n_items=7),
+    "class_weight": dict(class_weight=np.linspace(0.2, 2.0, 50)),
+    "skip_ignored": dict(skip_ignored_rows=True),
+}
+
+
+@pytest.mark.parametrize("case", list(WEIGHTED))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_token_weights(put, case, reduction):
+    kw = dict(WEIGHTED[case])
+    hidden, weight, bias, labels = make_inputs(put, 21, 16, 50, seed=7)
+    rng = np.random.default_rng(7)
+    tw = rng.uniform(-1.0, 2.0, labels.shape)  # negative: advantages
+    tw[labels == -100] = np.nan  # an ignored token's weight takes no part
+    g = rng.uniform(0.5, 2.0, labels.shape) if reduction == "none" else 1.7
+    ref_kw = {k: v for k, v in kw.items() if k != "skip_ignored_rows"}
+    if "class_weight" in kw:
+        kw["class_weight"] = put(kw["class_weight"], jnp.float32)
+    out, grads = run(
+        put, hidden, weight, labels, bias=bias, reduction=reduction, g_loss=g,
+        token_weights=put(tw, jnp.float32), temperature=0.8, **kw,
+    )  # fmt: skip
+    want = expected(
+        hidden, weight, labels, bias=bias, reduction=reduction, token_weights=tw, temperature=0.8, g_loss=g, **ref_kw
+    )
+    compare(out, grads, want)
+
+
+def test_token_weights_shift_and_z_loss_output(put):
+    """shift=1 aligns the weights with labels (w[..., t] with label[..., t]); the z_loss output is weighted like
+    the loss's term, lse and entropy are not."""
+    hidden, weight, _, labels = make_inputs(put, 24, 16, 40, seed=8, lead=(2, 12))
+    tw = np.random.default_rng(8).uniform(0.0, 2.0, labels.shape)
+    y = put(labels, jnp.int32)
+    out = linear_cross_entropy(
+        hidden, weight, y, backend="kernel", chunk_rows=ROWS, shift=1, token_weights=put(tw, jnp.float32), z_loss=1e-2,
+        return_z_loss=True, return_entropy=True, return_lse=True,
+    )  # fmt: skip
+    sliced = dict(hidden=hidden[:, :-1].reshape(-1, 16), labels=labels[:, 1:].reshape(-1), tw=tw[:, 1:].reshape(-1))
+    want = expected(sliced["hidden"], weight, sliced["labels"], token_weights=sliced["tw"], z_loss=1e-2)
+    assert_close(out.loss, want[0], what="loss", **LOSS_TOL)
+    assert_close(out.entropy, want[1], what="entropy (unweighted)", **LOSS_TOL)
+    x = as_float64(sliced["hidden"]) @ as_float64(weight).T
+    plain = ref64.outputs(x, sliced["labels"], reduction="none", opts=ref64.Options(z_loss=1e-2))
+    kept = max(1, int(np.sum(sliced["labels"] != -100)))
+    assert_close(out.z_loss, np.sum(plain.z_loss * sliced["tw"]) / kept, what="z_loss", **LOSS_TOL)
+    assert_close(out.lse, plain.lse.reshape(2, 11), what="lse", **LOSS_TOL)
+
+
+def test_token_weights_keep_the_gradient_in_forward_path(put):
+    """ "mean" with token weights runs the same matmuls as without (three per chunk, no recompute in the
+    backward): the per-row factor replaces the scalar."""
+    hidden, weight, _, labels = make_inputs(put, 24, 8, 30, seed=9)
+    y = put(labels, jnp.int32)
+    tw = put(np.random.default_rng(9).uniform(0.5, 2.0, labels.shape), jnp.float32)
+
+    def grad_fn(weights):
+        return jax.grad(
+            lambda h, w: linear_cross_entropy(h, w, y, backend="kernel", chunk_rows=ROWS, token_weights=weights),
+            argnums=(0, 1),
+        )
+
+    plain = _dot_generals(grad_fn(None), hidden, weight)
+    weighted = _dot_generals(grad_fn(tw), hidden, weight)
+    assert len(weighted) == len(plain) == 6, (plain, weighted)  # chunk 0 and the loop body, 3 products each
+
+
+def test_token_weights_have_no_gradient(put):
+    hidden, weight, _, labels = make_inputs(put, 8, 8, 20, seed=10)
+    y = put(labels, jnp.int32)
+    tw = put(np.ones(labels.shape), jnp.float32)
+    for reduction in ("mean", "none"):
+        with pytest.raises(ValueError, match="token_weights"):
+            jax.grad(
+                lambda t: jnp.sum(
+                    linear_cross_entropy(hidden, weight, y, reduction=reduction, token_weights=t, backend="kernel")
+                )
+            )(tw)
+
+
+def test_bad_token_weights(put):
+    hidden, weight, _, labels = make_inputs(put, 8, 8, 20, seed=11)
+    y = put(labels, jnp.int32)
+    with pytest.raises(ValueError, match="token_weights"):
+        linear_cross_entropy(hidden, weight, y, token_weights=jnp.ones((9,)), backend="kernel")
+    with pytest.raises(TypeError, match="token_weights"):
+        linear_cross_entropy(hidden, weight, y, token_weights=jnp.ones((8,), jnp.int32), backend="kernel")
+
+
+def test_nan_token_weight_is_visible(put):
+    hidden, weight, _, labels = make_inputs(put, 8, 8, 20, seed=12, n_ignored=0)
+    tw = np.ones(labels.shape)
+    tw[3] = np.nan
+    y = put(labels, jnp.int32)
+    per_token = linear_cross_entropy(hidden, weight, y, reduction="none", token_weights=put(tw, jnp.float32),
+                                     backend="kernel", chunk_rows=ROWS)  # fmt: skip
+    assert np.isnan(np.asarray(per_token)).tolist() == [i == 3 for i in range(8)]
+    mean = linear_cross_entropy(hidden, weight, y, token_weights=put(tw, jnp.float32), backend="kernel")
+    assert np.isnan(float(mean))
