@@ -105,12 +105,17 @@ def _ce_forward(logits, labels, st: StaticConfig, class_weight=None):
     )
 
 
-def _ce_backward_in_place(logits, labels, lse, g, st: StaticConfig, g_lse=None, class_weight=None):
+def _ce_backward_in_place(logits, labels, lse, g, st: StaticConfig, g_lse=None, class_weight=None, entropy=None):
+    """d logits of the chunk (in place). g_lse: the lse cotangent (a returned z_loss's) or None; entropy: (the
+    entropy output's cotangent, mz = lse - entropy) per row, or None."""
+    kw = {} if g_lse is None else {"g_lse": g_lse}
+    if entropy is not None:
+        kw.update(g_entropy=entropy[0], mz=entropy[1])
     if st.vocab_layout is not None:
         mesh, axes, vocab_total = st.vocab_layout
         return ops.local_backward(
             logits, labels, lse, g, st.options, True, st.interpret, None, mesh=mesh, vocab_axes=axes,
-            vocab_total=vocab_total, g_lse=g_lse,
+            vocab_total=vocab_total, **kw,
         )  # fmt: skip
     return ops.backward(
         logits,
@@ -122,7 +127,7 @@ def _ce_backward_in_place(logits, labels, lse, g, st: StaticConfig, g_lse=None, 
         interpret=st.interpret,
         config=st.backward_config,
         partitioned=False,
-        **({} if g_lse is None else {"g_lse": g_lse}),
+        **kw,
         **({} if class_weight is None else {"weight": class_weight}),
     )
 
@@ -294,9 +299,13 @@ def chunked_forward(hidden, weight, bias, labels, g_tokens, st: StaticConfig, cl
     return carry["losses"], carry["lse"], grads, {name: carry[name] for name in extras}
 
 
-def chunked_backward(hidden, weight, bias, labels, lse, g_tokens, st: StaticConfig, g_lse=None, class_weight=None):
+def chunked_backward(
+    hidden, weight, bias, labels, lse, g_tokens, st: StaticConfig, g_lse=None, class_weight=None, entropy=None
+):
     """The chunk loop on the arrays given. Gradients of sum_t g_t * loss_t (+ sum_t g_lse_t * lse_t when g_lse is
-    given: a returned z_loss's) from the saved lse: each chunk's logits are recomputed, no forward kernel."""
+    given: a returned z_loss's; + sum_t g_H,t * H_t when entropy = (g_H, mz = lse - H) per row is given: a returned
+    entropy's) from the saved lse: each chunk's logits are recomputed, no forward kernel; the entropy's term rides
+    in the same backward kernel (no extra matmul)."""
     n = hidden.shape[0]
     order = _row_order(labels, st)
 
@@ -306,7 +315,10 @@ def chunked_backward(hidden, weight, bias, labels, lse, g_tokens, st: StaticConf
         lse_c = _rows_of(lse, start, st, index)
         g_c = _chunk_upstream(g_tokens, start, fresh, st, index)
         gl_c = None if g_lse is None else _chunk_upstream(g_lse, start, fresh, st, index)
-        dlogits = _ce_backward_in_place(logits, y_c, lse_c, g_c, st, gl_c, class_weight)
+        ent_c = None
+        if entropy is not None:
+            ent_c = (_chunk_upstream(entropy[0], start, fresh, st, index), _rows_of(entropy[1], start, st, index))
+        dlogits = _ce_backward_in_place(logits, y_c, lse_c, g_c, st, gl_c, class_weight, ent_c)
         return _accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st, index)
 
     def initial():
