@@ -13,6 +13,7 @@ logits), cross_entropy.py, linear/ (the fused linear loss), unsloth.py.
 from .contract import CrossEntropyOutput
 from .cross_entropy import cross_entropy, cross_entropy_reference
 from .linear import DEFAULT_WORKSPACE_BYTES, linear_cross_entropy
+from .log_probs import LogProbOutput
 from .unsloth import fast_cross_entropy_loss
 from .versions import warn_if_untested
 
@@ -20,6 +21,7 @@ warn_if_untested()  # once per process, on a jax or jaxlib release outside the t
 
 __all__ = [
     "CrossEntropyOutput",
+    "LogProbOutput",
     "cross_entropy",
     "cross_entropy_reference",
     "fast_cross_entropy_loss",

@@ -118,7 +118,7 @@ def check_labels(labels, leading_shape: tuple, ignore_index: int):
 
 
 WEIGHT_GRAD_UNSUPPORTED = (
-    "{}: gradients with respect to class weights are not supported by fastce_jax; differentiate with respect to "
+    "{}: gradients with respect to {} are not supported by fastce_jax; differentiate with respect to "
     "the other arguments only (or wrap the weights in jax.lax.stop_gradient)"
 )
 
@@ -145,7 +145,8 @@ def _constant_weight(weight, name):
 
 def _constant_weight_fwd(weight, name):
     if weight.perturbed:  # jax.grad / vjp asks for the weights' gradient
-        raise ValueError(WEIGHT_GRAD_UNSUPPORTED.format(name))
+        what = "token weights" if name == "token_weights" else "class weights"
+        raise ValueError(WEIGHT_GRAD_UNSUPPORTED.format(name, what))
     return weight.value, None
 
 
@@ -154,6 +155,58 @@ def _constant_weight_bwd(name, residuals, g):
 
 
 _constant_weight.defvjp(_constant_weight_fwd, _constant_weight_bwd, symbolic_zeros=True)
+
+
+def check_token_weights(token_weights, labels_shape: tuple):
+    """Per-token weights (advantages, masks): None, or a floating-point array shaped exactly like labels, returned as
+    float32 (float64 when given in float64) carrying no gradient (differentiating with respect to it raises
+    ValueError naming token_weights)."""
+    if token_weights is None:
+        return None
+    token_weights = as_array(token_weights, "token_weights")
+    if not jnp.issubdtype(jnp.dtype(token_weights.dtype), jnp.floating):
+        raise TypeError(f"token_weights must be a floating-point array, got {token_weights.dtype}")
+    if tuple(token_weights.shape) != tuple(labels_shape):
+        raise ValueError(
+            f"token_weights shape {tuple(token_weights.shape)} must equal labels' shape {tuple(labels_shape)}"
+        )
+    if jnp.dtype(token_weights.dtype) != jnp.float64:
+        token_weights = jnp.asarray(token_weights).astype(jnp.float32)
+    return _constant_weight(jnp.asarray(token_weights), "token_weights")
+
+
+def shifted_token_weights(token_weights, shift: int):
+    """token_weights aligned with contract.shifted_labels: w[..., shift:] followed by `shift` zeros (the padded
+    positions are ignored rows anyway)."""
+    if token_weights is None or not shift:
+        return token_weights
+    kept = token_weights[..., shift:]
+    pad = jnp.zeros((*token_weights.shape[:-1], token_weights.shape[-1] - kept.shape[-1]), token_weights.dtype)
+    return jnp.concatenate((kept, pad), axis=-1)
+
+
+def check_temperature(temperature) -> float:
+    """temperature as a float: a Python int/float > 0 and finite (a bool is a TypeError)."""
+    if isinstance(temperature, (bool, np.bool_)) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a Python float > 0, got {temperature!r}")
+    value = float(temperature)
+    if not np.isfinite(value) or not value > 0.0:
+        raise ValueError(f"temperature must be finite and > 0, got {value}")
+    return value
+
+
+def fold_temperature(options: Options, temperature: float) -> Options:
+    """The options with z = softcap(scale * x) / T folded in (exact algebra: softcap_c(s x) / T ==
+    softcap_{c/T}((s/T) x)): scaling (or 1) / T and softcap / T (0 stays 0). T == 1 returns options unchanged, so
+    the kernels compiled for it are today's."""
+    if temperature == 1.0:
+        return options
+    scaling = (options.logit_scaling or 1.0) / temperature
+    softcap = options.logit_softcapping / temperature
+    for name, value in (("logit_scaling", scaling), ("logit_softcapping", softcap)):
+        if not np.isfinite(value) or (value != 0.0 and abs(value) < FLOAT32_TINY):
+            raise ValueError(f"temperature={temperature} makes the effective {name} {value}, outside float32's range")
+    return options._replace(logit_scaling=scaling, logit_softcapping=softcap)
 
 
 def label_weights(labels, weight, vocab: int):
@@ -194,9 +247,10 @@ def check_flag(value, name: str) -> bool:
 
 
 def check_options(
-    *, ignore_index, reduction, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
+    *, ignore_index, reduction, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend, temperature=1.0
 ) -> Options:
-    """The options as an Options record of Python numbers; reduction and backend are checked, not stored."""
+    """The options as an Options record of Python numbers, the temperature folded into scaling and softcapping
+    (fold_temperature); reduction and backend are checked, not stored."""
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     if reduction not in REDUCTIONS:
@@ -210,7 +264,8 @@ def check_options(
     if not 0.0 <= smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {smoothing}")
     scaling = _real(logit_scaling, "logit_scaling")
-    return Options(int(ignore_index), softcap, scaling, smoothing, _real(z_loss, "z_loss"))
+    options = Options(int(ignore_index), softcap, scaling, smoothing, _real(z_loss, "z_loss"))
+    return fold_temperature(options, check_temperature(temperature))
 
 
 def check_extras(return_z_loss, return_lse, return_accuracy, return_entropy) -> Extras:
@@ -495,62 +550,6 @@ def with_outputs(
     return out
 
 
-def reference_row_outputs(logits, labels, options: Options, returns, weight=None):
-    """(loss, lse, accuracy, entropy) per token of logits (..., V) in jnp, like reference_token_losses (whose loss
-    it is); accuracy / entropy None unless asked for. lse is differentiable (z_loss is computed from it); argmax
-    and entropy are computed from stop_gradient(z)."""
-    ign = ignore_value(labels.dtype, options.ignore_index)
-    if ign is not None:
-        logits = jnp.where((labels == ign)[..., None], jnp.zeros((), logits.dtype), logits)
-    z = transform(logits.astype(compute_dtype(logits.dtype)), options)
-    lse, label_logit, sum_z = row_statistics(z, labels, options)
-    if weight is None:
-        loss = token_loss_from_statistics(lse, label_logit, sum_z, labels, options, z.shape[-1])
-    else:
-        loss = _weighted_reference_loss(z, lse, label_logit, labels, options, weight)
-    zs, lse_s = jax.lax.stop_gradient(z), jax.lax.stop_gradient(lse)
-    argmax = jnp.argmax(zs, axis=-1) if returns.accuracy else None
-    mean_z = None
-    if returns.entropy:
-        p = jnp.exp(zs - lse_s[..., None])
-        mean_z = jnp.sum(jnp.where(zs == -jnp.inf, 0.0, p * zs), axis=-1)
-    accuracy, entropy = outputs_from_statistics(lse_s, argmax, mean_z, labels, options, z.shape[-1])
-    return loss, lse, accuracy, entropy
-
-
-def reference_token_losses(logits, labels, options: Options, weight=None):
-    """Per-token losses of logits (..., V), labels (...) in jnp (no reshape, so any sharding of the leading axes
-    stays where it is): float32 math and losses, float64 for float64 logits. Differentiable by plain autodiff.
-    weight: class weights (V,) or None."""
-    ign = ignore_value(labels.dtype, options.ignore_index)
-    if ign is not None:
-        # Zero ignored rows before any math, so their gradient is exactly 0 even when the row holds NaN/inf.
-        logits = jnp.where((labels == ign)[..., None], jnp.zeros((), logits.dtype), logits)
-    z = transform(logits.astype(compute_dtype(logits.dtype)), options)
-    lse, label_logit, sum_z = row_statistics(z, labels, options)
-    if weight is not None:
-        return _weighted_reference_loss(z, lse, label_logit, labels, options, weight)
-    return token_loss_from_statistics(lse, label_logit, sum_z, labels, options, z.shape[-1])
-
-
-def _weighted_reference_loss(z, lse, label_logit, labels, options: Options, weight):
-    vocab = z.shape[-1]
-    weight = weight.astype(z.dtype)
-    sum_wz = weighted_sum_z(z, weight) if options.label_smoothing != 0.0 else jnp.zeros_like(lse)
-    w_label = label_weights(labels, weight, vocab)
-    return weighted_token_loss(lse, label_logit, sum_wz, w_label, jnp.sum(weight), labels, options, vocab)
-
-
-def reference_backward(logits, labels, g, options: Options, g_lse=None, weight=None):
-    """d(sum_t g_t loss_t + sum_t g_lse_t lse_t)/d logits of reference_row_outputs (g, g_lse shaped like labels;
-    g_lse None: the loss alone); weight: class weights or None."""
-    if g_lse is None:
-        _, vjp = jax.vjp(lambda x: reference_token_losses(x, labels, options, weight), logits)
-        return vjp(g.astype(jnp.float32))[0]
-    _, vjp = jax.vjp(lambda x: reference_row_outputs(x, labels, options, NO_EXTRAS, weight)[:2], logits)
-    return vjp((g.astype(jnp.float32), g_lse.astype(jnp.float32)))[0]
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Where the arrays are (the "auto" backend's rule).
 # ----------------------------------------------------------------------------------------------------------------
@@ -579,3 +578,12 @@ def gpu_available() -> bool:
         return bool(jax.devices("gpu"))
     except RuntimeError:
         return False
+
+
+# The jnp reference formulas live in reference.py (which imports this module); the names stay reachable here for
+# the layers that call contract.reference_*. Importing the package always imports this module first.
+from . import reference as _reference  # noqa: E402
+
+reference_backward = _reference.reference_backward
+reference_row_outputs = _reference.reference_row_outputs
+reference_token_losses = _reference.reference_token_losses

@@ -135,12 +135,17 @@ def local_backward(
     vocab_axes=(),
     vocab_total=None,
     g_lse=None,
+    g_entropy=None,
+    mz=None,
 ):
     """dL/dlogits of this device's block; lse is the global one, so nothing is communicated. g_lse: the per-token
-    cotangent of lse too (the returned z_loss's gradient), or None."""
+    cotangent of lse too (the returned z_loss's gradient), or None. g_entropy, mz: the per-token cotangent of the
+    entropy output and mz = lse - entropy (global: nothing is communicated either), or None (both)."""
     v_local = logits.shape[-1]
     flat = (logits.reshape(-1, v_local), labels.reshape(-1), lse.reshape(-1), g.reshape(-1))
     kw = {} if g_lse is None else {"g_lse": g_lse.reshape(-1)}
+    if g_entropy is not None:
+        kw.update(g_entropy=g_entropy.reshape(-1), mz=mz.reshape(-1))
     if not vocab_axes:
         d = kernels.backward(*flat, options, inplace=inplace, interpret=interpret, config=config, **kw)
     else:
@@ -216,9 +221,12 @@ def _infer_forward(options, interpret, config, extras, mesh, arg_shapes, result_
     return (row_sharding,) * (2 + sum(extras))
 
 
-def _local_backward_args(logits, labels, lse, g, *maybe_g_lse, **static):
-    """local_backward with the optional lse cotangent as a fifth positional operand."""
-    return local_backward(logits, labels, lse, g, g_lse=maybe_g_lse[0] if maybe_g_lse else None, **static)
+def _local_backward_args(logits, labels, lse, g, *cotangents, **static):
+    """local_backward with the optional per-token operands positional, told apart by their number: (), (g_lse,),
+    (g_entropy, mz) or (g_lse, g_entropy, mz)."""
+    g_lse = cotangents[0] if len(cotangents) in (1, 3) else None
+    g_entropy, mz = cotangents[-2:] if len(cotangents) >= 2 else (None, None)
+    return local_backward(logits, labels, lse, g, g_lse=g_lse, g_entropy=g_entropy, mz=mz, **static)
 
 
 def _partition_backward(options, inplace, interpret, config, mesh, arg_shapes, result_shape):
@@ -282,7 +290,9 @@ def _forward_op(options: Options, interpret: bool, config, extras=(False, False)
 
 
 @functools.cache
-def _backward_op(options: Options, inplace: bool, interpret: bool, config, lse_cotangent: bool = False):
+def _backward_op(
+    options: Options, inplace: bool, interpret: bool, config, lse_cotangent: bool = False, entropy_cotangent=False
+):
     @custom_partitioning
     def op(*args):
         return _local_backward_args(*args, options=options, inplace=inplace, interpret=interpret, config=config)
@@ -290,7 +300,7 @@ def _backward_op(options: Options, inplace: bool, interpret: bool, config, lse_c
     op.def_partition(
         partition=functools.partial(_partition_backward, options, inplace, interpret, config),
         infer_sharding_from_operands=functools.partial(_infer_backward, options, inplace, interpret, config),
-        sharding_rule="... v, ..., ..., ..." + (", ..." if lse_cotangent else "") + " -> ... v",
+        sharding_rule="... v, ..., ..., ..." + ", ..." * (lse_cotangent + 2 * entropy_cotangent) + " -> ... v",
     )
 
     @jax.custom_batching.custom_vmap
@@ -319,6 +329,7 @@ class _Launch(NamedTuple):
     inplace: bool = False
     extras: tuple = (False, False)  # forward: (accuracy, entropy) per token besides (loss, lse)
     lse_cotangent: bool = False  # lse is differentiated (a returned z_loss): its tangent / cotangent is real
+    entropy_cotangent: bool = False  # backward: the entropy output is differentiated (g_entropy and mz given)
 
 
 def _forward_kw(st: _Launch):
@@ -335,15 +346,23 @@ def _forward(logits, labels, st: _Launch):
     return _forward_op(st.options, st.interpret, st.config, *((st.extras,) if any(st.extras) else ()))(logits, labels)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
-def _backward(logits, labels, lse, g, g_lse, st: _Launch):
-    args = (logits, labels, lse, g) + ((g_lse,) if st.lse_cotangent else ())
+def _backward_operands(logits, labels, lse, g, g_lse, g_entropy, mz, st: _Launch):
+    return (
+        (logits, labels, lse, g)
+        + ((g_lse,) if st.lse_cotangent else ())
+        + ((g_entropy, mz) if st.entropy_cotangent else ())
+    )
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(7,))
+def _backward(logits, labels, lse, g, g_lse, g_entropy, mz, st: _Launch):
+    args = _backward_operands(logits, labels, lse, g, g_lse, g_entropy, mz, st)
     if not st.partitioned or _single_device():
         return _local_backward_args(
             *args, options=st.options, inplace=st.inplace, interpret=st.interpret, config=st.config
         )
-    flag = (True,) if st.lse_cotangent else ()
-    return _backward_op(st.options, st.inplace, st.interpret, st.config, *flag)(*args)
+    flags = (st.lse_cotangent, True) if st.entropy_cotangent else (True,) if st.lse_cotangent else ()
+    return _backward_op(st.options, st.inplace, st.interpret, st.config, *flags)(*args)
 
 
 @_forward.defjvp
@@ -362,22 +381,25 @@ def _forward_jvp(st: _Launch, primals, tangents):
     return outs, (loss_dot, jnp.zeros_like(outs[1])) + rest
 
 
+def _reference_backward_jvp(st: _Launch, primals, tangents, weight=None):
+    """The tangent of a backward launch: the jvp of the reference backward in the logits and the cotangents used.
+    lse and mz are functions of the logits: the reference recomputes them, so their own tangents are not added."""
+    logits, labels, _, g, g_lse, g_entropy, _ = primals
+    used = [3] + ([4] if st.lse_cotangent else []) + ([5] if st.entropy_cotangent else [])
+
+    def backward_of(x, *upstream):
+        named = dict(zip(used, upstream))
+        return reference_backward(x, labels, named[3], st.options, named.get(4), weight, named.get(5))
+
+    _, dlogits_dot = jax.jvp(
+        backward_of, (logits, *(primals[i] for i in used)), (tangents[0], *(tangents[i] for i in used))
+    )
+    return dlogits_dot
+
+
 @_backward.defjvp
 def _backward_jvp(st: _Launch, primals, tangents):
-    logits, labels, lse, g, g_lse = primals
-    dlogits = _backward(logits, labels, lse, g, g_lse, st)
-    # lse is a function of the logits: the reference backward recomputes it, so lse's own tangent is not added.
-    if st.lse_cotangent:
-        _, dlogits_dot = jax.jvp(
-            lambda x, w, wl: reference_backward(x, labels, w, st.options, wl),
-            (logits, g, g_lse),
-            (tangents[0], tangents[3], tangents[4]),
-        )
-    else:
-        _, dlogits_dot = jax.jvp(
-            lambda x, w: reference_backward(x, labels, w, st.options), (logits, g), (tangents[0], tangents[3])
-        )
-    return dlogits, dlogits_dot
+    return _backward(*primals, st), _reference_backward_jvp(st, primals, tangents)
 
 
 # Class weights: the kernels run on the whole array (no custom_partitioning rule: sharded logits are gathered by
@@ -393,11 +415,13 @@ def _weighted_forward(logits, labels, weight, st: _Launch):
     return tuple(o.reshape(labels.shape) for o in outs)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(6,))
-def _weighted_backward(logits, labels, lse, g, g_lse, weight, st: _Launch):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(8,))
+def _weighted_backward(logits, labels, lse, g, g_lse, g_entropy, mz, weight, st: _Launch):
     v = logits.shape[-1]
     flat = (logits.reshape(-1, v), labels.reshape(-1), lse.reshape(-1), g.reshape(-1))
     kw = {"g_lse": g_lse.reshape(-1)} if st.lse_cotangent else {}
+    if st.entropy_cotangent:
+        kw.update(g_entropy=g_entropy.reshape(-1), mz=mz.reshape(-1))
     d = kernels.backward(
         *flat, st.options, inplace=st.inplace, interpret=st.interpret, config=st.config, weight=weight, **kw
     )
@@ -420,21 +444,9 @@ def _weighted_forward_jvp(st: _Launch, primals, tangents):
 
 @_weighted_backward.defjvp
 def _weighted_backward_jvp(st: _Launch, primals, tangents):
-    logits, labels, lse, g, g_lse, weight = primals
-    dlogits = _weighted_backward(logits, labels, lse, g, g_lse, weight, st)
-    if st.lse_cotangent:
-        _, dlogits_dot = jax.jvp(
-            lambda x, w, wl: reference_backward(x, labels, w, st.options, wl, weight),
-            (logits, g, g_lse),
-            (tangents[0], tangents[3], tangents[4]),
-        )
-    else:
-        _, dlogits_dot = jax.jvp(
-            lambda x, w: reference_backward(x, labels, w, st.options, None, weight),
-            (logits, g),
-            (tangents[0], tangents[3]),
-        )
-    return dlogits, dlogits_dot
+    weight = primals[7]
+    dlogits = _weighted_backward(*primals, st)
+    return dlogits, _reference_backward_jvp(st, primals[:7], tangents[:7], weight)
 
 
 def forward(
@@ -474,11 +486,20 @@ def backward(
     partitioned: bool = True,
     g_lse=None,
     weight=None,
+    g_entropy=None,
+    mz=None,
 ):
     """dL/dlogits (..., V), sharded like logits; g is the per-token upstream shaped like labels; config: the
     backward kernel's tiles (default ``kernels.backward_config(V)``); g_lse: None, or the per-token cotangent of
-    lse (shaped like labels), whose gradient is added; weight: class weights (V,) or None (see ``forward``)."""
-    st = _Launch(options, interpret, config, partitioned, inplace, lse_cotangent=g_lse is not None)
+    lse (shaped like labels), whose gradient is added; weight: class weights (V,) or None (see ``forward``).
+    g_entropy, mz: None (both), or the per-token cotangent of the entropy output H and mz = lse - H (shaped like
+    labels; the global values when the vocabulary is sharded): g_entropy * p_j (mz - z_j) * dz/dx is added."""
+    if (g_entropy is None) != (mz is None):
+        raise ValueError("g_entropy and mz go together (the entropy's cotangent and lse - entropy per row)")
+    st = _Launch(
+        options, interpret, config, partitioned, inplace, lse_cotangent=g_lse is not None,
+        entropy_cotangent=g_entropy is not None,
+    )  # fmt: skip
     if weight is not None:
-        return _weighted_backward(logits, labels, lse, g, g_lse, weight, st)
-    return _backward(logits, labels, lse, g, g_lse, st)
+        return _weighted_backward(logits, labels, lse, g, g_lse, g_entropy, mz, weight, st)
+    return _backward(logits, labels, lse, g, g_lse, g_entropy, mz, st)

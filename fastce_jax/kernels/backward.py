@@ -26,6 +26,7 @@ def backward_kernel(
     options,
     vocab_parallel,
     lse_cotangent=False,
+    entropy_cotangent=False,
     weight_refs=None,
 ):
     """Grid (N, cdiv(V, block)): one tile of one row's dL/dx, in one pass.
@@ -36,6 +37,8 @@ def backward_kernel(
     vocab: this shard's columns; vocab_total: the whole vocabulary (equal unless vocab-parallel); block: tile
     width; ignore_index: as in forward_kernel; options: Options; vocab_parallel: which of the two ref layouts;
     lse_cotangent: add glse * d lse / dx = glse * p * dz/dx (the returned z_loss's gradient flows through lse).
+    entropy_cotangent: after glse_ref come gh_ref and mz_ref (0-d each): the row's cotangent of its entropy H and
+    mz = sum_j p_j z_j = lse - H (the global one when vocab-parallel); adds gh * dH/dx = gh * p_j (mz - z_j) * dz/dx.
     weight_refs: class weights (`weighted_backward_kernel`): (the row's w[y] (0-d), the weights' tile (block,) and
     their sum (1,), the last two None without smoothing): dL/dz_j = w[y] ((1 - eps)(p_j - [j == y])
     + 2 z_loss lse p_j) + (eps / V)(W p_j - w_j). None: the plain kernel.
@@ -43,6 +46,7 @@ def backward_kernel(
     refs = list(refs)
     start_ref = refs.pop(0) if vocab_parallel else None
     glse_ref = refs.pop(0) if lse_cotangent else None
+    gh_ref, mz_ref = (refs.pop(0), refs.pop(0)) if entropy_cotangent else (None, None)
     (dx_ref,) = refs
     y_col = y_ref[...] - start_ref[0] if vocab_parallel else y_ref[...]
     cols = pl.program_id(1) * block + jnp.arange(block, dtype=jnp.int32)
@@ -77,10 +81,15 @@ def backward_kernel(
     if lse_cotangent:
         # Per row: g * (loss's d/dz) + glse * p, so the upstream factor applies to the loss's part only.
         d = d * g_ref[...] + p_lse * glse_ref[...]
+    elif entropy_cotangent:
+        d = d * g_ref[...]
+    if entropy_cotangent:
+        # dH/dz_j = p_j (mz - z_j); a -inf z (p_j = 0) adds 0, not 0 * inf.
+        d = d + jnp.where(z == -jnp.inf, 0.0, p_lse * (mz_ref[...] - z)) * gh_ref[...]
     dz = dz_dx(z, options)
     if dz is not None:
         d = d * dz
-    if not lse_cotangent:
+    if not (lse_cotangent or entropy_cotangent):
         d = d * g_ref[...]
     # Out-of-range label: the whole gradient row is NaN, like its loss.
     d = jnp.where((y >= 0) & (y < vocab_total), d, jnp.nan)

@@ -299,6 +299,8 @@ def backward(
     config: BackwardConfig | None = None,
     g_lse=None,
     weight=None,
+    g_entropy=None,
+    mz=None,
 ):
     """dL/dlogits (N, V) in logits' dtype; g is the per-token upstream (N,).
 
@@ -310,8 +312,13 @@ def backward(
     g_lse: None, or the per-token cotangent of lse (N,) (the returned z_loss's gradient flows through lse): its
     term g_lse * p * dz/dx is added (a variant of the kernel; None runs the plain one).
     weight: class weights (V,) as in ``forward``, or None.
+    g_entropy, mz: None (both), or the per-token cotangent of the entropy output H (N,) and mz = lse - H (N,)
+    (sum_j p_j z_j; vocab-parallel: from the global lse and H): the term g_entropy * p_j (mz - z_j) * dz/dx is added
+    (another variant of the kernel, combinable with g_lse and weight).
     """
     n, vocab = logits.shape
+    if (g_entropy is None) != (mz is None):
+        raise ValueError("g_entropy and mz go together (the entropy's cotangent and lse - entropy per row)")
     vocab_parallel = vocab_start is not None
     if vocab_parallel and vocab_total is None:
         raise ValueError("vocab_start needs vocab_total (the global vocabulary size)")
@@ -333,6 +340,8 @@ def backward(
             weight_specs += [pl.BlockSpec((config.block,), lambda i, j: (j,)), pl.BlockSpec((1,), lambda i, j: (0,))]
     operands += (_vocab_start_operand(vocab_start),) if vocab_parallel else ()
     operands += (g_lse.astype(jnp.float32),) if g_lse is not None else ()
+    with_entropy = g_entropy is not None
+    operands += (g_entropy.astype(jnp.float32), mz.astype(jnp.float32)) if with_entropy else ()
     operands, mat = _same_variance(*operands)
     bwd = pl.pallas_call(
         functools.partial(
@@ -344,12 +353,14 @@ def backward(
             options=options,
             vocab_parallel=vocab_parallel,
             **({"lse_cotangent": True} if g_lse is not None else {}),
+            **({"entropy_cotangent": True} if with_entropy else {}),
         ),
         grid=(n, cdiv(vocab, config.block)),
         in_specs=[tile_spec, row_spec, row_spec, row_spec]
         + weight_specs
         + ([pl.BlockSpec((1,), lambda i, j: (0,))] if vocab_parallel else [])
-        + ([row_spec] if g_lse is not None else []),
+        + ([row_spec] if g_lse is not None else [])
+        + [row_spec] * (2 * with_entropy),
         out_specs=tile_spec,
         out_shape=jax.ShapeDtypeStruct(logits.shape, logits.dtype, manual_axis_type=mat),
         # Each program reads its tile before writing the same tile, so the
