@@ -4,16 +4,13 @@ autograd.py, the custom partitioning of sharded heads in sharded.py.
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .. import contract, kernels
 from . import chunks
-from .autograd import kernel_loss, weighted_z_loss_output
+from .autograd import kernel_loss, rl_outputs
 from .chunks import StaticConfig, rows_per_chunk
 
 
@@ -61,73 +58,12 @@ def check_logits_dtype(logits_dtype, dtype):
     return None if dtype.itemsize >= 4 else "float32"
 
 
-def check_temperature(temperature) -> float:
-    """temperature as a float: a Python int / float, finite and > 0."""
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature must be a Python float > 0, got {temperature!r}")
-    value = float(temperature)
-    if not (math.isfinite(value) and value > 0.0):
-        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
-    return value
-
-
-def fold_temperature(options: contract.Options, temperature: float) -> contract.Options:
-    """softcap_c(s x) / T == softcap_{c/T}((s/T) x): the temperature as scaling and soft-capping (exact algebra);
-    T == 1 leaves the options (and so the kernels' variant) untouched."""
-    if temperature == 1.0:
-        return options
-    scaling = (options.logit_scaling if options.logit_scaling != 0.0 else 1.0) / temperature
-    return options._replace(logit_scaling=scaling, logit_softcapping=options.logit_softcapping / temperature)
-
-
-TOKEN_WEIGHTS_GRAD_UNSUPPORTED = (
-    "token_weights: gradients with respect to the token weights are not supported; differentiate with respect to "
-    "the other arguments only (or wrap them in jax.lax.stop_gradient)"
-)
-
-
-@jax.custom_vjp
-def _constant_token_weights(weights):
-    return weights
-
-
-def _constant_token_weights_fwd(weights):
-    if weights.perturbed:  # jax.grad / vjp asks for the weights' gradient
-        raise ValueError(TOKEN_WEIGHTS_GRAD_UNSUPPORTED)
-    return weights.value, None
-
-
-def _constant_token_weights_bwd(residuals, g):
-    return (None,)
-
-
-_constant_token_weights.defvjp(_constant_token_weights_fwd, _constant_token_weights_bwd, symbolic_zeros=True)
-
-
-def check_token_weights(token_weights, labels_shape):
-    """None, or a floating array shaped like labels, as float32 (float64 kept) that carries no gradient."""
-    if token_weights is None:
-        return None
-    weights = contract.as_array(token_weights, "token_weights")
-    if not jnp.issubdtype(jnp.dtype(weights.dtype), jnp.floating):
-        raise TypeError(f"token_weights must be a floating-point array, got {weights.dtype}")
-    if tuple(weights.shape) != tuple(labels_shape):
-        raise ValueError(f"token_weights must have labels' shape {tuple(labels_shape)}, got {tuple(weights.shape)}")
-    if jnp.dtype(weights.dtype) != jnp.float64:
-        weights = jnp.asarray(weights).astype(jnp.float32)
-    return _constant_token_weights(weights)
-
-
 def aligned_token_weights(weights, labels, shift: int, ignore_index: int):
     """The weights aligned with the (shifted) labels: weights[..., shift:] then zeros, as the labels are shifted;
     0 on ignored rows, whose weight takes no part (a NaN or inf weight there stays out of the loss)."""
     if weights is None:
         return None
-    weights = jnp.asarray(weights)
-    if shift:
-        kept = weights[..., shift:]
-        pad = jnp.zeros((*weights.shape[:-1], weights.shape[-1] - kept.shape[-1]), weights.dtype)
-        weights = jnp.concatenate((kept, pad), axis=-1)
+    weights = contract.shifted_token_weights(jnp.asarray(weights), shift)
     ign = contract.ignore_value(labels.dtype, ignore_index)
     return weights if ign is None else jnp.where(labels == ign, jnp.zeros((), weights.dtype), weights)
 
@@ -146,8 +82,8 @@ def _reference_loss(logits, labels, options, reduction, n_items, returns, class_
     out = contract.reduce_outputs(
         losses, lse, accuracy, entropy, labels, reduction, n_items, options, returns, vocab, class_weight
     )
-    return weighted_z_loss_output(
-        out, lse, labels, reduction, n_items, options, returns, vocab, class_weight, token_weights
+    return rl_outputs(
+        out, lse, entropy, labels, reduction, n_items, options, returns, vocab, class_weight, token_weights
     )
 
 
@@ -252,10 +188,10 @@ def linear_cross_entropy(
         label_smoothing=label_smoothing,
         z_loss=z_loss,
         backend=backend,
+        temperature=temperature,
     )
-    options = fold_temperature(options, check_temperature(temperature))
     labels = contract.check_labels(labels, hidden.shape[:-1], options.ignore_index)
-    token_weights = check_token_weights(token_weights, labels.shape)
+    token_weights = contract.check_token_weights(token_weights, labels.shape)
     check = contract.check_flag(validate_labels, "validate_labels")
     n_items = contract.check_n_items(n_items)
     returns = contract.check_extras(

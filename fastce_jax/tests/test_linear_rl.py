@@ -12,8 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastce_jax import linear_cross_entropy
-from fastce_jax.linear import api as linear_api
+from fastce_jax import contract, linear_cross_entropy
 from shared_tests import reference as ref64
 
 from .checks import as_float64
@@ -139,9 +138,9 @@ def test_temperature(put, option_set, reduction):
 
 
 def test_temperature_one_leaves_the_options():
-    options = linear_api.contract.Options(logit_scaling=0.5, logit_softcapping=3.0)
-    assert linear_api.fold_temperature(options, 1.0) is options
-    folded = linear_api.fold_temperature(linear_api.contract.Options(), 2.0)
+    options = contract.Options(logit_scaling=0.5, logit_softcapping=3.0)
+    assert contract.fold_temperature(options, 1.0) is options
+    folded = contract.fold_temperature(contract.Options(), 2.0)
     assert folded.logit_scaling == 0.5 and folded.logit_softcapping == 0.0
 
 
@@ -343,3 +342,102 @@ def test_nan_token_weight_is_visible(put):
     assert np.isnan(np.asarray(per_token)).tolist() == [i == 3 for i in range(8)]
     mean = linear_cross_entropy(hidden, weight, y, token_weights=put(tw, jnp.float32), backend="kernel")
     assert np.isnan(float(mean))
+
+
+# ----------------------------------------------------------------------------
+# The differentiable entropy output
+# ----------------------------------------------------------------------------
+
+ENTROPY_CASES = {
+    "alone": dict(g_loss=0.0),
+    "with-loss": dict(),
+    "all-options": dict(temperature=0.7, label_smoothing=0.1, z_loss=1e-3, logit_softcapping=5.0, logit_scaling=1.3),
+    "weights": dict(temperature=0.8, token_weights=True, class_weight=True),
+}
+
+
+@pytest.mark.parametrize("case", list(ENTROPY_CASES))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_entropy_gradient(put, case, reduction):
+    kw = dict(ENTROPY_CASES[case])
+    hidden, weight, bias, labels = make_inputs(put, 21, 16, 50, seed=13)
+    rng = np.random.default_rng(13)
+    per_token = reduction == "none"
+    g_loss = kw.pop("g_loss", rng.uniform(0.5, 2.0, labels.shape) if per_token else 1.3)
+    g_entropy = rng.uniform(-1.0, 1.0, labels.shape) if per_token else -0.37
+    ref_kw = dict(kw)
+    if kw.pop("token_weights", False):
+        ref_kw["token_weights"] = rng.uniform(-1.0, 2.0, labels.shape)
+        kw["token_weights"] = put(ref_kw["token_weights"], jnp.float32)
+    if kw.pop("class_weight", False):
+        ref_kw["class_weight"] = rng.uniform(0.2, 2.0, 50)
+        kw["class_weight"] = put(ref_kw["class_weight"], jnp.float32)
+    out, grads = run(
+        put, hidden, weight, labels, bias=bias, reduction=reduction, g_loss=g_loss, g_entropy=g_entropy, **kw
+    )
+    want = expected(
+        hidden, weight, labels, bias=bias, reduction=reduction, g_loss=g_loss, g_entropy=g_entropy, **ref_kw
+    )
+    compare(out, grads, want, entropy=True)
+
+
+def test_entropy_gradient_reference_backend(put):
+    hidden, weight, bias, labels = make_inputs(put, 12, 8, 30, seed=14)
+    y = put(labels, jnp.int32)
+
+    def f(h, w, b):
+        out = linear_cross_entropy(h, w, y, bias=b, backend="reference", return_entropy=True, temperature=0.7)
+        return out.loss - 0.5 * out.entropy
+
+    grads = jax.grad(f, argnums=(0, 1, 2))(hidden, weight, bias)
+    want = expected(hidden, weight, labels, bias=bias, temperature=0.7, g_entropy=-0.5)
+    for got, ref in zip(grads, want[2:]):
+        assert_close(got, ref, what="grad", **grad_tol(ref, 2e-4))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_entropy_not_differentiated_costs_nothing(put, reduction):
+    """A returned entropy that is not differentiated adds no matmul (no recomputing pass for "mean"); a
+    differentiated one adds the recomputing pass for "mean" only (the per-token backward recomputes anyway)."""
+    hidden, weight, _, labels = make_inputs(put, 24, 8, 30, seed=15)
+    y = put(labels, jnp.int32)
+
+    def objective(with_entropy_grad):
+        def f(h, w):
+            out = linear_cross_entropy(
+                h, w, y, reduction=reduction, backend="kernel", chunk_rows=ROWS, return_entropy=True
+            )
+            total = jnp.sum(out.loss)
+            return total + 0.1 * jnp.sum(out.entropy) if with_entropy_grad else total
+
+        return jax.grad(f, argnums=(0, 1))
+
+    base = len(_dot_generals(objective(False), hidden, weight))
+    with_entropy = len(_dot_generals(objective(True), hidden, weight))
+    assert base == (6 if reduction == "mean" else 8), base  # "none": 1 + 1 forward, 3 + 3 backward
+    assert with_entropy == (base + 6 if reduction == "mean" else base), with_entropy
+
+
+def test_entropy_gradient_under_jit_and_vmap(put):
+    batch, n, dim, vocab = 2, 10, 8, 30
+    rng = np.random.default_rng(16)
+    hidden = put(rng.standard_normal((batch, n, dim)), jnp.float32)
+    weight = put(rng.standard_normal((vocab, dim)) * 0.5, jnp.float32)
+    labels = rng.integers(0, vocab, (batch, n))
+    labels[1, :3] = -100
+
+    def one(h, w, y):
+        out = linear_cross_entropy(
+            h, w, y, backend="kernel", chunk_rows=4, return_entropy=True, temperature=0.7, reduction="none"
+        )
+        return jnp.sum(out.loss) - 0.01 * jnp.sum(out.entropy)
+
+    step = jax.jit(jax.vmap(jax.value_and_grad(one, argnums=(0, 1)), in_axes=(0, None, 0)))
+    _, (dh, dw) = step(hidden, weight, put(labels, jnp.int32))
+    for b in range(batch):
+        want = expected(
+            hidden[b], weight, labels[b], reduction="none", temperature=0.7, g_loss=np.ones(n),
+            g_entropy=np.full(n, -0.01),
+        )  # fmt: skip
+        assert_close(dh[b], want[2], what="dhidden", **grad_tol(want[2], 2e-4))
+        assert_close(dw[b], want[3], what="dweight", **grad_tol(want[3], 2e-4))
