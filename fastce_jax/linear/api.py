@@ -1,5 +1,5 @@
-"""The public ``linear_cross_entropy`` and its argument checks. The chunk loop is in chunks.py, the custom_vjps in
-autograd.py, the custom partitioning of sharded heads in sharded.py.
+"""The public ``linear_cross_entropy`` and ``linear_log_probs`` and their argument checks. The chunk loop is in
+chunks.py, the custom_vjps in autograd.py, the custom partitioning of sharded heads in sharded.py.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import contract, kernels
+from ..log_probs import LogProbOutput
 from . import chunks
 from .autograd import kernel_loss, rl_outputs
 from .chunks import StaticConfig, rows_per_chunk
@@ -250,3 +251,69 @@ def linear_cross_entropy(
         else:
             loss = loss.reshape(lead) if reduction == "none" else loss
     return contract.keep_positions(loss, kept, reduction)
+
+
+def _check_tokens(tokens, hidden):
+    """tokens named as such (linear_cross_entropy's checks name them labels): integers shaped like hidden's lead."""
+    tokens = contract.as_array(tokens, "tokens")
+    if not jnp.issubdtype(jnp.dtype(tokens.dtype), jnp.integer):
+        raise TypeError(f"tokens must be int32 or int64, got {tokens.dtype}")
+    lead = tuple(jnp.shape(hidden)[:-1])
+    if tuple(tokens.shape) != lead:
+        raise ValueError(f"tokens shape {tuple(tokens.shape)} must equal hidden's leading shape {lead}")
+    return tokens
+
+
+def linear_log_probs(
+    hidden,
+    weight,
+    tokens,
+    *,
+    bias=None,
+    temperature=1.0,
+    return_entropy=False,
+    ignore_index=-100,
+    logit_softcapping=0.0,
+    logit_scaling=0.0,
+    shift=0,
+    workspace_bytes=None,
+    chunk_rows=None,
+    logits_dtype=None,
+    backend="auto",
+    validate_labels=False,
+):
+    """log p(token_t) under softmax(z), z = softcap(scaling * (hidden @ weight.T + bias)) / temperature, without the
+    (N, V) logits: the RL policy's per-token log-probabilities (and entropies) from its hidden states.
+
+    ``-linear_cross_entropy(hidden, weight, tokens, reduction="none", ...)`` (the keywords are its own): float32,
+    shaped like tokens (with shift k: like tokens[..., k:]), 0.0 where the token is ignore_index, NaN for a token
+    outside [0, V). return_entropy=True returns ``LogProbOutput(logprobs, entropy)``, the entropy per token (0
+    where ignored). Both are differentiable (hidden, weight, bias) through any objective: the forward keeps the
+    lse per token (and the entropy) and the backward recomputes each chunk's logits (2·N·H·V of matmul work
+    forward, 6·N·H·V backward), the entropy's term in the same backward kernel. A call that is not differentiated
+    saves nothing for a backward.
+    """
+    tokens = _check_tokens(tokens, hidden)
+    want_entropy = contract.check_flag(return_entropy, "return_entropy")
+    out = linear_cross_entropy(
+        hidden,
+        weight,
+        tokens,
+        bias=bias,
+        ignore_index=ignore_index,
+        reduction="none",
+        logit_softcapping=logit_softcapping,
+        logit_scaling=logit_scaling,
+        backend=backend,
+        validate_labels=validate_labels,
+        shift=shift,
+        workspace_bytes=workspace_bytes,
+        chunk_rows=chunk_rows,
+        return_entropy=want_entropy,
+        temperature=temperature,
+        logits_dtype=logits_dtype,
+    )
+    # 0 - loss, not -loss: an ignored token's 0.0 stays +0.0.
+    if not want_entropy:
+        return 0.0 - out
+    return LogProbOutput(0.0 - out.loss, out.entropy)

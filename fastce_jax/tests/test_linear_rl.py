@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastce_jax import contract, linear_cross_entropy
+from fastce_jax import contract, linear_cross_entropy, linear_log_probs
 from shared_tests import reference as ref64
 
 from .checks import as_float64
@@ -441,3 +441,92 @@ def test_entropy_gradient_under_jit_and_vmap(put):
         )  # fmt: skip
         assert_close(dh[b], want[2], what="dhidden", **grad_tol(want[2], 2e-4))
         assert_close(dw[b], want[3], what="dweight", **grad_tol(want[3], 2e-4))
+
+
+# ----------------------------------------------------------------------------
+# linear_log_probs
+# ----------------------------------------------------------------------------
+
+
+def test_linear_log_probs_values(put):
+    """-(the per-token loss) at the temperature; +0.0 where ignored, NaN for a token outside [0, V)."""
+    hidden, weight, bias, labels = make_inputs(put, 16, 8, 30, seed=17)
+    labels[5] = 30
+    lp = linear_log_probs(
+        hidden, weight, put(labels, jnp.int32), bias=bias, temperature=0.7, backend="kernel", chunk_rows=ROWS
+    )
+    want = expected(hidden, weight, labels, bias=bias, reduction="none", temperature=0.7)[0]
+    assert lp.dtype == jnp.float32 and lp.shape == labels.shape
+    assert_close(lp, -want, what="logprobs", **LOSS_TOL)
+    ignored = np.asarray(lp)[labels == -100]
+    assert ignored.size and np.all(ignored == 0.0) and not np.any(np.signbit(ignored))
+    out = linear_log_probs(hidden, weight, put(labels, jnp.int32), bias=bias, backend="reference", temperature=0.7)
+    assert_close(out, -want, what="reference backend", **LOSS_TOL)
+
+
+def test_linear_log_probs_policy_gradient(put):
+    """A clipped-ratio objective with per-token advantages and an entropy bonus through LogProbOutput, under jit,
+    with shift=1 and float32 logits from bf16 operands: the gradients are the float64 chain rule's."""
+    hidden, weight, _, labels = make_inputs(put, 24, 16, 40, seed=18, lead=(2, 12))
+    rng = np.random.default_rng(18)
+    advantages = rng.uniform(-1.0, 1.0, (2, 11))
+    old = rng.uniform(-0.3, 0.3, (2, 11))  # old-policy log-probs, as offsets from the current ones
+    y = put(labels, jnp.int32)
+    sliced_h, sliced_y = hidden[:, :-1].reshape(-1, 16), labels[:, 1:].reshape(-1)
+    lp64 = -expected(sliced_h, weight, sliced_y, reduction="none", temperature=0.7)[0]
+    old_lp = lp64.reshape(2, 11) + old
+
+    def objective(h, w):
+        out = linear_log_probs(
+            h, w, y, temperature=0.7, return_entropy=True, shift=1, backend="kernel", chunk_rows=ROWS
+        )
+        ratio = jnp.exp(out.logprobs - old_lp)
+        clipped = jnp.clip(ratio, 0.8, 1.2)
+        kept = sliced_y.reshape(2, 11) != -100
+        pg = -jnp.minimum(ratio * advantages, clipped * advantages)
+        return jnp.sum(jnp.where(kept, pg, 0.0)) - 0.01 * jnp.sum(out.entropy), out
+
+    (_, out), (dh, dw) = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(hidden, weight)
+    assert out.logprobs.shape == (2, 11) and out.entropy.shape == (2, 11)
+    ratio = np.exp(lp64.reshape(2, 11) - old_lp)
+    unclipped = ratio * advantages <= np.clip(ratio, 0.8, 1.2) * advantages
+    d_lp = np.where(unclipped | ((ratio > 0.8) & (ratio < 1.2)), -ratio * advantages, 0.0)
+    d_lp = np.where(sliced_y.reshape(2, 11) != -100, d_lp, 0.0)
+    want = expected(
+        sliced_h, weight, sliced_y, reduction="none", temperature=0.7, g_loss=-d_lp.reshape(-1),
+        g_entropy=np.full(22, -0.01),
+    )  # fmt: skip
+    dh_kept = np.asarray(dh)[:, :-1].reshape(-1, 16)
+    assert_close(dh_kept, want[2], what="dhidden", **grad_tol(want[2], 2e-4))
+    assert not np.asarray(dh)[:, -1].any()
+    assert_close(dw, want[3], what="dweight", **grad_tol(want[3], 2e-4))
+    assert_close(out.entropy, want[1].reshape(2, 11), what="entropy", **LOSS_TOL)
+
+
+def test_linear_log_probs_plain_call_saves_nothing(put):
+    """Not differentiated: the forward chunk loop only (one matmul per chunk, no backward kernel), and only the
+    outputs leave the computation."""
+    hidden, weight, _, labels = make_inputs(put, 24, 8, 30, seed=19)
+    y = put(labels, jnp.int32)
+
+    def plain(h, w):
+        return linear_log_probs(h, w, y, return_entropy=True, backend="kernel", chunk_rows=ROWS)
+
+    closed = jax.make_jaxpr(plain)(hidden, weight)
+    assert len(closed.out_avals) == 2
+    assert len(_dot_generals(plain, hidden, weight)) == 2  # chunk 0 and the loop body
+    assert "fastce_backward" not in str(closed)
+
+
+def test_linear_log_probs_bad_arguments(put):
+    hidden, weight, _, labels = make_inputs(put, 8, 8, 20, seed=20)
+    with pytest.raises(ValueError, match="tokens"):
+        linear_log_probs(hidden, weight, put(labels[:7], jnp.int32))
+    with pytest.raises(TypeError, match="tokens"):
+        linear_log_probs(hidden, weight, put(labels, jnp.float32))
+    with pytest.raises(TypeError, match="return_entropy"):
+        linear_log_probs(hidden, weight, put(labels, jnp.int32), return_entropy=1)
+    with pytest.raises(ValueError, match="temperature"):
+        linear_log_probs(hidden, weight, put(labels, jnp.int32), temperature=0.0)
+    with pytest.raises(ValueError, match="logits_dtype"):
+        linear_log_probs(hidden, weight, put(labels, jnp.int32), logits_dtype="bf16")
