@@ -11,10 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from fastce_jax import contract, linear_cross_entropy, linear_log_probs
 from shared_tests import reference as ref64
 
+from . import checks
 from .checks import as_float64
 from .test_linear_cross_entropy import LOSS_TOL, ROWS, assert_close, grad_tol, make_inputs
 
@@ -466,7 +469,7 @@ def test_linear_log_probs_values(put):
 
 def test_linear_log_probs_policy_gradient(put):
     """A clipped-ratio objective with per-token advantages and an entropy bonus through LogProbOutput, under jit,
-    with shift=1 and float32 logits from bf16 operands: the gradients are the float64 chain rule's."""
+    with shift=1: the gradients are the float64 chain rule's."""
     hidden, weight, _, labels = make_inputs(put, 24, 16, 40, seed=18, lead=(2, 12))
     rng = np.random.default_rng(18)
     advantages = rng.uniform(-1.0, 1.0, (2, 11))
@@ -530,3 +533,62 @@ def test_linear_log_probs_bad_arguments(put):
         linear_log_probs(hidden, weight, put(labels, jnp.int32), temperature=0.0)
     with pytest.raises(ValueError, match="logits_dtype"):
         linear_log_probs(hidden, weight, put(labels, jnp.int32), logits_dtype="bf16")
+
+
+# ----------------------------------------------------------------------------
+# Sharded heads (linear/sharded.py): 4 host devices, in one child process
+# ----------------------------------------------------------------------------
+
+SHARDED_LAYOUTS = {  # (mesh shape and axes, hidden spec, weight spec)
+    "rows": ((4,), ("d",), P("d", None), P(None, None)),
+    "vocab": ((4,), ("d",), P(None, None), P("d", None)),
+    "2d": ((2, 2), ("r", "v"), P("r", None), P("v", None)),
+}
+
+
+def test_sharded_rl_on_4_cpu_devices(use_gpu):
+    """Runs this file's sharded_head tests in a child process with 4 CPU devices."""
+    out = checks.run_on_4_cpu_devices(use_gpu, ["fastce_jax/tests/test_linear_rl.py", "-k", "sharded_head"])
+    assert "skipped" not in out.splitlines()[-1], out[-2000:]
+
+
+@pytest.mark.parametrize("layout", list(SHARDED_LAYOUTS))
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_sharded_head_temperature_token_weights_entropy(layout, reduction):
+    """Under jit, rows and / or vocabulary sharded: temperature, token weights and the entropy's gradient (with a
+    differentiated z_loss output) equal the float64 reference, and the gradients keep the inputs' shardings."""
+    devices = jax.devices()
+    if len(devices) < 4:
+        pytest.skip("needs 4 devices (run through test_sharded_rl_on_4_cpu_devices)")
+    shape, axes, h_spec, w_spec = SHARDED_LAYOUTS[layout]
+    mesh = Mesh(np.array(devices[:4]).reshape(shape), axes)
+    put = lambda x, dtype: jnp.asarray(x, dtype)  # noqa: E731
+    hidden, weight, bias, labels = make_inputs(put, 24, 8, 40, seed=21)
+    rng = np.random.default_rng(21)
+    tw = rng.uniform(-1.0, 2.0, labels.shape)
+    per_token = reduction == "none"
+    g_loss = rng.uniform(0.5, 2.0, labels.shape) if per_token else 1.3
+    g_entropy = rng.uniform(-1.0, 1.0, labels.shape) if per_token else -0.4
+    h = jax.device_put(hidden, NamedSharding(mesh, h_spec))
+    w = jax.device_put(weight, NamedSharding(mesh, w_spec))
+    b = jax.device_put(bias, NamedSharding(mesh, P(w_spec[0])))
+    rows = NamedSharding(mesh, P(h_spec[0]))
+    y = jax.device_put(jnp.asarray(labels, jnp.int32), rows)
+    weights = jax.device_put(jnp.asarray(tw, jnp.float32), rows)
+    opts = dict(temperature=0.7, label_smoothing=0.1, logit_softcapping=6.0)
+
+    def objective(h, w, b):
+        out = linear_cross_entropy(
+            h, w, y, bias=b, reduction=reduction, backend="kernel", chunk_rows=5, token_weights=weights,
+            return_entropy=True, **opts,
+        )  # fmt: skip
+        return jnp.sum(out.loss * g_loss) + jnp.sum(out.entropy * g_entropy), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True))(h, w, b)
+    want = expected(
+        hidden, weight, labels, bias=bias, reduction=reduction, token_weights=tw, g_loss=g_loss, g_entropy=g_entropy,
+        **opts,
+    )  # fmt: skip
+    compare(out, grads, want, entropy=True)
+    for got, like in zip(grads, (h, w, b)):
+        assert got.sharding.is_equivalent_to(like.sharding, got.ndim), (got.sharding, like.sharding)
