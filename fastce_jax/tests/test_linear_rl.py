@@ -446,6 +446,32 @@ def test_entropy_gradient_under_jit_and_vmap(put):
         assert_close(dw[b], want[3], what="dweight", **grad_tol(want[3], 2e-4))
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_entropy_gradient_second_order(put, reduction):
+    """A gradient penalty on d(loss - 0.3 entropy)/d hidden, differentiated again through the kernels (the
+    launches' jvp rules), equals the reference backend's."""
+    hidden, weight, _, labels = make_inputs(put, 12, 8, 30, seed=22)
+    y = put(labels, jnp.int32)
+
+    def penalty_grads(backend):
+        def f(h, w):
+            out = linear_cross_entropy(
+                h, w, y, backend=backend, chunk_rows=5, reduction=reduction, return_entropy=True, temperature=0.7
+            )
+            return jnp.sum(out.loss) - 0.3 * jnp.sum(out.entropy)
+
+        def penalty(h, w):
+            g = jax.grad(f)(h, w)
+            return jnp.sum(g * g)
+
+        return jax.grad(penalty, argnums=(0, 1))(hidden, weight)
+
+    for got, want in zip(penalty_grads("kernel"), penalty_grads("reference")):
+        np.testing.assert_allclose(
+            np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(want)))
+        )
+
+
 # ----------------------------------------------------------------------------
 # linear_log_probs
 # ----------------------------------------------------------------------------
