@@ -211,7 +211,9 @@ def _accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st: Stat
     dt = jnp.dtype(st.dtype)
     d_f32 = dlogits  # float32 with logits_dtype="float32": the bias gradient sums it before any rounding
     # The products take d logits in the operands' dtype, as an unfused lm_head's backward does: float32 d logits
-    # times a bf16 weight would promote the weight, a weight-sized float32 copy per chunk.
+    # times a bf16 weight would promote the weight, a weight-sized float32 copy per chunk, for no accuracy the
+    # bf16 result keeps (measured, N=512, H=256, V=4096 against float64: rms error of d hidden and d weight relative
+    # to their rms 1.69e-3 from bf16 d logits, 1.66e-3 from float32: the gradients' own rounding dominates).
     dlogits = dlogits.astype(dt)
     dh_c = jax.lax.dot_general(dlogits, weight.astype(dt), (((1,), (0,)), ((), ())), preferred_element_type=dt)
     acc = jnp.float32 if st.f32_weight_grad else dt
