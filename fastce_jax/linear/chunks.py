@@ -13,7 +13,13 @@ rows it shares with the chunk before get an upstream gradient of 0 and keep the 
 padded copy of hidden or of its gradient is made.
 
 Memory beyond the inputs: the gradients (hidden's, weight's, bias's, in their dtypes), the workspace (chunk rows x V
-in the inputs' dtype, at most workspace_bytes) and O(N + V) floats.
+in the inputs' dtype, at most workspace_bytes) and O(N + V) floats. logits_dtype="float32" (bf16 / fp16 inputs):
+the chunk matmul takes the operands as they are and returns float32 logits (preferred_element_type), the kernels
+read float32 and the budget counts 4 bytes per logit (half the rows per chunk of bf16 logits).
+
+Entropy's gradient: a differentiated entropy output adds g_H,t p_j (mz_t - z_j) dz/dx to the backward kernel's
+d logits (mz = lse - H per row, saved by the forward), so the per-token path's recomputing backward carries it at
+no extra matmul; "mean" / "sum" run a recomputing backward for it (as for a differentiated z_loss output).
 
 Ignored rows: by default every row costs its matmuls. skip_ignored_rows=True orders the chunk loop's rows kept
 first (a stable argsort of the ignored mask, traced), gathers each chunk's rows of hidden and scatters its rows of
