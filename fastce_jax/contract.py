@@ -1,7 +1,8 @@
 """The loss contract (CONTRACT.md) in JAX terms: the options record and its checks on plain values, the reduction's
 divisor, and the per-token loss formula in jnp (the reference, the sharded paths and linear's plain path use it).
 
-Imports no sibling module; every other module of the package may import from here.
+Imports no sibling module at its top (outputs.py and reference.py, which build on it, are re-exported at its
+end); every other module of the package may import from here.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class Options(NamedTuple):
 class CrossEntropyOutput(NamedTuple):
     """What ``cross_entropy`` / ``linear_cross_entropy`` return when any return_* keyword is True: the loss (as
     without them; it still includes the z-loss term) and the outputs asked for, None for the others (CONTRACT.md
-    "Extra outputs"). Only ``loss`` and ``z_loss`` are differentiable; lse, accuracy and entropy carry a zero
+    "Extra outputs"). ``loss``, ``z_loss`` and ``entropy`` are differentiable; lse and accuracy carry a zero
     gradient (stop_gradient)."""
 
     loss: jax.Array
@@ -487,69 +488,6 @@ def outputs_from_statistics(lse, argmax, mean_z, labels, options: Options, vocab
     return accuracy, entropy
 
 
-def z_loss_from_lse(lse, labels, options: Options, vocab: int):
-    """z_loss * lse**2 per token, differentiable in lse: NaN for a label outside [0, V) (its gradient too), 0 where
-    ignored (that row's lse, -inf from the kernels, is replaced before squaring so no 0 * inf reaches the gradient)."""
-    ign = ignore_value(labels.dtype, options.ignore_index)
-    if ign is not None:
-        lse = jnp.where(labels == ign, 0.0, lse).astype(lse.dtype)
-    term = options.z_loss * lse * lse
-    term = term * jnp.where((labels >= 0) & (labels < vocab), jnp.ones_like(term), jnp.full_like(term, jnp.nan))
-    return term if ign is None else jnp.where(labels == ign, 0.0, term).astype(term.dtype)
-
-
-def reduce_outputs(
-    token_losses,
-    lse,
-    accuracy,
-    entropy,
-    labels,
-    reduction: str,
-    n_items,
-    options: Options,
-    returns,
-    vocab: int,
-    weight=None,
-):
-    """The call's result from per-token values shaped like labels: the reduced loss alone when no extra output was
-    asked for, else a CrossEntropyOutput (see with_outputs)."""
-    loss = reduce_losses(token_losses, labels, reduction, n_items, options.ignore_index, weight)
-    if not returns:
-        return loss
-    return with_outputs(loss, lse, accuracy, entropy, labels, reduction, n_items, options, returns, vocab, weight)
-
-
-def with_outputs(
-    loss, lse, accuracy, entropy, labels, reduction: str, n_items, options: Options, returns, vocab: int, weight=None
-):
-    """CrossEntropyOutput of the (reduced) loss and per-token lse / accuracy / entropy (None where not computed):
-    z_loss and entropy reduced like the loss, accuracy the fraction over non-ignored rows for "mean" / "sum", lse
-    per token, -inf where ignored. lse, accuracy and entropy leave through stop_gradient; z_loss is differentiable
-    through lse. weight: class weights or None: z_loss is then the loss's weighted term (w[y] z_loss lse**2 over
-    the loss's weighted divisor); lse, accuracy and entropy ignore them."""
-    ignore_index = options.ignore_index
-    ign = ignore_value(labels.dtype, ignore_index)
-    ignored = jnp.zeros(labels.shape, bool) if ign is None else labels == ign
-    lse = lse.reshape(labels.shape)
-    out = CrossEntropyOutput(loss)
-    if returns.z_loss:
-        z_term = z_loss_from_lse(lse, labels, options, vocab)
-        if weight is not None:
-            z_term = z_term * label_weights(labels, weight, vocab).astype(z_term.dtype)
-        out = out._replace(z_loss=reduce_losses(z_term, labels, reduction, n_items, ignore_index, weight))
-    if returns.lse:
-        out = out._replace(lse=jax.lax.stop_gradient(jnp.where(ignored, -jnp.inf, lse).astype(lse.dtype)))
-    if returns.accuracy:
-        acc = jax.lax.stop_gradient(accuracy.reshape(labels.shape))
-        if reduction != "none":
-            acc = jnp.sum(acc) / jnp.maximum(jnp.sum(~ignored), 1).astype(acc.dtype)
-        out = out._replace(accuracy=acc)
-    if returns.entropy:
-        ent = jax.lax.stop_gradient(entropy.reshape(labels.shape))
-        out = out._replace(entropy=reduce_losses(ent, labels, reduction, n_items, ignore_index))
-    return out
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Where the arrays are (the "auto" backend's rule).
 # ----------------------------------------------------------------------------------------------------------------
@@ -580,10 +518,15 @@ def gpu_available() -> bool:
         return False
 
 
-# The jnp reference formulas live in reference.py (which imports this module); the names stay reachable here for
-# the layers that call contract.reference_*. Importing the package always imports this module first.
+# The extra outputs' reduction lives in outputs.py and the jnp reference formulas in reference.py (both import
+# this module); the names stay reachable here for the layers that call contract.with_outputs, contract.reference_*.
+# Importing the package always imports this module first, so these imports find it complete.
+from . import outputs as _outputs  # noqa: E402
 from . import reference as _reference  # noqa: E402
 
+reduce_outputs = _outputs.reduce_outputs
+with_outputs = _outputs.with_outputs
+z_loss_from_lse = _outputs.z_loss_from_lse
 reference_backward = _reference.reference_backward
 reference_row_outputs = _reference.reference_row_outputs
 reference_token_losses = _reference.reference_token_losses

@@ -65,11 +65,14 @@ def _route_forward(logits, labels, options: Options, mode: str, configs, returns
 
 
 def _route_backward(
-    logits, labels, lse, g, options: Options, inplace: bool, mode: str, configs, g_lse=None, weight=None
-):
+    logits, labels, lse, g, options: Options, inplace: bool, mode: str, configs, g_lse=None, weight=None,
+    g_entropy=None, mz=None,
+):  # fmt: skip
     kw = {} if g_lse is None else {"g_lse": g_lse}
     if weight is not None:
         kw["weight"] = weight
+    if g_entropy is not None:
+        kw.update(g_entropy=g_entropy, mz=mz)
 
     def compiled(x, y, lse, g, *gl, interpret=False):
         return ops.backward(
@@ -81,7 +84,9 @@ def _route_backward(
         return compiled(logits, labels, lse, g, *extra, interpret=mode == INTERPRETED)
 
     def elsewhere(x, y, lse, g, *gl):
-        return contract.reference_backward(x, y, g, options, **dict(zip(kw, gl)))
+        named = dict(zip(kw, gl))
+        named.pop("mz", None)  # the reference recomputes it
+        return contract.reference_backward(x, y, g, options, **named)
 
     return jax.lax.platform_dependent(logits, labels, lse, g, *extra, cuda=compiled, rocm=compiled, default=elsewhere)
 
@@ -89,51 +94,73 @@ def _route_backward(
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _kernel_token_losses(logits, labels, weight, options: Options, inplace: bool, mode: str, configs, returns):
     """Per-token losses; with any extra output asked for, the tuple (loss, lse, accuracy?, entropy?) of the
-    forward kernels (lse differentiable when a returned z_loss needs it, the others not). weight: class weights
-    (V,) or None (a constant: contract.check_class_weight refuses its gradient)."""
-    return _kernel_fwd(logits, labels, weight, options, inplace, mode, configs, returns)[0]
+    forward kernels (lse differentiable when a returned z_loss needs it, entropy differentiable, accuracy not).
+    weight: class weights (V,) or None (a constant: contract.check_class_weight refuses its gradient). A call
+    that is not differentiated runs this (no residuals kept)."""
+    outs = _route_forward(logits, labels, options, mode, configs, returns, weight)
+    return tuple(outs) if returns else outs[0]
 
 
 def _kernel_fwd(logits, labels, weight, options: Options, inplace: bool, mode: str, configs, returns):
+    # symbolic_zeros: the primals arrive wrapped (CustomVJPPrimal); weight may be None.
+    logits, labels, weight = (None if a is None else a.value for a in (logits, labels, weight))
     # logits (..., V) and labels (...) keep their shape here so that a sharding
     # of any leading axis reaches ops.py without a reshape across devices.
     outs = _route_forward(logits, labels, options, mode, configs, returns, weight)
-    lse = outs[1]
+    entropy = outs[-1] if returns.entropy else None
     # Residuals: only what the backward reads.  logits stays in its own dtype
-    # (no float32 copy); lse is N floats.
-    return (tuple(outs) if returns else outs[0]), (logits, labels, lse, weight)
+    # (no float32 copy); lse (and the entropy, when returned) is N floats.
+    return (tuple(outs) if returns else outs[0]), (logits, labels, outs[1], entropy, weight)
+
+
+def _is_zero(cotangent) -> bool:
+    """Whether a cotangent is symbolically zero (its output is not differentiated)."""
+    return isinstance(cotangent, jax.custom_derivatives.SymbolicZero)
 
 
 def _kernel_bwd(options: Options, inplace: bool, mode: str, configs, returns, residuals, g):
-    logits, labels, lse, weight = residuals
-    g_lse = None
-    if returns:
-        # Only lse's cotangent (from a returned z_loss) flows back; accuracy and entropy are not differentiable.
-        g, g_lse = g[0], (g[1] if contract.lse_differentiated(options, returns) else None)
-    # g is the per-token upstream factor: 1/denominator (broadcast) for
-    # "mean", 1 for "sum", the caller's cotangent for "none".
-    dlogits = _route_backward(logits, labels, lse, g, options, inplace, mode, configs, g_lse, weight)
-    return dlogits, None, None if weight is None else jnp.zeros_like(weight)
+    logits, labels, lse, entropy, weight = residuals
+    cotangents = list(g) if returns else [g]
+    no_weight_grad = None if weight is None else jnp.zeros_like(weight)
+    # Only lse's cotangent (from a returned z_loss) and the entropy's flow back; accuracy is not differentiable.
+    # An output that is not differentiated gets a symbolic zero: its kernel variant does not run.
+    g_lse = cotangents[1] if contract.lse_differentiated(options, returns) else None
+    g_lse = None if _is_zero(g_lse) else g_lse
+    g_entropy = cotangents[-1] if returns.entropy and not _is_zero(cotangents[-1]) else None
+    g_loss = cotangents[0]
+    if _is_zero(g_loss):
+        if g_lse is None and g_entropy is None:
+            return jnp.zeros_like(logits), None, no_weight_grad
+        g_loss = jnp.zeros(labels.shape, jnp.float32)
+    # g_loss is the per-token upstream factor: 1/denominator (broadcast) for "mean", 1 for "sum", the caller's
+    # cotangent (times the token weights) for "none".
+    mz = None if g_entropy is None else lse - entropy  # sum_j p_j z_j per row
+    dlogits = _route_backward(
+        logits, labels, lse, g_loss, options, inplace, mode, configs, g_lse, weight, g_entropy, mz
+    )
+    return dlogits, None, no_weight_grad
 
 
-_kernel_token_losses.defvjp(_kernel_fwd, _kernel_bwd)
+_kernel_token_losses.defvjp(_kernel_fwd, _kernel_bwd, symbolic_zeros=True)
 
 
 @functools.partial(jax.jit, static_argnames=("options", "reduction", "inplace", "mode", "configs", "returns"))
 def _kernel_loss(
-    logits, labels, n_items, weight, *, options: Options, reduction: str, inplace: bool, mode: str, configs, returns
-):
+    logits, labels, n_items, weight, token_weights, *, options: Options, reduction: str, inplace: bool, mode: str,
+    configs, returns,
+):  # fmt: skip
     """The kernel path, jitted once per static configuration: an eager call reuses its trace and executable
-    instead of tracing and lowering the Pallas kernels again (under an outer jit it is inlined)."""
+    instead of tracing and lowering the Pallas kernels again (under an outer jit it is inlined). token_weights
+    multiply the per-token losses outside the custom_vjp, so they reach the backward kernel as its per-row
+    upstream factor (no extra pass)."""
     outs = _kernel_token_losses(logits, labels, weight, options, inplace, mode, configs, returns)
-    if not returns:
-        return contract.reduce_losses(outs, labels, reduction, n_items, options.ignore_index, weight)
-    loss, lse, *rest = outs
+    loss, lse, *rest = outs if returns else (outs, None)
     accuracy = rest.pop(0) if returns.accuracy else None
     entropy = rest.pop(0) if returns.entropy else None
     return contract.reduce_outputs(
-        loss, lse, accuracy, entropy, labels, reduction, n_items, options, returns, logits.shape[-1], weight
-    )
+        loss, lse, accuracy, entropy, labels, reduction, n_items, options, returns, logits.shape[-1], weight,
+        token_weights=token_weights, entropy_grad=True,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------
@@ -151,9 +178,11 @@ def _cross_entropy(
     inplace_backward,
     returns=contract.NO_EXTRAS,
     weight=None,
+    token_weights=None,
 ):
-    """The loss of checked arguments (labels from contract.check_labels); a CrossEntropyOutput when ``returns``
-    asks for any extra output."""
+    """The loss of checked arguments (labels from contract.check_labels, token_weights from
+    contract.check_token_weights, aligned with the labels); a CrossEntropyOutput when ``returns`` asks for any
+    extra output."""
     route = _route(logits, backend)
     logits = jnp.asarray(logits)
     if logits.dtype == jnp.float64:
@@ -164,12 +193,12 @@ def _cross_entropy(
     if route == "reference" or labels.size == 0:  # an empty grid has no kernel
         if returns:
             loss, lse, accuracy, entropy = contract.reference_row_outputs(logits, labels, options, returns, weight)
-            vocab = logits.shape[-1]
-            return contract.reduce_outputs(
-                loss, lse, accuracy, entropy, labels, reduction, n_items, options, returns, vocab, weight
-            )
-        losses = contract.reference_token_losses(logits, labels, options, weight)
-        return contract.reduce_losses(losses, labels, reduction, n_items, options.ignore_index, weight)
+        else:
+            loss, lse, accuracy, entropy = contract.reference_token_losses(logits, labels, options, weight), *[None] * 3
+        return contract.reduce_outputs(
+            loss, lse, accuracy, entropy, labels, reduction, n_items, options, returns, logits.shape[-1], weight,
+            token_weights=token_weights, entropy_grad=True,
+        )  # fmt: skip
     vocab = logits.shape[-1]
     configs = (kernels.forward_config(vocab), kernels.backward_config(vocab))
     with kernels.quiet_triton(interpret=route == INTERPRETED):
@@ -178,6 +207,7 @@ def _cross_entropy(
             labels,
             n_items,
             weight,
+            token_weights,
             options=options,
             reduction=reduction,
             inplace=inplace_backward,
@@ -207,6 +237,8 @@ def cross_entropy(
     return_accuracy=False,
     return_entropy=False,
     weight=None,
+    temperature=1.0,
+    token_weights=None,
 ):
     """Cross-entropy of ``logits`` (..., V) against integer ``labels`` (...).
 
@@ -252,11 +284,19 @@ def cross_entropy(
       return_z_loss, return_lse, return_accuracy, return_entropy: extra outputs (CONTRACT.md "Extra outputs"),
         computed in the same kernel passes: the z-loss term z_loss * lse**2 reduced like the loss
         (differentiable), the per-token lse (-inf where ignored), the accuracy of the argmax (per token for
-        "none", else the fraction of non-ignored rows) and the entropy of softmax(z) reduced like the loss; the
-        last three carry no gradient (stop_gradient).
+        "none", else the fraction of non-ignored rows) and the entropy of softmax(z) reduced like the loss
+        (differentiable: dH/dz_j = p_j (mz - z_j), mz = lse - H, added in the backward kernel's pass); lse and
+        accuracy carry no gradient (stop_gradient).
       weight: class weights (V,), as torch.nn.functional.cross_entropy's ``weight`` (CONTRACT.md "Class
         weights"): floating point, computed in float32 by the kernels; "mean" is the weighted mean. They are a
         constant: differentiating with respect to them raises ValueError.
+      temperature: T > 0 (a Python float): the transformed logits are ``softcap(scale * x) / T`` in every output
+        and gradient (folded into the scaling and soft-capping: T = 1 runs exactly today's kernels).
+      token_weights: per-token weights shaped like ``labels`` (advantages, masks; may be negative): each token's
+        loss (its z-loss term included) is multiplied by its weight before the reduction; "mean" still divides by
+        the number of non-ignored tokens (or n_items), "none" returns weight * loss. With ``shift`` they are aligned
+        with the labels (w[..., t] goes with labels[..., t]). The z_loss output is weighted like the loss's term;
+        lse, accuracy and entropy are not. A constant: differentiating with respect to them raises ValueError.
 
     Returns:
       float32 loss (scalar, or shaped like ``labels`` for reduction="none"); float64 for float64 logits.
@@ -271,6 +311,7 @@ def cross_entropy(
         label_smoothing=label_smoothing,
         z_loss=z_loss,
         backend=backend,
+        temperature=temperature,
     )
     logits = contract.check_float_array(logits, "logits")
     if logits.ndim < 1 or logits.shape[-1] < 1:
@@ -287,12 +328,16 @@ def cross_entropy(
     )
     shift = contract.check_shift(shift)
     weight = contract.check_class_weight(weight, logits.shape[-1])
+    token_weights = contract.check_token_weights(token_weights, labels.shape)
     kept = None
     if shift:
         labels, kept = contract.shifted_labels(labels, shift, options.ignore_index)
+        token_weights = contract.shifted_token_weights(token_weights, shift)
     if check:
         contract.validate_labels(labels, logits.shape[-1], options.ignore_index)
-    loss = _cross_entropy(logits, labels, options, reduction, n_items, backend, inplace_backward, returns, weight)
+    loss = _cross_entropy(
+        logits, labels, options, reduction, n_items, backend, inplace_backward, returns, weight, token_weights
+    )
     return contract.keep_positions(loss, kept, reduction)
 
 

@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 from . import kernels
 from .contract import (
     NO_EXTRAS,
+    Extras,
     Options,
     lse_differentiated,
     outputs_from_statistics,
@@ -369,16 +370,26 @@ def _backward(logits, labels, lse, g, g_lse, g_entropy, mz, st: _Launch):
 def _forward_jvp(st: _Launch, primals, tangents):
     logits, labels = primals
     outs = _forward(logits, labels, st)
-    # accuracy and entropy are not differentiable (the callers stop their gradient).
-    rest = tuple(jnp.zeros_like(o) for o in outs[2:])
-    if st.lse_cotangent:
-        _, (loss_dot, lse_dot) = jax.jvp(
-            lambda x: reference_row_outputs(x, labels, st.options, NO_EXTRAS)[:2], (logits,), (tangents[0],)
-        )
-        return outs, (loss_dot, lse_dot) + rest
-    _, loss_dot = jax.jvp(lambda x: reference_token_losses(x, labels, st.options), (logits,), (tangents[0],))
-    # lse is read only by the backward launch, whose rule recomputes it from the logits.
-    return outs, (loss_dot, jnp.zeros_like(outs[1])) + rest
+    return outs, _reference_forward_jvp(st, logits, labels, tangents[0], outs)
+
+
+def _reference_forward_jvp(st: _Launch, logits, labels, logits_dot, outs, weight=None):
+    """The tangents of a forward launch's outputs (loss, lse, accuracy?, entropy?): the reference's for the loss,
+    for lse when a returned z_loss differentiates it and for the entropy; accuracy is not differentiable. (lse is
+    otherwise read only by the backward launch, whose rule recomputes it from the logits: tangent 0.)"""
+    want_accuracy, want_entropy = st.extras
+    if not (st.lse_cotangent or want_entropy):
+        _, loss_dot = jax.jvp(lambda x: reference_token_losses(x, labels, st.options, weight), (logits,), (logits_dot,))
+        return (loss_dot, jnp.zeros_like(outs[1])) + tuple(jnp.zeros_like(o) for o in outs[2:])
+
+    def differentiable(x):
+        loss, lse, _, entropy = reference_row_outputs(x, labels, st.options, Extras(entropy=want_entropy), weight)
+        return (loss, lse) + ((entropy,) if want_entropy else ())
+
+    _, dots = jax.jvp(differentiable, (logits,), (logits_dot,))
+    lse_dot = dots[1] if st.lse_cotangent else jnp.zeros_like(outs[1])
+    accuracy_dot = (jnp.zeros_like(outs[2]),) if want_accuracy else ()
+    return (dots[0], lse_dot) + accuracy_dot + tuple(dots[2:])
 
 
 def _reference_backward_jvp(st: _Launch, primals, tangents, weight=None):
@@ -432,14 +443,7 @@ def _weighted_backward(logits, labels, lse, g, g_lse, g_entropy, mz, weight, st:
 def _weighted_forward_jvp(st: _Launch, primals, tangents):
     logits, labels, weight = primals
     outs = _weighted_forward(logits, labels, weight, st)
-    rest = tuple(jnp.zeros_like(o) for o in outs[2:])
-    if st.lse_cotangent:
-        _, (loss_dot, lse_dot) = jax.jvp(
-            lambda x: reference_row_outputs(x, labels, st.options, NO_EXTRAS, weight)[:2], (logits,), (tangents[0],)
-        )
-        return outs, (loss_dot, lse_dot) + rest
-    _, loss_dot = jax.jvp(lambda x: reference_token_losses(x, labels, st.options, weight), (logits,), (tangents[0],))
-    return outs, (loss_dot, jnp.zeros_like(outs[1])) + rest
+    return outs, _reference_forward_jvp(st, logits, labels, tangents[0], outs, weight)
 
 
 @_weighted_backward.defjvp

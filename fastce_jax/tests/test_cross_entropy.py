@@ -31,6 +31,8 @@ def test_signature_is_the_contract():
         return_accuracy=False,
         return_entropy=False,
         weight=None,
+        temperature=1.0,
+        token_weights=None,
     )
     assert list(params)[:2] == ["logits", "labels"]
     assert {k: p.default for k, p in params.items() if k not in ("logits", "labels")} == expected

@@ -174,9 +174,9 @@ def test_lowers_inside_shard_map_with_check_vma(compiled):
 RETURNS = dict(return_z_loss=True, return_lse=True, return_accuracy=True, return_entropy=True)
 
 
-def lower_outputs(shape, dtype, **kw):
+def lower_outputs(shape, dtype, differentiated=("z_loss", "lse", "accuracy", "entropy"), **kw):
     """The lowering of value_and_grad of loss + z_loss (the z_loss output's gradient flows through lse), with the
-    other outputs computed too."""
+    other outputs computed too; the outputs not in ``differentiated`` are returned but not differentiated."""
     x = jax.ShapeDtypeStruct(shape, dtype)
     y = jax.ShapeDtypeStruct(shape[:-1], jnp.int32)
 
@@ -184,7 +184,8 @@ def lower_outputs(shape, dtype, **kw):
         out = cross_entropy(a, b, backend="kernel", **kw)
         if not isinstance(out, tuple):
             return out
-        extras = sum(jnp.sum(v) for k, v in out._asdict().items() if v is not None and k != "loss")
+        fields = out._asdict().items()
+        extras = sum(jnp.sum(v) for k, v in fields if v is not None and k != "loss" and k in differentiated)
         return out.loss + 0.0 * extras
 
     return jax.jit(jax.value_and_grad(f)).trace(x, y).lower(lowering_platforms=("cuda",))
@@ -202,14 +203,16 @@ def test_outputs_lower_to_triton(compiled, v, opts, asked):
 
 def test_outputs_without_partials_keep_the_default_kernels(compiled):
     """lse, and z_loss with a zero coefficient, need no partial: the kernels are the default ones, byte for byte;
-    accuracy and entropy change the forward and finish kernels only, a differentiated z_loss the backward only."""
+    accuracy and a returned but not differentiated entropy change the forward and finish kernels only, a
+    differentiated z_loss the backward only, a differentiated entropy all three."""
     default = triton_modules(lower_outputs((8, 50257), jnp.bfloat16, **ALL))
     plain = triton_modules(lower_outputs((8, 50257), jnp.bfloat16, **dict(ALL, z_loss=0.0), return_z_loss=True))
     assert triton_modules(lower_outputs((8, 50257), jnp.bfloat16, **ALL, return_lse=True)) == default
     assert plain == triton_modules(lower_outputs((8, 50257), jnp.bfloat16, **dict(ALL, z_loss=0.0)))
     for asked, changed in [
         (dict(return_accuracy=True), {"fastce_forward", "fastce_finish"}),
-        (dict(return_entropy=True), {"fastce_forward", "fastce_finish"}),
+        (dict(return_entropy=True, differentiated=()), {"fastce_forward", "fastce_finish"}),
+        (dict(return_entropy=True), {"fastce_forward", "fastce_finish", "fastce_backward"}),
         (dict(return_z_loss=True), {"fastce_backward"}),
     ]:
         variant = triton_modules(lower_outputs((8, 50257), jnp.bfloat16, **ALL, **asked))
@@ -233,3 +236,16 @@ def test_vocab_parallel_outputs_lower_to_triton(opts):
     shapes = [((8, 64128), jnp.bfloat16), ((8,), jnp.int32), ((8,), jnp.float32), ((8,), jnp.float32), ((), jnp.int32)]
     lowered = jax.jit(f).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes)).lower(lowering_platforms=("cuda",))
     assert sorted(triton_modules(lowered)) == ["fastce_backward", "fastce_finish", "fastce_forward"]
+
+
+def test_temperature_and_token_weights_keep_the_default_kernels(compiled):
+    """temperature=1 and token weights (the backward's per-row upstream factor) lower to exactly the default
+    kernels; another temperature only changes the constants folded into scaling and soft-capping."""
+    default = triton_modules(lower_outputs((8, 50257), jnp.bfloat16, **ALL))
+    assert triton_modules(lower_outputs((8, 50257), jnp.bfloat16, **ALL, temperature=1.0)) == default
+    x = jax.ShapeDtypeStruct((8, 50257), jnp.bfloat16)
+    y = jax.ShapeDtypeStruct((8,), jnp.int32)
+    w = jax.ShapeDtypeStruct((8,), jnp.float32)
+    f = jax.value_and_grad(lambda a, b, c: cross_entropy(a, b, backend="kernel", token_weights=c, **ALL))
+    weighted = triton_modules(jax.jit(f).trace(x, y, w).lower(lowering_platforms=("cuda",)))
+    assert weighted == default
