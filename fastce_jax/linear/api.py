@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import contract, kernels
+from .. import contract, kernels, outputs
 from ..log_probs import LogProbOutput
 from . import chunks
-from .autograd import kernel_loss, rl_outputs
+from .autograd import kernel_loss
 from .chunks import StaticConfig, rows_per_chunk
 
 
@@ -70,22 +70,17 @@ def aligned_token_weights(weights, labels, shift: int, ignore_index: int):
 
 
 def _reference_loss(logits, labels, options, reduction, n_items, returns, class_weight, token_weights=None):
-    """backend="reference": the jnp loss of the materialised logits (..., V), with the extra outputs asked for."""
+    """backend="reference": the jnp loss of the materialised logits (..., V), with the extra outputs asked for
+    (the entropy differentiable by plain autodiff)."""
     if not returns:
         losses = contract.reference_token_losses(logits, labels, options, class_weight)
-        if token_weights is not None:
-            losses = losses * token_weights.astype(losses.dtype)
+        losses = outputs.weigh_tokens(losses, labels, token_weights, options.ignore_index)
         return contract.reduce_losses(losses, labels, reduction, n_items, options.ignore_index, class_weight)
     losses, lse, accuracy, entropy = contract.reference_row_outputs(logits, labels, options, returns, class_weight)
-    if token_weights is not None:
-        losses = losses * token_weights.astype(losses.dtype)
-    vocab = logits.shape[-1]
-    out = contract.reduce_outputs(
-        losses, lse, accuracy, entropy, labels, reduction, n_items, options, returns, vocab, class_weight
-    )
-    return rl_outputs(
-        out, lse, entropy, labels, reduction, n_items, options, returns, vocab, class_weight, token_weights
-    )
+    return outputs.reduce_outputs(
+        losses, lse, accuracy, entropy, labels, reduction, n_items, options, returns, logits.shape[-1], class_weight,
+        token_weights=token_weights, entropy_grad=True,
+    )  # fmt: skip
 
 
 def linear_cross_entropy(

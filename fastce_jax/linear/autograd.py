@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from .. import contract
+from .. import contract, outputs
 from . import chunks, sharded
 from .chunks import StaticConfig, extra_names
 
@@ -181,28 +181,6 @@ def _per_token_bwd(st: StaticConfig, residuals, g):
 _per_token_losses.defvjp(_per_token_fwd, _per_token_bwd, symbolic_zeros=True)
 
 
-def rl_outputs(
-    out, lse, entropy, labels, reduction, n_items, options, returns, vocab, class_weight=None, token_weights=None
-):
-    """contract.with_outputs' CrossEntropyOutput with the z_loss field weighted by the token weights like the
-    loss's z-loss term (w_t (w[y_t]) z_loss lse_t**2, reduced by the loss's divisor) and a differentiable entropy
-    field (reduced like the loss, unweighted); unchanged where neither applies."""
-    if not returns:
-        return out
-    if token_weights is not None and returns.z_loss:
-        lse_t = lse.reshape(labels.shape)
-        z_term = contract.z_loss_from_lse(lse_t, labels, options, vocab) * token_weights.astype(lse_t.dtype)
-        if class_weight is not None:
-            z_term = z_term * contract.label_weights(labels, class_weight, vocab).astype(z_term.dtype)
-        out = out._replace(
-            z_loss=contract.reduce_losses(z_term, labels, reduction, n_items, options.ignore_index, class_weight)
-        )
-    if returns.entropy:
-        ent = entropy.reshape(labels.shape)
-        out = out._replace(entropy=contract.reduce_losses(ent, labels, reduction, n_items, options.ignore_index))
-    return out
-
-
 @functools.partial(jax.jit, static_argnames=("st",))
 def kernel_loss(h2, weight, bias, labels, n_items, class_weight=None, token_weights=None, *, st: StaticConfig):
     """The chunked kernel path, jitted once per static configuration (an eager call reuses its trace)."""
@@ -217,20 +195,7 @@ def kernel_loss(h2, weight, bias, labels, n_items, class_weight=None, token_weig
         return outs
     loss, lse, *rest = outs
     extra = dict(zip(extra_names(st), rest))
-    out = contract.with_outputs(
-        loss,
-        lse,
-        extra.get("accuracy"),
-        extra.get("entropy"),
-        labels,
-        st.reduction,
-        n_items,
-        st.options,
-        st.returns,
-        weight.shape[0],
-        class_weight,
-    )
-    return rl_outputs(
-        out, lse, extra.get("entropy"), labels, st.reduction, n_items, st.options, st.returns, weight.shape[0],
-        class_weight, token_weights,
+    return outputs.with_outputs(
+        loss, lse, extra.get("accuracy"), extra.get("entropy"), labels, st.reduction, n_items, st.options, st.returns,
+        weight.shape[0], class_weight, token_weights=token_weights, entropy_grad=True,
     )  # fmt: skip
