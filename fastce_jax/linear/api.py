@@ -4,6 +4,8 @@ chunks.py, the custom_vjps in autograd.py, the custom partitioning of sharded he
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,6 +83,42 @@ def _reference_loss(logits, labels, options, reduction, n_items, returns, class_
         losses, lse, accuracy, entropy, labels, reduction, n_items, options, returns, logits.shape[-1], class_weight,
         token_weights=token_weights, entropy_grad=True,
     )  # fmt: skip
+
+
+def _static_config(
+    hidden, weight, bias, options, reduction, dtype, logits_dtype, returns, class_weight, *, workspace_bytes,
+    chunk_rows, accumulate_in_float32, skip_ignored_rows,
+):  # fmt: skip
+    """The kernel path's StaticConfig for checked arguments (hidden (..., H), weight (V, H))."""
+    vocab = weight.shape[0]
+    n_rows = math.prod(hidden.shape[:-1])
+    logits_itemsize = 4 if logits_dtype is not None else dtype.itemsize
+    return StaticConfig(
+        options=options,
+        interpret=not contract.on_gpu(hidden),
+        reduction=reduction,
+        chunk_rows=rows_per_chunk(n_rows, vocab, logits_itemsize, workspace_bytes, chunk_rows),
+        dtype=dtype.name,
+        f32_weight_grad=bool(accumulate_in_float32),
+        with_bias=bias is not None,
+        forward_config=kernels.forward_config(vocab),
+        backward_config=kernels.backward_config(vocab),
+        returns=returns,
+        skip_ignored_rows=skip_ignored_rows,
+        # Several devices: the loop runs on each device's block of rows and vocabulary (sharded.py); class weights
+        # have no partitioning rule: such a call runs the loop on the whole (gathered) arrays.
+        partitioned=jax.device_count() > 1 and class_weight is None,
+        logits_dtype=logits_dtype,
+    )
+
+
+def _with_lead_shape(result, lead, reduction):
+    """The kernel path's flat per-token results shaped like the labels: the loss ("none"), every per-token field
+    of a CrossEntropyOutput (lse always, the others for "none")."""
+    if not isinstance(result, contract.CrossEntropyOutput):
+        return result.reshape(lead) if reduction == "none" else result
+    per_token = result._fields if reduction == "none" else ("lse",)
+    return result._replace(**{f: getattr(result, f).reshape(lead) for f in per_token if getattr(result, f) is not None})
 
 
 def linear_cross_entropy(
@@ -217,34 +255,15 @@ def linear_cross_entropy(
         logits = chunks.chunk_logits(h2, weight, bias, dtype, logits_dtype).reshape(lead + (vocab,))
         loss = _reference_loss(logits, labels, options, reduction, n_items, returns, class_weight, token_weights)
     else:
-        logits_itemsize = 4 if logits_dtype is not None else dtype.itemsize
-        st = StaticConfig(
-            options=options,
-            interpret=not contract.on_gpu(hidden),
-            reduction=reduction,
-            chunk_rows=rows_per_chunk(h2.shape[0], vocab, logits_itemsize, workspace_bytes, chunk_rows),
-            dtype=dtype.name,
-            f32_weight_grad=bool(accumulate_in_float32),
-            with_bias=bias is not None,
-            forward_config=kernels.forward_config(vocab),
-            backward_config=kernels.backward_config(vocab),
-            returns=returns,
+        st = _static_config(
+            hidden, weight, bias, options, reduction, dtype, logits_dtype, returns, class_weight,
+            workspace_bytes=workspace_bytes, chunk_rows=chunk_rows, accumulate_in_float32=accumulate_in_float32,
             skip_ignored_rows=skip_ignored_rows,
-            # Several devices: the loop runs on each device's block of rows and vocabulary (sharded.py);
-            # class weights have no partitioning rule: such a call runs the loop on the whole (gathered) arrays.
-            partitioned=jax.device_count() > 1 and class_weight is None,
-            logits_dtype=logits_dtype,
-        )
+        )  # fmt: skip
         flat_weights = None if token_weights is None else token_weights.reshape(-1)
         with kernels.quiet_triton(st.interpret):
             loss = kernel_loss(h2, weight, bias, labels.reshape(-1), n_items, class_weight, flat_weights, st=st)
-        if isinstance(loss, contract.CrossEntropyOutput):
-            per_token = loss._fields if reduction == "none" else ("lse",)
-            loss = loss._replace(
-                **{f: getattr(loss, f).reshape(lead) for f in per_token if getattr(loss, f) is not None}
-            )
-        else:
-            loss = loss.reshape(lead) if reduction == "none" else loss
+        loss = _with_lead_shape(loss, lead, reduction)
     return contract.keep_positions(loss, kept, reduction)
 
 
