@@ -395,7 +395,8 @@ def _reference_forward_jvp(st: _Launch, logits, labels, logits_dot, outs, weight
 def _reference_backward_jvp(st: _Launch, primals, tangents, weight=None):
     """The tangent of a backward launch: the jvp of the reference backward in the logits and the cotangents used.
     lse and mz are functions of the logits: the reference recomputes them, so their own tangents are not added."""
-    logits, labels, _, g, g_lse, g_entropy, _ = primals
+    logits, labels = primals[:2]
+    # primals: (logits, labels, lse, g, g_lse, g_entropy, mz); the cotangents this launch reads, by position.
     used = [3] + ([4] if st.lse_cotangent else []) + ([5] if st.entropy_cotangent else [])
 
     def backward_of(x, *upstream):

@@ -126,3 +126,24 @@ def test_default_backward_lowering_unchanged():
         return triton_modules(traced.lower(lowering_platforms=("cuda",)))["fastce_backward"]
 
     assert lower(True) != lower(False)
+
+
+@pytest.mark.parametrize("layout", ["vocab_parallel", "weighted"])
+def test_entropy_variant_lowers_with_every_option(layout):
+    """The entropy variant combined with the lse cotangent and vocab-parallel mode, or with class weights and
+    smoothing, lowers to Triton (the compiled path the GPU runs)."""
+    from .test_lowering import triton_modules
+
+    options = contract.Options(**OPTIONS["all"])
+
+    def f(x, y, lse, g, start):
+        kw = dict(g_entropy=g, mz=lse, g_lse=g)
+        if layout == "vocab_parallel":
+            kw.update(vocab_start=start, vocab_total=2 * x.shape[1])
+        else:
+            kw.update(weight=jnp.linspace(0.5, 1.5, x.shape[1]))
+        return kernels.backward(x, y, lse, g, options, inplace=True, interpret=False, **kw)
+
+    shapes = [((8, 64128), jnp.bfloat16), ((8,), jnp.int32), ((8,), jnp.float32), ((8,), jnp.float32), ((), jnp.int32)]
+    traced = jax.jit(f).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes))
+    assert list(triton_modules(traced.lower(lowering_platforms=("cuda",)))) == ["fastce_backward"]
