@@ -297,3 +297,29 @@ def test_sharded_head_temperature_token_weights_entropy(layout, reduction):
     compare(out, grads, want, entropy=True)
     for got, like in zip(grads, (h, w, b)):
         assert got.sharding.is_equivalent_to(like.sharding, got.ndim), (got.sharding, like.sharding)
+
+
+@pytest.mark.parametrize("layout", ["vocab", "2d"])
+def test_sharded_head_float32_logits(layout):
+    """bf16 operands with logits_dtype="float32" on a vocabulary-sharded head: the loss to float32 accuracy of the
+    float64 one, the gradients in bf16."""
+    devices = jax.devices()
+    if len(devices) < 4:
+        pytest.skip("needs 4 devices (run through test_sharded_rl_on_4_cpu_devices)")
+    shape, axes, h_spec, w_spec = SHARDED_LAYOUTS[layout]
+    mesh = Mesh(np.array(devices[:4]).reshape(shape), axes)
+    put = lambda x, dtype: jnp.asarray(x, dtype)  # noqa: E731
+    hidden, weight, _, labels = make_inputs(put, 24, 16, 40, seed=23, dtype=jnp.bfloat16)
+    h = jax.device_put(hidden, NamedSharding(mesh, h_spec))
+    w = jax.device_put(weight, NamedSharding(mesh, w_spec))
+    y = jax.device_put(jnp.asarray(labels, jnp.int32), NamedSharding(mesh, P(h_spec[0])))
+
+    def objective(h, w):
+        return linear_cross_entropy(h, w, y, backend="kernel", chunk_rows=5, temperature=0.7, logits_dtype="float32")
+
+    loss, grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1)))(h, w)
+    want = expected(hidden, weight, labels, temperature=0.7)
+    assert_close(loss, want[0], what="loss", rtol=2e-5, atol=2e-5)
+    for got, ref in zip(grads, want[2:4]):
+        assert got.dtype == jnp.bfloat16
+        assert_close(got, ref, what="grad", **grad_tol(ref, 5e-2))
