@@ -12,7 +12,7 @@ logits), cross_entropy.py, linear/ (the fused linear loss), unsloth.py.
 
 from .contract import CrossEntropyOutput
 from .cross_entropy import cross_entropy, cross_entropy_reference
-from .linear import DEFAULT_WORKSPACE_BYTES, linear_cross_entropy
+from .linear import DEFAULT_WORKSPACE_BYTES, linear_cross_entropy, linear_log_probs
 from .log_probs import LogProbOutput, log_probs
 from .unsloth import fast_cross_entropy_loss
 from .versions import warn_if_untested
@@ -26,6 +26,7 @@ __all__ = [
     "cross_entropy_reference",
     "fast_cross_entropy_loss",
     "linear_cross_entropy",
+    "linear_log_probs",
     "log_probs",
     "DEFAULT_WORKSPACE_BYTES",
 ]

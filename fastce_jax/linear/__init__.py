@@ -4,7 +4,7 @@ logits. ``chunks.py`` holds the chunk loop and its budget (``rows_per_chunk``), 
 The chunking constants are read from ``chunks`` when a call is made: change them there.
 """
 
-from .api import linear_cross_entropy
+from .api import linear_cross_entropy, linear_log_probs
 from .chunks import DEFAULT_WORKSPACE_BYTES, ROWS_MULTIPLE, chunked_backward, chunked_forward, rows_per_chunk
 
 __all__ = [
@@ -13,5 +13,6 @@ __all__ = [
     "chunked_backward",
     "chunked_forward",
     "linear_cross_entropy",
+    "linear_log_probs",
     "rows_per_chunk",
 ]

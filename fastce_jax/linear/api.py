@@ -1,13 +1,17 @@
-"""The public ``linear_cross_entropy`` and its argument checks. The chunk loop is in chunks.py, the custom_vjps in
-autograd.py, the custom partitioning of sharded heads in sharded.py.
+"""The public ``linear_cross_entropy`` and ``linear_log_probs`` and their argument checks. The chunk loop is in
+chunks.py, the custom_vjps in autograd.py, the custom partitioning of sharded heads in sharded.py.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from .. import contract, kernels
+from .. import contract, kernels, outputs
+from ..log_probs import LogProbOutput
 from . import chunks
 from .autograd import kernel_loss
 from .chunks import StaticConfig, rows_per_chunk
@@ -38,16 +42,83 @@ def _check_tensors(hidden, weight, bias):
     return hidden, weight, bias
 
 
-def _reference_loss(logits, labels, options, reduction, n_items, returns, class_weight):
-    """backend="reference": the jnp loss of the materialised logits (..., V), with the extra outputs asked for."""
+LOGITS_DTYPE_ERROR = 'logits_dtype must be None, "float32" or jnp.float32, got {!r}'
+
+
+def check_logits_dtype(logits_dtype, dtype):
+    """The chunks' logits dtype: None (the operands' dtype, as today) or float32; a no-op (None) when the operands
+    are float32 or float64 already."""
+    if logits_dtype is None:
+        return None
+    f32 = (
+        (isinstance(logits_dtype, str) and logits_dtype == "float32")
+        or logits_dtype is jnp.float32
+        or logits_dtype is np.float32
+        or (isinstance(logits_dtype, np.dtype) and logits_dtype == np.float32)
+    )
+    if not f32:
+        raise ValueError(LOGITS_DTYPE_ERROR.format(logits_dtype))
+    return None if dtype.itemsize >= 4 else "float32"
+
+
+def aligned_token_weights(weights, labels, shift: int, ignore_index: int):
+    """The weights aligned with the (shifted) labels: weights[..., shift:] then zeros, as the labels are shifted;
+    0 on ignored rows, whose weight takes no part (a NaN or inf weight there stays out of the loss)."""
+    if weights is None:
+        return None
+    weights = contract.shifted_token_weights(jnp.asarray(weights), shift)
+    ign = contract.ignore_value(labels.dtype, ignore_index)
+    return weights if ign is None else jnp.where(labels == ign, jnp.zeros((), weights.dtype), weights)
+
+
+def _reference_loss(logits, labels, options, reduction, n_items, returns, class_weight, token_weights=None):
+    """backend="reference": the jnp loss of the materialised logits (..., V), with the extra outputs asked for
+    (the entropy differentiable by plain autodiff)."""
     if not returns:
         losses = contract.reference_token_losses(logits, labels, options, class_weight)
+        losses = outputs.weigh_tokens(losses, labels, token_weights, options.ignore_index)
         return contract.reduce_losses(losses, labels, reduction, n_items, options.ignore_index, class_weight)
     losses, lse, accuracy, entropy = contract.reference_row_outputs(logits, labels, options, returns, class_weight)
-    vocab = logits.shape[-1]
-    return contract.reduce_outputs(
-        losses, lse, accuracy, entropy, labels, reduction, n_items, options, returns, vocab, class_weight
+    return outputs.reduce_outputs(
+        losses, lse, accuracy, entropy, labels, reduction, n_items, options, returns, logits.shape[-1], class_weight,
+        token_weights=token_weights, entropy_grad=True,
+    )  # fmt: skip
+
+
+def _static_config(
+    hidden, weight, bias, options, reduction, dtype, logits_dtype, returns, class_weight, *, workspace_bytes,
+    chunk_rows, accumulate_in_float32, skip_ignored_rows,
+):  # fmt: skip
+    """The kernel path's StaticConfig for checked arguments (hidden (..., H), weight (V, H))."""
+    vocab = weight.shape[0]
+    n_rows = math.prod(hidden.shape[:-1])
+    logits_itemsize = 4 if logits_dtype is not None else dtype.itemsize
+    return StaticConfig(
+        options=options,
+        interpret=not contract.on_gpu(hidden),
+        reduction=reduction,
+        chunk_rows=rows_per_chunk(n_rows, vocab, logits_itemsize, workspace_bytes, chunk_rows),
+        dtype=dtype.name,
+        f32_weight_grad=bool(accumulate_in_float32),
+        with_bias=bias is not None,
+        forward_config=kernels.forward_config(vocab),
+        backward_config=kernels.backward_config(vocab),
+        returns=returns,
+        skip_ignored_rows=skip_ignored_rows,
+        # Several devices: the loop runs on each device's block of rows and vocabulary (sharded.py); class weights
+        # have no partitioning rule: such a call runs the loop on the whole (gathered) arrays.
+        partitioned=jax.device_count() > 1 and class_weight is None,
+        logits_dtype=logits_dtype,
     )
+
+
+def _with_lead_shape(result, lead, reduction):
+    """The kernel path's flat per-token results shaped like the labels: the loss ("none"), every per-token field
+    of a CrossEntropyOutput (lse always, the others for "none")."""
+    if not isinstance(result, contract.CrossEntropyOutput):
+        return result.reshape(lead) if reduction == "none" else result
+    per_token = result._fields if reduction == "none" else ("lse",)
+    return result._replace(**{f: getattr(result, f).reshape(lead) for f in per_token if getattr(result, f) is not None})
 
 
 def linear_cross_entropy(
@@ -75,6 +146,9 @@ def linear_cross_entropy(
     return_accuracy=False,
     return_entropy=False,
     class_weight=None,
+    temperature=1.0,
+    token_weights=None,
+    logits_dtype=None,
 ):
     """``cross_entropy(hidden @ weight.T + bias, labels, ...)`` without the (N, V) logits.
 
@@ -121,6 +195,20 @@ def linear_cross_entropy(
     class_weight: class weights (V,), ``cross_entropy``'s ``weight`` (the positional ``weight`` is the LM head
       here), in every chunk's kernels; "mean" divides by the non-ignored tokens' summed class weights.
 
+    temperature: a float > 0: the logits are ``softcap(scaling * x) / temperature`` in every output and gradient
+      (folded into the scaling and soft-capping, exact algebra; 1.0 changes nothing).
+    token_weights: None, or a floating array shaped like ``labels`` (no gradient: differentiating with respect to
+      it raises): each token's loss (its z-loss term included) is multiplied by its weight before the reduction;
+      "mean" still divides by the non-ignored count (or n_items, or the class weights' divisor). Weights may be
+      negative; an ignored token's weight takes no part. With ``shift`` they are aligned with labels. The z_loss
+      output is weighted like the loss's term; lse, accuracy and entropy are not. "mean" / "sum" keep the
+      gradients-in-forward path (each row's factor is w_t / divisor): no recompute.
+    logits_dtype: None (the logits in the inputs' common dtype) or "float32" / jnp.float32: the chunk GEMM takes
+      the bf16 / fp16 operands as they are and gives float32 logits (``preferred_element_type``; no float32 copy
+      of the weight), the kernels read float32 and the workspace counts 4 bytes per logit. d logits is rounded to
+      the operands' dtype for the gradient products (as an unfused head's backward); d bias sums it in float32.
+      A no-op for float32 / float64 inputs.
+
     Returns:
       float32 loss: a scalar, or shaped like ``labels`` for reduction="none"; with any return_* True a
       ``CrossEntropyOutput(loss, z_loss, lse, accuracy, entropy)``, None for what was not asked.
@@ -134,8 +222,10 @@ def linear_cross_entropy(
         label_smoothing=label_smoothing,
         z_loss=z_loss,
         backend=backend,
+        temperature=temperature,
     )
     labels = contract.check_labels(labels, hidden.shape[:-1], options.ignore_index)
+    token_weights = contract.check_token_weights(token_weights, labels.shape)
     check = contract.check_flag(validate_labels, "validate_labels")
     n_items = contract.check_n_items(n_items)
     returns = contract.check_extras(
@@ -153,39 +243,91 @@ def linear_cross_entropy(
     if check:
         contract.validate_labels(labels, vocab, options.ignore_index)
     dtype = jnp.dtype(jnp.result_type(hidden.dtype, weight.dtype, *(() if bias is None else (bias.dtype,))))
+    logits_dtype = check_logits_dtype(logits_dtype, dtype)
     if backend == "auto":
         backend = "kernel" if contract.on_gpu(hidden) else "reference"
     lead = tuple(hidden.shape[:-1])
     h2 = hidden.reshape(-1, dim)
     labels = jnp.asarray(labels)
+    token_weights = aligned_token_weights(token_weights, labels, shift, options.ignore_index)
     # No tokens: no chunk to launch; float64: the chunks compute in float32.
     if backend == "reference" or h2.shape[0] == 0 or dtype == jnp.float64:
-        logits = chunks.chunk_logits(h2, weight, bias, dtype).reshape(lead + (vocab,))
-        loss = _reference_loss(logits, labels, options, reduction, n_items, returns, class_weight)
+        logits = chunks.chunk_logits(h2, weight, bias, dtype, logits_dtype).reshape(lead + (vocab,))
+        loss = _reference_loss(logits, labels, options, reduction, n_items, returns, class_weight, token_weights)
     else:
-        st = StaticConfig(
-            options=options,
-            interpret=not contract.on_gpu(hidden),
-            reduction=reduction,
-            chunk_rows=rows_per_chunk(h2.shape[0], vocab, dtype.itemsize, workspace_bytes, chunk_rows),
-            dtype=dtype.name,
-            f32_weight_grad=bool(accumulate_in_float32),
-            with_bias=bias is not None,
-            forward_config=kernels.forward_config(vocab),
-            backward_config=kernels.backward_config(vocab),
-            returns=returns,
+        st = _static_config(
+            hidden, weight, bias, options, reduction, dtype, logits_dtype, returns, class_weight,
+            workspace_bytes=workspace_bytes, chunk_rows=chunk_rows, accumulate_in_float32=accumulate_in_float32,
             skip_ignored_rows=skip_ignored_rows,
-            # Several devices: the loop runs on each device's block of rows and vocabulary (sharded.py);
-            # class weights have no partitioning rule: such a call runs the loop on the whole (gathered) arrays.
-            partitioned=jax.device_count() > 1 and class_weight is None,
-        )
+        )  # fmt: skip
+        flat_weights = None if token_weights is None else token_weights.reshape(-1)
         with kernels.quiet_triton(st.interpret):
-            loss = kernel_loss(h2, weight, bias, labels.reshape(-1), n_items, class_weight, st=st)
-        if isinstance(loss, contract.CrossEntropyOutput):
-            per_token = loss._fields if reduction == "none" else ("lse",)
-            loss = loss._replace(
-                **{f: getattr(loss, f).reshape(lead) for f in per_token if getattr(loss, f) is not None}
-            )
-        else:
-            loss = loss.reshape(lead) if reduction == "none" else loss
+            loss = kernel_loss(h2, weight, bias, labels.reshape(-1), n_items, class_weight, flat_weights, st=st)
+        loss = _with_lead_shape(loss, lead, reduction)
     return contract.keep_positions(loss, kept, reduction)
+
+
+def _check_tokens(tokens, hidden):
+    """tokens named as such (linear_cross_entropy's checks name them labels): integers shaped like hidden's lead."""
+    tokens = contract.as_array(tokens, "tokens")
+    if not jnp.issubdtype(jnp.dtype(tokens.dtype), jnp.integer):
+        raise TypeError(f"tokens must be int32 or int64, got {tokens.dtype}")
+    lead = tuple(jnp.shape(hidden)[:-1])
+    if tuple(tokens.shape) != lead:
+        raise ValueError(f"tokens shape {tuple(tokens.shape)} must equal hidden's leading shape {lead}")
+    return tokens
+
+
+def linear_log_probs(
+    hidden,
+    weight,
+    tokens,
+    *,
+    bias=None,
+    temperature=1.0,
+    return_entropy=False,
+    ignore_index=-100,
+    logit_softcapping=0.0,
+    logit_scaling=0.0,
+    shift=0,
+    workspace_bytes=None,
+    chunk_rows=None,
+    logits_dtype=None,
+    backend="auto",
+    validate_labels=False,
+):
+    """log p(token_t) under softmax(z), z = softcap(scaling * (hidden @ weight.T + bias)) / temperature, without the
+    (N, V) logits: the RL policy's per-token log-probabilities (and entropies) from its hidden states.
+
+    ``-linear_cross_entropy(hidden, weight, tokens, reduction="none", ...)`` (the keywords are its own): float32,
+    shaped like tokens (with shift k: like tokens[..., k:]), 0.0 where the token is ignore_index, NaN for a token
+    outside [0, V). return_entropy=True returns ``LogProbOutput(logprobs, entropy)``, the entropy per token (0
+    where ignored). Both are differentiable (hidden, weight, bias) through any objective: the forward keeps the
+    lse per token (and the entropy) and the backward recomputes each chunk's logits (2·N·H·V of matmul work
+    forward, 6·N·H·V backward), the entropy's term in the same backward kernel. A call that is not differentiated
+    saves nothing for a backward.
+    """
+    tokens = _check_tokens(tokens, hidden)
+    want_entropy = contract.check_flag(return_entropy, "return_entropy")
+    out = linear_cross_entropy(
+        hidden,
+        weight,
+        tokens,
+        bias=bias,
+        ignore_index=ignore_index,
+        reduction="none",
+        logit_softcapping=logit_softcapping,
+        logit_scaling=logit_scaling,
+        backend=backend,
+        validate_labels=validate_labels,
+        shift=shift,
+        workspace_bytes=workspace_bytes,
+        chunk_rows=chunk_rows,
+        return_entropy=want_entropy,
+        temperature=temperature,
+        logits_dtype=logits_dtype,
+    )
+    # 0 - loss, not -loss: an ignored token's 0.0 stays +0.0.
+    if not want_entropy:
+        return 0.0 - out
+    return LogProbOutput(0.0 - out.loss, out.entropy)

@@ -16,8 +16,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from .. import contract
+from .. import contract, outputs
 from . import chunks, sharded
 from .chunks import StaticConfig, extra_names
 
@@ -29,11 +30,13 @@ def forward_chunks(hidden, weight, bias, labels, g_tokens, st: StaticConfig, cla
     return chunks.chunked_forward(hidden, weight, bias, labels, g_tokens, st, class_weight)
 
 
-def backward_chunks(hidden, weight, bias, labels, lse, g_tokens, st: StaticConfig, g_lse=None, class_weight=None):
+def backward_chunks(
+    hidden, weight, bias, labels, lse, g_tokens, st: StaticConfig, g_lse=None, class_weight=None, entropy=None
+):
     """chunks.chunked_backward, through sharded.py's partitioned op when ``st.partitioned``."""
     if st.partitioned:
-        return sharded.fused_backward(hidden, weight, bias, labels, lse, g_tokens, st, g_lse)
-    return chunks.chunked_backward(hidden, weight, bias, labels, lse, g_tokens, st, g_lse, class_weight)
+        return sharded.fused_backward(hidden, weight, bias, labels, lse, g_tokens, st, g_lse, entropy)
+    return chunks.chunked_backward(hidden, weight, bias, labels, lse, g_tokens, st, g_lse, class_weight, entropy)
 
 
 def _finish_grads(grads, hidden, weight, bias, scale=None, extra=None):
@@ -58,53 +61,96 @@ def _with_extras(loss, lse, extra: dict, st: StaticConfig):
 # --- custom_vjp: "mean"/"sum" (the gradients are residuals) and "none" (lse is) ------------------------------------
 
 
-def _token_scale(labels, n_items, st: StaticConfig, class_weight=None):
-    """d loss / d loss_t of the reduction: 1 / contract.loss_divisor (traced; no host synchronisation)."""
+def _token_scale(labels, n_items, st: StaticConfig, class_weight=None, token_weights=None):
+    """d loss / d loss_t of the reduction: 1 / contract.loss_divisor (traced; no host synchronisation), times the
+    token's weight when there are token weights."""
     divisor = contract.loss_divisor(labels, st.reduction, n_items, st.options.ignore_index, weight=class_weight)
+    if token_weights is not None:
+        return token_weights.astype(jnp.float32) / divisor
     return jnp.broadcast_to(1.0 / divisor, labels.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _reduced_loss(hidden, weight, bias, labels, n_items, class_weight, st: StaticConfig):
+def _weighted_reduce(losses, labels, n_items, st: StaticConfig, class_weight, token_weights):
+    if token_weights is not None:
+        losses = losses * token_weights.astype(losses.dtype)
+    return contract.reduce_losses(losses, labels, st.reduction, n_items, st.options.ignore_index, class_weight)
+
+
+def _values(*primals):
+    """The arrays of a symbolic_zeros custom_vjp fwd's arguments (each leaf a CustomVJPPrimal)."""
+    return jax.tree.map(lambda p: p.value, primals, is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
+
+
+def _used(cotangent):
+    """The cotangent as a float32 array, or None when it is a symbolic zero (that output is not differentiated)."""
+    return None if isinstance(cotangent, SymbolicZero) else cotangent.astype(jnp.float32)
+
+
+def _output_cotangents(g, st: StaticConfig):
+    """(the loss's cotangent, the lse cotangent or None, the entropy output's cotangent or None) of a custom_vjp's
+    output cotangents; None where that output is not differentiated (a symbolic zero) or carries no gradient."""
+    if not st.returns:
+        return _used(g), None, None
+    g_loss, g_lse, *g_rest = g
+    g_lse = _used(g_lse) if contract.lse_differentiated(st.options, st.returns) else None
+    g_entropy = dict(zip(extra_names(st), g_rest)).get("entropy")
+    return _used(g_loss), g_lse, None if g_entropy is None else _used(g_entropy)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _reduced_loss(hidden, weight, bias, labels, n_items, class_weight, token_weights, st: StaticConfig):
     losses, lse, _, extra = forward_chunks(hidden, weight, bias, labels, None, st, class_weight)
-    loss = contract.reduce_losses(losses, labels, st.reduction, n_items, st.options.ignore_index, class_weight)
+    loss = _weighted_reduce(losses, labels, n_items, st, class_weight, token_weights)
     return _with_extras(loss, lse, extra, st)
 
 
-def _reduced_fwd(hidden, weight, bias, labels, n_items, class_weight, st: StaticConfig):
-    g_tokens = _token_scale(labels, n_items, st, class_weight)
+def _reduced_fwd(*primals):
+    *primals, st = primals
+    hidden, weight, bias, labels, n_items, class_weight, token_weights = _values(*primals)
+    # Token weights: each row's factor w_t / divisor in place of the scalar 1 / divisor; the same single pass.
+    g_tokens = _token_scale(labels, n_items, st, class_weight, token_weights)
     losses, lse, grads, extra = forward_chunks(hidden, weight, bias, labels, g_tokens, st, class_weight)
-    loss = contract.reduce_losses(losses, labels, st.reduction, n_items, st.options.ignore_index, class_weight)
+    loss = _weighted_reduce(losses, labels, n_items, st, class_weight, token_weights)
     # Zero-size stand-ins keep the input dtypes for the backward's casts.
     likes = (jnp.zeros((0,), hidden.dtype), jnp.zeros((0,), weight.dtype), None if bias is None else bias[:0])
-    # A returned z_loss: its gradient (through lse) is only known in the backward, which recomputes the chunks.
-    inputs = (hidden, weight, bias, labels, lse) if contract.lse_differentiated(st.options, st.returns) else None
-    return _with_extras(loss, lse, extra, st), (grads, likes, inputs, class_weight)
+    # A returned z_loss or entropy: its gradient is only known in the backward, which recomputes the chunks.
+    inputs = None
+    if contract.lse_differentiated(st.options, st.returns) or st.returns.entropy:
+        inputs = (hidden, weight, bias, labels, lse, extra.get("entropy"))
+    return _with_extras(loss, lse, extra, st), (grads, likes, inputs, class_weight, token_weights)
 
 
 def _reduced_bwd(st: StaticConfig, residuals, g):
-    grads, (h_like, w_like, b_like), inputs, class_weight = residuals
+    grads, (h_like, w_like, b_like), inputs, class_weight, token_weights = residuals
+    g, g_lse, g_entropy = _output_cotangents(g, st)
     extra = None
-    if st.returns:
-        g, g_lse = g[0], g[1]
-        if inputs is not None:
-            hidden, weight, bias, labels, lse = inputs
+    if g_lse is not None or g_entropy is not None:
+        hidden, weight, bias, labels, lse, entropy = inputs
 
-            def z_loss_part():
-                zeros = jnp.zeros(labels.shape, jnp.float32)
-                # Unweighted: g_lse already holds the class weights' factor of the z_loss output.
-                return backward_chunks(hidden, weight, bias, labels, lse, zeros, st, g_lse.astype(jnp.float32))
+        def outputs_part():
+            # The loss's part is the residual gradients; this pass adds the outputs' (no class weights: g_lse
+            # already holds their factor of the z_loss output, and the entropy is unweighted).
+            zeros = jnp.zeros(labels.shape, jnp.float32)
+            ent = None if g_entropy is None else (g_entropy, lse - entropy)
+            return backward_chunks(hidden, weight, bias, labels, lse, zeros, st, g_lse, entropy=ent)
 
-            def nothing():
-                return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(z_loss_part))
+        def nothing():
+            return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(outputs_part))
 
-            # Only a z_loss output that is differentiated costs the recomputing pass (logging it costs nothing).
-            extra = jax.lax.cond(jnp.any(g_lse != 0), z_loss_part, nothing)
-    dh, dw, db = _finish_grads(grads, h_like, w_like, b_like, scale=g, extra=extra)
-    return dh, dw, db, None, None, None if class_weight is None else jnp.zeros_like(class_weight)
+        # Only an output that is differentiated costs the recomputing pass (logging it costs nothing).
+        nonzero = [jnp.any(c != 0) for c in (g_lse, g_entropy) if c is not None]
+        extra = jax.lax.cond(functools.reduce(jnp.logical_or, nonzero), outputs_part, nothing)
+    scale = jnp.zeros((), jnp.float32) if g is None else g
+    dh, dw, db = _finish_grads(grads, h_like, w_like, b_like, scale=scale, extra=extra)
+    return dh, dw, db, None, None, _zero_like(class_weight), _zero_like(token_weights)
 
 
-_reduced_loss.defvjp(_reduced_fwd, _reduced_bwd)
+def _zero_like(constant):
+    """The cotangent of a constant operand (class or token weights, which never get a gradient)."""
+    return None if constant is None else jnp.zeros_like(constant)
+
+
+_reduced_loss.defvjp(_reduced_fwd, _reduced_bwd, symbolic_zeros=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -113,45 +159,43 @@ def _per_token_losses(hidden, weight, bias, labels, class_weight, st: StaticConf
     return _with_extras(losses, lse, extra, st)
 
 
-def _per_token_fwd(hidden, weight, bias, labels, class_weight, st: StaticConfig):
+def _per_token_fwd(*primals):
+    *primals, st = primals
+    hidden, weight, bias, labels, class_weight = _values(*primals)
     losses, lse, _, extra = forward_chunks(hidden, weight, bias, labels, None, st, class_weight)
-    return _with_extras(losses, lse, extra, st), (hidden, weight, bias, labels, lse, class_weight)
+    residuals = (hidden, weight, bias, labels, lse, class_weight, extra.get("entropy"))
+    return _with_extras(losses, lse, extra, st), residuals
 
 
 def _per_token_bwd(st: StaticConfig, residuals, g):
-    hidden, weight, bias, labels, lse, class_weight = residuals
-    g_lse = None
-    if st.returns:
-        g, g_lse = g[0], (g[1].astype(jnp.float32) if contract.lse_differentiated(st.options, st.returns) else None)
-    grads = backward_chunks(hidden, weight, bias, labels, lse, g.astype(jnp.float32), st, g_lse, class_weight)
+    hidden, weight, bias, labels, lse, class_weight, entropy = residuals
+    g, g_lse, g_entropy = _output_cotangents(g, st)
+    g = jnp.zeros(labels.shape, jnp.float32) if g is None else g
+    # A differentiated entropy output adds its term to the same recomputing pass (no extra matmul).
+    ent = None if g_entropy is None else (g_entropy, lse - entropy)
+    grads = backward_chunks(hidden, weight, bias, labels, lse, g, st, g_lse, class_weight, ent)
     dh, dw, db = _finish_grads(grads, hidden, weight, bias)
-    return dh, dw, db, None, None if class_weight is None else jnp.zeros_like(class_weight)
+    return dh, dw, db, None, _zero_like(class_weight)
 
 
-_per_token_losses.defvjp(_per_token_fwd, _per_token_bwd)
+_per_token_losses.defvjp(_per_token_fwd, _per_token_bwd, symbolic_zeros=True)
 
 
 @functools.partial(jax.jit, static_argnames=("st",))
-def kernel_loss(h2, weight, bias, labels, n_items, class_weight=None, *, st: StaticConfig):
+def kernel_loss(h2, weight, bias, labels, n_items, class_weight=None, token_weights=None, *, st: StaticConfig):
     """The chunked kernel path, jitted once per static configuration (an eager call reuses its trace)."""
     if st.reduction == "none":
         outs = _per_token_losses(h2, weight, bias, labels, class_weight, st)
+        if token_weights is not None:
+            # Outside the custom_vjp: the backward's per-token upstream is then g_t * w_t.
+            outs = (outs[0] * token_weights, *outs[1:]) if st.returns else outs * token_weights
     else:
-        outs = _reduced_loss(h2, weight, bias, labels, n_items, class_weight, st)
+        outs = _reduced_loss(h2, weight, bias, labels, n_items, class_weight, token_weights, st)
     if not st.returns:
         return outs
     loss, lse, *rest = outs
     extra = dict(zip(extra_names(st), rest))
-    return contract.with_outputs(
-        loss,
-        lse,
-        extra.get("accuracy"),
-        extra.get("entropy"),
-        labels,
-        st.reduction,
-        n_items,
-        st.options,
-        st.returns,
-        weight.shape[0],
-        class_weight,
-    )
+    return outputs.with_outputs(
+        loss, lse, extra.get("accuracy"), extra.get("entropy"), labels, st.reduction, n_items, st.options, st.returns,
+        weight.shape[0], class_weight, token_weights=token_weights, entropy_grad=True,
+    )  # fmt: skip

@@ -13,7 +13,13 @@ rows it shares with the chunk before get an upstream gradient of 0 and keep the 
 padded copy of hidden or of its gradient is made.
 
 Memory beyond the inputs: the gradients (hidden's, weight's, bias's, in their dtypes), the workspace (chunk rows x V
-in the inputs' dtype, at most workspace_bytes) and O(N + V) floats.
+in the inputs' dtype, at most workspace_bytes) and O(N + V) floats. logits_dtype="float32" (bf16 / fp16 inputs):
+the chunk matmul takes the operands as they are and returns float32 logits (preferred_element_type), the kernels
+read float32 and the budget counts 4 bytes per logit (half the rows per chunk of bf16 logits).
+
+Entropy's gradient: a differentiated entropy output adds g_H,t p_j (mz_t - z_j) dz/dx to the backward kernel's
+d logits (mz = lse - H per row, saved by the forward), so the per-token path's recomputing backward carries it at
+no extra matmul; "mean" / "sum" run a recomputing backward for it (as for a differentiated z_loss output).
 
 Ignored rows: by default every row costs its matmuls. skip_ignored_rows=True orders the chunk loop's rows kept
 first (a stable argsort of the ignored mask, traced), gathers each chunk's rows of hidden and scatters its rows of
@@ -76,7 +82,7 @@ class StaticConfig(NamedTuple):
     interpret: bool  # Pallas interpret mode (off GPU)
     reduction: str
     chunk_rows: int
-    dtype: str  # compute dtype of the logits
+    dtype: str  # compute dtype of the matmul operands (the inputs' promoted dtype)
     f32_weight_grad: bool
     with_bias: bool
     forward_config: kernels.ForwardConfig
@@ -85,6 +91,7 @@ class StaticConfig(NamedTuple):
     skip_ignored_rows: bool = False  # chunks over the kept rows first; chunks without one skipped (lax.cond)
     partitioned: bool = False  # the chunk loop through sharded.py's custom_partitioning (several devices)
     vocab_layout: object = None  # inside a partitioned loop: (mesh, vocabulary axes, V) of a vocabulary block
+    logits_dtype: str | None = None  # logits_dtype="float32": the chunk's logits in float32 from dtype operands
 
 
 def _ce_forward(logits, labels, st: StaticConfig, class_weight=None):
@@ -104,12 +111,17 @@ def _ce_forward(logits, labels, st: StaticConfig, class_weight=None):
     )
 
 
-def _ce_backward_in_place(logits, labels, lse, g, st: StaticConfig, g_lse=None, class_weight=None):
+def _ce_backward_in_place(logits, labels, lse, g, st: StaticConfig, g_lse=None, class_weight=None, entropy=None):
+    """d logits of the chunk (in place). g_lse: the lse cotangent (a returned z_loss's) or None; entropy: (the
+    entropy output's cotangent, mz = lse - entropy) per row, or None."""
+    kw = {} if g_lse is None else {"g_lse": g_lse}
+    if entropy is not None:
+        kw.update(g_entropy=entropy[0], mz=entropy[1])
     if st.vocab_layout is not None:
         mesh, axes, vocab_total = st.vocab_layout
         return ops.local_backward(
             logits, labels, lse, g, st.options, True, st.interpret, None, mesh=mesh, vocab_axes=axes,
-            vocab_total=vocab_total, g_lse=g_lse,
+            vocab_total=vocab_total, **kw,
         )  # fmt: skip
     return ops.backward(
         logits,
@@ -121,7 +133,7 @@ def _ce_backward_in_place(logits, labels, lse, g, st: StaticConfig, g_lse=None, 
         interpret=st.interpret,
         config=st.backward_config,
         partitioned=False,
-        **({} if g_lse is None else {"g_lse": g_lse}),
+        **kw,
         **({} if class_weight is None else {"weight": class_weight}),
     )
 
@@ -176,12 +188,15 @@ def _chunk_upstream(g_tokens, start, fresh, st: StaticConfig, index=None):
     return jnp.where(fresh, _rows_of(g_tokens, start, st, index), 0.0)
 
 
-def chunk_logits(h_c, weight, bias, dtype):
-    """h_c @ weight.T + bias in dtype (float32 accumulation inside the matmul)."""
+def chunk_logits(h_c, weight, bias, dtype, logits_dtype=None):
+    """h_c @ weight.T + bias from dtype operands (float32 accumulation inside the matmul), rounded to dtype, or with
+    logits_dtype float32 kept in float32 (the bias added in float32): no float32 copy of either operand."""
     dt = jnp.dtype(dtype)
-    logits = jax.lax.dot_general(h_c.astype(dt), weight.astype(dt), (((1,), (1,)), ((), ())), preferred_element_type=dt)
+    out = dt if logits_dtype is None else jnp.dtype(logits_dtype)
+    dims = (((1,), (1,)), ((), ()))
+    logits = jax.lax.dot_general(h_c.astype(dt), weight.astype(dt), dims, preferred_element_type=out)
     if bias is not None:
-        logits = logits + bias.astype(dt)
+        logits = logits + bias.astype(out)
     return logits
 
 
@@ -200,12 +215,18 @@ def _accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st: Stat
     dweight (float32 with accumulate_in_float32, else the compute dtype), its column sums into dbias
     (float32). Chunk 0 (``first``) starts dweight and dbias instead of adding to zeros."""
     dt = jnp.dtype(st.dtype)
+    d_f32 = dlogits  # float32 with logits_dtype="float32": the bias gradient sums it before any rounding
+    # The products take d logits in the operands' dtype, as an unfused lm_head's backward does: float32 d logits
+    # times a bf16 weight would promote the weight, a weight-sized float32 copy per chunk, for no accuracy the
+    # bf16 result keeps (measured, N=512, H=256, V=4096 against float64: rms error of d hidden and d weight relative
+    # to their rms 1.69e-3 from bf16 d logits, 1.66e-3 from float32: the gradients' own rounding dominates).
+    dlogits = dlogits.astype(dt)
     dh_c = jax.lax.dot_general(dlogits, weight.astype(dt), (((1,), (0,)), ((), ())), preferred_element_type=dt)
     acc = jnp.float32 if st.f32_weight_grad else dt
     dw_c = jax.lax.dot_general(dlogits, h_c.astype(dt), (((0,), (0,)), ((), ())), preferred_element_type=acc)
     out = dict(dh=_put_rows(carry["dh"], start, fresh, dh_c, index), dw=dw_c if first else carry["dw"] + dw_c)
     if st.with_bias:
-        db_c = jnp.sum(dlogits.astype(jnp.float32), axis=0)
+        db_c = jnp.sum(d_f32.astype(jnp.float32), axis=0)
         out["db"] = db_c if first else carry["db"] + db_c
     return out
 
@@ -252,7 +273,7 @@ def chunked_forward(hidden, weight, bias, labels, g_tokens, st: StaticConfig, cl
 
     def step(k, carry, first):
         start, fresh, h_c, y_c, index = _chunk_inputs(k, hidden, labels, st, order)
-        logits = chunk_logits(h_c, weight, bias, st.dtype)
+        logits = chunk_logits(h_c, weight, bias, st.dtype, st.logits_dtype)
         loss_c, lse_c, *extra_c = _ce_forward(logits, y_c, st, class_weight)
         out = dict(
             losses=_put_rows(carry["losses"], start, fresh, loss_c, index),
@@ -286,19 +307,26 @@ def chunked_forward(hidden, weight, bias, labels, g_tokens, st: StaticConfig, cl
     return carry["losses"], carry["lse"], grads, {name: carry[name] for name in extras}
 
 
-def chunked_backward(hidden, weight, bias, labels, lse, g_tokens, st: StaticConfig, g_lse=None, class_weight=None):
+def chunked_backward(
+    hidden, weight, bias, labels, lse, g_tokens, st: StaticConfig, g_lse=None, class_weight=None, entropy=None
+):
     """The chunk loop on the arrays given. Gradients of sum_t g_t * loss_t (+ sum_t g_lse_t * lse_t when g_lse is
-    given: a returned z_loss's) from the saved lse: each chunk's logits are recomputed, no forward kernel."""
+    given: a returned z_loss's; + sum_t g_H,t * H_t when entropy = (g_H, mz = lse - H) per row is given: a returned
+    entropy's) from the saved lse: each chunk's logits are recomputed, no forward kernel; the entropy's term rides
+    in the same backward kernel (no extra matmul)."""
     n = hidden.shape[0]
     order = _row_order(labels, st)
 
     def step(k, carry, first):
         start, fresh, h_c, y_c, index = _chunk_inputs(k, hidden, labels, st, order)
-        logits = chunk_logits(h_c, weight, bias, st.dtype)
+        logits = chunk_logits(h_c, weight, bias, st.dtype, st.logits_dtype)
         lse_c = _rows_of(lse, start, st, index)
         g_c = _chunk_upstream(g_tokens, start, fresh, st, index)
         gl_c = None if g_lse is None else _chunk_upstream(g_lse, start, fresh, st, index)
-        dlogits = _ce_backward_in_place(logits, y_c, lse_c, g_c, st, gl_c, class_weight)
+        ent_c = None
+        if entropy is not None:
+            ent_c = (_chunk_upstream(entropy[0], start, fresh, st, index), _rows_of(entropy[1], start, st, index))
+        dlogits = _ce_backward_in_place(logits, y_c, lse_c, g_c, st, gl_c, class_weight, ent_c)
         return _accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st, index)
 
     def initial():

@@ -24,7 +24,9 @@ Rows or vocabulary that their mesh axes do not divide are replicated instead. Ea
 call's chunk rows (computed for the whole vocabulary), so a vocabulary-sharded device materialises less.
 
 The return_* outputs' statistics ride on the same combine (ops.local_forward with extras); a differentiated
-z_loss output's backward is the backward op with the lse cotangent.
+z_loss output's backward is the backward op with the lse cotangent, a differentiated entropy output's the backward
+op with its cotangent and mz = lse - H per row (both global already: no communication beyond d hidden's).
+Temperature is folded into the options and token weights into the per-row upstream factors: both ride along.
 
 vmap: custom_partitioning has no batching rule; a vmapped call runs the unpartitioned loop (jax.vmap of it).
 """
@@ -131,10 +133,14 @@ def _forward_local(*args, st, with_grads, mesh=None, rows=(), vocab=(), vocab_to
     return out + (_outputs(_reduced_grads(grads, rows, vocab), st) if with_grads else ())
 
 
-def _backward_local(*args, st, with_lse=False, mesh=None, rows=(), vocab=(), vocab_total=None):
-    hidden, weight, bias, labels, (lse, g, *g_lse) = _split(args, st)
+def _backward_local(*args, st, cotangents=(False, False), mesh=None, rows=(), vocab=(), vocab_total=None):
+    """cotangents: (with the lse cotangent, with the entropy's cotangent and mz), the operands after g in order."""
+    hidden, weight, bias, labels, (lse, g, *rest) = _split(args, st)
+    with_lse, with_entropy = cotangents
+    g_lse = rest.pop(0) if with_lse else None
+    entropy = tuple(rest) if with_entropy else None  # (g_entropy, mz): the global mz, nothing to communicate
     local = _local_static(st, hidden.shape[0], weight.shape[0], mesh, vocab, vocab_total or weight.shape[0])
-    grads = chunked_backward(hidden, weight, bias, labels, lse, g, local, g_lse[0] if with_lse else None)
+    grads = chunked_backward(hidden, weight, bias, labels, lse, g, local, g_lse, entropy=entropy)
     return _outputs(_reduced_grads(grads, rows, vocab), st)
 
 
@@ -149,53 +155,57 @@ def _shardings(mesh, rows, vocab, st, n_row_args):
     return operands, row, grads
 
 
-def _n_row_args(kind, with_grads):
-    """Per-row operands after labels: the forward's upstream factors (with gradients); the backward's lse, upstream
-    and (with_grads there: the lse cotangent) its upstream too."""
-    return int(with_grads) if kind == "forward" else 2 + int(with_grads)
+def _n_row_args(kind, flags):
+    """Per-row operands after labels: the forward's upstream factors (flags: with gradients); the backward's lse,
+    upstream, then (flags = (with_lse, with_entropy)) the lse cotangent, the entropy's cotangent and mz."""
+    if kind == "forward":
+        return int(flags)
+    with_lse, with_entropy = flags
+    return 2 + int(with_lse) + 2 * int(with_entropy)
 
 
-def _partition(kind, st, with_grads, mesh, arg_shapes, result_shape):
+def _partition(kind, st, flags, mesh, arg_shapes, result_shape):
     del result_shape
     mesh, rows, vocab = _plan(arg_shapes)
-    operands, row, grads = _shardings(mesh, rows, vocab, st, _n_row_args(kind, with_grads))
+    operands, row, grads = _shardings(mesh, rows, vocab, st, _n_row_args(kind, flags))
     static = dict(st=st, mesh=mesh, rows=rows, vocab=vocab, vocab_total=arg_shapes[1].shape[0])
     if kind == "forward":
-        lower = functools.partial(_forward_local, with_grads=with_grads, **static)
-        results = (row,) * (2 + _n_extras(st)) + (grads if with_grads else ())
+        lower = functools.partial(_forward_local, with_grads=flags, **static)
+        results = (row,) * (2 + _n_extras(st)) + (grads if flags else ())
     else:
-        lower = functools.partial(_backward_local, with_lse=with_grads, **static)
+        lower = functools.partial(_backward_local, cotangents=flags, **static)
         results = grads
     return mesh, lower, results, operands
 
 
-def _infer(kind, st, with_grads, mesh, arg_shapes, result_shape):
+def _infer(kind, st, flags, mesh, arg_shapes, result_shape):
     del result_shape
     mesh, rows, vocab = _plan(arg_shapes)
     _, row, grads = _shardings(mesh, rows, vocab, st, 0)
     if kind == "forward":
-        return (row,) * (2 + _n_extras(st)) + (grads if with_grads else ())
+        return (row,) * (2 + _n_extras(st)) + (grads if flags else ())
     return grads
 
 
-def _rule(kind, st, with_grads):
+def _rule(kind, st, flags):
     """The Shardy rule: n the rows, v the vocabulary, h the hidden width."""
     weights = ("v h",) + (("v",) if st.with_bias else ())
-    operands = ("n h", *weights, "n") + ("n",) * _n_row_args(kind, with_grads)
+    operands = ("n h", *weights, "n") + ("n",) * _n_row_args(kind, flags)
     if kind == "forward":
-        results = ("n",) * (2 + _n_extras(st)) + (("n h", *weights) if with_grads else ())
+        results = ("n",) * (2 + _n_extras(st)) + (("n h", *weights) if flags else ())
     else:
         results = ("n h", *weights)
     return ", ".join(operands) + " -> " + ", ".join(results)
 
 
 @functools.cache
-def _op(kind, st, with_grads=False):
-    """kind "forward" (with_grads: also the gradients) or "backward" (with_grads: an lse cotangent as well)."""
+def _op(kind, st, flags=False):
+    """kind "forward" (flags: with the gradients) or "backward" (flags: (with an lse cotangent, with the entropy's
+    cotangent and mz))."""
     plain = (
-        functools.partial(_forward_local, st=st, with_grads=with_grads)
+        functools.partial(_forward_local, st=st, with_grads=flags)
         if kind == "forward"
-        else functools.partial(_backward_local, st=st, with_lse=with_grads)
+        else functools.partial(_backward_local, st=st, cotangents=flags)
     )
 
     @custom_partitioning
@@ -203,9 +213,9 @@ def _op(kind, st, with_grads=False):
         return plain(*args)
 
     op.def_partition(
-        partition=functools.partial(_partition, kind, st, with_grads),
-        infer_sharding_from_operands=functools.partial(_infer, kind, st, with_grads),
-        sharding_rule=_rule(kind, st, with_grads),
+        partition=functools.partial(_partition, kind, st, flags),
+        infer_sharding_from_operands=functools.partial(_infer, kind, st, flags),
+        sharding_rule=_rule(kind, st, flags),
     )
 
     @jax.custom_batching.custom_vmap
@@ -235,11 +245,10 @@ def fused_forward(hidden, weight, bias, labels, g_tokens, st):
     return losses, lse, grads, extra
 
 
-def fused_backward(hidden, weight, bias, labels, lse, g_tokens, st, g_lse=None):
-    """chunks.chunked_backward, partitioned."""
-    with_lse = g_lse is not None
-    args = (
-        (hidden, weight) + (() if bias is None else (bias,)) + (labels, lse, g_tokens) + ((g_lse,) if with_lse else ())
-    )
-    out = _op("backward", st, with_lse)(*args)
+def fused_backward(hidden, weight, bias, labels, lse, g_tokens, st, g_lse=None, entropy=None):
+    """chunks.chunked_backward, partitioned; entropy: (g_entropy, mz) per row or None."""
+    flags = (g_lse is not None, entropy is not None)
+    args = (hidden, weight) + (() if bias is None else (bias,)) + (labels, lse, g_tokens)
+    args += ((g_lse,) if g_lse is not None else ()) + (tuple(entropy) if entropy is not None else ())
+    out = _op("backward", st, flags)(*args)
     return out[0], out[1], out[2] if st.with_bias else None

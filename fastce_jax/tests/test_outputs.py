@@ -364,12 +364,13 @@ def test_linear_z_loss_gradient(small_tiles, float32_matmuls, reduction):
     assert np.abs(np.asarray(z_only)).max() > 1e-4
 
 
-def test_linear_other_outputs_carry_no_gradient(small_tiles):
+def test_linear_lse_and_accuracy_carry_no_gradient(small_tiles):
+    """lse and accuracy carry no gradient; the entropy does (issue 37: tests/test_linear_rl.py checks it)."""
     hidden, weight, y, _ = linear_inputs(seed=31)
 
     def f(hd, wt):
         out = linear_cross_entropy(hd, wt, y, reduction="sum", backend="kernel", chunk_rows=4, **ALL_RETURNS)
-        return jnp.sum(jnp.where(jnp.isfinite(out.lse), out.lse, 0.0)) + out.accuracy + out.entropy
+        return jnp.sum(jnp.where(jnp.isfinite(out.lse), out.lse, 0.0)) + out.accuracy
 
     for g in jax.grad(f, (0, 1))(hidden, weight):
         assert np.all(np.asarray(g) == 0.0)
