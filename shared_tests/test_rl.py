@@ -40,6 +40,20 @@ def package_or_skip(package, name):
     return module
 
 
+def packages_with(name):
+    """The packages that have `name` (the other one's side is skipped at the end of the test, as harness.run_case
+    does without jax), or a skip when neither has it."""
+    found = [p for p in PACKAGES if getattr(fastce_torch if p == "torch" else optional_jax(), name, None) is not None]
+    if not found:
+        pytest.skip(f"no package has {name} yet")
+    return found
+
+
+def skip_if_partial(found, name):
+    if len(found) < len(PACKAGES):
+        pytest.skip(f"only {found} have {name}: checked that side, skipped the other and the pair comparison")
+
+
 def lp_kwargs(opts):
     """The options log_probs takes (it has no label smoothing or z-loss)."""
     kwargs = dict(
@@ -63,6 +77,7 @@ class LogProbCase:
     ignore: str = "some"
     bad_labels: tuple = ()
     neg_inf: str = ""
+    inplace: bool = False  # torch: the logits are a non-leaf (the backward may write into their buffer)
     seed: int = 0
 
 
@@ -71,6 +86,7 @@ ALL = reference.Options(logit_softcapping=5.0, logit_scaling=0.8, temperature=0.
 CASES = [
     LogProbCase("plain", opts=reference.Options(), seed=1),
     LogProbCase("temperature", seed=2),
+    LogProbCase("non-leaf-logits", inplace=True, opts=ALL, seed=17),
     LogProbCase("no-entropy", entropy=False, seed=3),
     LogProbCase("hot", opts=reference.Options(temperature=1.7), seed=4),
     LogProbCase("softcap-scaling-temperature", opts=ALL, seed=5),
@@ -114,18 +130,18 @@ def upstreams(shape, seed, entropy):
 # --- runners: (logprobs, entropy or None, d objective / d logits) as torch tensors --------------------------------
 
 
-def run_torch_log_probs(logits, tokens, opts, shift, entropy, objective):
+def run_torch_log_probs(logits, tokens, opts, shift, entropy, objective, inplace=False):
     leaf = logits.detach().requires_grad_()
-    out = fastce_torch.log_probs(leaf, tokens, shift=shift, return_entropy=entropy, backend="kernel", **lp_kwargs(opts))
+    x = leaf.clone() if inplace else leaf
+    out = fastce_torch.log_probs(x, tokens, shift=shift, return_entropy=entropy, backend="kernel", **lp_kwargs(opts))
     logprobs, ent = (out.logprobs, out.entropy) if entropy else (out, None)
-    if entropy:
-        assert type(out).__name__ == "LogProbOutput" and out is not None
+    assert type(out).__name__ == "LogProbOutput" if entropy else isinstance(out, torch.Tensor)
     objective(logprobs, ent, torch).backward()
     grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
     return logprobs.detach(), None if ent is None else ent.detach(), grad
 
 
-def run_jax_log_probs(logits, tokens, opts, shift, entropy, objective):
+def run_jax_log_probs(logits, tokens, opts, shift, entropy, objective, inplace=False):
     import jax
     import jax.numpy as jnp
 
@@ -204,13 +220,15 @@ TORCH_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": 
 def run_both(case, device, objective, ref, grad_scale_extra=0.0):
     """Both packages on the same inputs against `ref`, then against each other."""
     inputs = make_inputs(logits_case(case), device)
+    found = packages_with("log_probs")
     outs = {}
-    for package in PACKAGES:
-        package_or_skip(package, "log_probs")
-        got = RUNNERS[package](inputs.logits, inputs.labels, case.opts, case.shift, case.entropy, objective)
+    for package in found:
+        args = (inputs.logits, inputs.labels, case.opts, case.shift, case.entropy, objective, case.inplace)
+        got = RUNNERS[package](*args)
         ulps = torch_ulps_reference(inputs, logits_case(case)) if package == "torch" else 0.5
         check_against_reference(package, got, ref, case.dtype, grad_scale_extra, ulps)
         outs[package] = got
+    skip_if_partial(found, "log_probs")
     check_pair(outs["torch"], outs["jax"], ref, case.dtype, grad_scale_extra)
 
 
@@ -221,8 +239,6 @@ def exact_inputs(case, device):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.name}-{c.dtype}")
 def test_log_probs_match_the_reference(case, device):
-    for package in PACKAGES:
-        package_or_skip(package, "log_probs")
     _, x, y = exact_inputs(case, device)
     kept = y[..., case.shift :].shape
     g, h = upstreams(kept, case.seed, case.entropy)
@@ -293,8 +309,7 @@ RL_CASES = [
 
 @pytest.mark.parametrize("case", RL_CASES, ids=lambda c: f"{c.name}-{c.dtype}")
 def test_rl_objective_gradient_through_log_probs(case, device):
-    for package in PACKAGES:
-        package_or_skip(package, "log_probs")
+    packages_with("log_probs")
     _, x, y = exact_inputs(case, device)
     exact = reference.log_probs(x, y, opts=case.opts, shift=case.shift)
     setup = rl_setup(exact.logprobs, case.seed)
@@ -482,12 +497,12 @@ def linear_problem(case, device):
 
 @pytest.mark.parametrize("case", LINEAR_CASES, ids=lambda c: f"{c.name}-{c.dtype}")
 def test_linear_log_probs_match_the_reference(case, device):
-    for package in PACKAGES:
-        package_or_skip(package, "linear_log_probs")
+    found = packages_with("linear_log_probs")
     inputs, objective, exact, bounds = linear_problem(case, device)
-    outs = {p: LINEAR_RUNNERS[p](case, *inputs, objective) for p in PACKAGES}
+    outs = {p: LINEAR_RUNNERS[p](case, *inputs, objective) for p in found}
     for package, got in outs.items():
         check_linear(package, got, exact, bounds)
+    skip_if_partial(found, "linear_log_probs")
     # The packages against each other: each is within the bounds of the exact value, so twice them apart at most.
     doubled = {k: 2 * v for k, v in bounds.items()}
     t_out, j_out = outs["torch"], outs["jax"]
