@@ -43,7 +43,8 @@ def package_or_skip(package, name):
 def packages_with(name):
     """The packages that have `name` (the other one's side is skipped at the end of the test, as harness.run_case
     does without jax), or a skip when neither has it."""
-    found = [p for p in PACKAGES if getattr(fastce_torch if p == "torch" else optional_jax(), name, None) is not None]
+    modules = {"torch": fastce_torch, "jax": optional_jax()}
+    found = [p for p in PACKAGES if callable(getattr(modules[p], name, None))]  # not the submodule of that name
     if not found:
         pytest.skip(f"no package has {name} yet")
     return found
