@@ -181,7 +181,7 @@ def main(argv=None):
     losses, rewards, models = train(args)
     gaps = [abs(a - b) / max(1.0, abs(b)) for a, b in zip(losses["fastce"], losses["plain"])]
     params = zip(models["fastce"].parameters(), models["plain"].parameters())
-    param_gap = max(float((a - b).abs().max()) for a, b in params)
+    param_gap = max(float((a - b).detach().abs().max()) for a, b in params)
     print(f"{'step':>5} {'fastce':>12} {'plain':>12}")
     for i, (a, b) in enumerate(zip(losses["fastce"], losses["plain"])):
         print(f"{i:5d} {a:12.7f} {b:12.7f}")
