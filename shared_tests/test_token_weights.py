@@ -42,7 +42,8 @@ def skip_without_token_weights(name="cross_entropy"):
 
 
 def make_weights(shape, seed, pattern="random", device="cpu"):
-    """Weights like advantages: either sign, some exactly 0; `pattern` "nan" puts a NaN on one scored token."""
+    """Weights like advantages: either sign, some exactly 0; `pattern` "nan" puts a NaN on one scored token (and
+    the test on the ignored ones)."""
     gen = torch.Generator().manual_seed(seed + 500)
     weights = torch.randn(shape, generator=gen) * 1.5
     flat = weights.reshape(-1)
@@ -118,6 +119,8 @@ def test_cross_entropy_token_weights(case, weights, shift, device):
     skip_without_token_weights()
     inputs = make_inputs(case, device)
     w = make_weights(case.shape, case.seed, weights, device)
+    if weights == "nan":  # ignored tokens take no part, whatever their weight: NaN there changes nothing
+        w = torch.where(inputs.labels == case.opts.ignore_index, float("nan"), w)
     extra = dict(token_weights=w, **({"shift": shift} if shift else {}))
     if shift:  # the upstream of "none" is shaped like the scored tokens
         inputs = dataclasses.replace(inputs, upstream=inputs.upstream[..., : case.shape[-1] - shift].contiguous())
