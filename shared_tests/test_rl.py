@@ -1,11 +1,10 @@
 """Issue 37's per-token RL surface in both packages, on the same buffers (DLPack), against the float64 reference
-(reference.log_probs / linear_log_probs): log_probs and linear_log_probs with and without the entropy, at a
-temperature, with soft-capping, scaling, ignore_index and shift; the gradients of a nonlinear RL objective through
-them (a clipped importance ratio with per-token advantages, an entropy bonus and a KL term to a reference policy's
-log-probs); logits_dtype="float32" (bf16 operands, float32 logits: the log-probs closer to float64 than the bf16
-logits give); and the two packages against each other.
+(reference.log_probs): log_probs with and without the entropy, at a temperature, with soft-capping, scaling,
+ignore_index and shift; the gradients of a nonlinear RL objective through it (a clipped importance ratio with
+per-token advantages, an entropy bonus and a KL term to a reference policy's log-probs); and the two packages against
+each other. linear_log_probs and logits_dtype: test_rl_linear.py (which reuses the objective defined here).
 
-Tolerances are the shared model's (tolerances.py; for the linear entry points test_linear_cross_entropy's):
+Tolerances are the shared model's (tolerances.py):
   log-probs:  RTOL M_t (the loss's own error: logprob = -loss);   entropy: 2 RTOL M_t (as test_outputs.py)
   gradient:   RTOL (grad_scale + grad_scale'') + ulps of the dtype, grad_scale from the reference with the objective's
               cotangents (d J / d logprob_t, d J / d entropy_t), grad_scale'' the same magnitudes with the cotangents
