@@ -1,13 +1,11 @@
-"""The examples run, small, on the CPU: fastce_jax's kernels in Pallas interpret mode against the XLA loss."""
+"""The examples run, small, on the CPU: fastce_jax's kernels in Pallas interpret mode against the XLA loss; the GRPO
+steps (examples/grpo_torch.py, grpo_jax.py) through linear_log_probs against plain log_softmax, step by step."""
 
 import importlib.util
 import json
 import pathlib
 
 import pytest
-
-pytest.importorskip("optax", reason="the JAX example trains with optax")
-pytest.importorskip("fastce_jax", reason="fastce_jax (the Pallas package) is not importable")
 
 HERE = pathlib.Path(__file__).parent
 SMALL = ["--steps", "12", "--batch", "4", "--seq-len", "16", "--layers", "1", "--dim", "32", "--vocab", "1000"]
@@ -20,8 +18,14 @@ def load(name):
     return module
 
 
+def needs_jax():
+    pytest.importorskip("optax", reason="the JAX examples train with optax")
+    pytest.importorskip("fastce_jax", reason="fastce_jax (the Pallas package) is not importable")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_jax_training_curves_match_xla(tmp_path, dtype):
+    needs_jax()
     example = load("train_tiny_lm_jax")
     out = tmp_path / "curves.json"
     # The fused loss in chunks of 24 rows: 64 tokens per batch make 3 chunks, the last one clamped.
@@ -32,3 +36,30 @@ def test_jax_training_curves_match_xla(tmp_path, dtype):
     assert set(curves) == {"xla", "fastce", "per_token", "fused"} and all(len(c) == 12 for c in curves.values())
     assert curves["fastce"][-1] < curves["fastce"][0] - 1.0  # it learns (log 1000 -> about log 64)
     assert json.loads(out.read_text())["match"]
+
+
+GRPO_SMALL = ["--iterations", "2", "--steps", "3", "--prompts", "2", "--completions", "4", "--length", "6"]
+
+
+def check_grpo(result, steps=3):
+    assert result["match"], (result["max_gap"], result["losses"])
+    for losses in result["losses"].values():
+        assert len(losses) == 2 * steps
+        for start in range(0, len(losses), steps):  # each round's steps lower its objective
+            assert losses[start + steps - 1] < losses[start], losses
+
+
+def test_grpo_torch_step_matches_log_softmax(tmp_path):
+    fastce_torch = pytest.importorskip("fastce_torch")
+    if not callable(getattr(fastce_torch, "linear_log_probs", None)):
+        pytest.skip("fastce_torch has no linear_log_probs yet")
+    result = load("grpo_torch").main(GRPO_SMALL + ["--backend", "kernel", "--json", str(tmp_path / "grpo.json")])
+    check_grpo(result)
+
+
+def test_grpo_jax_step_matches_log_softmax(tmp_path):
+    needs_jax()
+    if not callable(getattr(__import__("fastce_jax"), "linear_log_probs", None)):
+        pytest.skip("fastce_jax has no linear_log_probs yet")
+    result = load("grpo_jax").main(GRPO_SMALL + ["--backend", "kernel", "--json", str(tmp_path / "grpo.json")])
+    check_grpo(result)

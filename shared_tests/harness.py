@@ -160,9 +160,9 @@ def run_torch(case, inputs, **extra):
     return loss.detach(), grad
 
 
-def run_jax(case, inputs):
+def run_jax(case, inputs, **extra):
     """fastce_jax on the very same buffer (zero-copy through DLPack where the layout allows), gradient back to
-    torch through DLPack."""
+    torch through DLPack. extra: more keywords for the call, torch tensors among them handed over through DLPack."""
     import jax
 
     import fastce_jax
@@ -177,6 +177,7 @@ def run_jax(case, inputs):
     n_items = inputs.n_items
     if isinstance(n_items, torch.Tensor):
         n_items = exchange.labels_to_jax(n_items) if not n_items.is_floating_point() else exchange.to_jax(n_items)
+    extra = {k: exchange.to_jax(v) if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
 
     def loss_fn(a):
         return fastce_jax.cross_entropy(
@@ -187,6 +188,7 @@ def run_jax(case, inputs):
             backend="kernel",
             inplace_backward=case.inplace,
             **case.opts.as_kwargs(),
+            **extra,
         )
 
     loss, vjp = jax.vjp(jax.jit(loss_fn) if case.jit else loss_fn, x)

@@ -143,19 +143,21 @@ def kwargs_of(case, n_items):
     return dict(reduction=case.reduction, n_items=n_items, **case.opts.as_kwargs(), **shift, **chunking)
 
 
-def run_torch(case, inputs):
+def run_torch(case, inputs, **extra):
+    """extra: more keywords for the call (token_weights=...)."""
     hidden, weight, bias, labels, upstream, n_items = inputs
     leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight)]
     bias_leaf = None if bias is None else bias.detach().clone().requires_grad_()
     loss = fastce_torch.linear_cross_entropy(
-        *leaves, labels, bias=bias_leaf, backend="kernel", **kwargs_of(case, n_items)
+        *leaves, labels, bias=bias_leaf, backend="kernel", **kwargs_of(case, n_items), **extra
     )
     (loss * upstream).sum().backward()
     grads = [leaves[0].grad, leaves[1].grad, None if bias is None else bias_leaf.grad]
     return loss.detach(), grads
 
 
-def run_jax(case, inputs):
+def run_jax(case, inputs, **extra):
+    """extra: more keywords for the call, torch tensors among them handed over through DLPack."""
     import jax
     import jax.numpy as jnp
 
@@ -168,6 +170,7 @@ def run_jax(case, inputs):
     b = None if bias is None else as_jax(bias)
     y = exchange.labels_to_jax(labels)
     kwargs = kwargs_of(case, as_jax(n_items) if torch.is_tensor(n_items) else n_items)
+    kwargs.update({k: as_jax(v) if torch.is_tensor(v) else v for k, v in extra.items()})
     weighting = as_jax(upstream)
 
     def objective(h, w, b):
@@ -202,8 +205,9 @@ def check(case, device, runner, chunks):
     check_result(case, inputs, runner(case, inputs), chunks)
 
 
-def check_result(case, inputs, result, chunks):
-    """result = (loss, [grad_hidden, grad_weight, grad_bias]) of `inputs` against the float64 reference."""
+def check_result(case, inputs, result, chunks, token_weights=None):
+    """result = (loss, [grad_hidden, grad_weight, grad_bias]) of `inputs` against the float64 reference; with the
+    call's token_weights (a tensor shaped like labels) when it had them."""
     hidden, weight, bias, labels, upstream, n_items = inputs
     as64 = lambda t: None if t is None else t.detach().double().cpu().numpy()  # noqa: E731
     exact = reference.linear_cross_entropy(
@@ -215,6 +219,7 @@ def check_result(case, inputs, result, chunks):
         n_items=float(n_items) if torch.is_tensor(n_items) else n_items,
         upstream=as64(upstream) if case.reduction == "none" else None,
         opts=case.opts,
+        token_weights=as64(token_weights),
     )
     scalar = 1.0 if case.reduction == "none" else case.scalar_upstream  # the reference's gradients are of the loss
     loss, (grad_hidden, grad_weight, grad_bias) = result
@@ -224,7 +229,8 @@ def check_result(case, inputs, result, chunks):
     n_rows, vocab = r.lse.shape[0], weight.shape[0]
     logit_error = 2.0 * exact.logits_abs.max(axis=-1) if vocab else np.zeros(n_rows)  # E_t, times 2
     g = np.abs(np.nan_to_num(r.upstream))
-    loss_terms = np.nan_to_num(r.loss_scale) + logit_error
+    weight_abs = 1.0 if token_weights is None else np.abs(np.nan_to_num(as64(token_weights).reshape(-1)))
+    loss_terms = np.nan_to_num(r.loss_scale) + logit_error * weight_abs  # loss_scale holds |w_t| already
     if case.reduction == "none":
         loss_bound = u * loss_terms.reshape(case.shape)
     else:

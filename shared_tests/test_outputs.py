@@ -10,9 +10,10 @@ Tolerances, from the shared model (tolerances.py), per token t with M_t the loss
             pick another column than float64 does)
 reduced like the outputs (the sum of per-token bounds over the denominator, plus the float32 summation).
 Also: each keyword alone, exact ties, several vocabulary chunks, the z_loss output's gradient (alone and with the
-loss's), no gradient on the others, linear_cross_entropy over several row chunks, torch.compile(fullgraph=True),
-vocab-parallel and DTensor over gloo ranks (fastce_torch/tests/vocab_parallel_outputs_check.py) and, with --gpu,
-CUDA-graph capture. fastce_jax's cases are skipped until fastce_jax.CrossEntropyOutput exists.
+loss's), no gradient on lse and accuracy (the entropy's gradient: test_entropy_grad.py), linear_cross_entropy over
+several row chunks, torch.compile(fullgraph=True), vocab-parallel and DTensor over gloo ranks
+(fastce_torch/tests/vocab_parallel_outputs_check.py) and, with --gpu, CUDA-graph capture. fastce_jax's cases are
+skipped until fastce_jax.CrossEntropyOutput exists.
 """
 
 import dataclasses
@@ -373,13 +374,15 @@ def test_z_loss_output_gradient(case, objective, package, device):
 
 
 @pytest.mark.parametrize("reduction", ["none", "mean"])
-def test_torch_outputs_carry_no_gradient(reduction, device):
+def test_torch_lse_and_accuracy_carry_no_gradient(reduction, device):
     c = Case("no-grad", shape=(6,), vocab=37, reduction=reduction, opts=Z, seed=70)
     inputs = make_inputs(c, device)
     out, leaf = torch_call(c, inputs.logits, inputs.labels, None, **ALL_RETURNS)
-    for name in ("lse", "accuracy", "entropy"):
+    for name in ("lse", "accuracy"):
         assert not getattr(out, name).requires_grad, name
-    assert out.loss.requires_grad and out.z_loss.requires_grad
+    # issue 37: the entropy is differentiable too (its gradient: test_entropy_grad.py); returning the differentiable
+    # outputs leaves the loss's own gradient unchanged.
+    assert out.loss.requires_grad and out.z_loss.requires_grad and out.entropy.requires_grad
     (out.loss.sum() if reduction == "none" else out.loss).backward()
     plain, plain_leaf = torch_call(c, inputs.logits, inputs.labels, None)
     (plain.sum() if reduction == "none" else plain).backward()

@@ -72,6 +72,12 @@ BAD_ARGUMENTS = [
     bad(dict(ignore_index=1.5), TypeError, "ignore_index"),
     bad(dict(ignore_index=True), TypeError, "ignore_index"),  # a bool is an int to Python: must be refused
     bad(dict(n_items=True), TypeError, "n_items"),
+    # issue 37: the sampling temperature is a finite Python number > 0 (a bool is refused like ignore_index's)
+    bad(dict(temperature=0.0), ValueError, "temperature"),
+    bad(dict(temperature=-0.7), ValueError, "temperature"),
+    bad(dict(temperature=float("nan")), ValueError, "temperature"),
+    bad(dict(temperature=float("inf")), ValueError, "temperature"),
+    bad(dict(temperature=True), TypeError, "temperature"),
 ]
 
 
@@ -80,6 +86,77 @@ def test_bad_arguments_raise_the_same_error_in_both(kwargs, error, name, device)
     for package, (raised, _) in zip(("torch", "jax"), both(device, **kwargs)):
         assert isinstance(raised, error), f"{package}: {raised!r}"
         assert name in str(raised), f"{package}: {raised}"
+
+
+def has_keyword(name, function="cross_entropy"):
+    import inspect
+
+    return all(name in inspect.signature(getattr(m, function)).parameters for m in (fastce_torch, fastce_jax))
+
+
+@pytest.mark.parametrize(
+    "what,error",
+    [("shape", ValueError), ("int dtype", TypeError), ("scalar", ValueError)],
+)
+def test_bad_token_weights_raise_the_same_error_in_both(what, error, device):
+    if not has_keyword("token_weights"):
+        pytest.skip("a package has no token_weights yet")
+    x, y = inputs(device)
+    weights = {
+        "shape": torch.ones(y.shape[0] + 1, device=device),
+        "int dtype": torch.ones(y.shape, dtype=torch.int32, device=device),
+        "scalar": torch.ones((), device=device),
+    }[what]
+    for package, (raised, _) in zip(("torch", "jax"), both(device, token_weights=weights)):
+        assert isinstance(raised, error), f"{package}: {raised!r}"
+        assert "token_weights" in str(raised), f"{package}: {raised}"
+
+
+@pytest.mark.parametrize("value", ["float16", "bfloat16", "float64", "bf16", 32, torch.float16])
+def test_bad_logits_dtype_raises_in_both(value, device):
+    """linear_cross_entropy and linear_log_probs accept logits_dtype None or float32 (the string or the framework's
+    float32 dtype) only."""
+    if not has_keyword("logits_dtype", "linear_cross_entropy"):
+        pytest.skip("a package has no logits_dtype yet")
+    import jax.numpy as jnp
+
+    gen = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(4, 8, generator=gen).to(device), torch.randn(10, 8, generator=gen).to(device)
+    labels = torch.tensor([1, 2, -100, 9], device=device)
+    jax_value = {torch.float16: jnp.float16}.get(value, value) if not isinstance(value, str) else value
+    calls = [
+        (lambda f: f(hidden, weight, labels, logits_dtype=value), fastce_torch),
+        (
+            lambda f: f(
+                exchange.to_jax(hidden), exchange.to_jax(weight), exchange.labels_to_jax(labels), logits_dtype=jax_value
+            ),
+            fastce_jax,
+        ),
+    ]
+    for call, module in calls:
+        for function in ("linear_cross_entropy", "linear_log_probs"):
+            if not callable(getattr(module, function, None)):
+                continue
+            with pytest.raises(ValueError, match="logits_dtype"):
+                call(getattr(module, function))
+
+
+@pytest.mark.parametrize("function", ["log_probs", "linear_log_probs"])
+@pytest.mark.parametrize("temperature", [0.0, float("nan"), True])
+def test_log_probs_refuse_a_bad_temperature_in_both(function, temperature, device):
+    for module in (fastce_torch, fastce_jax):
+        if not callable(getattr(module, function, None)):
+            pytest.skip(f"{module.__name__} has no {function} yet")
+    x, y = inputs(device)
+    weight = torch.randn(x.shape[1], 8, device=device)  # (V, H): x @ weight is hidden (N, H)
+    for module, convert, labels in (
+        (fastce_torch, lambda t: t, lambda t: t),
+        (fastce_jax, exchange.to_jax, exchange.labels_to_jax),
+    ):
+        args = (convert(x), labels(y)) if function == "log_probs" else (convert(x @ weight), convert(weight), labels(y))
+        error = TypeError if temperature is True else ValueError
+        with pytest.raises(error, match="temperature"):
+            getattr(module, function)(*args, temperature=temperature)
 
 
 @pytest.mark.parametrize("what", ["int logits", "float labels", "shape mismatch"])
@@ -151,4 +228,25 @@ def test_public_surface_is_the_same_in_both_packages():
         assert not missing, f"{package.__name__}.__all__ names what it lacks: {missing}"
         assert not [name for name in package.__all__ if name.startswith("_")]
     assert set(fastce_torch.__all__) - TORCH_ONLY == set(fastce_jax.__all__)
+    # issue 37's per-token RL functions, in both (the same names, the same keywords)
+    for name in ("LogProbOutput", "log_probs", "linear_log_probs"):
+        assert name in fastce_torch.__all__ and name in fastce_jax.__all__, name
+    assert fastce_torch.LogProbOutput._fields == fastce_jax.LogProbOutput._fields == ("logprobs", "entropy")
+
+
+@pytest.mark.parametrize("function", ["cross_entropy", "linear_cross_entropy", "log_probs", "linear_log_probs"])
+def test_the_same_keywords_in_both_packages(function):
+    """Code moves between the frameworks by changing the import: the same keywords with the same defaults, but
+    torch's process_group / vocab_start (JAX shards through jit instead)."""
+    import inspect
+
+    if not (callable(getattr(fastce_torch, function, None)) and callable(getattr(fastce_jax, function, None))):
+        pytest.skip(f"a package has no {function} yet")
+    torch_only = {"process_group", "vocab_start", "inplace_backward"}
+
+    def keywords(module):
+        parameters = inspect.signature(getattr(module, function)).parameters.values()
+        return {p.name: p.default for p in parameters if p.kind == p.KEYWORD_ONLY and p.name not in torch_only}
+
+    assert keywords(fastce_torch) == keywords(fastce_jax)
     assert fastce_torch.DEFAULT_WORKSPACE_BYTES == fastce_jax.DEFAULT_WORKSPACE_BYTES

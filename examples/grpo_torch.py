@@ -1,0 +1,205 @@
+"""A GRPO-style training step in PyTorch with fastce_torch.linear_log_probs, checked step by step against the same
+step computed with plain log_softmax.
+
+    python examples/grpo_torch.py                        # CPU: the plain-torch path of the same contract
+    python examples/grpo_torch.py --backend kernel       # CPU: the Triton kernels through Triton's interpreter (slow)
+    python examples/grpo_torch.py --vocab 32000 --dim 512 --completions 8 --length 128   # on a GPU
+
+A tiny causal LM (made here) samples a group of completions per prompt at temperature 0.7; a toy reward scores each
+completion (the share of its tokens in a "preferred" quarter of the vocabulary); the advantages are the rewards
+normalised within each prompt's group. The old policy's log-probs are taken once under torch.no_grad (nothing is
+saved for a backward), then a few optimizer steps minimise the clipped-ratio objective with an entropy bonus:
+  loss = mean over completion tokens of -min(r A, clip(r, 1 - eps, 1 + eps) A) - beta H,   r = exp(logprob - old).
+Two copies of the model from the same initialisation train on the same samples: one through
+fastce_torch.linear_log_probs on the model's own LM head (no tokens x vocabulary logits are kept), one through
+log_softmax + gather of float32 logits, the way RL trainers compute it today. Their losses agree at every step.
+"""
+
+import argparse
+import copy
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import fastce_torch
+
+IGNORE = -100
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.RMSNorm(dim), torch.nn.RMSNorm(dim)
+        self.qkv, self.out = torch.nn.Linear(dim, 3 * dim, bias=False), torch.nn.Linear(dim, dim, bias=False)
+        self.up, self.down = torch.nn.Linear(dim, 4 * dim, bias=False), torch.nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x):
+        batch, length, dim = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(batch, length, 3, self.heads, dim // self.heads).unbind(2)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.out(attn.transpose(1, 2).reshape(batch, length, dim))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class TinyCausalLM(torch.nn.Module):
+    def __init__(self, vocab, dim, heads, layers, max_len):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.pos = torch.nn.Parameter(torch.randn(max_len, dim) * 0.02)
+        self.blocks = torch.nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm = torch.nn.RMSNorm(dim)
+        self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def hidden_states(self, tokens):
+        """The final normalised hidden states (B, T, D): what the LM head reads."""
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+@torch.no_grad()
+def sample_groups(model, prompts, group, length, temperature, generator):
+    """`group` completions of `length` tokens per prompt, sampled from softmax(logits / temperature)."""
+    sequences = prompts.repeat_interleave(group, dim=0)
+    for _ in range(length):
+        logits = model.lm_head(model.hidden_states(sequences)[:, -1]).float() / temperature
+        token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        sequences = torch.cat([sequences, token], dim=1)
+    return sequences
+
+
+def rewards_of(sequences, prompt_len, vocab):
+    """The toy task: the share of the completion's tokens in the first quarter of the vocabulary."""
+    return (sequences[:, prompt_len:] < vocab // 4).float().mean(dim=1)
+
+
+def group_advantages(rewards, group):
+    """GRPO's advantages: each reward minus its group's mean, over its group's standard deviation."""
+    r = rewards.view(-1, group)
+    return ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)).view(-1)
+
+
+def fastce_log_probs(model, sequences, targets, temperature, backend):
+    """Log-probs and entropy of each completion token from the hidden states and the LM head's weight: position t
+    scores targets[:, t + 1] (shift=1); prompt tokens are ignore_index, so 0 there."""
+    hidden = model.hidden_states(sequences)
+    out = fastce_torch.linear_log_probs(
+        hidden,
+        model.lm_head.weight,
+        targets,
+        temperature=temperature,
+        shift=1,
+        return_entropy=True,
+        ignore_index=IGNORE,
+        backend=backend,
+    )
+    return out.logprobs, out.entropy
+
+
+def plain_log_probs(model, sequences, targets, temperature, backend=None):
+    """The same with float32 log_softmax over the (B, T - 1, V) logits and a gather, as RL trainers do it."""
+    logits = model.lm_head(model.hidden_states(sequences))[:, :-1].float() / temperature
+    logp = F.log_softmax(logits, dim=-1)
+    labels = targets[:, 1:]
+    mask = labels != IGNORE
+    logprobs = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(dim=-1)
+    return torch.where(mask, logprobs, 0.0), torch.where(mask, entropy, 0.0)
+
+
+def grpo_loss(logprobs, entropy, old_logprobs, advantages, mask, clip, entropy_coef):
+    ratio = torch.exp(logprobs - old_logprobs)
+    a = advantages[:, None]
+    policy = -torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
+    return ((policy - entropy_coef * entropy) * mask).sum() / mask.sum()
+
+
+def train(args):
+    torch.manual_seed(args.seed)
+    max_len = args.prompt_len + args.length
+    base = TinyCausalLM(args.vocab, args.dim, args.heads, args.layers, max_len).to(args.device)
+    methods = {"fastce": fastce_log_probs, "plain": plain_log_probs}
+    models = {name: copy.deepcopy(base) for name in methods}
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.0) for name, m in models.items()}
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    losses = {name: [] for name in methods}
+    mean_rewards = []
+    for _ in range(args.iterations):
+        prompts = torch.randint(0, args.vocab, (args.prompts, args.prompt_len), generator=generator, device=args.device)
+        # Both copies train on the same samples (drawn from the fastce copy): the comparison is of the steps alone.
+        sequences = sample_groups(models["fastce"], prompts, args.completions, args.length, args.temperature, generator)
+        rewards = rewards_of(sequences, args.prompt_len, args.vocab)
+        mean_rewards.append(float(rewards.mean()))
+        advantages = group_advantages(rewards, args.completions)
+        targets = sequences.clone()
+        targets[:, : args.prompt_len] = IGNORE
+        mask = (targets[:, 1:] != IGNORE).float()
+        for name, log_probs in methods.items():
+            model, optimizer = models[name], optimizers[name]
+            with torch.no_grad():  # the old policy: no graph, nothing saved for a backward
+                old_logprobs, _ = log_probs(model, sequences, targets, args.temperature, args.backend)
+            for _ in range(args.steps):
+                optimizer.zero_grad()
+                logprobs, entropy = log_probs(model, sequences, targets, args.temperature, args.backend)
+                loss = grpo_loss(logprobs, entropy, old_logprobs, advantages, mask, args.clip, args.entropy_coef)
+                loss.backward()
+                optimizer.step()
+                losses[name].append(float(loss.detach()))
+    return losses, mean_rewards, models
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iterations", type=int, default=3, help="sampling rounds")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per sampling round")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--completions", type=int, default=4, help="completions per prompt (the group)")
+    parser.add_argument("--prompt-len", type=int, default=4)
+    parser.add_argument("--length", type=int, default=8, help="tokens per completion")
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--dim", type=int, default=32)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--clip", type=float, default=0.2)
+    parser.add_argument("--entropy-coef", type=float, default=0.01)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--backend", default="auto", choices=["auto", "kernel", "reference"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rtol", type=float, default=1e-4, help="allowed |gap| / max(1, |plain loss|) per step")
+    parser.add_argument("--json", help="write the losses here")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    losses, rewards, models = train(args)
+    gaps = [abs(a - b) / max(1.0, abs(b)) for a, b in zip(losses["fastce"], losses["plain"])]
+    params = zip(models["fastce"].parameters(), models["plain"].parameters())
+    param_gap = max(float((a - b).detach().abs().max()) for a, b in params)
+    print(f"{'step':>5} {'fastce':>12} {'plain':>12}")
+    for i, (a, b) in enumerate(zip(losses["fastce"], losses["plain"])):
+        print(f"{i:5d} {a:12.7f} {b:12.7f}")
+    print(f"mean reward per round: {', '.join(f'{r:.3f}' for r in rewards)}")
+    print(f"max loss gap {max(gaps):.2e} (rtol {args.rtol:g}); max parameter difference {param_gap:.2e}")
+    result = {
+        "args": vars(args),
+        "losses": losses,
+        "mean_rewards": rewards,
+        "max_gap": max(gaps),
+        "max_param_diff": param_gap,
+        "match": max(gaps) <= args.rtol,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main()["match"] else 1)
