@@ -56,7 +56,12 @@ def log_probs(
         backend=backend,
         validate_labels=validate_labels,
     )
-    # 0 - loss, not -loss: an ignored token's 0.0 stays +0.0.
+    return negated_losses(out, return_entropy)
+
+
+def negated_losses(out, return_entropy):
+    """log_probs' result from cross_entropy(reduction="none")'s (a loss, or CrossEntropyOutput with the entropy):
+    0 - loss, not -loss, so that an ignored token's 0.0 stays +0.0."""
     if not return_entropy:
         return 0.0 - out
     return LogProbOutput(0.0 - out.loss, out.entropy)

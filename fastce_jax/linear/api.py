@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import contract, kernels, outputs
-from ..log_probs import LogProbOutput
+from ..log_probs import negated_losses
 from . import chunks
 from .autograd import kernel_loss
 from .chunks import StaticConfig, rows_per_chunk
@@ -327,7 +327,4 @@ def linear_log_probs(
         temperature=temperature,
         logits_dtype=logits_dtype,
     )
-    # 0 - loss, not -loss: an ignored token's 0.0 stays +0.0.
-    if not want_entropy:
-        return 0.0 - out
-    return LogProbOutput(0.0 - out.loss, out.entropy)
+    return negated_losses(out, want_entropy)
