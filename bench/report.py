@@ -258,7 +258,7 @@ def host_time_markdown(run, source) -> str:
     tables.append(
         markdown([("part of the forward+backward", "us"), *((label, us(key)) for key, label in HOST_TIME_PARTS)])
     )
-    if run.get("device_times"):
+    if run.get("device_times"):  # overhead.py's settled part 2 (bench/NOTES.md), in the committed JSON
         headings = "N, V (bf16)|eager ms|the two kernels launched back to back|the two kernels from a CUDA graph"
         times = [
             (f"{r['N']}, {r['V']}", *(f"{r[k]:.3f}" for k in ("eager_ms", "kernels_ms", "graph_ms")))
