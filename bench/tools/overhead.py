@@ -257,25 +257,16 @@ def main(argv=None):
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", help="also write the rows and the summary to this file")
     args = parser.parse_args(argv)
-    gpu = args.device != "cpu"
+    device = "cpu" if args.device == "cpu" else torch.cuda.get_device_name()
     print(
         f"launch cache: {'on' if kernels.launch_cache_enabled() else 'off'} "
-        f"{cache_module.launch_cache_setting.refusal}; torch {torch.__version__}, triton {triton.__version__}, "
-        f"{torch.cuda.get_device_name() if gpu else 'cpu'}"
+        f"{cache_module.launch_cache_setting.refusal}; torch {torch.__version__}, triton {triton.__version__}, {device}"
     )
-    if gpu and not kernels.launch_cache_enabled():
+    if device != "cpu" and not kernels.launch_cache_enabled():
         raise SystemExit("the launch cache is off in this process: nothing to compare")
     rows, breakdown = host_costs(args.device, args.calls, args.repeat)
-    result = {
-        "date": envinfo.today(),
-        "commit": envinfo.git_commit(),
-        "device": torch.cuda.get_device_name() if gpu else "cpu",
-        "torch": torch.__version__,
-        "calls": args.calls,
-        "repeat": args.repeat,
-        "rows_us": rows,
-        "summary": breakdown,
-    }
+    result = {"date": envinfo.today(), "commit": envinfo.git_commit(), "device": device, "torch": torch.__version__,
+              "calls": args.calls, "repeat": args.repeat, "rows_us": rows, "summary": breakdown}  # fmt: skip
     launchers = (launch_module.forward_launcher, launch_module.backward_launcher)
     failures = [launcher.failure for launcher in launchers if launcher.failure]
     print(f"launch cache failures: {failures or 'none'}")
