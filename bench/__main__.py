@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         json_path = args.json or (
             None
             if args.quick and args.results_md is None and not args.merge
-            else report.default_json_path(result["date"], envinfo.device_slug(result["device"]))
+            else report.RESULTS_DIR / f"{result['date']}-{envinfo.device_slug(result['device'])}.json"
         )
     else:
         from . import cpu_demo

@@ -133,18 +133,9 @@ def run_cpu_demo(shapes, impls, runs=3) -> dict:
                 return fastce_loss(f"fastce_{framework}", backend) if backend else loaders[impl]()
 
             _run_cases(cases, loader, run_case, shapes, impls, runs, rows, failures)
-    result = {
-        "device": "cpu (interpreted demo)",
-        "date": envinfo.today(),
-        "commit": envinfo.git_commit(),
-        "versions": envinfo.versions(),
-        "copy_bandwidth_TBps": 0.0,
-        "rows": rows,
-        "mode": "cpu-demo",
-    }
-    if failures:
-        result["failures"] = failures
-    return result
+    result = {"device": "cpu (interpreted demo)", "date": envinfo.today(), "commit": envinfo.git_commit(),
+              "versions": envinfo.versions(), "copy_bandwidth_TBps": 0.0, "rows": rows, "mode": "cpu-demo"}  # fmt: skip
+    return result | ({"failures": failures} if failures else {})
 
 
 def demo_table(rows) -> str:

@@ -62,16 +62,8 @@ def measure(fn, inputs, batch_target_ms=50.0, reference=None) -> dict:
     del dh, dw
     fwd_ms = bench_ms(lambda: fwd(*inputs), batch_target_ms)
     fwdbwd_ms = bench_ms(lambda: step(*inputs)[1][1], batch_target_ms)
-    return {
-        "fwd_ms": fwd_ms,
-        "fwdbwd_ms": fwdbwd_ms,
-        "peak_extra_bytes": temp,
-        "extra_beyond_grads_bytes": temp,
-        "peak_extra_kind": "xla_temp_size",
-        "loss": float(loss),
-        "ok": ok,
-        **errors,
-    }
+    row = {"fwd_ms": fwd_ms, "fwdbwd_ms": fwdbwd_ms, "peak_extra_bytes": temp, "extra_beyond_grads_bytes": temp}
+    return row | {"peak_extra_kind": "xla_temp_size", "loss": float(loss), "ok": ok, **errors}
 
 
 def measure_matmuls(shape, inputs, batch_target_ms=50.0) -> dict:

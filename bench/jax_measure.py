@@ -53,14 +53,8 @@ def measure(loss_fn, shape, batch_target_ms=50.0) -> dict:
     if not np.isfinite(np.asarray(state["logits"][0, :8], dtype=np.float32)).all():
         raise FloatingPointError("gradient fed back as logits became non-finite")
     del state
-    return {
-        "fwd_ms": fwd_ms,
-        "fwdbwd_ms": fwdbwd_ms,
-        "fwdbwd_undonated_ms": fwdbwd_undonated_ms,
-        "peak_extra_bytes": peak,
-        "peak_extra_kind": "xla_temp_size",
-        "loss": loss,
-    }
+    times = {"fwd_ms": fwd_ms, "fwdbwd_ms": fwdbwd_ms, "fwdbwd_undonated_ms": fwdbwd_undonated_ms}
+    return times | {"peak_extra_bytes": peak, "peak_extra_kind": "xla_temp_size", "loss": loss}
 
 
 def has_gpu() -> bool:

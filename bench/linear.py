@@ -155,14 +155,8 @@ def measure(loss_fn, shape, quick=False, inputs=None, reference=None):
         del hidden, weight, labels
         gc.collect()
         torch.cuda.empty_cache()
-    gradients = shape.N * shape.H * 2 + shape.V * shape.H * 2
-    return {
-        "fwdbwd_ms": ms,
-        "peak_extra_bytes": peak,
-        "extra_beyond_grads_bytes": peak - gradients,
-        "loss": loss,
-        **errors,
-    }
+    extra = peak - (shape.N + shape.V) * shape.H * 2  # beyond the two bf16 gradients
+    return {"fwdbwd_ms": ms, "peak_extra_bytes": peak, "extra_beyond_grads_bytes": extra, "loss": loss, **errors}
 
 
 def check_fastce(rows):
@@ -251,9 +245,7 @@ def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=Tru
                 measured = measure(loss_fn, shape, quick=quick, inputs=inputs, reference=reference)
             except Exception as exc:  # noqa: BLE001 - OOM is a result too
                 note_failure(failures, f"{impl} {shape}", impl, None, "measure", exc, shape=str(shape))
-                gc.collect()
-                torch.cuda.empty_cache()
-                continue
+                continue  # measure freed what it made
             rows.append(table_row(impl, shape, measured, matmul[str(shape.dense)], peak))
             _say_row(rows[-1])
         del inputs, reference
@@ -261,16 +253,9 @@ def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=Tru
         torch.cuda.empty_cache()
     if with_jax:
         _add_jax_rows(shapes, matmul, peak, rows, failures, IGNORED_JAX_IMPLS if ignored else None)
-    result = {
-        "mode": "linear",
-        "device": device,
-        "date": envinfo.today(),
-        "commit": envinfo.git_commit(),
-        "torch": torch.__version__,
-        "peak_matmul": {"shape": list(PEAK_MATMUL), "TFLOPs": peak},
-        "matmul_TFLOPs": matmul,
-        "rows": rows,
-    }
+    result = {"mode": "linear", "device": device, "date": envinfo.today(), "commit": envinfo.git_commit(),
+              "torch": torch.__version__, "peak_matmul": {"shape": list(PEAK_MATMUL), "TFLOPs": peak},
+              "matmul_TFLOPs": matmul, "rows": rows}  # fmt: skip
     if "torch_linear_ce" in impls and "torch_linear_ce" not in loaded:
         result["note"] = f"no torch_linear_ce row: torch {torch.__version__} has no F.linear_cross_entropy"
     if failures:

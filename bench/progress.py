@@ -53,8 +53,9 @@ def load(name, loader, failures):
         return None
 
 
-def note_failure(failures, what, impl, shape, stage, exc, **extra) -> None:
-    """failure(...) and the extra fields appended to failures, and said as `what: FAILED why`."""
+def note_failure(failures, what, impl, shape, stage, exc, /, **extra) -> None:
+    """failure(...) and the extra fields appended to failures, and said as `what: FAILED why`. Positional-only: an
+    extra field may be called shape (the linear rows record their LinearShape as text there)."""
     failures.append({**failure(impl, shape, stage, exc), **extra})
     say(f"{what}: FAILED {failures[-1]['error']}")
 

@@ -23,15 +23,13 @@ RATIOS = (("fwd_ms", 1), ("fwdbwd_ms", 3), ("fwdbwd_ms", 2), ("fwdbwd_leaf_ms", 
           ("fwdbwd_undonated_ms", 3))  # fmt: skip
 
 
-def ratio_key(time_key, passes) -> str:
-    """The row key of a time's ratio to its floor: fwdbwd_ms, 3 -> fwdbwd_over_3pass."""
-    return f"{time_key.removesuffix('_ms')}_over_{passes}pass"
-
-
 def add_ratios(row, bandwidth_TBps) -> dict:
+    """Each measured time's ratio to its floor, as e.g. fwdbwd_over_3pass (fwdbwd_ms over 3 passes)."""
     for time_key, passes in RATIOS if bandwidth_TBps else ():
         if row.get(time_key) is not None:
-            row[ratio_key(time_key, passes)] = row[time_key] / floor_ms(row, passes, bandwidth_TBps)
+            row[f"{time_key.removesuffix('_ms')}_over_{passes}pass"] = row[time_key] / floor_ms(
+                row, passes, bandwidth_TBps
+            )
     return row
 
 
@@ -69,10 +67,6 @@ def text_table(rows) -> str:
     return aligned([HEADINGS, *map(table_cells, rows)])
 
 
-def markdown_table(rows) -> str:
-    return markdown([HEADINGS, *map(table_cells, rows)])
-
-
 def sort_rows(rows) -> list:
     """Group by shape (in the order first seen), implementations inside in their run order."""
     shape_order = {}
@@ -90,10 +84,6 @@ def write_json(result, path) -> Path:
 
 def read_json(path) -> dict:
     return json.loads(Path(path).read_text())
-
-
-def default_json_path(date, device_slug) -> Path:
-    return RESULTS_DIR / f"{date}-{device_slug}.json"
 
 
 # "How it was measured", rendered into RESULTS.md under the table (prose: kept as markdown beside this module).
@@ -118,7 +108,7 @@ def results_markdown(result, plot_name=None) -> str:
             f"- merged from `{run['source']}` (commit {run['commit']}, {run['date']}, "
             f"copy bandwidth {run['copy_bandwidth_TBps']:.2f} TB/s)"
         )
-    parts += ["", markdown_table(sort_rows(result["rows"])), ""]
+    parts += ["", markdown([HEADINGS, *map(table_cells, sort_rows(result["rows"]))]), ""]
     rows = result["rows"]
 
     def unmeasured(key):
@@ -219,14 +209,8 @@ def linear_table(result, extra=()):
 
 
 # The overhead summary's figures in the host-time table's columns.
-HOST_TIME_KEYS = (
-    "total_us",
-    "leaf_backward_us",
-    "torch_cross_entropy_us",
-    "do_nothing_function_us",
-    "device_thread_hand_off_us",
-    "floor_us",
-)
+HOST_TIME_KEYS = ("total_us", "leaf_backward_us", "torch_cross_entropy_us", "do_nothing_function_us",
+                  "device_thread_hand_off_us", "floor_us")  # fmt: skip
 HOST_TIME_PARTS = (
     ("autograd_function_us", "torch's autograd.Function with fastce's outputs and saved tensors, doing nothing"),
     ("launches_us", "the two compiled launchers' C calls"),
@@ -258,7 +242,7 @@ def host_time_markdown(run, source) -> str:
     tables.append(
         markdown([("part of the forward+backward", "us"), *((label, us(key)) for key, label in HOST_TIME_PARTS)])
     )
-    if run.get("device_times"):
+    if run.get("device_times"):  # overhead.py's settled part 2 (bench/NOTES.md), in the committed JSON
         headings = "N, V (bf16)|eager ms|the two kernels launched back to back|the two kernels from a CUDA graph"
         times = [
             (f"{r['N']}, {r['V']}", *(f"{r[k]:.3f}" for k in ("eager_ms", "kernels_ms", "graph_ms")))
@@ -297,7 +281,7 @@ RL_TARGETS = (
         "fastce_torch_ce_token_weights",
         "fastce_torch_ce_mean",
         1.05,
-    ),
+    ),  # fmt: skip
     ("logits_dtype=float32 / default", "fastce_torch_f32_logits", "fastce_torch", None),
     ("the fastest workspace_bytes / torch.compile", "fastce_torch_ws*", "trl_compile", 1.2),
 )

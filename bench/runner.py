@@ -174,17 +174,11 @@ def run_gpu(shapes, impls, quick=False, isolate=True, worker_timeout_s=WORKER_TI
     # Table order: implementations in ALL_IMPLS order, shapes in the order given.
     order = {k: i for i, k in enumerate(_shape_key(impl, s) for impl in torch_selected + jax_selected for s in shapes)}
     merged = [add_ratios(rows[k], bandwidth) for k in sorted(rows, key=lambda k: order.get(k, len(order)))]
-    result = {
-        "device": device,
-        "date": envinfo.today(),
-        "commit": envinfo.git_commit(),
-        "versions": envinfo.versions(fastce_versions),
-        "copy_bandwidth_TBps": bandwidth,
-        "rows": merged,
-    }
-    if failures:  # only when something failed, so a clean run has exactly the documented keys
-        result["failures"] = failures
-    return result
+    result = {"device": device, "date": envinfo.today(), "commit": envinfo.git_commit(),
+              "versions": envinfo.versions(fastce_versions), "copy_bandwidth_TBps": bandwidth,
+              "rows": merged}  # fmt: skip
+    # failures only when something failed, so a clean run has exactly the documented keys
+    return result | ({"failures": failures} if failures else {})
 
 
 def merge_results(results) -> dict:

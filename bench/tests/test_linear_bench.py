@@ -91,6 +91,22 @@ def test_optional_implementations_are_reported_not_fatal(on_cpu):
     assert all(f["impl"] == "liger_flce" for f in failures)
 
 
+def test_a_failed_measurement_is_recorded(on_cpu, monkeypatch):
+    """An implementation that raises while measured (an OOM on the GPU) is a failure record with its shape as text,
+    the other rows kept (the path a GPU run takes for Liger's kernels on CPU tensors)."""
+
+    def out_of_memory(hidden, weight, labels):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setitem(linear.LOADERS, "out_of_memory", lambda: out_of_memory)
+    shape = LinearShape(32, 8, 50, "float32")
+    result = linear.run_linear(impls=["fastce_torch_linear", "out_of_memory"], shapes=(shape,), with_jax=False)
+    assert [r["impl"] for r in result["rows"]] == ["fastce_torch_linear"]
+    assert result["failures"] == [
+        {"impl": "out_of_memory", "stage": "measure", "error": "RuntimeError: CUDA out of memory", "shape": str(shape)}
+    ]
+
+
 def test_jax_rows_join_the_table(on_cpu, monkeypatch):
     """bench.jax_linear's rows (stubbed here: its own CPU plumbing test runs the real thing) land in the table with
     the throughput columns against the torch matmul of the same run and XLA's temp size as their memory."""

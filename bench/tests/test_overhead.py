@@ -1,4 +1,4 @@
-"""bench.tools.overhead on a CPU: part 1 writes its rows and summary as strict JSON, linear_cross_entropy timed."""
+"""bench.tools.overhead on a CPU: it writes its rows and summary as strict JSON, linear_cross_entropy timed."""
 
 import json
 import math
@@ -16,20 +16,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(
     not kernels.INTERPRETED,
-    reason="part 1 on a CPU runs the kernels in Triton's interpreter, which needs the CPU stack (numpy < 2.4); on a "
+    reason="the tool on a CPU runs the kernels in Triton's interpreter, which needs the CPU stack (numpy < 2.4); on a "
     "GPU, run_h200.sh's host stage writes this JSON",
 )
-def test_part1_json_on_a_cpu(tmp_path):
+def test_json_on_a_cpu(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
     path = tmp_path / "overhead.json"
     command = [sys.executable, "-m", "bench.tools.overhead", "--device", "cpu", "--calls", "2", "--repeat", "1"]
     result = subprocess.run(
-        [*command, "--part1-only", "--json", str(path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [*command, "--json", str(path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
     written = json.loads(path.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in strict JSON"))
     assert written["device"] == "cpu" and written["commit"] and written["date"]
-    assert "device_times" not in written  # part 2 needs a GPU
+    assert "device_times" not in written  # the part 2 of earlier runs (settled: bench/NOTES.md)
     summary = written["summary"]
     # Measured on any machine: the total, the autograd baselines, the allocations; the launch rows need the cache
     # (CUDA), so their figures and what depends on them are null here, never NaN.

@@ -33,6 +33,25 @@ def on_cpu(monkeypatch):
     monkeypatch.setattr(jax_measure, "bench_ms", lambda call, batch_target_ms=50.0: (call(), 4.0)[1])
 
 
+def test_a_failed_row_is_recorded(on_cpu, monkeypatch):
+    """A torch row that raises while measured is a failure record with its shape as text (the GPU run's path for an
+    OOM, or for the kernels on CPU tensors); the float32 reference is still returned."""
+    loaders = rl_step.torch_implementations
+
+    def out_of_memory(*args):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(rl_step, "torch_implementations", lambda b: loaders(b) | {"oom": lambda: (out_of_memory, None)})
+    shape, failures = LinearShape(16, 8, 24, "float32"), []
+    inputs = linear.make_inputs(shape)
+    rows, reference = rl_step.torch_rows(shape, (*inputs, *rl_step.policy_inputs(*inputs)), ["oom"], "kernel", failures)
+    assert rows == [] and reference is not None
+    assert failures == [
+        {"impl": "oom", "stage": "measure", "error": "RuntimeError: CUDA out of memory", "shape": str(shape)}
+    ]
+
+
+@pytest.mark.skipif(not fastce_torch.kernels.INTERPRETED, reason="the kernels on CPU tensors need TRITON_INTERPRET=1")
 def test_every_row_on_cpu(on_cpu, tmp_path):
     shape = LinearShape(64, 16, 96, "float32")
     # One workspace setting (the others take the same path); torch.compile's and Liger's rows are the GPU run's.

@@ -1,9 +1,8 @@
 """Host time per call of fastce_torch's eager calls (what a GPU cannot hide when the kernels are short):
 `PYTHONPATH=. python -m bench.tools.overhead [--json PATH]` (about a minute on the H200 machine).
 
-Part 1: tiny inputs (the GPU idles, so wall time is host time), fastce's calls with and without the launch cache
-beside do-nothing autograd.Functions and F.cross_entropy, and the summary RESULTS.md renders. Part 2 (GPU): eager
-against the bare kernels and a CUDA graph at the two host-bound shapes. CPU smoke run: `--part1-only --device cpu
+Tiny inputs (the GPU idles, so wall time is host time), fastce's calls with and without the launch cache beside
+do-nothing autograd.Functions and F.cross_entropy, and the summary RESULTS.md renders. CPU smoke run: `--device cpu
 --calls 2 --repeat 1` with TRITON_INTERPRET=1 (launch cache off: its figures are null).
 """
 
@@ -13,10 +12,10 @@ import json
 import time
 
 import torch
-import triton.testing
+import triton
 
 import fastce_torch
-from bench import envinfo, torch_measure
+from bench import envinfo
 from bench.report import HOST_TIME_PARTS, write_json
 from fastce_torch import kernels
 from fastce_torch.kernels import launch as launch_module
@@ -99,9 +98,6 @@ def _forward_args(logits, labels, options):
     return captured[0]
 
 
-# --- part 1 -----------------------------------------------------------------------------------------------------
-
-
 def _row(rows, name, us, note=""):
     rows[name] = us
     print(f"{name:50s} {us:7.1f} us{note}")
@@ -168,7 +164,7 @@ def host_costs(device="cuda", n=300, repeat=5):
         leaf_logits.grad = None  # as optimizer.zero_grad() leaves it
         loss_fn(leaf_logits, labels).backward()
 
-    print(f"part 1: host time per call, 64x1000 float32 on {device} (GPU idle)")
+    print(f"host time per call, 64x1000 float32 on {device} (GPU idle)")
     _both_paths(rows, "cross_entropy forward", lambda: fastce_torch.cross_entropy(logits, labels), n, repeat)
     fwd_bwd = _both_paths(rows, "cross_entropy forward+backward", step, n, repeat)
     leaf_bwd = _both_paths(rows, "cross_entropy(leaf).backward()", leaf_step, n, repeat)
@@ -254,70 +250,23 @@ def _linear_rows(rows, device, n, repeat, n_rows=64, hidden_size=64, vocab=1000)
     _row(rows, "  F.linear + F.cross_entropy fwd+bwd", per_call_us(unfused, n, repeat))
 
 
-# --- part 2 -----------------------------------------------------------------------------------------------------
-
-
-def device_times(shapes=((512, 256000), (8192, 32000))):
-    """Part 2: [{N, V, and the four times in ms}], printed as measured."""
-    print("part 2: forward+backward of real shapes, bf16, ms (do_bench medians)")
-    measured = []
-    for n_rows, vocab in shapes:
-        logits = torch.randn(n_rows, vocab, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        labels = torch.randint(0, vocab, (n_rows,), device="cuda")
-        labels[::7] = -100
-        logits_nonleaf = logits * 1  # an intermediate: the backward writes in place, as in training
-        raw, grad_loss = logits_nonleaf.detach(), torch.ones((), device="cuda")
-
-        def step():
-            return torch.autograd.grad(
-                fastce_torch.cross_entropy(logits_nonleaf, labels), logits_nonleaf, retain_graph=True
-            )
-
-        def kernels_only():
-            _, lse, denominator = kernels.forward(raw, labels, OPTIONS, reduction="mean")
-            kernels.backward(grad_loss, raw, labels, lse, raw, OPTIONS, denominator=denominator)
-
-        eager = triton.testing.do_bench(step, return_mode="median")
-        with kernels.launch_cache(False):
-            eager_generic = triton.testing.do_bench(step, return_mode="median")
-        launched = triton.testing.do_bench(kernels_only, return_mode="median")
-        replayed = torch_measure.graph_ms(kernels_only, 25, 100)  # do_bench's own warm-up and repetitions
-        print(f"N={n_rows} V={vocab}: eager {eager:.3f} (generic launches {eager_generic:.3f}), kernels launched back "
-              f"to back {launched:.3f}, kernels from a CUDA graph {replayed:.3f}")  # fmt: skip
-        measured.append(dict(N=n_rows, V=vocab, eager_ms=eager, eager_generic_ms=eager_generic, kernels_ms=launched,
-                             graph_ms=replayed))  # fmt: skip
-    return measured
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.tools.overhead", description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--calls", type=int, default=300, help="calls per timing (part 1)")
+    parser.add_argument("--calls", type=int, default=300, help="calls per timing")
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--part1-only", action="store_true", help="part 1 alone (a CPU smoke run: TRITON_INTERPRET=1)")
-    parser.add_argument("--json", help="also write the rows, the summary and part 2 to this file")
+    parser.add_argument("--json", help="also write the rows and the summary to this file")
     args = parser.parse_args(argv)
-    gpu = args.device != "cpu"
+    device = "cpu" if args.device == "cpu" else torch.cuda.get_device_name()
     print(
         f"launch cache: {'on' if kernels.launch_cache_enabled() else 'off'} "
-        f"{cache_module.launch_cache_setting.refusal}; torch {torch.__version__}, triton {triton.__version__}, "
-        f"{torch.cuda.get_device_name() if gpu else 'cpu'}"
+        f"{cache_module.launch_cache_setting.refusal}; torch {torch.__version__}, triton {triton.__version__}, {device}"
     )
-    if gpu and not kernels.launch_cache_enabled():
+    if device != "cpu" and not kernels.launch_cache_enabled():
         raise SystemExit("the launch cache is off in this process: nothing to compare")
     rows, breakdown = host_costs(args.device, args.calls, args.repeat)
-    result = {
-        "date": envinfo.today(),
-        "commit": envinfo.git_commit(),
-        "device": torch.cuda.get_device_name() if gpu else "cpu",
-        "torch": torch.__version__,
-        "calls": args.calls,
-        "repeat": args.repeat,
-        "rows_us": rows,
-        "summary": breakdown,
-    }
-    if not args.part1_only:
-        result["device_times"] = device_times()
+    result = {"date": envinfo.today(), "commit": envinfo.git_commit(), "device": device, "torch": torch.__version__,
+              "calls": args.calls, "repeat": args.repeat, "rows_us": rows, "summary": breakdown}  # fmt: skip
     launchers = (launch_module.forward_launcher, launch_module.backward_launcher)
     failures = [launcher.failure for launcher in launchers if launcher.failure]
     print(f"launch cache failures: {failures or 'none'}")
