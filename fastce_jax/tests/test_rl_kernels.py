@@ -1,6 +1,7 @@
 """The backward kernel's entropy-gradient variant (kernels.backward(..., g_entropy=, mz=)) against float64: alone,
 with the lse cotangent (a differentiated z_loss output), with class weights, and in vocab-parallel form (global lse
-and mz, this shard's columns); and the default kernels unchanged by it."""
+and mz, this shard's columns); and the default kernels unchanged by it. The kernels run where the inputs are (JAX's
+default device): compiled on a GPU (pytest --gpu), in interpret mode on the CPU."""
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,11 @@ def inputs(n, v, dtype, seed):
     return x, y, g, g_h
 
 
+def interpreted(x):
+    """Interpret mode unless x is on a GPU (as test_kernels.py decides)."""
+    return all(d.platform != "gpu" for d in x.devices())
+
+
 def statistics(x, y, options):
     """lse and mz (float32, as the forward kernels give them) of the float64 values."""
     ref = expected(x, y, **options)
@@ -48,8 +54,8 @@ def test_entropy_gradient_variant(dtype, name, with_lse):
     lse, mz = statistics(x, y, opts)
     g_lse = np.linspace(-1.0, 1.0, len(y)) if with_lse else None
     dx = kernels.backward(
-        x, jnp.asarray(y), lse, jnp.asarray(g, jnp.float32), contract.Options(**opts), inplace=False, interpret=True,
-        g_entropy=jnp.asarray(g_h, jnp.float32), mz=mz,
+        x, jnp.asarray(y), lse, jnp.asarray(g, jnp.float32), contract.Options(**opts), inplace=False,
+        interpret=interpreted(x), g_entropy=jnp.asarray(g_h, jnp.float32), mz=mz,
         **({"g_lse": jnp.asarray(g_lse, jnp.float32)} if with_lse else {}),
     )  # fmt: skip
     assert dx.dtype == x.dtype and dx.shape == x.shape
@@ -66,8 +72,8 @@ def test_entropy_gradient_with_class_weights(smoothing):
     w = np.random.default_rng(3).uniform(-0.5, 2.0, 200)
     lse, mz = statistics(x, y, opts)
     dx = kernels.backward(
-        x, jnp.asarray(y), lse, jnp.asarray(g, jnp.float32), contract.Options(**opts), inplace=True, interpret=True,
-        weight=jnp.asarray(w, jnp.float32), g_entropy=jnp.asarray(g_h, jnp.float32), mz=mz,
+        x, jnp.asarray(y), lse, jnp.asarray(g, jnp.float32), contract.Options(**opts), inplace=True,
+        interpret=interpreted(x), weight=jnp.asarray(w, jnp.float32), g_entropy=jnp.asarray(g_h, jnp.float32), mz=mz,
     )  # fmt: skip
     ref = with_entropy_gradient(expected(x, y, upstream=g, weight=w, **opts), x, y, g_h, **opts)
     assert_grad(dx, ref)
@@ -90,7 +96,7 @@ def test_entropy_gradient_vocab_parallel(dtype):
                 jnp.asarray(g, jnp.float32),
                 contract.Options(**opts),
                 inplace=False,
-                interpret=True,
+                interpret=interpreted(x),
                 vocab_start=start,
                 vocab_total=300,
                 g_entropy=jnp.asarray(g_h, jnp.float32),

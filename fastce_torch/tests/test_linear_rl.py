@@ -1,6 +1,7 @@
 """fastce_torch.linear_cross_entropy's RL keywords (issue 37): temperature, token_weights, the differentiable entropy
 output and logits_dtype=float32, and linear_log_probs; against a float64 autograd reference written here from the
-formulas (CONTRACT.md). CPU: the kernels in Triton's interpreter, small shapes."""
+formulas (CONTRACT.md), on the CPU. The kernels on the `device` fixture's device (CPU: Triton's interpreter), small
+shapes."""
 
 import sys
 
@@ -36,7 +37,10 @@ def reference(hidden, weight, labels, bias=None, *, reduction="mean", n_items=No
               logit_scaling=0.0, label_smoothing=0.0, z_loss=0.0, temperature=1.0, token_weights=None,
               class_weight=None, shift=0, **unused):  # fmt: skip
     """(loss, z_loss output, entropy output) in float64 from the formulas, differentiable by autograd with respect
-    to the float64 copies it is given."""
+    to the float64 copies it is given, on their device (labels and weights are moved there)."""
+    labels = labels.to(hidden.device)
+    token_weights = None if token_weights is None else token_weights.to(hidden.device)
+    class_weight = None if class_weight is None else class_weight.to(hidden.device)
     if shift:
         hidden, labels = hidden[..., :-shift, :], labels[..., shift:]
         token_weights = None if token_weights is None else token_weights[..., shift:]
@@ -74,11 +78,12 @@ def reference(hidden, weight, labels, bias=None, *, reduction="mean", n_items=No
 
 
 def float64_inputs(*tensors):
-    return [None if t is None else t.detach().double().requires_grad_() for t in tensors]
+    """float64 CPU leaves for the reference."""
+    return [None if t is None else t.detach().cpu().double().requires_grad_() for t in tensors]
 
 
 def gradients(outputs, upstreams, inputs):
-    total = sum((out * up).sum() for out, up in zip(outputs, upstreams) if out is not None)
+    total = sum((out * up.to(out.device)).sum() for out, up in zip(outputs, upstreams) if out is not None)
     return torch.autograd.grad(total, [t for t in inputs if t is not None])
 
 
@@ -285,8 +290,8 @@ def test_float32_logits_with_bf16_inputs(reduction, logits_dtype, device, logits
     want = reference(*ref_inputs[:2], labels.cpu(), ref_inputs[2], **{**case, "token_weights": weights.cpu()})
     check([out.loss, out.entropy], [want[0], want[2]], 1e-5, 1e-5)
     check([bf16.loss, bf16.entropy], [want[0], want[2]], 2e-2, 2e-2)  # bf16 logits: bf16's rounding
-    error = (out.loss.double() - want[0]).abs().max()
-    assert error < (bf16.loss.double() - want[0]).abs().max()
+    error = (out.loss.cpu().double() - want[0]).abs().max()
+    assert error < (bf16.loss.cpu().double() - want[0]).abs().max()
     upstream = upstream_like([want[0], want[2]])
     got_grads = gradients([out.loss, out.entropy], upstream, (hidden, weight, bias))
     want_grads = gradients([want[0], want[2]], upstream, ref_inputs)
@@ -433,8 +438,9 @@ def test_linear_log_probs_match_float64(return_entropy, device):
     advantages = torch.randn(want[0].shape, generator=torch.Generator().manual_seed(3)).to(device)
 
     def objective(lp, ent):
-        ratio = torch.exp(lp - old.to(lp.dtype))
-        value = -torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages).sum()
+        ratio = torch.exp(lp - old.to(lp.device, lp.dtype))
+        advantages_here = advantages.to(lp.device)
+        value = -torch.minimum(ratio * advantages_here, ratio.clamp(0.8, 1.2) * advantages_here).sum()
         return value if ent is None else value - 0.01 * ent.sum()
 
     got_grads = torch.autograd.grad(objective(*got, *([] if return_entropy else [None])), (hidden, weight, bias))

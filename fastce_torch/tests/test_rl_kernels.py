@@ -1,6 +1,7 @@
 """The backward kernel's entropy-gradient variant (HAS_ENTROPY_GRAD, kernels.backward(grad_entropy=, mean_z=))
 against float64 autograd, alone and with the loss's gradient, with every option, -inf logits, ignored rows, and in
-vocab-parallel mode (two column slices with the global lse and mz). CPU: Triton's interpreter."""
+vocab-parallel mode (two column slices with the global lse and mz). On the `device` fixture's device (CPU: Triton's
+interpreter); the float64 reference on the CPU."""
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ OPTION_SETS = {
 }
 
 
-def problem(n_rows, vocab, seed=0):
+def problem(n_rows, vocab, device, seed=0):
     generator = torch.Generator().manual_seed(seed)
     logits = torch.randn(n_rows, vocab, generator=generator, dtype=torch.float64) * 2.0
     logits[1, ::7] = -float("inf")  # -inf logits: p = 0, no 0 * inf in the entropy's gradient
@@ -28,11 +29,13 @@ def problem(n_rows, vocab, seed=0):
     labels[1] = 3  # finite on row 1
     grad_loss = torch.randn(n_rows, generator=generator, dtype=torch.float64)
     grad_entropy = torch.randn(n_rows, generator=generator, dtype=torch.float64)
-    return logits.float(), labels, grad_loss.float(), grad_entropy.float()
+    return tuple(t.to(device) for t in (logits.float(), labels, grad_loss.float(), grad_entropy.float()))
 
 
 def reference_gradient(logits, labels, grad_loss, grad_entropy, options):
-    """d(sum_t g_t loss_t + g_H,t H_t) / d logits in float64 autograd, the entropy written out literally."""
+    """d(sum_t g_t loss_t + g_H,t H_t) / d logits in float64 autograd on the CPU, the entropy written out literally."""
+    logits, labels, grad_entropy = logits.cpu(), labels.cpu(), grad_entropy.cpu()
+    grad_loss = None if grad_loss is None else grad_loss.cpu()
     x = logits.double().requires_grad_()
     ignored = labels == options.ignore_index
     token_losses = contract.reference_token_losses(x, labels, options)
@@ -48,16 +51,16 @@ def reference_gradient(logits, labels, grad_loss, grad_entropy, options):
 
 def assert_close(grad, expected):
     scale = expected.abs().max().item()
-    torch.testing.assert_close(grad.double(), expected, rtol=2e-5, atol=2e-6 * scale)
+    torch.testing.assert_close(grad.cpu().double(), expected, rtol=2e-5, atol=2e-6 * scale)
 
 
 @pytest.mark.parametrize("name", sorted(OPTION_SETS))
 @pytest.mark.parametrize("with_loss", [True, False])
-def test_entropy_gradient_variant(name, with_loss):
+def test_entropy_gradient_variant(name, with_loss, device):
     options = OPTION_SETS[name]
-    logits, labels, grad_loss, grad_entropy = problem(8, 2500)
+    logits, labels, grad_loss, grad_entropy = problem(8, 2500, device)
     _, lse, _, _, mean_z = kernels.forward(logits, labels, options, outputs=True)
-    upstream = grad_loss if with_loss else torch.zeros(())
+    upstream = grad_loss if with_loss else torch.zeros((), device=device)
     grad = torch.full_like(logits, float("nan"))
     kernels.backward(upstream, logits, labels, lse, grad, options, grad_entropy=grad_entropy, mean_z=mean_z)
     expected = reference_gradient(logits, labels, grad_loss if with_loss else None, grad_entropy, options)
@@ -71,10 +74,10 @@ def test_entropy_gradient_variant(name, with_loss):
     )
 
 
-def test_entropy_gradient_vocab_parallel():
+def test_entropy_gradient_vocab_parallel(device):
     """Each slice's columns from the global lse and mz (what sharding.py gives the kernel) equal the full gradient."""
     options = OPTION_SETS["all"]
-    logits, labels, grad_loss, grad_entropy = problem(8, 2500, seed=1)
+    logits, labels, grad_loss, grad_entropy = problem(8, 2500, device, seed=1)
     _, lse, _, _, mean_z = kernels.forward(logits, labels, options, outputs=True)
     vocab, cut = logits.shape[-1], 1100
     grad = torch.full_like(logits, float("nan"))
@@ -89,8 +92,8 @@ def test_entropy_gradient_vocab_parallel():
     assert_close(grad, reference_gradient(logits, labels, grad_loss, grad_entropy, options))
 
 
-def test_entropy_gradient_needs_both():
-    logits, labels, grad_loss, grad_entropy = problem(4, 100)
+def test_entropy_gradient_needs_both(device):
+    logits, labels, grad_loss, grad_entropy = problem(4, 100, device)
     _, lse, _ = kernels.forward(logits, labels, Options())
     with pytest.raises(ValueError, match="grad_entropy and mean_z"):
         kernels.backward(grad_loss, logits, labels, lse, logits.clone(), Options(), grad_entropy=grad_entropy)
