@@ -2,31 +2,18 @@
 kernels interpreted (backend="kernel"), the GPU timers stubbed as in test_linear_bench. Skipped until issue 37's API
 (linear_log_probs, temperature, token_weights, a differentiable entropy) is in fastce_torch and fastce_jax."""
 
-import os
-
 import pytest
 
 from bench import jax_setup
 
 jax_setup.configure(interpret_only=True)
 
-import fastce_jax  # noqa: E402
 import fastce_torch  # noqa: E402
 from bench import jax_measure, linear, report, torch_measure  # noqa: E402
 from bench.linear_shapes import LinearShape  # noqa: E402
 from bench.tools import rl_step  # noqa: E402
 
 pytestmark = [
-    pytest.mark.skipif(
-        not (hasattr(fastce_torch, "linear_log_probs") and hasattr(fastce_jax, "linear_log_probs")),
-        reason="linear_log_probs is not in this checkout's fastce_torch / fastce_jax yet (issue 37)",
-    ),
-    # backend="kernel" on CPU tensors needs Triton's interpreter, which fastce_torch turns on only where torch sees no
-    # CUDA device; on a GPU host (pytest --gpu) the CPU run's kernels cannot launch, and the GPU run is bench's own.
-    pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") != "1",
-        reason="a CPU test of the interpreted kernels: Triton is compiling for the GPU here (TRITON_INTERPRET unset)",
-    ),
     # The interpreter evaluates masked-off lanes too (log(0) of an empty partial): numpy warns, the results are fine.
     pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.runtime.interpreter"),
