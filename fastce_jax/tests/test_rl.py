@@ -211,7 +211,9 @@ def test_shift_aligns_token_weights_with_labels():
         a, ga = jax.value_and_grad(shifted)(x3)
         b, gb = jax.value_and_grad(sliced)(x3)
         np.testing.assert_allclose(a, b, rtol=1e-5)
-        np.testing.assert_allclose(ga, gb, rtol=1e-5, atol=1e-7)
+        # The entropy's term p_j (mz - z_j) cancels where z_j is near mz: float32 rounding there is absolute, on the
+        # scale of the row's largest gradient (compiled kernels and XLA round it differently).
+        np.testing.assert_allclose(ga, gb, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(gb))))
         assert float(jnp.max(jnp.abs(ga[:, -1]))) == 0.0
 
 
@@ -265,7 +267,8 @@ def test_entropy_gradient_alone_and_not_differentiated():
     g = jax.grad(entropy("kernel"))(x)
     exp = expected_rl(x, y, "mean", upstream=0.0, entropy_upstream=1.0, temperature=0.8)
     assert_grad(g, exp.loss)
-    np.testing.assert_allclose(g, jax.grad(entropy("reference"))(x), rtol=1e-5, atol=1e-8)
+    g_reference = jax.grad(entropy("reference"))(x)  # atol: the cancellation in p_j (mz - z_j), as above
+    np.testing.assert_allclose(g, g_reference, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(g_reference))))
 
     def loss_only(a):
         return cross_entropy(a, y, backend="kernel", return_entropy=True).loss
