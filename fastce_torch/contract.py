@@ -232,6 +232,47 @@ def with_temperature(options, temperature):
     return options._replace(logit_scaling=scaling, logit_softcapping=softcap)
 
 
+class JsdOptions(NamedTuple):
+    """jsd / linear_jsd's options, as the kernels and custom ops take them (the same record as fastce_jax's)."""
+
+    beta: float = 0.5
+    temperature: float = 1.0
+    ignore_index: int = -100
+    student_softcapping: float = 0.0
+    teacher_softcapping: float = 0.0
+
+
+def _check_number(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number (int or float), got {value!r}")
+    return float(value)
+
+
+def check_jsd_options(beta, temperature, ignore_index, reduction, student_softcapping, teacher_softcapping, backend):
+    """Checks jsd / linear_jsd's keywords and returns JsdOptions: beta a real number in [0, 1], temperature > 0
+    with 1 / temperature in float32's normal range (the kernels multiply by it), each softcapping 0 (off) or in
+    float32's normal range, reduction and backend as cross_entropy's, ignore_index an int."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    beta = _check_number(beta, "beta")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1] (0: forward KL, 1: reverse KL), got {beta}")
+    temperature = check_temperature(temperature)
+    if not FLOAT32_TINY <= 1.0 / temperature <= FLOAT32_MAX:
+        raise ValueError(f"temperature={temperature} puts 1 / temperature outside float32's normal range")
+    caps = []
+    for name, value in (("student_softcapping", student_softcapping), ("teacher_softcapping", teacher_softcapping)):
+        value = _check_number(value, name)
+        if not (value == 0.0 or FLOAT32_TINY <= value <= FLOAT32_MAX):
+            raise ValueError(f"{name} must be 0 (off) or positive and finite in float32, got {value}")
+        caps.append(value)
+    return JsdOptions(beta, temperature, ignore_index, *caps)
+
+
 TOKEN_WEIGHTS_GRAD_UNSUPPORTED = (
     "token_weights requires grad: fastce computes no gradient for the token weights (advantages, masks); pass "
     "token_weights.detach()"

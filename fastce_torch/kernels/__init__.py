@@ -30,7 +30,7 @@ a fork).
 
 import os
 
-from . import combine, launch
+from . import combine, jsd, launch
 from .combine import (
     VOCAB_PARALLEL_BLOCK,
     VocabParallelStatistics,
@@ -111,7 +111,7 @@ def _launchers():
     # Looked up at each call, so a launcher replaced by a test is the one forgotten.
     return (
         launch.forward_launcher, launch.backward_launcher, launch.scale_launcher, combine.maxima_launcher,
-        combine.rescale_launcher, combine.vocab_parallel_loss_launcher,
+        combine.rescale_launcher, combine.vocab_parallel_loss_launcher, jsd.forward_launcher, jsd.backward_launcher,
     )  # fmt: skip
 
 
