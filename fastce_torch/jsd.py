@@ -66,8 +66,8 @@ def _softcapped(x, cap):
 
 def _weighted_difference(p, a, b):
     """sum_j p_j (a_j - b_j) over the last dimension, 0 where p_j = 0 (a or b may be -inf there); masked before the
-    product so that autograd's gradient stays finite too."""
-    mass = p > 0
+    product so that autograd's gradient stays finite too (a NaN p stays NaN)."""
+    mass = p != 0
     return (p * (torch.where(mass, a, 0.0) - torch.where(mass, b, 0.0))).sum(-1)
 
 

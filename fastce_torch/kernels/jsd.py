@@ -6,7 +6,8 @@ ls = log softmax(u_s), lt = log softmax(u_t) (TRL's generalized JSD, issue 38):
   MODE 1 (beta == 1): loss = sum_j p_s (ls - lt)                      (reverse KL)
   MODE 2 (mixture):   lm = log((1 - beta) p_s + beta p_t),
                       loss = beta sum_j p_t (lt - lm) + (1 - beta) sum_j p_s (ls - lm)
-Terms whose weight p is 0 contribute 0 (never 0 * inf).
+Terms whose weight p is 0 contribute 0 (never 0 * inf); the tests are `p == 0`, so that a NaN p (a NaN row) stays
+NaN in the loss and in every element of the gradient.
 
 _jsd_forward_kernel  grid (N,): one program walks one row in BLOCK columns. Pass 1 keeps the online max and sum of
                      exponentials of both rows and, for the two KL modes, the weighted sum of the log-ratio (rescaled
@@ -75,7 +76,7 @@ def _online_kl(acc, w_sum, w_rescale, w_shift_move, o_shift_move, e_w, u_w, w_sh
     the two log-sums (kept relative to the row maxima, so large logit offsets cancel exactly)."""
     acc = w_rescale * (acc - (w_shift_move - o_shift_move) * w_sum)
     ratio = (u_w - w_shift) - (u_o - o_shift)
-    return acc + tl.sum(tl.where(e_w > 0.0, e_w * ratio, 0.0), 0)
+    return acc + tl.sum(tl.where(e_w == 0.0, 0.0, e_w * ratio), 0)
 
 
 @triton.jit
@@ -137,8 +138,8 @@ def _row_pass2(
         u_s, _ = _scaled_logits(s_row, cols, in_row, in_row, s_softcap, inv_temperature, S_SOFTCAP)
         u_t, _ = _scaled_logits(t_row, cols, in_row, in_row, t_softcap, inv_temperature, T_SOFTCAP)
         p_s, p_t, ls, lt, lm = _mixture_terms(u_s, u_t, lse_s, lse_t, beta, one_minus_beta)
-        kl_t += tl.sum(tl.where(p_t > 0.0, p_t * (lt - lm), 0.0), 0)
-        kl_s += tl.sum(tl.where(p_s > 0.0, p_s * (ls - lm), 0.0), 0)
+        kl_t += tl.sum(tl.where(p_t == 0.0, 0.0, p_t * (lt - lm)), 0)
+        kl_s += tl.sum(tl.where(p_s == 0.0, 0.0, p_s * (ls - lm)), 0)
     return kl_t, kl_s
 
 
@@ -258,10 +259,10 @@ def _jsd_backward_kernel(
     elif MODE == 1:
         ls = u_s - lse_s
         p_s = tl.exp(ls)
-        du = tl.where(p_s > 0.0, p_s * (ls - (u_t - lse_t) - tl.load(kl_ptr + row)), 0.0)
+        du = tl.where(p_s == 0.0, 0.0, p_s * (ls - (u_t - lse_t) - tl.load(kl_ptr + row)))
     else:
         p_s, _, ls, _, lm = _mixture_terms(u_s, u_t, lse_s, lse_t, beta, one_minus_beta)
-        du = tl.where(p_s > 0.0, one_minus_beta * p_s * (ls - lm - tl.load(kl_ptr + row)), 0.0)
+        du = tl.where(p_s == 0.0, 0.0, one_minus_beta * p_s * (ls - lm - tl.load(kl_ptr + row)))
     g = tl.load(upstream_ptr + row * upstream_stride).to(tl.float32) * inv_temperature
     dx = du * g
     if S_SOFTCAP:
