@@ -130,19 +130,19 @@ def test_cross_entropy_loss_only_and_liger_dtypes():
     assert out.z_loss.dtype == torch.bfloat16 and out.token_accuracy is None and out.predicted_tokens is None
 
 
-def test_two_call_path_keeps_logits_intact_on_the_kernels():
-    """Class weights + z-loss on non-leaf float32 logits through the kernels (Triton's interpreter): two fastce
-    losses of one buffer, so neither backward writes into it (whichever autograd runs first, the other reads the
-    logits); against the float64 reference."""
+def test_two_call_path_keeps_logits_intact_on_the_kernels(device):
+    """Class weights + z-loss on non-leaf float32 logits through the kernels (on the CPU Triton's interpreter): two
+    fastce losses of one buffer, so neither backward writes into it (whichever autograd runs first, the other reads
+    the logits); against the float64 reference."""
     logits, target, weight, *_ = inputs(n=6, v=40, ignore_index=3)
-    x = logits.float().requires_grad_(True)
-    loss_fn = liger.LigerCrossEntropyLoss(weight.float(), 3, 1e-2, 0.1, "mean", 20.0, backend="kernel")
+    x = logits.float().to(device).requires_grad_(True)
+    loss_fn = liger.LigerCrossEntropyLoss(weight.float().to(device), 3, 1e-2, 0.1, "mean", 20.0, backend="kernel")
     intermediate = x * 1.0
-    loss = loss_fn(intermediate, target)
+    loss = loss_fn(intermediate, target.to(device))
     loss.backward()
     assert torch.equal(intermediate, x.detach()), "a backward wrote into the shared logits"
     want_loss, want_grad, *_ = liger_reference(
-        x.detach(), target, weight=weight.float(), ignore_index=3, scale=1e-2, smoothing=0.1, softcap=20.0,
+        x.detach().cpu(), target, weight=weight.float(), ignore_index=3, scale=1e-2, smoothing=0.1, softcap=20.0,
         reduction="mean",
     )  # fmt: skip
     close(loss, want_loss, "loss", rtol=1e-5, atol=1e-6)
@@ -196,14 +196,14 @@ def test_fused_linear_against_reference(weighted, scale, smoothing, softcap, wit
         close(w.grad, (g.T @ hidden).numpy(), "d weight")
 
 
-def test_fused_linear_kernels_token_scaling_and_dtypes():
-    """The kernels (Triton's interpreter) behind use_token_scaling and ce_weight: float32 hidden, Liger's dtypes
-    (loss float32, z_loss in the input's dtype); against the float64 path of the same entry point."""
+def test_fused_linear_kernels_token_scaling_and_dtypes(device):
+    """The kernels (on the CPU Triton's interpreter) behind use_token_scaling and ce_weight: float32 hidden, Liger's
+    dtypes (loss float32, z_loss in the input's dtype); against the float64 path of the same entry point."""
     logits, target, weight, hidden, head, bias = inputs(n=8, v=40, h=16)
     args = (target, bias, weight, -100, 1e-2, 0.1, "mean", 10.0, True, None, True, True)
-    h32, w32 = hidden.float().requires_grad_(True), head.float().requires_grad_(True)
-    got = liger.liger_fused_linear_cross_entropy(h32, w32, *args[:1], bias.float(), weight.float(), *args[3:],
-                                                 backend="kernel")  # fmt: skip
+    h32, w32 = (t.float().to(device).requires_grad_(True) for t in (hidden, head))
+    on_device = (target.to(device), bias.float().to(device), weight.float().to(device))
+    got = liger.liger_fused_linear_cross_entropy(h32, w32, *on_device, *args[3:], backend="kernel")
     h64, w64 = hidden.clone().requires_grad_(True), head.clone().requires_grad_(True)
     want = liger.liger_fused_linear_cross_entropy(h64, w64, *args)
     assert got.loss.dtype == torch.float32 and got.z_loss.dtype == torch.float32
@@ -386,50 +386,62 @@ def liger_jsd_formula(log_q, log_p, labels, beta, ignore_index=-100):
     return torch.where(kept, rows, 0.0).sum() / kept.sum()
 
 
-@pytest.mark.parametrize("beta, with_labels", [(0.0, True), (1.0, False), (0.3, True)])
-def test_jsd_against_liger_formula(jsd_entry_points, beta, with_labels):
+@pytest.mark.parametrize(
+    "beta, with_labels, backend", [(0.0, True, "auto"), (1.0, False, "auto"), (0.3, True, "kernel")]
+)
+def test_jsd_against_liger_formula(jsd_entry_points, beta, with_labels, backend, device):
     """Loss equal to Liger's; the gradient on the logits before the caller's log_softmax equal too (w.r.t. the
-    log-probabilities themselves it differs by a per-row multiple of exp(log_q), see liger_jsd.py)."""
+    log-probabilities themselves it differs by a per-row multiple of exp(log_q), see liger_jsd.py). "kernel":
+    float32 through fastce's kernels (Triton's interpreter), Liger's dtype for the loss."""
     student, target, _, *_ = inputs(n=9, v=30, seed=4)
     teacher = inputs(n=9, v=30, seed=5)[0]
+    dtype, tol = (torch.float32, dict(rtol=2e-5, atol=1e-6)) if backend == "kernel" else (torch.float64, REF_TOL)
+    where = device if backend == "kernel" else "cpu"
+    student, teacher, target = student.to(where, dtype), teacher.to(where, dtype), target.to(where)
     labels = target if with_labels else None
     log_p = teacher.log_softmax(-1)
-    want_z = student.clone().requires_grad_(True)
+    want_z = student.detach().double().clone().requires_grad_(True)
     want = liger_jsd_formula(want_z.log_softmax(-1), log_p, labels, beta)
     want.backward()
     for entry in ("module", "functional"):
         z = student.clone().requires_grad_(True)
         if entry == "module":
-            got = jsd_entry_points.LigerJSD(beta=beta)(z.log_softmax(-1), log_p, labels)
+            got = jsd_entry_points.LigerJSD(beta=beta, backend=backend)(z.log_softmax(-1), log_p, labels)
         else:
-            got = jsd_entry_points.liger_jsd(z.log_softmax(-1), log_p, labels, beta)
-        assert got.dtype == torch.float64 and got.shape == ()
-        close(got, as_float64(want), f"{entry} loss")
+            got = jsd_entry_points.liger_jsd(z.log_softmax(-1), log_p, labels, beta, backend=backend)
+        assert got.dtype == dtype and got.shape == ()
+        close(got, as_float64(want), f"{entry} loss", **tol)
         got.backward()
-        close(z.grad, as_float64(want_z.grad), f"{entry} d logits")
+        close(z.grad, as_float64(want_z.grad), f"{entry} d logits", **tol)
 
 
-@pytest.mark.parametrize("beta, temperature", [(0.5, 1.0), (0.0, 2.0), (1.0, 0.7)])
-def test_fused_linear_jsd_against_liger_formula(jsd_entry_points, beta, temperature):
+@pytest.mark.parametrize("beta, temperature, backend", [(0.5, 1.0, "auto"), (0.0, 2.0, "auto"), (1.0, 0.7, "kernel")])
+def test_fused_linear_jsd_against_liger_formula(jsd_entry_points, beta, temperature, backend, device):
     _, labels, _, hidden_s, head_s, _ = inputs(n=9, v=30, h=8, seed=6)
     _, _, _, hidden_t, head_t, _ = inputs(n=9, v=30, h=12, seed=7)
-    labels = labels.clone()
-    hs, ws = hidden_s.clone().requires_grad_(True), head_s.clone().requires_grad_(True)
+    dtype, tol = (torch.float32, dict(rtol=1e-4, atol=1e-6)) if backend == "kernel" else (torch.float64, REF_TOL)
+    where = device if backend == "kernel" else "cpu"
+    hidden_s, head_s, hidden_t, head_t = (t.to(where, dtype) for t in (hidden_s, head_s, hidden_t, head_t))
+    labels = labels.to(where)
+    hs, ws = (t.detach().double().clone().requires_grad_(True) for t in (hidden_s, head_s))
     ls = (hs @ ws.T / temperature).log_softmax(-1)
-    lt = (hidden_t @ head_t.T / temperature).log_softmax(-1)
+    lt = (hidden_t.double() @ head_t.double().T / temperature).log_softmax(-1)
     want = liger_jsd_formula(ls, lt, labels, beta)
     want.backward()
     for entry in ("module", "functional"):
         h, w = hidden_s.clone().requires_grad_(True), head_s.clone().requires_grad_(True)
         if entry == "module":
-            loss_fn = jsd_entry_points.LigerFusedLinearJSD(jsd_beta=beta, temperature=temperature)
+            loss_fn = jsd_entry_points.LigerFusedLinearJSD(jsd_beta=beta, temperature=temperature, backend=backend)
             got = loss_fn(h, w, hidden_t, head_t, labels)
         else:
-            got = jsd_entry_points.liger_fused_linear_jsd(h, w, hidden_t, head_t, labels, beta, -100, temperature)
-        close(got, as_float64(want), f"{entry} loss")
+            got = jsd_entry_points.liger_fused_linear_jsd(
+                h, w, hidden_t, head_t, labels, beta, -100, temperature, backend=backend
+            )
+        assert got.shape == ()
+        close(got, as_float64(want), f"{entry} loss", **tol)
         got.backward()
-        close(h.grad, as_float64(hs.grad), f"{entry} d hidden")
-        close(w.grad, as_float64(ws.grad), f"{entry} d weight")
+        close(h.grad, as_float64(hs.grad), f"{entry} d hidden", **tol)
+        close(w.grad, as_float64(ws.grad), f"{entry} d weight", **tol)
 
 
 def test_jsd_refusals(jsd_entry_points):
