@@ -1,9 +1,12 @@
-"""Liger-Kernel's own cross-entropy tests run against fastce: passed / skipped / failed counts.
+"""Liger-Kernel's own loss tests run against fastce_torch.liger: passed / skipped / failed counts.
 
     python -m bench.tools.outside_suites --liger-tests DIR [--json OUT] [--baseline] [-k EXPR] [--workers N]
 
 DIR holds Liger's test tree (bench/NOTES.md says how to extract it; liger_kernel 0.8.5 importable); pytest runs its
-cross-entropy files with bench.tools.outside_liger_plugin loaded (`--baseline`: also on Liger). Needs CUDA.
+cross-entropy files, and its fused linear JSD file where fastce_torch has linear_jsd, with
+bench.tools.outside_liger_plugin loaded (`--baseline`: also on Liger). Needs CUDA. Liger's test_jsd.py is left out:
+it compares gradients with respect to log-probabilities taken as free inputs, which fastce's jsd normalises
+(fastce_torch/liger_jsd.py says why the loss and the logits' gradient are the same).
 """
 
 import argparse
@@ -19,6 +22,7 @@ from ..progress import aligned
 REPO = Path(__file__).resolve().parents[2]
 PLUGIN = "bench.tools.outside_liger_plugin"
 FILES = ("test/transformers/test_cross_entropy.py", "test/transformers/test_fused_linear_cross_entropy.py")
+JSD_FILES = ("test/transformers/test_fused_linear_jsd.py",)
 OUTCOMES = ("passed", "skipped", "failed", "errors", "xfailed", "xpassed", "deselected")
 
 
@@ -88,8 +92,11 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("outside_suites: Liger's tests run on CUDA and no CUDA device is visible; nothing ran", file=sys.stderr)
         return 2
+    from fastce_torch import liger
+
     liger_tests = args.liger_tests.resolve()
-    files = [f for f in FILES if (liger_tests / f).is_file()]
+    wanted = FILES + (JSD_FILES if hasattr(liger, "LigerFusedLinearJSD") else ())
+    files = [f for f in wanted if (liger_tests / f).is_file()]
     if not files:
         print(f"outside_suites: none of {', '.join(FILES)} under {liger_tests}", file=sys.stderr)
         return 2
@@ -97,7 +104,7 @@ def main(argv=None):
     results = [run_suite(liger_tests, files, True, extra, args.timeout)]
     if args.baseline:
         results.append(run_suite(liger_tests, files, False, extra, args.timeout))
-    print(f"Liger-Kernel tests ({', '.join(files)}), fastce substituted for Liger's cross-entropy:")
+    print(f"Liger-Kernel tests ({', '.join(files)}), fastce_torch.liger substituted for Liger's losses:")
     print(table(results))
     for result in results:
         if result["counts"] is None:
