@@ -246,3 +246,54 @@ def test_jsd_matches_the_reference(case, device):
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id)
 def test_jsd_real_vocabularies_on_gpu(case, device):
     run_case(case, device)
+
+
+# --- bad input: both packages raise the same exception type, naming the argument ---------------------------------
+
+BAD_OPTIONS = [
+    (dict(beta=1.5), ValueError, "beta"),
+    (dict(beta=-0.1), ValueError, "beta"),
+    (dict(beta=float("nan")), ValueError, "beta"),
+    (dict(beta=True), TypeError, "beta"),
+    (dict(temperature=0.0), ValueError, "temperature"),
+    (dict(temperature=-1.0), ValueError, "temperature"),
+    (dict(student_softcapping=-1.0), ValueError, "student_softcapping"),
+    (dict(teacher_softcapping=-2.0), ValueError, "teacher_softcapping"),
+    (dict(reduction="avg"), ValueError, "reduction"),
+]
+
+
+def bad_input_calls(module, to_array):
+    """(what, call, exception type, the argument's name) for jsd and linear_jsd, arrays made by `to_array`."""
+    gen = torch.Generator().manual_seed(0)
+    x = lambda *shape: to_array(torch.randn(shape, generator=gen))  # noqa: E731
+    s, t, y = x(4, 9), x(4, 9), to_array(torch.tensor([1, 2, -100, 3], dtype=torch.int32))
+    h_s, w_s, h_t, w_t = x(4, 6), x(9, 6), x(4, 5), x(9, 5)
+    calls = [(f"jsd {o}", lambda o=o: module.jsd(s, t, y, **o), e, n) for o, e, n in BAD_OPTIONS]
+    calls += [
+        (f"linear_jsd {o}", lambda o=o: module.linear_jsd(h_s, w_s, h_t, w_t, y, **o), e, n) for o, e, n in BAD_OPTIONS
+    ]
+    calls += [
+        ("teacher rows differ", lambda: module.jsd(s, x(3, 9), None), ValueError, "teacher_logits"),
+        ("teacher vocabulary smaller", lambda: module.jsd(s, x(4, 8), None), ValueError, "teacher_logits"),
+        ("labels shape", lambda: module.jsd(s, t, y[:3]), ValueError, "labels"),
+        ("float labels", lambda: module.jsd(s, t, to_array(torch.zeros(4))), TypeError, "labels"),
+        ("integer logits", lambda: module.jsd(y, y, None), TypeError, "student_logits"),
+        ("student width", lambda: module.linear_jsd(h_s, x(9, 7), h_t, w_t), ValueError, "student_weight"),
+        ("teacher width", lambda: module.linear_jsd(h_s, w_s, h_t, x(9, 4)), ValueError, "teacher_weight"),
+        ("teacher head smaller", lambda: module.linear_jsd(h_s, w_s, h_t, x(8, 5)), ValueError, "teacher_weight"),
+        ("teacher hidden rows", lambda: module.linear_jsd(h_s, w_s, x(3, 5), w_t), ValueError, "teacher_hidden"),
+    ]
+    return calls
+
+
+@pytest.mark.parametrize("package", ["torch", "jax"])
+def test_bad_input_raises_naming_the_argument(package):
+    module = fastce_torch if package == "torch" else optional_jax()
+    if not callable(getattr(module, "jsd", None)) or not callable(getattr(module, "linear_jsd", None)):
+        pytest.skip(f"fastce_{package} has no jsd / linear_jsd yet")
+    to_array = (lambda t: t) if package == "torch" else exchange.to_jax
+    for what, call, error, name in bad_input_calls(module, to_array):
+        with pytest.raises(error, match=name) as raised:
+            call()
+        assert name in str(raised.value), (what, str(raised.value))
