@@ -57,6 +57,7 @@ class LinearJsdCase:
     reduction: str = "mean"
     labels: bool = True  # False: labels=None (every row counts)
     scalar_upstream: float = 1.0
+    small_chunks: bool = True  # a workspace_bytes of about ROWS_PER_CHUNK rows; False: the default (256 MiB)
     seed: int = 0
 
     @property
@@ -74,8 +75,14 @@ class LinearJsdCase:
 
     def kwargs(self):
         # About ROWS_PER_CHUNK rows of both chunks of float32 logits: several chunks, the last one partial.
-        workspace = ROWS_PER_CHUNK * (self.vocab * 2) * 4
+        workspace = ROWS_PER_CHUNK * (self.vocab * 2) * 4 if self.small_chunks else None
         return dict(self.options(), workspace_bytes=workspace)
+
+    def max_chunks(self):
+        """An upper bound on the chunks of rows (the weight gradient's roundings): at most one a row with the small
+        workspace; with the default 256 MiB, the two chunks' logits counted at 4 bytes, plus one."""
+        n = math.prod(self.shape)
+        return n if self.small_chunks else -(-n * 2 * self.vocab * 4 // 2**28) + 1
 
 
 CAPS = dict(student_softcapping=5.0, teacher_softcapping=4.0)
@@ -99,6 +106,7 @@ GPU_CASES = [
         dtype="bfloat16",
         bias=beta == 0.5,
         reduction=reduction,
+        small_chunks=False,
         seed=20 + i,
         **CAPS,
     )
@@ -201,7 +209,7 @@ def bounds(case, inputs, exact):
         + 2 * ((d_s + d_t) / case.temperature)[:, None] * r.grad_terms.reshape(n, vocab)
         + u_g * grad
     )
-    chunks = n  # at most one chunk per row: the weight gradient's roundings
+    chunks = case.max_chunks()
     h_abs, w_abs = np.abs(h_s.reshape(n, -1)), np.abs(w_s)
     return dict(
         loss=loss_bound,
