@@ -1,5 +1,7 @@
 """The examples run, small, on the CPU: fastce_jax's kernels in Pallas interpret mode against the XLA loss; the GRPO
-steps (examples/grpo_torch.py, grpo_jax.py) through linear_log_probs against plain log_softmax, step by step."""
+steps (examples/grpo_torch.py, grpo_jax.py) through linear_log_probs against plain log_softmax, step by step; the
+distillation steps (examples/distill_torch.py, distill_jax.py) through linear_jsd against plain log_softmax of both
+models' logits, step by step."""
 
 import importlib.util
 import json
@@ -63,3 +65,28 @@ def test_grpo_jax_step_matches_log_softmax(tmp_path):
         pytest.skip("fastce_jax has no linear_log_probs yet")
     result = load("grpo_jax").main(GRPO_SMALL + ["--backend", "kernel", "--json", str(tmp_path / "grpo.json")])
     check_grpo(result)
+
+
+DISTILL_SMALL = ["--steps", "3", "--batch", "2", "--seq-len", "12", "--vocab", "200", "--teacher-vocab", "208"]
+
+
+def check_distill(result, steps=3):
+    assert result["match"], (result["max_gap"], result["losses"])
+    for losses in result["losses"].values():
+        assert len(losses) == steps and losses[-1] < losses[0], losses  # the student moves towards the teacher
+
+
+def test_distill_torch_step_matches_log_softmax(tmp_path):
+    fastce_torch = pytest.importorskip("fastce_torch")
+    if not callable(getattr(fastce_torch, "linear_jsd", None)):
+        pytest.skip("fastce_torch has no linear_jsd yet")
+    args = DISTILL_SMALL + ["--backend", "kernel", "--beta", "0.3", "--temperature", "1.5"]
+    check_distill(load("distill_torch").main(args + ["--json", str(tmp_path / "distill.json")]))
+
+
+def test_distill_jax_step_matches_log_softmax(tmp_path):
+    needs_jax()
+    if not callable(getattr(__import__("fastce_jax"), "linear_jsd", None)):
+        pytest.skip("fastce_jax has no linear_jsd yet")
+    args = DISTILL_SMALL + ["--backend", "kernel", "--beta", "1.0", "--temperature", "0.8"]
+    check_distill(load("distill_jax").main(args + ["--json", str(tmp_path / "distill.json")]))
