@@ -26,6 +26,7 @@ from .test_sharding import collectives
 
 EPS = tolerances.EPS32
 TRANSFORMED = dict(temperature=0.7, student_softcapping=5.0, teacher_softcapping=8.0)
+TRANSFORMED_LINEAR = dict(temperature=0.8, student_softcapping=6.0, teacher_softcapping=9.0)
 
 
 @pytest.fixture(autouse=True)
@@ -289,7 +290,7 @@ def test_linear_jsd_matches_float64(sizes, beta, reduction):
     hidden, weight and bias get exactly zero."""
     student, teacher, labels = linear_inputs(sizes)
     n, v, v_t = sizes
-    kw = dict(beta=beta, reduction=reduction, temperature=0.8, student_softcapping=6.0, teacher_softcapping=9.0)
+    kw = dict(beta=beta, reduction=reduction, **TRANSFORMED_LINEAR)
     workspace = 5 * (v + v_t) * 4  # five rows of both logits per chunk
 
     def loss_fn(hs, ws, bs, ht, wt, bt):
@@ -301,9 +302,16 @@ def test_linear_jsd_matches_float64(sizes, beta, reduction):
     upstream = np.random.default_rng(6).uniform(-1, 1, n) if reduction == "none" else np.ones(())
     grads = vjp(jnp.asarray(upstream, jnp.float32))
     assert not any(np.any(np.asarray(g)) for g in grads[3:])
-    h, w, b = (as_float64(a) for a in student)
+    check_linear(loss, grads[:3], student, teacher, labels, reduction, upstream, beta=beta, **TRANSFORMED_LINEAR)
+
+
+def check_linear(loss, grads, student, teacher, labels, reduction, upstream=None, **kw):
+    """linear_jsd's loss and student gradients (hidden, weight, bias when given) against the float64 chain rule
+    of the float64 logits h W^T + b."""
+    h, w, b = (as_float64(a) for a in (*student, np.zeros(student[1].shape[0]))[:3])
     ht, wt, bt = (as_float64(a) for a in teacher)
-    expected = Expected(h @ w.T + b, ht @ wt.T + bt, labels, beta, **{k: kw[k] for k in TRANSFORMED})
+    n, v = h.shape[0], w.shape[0]
+    expected = Expected(h @ w.T + b, ht @ wt.T + bt, labels, **kw)
     # The logits' float32 rounding (sums of H products) reaches the loss too: rtol counts H of them.
     expected.check_loss(loss, reduction, rtol=tolerances.RTOL * 24)
     weights = expected.weights(reduction, upstream)[:, None]
@@ -312,9 +320,27 @@ def test_linear_jsd_matches_float64(sizes, beta, reduction):
     for name, actual, exact, bound in [
         ("d hidden", grads[0], g @ w, g_scale @ np.abs(w) * tolerances.RTOL + v * EPS * np.abs(g) @ np.abs(w)),
         ("d weight", grads[1], g.T @ h, g_scale.T @ np.abs(h) * tolerances.RTOL + n * EPS * np.abs(g).T @ np.abs(h)),
-        ("d bias", grads[2], g.sum(0), g_scale.sum(0) * tolerances.RTOL + n * EPS * np.abs(g).sum(0)),
-    ]:
+        ("d bias", grads[2:], g.sum(0), g_scale.sum(0) * tolerances.RTOL + n * EPS * np.abs(g).sum(0)),
+    ][: len(grads)]:
+        actual = actual[0] if name == "d bias" else actual
         tolerances.check(as_float64(actual), exact, bound + tolerances.FLOOR, name)
+
+
+def test_linear_jsd_under_jit_vmap(sizes):
+    """jit(vmap(value_and_grad)) of linear_jsd over two problems sharing the weights and labels (Pallas' own
+    batching of the kernels inside the chunk loop), no biases, the teacher's hidden batched too."""
+    student, teacher, labels = linear_inputs(sizes, seed=8)
+    hs = jnp.stack([student[0], student[0][::-1]])
+    ht = jnp.stack([teacher[0], teacher[0][::-1]])
+
+    def loss_fn(h, w, h_t):
+        return linear_jsd(h, w, h_t, teacher[1], labels, beta=1.0, workspace_bytes=5 * 1024, backend="kernel")
+
+    batched = jax.jit(jax.vmap(jax.value_and_grad(loss_fn, argnums=(0, 1)), in_axes=(0, None, 0)))
+    losses, (d_hidden, d_weight) = batched(hs, student[1], ht)
+    for i in range(2):
+        teacher_i = (ht[i], teacher[1], jnp.zeros(teacher[1].shape[0]))
+        check_linear(losses[i], (d_hidden[i], d_weight[i]), (hs[i], student[1]), teacher_i, labels, "mean", beta=1.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
