@@ -244,8 +244,9 @@ def _operands(labels, beta):
     return (() if labels is None else (labels,)) + (() if beta is None else (beta,))
 
 
-def _reference_terms(beta, opts: JsdOptions):
-    """The beta terms the reference reads, from the kernels' float32 operand (a mixture's only)."""
+def _terms_from_operand(beta, opts: JsdOptions):
+    """The beta terms the reference reads, from the kernels' float32 operand (a mixture's only; the non-GPU
+    branch of a platform-dependent trace)."""
     return None if opts.kind != MIXTURE else tuple(beta[i] for i in range(4))
 
 
@@ -259,7 +260,7 @@ def _route_forward(student, teacher, labels, beta, st: _Launch, mode: str):
         return compiled(student, teacher, *extra, interpret=mode == INTERPRETED)
 
     def elsewhere(x, t, *rest):
-        return reference_rows(x, t, labels, _reference_terms(beta, st.opts), st.opts)
+        return reference_rows(x, t, labels, _terms_from_operand(beta, st.opts), st.opts)
 
     return jax.lax.platform_dependent(student, teacher, *extra, cuda=compiled, rocm=compiled, default=elsewhere)
 
@@ -274,7 +275,7 @@ def _route_backward(student, teacher, labels, beta, stats, g, st: _Launch, mode:
         return compiled(student, teacher, *extra, interpret=mode == INTERPRETED)
 
     def elsewhere(x, t, *rest):
-        return reference_backward(x, t, labels, _reference_terms(beta, st.opts), g, st.opts)
+        return reference_backward(x, t, labels, _terms_from_operand(beta, st.opts), g, st.opts)
 
     return jax.lax.platform_dependent(student, teacher, *extra, cuda=compiled, rocm=compiled, default=elsewhere)
 

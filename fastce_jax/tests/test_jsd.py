@@ -37,6 +37,14 @@ def _small_tiles(monkeypatch, use_gpu):
         monkeypatch.setattr(jsd_kernels, "BACKWARD_BLOCK", 128)
 
 
+@pytest.fixture(autouse=True)
+def _exact_float32_matmuls():
+    """linear_jsd's chunk matmuls at float32 precision (a GPU may use TF32): the tolerances are for float32
+    products."""
+    with jax.default_matmul_precision("float32"):
+        yield
+
+
 @pytest.fixture(scope="module")
 def sizes(request):
     """(N, V, V_t): tiny on the CPU, a real vocabulary on the GPU."""

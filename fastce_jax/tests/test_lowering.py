@@ -272,6 +272,17 @@ def test_jsd_kernels_lower_to_triton(compiled, beta):
     assert ["output_operand_aliases" in line for line in calls] == [False, True]
 
 
+def test_jsd_auto_backend_decides_when_lowered(compiled):
+    """backend="auto" traced in a GPU process: the kernels when lowered for cuda, the jnp reference for the CPU."""
+    shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in [(8, 1000), (8, 1000)]]
+    f = jax.jit(jax.value_and_grad(lambda a, b: fastce_jax.jsd(a, b, beta=0.5, **JSD_ALL)))
+    assert sorted(triton_modules(f.trace(*shapes).lower(lowering_platforms=("cuda",)))) == [
+        "fastce_jsd_backward",
+        "fastce_jsd_forward",
+    ]
+    assert TRITON not in f.trace(*shapes).lower(lowering_platforms=("cpu",)).as_text()
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_linear_jsd_lowers_to_triton(monkeypatch, reduction):
     """linear_jsd's chunk loop: the forward kernel, and the backward kernel in the forward ("mean": gradients in
