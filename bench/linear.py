@@ -124,9 +124,9 @@ def peak_matmul_tflops(dims=None):
 
 def gradient_errors(loss_fn, inputs, reference):
     """One forward + backward of loss_fn: its loss and gradients against float32_reference's."""
-    hidden, weight, labels = inputs
+    hidden, weight, *rest = inputs  # rest: the labels, and for the distillation tool the teacher's inputs
     ref_loss, ref_gh, ref_gw = reference
-    loss = loss_fn(hidden, weight, labels)
+    loss = loss_fn(hidden, weight, *rest)
     grad_hidden, grad_weight = torch.autograd.grad(loss, (hidden, weight))
     errors = {
         "loss_rel": abs(float(loss.detach()) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-30),
@@ -138,21 +138,21 @@ def gradient_errors(loss_fn, inputs, reference):
 
 
 def measure(loss_fn, shape, quick=False, inputs=None, reference=None):
-    hidden, weight, labels = inputs or make_inputs(shape)
+    hidden, weight, *rest = inputs or make_inputs(shape)  # gradients of the first two inputs (as gradient_errors)
 
     def fwdbwd():
-        return torch.autograd.grad(loss_fn(hidden, weight, labels), (hidden, weight))
+        return torch.autograd.grad(loss_fn(hidden, weight, *rest), (hidden, weight))
 
     try:
         with torch.no_grad():
-            loss = float(loss_fn(hidden, weight, labels))
+            loss = float(loss_fn(hidden, weight, *rest))
         for _ in range(2):
             fwdbwd()  # compile, JIT, cuBLAS workspaces
         peak = torch_measure.peak_extra_bytes(fwdbwd)
         ms = torch_measure.bench_ms(fwdbwd, 50 if quick else 200, 300 if quick else 1500)
-        errors = {} if reference is None else gradient_errors(loss_fn, (hidden, weight, labels), reference)
+        errors = {} if reference is None else gradient_errors(loss_fn, (hidden, weight, *rest), reference)
     finally:
-        del hidden, weight, labels
+        del hidden, weight, rest
         gc.collect()
         torch.cuda.empty_cache()
     extra = peak - (shape.N + shape.V) * shape.H * 2  # beyond the two bf16 gradients
