@@ -318,64 +318,45 @@ def rl_markdown(result, source) -> str:
     return "\n".join([*parts, *rl_targets(result), *failed, ""])
 
 
-# bench/tools/distill_step.py's table: (heading, row key, format), byte counts in MiB; its targets (issue 38) as ratios
-# of rows of the same run, shape and (beta, temperature): (row, divisor row, limit).
+# bench/tools/distill_step.py's table, (heading, row key, format) with byte counts in MiB, and its targets (issue 38):
+# (row, divisor row, limit) at the same shape and (beta, temperature).
 DISTILL_COLUMNS = (
     ("impl", "impl", "{}"), ("beta", "beta", "{}"), ("T", "temperature", "{}"), ("N", "N", "{}"), ("Hs", "H", "{}"),
     ("Ht", "Ht", "{}"), ("V", "V", "{}"), ("fwd+bwd ms", "fwdbwd_ms", "{:.2f}"), ("/ floor", "over_floor", "{:.2f}x"),
-    ("TFLOP/s", "effective_TFLOPs", "{:.0f}"), ("peak extra MiB", "peak_extra_bytes", "{:.0f}"),
-    ("beyond grads MiB", "extra_beyond_grads_bytes", "{:.0f}"), ("loss err", "loss_error", "{:.1e}"),
-    ("dh rel rms err", "grad_hidden_rel_rms", "{:.1e}"), ("dW rel rms err", "grad_weight_rel_rms", "{:.1e}"),
+    ("peak extra MiB", "peak_extra_bytes", "{:.0f}"), ("beyond grads MiB", "extra_beyond_grads_bytes", "{:.0f}"),
+    ("loss err", "loss_error", "{:.1e}"), ("dh rel rms err", "grad_hidden_rel_rms", "{:.1e}"),
+    ("dW rel rms err", "grad_weight_rel_rms", "{:.1e}"),
 )  # fmt: skip
 DISTILL_TARGETS = (("fastce_torch", "liger_jsd", "< 1"), ("fastce_torch", "trl_eager", "< 1"),
                    ("fastce_torch", "matmul_floor", "<= 1.2"), ("fastce_jax", "matmul_floor", "<= 1.2"))  # fmt: skip
 
 
-def distill_targets(result) -> list:
-    """A line per shape and (beta, temperature): the targets' ratios, the fastce rows' memory beyond the gradients."""
-    lines, rows = [], result["rows"]
-    for key in dict.fromkeys(
-        (r["N"], r["H"], r["Ht"], r["V"], r["beta"], r["temperature"]) for r in rows if "beta" in r
-    ):
-        same = {r["impl"]: r for r in rows if (r["N"], r["H"], r["Ht"], r["V"], r.get("beta"), r.get("temperature"))
-                in (key, (*key[:4], None, None))}  # fmt: skip
+def distill_markdown(result, source) -> str:
+    """bench/tools/distill_step.py's JSON: the table, a line of targets per shape and (beta, temperature) (with the
+    fastce rows' memory beyond the gradients), what was not measured."""
+    rows, lines = result["rows"], []
+    where = lambda r: (r["N"], r["H"], r["Ht"], r["V"], r.get("beta"), r.get("temperature"))
+    for key in dict.fromkeys(where(r) for r in rows if "beta" in r):
+        same = {r["impl"]: r for r in rows if where(r) in (key, (*key[:4], None, None))}  # the floor: every config
         ratios = [f"{top} / {bottom} {same[top]['fwdbwd_ms'] / same[bottom]['fwdbwd_ms']:.2f}x (target {limit}x)"
                   for top, bottom, limit in DISTILL_TARGETS if top in same and bottom in same]  # fmt: skip
-        ratios += [f"{impl} {same[impl]['extra_beyond_grads_bytes'] / MiB:.0f} MiB beyond the gradients (target <= 512)"
-                   for impl in ("fastce_torch", "fastce_jax") if impl in same]  # fmt: skip
+        ratios += [f"{i} {same[i]['extra_beyond_grads_bytes'] / MiB:.0f} MiB beyond the gradients (target <= 512)"
+                   for i in ("fastce_torch", "fastce_jax") if i in same]  # fmt: skip
         lines.append(f"- {'x'.join(map(str, key[:4]))}, beta {key[4]}, T {key[5]}: " + "; ".join(ratios))
-    return lines
-
-
-def distill_markdown(result, source) -> str:
-    """bench/tools/distill_step.py's JSON: the table, the targets and what was not measured."""
-    about = (
-        f"{result['device']}, commit {result['commit']}, {result['date']}: forward + backward into the student's "
-        "hidden states and head (bench/tools/distill_step.py); / floor: over the same run's four bare matmuls "
-        f"(matmul_floor), TFLOP/s of their 2NV(3Hs + Ht). Errors against float64 over the first "
-        f"{result['error_rows']} rows; JAX memory is XLA's temp size."
-    )
-
-    def cell(r, key, form):
-        value = r.get(key)
-        return "-" if value is None else form.format(value / MiB if key.endswith("_bytes") else value)
-
-    table = [
-        [heading for heading, _, _ in DISTILL_COLUMNS],
-        *([cell(r, *c[1:]) for c in DISTILL_COLUMNS] for r in result["rows"]),
-    ]
-    failed = dict.fromkeys(
+    lines += dict.fromkeys(
         f"- not measured: {f['impl']} {f.get('shape', '')}: {f['error']}" for f in result["failures"]
     )
-    parts = [
-        f"## Distillation: generalized JSD through both heads (from `{source}`)",
-        "",
-        about,
-        "",
-        markdown(table),
-        "",
-    ]
-    return "\n".join([*parts, *distill_targets(result), *failed, ""])
+    cell = lambda r, key, form: "-" if r.get(key) is None else form.format(r[key] / MiB if "bytes" in key else r[key])
+    table = [[c[0] for c in DISTILL_COLUMNS], *([cell(r, *c[1:]) for c in DISTILL_COLUMNS] for r in rows)]
+    about = (
+        f"{result['device']}, commit {result['commit']}, {result['date']}: forward + backward into the student's "
+        "hidden states and head (bench/tools/distill_step.py); / floor: over the same run's bare matmuls of the four "
+        f"products (matmul_floor); JAX's memory is XLA's temp size; errors against float64 over the first "
+        f"{result['error_rows']} rows."
+    )
+    return "\n".join(
+        [f"## Distillation through both heads (from `{source}`)", "", about, "", markdown(table), "", *lines, ""]
+    )
 
 
 def _link(path, start) -> str:

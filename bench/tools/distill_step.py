@@ -1,22 +1,21 @@
-"""Distillation's LM heads (issue 38): the generalized JSD between a student's and a teacher's next-token
-distributions from both models' hidden states, forward + backward into the student's hidden states and head.
+"""Distillation's LM heads (issue 38): the generalized JSD of a student's and a teacher's next-token distributions from
+both models' hidden states, forward + backward into the student's hidden states and head.
 
     python -m bench.tools.distill_step [--shapes 8192x1536x3584x151936] [--frameworks torch,jax] [--json PATH]
 
 Per shape (N x H_student x H_teacher x V, bf16, every 7th token ignored) and (beta, temperature) in CONFIGS:
 fastce_torch.linear_jsd; TRL's recipe in plain torch (both heads' logits by matmul, float32 log_softmax of both, the
 generalized JSD, "batchmean" over the counted tokens) eager and under torch.compile; Liger's LigerFusedLinearJSD (its
-jsd_beta weighs the mixture as this beta does, beta p_t + (1 - beta) p_s: 0 is KL(p_t || p_s), 1 is KL(p_s || p_t));
-fastce_jax.linear_jsd and the recipe in jnp under jit(value_and_grad) (host-timed, XLA's temp size); the floor: the
-four bare bf16 products the loss needs (both heads' logits, the student's d hidden and d weight) as torch.mm calls.
-Rows as bench.linear.measure's (do_bench medians, the peak beyond the inputs and the student's gradients); errors over
-the first ERROR_ROWS rows (each implementation run on them) against float64 from the same inputs: |loss - float64|
-and the rms relative errors of d hidden and d weight.
+jsd_beta is this beta: mixture beta p_t + (1 - beta) p_s, 0 = KL(p_t || p_s), 1 = KL(p_s || p_t)); fastce_jax.linear_jsd
+and the recipe in jnp under jit(value_and_grad); the floor: the bare torch.mm calls of the four products the loss needs
+(both heads' logits, the student's d hidden and d weight). Timing and memory as bench.linear.measure's and
+bench.jax_linear.measure's; errors over the first ERROR_ROWS rows (each row's code run on them) against float64 from
+the same inputs (shared_tests.reference_distill): |loss - float64|, rms relative error of d hidden and d weight.
 """
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 
 from .. import envinfo, jax_linear, linear, torch_measure
@@ -28,57 +27,58 @@ from .rl_step import tool_main
 
 SHAPES = "8192x1536x3584x151936,8192x2048x4096x128256"
 CONFIGS = ((0.0, 1.0), (0.5, 1.0), (1.0, 1.0), (0.5, 2.0))  # (beta, temperature)
-AT_ANY_TEMPERATURE = ("fastce_torch", "trl_eager", "liger_jsd", "fastce_jax")  # at T != 1: no compiles
+ANY_TEMPERATURE = ("fastce_torch", "trl_eager", "liger_jsd", "fastce_jax")  # the rows at T != 1 (no more compiles)
 ERROR_ROWS = 64
 
 
 @dataclass(frozen=True)
 class DistillShape:
     N: int
-    H: int  # the student's hidden size (bench.linear.measure's gradients are the student's)
+    H: int  # the student's (bench.linear.measure's gradients are the student's)
     Ht: int
     V: int
     dtype: str = "bfloat16"
 
-    @property
-    def flops(self) -> float:  # the floor's four products
-        return 2.0 * self.N * self.V * (3 * self.H + self.Ht)
-
-    def __str__(self):
-        return f"N={self.N} Hs={self.H} Ht={self.Ht} V={self.V} {self.dtype}"
-
 
 def make_inputs(shape, device):
-    """(student hidden, student weight, teacher hidden, teacher weight, labels): the fused linear bench's values
-    (bench.linear_shapes), the teacher's from another seed and without gradients."""
-    from ..linear_shapes import make_inputs as linear_inputs
+    """(student hidden, weight, teacher hidden, weight, labels): the fused linear bench's values (the teacher's from
+    another seed, without gradients)."""
+    from ..linear_shapes import make_inputs as head
 
-    hidden, weight, labels = linear_inputs(LinearShape(shape.N, shape.H, shape.V, shape.dtype), device)
-    teacher_hidden, teacher_weight, _ = linear_inputs(LinearShape(shape.N, shape.Ht, shape.V, shape.dtype), device, 1)
-    return hidden, weight, teacher_hidden.detach(), teacher_weight.detach(), labels
+    hidden, weight, labels = head(LinearShape(shape.N, shape.H, shape.V, shape.dtype), device)
+    teacher = head(LinearShape(shape.N, shape.Ht, shape.V, shape.dtype), device, seed=1)
+    return hidden, weight, teacher[0].detach(), teacher[1].detach(), labels
 
 
 def generalized_jsd(xp, log_softmax, student, teacher, keep, beta, temperature):
-    """The generalized JSD per token from two logits tensors, summed over the kept tokens and divided by their number;
-    xp: torch or jax.numpy, log_softmax over the last axis."""
+    """TRL's generalized JSD per token from two logits tensors, summed over the kept tokens and divided by their
+    number; xp: torch or jax.numpy."""
     ls, lt = log_softmax(student / temperature), log_softmax(teacher / temperature)
     if beta == 0:
         per_token = (xp.exp(lt) * (lt - ls)).sum(-1)
     elif beta == 1:
         per_token = (xp.exp(ls) * (ls - lt)).sum(-1)
-    else:  # log of the mixture (1 - beta) p_s + beta p_t
+    else:  # the mixture's log-probabilities, log((1 - beta) p_s + beta p_t)
         mixture = xp.logaddexp(ls + math.log(1 - beta), lt + math.log(beta))
         per_token = beta * (xp.exp(lt) * (lt - mixture)).sum(-1) + (1 - beta) * (xp.exp(ls) * (ls - mixture)).sum(-1)
     return xp.where(keep, per_token, 0.0).sum() / keep.sum().clip(1)
 
 
-def torch_implementations(beta, temperature, backend):
-    """name -> loader of loss(student hidden, student weight, teacher hidden, teacher weight, labels)."""
+def implementations(framework, beta, temperature, backend):
+    """name -> loader of loss(student hidden, weight, teacher hidden, weight, labels), a framework's rows."""
+    import importlib
+
+    fastce = partial(importlib.import_module(f"fastce_{framework}").linear_jsd, beta=beta, temperature=temperature)
+    fastce = partial(fastce, backend=backend)
+    if framework == "jax":
+        import jax
+
+        def xla(hs, ws, ht, wt, y):
+            logits = (hs @ ws.T).astype("float32"), (ht @ wt.T).astype("float32")
+            return generalized_jsd(jax.numpy, jax.nn.log_softmax, *logits, y != IGNORE_INDEX, beta, temperature)
+
+        return {"fastce_jax": lambda: fastce, "xla_jsd": lambda: xla}
     import torch
-
-    import fastce_torch
-
-    fastce = partial(fastce_torch.linear_jsd, beta=beta, temperature=temperature, backend=backend)
 
     def trl(hs, ws, ht, wt, y):
         logits = (hs @ ws.t()).float(), (ht @ wt.t()).float()
@@ -92,74 +92,39 @@ def torch_implementations(beta, temperature, backend):
     return {"fastce_torch": lambda: fastce, "trl_eager": lambda: trl, "trl_compile": compiled, "liger_jsd": liger}
 
 
-def jax_implementations(beta, temperature, backend):
-    import jax
-    import jax.numpy as jnp
-
-    import fastce_jax
-
-    def xla(hs, ws, ht, wt, y):
-        logits = (hs @ ws.T).astype(jnp.float32), (ht @ wt.T).astype(jnp.float32)
-        return generalized_jsd(jnp, partial(jax.nn.log_softmax, axis=-1), *logits, y != IGNORE_INDEX, beta, temperature)
-
-    fastce = partial(fastce_jax.linear_jsd, beta=beta, temperature=temperature, backend=backend)
-    return {"fastce_jax": lambda: fastce, "xla_jsd": lambda: xla}
-
-
 def float64_reference(hidden, weight, teacher_hidden, teacher_weight, labels, beta, temperature):
-    """(loss, d hidden, d weight) in float64 from the same (rounded) inputs: the logits' gradient from shared_tests'
-    reference_distill where it is, else from the formula above in float64 (torch autograd)."""
+    """(loss, d hidden, d weight) in float64 from the same (rounded) inputs: the logits' loss and gradient from
+    shared_tests' reference, the products in float64 on the inputs' device."""
     import torch
 
+    from shared_tests.reference_distill import jsd
+
     h64, w64 = hidden.detach().double(), weight.detach().double()
-    student, teacher = h64 @ w64.t(), teacher_hidden.double() @ teacher_weight.double().t()
-    try:
-        from shared_tests.reference_distill import jsd
-    except ImportError:
-        student.requires_grad_()
-        softmax = partial(torch.log_softmax, dim=-1)
-        loss = generalized_jsd(torch, softmax, student, teacher, labels != IGNORE_INDEX, beta, temperature)
-        grad = torch.autograd.grad(loss, student)[0]
-    else:
-        numpy = (t.cpu().numpy() for t in (student, teacher, labels))
-        loss, grad = jsd(*numpy, beta=beta, temperature=temperature, ignore_index=IGNORE_INDEX)
-        grad = torch.as_tensor(grad, device=h64.device)
+    logits = (t.cpu().numpy() for t in (h64 @ w64.t(), teacher_hidden.double() @ teacher_weight.double().t(), labels))
+    loss, grad = jsd(*logits, beta=beta, temperature=temperature, ignore_index=IGNORE_INDEX)
+    grad = torch.as_tensor(grad, device=h64.device)
     return float(loss), grad @ w64, grad.t() @ h64
 
 
-def float64_errors(step, inputs, reference) -> dict:
-    """step(*inputs) -> (loss, d hidden, d weight) against float64_reference's."""
-    loss, *grads = step(*inputs)
-    errors = [rel_rms(got, want) for got, want in zip(grads, reference[1:])]
-    return {"loss_error": abs(loss - reference[0]), "grad_hidden_rel_rms": errors[0], "grad_weight_rel_rms": errors[1]}
-
-
-def torch_step(loss_fn):
+def float64_errors(loss_fn, framework, inputs, reference) -> dict:
+    """loss_fn's loss and gradients on inputs (its framework's autodiff) against float64_reference's."""
     import torch
 
-    def step(hidden, weight, *rest):
-        hidden = hidden.detach().requires_grad_()
-        loss = loss_fn(hidden, weight, *rest)
-        return float(loss), *torch.autograd.grad(loss, (hidden, weight))
+    if framework == "jax":
+        import jax
 
-    return step
-
-
-def jax_step(loss_fn):
-    import jax
-    import torch
-
-    jitted = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))
-
-    def step(*inputs):
-        loss, grads = jitted(*to_jax(*inputs))
-        return float(loss), *map(torch.from_dlpack, grads)
-
-    return step
+        loss, grads = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))(*to_jax(*inputs))
+        grads = [torch.from_dlpack(g) for g in grads]
+    else:
+        hidden = inputs[0].detach().requires_grad_()
+        loss = loss_fn(hidden, *inputs[1:])
+        loss, grads = loss.detach(), torch.autograd.grad(loss, (hidden, inputs[1]))
+    dh, dw = (rel_rms(got, want) for got, want in zip(grads, reference[1:]))
+    return {"loss_error": abs(float(loss) - reference[0]), "grad_hidden_rel_rms": dh, "grad_weight_rel_rms": dw}
 
 
 def matmul_floor(shape, inputs) -> dict:
-    """The four bare products the loss needs, each a torch.mm at its shape in the inputs' dtype (do_bench medians)."""
+    """The four products the loss needs, each a bare torch.mm at its shape in the inputs' dtype (do_bench medians)."""
     import torch
 
     hidden, weight, teacher_hidden, teacher_weight, _ = (t.detach() for t in inputs)
@@ -167,38 +132,30 @@ def matmul_floor(shape, inputs) -> dict:
     products = {"student_logits": (hidden, weight.t()), "teacher_logits": (teacher_hidden, teacher_weight.t()),
                 "d_hidden": (grad, weight), "d_weight": (grad.t(), hidden)}  # fmt: skip
     with torch.no_grad():
-        ms = {
-            key: torch_measure.bench_ms(lambda a=a, b=b: torch.mm(a, b), 100, 500) for key, (a, b) in products.items()
-        }
+        ms = {key: torch_measure.bench_ms(partial(torch.mm, *ab), 100, 500) for key, ab in products.items()}
     say(f"matmul_floor {shape}: {sum(ms.values()):.2f} ms ({', '.join(f'{k} {v:.2f}' for k, v in ms.items())})")
     return {"impl": "matmul_floor", "fwdbwd_ms": sum(ms.values()), "matmul_ms": ms}
 
 
 def config_rows(shape, inputs, beta, temperature, frameworks, impls, backend, failures) -> list:
-    """The rows of one (beta, temperature) at one shape, each with its float64 errors but torch.compile's (another
-    row count would compile again; its formula is trl_eager's)."""
-    rows, what = slice(0, ERROR_ROWS), f"{shape} beta={beta} T={temperature}"
-    first = (inputs[0][rows], inputs[1], inputs[2][rows], inputs[3], inputs[4][rows])
-    reference = float64_reference(*first, beta, temperature)
+    """The rows of one (beta, temperature), with their float64 errors but torch.compile's (on fewer rows it would
+    compile again; its formula is trl_eager's)."""
+    first = [t[:ERROR_ROWS] if i in (0, 2, 4) else t for i, t in enumerate(inputs)]
+    reference, rows = float64_reference(*first, beta, temperature), []
+    for framework in frameworks:
+        timed = partial(linear.measure, shape=shape, inputs=inputs)
+        if framework == "jax":
+            timed = partial(jax_linear.measure, inputs=to_jax(*inputs))
 
-    def chosen(loaders):
-        keep = lambda i: (impls is None or i in impls) and (temperature == 1 or i in AT_ANY_TEMPERATURE)
-        return {impl: loader for impl, loader in loaders.items() if keep(impl)}
+        def measure(impl, loss_fn, framework=framework, timed=timed):
+            errors = {} if impl == "trl_compile" else float64_errors(loss_fn, framework, first, reference)
+            return timed(loss_fn) | errors
 
-    def torch_row(impl, loss_fn):
-        row = linear.measure(loss_fn, shape, inputs=inputs)
-        return row if impl == "trl_compile" else row | float64_errors(torch_step(loss_fn), first, reference)
-
-    def jax_row(impl, loss_fn):
-        return jax_linear.measure(loss_fn, jax_inputs) | float64_errors(jax_step(loss_fn), first, reference)
-
-    found = []
-    if "torch" in frameworks:
-        found += measure_rows(what, chosen(torch_implementations(beta, temperature, backend)), torch_row, failures)
-    if "jax" in frameworks:
-        jax_inputs = to_jax(*inputs)
-        found += measure_rows(what, chosen(jax_implementations(beta, temperature, backend)), jax_row, failures)
-    return [row | {"beta": beta, "temperature": temperature} for row in found]
+        loaders = implementations(framework, beta, temperature, backend).items()
+        loaders = {i: loader for i, loader in loaders if impls is None or i in impls}
+        loaders = {i: loader for i, loader in loaders.items() if temperature == 1 or i in ANY_TEMPERATURE}
+        rows += measure_rows(f"{shape} beta={beta} T={temperature}", loaders, measure, failures)
+    return [row | {"beta": beta, "temperature": temperature} for row in rows]
 
 
 def run(shapes, frameworks=("torch", "jax"), impls=None, backend="auto") -> dict:
@@ -208,16 +165,10 @@ def run(shapes, frameworks=("torch", "jax"), impls=None, backend="auto") -> dict
     rows, failures = [], []
     for shape in shapes:
         inputs = make_inputs(shape, linear.DEVICE)
-        floor = matmul_floor(shape, inputs)
-        found = [floor]
+        found = [floor := matmul_floor(shape, inputs)]
         for beta, temperature in CONFIGS:
             found += config_rows(shape, inputs, beta, temperature, frameworks, impls, backend, failures)
-        base = {"N": shape.N, "H": shape.H, "Ht": shape.Ht, "V": shape.V, "dtype": shape.dtype}
-        for row in found:
-            ms = row["fwdbwd_ms"]
-            rows.append(
-                base | row | {"over_floor": ms / floor["fwdbwd_ms"], "effective_TFLOPs": shape.flops / ms / 1e9}
-            )
+        rows += [asdict(shape) | row | {"over_floor": row["fwdbwd_ms"] / floor["fwdbwd_ms"]} for row in found]
         del inputs
         torch.cuda.empty_cache()
     device = torch.cuda.get_device_name() if linear.DEVICE == "cuda" else linear.DEVICE
