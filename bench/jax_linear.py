@@ -48,9 +48,8 @@ def measure(fn, inputs, batch_target_ms=50.0, reference=None) -> dict:
     temp = peak_extra_bytes(step)
     loss, (dh, dw) = step(*inputs)
     # ok: finite, and (bf16 logits either way) within the logits' rounding of the float32 loss
-    ok = bool(jax.numpy.isfinite(loss)) and all(
-        bool(jax.numpy.isfinite(g[:4].astype("float32")).all()) for g in (dh, dw)
-    )
+    finite = lambda x: bool(jax.numpy.isfinite(x.astype("float32")).all())
+    ok = finite(loss) and finite(dh[:4]) and finite(dw[:4])
     errors = {}
     if reference is not None:
         import torch

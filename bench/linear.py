@@ -5,6 +5,7 @@ and method in bench/METHOD.md and NOTES.md. `--quick`: one shape, fastce_torch o
 import gc
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -48,9 +49,7 @@ def matmul_fastce():
 
 
 def torch_compile_upcast():
-    def loss_fn(hidden, weight, labels):
-        return F.cross_entropy((hidden @ weight.t()).float(), labels, ignore_index=IGNORE_INDEX)
-
+    loss_fn = lambda h, w, labels: F.cross_entropy((h @ w.t()).float(), labels, ignore_index=IGNORE_INDEX)
     return torch.compile(loss_fn, dynamic=False)
 
 
@@ -65,12 +64,9 @@ def torch_linear_cross_entropy():
     if not hasattr(F, "linear_cross_entropy"):
         raise Unavailable(f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy")
     # Without the options class (an older signature) the function's own default path is what is measured.
-    chunked = (
-        {"options": torch.nn.LinearCrossEntropyOptions()} if hasattr(torch.nn, "LinearCrossEntropyOptions") else {}
-    )
-    return lambda hidden, weight, labels: F.linear_cross_entropy(
-        hidden, weight, labels, ignore_index=IGNORE_INDEX, **chunked
-    )
+    options = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+    chunked = {"options": options()} if options else {}
+    return lambda h, w, labels: F.linear_cross_entropy(h, w, labels, ignore_index=IGNORE_INDEX, **chunked)
 
 
 def cut_cross_entropy():
@@ -79,10 +75,7 @@ def cut_cross_entropy():
 
 
 LOADERS = {
-    **{
-        f"fastce_torch_linear{suffix}": (lambda settings=settings: fastce_linear(settings))
-        for suffix, settings in FASTCE_SETTINGS.items()
-    },
+    **{f"fastce_torch_linear{suffix}": partial(fastce_linear, kwargs) for suffix, kwargs in FASTCE_SETTINGS.items()},
     "matmul+fastce_torch": matmul_fastce,
     "torch_compile": torch_compile_upcast,
     "liger_flce": liger,
@@ -128,21 +121,16 @@ def gradient_errors(loss_fn, inputs, reference):
     ref_loss, ref_gh, ref_gw = reference
     loss = loss_fn(hidden, weight, *rest)
     grad_hidden, grad_weight = torch.autograd.grad(loss, (hidden, weight))
-    errors = {
-        "loss_rel": abs(float(loss.detach()) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-30),
-        "grad_hidden_rel_rms": rel_rms(grad_hidden, ref_gh),
-        "grad_weight_rel_rms": rel_rms(grad_weight, ref_gw),
-    }
+    errors = {"loss_rel": abs(float(loss.detach()) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-30),
+              "grad_hidden_rel_rms": rel_rms(grad_hidden, ref_gh),
+              "grad_weight_rel_rms": rel_rms(grad_weight, ref_gw)}  # fmt: skip
     del loss, grad_hidden, grad_weight
     return errors
 
 
 def measure(loss_fn, shape, quick=False, inputs=None, reference=None):
     hidden, weight, *rest = inputs or make_inputs(shape)  # gradients of the first two inputs (as gradient_errors)
-
-    def fwdbwd():
-        return torch.autograd.grad(loss_fn(hidden, weight, *rest), (hidden, weight))
-
+    fwdbwd = lambda: torch.autograd.grad(loss_fn(hidden, weight, *rest), (hidden, weight))
     try:
         with torch.no_grad():
             loss = float(loss_fn(hidden, weight, *rest))
@@ -199,13 +187,10 @@ def _add_jax_rows(shapes, matmul, peak, rows, failures, impls=None):
 
 
 def _say_row(r):
-    say(
-        f"{r['impl']:28s} N={r['N']} H={r['H']} V={r['V']} ({r.get('ignored', 0):.0%} ignored): "
-        f"{r['fwdbwd_ms']:.2f} ms, {r['effective_TFLOPs']:.0f} "
-        f"TFLOP/s ({r['of_matmul']:.0%} of matmul, {r['of_peak']:.0%} of peak), peak extra "
-        f"{r['peak_extra_bytes'] / MiB:.0f} MiB ({r['extra_beyond_grads_bytes'] / MiB:.0f} beyond the gradients), "
-        f"loss {r['loss']:.5f}{accuracy_text(r)}"
-    )
+    say(f"{r['impl']:28s} N={r['N']} H={r['H']} V={r['V']} ({r.get('ignored', 0):.0%} ignored): {r['fwdbwd_ms']:.2f} "
+        f"ms, {r['effective_TFLOPs']:.0f} TFLOP/s ({r['of_matmul']:.0%} of matmul, {r['of_peak']:.0%} of peak), peak "
+        f"extra {r['peak_extra_bytes'] / MiB:.0f} MiB ({r['extra_beyond_grads_bytes'] / MiB:.0f} beyond the "
+        f"gradients), loss {r['loss']:.5f}{accuracy_text(r)}")  # fmt: skip
 
 
 def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=True, ignored=None):
@@ -222,11 +207,8 @@ def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=Tru
         shapes = tuple(dataclasses.replace(s, ignored=f) for s in shapes for f in ignored)
         impls = impls or (list(IGNORED_IMPLS[:2]) if quick else list(IGNORED_IMPLS))
     # The _skip rows belong to --ignored runs (the standard table keeps its length and time budget).
-    impls = impls or (
-        ["fastce_torch_linear", "fastce_torch_linear_1GiB", "matmul+fastce_torch"]
-        if quick
-        else [i for i in LOADERS if not i.endswith("_skip")]
-    )
+    impls = impls or (["fastce_torch_linear", "fastce_torch_linear_1GiB", "matmul+fastce_torch"] if quick
+                      else [i for i in LOADERS if not i.endswith("_skip")])  # fmt: skip
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
     rows, failures = [], []
     peak = peak_matmul_tflops()
