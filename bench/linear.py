@@ -14,18 +14,6 @@ import torch.nn.functional as F
 import fastce_torch
 
 from . import linear_shapes, torch_measure  # (modules: the CPU tests stub the timers)
-from .linear_shapes import (
-    FASTCE_SETTINGS,
-    IGNORED_IMPLS,
-    IGNORED_JAX_IMPLS,
-    LINEAR_SHAPES,
-    QUICK_SHAPE,
-    LinearShape,
-    accuracy_text,
-    float32_reference,
-    ignored_rows,
-    rel_rms,
-)
 from .progress import Unavailable, failure, load, note_failure, optional, say
 from .report import linear_table
 from .shapes import IGNORE_INDEX
@@ -75,7 +63,7 @@ def cut_cross_entropy():
 
 
 LOADERS = {
-    **{f"fastce_torch_linear{suffix}": partial(fastce_linear, kwargs) for suffix, kwargs in FASTCE_SETTINGS.items()},
+    **{f"fastce_torch_linear{s}": partial(fastce_linear, kw) for s, kw in linear_shapes.FASTCE_SETTINGS.items()},
     "matmul+fastce_torch": matmul_fastce,
     "torch_compile": torch_compile_upcast,
     "liger_flce": liger,
@@ -122,8 +110,8 @@ def gradient_errors(loss_fn, inputs, reference):
     loss = loss_fn(hidden, weight, *rest)
     grad_hidden, grad_weight = torch.autograd.grad(loss, (hidden, weight))
     errors = {"loss_rel": abs(float(loss.detach()) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-30),
-              "grad_hidden_rel_rms": rel_rms(grad_hidden, ref_gh),
-              "grad_weight_rel_rms": rel_rms(grad_weight, ref_gw)}  # fmt: skip
+              "grad_hidden_rel_rms": linear_shapes.rel_rms(grad_hidden, ref_gh),
+              "grad_weight_rel_rms": linear_shapes.rel_rms(grad_weight, ref_gw)}  # fmt: skip
     del loss, grad_hidden, grad_weight
     return errors
 
@@ -162,7 +150,7 @@ def table_row(impl, shape, measured, matmul_tflops, peak_tflops):
     which fraction of their labels was ignored)."""
     tflops = shape.flops / (measured["fwdbwd_ms"] * 1e-3) / 1e12
     row = {"impl": impl, "N": shape.N, "H": shape.H, "V": shape.V, "dtype": shape.dtype}
-    row |= {"ignored": float(ignored_rows(shape).mean()), **measured}
+    row |= {"ignored": float(linear_shapes.ignored_rows(shape).mean()), **measured}
     row.update(effective_TFLOPs=tflops, of_matmul=tflops / matmul_tflops, of_peak=tflops / peak_tflops)
     return row
 
@@ -181,7 +169,7 @@ def _add_jax_rows(shapes, matmul, peak, rows, failures, impls=None):
         say(f"JAX rows skipped: {failures[-1]['error']}")
         return
     for r in result["rows"]:
-        shape = LinearShape(r["N"], r["H"], r["V"], r["dtype"])  # dense: the matmul's key
+        shape = linear_shapes.LinearShape(r["N"], r["H"], r["V"], r["dtype"])  # dense: the matmul's key
         rows.append(table_row(r.pop("impl"), shape, r, matmul[str(shape)], peak))
     failures.extend(result["failures"])
 
@@ -190,7 +178,7 @@ def _say_row(r):
     say(f"{r['impl']:28s} N={r['N']} H={r['H']} V={r['V']} ({r.get('ignored', 0):.0%} ignored): {r['fwdbwd_ms']:.2f} "
         f"ms, {r['effective_TFLOPs']:.0f} TFLOP/s ({r['of_matmul']:.0%} of matmul, {r['of_peak']:.0%} of peak), peak "
         f"extra {r['peak_extra_bytes'] / MiB:.0f} MiB ({r['extra_beyond_grads_bytes'] / MiB:.0f} beyond the "
-        f"gradients), loss {r['loss']:.5f}{accuracy_text(r)}")  # fmt: skip
+        f"gradients), loss {r['loss']:.5f}{linear_shapes.accuracy_text(r)}")  # fmt: skip
 
 
 def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=True, ignored=None):
@@ -201,11 +189,11 @@ def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=Tru
 
     from . import envinfo
 
-    shapes = shapes or ((QUICK_SHAPE,) if quick else LINEAR_SHAPES)
+    shapes = shapes or ((linear_shapes.QUICK_SHAPE,) if quick else linear_shapes.LINEAR_SHAPES)
     with_jax = (not quick and DEVICE == "cuda") if with_jax is None else with_jax
     if ignored:
         shapes = tuple(dataclasses.replace(s, ignored=f) for s in shapes for f in ignored)
-        impls = impls or (list(IGNORED_IMPLS[:2]) if quick else list(IGNORED_IMPLS))
+        impls = impls or (list(linear_shapes.IGNORED_IMPLS[:2]) if quick else list(linear_shapes.IGNORED_IMPLS))
     # The _skip rows belong to --ignored runs (the standard table keeps its length and time budget).
     impls = impls or (["fastce_torch_linear", "fastce_torch_linear_1GiB", "matmul+fastce_torch"] if quick
                       else [i for i in LOADERS if not i.endswith("_skip")])  # fmt: skip
@@ -221,7 +209,7 @@ def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=Tru
     loaded = {impl: loss_fn for impl, loss_fn in loaded.items() if loss_fn is not None}
     for shape in shapes:
         inputs = make_inputs(shape)
-        reference = float32_reference(*inputs) if accuracy else None
+        reference = linear_shapes.float32_reference(*inputs) if accuracy else None
         for impl, loss_fn in loaded.items():
             try:
                 measured = measure(loss_fn, shape, quick=quick, inputs=inputs, reference=reference)
@@ -234,7 +222,7 @@ def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=Tru
         gc.collect()
         torch.cuda.empty_cache()
     if with_jax:
-        _add_jax_rows(shapes, matmul, peak, rows, failures, IGNORED_JAX_IMPLS if ignored else None)
+        _add_jax_rows(shapes, matmul, peak, rows, failures, linear_shapes.IGNORED_JAX_IMPLS if ignored else None)
     result = {"mode": "linear", "device": device, "date": envinfo.today(), "commit": envinfo.git_commit(),
               "torch": torch.__version__, "peak_matmul": {"shape": list(PEAK_MATMUL), "TFLOPs": peak},
               "matmul_TFLOPs": matmul, "rows": rows}  # fmt: skip

@@ -13,12 +13,15 @@ bench.jax_linear.measure's; errors over the first ERROR_ROWS rows (each row's co
 the same inputs (shared_tests.reference_distill): |loss - float64|, rms relative error of d hidden and d weight.
 """
 
+import importlib
 import math
 import sys
-from dataclasses import asdict, dataclass
+from collections import namedtuple
 from functools import partial
 
-from .. import envinfo, jax_linear, linear, torch_measure
+import torch
+
+from .. import envinfo, jax_linear, linear, linear_shapes, torch_measure
 from ..linear_shapes import LinearShape, rel_rms, to_jax
 from ..progress import measure_rows, optional, say
 from ..report import distill_markdown
@@ -29,24 +32,15 @@ SHAPES = "8192x1536x3584x151936,8192x2048x4096x128256"
 CONFIGS = ((0.0, 1.0), (0.5, 1.0), (1.0, 1.0), (0.5, 2.0))  # (beta, temperature)
 ANY_TEMPERATURE = ("fastce_torch", "trl_eager", "liger_jsd", "fastce_jax")  # the rows at T != 1 (no more compiles)
 ERROR_ROWS = 64
-
-
-@dataclass(frozen=True)
-class DistillShape:
-    N: int
-    H: int  # the student's (bench.linear.measure's gradients are the student's)
-    Ht: int
-    V: int
-    dtype: str = "bfloat16"
+# H: the student's hidden size (bench.linear.measure differentiates the first two inputs, the student's).
+DistillShape = namedtuple("DistillShape", "N H Ht V dtype", defaults=("bfloat16",))
 
 
 def make_inputs(shape, device):
-    """(student hidden, weight, teacher hidden, weight, labels): the fused linear bench's values (the teacher's from
-    another seed, without gradients)."""
-    from ..linear_shapes import make_inputs as head
-
-    hidden, weight, labels = head(LinearShape(shape.N, shape.H, shape.V, shape.dtype), device)
-    teacher = head(LinearShape(shape.N, shape.Ht, shape.V, shape.dtype), device, seed=1)
+    """(student hidden, weight, teacher hidden, weight, labels): the fused linear bench's values, the teacher's from
+    another seed and without gradients."""
+    hidden, weight, labels = linear_shapes.make_inputs(LinearShape(shape.N, shape.H, shape.V, shape.dtype), device)
+    teacher = linear_shapes.make_inputs(LinearShape(shape.N, shape.Ht, shape.V, shape.dtype), device, seed=1)
     return hidden, weight, teacher[0].detach(), teacher[1].detach(), labels
 
 
@@ -66,8 +60,6 @@ def generalized_jsd(xp, log_softmax, student, teacher, keep, beta, temperature):
 
 def implementations(framework, beta, temperature, backend):
     """name -> loader of loss(student hidden, weight, teacher hidden, weight, labels), a framework's rows."""
-    import importlib
-
     fastce = partial(importlib.import_module(f"fastce_{framework}").linear_jsd, beta=beta, temperature=temperature)
     fastce = partial(fastce, backend=backend)
     if framework == "jax":
@@ -78,7 +70,6 @@ def implementations(framework, beta, temperature, backend):
             return generalized_jsd(jax.numpy, jax.nn.log_softmax, *logits, y != IGNORE_INDEX, beta, temperature)
 
         return {"fastce_jax": lambda: fastce, "xla_jsd": lambda: xla}
-    import torch
 
     def trl(hs, ws, ht, wt, y):
         logits = (hs @ ws.t()).float(), (ht @ wt.t()).float()
@@ -95,8 +86,6 @@ def implementations(framework, beta, temperature, backend):
 def float64_reference(hidden, weight, teacher_hidden, teacher_weight, labels, beta, temperature):
     """(loss, d hidden, d weight) in float64 from the same (rounded) inputs: the logits' loss and gradient from
     shared_tests' reference, the products in float64 on the inputs' device."""
-    import torch
-
     from shared_tests.reference_distill import jsd
 
     h64, w64 = hidden.detach().double(), weight.detach().double()
@@ -108,8 +97,6 @@ def float64_reference(hidden, weight, teacher_hidden, teacher_weight, labels, be
 
 def float64_errors(loss_fn, framework, inputs, reference) -> dict:
     """loss_fn's loss and gradients on inputs (its framework's autodiff) against float64_reference's."""
-    import torch
-
     if framework == "jax":
         import jax
 
@@ -125,8 +112,6 @@ def float64_errors(loss_fn, framework, inputs, reference) -> dict:
 
 def matmul_floor(shape, inputs) -> dict:
     """The four products the loss needs, each a bare torch.mm at its shape in the inputs' dtype (do_bench medians)."""
-    import torch
-
     hidden, weight, teacher_hidden, teacher_weight, _ = (t.detach() for t in inputs)
     grad = torch.randn(shape.N, shape.V, device=hidden.device, dtype=hidden.dtype)  # d student logits
     products = {"student_logits": (hidden, weight.t()), "teacher_logits": (teacher_hidden, teacher_weight.t()),
@@ -160,15 +145,13 @@ def config_rows(shape, inputs, beta, temperature, frameworks, impls, backend, fa
 
 def run(shapes, frameworks=("torch", "jax"), impls=None, backend="auto") -> dict:
     """Every row at every shape and (beta, temperature) in CONFIGS (impls: a subset of the rows), failures recorded."""
-    import torch
-
     rows, failures = [], []
     for shape in shapes:
         inputs = make_inputs(shape, linear.DEVICE)
         found = [floor := matmul_floor(shape, inputs)]
         for beta, temperature in CONFIGS:
             found += config_rows(shape, inputs, beta, temperature, frameworks, impls, backend, failures)
-        rows += [asdict(shape) | row | {"over_floor": row["fwdbwd_ms"] / floor["fwdbwd_ms"]} for row in found]
+        rows += [shape._asdict() | row | {"over_floor": row["fwdbwd_ms"] / floor["fwdbwd_ms"]} for row in found]
         del inputs
         torch.cuda.empty_cache()
     device = torch.cuda.get_device_name() if linear.DEVICE == "cuda" else linear.DEVICE

@@ -17,6 +17,10 @@ import argparse
 import sys
 from functools import partial
 
+import torch
+
+import fastce_torch
+
 from .. import envinfo, jax_setup, linear, linear_shapes
 from ..linear_shapes import SEQUENCE, parse_linear_shapes, to_jax
 from ..progress import measure_rows, optional
@@ -54,8 +58,6 @@ def trl_log_probs(hidden, weight, tokens):
 def policy_inputs(hidden, weight, tokens, seed=1):
     """(old log-probs, advantages, mask): the policy's own log-probs (TRL's recipe) plus noise of 0.1, so that both
     sides of the clip are taken; standard normal advantages per token; 1.0 where the token is kept."""
-    import torch
-
     mask = (tokens != IGNORE_INDEX).float()
     noise = torch.randn(2, len(mask), device=hidden.device, generator=torch.Generator(hidden.device).manual_seed(seed))
     with torch.no_grad():
@@ -65,9 +67,6 @@ def policy_inputs(hidden, weight, tokens, seed=1):
 def torch_implementations(backend):
     """name -> loader of (loss(hidden, weight, tokens, old, advantages, mask), None or the (hidden, weight, tokens)
     -> (log-probs, entropy or None) function whose log-probs the error column checks)."""
-    import torch
-
-    import fastce_torch
 
     def fastce(entropy=True, **settings):
         def log_probs(hidden, weight, tokens):
@@ -105,16 +104,12 @@ def torch_implementations(backend):
     return {f"fastce_torch{suffix}": (lambda f=f: (policy(f), f)) for suffix, f in variants.items()} | {
         "fastce_torch_ce_mean": lambda: (cross_entropy(), None),
         "fastce_torch_ce_token_weights": lambda: (cross_entropy(weighted=True), None),
-        "trl_eager": lambda: (policy(trl_log_probs), trl_log_probs),
-        "trl_compile": lambda: (torch.compile(policy(trl_log_probs), dynamic=False), None),
-        "liger_grpo": liger,
-    }
+        "trl_eager": lambda: (policy(trl_log_probs), trl_log_probs), "liger_grpo": liger,
+        "trl_compile": lambda: (torch.compile(policy(trl_log_probs), dynamic=False), None)}  # fmt: skip
 
 
 def float64_error(log_probs, hidden, weight, tokens):
     """max |log-prob - float64| over the first ERROR_ROWS rows, float64 computed from the same (rounded) inputs."""
-    import torch
-
     rows = slice(0, ERROR_ROWS)
     with torch.no_grad():
         got = log_probs(hidden[rows], weight, tokens[rows])[0].double()
@@ -124,8 +119,6 @@ def float64_error(log_probs, hidden, weight, tokens):
 
 def torch_rows(shape, inputs, impls, backend, failures):
     """The torch rows, each with its gradients' errors against the objective's in float32 where it computes it."""
-    import torch
-
     hidden, weight, tokens, old, advantages, mask = inputs
 
     def chunk_objective(logits, rows):  # a chunk's share of the objective, from float32 logits
@@ -150,7 +143,6 @@ def jax_rows(shape, inputs, reference, backend, failures):
     """fastce_jax.linear_log_probs and XLA's log_softmax + gather, the same objective on the same values (DLPack)."""
     import jax
     import jax.numpy as jnp
-    import torch
 
     import fastce_jax
 
@@ -177,8 +169,6 @@ def jax_rows(shape, inputs, reference, backend, failures):
 
 def run(shapes, frameworks=("torch", "jax"), impls=None, backend="auto") -> dict:
     """Every row at every shape (impls: a subset of the torch rows), failures recorded."""
-    import torch
-
     rows, failures, peak = [], [], linear.peak_matmul_tflops()
     matmul = {str(shape): linear.matmul_tflops(shape) for shape in shapes}
     for shape in shapes:
@@ -211,8 +201,6 @@ def tool_main(argv, doc, shapes, parse_shapes, run, render) -> int:
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     jax_setup.configure()
-    import torch
-
     if not torch.cuda.is_available():
         sys.exit(f"{prog} measures on a GPU (its test in bench/tests runs its code paths on a CPU)")
     impls = args.impls.split(",") if args.impls else None
