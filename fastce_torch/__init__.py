@@ -12,7 +12,9 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 
 from .contract import CrossEntropyOutput  # noqa: E402
 from .cross_entropy import CrossEntropyLoss, cross_entropy, cross_entropy_reference  # noqa: E402
+from .jsd import jsd  # noqa: E402
 from .linear import DEFAULT_WORKSPACE_BYTES, linear_cross_entropy, linear_log_probs  # noqa: E402
+from .linear.jsd import linear_jsd  # noqa: E402
 from .log_probs import LogProbOutput, log_probs  # noqa: E402
 from .transformers import fastce_for_causal_lm_loss, patch_transformers, unpatch_transformers  # noqa: E402
 from .unsloth import fast_cross_entropy_loss, patch_loss_functions  # noqa: E402
@@ -20,8 +22,9 @@ from .versions import warn_if_untested  # noqa: E402
 
 warn_if_untested()  # once per process, on a torch or Triton release outside the tested range (versions.py)
 
-# What users call: the losses, their output record, the integration patches (and the loss function the transformers
-# patch installs), and the fused linear loss's default workspace budget (its `workspace_bytes` keyword).
+# What users call: the losses (cross-entropy; the distillation losses jsd / linear_jsd), their output record, the
+# integration patches (and the loss function the transformers patch installs), and the fused linear loss's default
+# workspace budget (its `workspace_bytes` keyword).
 __all__ = [
     "cross_entropy",
     "cross_entropy_reference",
@@ -31,6 +34,8 @@ __all__ = [
     "log_probs",
     "linear_cross_entropy",
     "linear_log_probs",
+    "jsd",
+    "linear_jsd",
     "DEFAULT_WORKSPACE_BYTES",
     "patch_transformers",
     "unpatch_transformers",

@@ -16,6 +16,14 @@ from .kernels import BACKWARD_BLOCK, BACKWARD_WARPS, FORWARD_BLOCK, FORWARD_WARP
 from .kernels.backward import _backward_kernel, _scale_unless_one_kernel
 from .kernels.combine import _vocab_parallel_loss_kernel, _vocab_parallel_maxima_kernel, _vocab_parallel_rescale_kernel
 from .kernels.forward import _forward_kernel
+from .kernels.jsd import (
+    JSD_BACKWARD_BLOCK,
+    JSD_BACKWARD_WARPS,
+    JSD_FORWARD_BLOCK,
+    JSD_FORWARD_WARPS,
+    _jsd_backward_kernel,
+    _jsd_forward_kernel,
+)
 
 H200 = GPUTarget("cuda", 90, 32)
 POINTER = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16"}
@@ -114,6 +122,7 @@ def variants():
             scale = _scale_unless_one_kernel
             yield scale, signature(scale, logits, index), dict(BLOCK=kernels.SCALE_BLOCK), 4
     yield from vocab_parallel_variants()
+    yield from jsd_variants()
 
 
 def vocab_parallel_variants():
@@ -132,6 +141,54 @@ def vocab_parallel_variants():
         constexprs = dict(CHECK_WIDTHS=check, HAS_SMOOTHING=smoothing, HAS_Z_LOSS=z_loss, REDUCE=reduce,
                           DENOMINATOR_MODE=mode, BLOCK=block)  # fmt: skip
         yield loss, signature(loss, "*fp32", "i32"), constexprs, 4
+
+
+JSD_FLOAT_SCALARS = {"beta", "one_minus_beta", "inv_temperature", "s_softcap", "t_softcap"}
+
+
+def jsd_signature(fn, student_type, teacher_type, grad_type="*fp32", index_type="i32"):
+    """The distillation kernels' argument types from their parameter names (as `signature`): the student, teacher
+    and gradient pointers carry their dtypes, labels int64, other pointers float32, strides index_type, the option
+    scalars float32, the other scalars int32."""
+    pointers = {"student_ptr": student_type, "teacher_ptr": teacher_type, "grad_ptr": grad_type, "labels_ptr": "*i64"}
+    types = {}
+    for param in fn.params:
+        name = param.name
+        if param.is_constexpr:
+            continue
+        if name in pointers:
+            types[name] = pointers[name]
+        elif name.endswith("_ptr"):
+            types[name] = "*fp32"
+        elif "stride" in name:
+            types[name] = index_type
+        else:
+            types[name] = "fp32" if name in JSD_FLOAT_SCALARS else "i32"
+    return types
+
+
+def jsd_variants():
+    # jsd / linear_jsd: every MODE (forward KL, reverse KL, mixture) without and with both soft-cappings in bf16;
+    # the mixture with one soft-capping at a time and without labels; the plain mixture for the other dtypes and a
+    # mixed pair (a float32 student against a bf16 teacher). Each with the forward and the backward kernel; 64-bit
+    # strides (huge tensors) on the mixture with both soft-cappings.
+    bf16 = POINTER["bfloat16"]
+    cases = [(mode, bf16, bf16, caps, True) for mode in range(3) for caps in ((False, False), (True, True))]
+    cases += [
+        (2, bf16, bf16, (True, False), True),
+        (2, bf16, bf16, (False, True), True),
+        (2, bf16, bf16, (False,) * 2, False),
+    ]
+    cases += [(2, POINTER[d], POINTER[d], (False, False), True) for d in ("float32", "float16")]
+    cases += [(2, POINTER["float32"], bf16, (False, False), True)]
+    for mode, student, teacher, (s_cap, t_cap), labels in cases:
+        flags = dict(MODE=mode, HAS_LABELS=labels, S_SOFTCAP=s_cap, T_SOFTCAP=t_cap)
+        index = "i64" if mode == 2 and s_cap and t_cap else "i32"
+        forward, backward = _jsd_forward_kernel, _jsd_backward_kernel
+        types = jsd_signature(forward, student, teacher, index_type=index)
+        yield forward, types, dict(BLOCK=JSD_FORWARD_BLOCK, **flags), JSD_FORWARD_WARPS
+        types = jsd_signature(backward, student, teacher, student, index)
+        yield backward, types, dict(BLOCK=JSD_BACKWARD_BLOCK, **flags), JSD_BACKWARD_WARPS
 
 
 def main():

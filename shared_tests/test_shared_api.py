@@ -228,13 +228,15 @@ def test_public_surface_is_the_same_in_both_packages():
         assert not missing, f"{package.__name__}.__all__ names what it lacks: {missing}"
         assert not [name for name in package.__all__ if name.startswith("_")]
     assert set(fastce_torch.__all__) - TORCH_ONLY == set(fastce_jax.__all__)
-    # issue 37's per-token RL functions, in both (the same names, the same keywords)
-    for name in ("LogProbOutput", "log_probs", "linear_log_probs"):
+    # issue 37's per-token RL functions and issue 38's distillation losses, in both (the same names and keywords)
+    for name in ("LogProbOutput", "log_probs", "linear_log_probs", "jsd", "linear_jsd"):
         assert name in fastce_torch.__all__ and name in fastce_jax.__all__, name
     assert fastce_torch.LogProbOutput._fields == fastce_jax.LogProbOutput._fields == ("logprobs", "entropy")
 
 
-@pytest.mark.parametrize("function", ["cross_entropy", "linear_cross_entropy", "log_probs", "linear_log_probs"])
+@pytest.mark.parametrize(
+    "function", ["cross_entropy", "linear_cross_entropy", "log_probs", "linear_log_probs", "jsd", "linear_jsd"]
+)
 def test_the_same_keywords_in_both_packages(function):
     """Code moves between the frameworks by changing the import: the same keywords with the same defaults, but
     torch's process_group / vocab_start (JAX shards through jit instead)."""

@@ -1,0 +1,379 @@
+"""The fused linear distillation loss: `linear_jsd`, fastce_torch.jsd(student_hidden @ W_s.T + b_s,
+teacher_hidden @ W_t.T + b_t, ...) without the (N, V) logits of either model.
+
+Chunks of rows (linear/chunks.py's rows_per_chunk: the workspace budget, DEFAULT_WORKSPACE_BYTES = 256 MiB by
+default, covers both chunks of logits, student's and teacher's, each in its head's dtype): per chunk the student
+logits h_s W_s^T (+ b_s) and the teacher logits h_t W_t[:V_s]^T (+ b_t[:V_s]) (the teacher weight's first V_s rows,
+a view, no copy), matmuls accumulating in float32 and rounding once to the inputs' dtype, then the forward kernel
+(kernels/jsd.py).
+- "mean" / "sum" with a gradient to compute: the backward kernel overwrites the chunk's student logits with
+  d loss / d logits (upstream 1 / divisor, a device scalar: no host synchronisation), and d h_s[chunk] = g W_s,
+  d W_s += g^T h_s, d b_s += column sums follow at once; the autograd backward only scales them by the upstream
+  scalar (as linear_cross_entropy does), so a second backward through the same loss raises.
+- "none": the forward keeps lse_s, lse_t and the row constant (3 N floats); the backward recomputes both chunks'
+  logits and runs the backward kernel with the per-row upstream.
+The teacher's hidden, weight and bias are constants (detached: no gradient, whether or not they require one).
+Gradients are computed only with grad mode on and a student input requiring one. Under torch.compile the
+torch.library custom ops below replace the autograd Functions.
+"""
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .. import contract, kernels
+from ..contract import JsdOptions
+from ..jsd import (
+    JSD_OPTIONS_SCHEMA,
+    check_labels,
+    check_pair,
+    check_vocabularies,
+    reduced,
+    reference_row_losses,
+    row_divisor,
+)
+from ..kernels import jsd as jsd_kernels
+from .chunks import (
+    Chunking,
+    _check_chunking,
+    _chunk_logits,
+    accumulate_grads,
+    autocast_or_common_dtype,
+    finish_grads,
+    in_compute_dtype,
+    kernel_context,
+    new_grads,
+    rows_per_chunk,
+)
+
+LINEAR_DTYPES = (*contract.KERNEL_DTYPES, torch.float64)
+NO_GRADS = (False, False, False)
+BACKWARD_TWICE = (
+    "fastce_torch.linear_jsd: backward through the same loss twice is not supported (its gradients are computed in "
+    "the forward and handed over once); compute the loss again instead of retain_graph=True"
+)
+
+
+# --- checks -------------------------------------------------------------------------------------------------------
+
+
+def _check_head(hidden, weight, bias, side):
+    """weight (V, H) with H = hidden's last dimension, bias (V,) or None, all floating on hidden's device."""
+    for name, tensor in ((f"{side}_hidden", hidden), (f"{side}_weight", weight), (f"{side}_bias", bias)):
+        if tensor is None and name.endswith("bias"):
+            continue
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in LINEAR_DTYPES:
+            got = getattr(tensor, "dtype", type(tensor))
+            raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {got}")
+        if tensor.device != hidden.device:
+            raise ValueError(f"{name} is on {tensor.device} but {side}_hidden on {hidden.device}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] < 1:
+        raise ValueError(
+            f"{side}_weight must be (V, H) with H = {side}_hidden.shape[-1] (nn.Linear's layout): {side}_hidden "
+            f"{tuple(hidden.shape)}, {side}_weight {tuple(weight.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"{side}_bias must be None or ({weight.shape[0]},), got {tuple(bias.shape)}")
+
+
+# --- the chunk loop -------------------------------------------------------------------------------------------------
+
+
+def _row_chunks(student, teacher, labels, workspace_bytes):
+    """Yields (rows, student hidden chunk, labels chunk or None, student logits, teacher logits, first) chunk by
+    chunk; the logits are views of two workspaces that the next chunk overwrites. student, teacher: (hidden, weight,
+    bias) in their compute dtypes, the teacher's weight and bias already its first V_s rows."""
+    (h_s, w_s, b_s), (h_t, w_t, b_t) = student, teacher
+    n_rows, vocab = h_s.shape[0], w_s.shape[0]
+    step = rows_per_chunk(n_rows, vocab, h_s.element_size() + h_t.element_size(), workspace_bytes)
+    student_workspace = torch.empty(step, vocab, dtype=h_s.dtype, device=h_s.device)
+    teacher_workspace = torch.empty(step, vocab, dtype=h_t.dtype, device=h_t.device)
+    for start in range(0, n_rows, step):
+        rows = slice(start, min(start + step, n_rows))
+        width = rows.stop - start
+        student_logits = _chunk_logits(student_workspace[:width], h_s[rows], w_s, b_s)
+        teacher_logits = _chunk_logits(teacher_workspace[:width], h_t[rows], w_t, b_t)
+        yield rows, h_s[rows], None if labels is None else labels[rows], student_logits, teacher_logits, start == 0
+
+
+def _in_compute_dtype(student, teacher):
+    """Each head's weight and bias in its hidden's dtype (a cast copy only under autocast); a float64 teacher next
+    to a kernel-dtype student is read as float32 (the kernels take no float64)."""
+    student = (student[0], *in_compute_dtype(*student))
+    h_t, w_t, b_t = teacher
+    if h_t.dtype not in contract.KERNEL_DTYPES:
+        h_t = h_t.to(torch.float32)
+    return student, (h_t, *in_compute_dtype(h_t, w_t, b_t))
+
+
+def chunked_forward(student, teacher, labels, options, workspace_bytes, upstream=None, needs=NO_GRADS):
+    """Per-row (loss, lse_s, lse_t, kl) (N,) float32 and, with any of `needs` (student hidden, weight, bias), the
+    gradients of sum_rows upstream * loss_row (upstream: a 0-d float32 device tensor), chunk by chunk."""
+    h_s, w_s, b_s = student
+    with kernel_context(h_s):
+        student_c, teacher_c = _in_compute_dtype(student, teacher)
+        out = jsd_kernels.new_stats(h_s.shape[0], h_s.device)
+        grads = new_grads(h_s, w_s, b_s, needs, Chunking(workspace_bytes))
+        for rows, hidden_chunk, labels_chunk, s_logits, t_logits, first in _row_chunks(
+            student_c, teacher_c, labels, workspace_bytes
+        ):
+            chunk_out = tuple(buffer[rows] for buffer in out)  # the kernel writes into the full buffers
+            jsd_kernels.jsd_forward(s_logits, t_logits, labels_chunk, options, chunk_out)
+            if any(needs):  # d loss / d logits in place of the student logits, then the products
+                jsd_kernels.jsd_backward(upstream, s_logits, t_logits, labels_chunk, chunk_out[1:], s_logits, options)
+                accumulate_grads(s_logits, hidden_chunk, student_c[1], rows, grads, first)
+        return out, finish_grads(grads, w_s, b_s)
+
+
+def chunked_backward(upstream, student, teacher, labels, stats, options, workspace_bytes, needs):
+    """The gradients of sum_rows upstream_row * loss_row (upstream (N,) float32, any stride) from the forward's
+    per-row stats = (lse_s, lse_t, kl), recomputing both chunks' logits."""
+    h_s, w_s, b_s = student
+    with kernel_context(h_s):
+        grads = new_grads(h_s, w_s, b_s, needs, Chunking(workspace_bytes))
+        if not any(needs):
+            return grads
+        student_c, teacher_c = _in_compute_dtype(student, teacher)
+        for rows, hidden_chunk, labels_chunk, s_logits, t_logits, first in _row_chunks(
+            student_c, teacher_c, labels, workspace_bytes
+        ):
+            chunk_stats = tuple(s[rows] for s in stats)
+            jsd_kernels.jsd_backward(upstream[rows], s_logits, t_logits, labels_chunk, chunk_stats, s_logits, options)
+            accumulate_grads(s_logits, hidden_chunk, student_c[1], rows, grads, first)
+        return finish_grads(grads, w_s, b_s)
+
+
+# --- the eager autograd Functions ---------------------------------------------------------------------------------
+
+
+class _ReducedJsd(torch.autograd.Function):
+    """ "mean" / "sum": the gradients are computed in the forward; backward scales them in place by the upstream
+    scalar (nothing else holds them) and hands them over once."""
+
+    @staticmethod
+    def forward(ctx, h_s, w_s, b_s, h_t, w_t, b_t, labels, options, divisor, workspace_bytes, needs):
+        upstream = divisor.reciprocal()
+        (loss, *_), ctx.grads = chunked_forward(
+            (h_s, w_s, b_s), (h_t, w_t, b_t), labels, options, workspace_bytes, upstream, needs
+        )
+        return reduced(loss, divisor)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError(BACKWARD_TWICE)
+        for grad in grads:
+            if grad is not None:
+                kernels.scale_unless_one(grad, grad_loss.to(torch.float32))
+        return (*grads, *[None] * 8)
+
+
+class _PerRowJsd(torch.autograd.Function):
+    """ "none": the forward keeps the per-row statistics; the backward recomputes each chunk's logits."""
+
+    @staticmethod
+    def forward(ctx, h_s, w_s, b_s, h_t, w_t, b_t, labels, options, workspace_bytes):
+        (loss, *stats), _ = chunked_forward((h_s, w_s, b_s), (h_t, w_t, b_t), labels, options, workspace_bytes)
+        ctx.options, ctx.workspace_bytes = options, workspace_bytes
+        ctx.save_for_backward(h_s, w_s, b_s, h_t, w_t, b_t, labels, *stats)
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_rows):
+        h_s, w_s, b_s, h_t, w_t, b_t, labels, *stats = ctx.saved_tensors
+        needs = (*ctx.needs_input_grad[:2], b_s is not None and ctx.needs_input_grad[2])
+        grads = chunked_backward(
+            grad_rows.to(torch.float32), (h_s, w_s, b_s), (h_t, w_t, b_t), labels, stats, ctx.options,
+            ctx.workspace_bytes, needs,
+        )  # fmt: skip
+        return (*grads, *[None] * 6)
+
+
+# --- custom ops for torch.compile -----------------------------------------------------------------------------------
+# A custom op cannot return None: gradients that are not needed come back as empty tensors.
+
+_HEADS = "Tensor h_s, Tensor w_s, Tensor? b_s, Tensor h_t, Tensor w_t, Tensor? b_t, Tensor? labels"
+_NEEDS = "bool need_hidden, bool need_weight, bool need_bias"
+_N_OPTIONS = len(JsdOptions._fields)
+
+
+def _or_empty(tensor, like):
+    return like.new_empty(0) if tensor is None else tensor
+
+
+def _fake_grads(h_s, w_s, b_s, needs):
+    need_hidden, need_weight, need_bias = needs
+    return (
+        h_s.new_empty(h_s.shape if need_hidden else (0,)),
+        w_s.new_empty(w_s.shape if need_weight else (0,)),
+        h_s.new_empty((w_s.shape[0],) if need_bias else (0,), dtype=b_s.dtype if need_bias else h_s.dtype),
+    )
+
+
+@torch.library.custom_op(
+    "fastce::linear_jsd_reduced",
+    mutates_args=(),
+    schema=f"({_HEADS}, Tensor divisor, {JSD_OPTIONS_SCHEMA}, int workspace_bytes, {_NEEDS}) -> "
+    "(Tensor, Tensor, Tensor, Tensor)",
+)
+def _reduced_op(h_s, w_s, b_s, h_t, w_t, b_t, labels, divisor, *settings):
+    options, workspace_bytes, needs = JsdOptions(*settings[:_N_OPTIONS]), settings[_N_OPTIONS], settings[-3:]
+    (loss, *_), grads = chunked_forward(
+        (h_s, w_s, b_s), (h_t, w_t, b_t), labels, options, workspace_bytes, divisor.reciprocal(), needs
+    )
+    return (reduced(loss, divisor), *(_or_empty(grad, h_s) for grad in grads))
+
+
+@_reduced_op.register_fake
+def _(h_s, w_s, b_s, h_t, w_t, b_t, labels, divisor, *settings):
+    return (h_s.new_empty((), dtype=torch.float32), *_fake_grads(h_s, w_s, b_s, settings[-3:]))
+
+
+def _reduced_setup_context(ctx, inputs, output):
+    ctx.needs = inputs[-3:]
+    ctx.save_for_backward(*output[1:])
+
+
+def _reduced_backward(ctx, grad_loss, *unused):
+    # Out of place under the compiler (it plans that memory); exact zeros stay zero, as the eager scaling keeps them.
+    grads = [
+        torch.where(g == 0, 0, g * grad_loss.to(g.dtype)) if need else None
+        for g, need in zip(ctx.saved_tensors, ctx.needs)
+    ]
+    return (*grads, *[None] * (5 + _N_OPTIONS + 4))
+
+
+torch.library.register_autograd("fastce::linear_jsd_reduced", _reduced_backward, setup_context=_reduced_setup_context)
+
+
+@torch.library.custom_op(
+    "fastce::linear_jsd_forward",
+    mutates_args=(),
+    schema=f"({_HEADS}, {JSD_OPTIONS_SCHEMA}, int workspace_bytes) -> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _per_row_forward_op(h_s, w_s, b_s, h_t, w_t, b_t, labels, *settings):
+    out, _ = chunked_forward((h_s, w_s, b_s), (h_t, w_t, b_t), labels, JsdOptions(*settings[:-1]), settings[-1])
+    return tuple(t.clone() for t in out)  # each output owns its storage
+
+
+@_per_row_forward_op.register_fake
+def _(h_s, w_s, b_s, h_t, w_t, b_t, labels, *settings):
+    return tuple(h_s.new_empty(h_s.shape[0], dtype=torch.float32) for _ in range(4))
+
+
+@torch.library.custom_op(
+    "fastce::linear_jsd_backward",
+    mutates_args=(),
+    schema=f"(Tensor upstream, {_HEADS}, Tensor lse_s, Tensor lse_t, Tensor kl, {JSD_OPTIONS_SCHEMA}, "
+    f"int workspace_bytes, {_NEEDS}) -> (Tensor, Tensor, Tensor)",
+)
+def _per_row_backward_op(upstream, h_s, w_s, b_s, h_t, w_t, b_t, labels, lse_s, lse_t, kl, *settings):
+    options, workspace_bytes, needs = JsdOptions(*settings[:_N_OPTIONS]), settings[_N_OPTIONS], settings[-3:]
+    grads = chunked_backward(
+        upstream.to(torch.float32), (h_s, w_s, b_s), (h_t, w_t, b_t), labels, (lse_s, lse_t, kl), options,
+        workspace_bytes, needs,
+    )  # fmt: skip
+    return tuple(_or_empty(grad, h_s) for grad in grads)
+
+
+@_per_row_backward_op.register_fake
+def _(upstream, h_s, w_s, b_s, h_t, w_t, b_t, labels, lse_s, lse_t, kl, *settings):
+    return _fake_grads(h_s, w_s, b_s, settings[-3:])
+
+
+def _per_row_setup_context(ctx, inputs, output):
+    ctx.settings = inputs[7:]
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(*inputs[:7], *output[1:])
+
+
+def _per_row_backward(ctx, grad_rows, *unused):
+    h_s, w_s, b_s, h_t, w_t, b_t, labels, *stats = ctx.saved_tensors
+    needs = (*ctx.needs_input_grad[:2], b_s is not None and ctx.needs_input_grad[2])
+    grads = _per_row_backward_op(grad_rows, h_s, w_s, b_s, h_t, w_t, b_t, labels, *stats, *ctx.settings, *needs)
+    return (*[grad if need else None for grad, need in zip(grads, needs)], *[None] * (4 + len(ctx.settings)))
+
+
+torch.library.register_autograd("fastce::linear_jsd_forward", _per_row_backward, setup_context=_per_row_setup_context)
+
+
+# --- the function -------------------------------------------------------------------------------------------------
+
+
+def _needs(h_s, w_s, b_s):
+    enabled = torch.is_grad_enabled()
+    return (
+        enabled and h_s.requires_grad,
+        enabled and w_s.requires_grad,
+        enabled and b_s is not None and b_s.requires_grad,
+    )
+
+
+def linear_jsd(
+    student_hidden,
+    student_weight,
+    teacher_hidden,
+    teacher_weight,
+    labels=None,
+    *,
+    student_bias=None,
+    teacher_bias=None,
+    beta=0.5,
+    temperature=1.0,
+    ignore_index=-100,
+    reduction="mean",
+    student_softcapping=0.0,
+    teacher_softcapping=0.0,
+    workspace_bytes=None,
+    backend="auto",
+):
+    """fastce_torch.jsd(student_hidden @ student_weight.T + student_bias, teacher_hidden @ teacher_weight.T +
+    teacher_bias, labels, ...) without either model's (N, V) logits (see the module docstring for the chunks).
+
+    student_hidden (..., H_s), student_weight (V_s, H_s), teacher_hidden (..., H_t) with the same leading shape,
+    teacher_weight (V_t, H_t) with V_t >= V_s (only its first V_s rows are used: a padded teacher head), biases (V,)
+    or None; labels (leading shape, int) or None. Each head computes in its promoted dtype (under torch.autocast in
+    the autocast dtype, as F.linear); a float64 student is computed in float64 by plain torch. The other keywords are
+    jsd's; workspace_bytes bounds the two chunks of logits together (None: 256 MiB). Only the student's hidden,
+    weight and bias get gradients; the teacher's are constants.
+    """
+    check_pair(student_hidden, teacher_hidden, "student_hidden", "teacher_hidden")
+    _check_head(student_hidden, student_weight, student_bias, "student")
+    _check_head(teacher_hidden, teacher_weight, teacher_bias, "teacher")
+    check_labels(labels, student_hidden, "student_hidden")
+    vocab = student_weight.shape[0]
+    check_vocabularies(vocab, teacher_weight.shape[0], "teacher_weight")
+    options = contract.check_jsd_options(
+        beta, temperature, ignore_index, reduction, student_softcapping, teacher_softcapping, backend
+    )
+    workspace_bytes = _check_chunking(workspace_bytes, None, False).workspace_bytes
+    leading = student_hidden.shape[:-1]
+    h_s, w_s, b_s = autocast_or_common_dtype(student_hidden, student_weight, student_bias)
+    # The teacher: constants, its weight's (and bias's) first V_s rows as views.
+    teacher = (teacher_hidden, teacher_weight[:vocab], None if teacher_bias is None else teacher_bias[:vocab])
+    h_t, w_t, b_t = (None if t is None else t.detach() for t in autocast_or_common_dtype(*teacher))
+    divisor = row_divisor(labels, leading.numel(), reduction, ignore_index, h_s.device)
+    if not contract.use_kernel(h_s, backend):
+        student_logits = torch.nn.functional.linear(h_s, w_s, b_s)
+        teacher_logits = torch.nn.functional.linear(h_t, w_t.to(h_t.dtype), None if b_t is None else b_t.to(h_t.dtype))
+        return reduced(reference_row_losses(student_logits, teacher_logits, labels, options), divisor)
+    h_s, h_t = h_s.reshape(-1, h_s.shape[-1]), h_t.reshape(-1, h_t.shape[-1])
+    flat_labels = None if labels is None else labels.reshape(-1).contiguous()
+    heads = (h_s, w_s, b_s, h_t, w_t, b_t, flat_labels)
+    if reduction == "none":
+        if torch.compiler.is_compiling():
+            loss = _per_row_forward_op(*heads, *options, workspace_bytes)[0]
+        elif any(_needs(h_s, w_s, b_s)):
+            loss = _PerRowJsd.apply(*heads, options, workspace_bytes)
+        else:  # nothing to differentiate: nothing kept
+            loss = chunked_forward((h_s, w_s, b_s), (h_t, w_t, b_t), flat_labels, options, workspace_bytes)[0][0]
+        return loss.view(leading)
+    needs = _needs(h_s, w_s, b_s)
+    if torch.compiler.is_compiling():
+        return _reduced_op(*heads, divisor, *options, workspace_bytes, *needs)[0]
+    if any(needs):
+        return _ReducedJsd.apply(*heads, options, divisor, workspace_bytes, needs)
+    loss = chunked_forward((h_s, w_s, b_s), (h_t, w_t, b_t), flat_labels, options, workspace_bytes)[0][0]
+    return reduced(loss, divisor)
