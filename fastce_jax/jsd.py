@@ -80,20 +80,22 @@ def reference_backward(student, teacher, labels, beta_terms, g, opts: JsdOptions
     return vjp(g.astype(contract.compute_dtype(student.dtype)))[0]
 
 
+def counted_rows(labels, n_rows: int, ignore_index: int, dtype=jnp.float32):
+    """The "mean" divisor: the number of rows whose label is not ignore_index (labels None: n_rows), at least 1
+    (all ignored gives a mean of 0). Traced: no host synchronisation."""
+    ign = None if labels is None else contract.ignore_value(labels.dtype, ignore_index)
+    count = n_rows if ign is None else jnp.sum(labels != ign)
+    return jnp.maximum(count, 1).astype(dtype)
+
+
 def reduce_rows(losses, labels, reduction: str, ignore_index: int):
-    """The per-row losses reduced: "none" as they are, "sum", "mean" over the counted rows (labels None: all of
-    them; at least 1, so all ignored gives 0). Traced: no host synchronisation."""
+    """The per-row losses reduced: "none" as they are, "sum", or "mean" over the counted rows (counted_rows)."""
     if reduction == "none":
         return losses
     total = jnp.sum(losses)
     if reduction == "sum":
         return total
-    if labels is None:
-        count = max(losses.size, 1)
-    else:
-        ign = contract.ignore_value(labels.dtype, ignore_index)
-        count = labels.size if ign is None else jnp.sum(labels != ign)
-    return total / jnp.maximum(count, 1).astype(total.dtype)
+    return total / counted_rows(labels, losses.size, ignore_index, total.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
