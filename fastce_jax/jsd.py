@@ -80,6 +80,21 @@ def reference_backward(student, teacher, labels, beta_terms, g, opts: JsdOptions
     return vjp(g.astype(contract.compute_dtype(student.dtype)))[0]
 
 
+def reference_terms(beta: float, opts: JsdOptions, dtype):
+    """A mixture's beta terms as a (4,) array of the computation's dtype (float64 for float64 logits), else None."""
+    if opts.kind != MIXTURE:
+        return None
+    return jnp.asarray(jsd_kernels.beta_terms(beta), contract.compute_dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("opts", "reduction"))
+def reference_loss(student, teacher, labels, terms, opts: JsdOptions, reduction: str):
+    """backend="reference": reference_rows reduced, jitted once per static configuration (beta is an operand)."""
+    terms = None if terms is None else tuple(terms[i] for i in range(4))
+    losses = reference_rows(student, teacher, labels, terms, opts)[0]
+    return reduce_rows(losses, labels, reduction, opts.ignore_index)
+
+
 def counted_rows(labels, n_rows: int, ignore_index: int, dtype=jnp.float32):
     """The "mean" divisor: the number of rows whose label is not ignore_index (labels None: n_rows), at least 1
     (all ignored gives a mean of 0). Traced: no host synchronisation."""
@@ -340,9 +355,7 @@ def jsd(
     if jnp.float64 in (student.dtype, teacher.dtype) or math.prod(student.shape[:-1]) == 0:
         route = "reference"  # the kernels compute in float32; an empty grid has no kernel
     if route == "reference":
-        terms = jsd_kernels.beta_terms(beta) if opts.kind == MIXTURE else None
-        losses = reference_rows(student, teacher, labels, terms, opts)[0]
-        return reduce_rows(losses, labels, reduction, opts.ignore_index)
+        return reference_loss(student, teacher, labels, reference_terms(beta, opts, student.dtype), opts, reduction)
     vocab = student.shape[-1]
     st = _Launch(opts, route == INTERPRETED, labels is not None, jsd_kernels.jsd_config(vocab))
     beta_operand = jsd_kernels.beta_operand(beta) if opts.kind == MIXTURE else None

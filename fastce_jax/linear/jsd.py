@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from .. import contract
 from ..contract import MIXTURE, JsdOptions
-from ..jsd import check_jsd_labels, counted_rows, reduce_rows, reference_rows
+from ..jsd import check_jsd_labels, counted_rows, reduce_rows, reference_loss, reference_terms
 from ..kernels import jsd as jsd_kernels
 from . import chunks
 from .api import _check_chunking
@@ -190,6 +190,15 @@ def _kernel_loss(h_s, w_s, b_s, h_t, w_t, b_t, labels, beta, *, st: LinearJsdCon
     return loss_fn(h_s, w_s, b_s, h_t, w_t, b_t, labels, beta, st)
 
 
+@functools.partial(jax.jit, static_argnames=("opts", "reduction", "dtypes"))
+def _reference_loss(h_s, w_s, b_s, h_t, w_t, b_t, labels, terms, *, opts: JsdOptions, reduction: str, dtypes):
+    """backend="reference": both models' logits materialised (plain matmuls in their dtypes), then jsd's
+    reference; jitted once per static configuration."""
+    z_s = chunks.chunk_logits(h_s, w_s, b_s, dtypes[0])
+    z_t = chunks.chunk_logits(h_t, w_t, b_t, dtypes[1])
+    return reference_loss(z_s, z_t, labels, terms, opts, reduction)
+
+
 # --- public API -----------------------------------------------------------------------------------------------------
 
 
@@ -272,11 +281,17 @@ def linear_jsd(
     h_s, h_t = student[0].reshape(-1, student[0].shape[-1]), teacher[0].reshape(-1, teacher[0].shape[-1])
     n_rows = h_s.shape[0]
     if backend == "reference" or n_rows == 0 or jnp.float64 in (dtype, teacher_dtype):
-        z_s = chunks.chunk_logits(h_s, student[1], student[2], dtype)
-        z_t = chunks.chunk_logits(h_t, teacher[1], teacher[2], teacher_dtype)
-        terms = jsd_kernels.beta_terms(beta) if opts.kind == MIXTURE else None
-        losses = reference_rows(z_s, z_t, labels, terms, opts)[0]
-        loss = reduce_rows(losses, labels, reduction, opts.ignore_index)
+        loss = _reference_loss(
+            h_s,
+            *student[1:],
+            h_t,
+            *teacher[1:],
+            labels,
+            reference_terms(beta, opts, dtype),
+            opts=opts,
+            reduction=reduction,
+            dtypes=(dtype.name, teacher_dtype.name),
+        )
         return loss.reshape(lead) if reduction == "none" else loss
     logits_bytes = vocab * dtype.itemsize + vocab_t * teacher_dtype.itemsize
     st = LinearJsdConfig(
