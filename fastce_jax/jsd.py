@@ -6,8 +6,9 @@ float64 inputs, and the non-GPU branch of a platform-dependent trace), the custo
 (kernels/jsd.py) and the public ``jsd``. The teacher is a constant: it enters under ``jax.lax.stop_gradient``, so
 differentiating with respect to it gives zeros, whether or not the kernels run.
 
-Sharded logits: the kernels run on whole arrays (no custom_partitioning rule): under jit, logits whose rows are
-sharded give the right value, XLA gathering them around each kernel launch.
+Sharded logits (several devices, under jit): each kernel launch is a custom_partitioning op (ops.py's approach)
+that runs on each device's block of rows, whatever mesh axes shard the leading dimensions, with no communication
+(a "mean" then sums N floats); a sharded vocabulary is gathered (replicated) around the launches.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from . import contract
+from . import contract, ops
 from .contract import FORWARD_KL, MIXTURE, REVERSE_KL, JsdOptions
 from .cross_entropy import COMPILED, INTERPRETED, _route
 from .kernels import jsd as jsd_kernels
@@ -125,6 +129,7 @@ class _Launch(NamedTuple):
     interpret: bool
     has_labels: bool
     config: jsd_kernels.JsdConfig
+    partitioned: bool  # several devices: the launches go through custom_partitioning (rows sharded)
 
 
 def _split(args, st: _Launch, n_rows: int):
@@ -161,34 +166,69 @@ def _local_backward(st: _Launch, *args):
     return d.reshape(student.shape)
 
 
-@functools.cache
-def _forward_op(st: _Launch):
-    n_rows = 2 + st.has_labels
+def _row_shardings(arg, n_logits: int, n_rows: int, n_shared: int):
+    """(mesh, operand shardings, per-row sharding) for logits ``arg`` as XLA sharded them: the rows keep their
+    sharding (ops._plan: mesh axes that divide them), the vocabulary is replicated (a sharded one is gathered),
+    the per-row operands follow the rows, the beta operand is replicated."""
+    mesh, rows, _ = ops._plan(arg)
+    logits, per_row = NamedSharding(mesh, P(*rows, None)), NamedSharding(mesh, P(*rows))
+    return mesh, (logits,) * n_logits + (per_row,) * n_rows + (NamedSharding(mesh, P()),) * n_shared, per_row
+
+
+def _partitioned(local, st: _Launch, n_rows: int, n_out: int):
+    """local(st, *args) as a custom_partitioning op: under jit, each device runs the kernels on its block of rows
+    (no communication: the rows are independent); several devices only."""
+    n_shared = int(st.opts.kind == MIXTURE)
+    n_logits = 2
+
+    def layout(arg_shapes):
+        return _row_shardings(arg_shapes[0], n_logits, len(arg_shapes) - n_logits - n_shared, n_shared)
+
+    def partition(mesh, arg_shapes, result_shape):
+        mesh, operands, per_row = layout(arg_shapes)
+        # The backward's one result, the student's gradient, is sharded like the student.
+        results = operands[0] if n_out == 1 else (per_row,) * n_out
+        return mesh, functools.partial(local, st), results, operands
+
+    def infer(mesh, arg_shapes, result_shape):
+        _, operands, per_row = layout(arg_shapes)
+        return operands[0] if n_out == 1 else (per_row,) * n_out
+
+    @custom_partitioning
+    def op(*args):
+        return local(st, *args)
+
+    ins = "... v, ... w" + ", ..." * (n_rows - n_logits) + ", b" * n_shared
+    outs = "... v" if n_out == 1 else ", ".join(["..."] * n_out)
+    op.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=f"{ins} -> {outs}")
+    return op
+
+
+def _launch_op(local, st: _Launch, n_rows: int, n_out: int):
+    """local(st, *args) as one op: partitioned by rows when there are several devices, batchable under vmap (a
+    vmapped launch is the same launch with the batch as one more leading axis of its n_rows per-row operands;
+    the kernels work row by row), jitted (an eager call is partitioned too)."""
+    inner = _partitioned(local, st, n_rows, n_out) if st.partitioned else functools.partial(local, st)
 
     @jax.custom_batching.custom_vmap
     def op(*args):
-        return _local_forward(st, *args)
+        return inner(*args)
 
     @op.def_vmap
     def _(axis_size, in_batched, *args):
-        return op(*_leading_batch(axis_size, in_batched, args, n_rows)), (True,) * 4
+        return op(*_leading_batch(axis_size, in_batched, args, n_rows)), (True,) * n_out if n_out > 1 else True
 
-    return op
+    return jax.jit(op)
+
+
+@functools.cache
+def _forward_op(st: _Launch):
+    return _launch_op(_local_forward, st, 2 + st.has_labels, 4)
 
 
 @functools.cache
 def _backward_op(st: _Launch):
-    n_rows = 6 + st.has_labels
-
-    @jax.custom_batching.custom_vmap
-    def op(*args):
-        return _local_backward(st, *args)
-
-    @op.def_vmap
-    def _(axis_size, in_batched, *args):
-        return op(*_leading_batch(axis_size, in_batched, args, n_rows)), True
-
-    return op
+    return _launch_op(_local_backward, st, 6 + st.has_labels, 1)
 
 
 def _leading_batch(axis_size, in_batched, args, n_rows: int):
@@ -357,7 +397,7 @@ def jsd(
     if route == "reference":
         return reference_loss(student, teacher, labels, reference_terms(beta, opts, student.dtype), opts, reduction)
     vocab = student.shape[-1]
-    st = _Launch(opts, route == INTERPRETED, labels is not None, jsd_kernels.jsd_config(vocab))
+    st = _Launch(opts, route == INTERPRETED, labels is not None, jsd_kernels.jsd_config(vocab), jax.device_count() > 1)
     beta_operand = jsd_kernels.beta_operand(beta) if opts.kind == MIXTURE else None
     with jsd_kernels.quiet_triton(interpret=route == INTERPRETED):
         return _kernel_loss(student, teacher, labels, beta_operand, st=st, mode=route, reduction=reduction)

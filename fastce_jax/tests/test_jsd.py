@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import fastce_jax
 from fastce_jax import jsd, linear_jsd
@@ -20,6 +22,7 @@ from fastce_jax.kernels import jsd as jsd_kernels
 from shared_tests import tolerances
 
 from .checks import as_float64
+from .test_sharding import collectives
 
 EPS = tolerances.EPS32
 TRANSFORMED = dict(temperature=0.7, student_softcapping=5.0, teacher_softcapping=8.0)
@@ -219,6 +222,26 @@ def test_jsd_under_jit_grad_vmap_teacher_gets_zero(sizes):
     assert not np.any(np.asarray(d_teachers)) and d_teachers.shape == teachers.shape
     for b in range(2):
         Expected(students[b], teachers[b], labels, 0.3, **TRANSFORMED).check(values[b], d_students[b], "sum")
+
+
+def test_jsd_rows_sharded(use_gpu):
+    """Several devices (test_sharding.py's 4-device child on the CPU): logits and labels sharded by rows under jit
+    run the kernels on each device's rows (custom_partitioning): the float64 values, the student's gradient
+    sharded like the student, and no collective but the mean's scalar all-reduces."""
+    devices = jax.devices("gpu" if use_gpu else "cpu")
+    if len(devices) < 2:
+        pytest.skip("needs several devices (run through test_sharding.py::test_sharded_suite_on_4_cpu_devices)")
+    mesh = Mesh(np.array(devices), ("d",))
+    student, teacher, labels = logits_inputs((4 * len(devices), 200, 210), 0.5, seed=7)
+    rows, per_row = NamedSharding(mesh, P("d", None)), NamedSharding(mesh, P("d"))
+    args = jax.device_put(student, rows), jax.device_put(teacher, rows), jax.device_put(labels, per_row)
+    for beta in (0.0, 0.5):
+        f = jax.jit(jax.value_and_grad(lambda a, b, c: jsd(a, b, c, beta=beta, backend="kernel", **TRANSFORMED)))
+        loss, grad = f(*args)
+        Expected(student, teacher, labels, beta, **TRANSFORMED).check(loss, grad, "mean")
+        assert grad.sharding.is_equivalent_to(rows, grad.ndim)
+        found = collectives(f.lower(*args).compile().as_text())
+        assert found and all(op == "all-reduce" and size <= 2 for op, size in found), found
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
