@@ -234,7 +234,9 @@ def test_public_surface_is_the_same_in_both_packages():
     assert fastce_torch.LogProbOutput._fields == fastce_jax.LogProbOutput._fields == ("logprobs", "entropy")
 
 
-@pytest.mark.parametrize("function", ["cross_entropy", "linear_cross_entropy", "log_probs", "linear_log_probs"])
+@pytest.mark.parametrize(
+    "function", ["cross_entropy", "linear_cross_entropy", "log_probs", "linear_log_probs", "jsd", "linear_jsd"]
+)
 def test_the_same_keywords_in_both_packages(function):
     """Code moves between the frameworks by changing the import: the same keywords with the same defaults, but
     torch's process_group / vocab_start (JAX shards through jit instead)."""
