@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import fastce_jax
 from fastce_jax import contract, cross_entropy, kernels
 
 ALL = dict(label_smoothing=0.1, z_loss=1e-4, logit_softcapping=30.0, logit_scaling=0.5)
@@ -249,3 +250,50 @@ def test_temperature_and_token_weights_keep_the_default_kernels(compiled):
     f = jax.value_and_grad(lambda a, b, c: cross_entropy(a, b, backend="kernel", token_weights=c, **ALL))
     weighted = triton_modules(jax.jit(f).trace(x, y, w).lower(lowering_platforms=("cuda",)))
     assert weighted == default
+
+
+def lower_jsd(n, v, v_teacher, beta, labels=True, **opts):
+    """The lowering of value_and_grad of jsd (bf16 logits, a wider teacher head) for cuda."""
+    shapes = [((n, v), jnp.bfloat16), ((n, v_teacher), jnp.bfloat16)] + [((n,), jnp.int32)] * labels
+    f = jax.value_and_grad(lambda a, b, *c: fastce_jax.jsd(a, b, *c, beta=beta, backend="kernel", **opts))
+    return jax.jit(f).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes)).lower(lowering_platforms=("cuda",))
+
+
+JSD_ALL = dict(temperature=0.7, student_softcapping=30.0, teacher_softcapping=20.0)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_jsd_kernels_lower_to_triton(compiled, beta):
+    """Forward KL, the mixture and reverse KL (with labels, temperature and both soft-cappings; the mixture without
+    labels) lower to the two jsd kernels, and the backward's output aliases the student logits."""
+    lowered = lower_jsd(8, 50257, 50304, beta, labels=beta != 0.5, **(JSD_ALL if beta != 0.5 else {}))
+    assert sorted(triton_modules(lowered)) == ["fastce_jsd_backward", "fastce_jsd_forward"]
+    calls = [line for line in lowered.as_text().splitlines() if TRITON in line]
+    assert ["output_operand_aliases" in line for line in calls] == [False, True]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_linear_jsd_lowers_to_triton(monkeypatch, reduction):
+    """linear_jsd's chunk loop: the forward kernel, and the backward kernel in the forward ("mean": gradients in
+    the forward pass) or in the recomputing backward ("none")."""
+    monkeypatch.setattr(contract, "on_gpu", lambda x: True)  # traced hidden states taken as GPU arrays
+    shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(64, 32), (1000, 32), (64, 48), (1024, 48)]]
+
+    def f(h, w, ht, wt):
+        loss = fastce_jax.linear_jsd(h, w, ht, wt, beta=0.5, reduction=reduction, backend="kernel", **JSD_ALL)
+        return jnp.sum(loss)
+
+    lowered = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).trace(*shapes).lower(lowering_platforms=("cuda",))
+    assert sorted(triton_modules(lowered)) == ["fastce_jsd_backward", "fastce_jsd_forward"]
+
+
+def test_jsd_64bit_row_offsets(compiled):
+    """N * V > 2**31 elements: the jsd kernels' logits accesses use int64 offsets (as test_64bit_row_offsets)."""
+    n, v = 8192, 262147
+    try:
+        modules = triton_modules(lower_jsd(n, v, v + 5, 0.5))
+    except (ImportError, AttributeError) as e:  # private jax API moved
+        pytest.skip(f"cannot parse Triton IR with this jax: {e}")
+    for name, text in modules.items():
+        ptrs = re.findall(r"tt\.addptr %\w+, %\w+ : (?:tensor<\d+x)?!tt\.ptr<bf16>>?, (\S+)", text)
+        assert ptrs and all("i64" in p for p in ptrs), (name, ptrs)
