@@ -45,9 +45,7 @@ def test_every_row_on_cpu(monkeypatch, tmp_path):
     shape = distill_step.DistillShape(16, 8, 12, 40, "float32")
     result = distill_step.run((shape,), backend="kernel")
 
-    assert [(f["impl"], f["stage"], f["shape"]) for f in result["failures"]] == [
-        ("liger_jsd", "unavailable", f"{shape} beta={beta} T={t}") for beta, t in ((0.3, 1.0), (1.0, 2.0))
-    ]
+    assert [(f["impl"], f["stage"]) for f in result["failures"]] == [("liger_jsd", "unavailable")] * 2
     rows = {(r["impl"], r.get("beta"), r.get("temperature")): r for r in result["rows"]}
     every = ("fastce_torch", "trl_eager", "trl_compile", "fastce_jax", "xla_jsd")
     any_temperature = ("fastce_torch", "trl_eager", "fastce_jax")
@@ -68,4 +66,4 @@ def test_every_row_on_cpu(monkeypatch, tmp_path):
     text = report.distill_markdown(report.read_json(found), found.name)
     assert "| fastce_torch | 0.3 | 1.0 | 16 | 8 | 12 | 40 |" in text
     assert "- 16x8x12x40, beta 1.0, T 2.0: fastce_torch / trl_eager 1.00x (target < 1x)" in text
-    assert text.count("- not measured: liger_jsd") == 2
+    assert text.count("- not measured: liger_jsd") == 1  # the same failure at each (beta, T), listed once
