@@ -61,17 +61,10 @@ def render(json_path, plot_path=None):
 
 
 def failed_fastce(result) -> list:
-    bad = [
-        f"{f['impl']}: {f['error']}"
-        for f in result.get("failures", [])
-        if f["impl"].startswith("fastce") and f["stage"] != "unavailable"
-    ]
-    bad += [
-        f"{r['impl']}[{r['backend']}] {r['N']}x{r['V']} {r['dtype']}: wrong result"
-        for r in result["rows"]
-        if r.get("ok") is False and r["impl"].startswith("fastce")
-    ]
-    return bad
+    bad = [f"{f['impl']}: {f['error']}" for f in result.get("failures", [])
+           if f["impl"].startswith("fastce") and f["stage"] != "unavailable"]  # fmt: skip
+    return bad + [f"{r['impl']}[{r['backend']}] {r['N']}x{r['V']} {r['dtype']}: wrong result" for r in result["rows"]
+                  if r.get("ok") is False and r["impl"].startswith("fastce")]  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -107,16 +100,11 @@ def main(argv=None) -> int:
         shapes = args.shapes or (QUICK_GPU_SHAPES if args.quick else STANDARD_SHAPES)
         runs = [dict(report.read_json(path), _source=str(path)) for path in args.merge or ()]
         result = merge_results(runs) if args.merge else run_gpu(shapes, args.impls, quick=args.quick)
-        print(
-            f"\n{result['device']}, copy bandwidth {result['copy_bandwidth_TBps']:.2f} TB/s, "
-            f"commit {result['commit']}\n"
-        )
+        print(f"\n{result['device']}, copy bandwidth {result['copy_bandwidth_TBps']:.2f} TB/s, "
+              f"commit {result['commit']}\n")  # fmt: skip
         print(report.text_table(report.sort_rows(result["rows"])))
-        json_path = args.json or (
-            None
-            if args.quick and args.results_md is None and not args.merge
-            else report.RESULTS_DIR / f"{result['date']}-{envinfo.device_slug(result['device'])}.json"
-        )
+        default_json = report.RESULTS_DIR / f"{result['date']}-{envinfo.device_slug(result['device'])}.json"
+        json_path = args.json or (None if args.quick and args.results_md is None and not args.merge else default_json)
     else:
         from . import cpu_demo
 

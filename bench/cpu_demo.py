@@ -14,10 +14,8 @@ from shared_tests import reference, tolerances
 from . import envinfo, fastce_loss, jax_setup
 from .progress import aligned, load, note_failure, say
 
-BANNER = (
-    "CPU-only machine: no GPU benchmark was run. This is the interpreted correctness-and-timing demo "
-    "(Triton interpreter / Pallas interpret mode); its times are not GPU performance."
-)
+BANNER = ("CPU-only machine: no GPU benchmark was run. This is the interpreted correctness-and-timing demo "
+          "(Triton interpreter / Pallas interpret mode); its times are not GPU performance.")  # fmt: skip
 # (impl, backend) pairs; backend None = the plain framework loss.
 TORCH_CASES = (("fastce_torch", "kernel"), ("fastce_torch", "reference"), ("torch_eager_fp32", None))
 JAX_CASES = (("fastce_jax", "kernel"), ("fastce_jax", "reference"), ("xla", None))
@@ -92,11 +90,9 @@ def _row(impl, backend, shape, loss, grad, ref, times, ulps):
     grad_used, grad_error = _tolerance_used(grad, ref.grad, grad_bound, "grad")
     ok = loss_error is None and grad_error is None
     fwd_ms, fwdbwd_ms = times
-    say(
-        f"{impl:16s} {backend or '':9s} {shape}: tolerance used: loss {loss_used:.2f}, grad {grad_used:.2f} "
+    say(f"{impl:16s} {backend or '':9s} {shape}: tolerance used: loss {loss_used:.2f}, grad {grad_used:.2f} "
         f"{'ok' if ok else 'MISMATCH ' + (loss_error or grad_error)}; fwd {fwd_ms:.1f} ms, fwd+bwd {fwdbwd_ms:.1f} ms "
-        "(interpreted/CPU)"
-    )
+        "(interpreted/CPU)")  # fmt: skip
     row = {"impl": impl, "N": shape.N, "V": shape.V, "dtype": shape.dtype, "fwd_ms": fwd_ms, "fwdbwd_ms": fwdbwd_ms}
     tolerance = {"loss_tol_used": loss_used, "grad_tol_used": grad_used, "ok": ok}
     return {**row, "peak_extra_bytes": 0, "backend": backend or "framework", **tolerance}

@@ -33,9 +33,6 @@ def xla_loss():
     return loss
 
 
-LOADERS = {
-    "fastce_jax": lambda: fastce_loss("fastce_jax"),
-    # inplace_backward=False: the backward's gradient never aliases the logits
-    "fastce_jax_noalias": lambda: fastce_loss("fastce_jax", inplace_backward=False),
-    "xla": xla_loss,
-}
+# fastce_jax_noalias: inplace_backward=False (the backward's gradient never aliases the logits).
+LOADERS = {"fastce_jax": lambda: fastce_loss("fastce_jax"), "xla": xla_loss,
+           "fastce_jax_noalias": lambda: fastce_loss("fastce_jax", inplace_backward=False)}  # fmt: skip

@@ -3,18 +3,9 @@ fastce_jax at each FASTCE_SETTINGS entry, xla_linear, matmul+fastce_jax and the 
 (jax_three_matmuls), host-timed as bench/jax_measure.py; memory is the step's XLA temp size (it holds no gradients,
 so it is also the extra beyond them). bench.linear adds the throughput columns."""
 
-from .linear_shapes import (
-    FASTCE_SETTINGS,
-    LINEAR_SHAPES,
-    accuracy_text,
-    float32_reference,
-    ignored_rows,
-    make_inputs,
-    rel_rms,
-    to_jax,
-)
+from . import linear_shapes
 
-FASTCE_IMPLS = {f"fastce_jax_linear{suffix}": settings for suffix, settings in FASTCE_SETTINGS.items()}
+FASTCE_IMPLS = {f"fastce_jax_linear{suffix}": settings for suffix, settings in linear_shapes.FASTCE_SETTINGS.items()}
 # The default rows; fastce_jax_linear_skip is timed by `--ignored` runs (bench.linear_shapes.IGNORED_JAX_IMPLS).
 LINEAR_IMPLS = (*(i for i in FASTCE_IMPLS if not i.endswith("_skip")), "xla_linear", "matmul+fastce_jax")
 
@@ -48,17 +39,16 @@ def measure(fn, inputs, batch_target_ms=50.0, reference=None) -> dict:
     temp = peak_extra_bytes(step)
     loss, (dh, dw) = step(*inputs)
     # ok: finite, and (bf16 logits either way) within the logits' rounding of the float32 loss
-    ok = bool(jax.numpy.isfinite(loss)) and all(
-        bool(jax.numpy.isfinite(g[:4].astype("float32")).all()) for g in (dh, dw)
-    )
+    finite = lambda x: bool(jax.numpy.isfinite(x.astype("float32")).all())
+    ok = finite(loss) and finite(dh[:4]) and finite(dw[:4])
     errors = {}
     if reference is not None:
         import torch
 
         ref_loss, ref_dh, ref_dw = map(torch.as_tensor, reference)
         ok = ok and abs(float(loss) - float(ref_loss)) <= 2e-3 * abs(float(ref_loss)) + 1e-3
-        errors = {"grad_hidden_rel_rms": rel_rms(torch.from_dlpack(dh), ref_dh)}
-        errors["grad_weight_rel_rms"] = rel_rms(torch.from_dlpack(dw), ref_dw)
+        errors = {"grad_hidden_rel_rms": linear_shapes.rel_rms(torch.from_dlpack(dh), ref_dh)}
+        errors["grad_weight_rel_rms"] = linear_shapes.rel_rms(torch.from_dlpack(dw), ref_dw)
     del dh, dw
     fwd_ms = bench_ms(lambda: fwd(*inputs), batch_target_ms)
     fwdbwd_ms = bench_ms(lambda: step(*inputs)[1][1], batch_target_ms)
@@ -86,9 +76,8 @@ def measure_matmuls(shape, inputs, batch_target_ms=50.0) -> dict:
     return {"fwdbwd_ms": ms, "peak_extra_bytes": 0, "extra_beyond_grads_bytes": 0}
 
 
-def run(
-    shapes=LINEAR_SHAPES, impls=LINEAR_IMPLS, batch_target_ms=50.0, backend="auto", say=None, accuracy=True
-) -> dict:
+def run(shapes=linear_shapes.LINEAR_SHAPES, impls=LINEAR_IMPLS, batch_target_ms=50.0, backend="auto", say=None,
+        accuracy=True) -> dict:  # fmt: skip
     """Every implementation on every shape, failures recorded; with accuracy, gradient errors against float32."""
     import gc
 
@@ -100,10 +89,10 @@ def run(
     say = say or progress.say
     rows, failures = [], []
     for shape in shapes:
-        torch_inputs = make_inputs(shape, "cuda" if jax.default_backend() == "gpu" else "cpu")
-        inputs = to_jax(*torch_inputs)  # the torch rows' values
+        torch_inputs = linear_shapes.make_inputs(shape, "cuda" if jax.default_backend() == "gpu" else "cpu")
+        inputs = linear_shapes.to_jax(*torch_inputs)  # the torch rows' values
         base = {"N": shape.N, "H": shape.H, "V": shape.V, "dtype": shape.dtype}
-        base["ignored"] = float(ignored_rows(shape).mean())
+        base["ignored"] = float(linear_shapes.ignored_rows(shape).mean())
         try:
             rows.append({"impl": "jax_three_matmuls", **base, **measure_matmuls(shape, inputs, batch_target_ms)})
             say(f"jax_three_matmuls {shape}: {rows[-1]['fwdbwd_ms']:.2f} ms")
@@ -112,7 +101,7 @@ def run(
         reference = None
         if accuracy:
             try:
-                reference = float32_reference(*torch_inputs)
+                reference = linear_shapes.float32_reference(*torch_inputs)
             except Exception as exc:  # noqa: BLE001 - the timings do not depend on it
                 note_failure(failures, f"float32 reference {shape}", "float32_reference", None, "measure", exc, **base)
         for impl in impls:
@@ -122,8 +111,8 @@ def run(
                 note_failure(failures, f"{impl} {shape}", impl, None, "measure", exc, **base)
                 continue
             rows.append({"impl": impl, **base, **r})
-            memory = f"temp {r['peak_extra_bytes'] / 2**20:.0f} MiB, loss {r['loss']:.5f}{accuracy_text(r)}"
-            say(f"{impl} {shape}: {r['fwdbwd_ms']:.2f} ms, {memory}")
+            memory = f"temp {r['peak_extra_bytes'] / 2**20:.0f} MiB, loss {r['loss']:.5f}"
+            say(f"{impl} {shape}: {r['fwdbwd_ms']:.2f} ms, {memory}{linear_shapes.accuracy_text(r)}")
             gc.collect()
         del inputs, torch_inputs, reference
         gc.collect()

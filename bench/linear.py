@@ -5,6 +5,7 @@ and method in bench/METHOD.md and NOTES.md. `--quick`: one shape, fastce_torch o
 import gc
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -13,18 +14,6 @@ import torch.nn.functional as F
 import fastce_torch
 
 from . import linear_shapes, torch_measure  # (modules: the CPU tests stub the timers)
-from .linear_shapes import (
-    FASTCE_SETTINGS,
-    IGNORED_IMPLS,
-    IGNORED_JAX_IMPLS,
-    LINEAR_SHAPES,
-    QUICK_SHAPE,
-    LinearShape,
-    accuracy_text,
-    float32_reference,
-    ignored_rows,
-    rel_rms,
-)
 from .progress import Unavailable, failure, load, note_failure, optional, say
 from .report import linear_table
 from .shapes import IGNORE_INDEX
@@ -48,9 +37,7 @@ def matmul_fastce():
 
 
 def torch_compile_upcast():
-    def loss_fn(hidden, weight, labels):
-        return F.cross_entropy((hidden @ weight.t()).float(), labels, ignore_index=IGNORE_INDEX)
-
+    loss_fn = lambda h, w, labels: F.cross_entropy((h @ w.t()).float(), labels, ignore_index=IGNORE_INDEX)
     return torch.compile(loss_fn, dynamic=False)
 
 
@@ -65,12 +52,9 @@ def torch_linear_cross_entropy():
     if not hasattr(F, "linear_cross_entropy"):
         raise Unavailable(f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy")
     # Without the options class (an older signature) the function's own default path is what is measured.
-    chunked = (
-        {"options": torch.nn.LinearCrossEntropyOptions()} if hasattr(torch.nn, "LinearCrossEntropyOptions") else {}
-    )
-    return lambda hidden, weight, labels: F.linear_cross_entropy(
-        hidden, weight, labels, ignore_index=IGNORE_INDEX, **chunked
-    )
+    options = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+    chunked = {"options": options()} if options else {}
+    return lambda h, w, labels: F.linear_cross_entropy(h, w, labels, ignore_index=IGNORE_INDEX, **chunked)
 
 
 def cut_cross_entropy():
@@ -79,10 +63,7 @@ def cut_cross_entropy():
 
 
 LOADERS = {
-    **{
-        f"fastce_torch_linear{suffix}": (lambda settings=settings: fastce_linear(settings))
-        for suffix, settings in FASTCE_SETTINGS.items()
-    },
+    **{f"fastce_torch_linear{s}": partial(fastce_linear, kw) for s, kw in linear_shapes.FASTCE_SETTINGS.items()},
     "matmul+fastce_torch": matmul_fastce,
     "torch_compile": torch_compile_upcast,
     "liger_flce": liger,
@@ -124,35 +105,30 @@ def peak_matmul_tflops(dims=None):
 
 def gradient_errors(loss_fn, inputs, reference):
     """One forward + backward of loss_fn: its loss and gradients against float32_reference's."""
-    hidden, weight, labels = inputs
+    hidden, weight, *rest = inputs  # rest: the labels, and for the distillation tool the teacher's inputs
     ref_loss, ref_gh, ref_gw = reference
-    loss = loss_fn(hidden, weight, labels)
+    loss = loss_fn(hidden, weight, *rest)
     grad_hidden, grad_weight = torch.autograd.grad(loss, (hidden, weight))
-    errors = {
-        "loss_rel": abs(float(loss.detach()) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-30),
-        "grad_hidden_rel_rms": rel_rms(grad_hidden, ref_gh),
-        "grad_weight_rel_rms": rel_rms(grad_weight, ref_gw),
-    }
+    errors = {"loss_rel": abs(float(loss.detach()) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-30),
+              "grad_hidden_rel_rms": linear_shapes.rel_rms(grad_hidden, ref_gh),
+              "grad_weight_rel_rms": linear_shapes.rel_rms(grad_weight, ref_gw)}  # fmt: skip
     del loss, grad_hidden, grad_weight
     return errors
 
 
 def measure(loss_fn, shape, quick=False, inputs=None, reference=None):
-    hidden, weight, labels = inputs or make_inputs(shape)
-
-    def fwdbwd():
-        return torch.autograd.grad(loss_fn(hidden, weight, labels), (hidden, weight))
-
+    hidden, weight, *rest = inputs or make_inputs(shape)  # gradients of the first two inputs (as gradient_errors)
+    fwdbwd = lambda: torch.autograd.grad(loss_fn(hidden, weight, *rest), (hidden, weight))
     try:
         with torch.no_grad():
-            loss = float(loss_fn(hidden, weight, labels))
+            loss = float(loss_fn(hidden, weight, *rest))
         for _ in range(2):
             fwdbwd()  # compile, JIT, cuBLAS workspaces
         peak = torch_measure.peak_extra_bytes(fwdbwd)
         ms = torch_measure.bench_ms(fwdbwd, 50 if quick else 200, 300 if quick else 1500)
-        errors = {} if reference is None else gradient_errors(loss_fn, (hidden, weight, labels), reference)
+        errors = {} if reference is None else gradient_errors(loss_fn, (hidden, weight, *rest), reference)
     finally:
-        del hidden, weight, labels
+        del hidden, weight, rest
         gc.collect()
         torch.cuda.empty_cache()
     extra = peak - (shape.N + shape.V) * shape.H * 2  # beyond the two bf16 gradients
@@ -174,7 +150,7 @@ def table_row(impl, shape, measured, matmul_tflops, peak_tflops):
     which fraction of their labels was ignored)."""
     tflops = shape.flops / (measured["fwdbwd_ms"] * 1e-3) / 1e12
     row = {"impl": impl, "N": shape.N, "H": shape.H, "V": shape.V, "dtype": shape.dtype}
-    row |= {"ignored": float(ignored_rows(shape).mean()), **measured}
+    row |= {"ignored": float(linear_shapes.ignored_rows(shape).mean()), **measured}
     row.update(effective_TFLOPs=tflops, of_matmul=tflops / matmul_tflops, of_peak=tflops / peak_tflops)
     return row
 
@@ -193,19 +169,16 @@ def _add_jax_rows(shapes, matmul, peak, rows, failures, impls=None):
         say(f"JAX rows skipped: {failures[-1]['error']}")
         return
     for r in result["rows"]:
-        shape = LinearShape(r["N"], r["H"], r["V"], r["dtype"])  # dense: the matmul's key
+        shape = linear_shapes.LinearShape(r["N"], r["H"], r["V"], r["dtype"])  # dense: the matmul's key
         rows.append(table_row(r.pop("impl"), shape, r, matmul[str(shape)], peak))
     failures.extend(result["failures"])
 
 
 def _say_row(r):
-    say(
-        f"{r['impl']:28s} N={r['N']} H={r['H']} V={r['V']} ({r.get('ignored', 0):.0%} ignored): "
-        f"{r['fwdbwd_ms']:.2f} ms, {r['effective_TFLOPs']:.0f} "
-        f"TFLOP/s ({r['of_matmul']:.0%} of matmul, {r['of_peak']:.0%} of peak), peak extra "
-        f"{r['peak_extra_bytes'] / MiB:.0f} MiB ({r['extra_beyond_grads_bytes'] / MiB:.0f} beyond the gradients), "
-        f"loss {r['loss']:.5f}{accuracy_text(r)}"
-    )
+    say(f"{r['impl']:28s} N={r['N']} H={r['H']} V={r['V']} ({r.get('ignored', 0):.0%} ignored): {r['fwdbwd_ms']:.2f} "
+        f"ms, {r['effective_TFLOPs']:.0f} TFLOP/s ({r['of_matmul']:.0%} of matmul, {r['of_peak']:.0%} of peak), peak "
+        f"extra {r['peak_extra_bytes'] / MiB:.0f} MiB ({r['extra_beyond_grads_bytes'] / MiB:.0f} beyond the "
+        f"gradients), loss {r['loss']:.5f}{linear_shapes.accuracy_text(r)}")  # fmt: skip
 
 
 def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=True, ignored=None):
@@ -216,17 +189,14 @@ def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=Tru
 
     from . import envinfo
 
-    shapes = shapes or ((QUICK_SHAPE,) if quick else LINEAR_SHAPES)
+    shapes = shapes or ((linear_shapes.QUICK_SHAPE,) if quick else linear_shapes.LINEAR_SHAPES)
     with_jax = (not quick and DEVICE == "cuda") if with_jax is None else with_jax
     if ignored:
         shapes = tuple(dataclasses.replace(s, ignored=f) for s in shapes for f in ignored)
-        impls = impls or (list(IGNORED_IMPLS[:2]) if quick else list(IGNORED_IMPLS))
+        impls = impls or (list(linear_shapes.IGNORED_IMPLS[:2]) if quick else list(linear_shapes.IGNORED_IMPLS))
     # The _skip rows belong to --ignored runs (the standard table keeps its length and time budget).
-    impls = impls or (
-        ["fastce_torch_linear", "fastce_torch_linear_1GiB", "matmul+fastce_torch"]
-        if quick
-        else [i for i in LOADERS if not i.endswith("_skip")]
-    )
+    impls = impls or (["fastce_torch_linear", "fastce_torch_linear_1GiB", "matmul+fastce_torch"] if quick
+                      else [i for i in LOADERS if not i.endswith("_skip")])  # fmt: skip
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
     rows, failures = [], []
     peak = peak_matmul_tflops()
@@ -239,7 +209,7 @@ def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=Tru
     loaded = {impl: loss_fn for impl, loss_fn in loaded.items() if loss_fn is not None}
     for shape in shapes:
         inputs = make_inputs(shape)
-        reference = float32_reference(*inputs) if accuracy else None
+        reference = linear_shapes.float32_reference(*inputs) if accuracy else None
         for impl, loss_fn in loaded.items():
             try:
                 measured = measure(loss_fn, shape, quick=quick, inputs=inputs, reference=reference)
@@ -252,7 +222,7 @@ def run_linear(quick=False, impls=None, shapes=None, with_jax=None, accuracy=Tru
         gc.collect()
         torch.cuda.empty_cache()
     if with_jax:
-        _add_jax_rows(shapes, matmul, peak, rows, failures, IGNORED_JAX_IMPLS if ignored else None)
+        _add_jax_rows(shapes, matmul, peak, rows, failures, linear_shapes.IGNORED_JAX_IMPLS if ignored else None)
     result = {"mode": "linear", "device": device, "date": envinfo.today(), "commit": envinfo.git_commit(),
               "torch": torch.__version__, "peak_matmul": {"shape": list(PEAK_MATMUL), "TFLOPs": peak},
               "matmul_TFLOPs": matmul, "rows": rows}  # fmt: skip

@@ -121,33 +121,19 @@ def parse_ignored(text):
     return fractions
 
 
-LINEAR_SHAPES = (
-    LinearShape(4096, 4096, 128256),
-    LinearShape(8192, 4096, 128256),
-    LinearShape(8192, 3584, 152064),
-    LinearShape(8192, 2304, 256000),
-    LinearShape(32768, 4096, 128256),
-)
+LINEAR_SHAPES = (LinearShape(4096, 4096, 128256), LinearShape(8192, 4096, 128256), LinearShape(8192, 3584, 152064),
+                 LinearShape(8192, 2304, 256000), LinearShape(32768, 4096, 128256))  # fmt: skip
 QUICK_SHAPE = LinearShape(8192, 4096, 128256)
 
 # The configurations both packages' linear_cross_entropy are timed in, as row-name suffixes and the keyword
 # arguments of the call: the defaults, the float32 weight-gradient accumulator, a 1 GiB workspace, the matmuls over
 # the kept rows only.
-FASTCE_SETTINGS = {
-    "": {},
-    "_f32acc": {"accumulate_in_float32": True},
-    "_1GiB": {"workspace_bytes": 1 << 30},
-    "_skip": {"skip_ignored_rows": True},
-}
+FASTCE_SETTINGS = {"": {}, "_f32acc": {"accumulate_in_float32": True}, "_1GiB": {"workspace_bytes": 1 << 30},
+                   "_skip": {"skip_ignored_rows": True}}  # fmt: skip
 # `--ignored`: each shape at each given fraction of ignored labels, these rows only (both packages at their defaults
 # and skipping the ignored rows, and the other fused implementations).
-IGNORED_IMPLS = (
-    "fastce_torch_linear",
-    "fastce_torch_linear_skip",
-    "liger_flce",
-    "cut_cross_entropy",
-    "torch_linear_ce",
-)
+IGNORED_IMPLS = ("fastce_torch_linear", "fastce_torch_linear_skip", "liger_flce", "cut_cross_entropy",
+                 "torch_linear_ce")  # fmt: skip
 IGNORED_JAX_IMPLS = ("fastce_jax_linear", "fastce_jax_linear_skip")
 DEFAULT_IGNORED = (0.0, 0.5, 0.9)
 

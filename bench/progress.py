@@ -60,6 +60,20 @@ def note_failure(failures, what, impl, shape, stage, exc, /, **extra) -> None:
     say(f"{what}: FAILED {failures[-1]['error']}")
 
 
+def measure_rows(what, loaders, measure, failures) -> list:
+    """measure(impl, loaded) | {"impl": impl} for each impl whose loader loads; where measuring raises (an OOM, a
+    keyword the installed fastce lacks: a result too), a failure record with `what` (the shape, as text) instead."""
+    rows = []
+    for impl, loader in loaders.items():
+        try:
+            if (loaded := load(impl, loader, failures)) is not None:
+                rows.append(measure(impl, loaded) | {"impl": impl})
+                say(f"{impl} {what}: {rows[-1]['fwdbwd_ms']:.2f} ms, loss {rows[-1]['loss']:.6f}")
+        except Exception as exc:  # noqa: BLE001
+            note_failure(failures, f"{impl} {what}", impl, None, "measure", exc, shape=what)
+    return rows
+
+
 def aligned(rows, rule=True) -> str:
     """Rows of cells as aligned text: the first column left-aligned, the others right-aligned; rule: a line of dashes
     under the first row (the headings)."""

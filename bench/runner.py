@@ -196,15 +196,10 @@ def merge_results(results) -> dict:
             rows[_key(row)] = dict(row)
         failures += result.get("failures", [])
     bandwidth = first["copy_bandwidth_TBps"]
-    merged = {
-        **{k: first[k] for k in ("device", "date", "commit", "versions")},
-        "copy_bandwidth_TBps": bandwidth,
-        "rows": [add_ratios(row, bandwidth) for row in rows.values()],
-        "merged_from": [
-            {"source": r.get("_source", "?"), **{k: r[k] for k in ("commit", "date", "copy_bandwidth_TBps")}}
-            for r in results
-        ],
-    }
+    merged = {**{k: first[k] for k in ("device", "date", "commit", "versions")}, "copy_bandwidth_TBps": bandwidth,
+              "rows": [add_ratios(row, bandwidth) for row in rows.values()],
+              "merged_from": [{"source": r.get("_source", "?"), **{k: r[k] for k in ("commit", "date",
+                              "copy_bandwidth_TBps")}} for r in results]}  # fmt: skip
     for result in results[1:]:
         merged["versions"] = {**result["versions"], **merged["versions"]}
     if failures:

@@ -24,13 +24,8 @@ class Shape:
 
 
 # The standard set: a vocabulary sweep at N=8192 bf16, a short batch with a huge vocabulary, and float32.
-STANDARD_SHAPES = (
-    Shape(8192, 32000),
-    Shape(8192, 128256),
-    Shape(8192, 256000),
-    Shape(512, 256000),
-    Shape(8192, 128256, "float32"),
-)
+STANDARD_SHAPES = (Shape(8192, 32000), Shape(8192, 128256), Shape(8192, 256000), Shape(512, 256000),
+                   Shape(8192, 128256, "float32"))  # fmt: skip
 # --quick on a GPU: one shape whose logits (256 MiB) are still far larger than the 60 MB L2.
 QUICK_GPU_SHAPES = (Shape(4096, 32000),)
 # CPU demo (interpreted kernels): tiny, V not a power of two so the masked tail tiles run.

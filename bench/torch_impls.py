@@ -63,10 +63,5 @@ def liger_loss():
     return loss(ignore_index=IGNORE_INDEX, reduction="mean")
 
 
-LOADERS = {
-    "fastce_torch": lambda: fastce_loss("fastce_torch"),
-    "torch_eager_fp32": torch_eager_fp32_loss,
-    "torch_eager": torch_eager_loss,
-    "torch_compile": torch_compile_loss,
-    "liger": liger_loss,
-}
+LOADERS = {"fastce_torch": lambda: fastce_loss("fastce_torch"), "torch_eager_fp32": torch_eager_fp32_loss,
+           "torch_eager": torch_eager_loss, "torch_compile": torch_compile_loss, "liger": liger_loss}  # fmt: skip

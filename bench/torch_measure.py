@@ -98,12 +98,8 @@ def measure(loss_fn, shape, warmup_ms=100, rep_ms=500, device="cuda") -> dict:
         for _ in range(2):
             fwdbwd()
         peak = peak_extra_bytes(fwdbwd)
-        row = {
-            "fwd_ms": bench_ms(fwd, warmup_ms, rep_ms),
-            "fwdbwd_ms": bench_ms(fwdbwd, warmup_ms, rep_ms),
-            "peak_extra_bytes": peak,
-            "loss": loss,
-        }
+        row = {"fwd_ms": bench_ms(fwd, warmup_ms, rep_ms), "fwdbwd_ms": bench_ms(fwdbwd, warmup_ms, rep_ms),
+               "peak_extra_bytes": peak, "loss": loss}  # fmt: skip
     finally:
         del logits, labels, fwd, fwdbwd
         torch.cuda.empty_cache()

@@ -60,3 +60,10 @@ def test_no_import_cycle():
 
 def test_the_checker_sees_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_bench_stays_within_its_line_budget():
+    """Issue 35's budget: bench/'s Python outside bench/tests at most 4,000 lines, counted as `wc -l` counts."""
+    files = [path for path in BENCH.rglob("*.py") if "tests" not in path.relative_to(BENCH).parts]
+    lines = sum(path.read_text().count("\n") for path in files)
+    assert lines <= 4000, f"bench/ has {lines} lines of Python outside bench/tests (budget: 4,000)"

@@ -12,6 +12,7 @@ import json
 import time
 
 import torch
+import torch.nn.functional as F
 import triton
 
 import fastce_torch
@@ -176,10 +177,8 @@ def host_costs(device="cuda", n=300, repeat=5):
         "do-nothing Function, forward only": lambda: _DoNothing.apply(leaf),
         "do-nothing Function fwd+bwd": lambda: torch.autograd.grad(_DoNothing.apply(leaf), leaf, allow_unused=True),
         "fastce-shaped Function fwd+bwd": shaped_fwd_bwd(_ThreeOutputs),
-        "F.cross_entropy forward+backward": lambda: torch.autograd.grad(
-            torch.nn.functional.cross_entropy(logits, labels), logits
-        ),
-        "F.cross_entropy(leaf).backward()": lambda: leaf_step(torch.nn.functional.cross_entropy),
+        "F.cross_entropy forward+backward": lambda: torch.autograd.grad(F.cross_entropy(logits, labels), logits),
+        "F.cross_entropy(leaf).backward()": lambda: leaf_step(F.cross_entropy),
     }
     for name, fn in baselines.items():
         _row(rows, name, per_call_us(fn, n, repeat))
@@ -209,20 +208,14 @@ def summary(rows, fwd_bwd, leaf_bwd, cached_path):
     # What the engine's device thread costs this call beyond the bare hand-off: the threads-on minus threads-off
     # difference of the real call less that of the do-nothing Function (no CUDA work in its backward).
     thread_excess = fwd_bwd - rows["cross_entropy fwd+bwd, engine threads off"] - hand_off
-    figures = {
-        "total_us": fwd_bwd,
-        "leaf_backward_us": leaf_bwd,
-        "torch_cross_entropy_us": rows["F.cross_entropy forward+backward"],
-        "autograd_function_us": shaped,
-        "do_nothing_function_us": nothing,
-        "engine_round_trip_us": nothing - rows["do-nothing Function, forward only"],
-        "device_thread_hand_off_us": hand_off,
-        "launches_us": launches,
-        "allocations_us": allocations,
-        "device_thread_excess_us": thread_excess,
-        "fastce_python_us": fwd_bwd - shaped - launches - allocations - thread_excess,
-        "floor_us": shaped + launches + allocations,
-    }
+    figures = {"total_us": fwd_bwd, "leaf_backward_us": leaf_bwd,
+               "torch_cross_entropy_us": rows["F.cross_entropy forward+backward"], "autograd_function_us": shaped,
+               "do_nothing_function_us": nothing,
+               "engine_round_trip_us": nothing - rows["do-nothing Function, forward only"],
+               "device_thread_hand_off_us": hand_off, "launches_us": launches, "allocations_us": allocations,
+               "device_thread_excess_us": thread_excess,
+               "fastce_python_us": fwd_bwd - shaped - launches - allocations - thread_excess,
+               "floor_us": shaped + launches + allocations}  # fmt: skip
     print(f"what remains of cross_entropy forward+backward, {fwd_bwd:.1f} us (leaf .backward() {leaf_bwd:.1f}; "
           f"F.cross_entropy {figures['torch_cross_entropy_us']:.1f}), and why:")  # fmt: skip
     for key, label in HOST_TIME_PARTS:
@@ -238,12 +231,8 @@ def _linear_rows(rows, device, n, repeat, n_rows=64, hidden_size=64, vocab=1000)
     labels = torch.randint(0, vocab, (n_rows,), device=device)
     inputs = (hidden, weight)
 
-    def fused():
-        return torch.autograd.grad(fastce_torch.linear_cross_entropy(hidden, weight, labels), inputs)
-
-    def unfused():
-        logits = torch.nn.functional.linear(hidden, weight)
-        return torch.autograd.grad(torch.nn.functional.cross_entropy(logits, labels), inputs)
+    fused = lambda: torch.autograd.grad(fastce_torch.linear_cross_entropy(hidden, weight, labels), inputs)
+    unfused = lambda: torch.autograd.grad(F.cross_entropy(F.linear(hidden, weight), labels), inputs)
 
     name = f"linear_cross_entropy fwd+bwd ({n_rows}x{hidden_size}x{vocab})"
     _both_paths(rows, name, fused, n, repeat)
@@ -258,10 +247,8 @@ def main(argv=None):
     parser.add_argument("--json", help="also write the rows and the summary to this file")
     args = parser.parse_args(argv)
     device = "cpu" if args.device == "cpu" else torch.cuda.get_device_name()
-    print(
-        f"launch cache: {'on' if kernels.launch_cache_enabled() else 'off'} "
-        f"{cache_module.launch_cache_setting.refusal}; torch {torch.__version__}, triton {triton.__version__}, {device}"
-    )
+    cache = f"{'on' if kernels.launch_cache_enabled() else 'off'} {cache_module.launch_cache_setting.refusal}"
+    print(f"launch cache: {cache}; torch {torch.__version__}, triton {triton.__version__}, {device}")  # fmt: skip
     if device != "cpu" and not kernels.launch_cache_enabled():
         raise SystemExit("the launch cache is off in this process: nothing to compare")
     rows, breakdown = host_costs(args.device, args.calls, args.repeat)

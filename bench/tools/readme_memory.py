@@ -67,14 +67,10 @@ def run(shape, device, dtype, seed=0):
         torch.testing.assert_close(row["grad"], rows[0]["grad"], rtol=1e-2, atol=1e-5, msg=row["form"])
     for row in rows:
         del row["grad"]
-    return dict(
-        device=torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu",
-        torch=torch.__version__,
-        shape=dict(batch=batch, seq=seq, vocab=vocab),
-        dtype=str(dtype).removeprefix("torch."),
-        logits_bytes=batch * seq * vocab * torch.finfo(dtype).bits // 8,
-        rows=rows,
-    )
+    return dict(device=torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu",
+                torch=torch.__version__, shape=dict(batch=batch, seq=seq, vocab=vocab),
+                dtype=str(dtype).removeprefix("torch."), rows=rows,
+                logits_bytes=batch * seq * vocab * torch.finfo(dtype).bits // 8)  # fmt: skip
 
 
 def table(result):

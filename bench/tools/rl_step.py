@@ -17,9 +17,13 @@ import argparse
 import sys
 from functools import partial
 
+import torch
+
+import fastce_torch
+
 from .. import envinfo, jax_setup, linear, linear_shapes
 from ..linear_shapes import SEQUENCE, parse_linear_shapes, to_jax
-from ..progress import load, note_failure, optional, say
+from ..progress import measure_rows, optional
 from ..report import RL_COLUMNS, linear_table, rl_targets, write_json
 from ..shapes import IGNORE_INDEX
 
@@ -54,8 +58,6 @@ def trl_log_probs(hidden, weight, tokens):
 def policy_inputs(hidden, weight, tokens, seed=1):
     """(old log-probs, advantages, mask): the policy's own log-probs (TRL's recipe) plus noise of 0.1, so that both
     sides of the clip are taken; standard normal advantages per token; 1.0 where the token is kept."""
-    import torch
-
     mask = (tokens != IGNORE_INDEX).float()
     noise = torch.randn(2, len(mask), device=hidden.device, generator=torch.Generator(hidden.device).manual_seed(seed))
     with torch.no_grad():
@@ -65,9 +67,6 @@ def policy_inputs(hidden, weight, tokens, seed=1):
 def torch_implementations(backend):
     """name -> loader of (loss(hidden, weight, tokens, old, advantages, mask), None or the (hidden, weight, tokens)
     -> (log-probs, entropy or None) function whose log-probs the error column checks)."""
-    import torch
-
-    import fastce_torch
 
     def fastce(entropy=True, **settings):
         def log_probs(hidden, weight, tokens):
@@ -105,16 +104,12 @@ def torch_implementations(backend):
     return {f"fastce_torch{suffix}": (lambda f=f: (policy(f), f)) for suffix, f in variants.items()} | {
         "fastce_torch_ce_mean": lambda: (cross_entropy(), None),
         "fastce_torch_ce_token_weights": lambda: (cross_entropy(weighted=True), None),
-        "trl_eager": lambda: (policy(trl_log_probs), trl_log_probs),
-        "trl_compile": lambda: (torch.compile(policy(trl_log_probs), dynamic=False), None),
-        "liger_grpo": liger,
-    }
+        "trl_eager": lambda: (policy(trl_log_probs), trl_log_probs), "liger_grpo": liger,
+        "trl_compile": lambda: (torch.compile(policy(trl_log_probs), dynamic=False), None)}  # fmt: skip
 
 
 def float64_error(log_probs, hidden, weight, tokens):
     """max |log-prob - float64| over the first ERROR_ROWS rows, float64 computed from the same (rounded) inputs."""
-    import torch
-
     rows = slice(0, ERROR_ROWS)
     with torch.no_grad():
         got = log_probs(hidden[rows], weight, tokens[rows])[0].double()
@@ -124,37 +119,30 @@ def float64_error(log_probs, hidden, weight, tokens):
 
 def torch_rows(shape, inputs, impls, backend, failures):
     """The torch rows, each with its gradients' errors against the objective's in float32 where it computes it."""
-    import torch
-
     hidden, weight, tokens, old, advantages, mask = inputs
 
     def chunk_objective(logits, rows):  # a chunk's share of the objective, from float32 logits
         return objective(torch, *from_logits(logits, tokens[rows]), old[rows], advantages[rows], mask[rows], mask.sum())
 
     reference = linear_shapes.float32_reference(hidden, weight, tokens, chunk_loss=chunk_objective)
-    loaders, rows = torch_implementations(backend), []
-    for impl in [i for i in loaders if i in impls]:
-        loaded = load(impl, loaders[impl], failures)
-        try:
-            if loaded is not None:
-                loss_fn, log_probs = loaded
-                compared = None if impl in OTHER_OBJECTIVES else reference
-                measured = linear.measure(lambda h, w, y: loss_fn(h, w, y, old, advantages, mask), shape,
-                                          inputs=inputs[:3], reference=compared)  # fmt: skip
-                if log_probs is not None:
-                    measured["logprob_error"] = float64_error(log_probs, hidden, weight, tokens)
-                rows.append(measured | {"impl": impl})
-                say(f"{impl} {shape}: {measured['fwdbwd_ms']:.2f} ms, loss {measured['loss']:.6f}")
-        except Exception as exc:  # noqa: BLE001 - an OOM or a keyword the installed fastce lacks is a result too
-            note_failure(failures, f"{impl} {shape}", impl, None, "measure", exc, shape=str(shape))
-    return rows, reference
+
+    def measure(impl, loaded):
+        loss_fn, log_probs = loaded
+        compared = None if impl in OTHER_OBJECTIVES else reference
+        measured = linear.measure(lambda h, w, y: loss_fn(h, w, y, old, advantages, mask), shape,
+                                  inputs=inputs[:3], reference=compared)  # fmt: skip
+        if log_probs is not None:
+            measured["logprob_error"] = float64_error(log_probs, hidden, weight, tokens)
+        return measured
+
+    loaders = {impl: loader for impl, loader in torch_implementations(backend).items() if impl in impls}
+    return measure_rows(str(shape), loaders, measure, failures), reference
 
 
 def jax_rows(shape, inputs, reference, backend, failures):
     """fastce_jax.linear_log_probs and XLA's log_softmax + gather, the same objective on the same values (DLPack)."""
     import jax
     import jax.numpy as jnp
-    import torch
 
     import fastce_jax
 
@@ -169,24 +157,18 @@ def jax_rows(shape, inputs, reference, backend, failures):
         picked = jnp.take_along_axis(log_p, jnp.maximum(y, 0)[:, None], axis=-1)[:, 0]
         return jnp.where(keep, picked, 0.0), jnp.where(keep, -(jnp.exp(log_p) * log_p).sum(-1), 0.0)
 
-    rows = []
-    for impl, log_probs in (("fastce_jax", fastce), ("xla_log_softmax", xla)):
-        try:
-            loss_fn = lambda h, w, y, lp=log_probs: objective(jnp, *lp(h, w, y), old, advantages, mask)
-            row = jax_linear.measure(loss_fn, (hidden, weight, tokens), reference=reference) | {"impl": impl}
-            jitted = jax.jit(log_probs)
-            row["logprob_error"] = float64_error(lambda *t: [torch.from_dlpack(jitted(*to_jax(*t))[0])], *inputs[:3])
-            rows.append(row)
-            say(f"{impl} {shape}: {row['fwdbwd_ms']:.2f} ms, loss {row['loss']:.6f}")
-        except Exception as exc:  # noqa: BLE001
-            note_failure(failures, f"{impl} {shape}", impl, None, "measure", exc, shape=str(shape))
-    return rows
+    def measure(impl, log_probs):
+        loss_fn = lambda h, w, y: objective(jnp, *log_probs(h, w, y), old, advantages, mask)
+        row = jax_linear.measure(loss_fn, (hidden, weight, tokens), reference=reference)
+        jitted = jax.jit(log_probs)
+        row["logprob_error"] = float64_error(lambda *t: [torch.from_dlpack(jitted(*to_jax(*t))[0])], *inputs[:3])
+        return row
+
+    return measure_rows(str(shape), {"fastce_jax": lambda: fastce, "xla_log_softmax": lambda: xla}, measure, failures)
 
 
 def run(shapes, frameworks=("torch", "jax"), impls=None, backend="auto") -> dict:
     """Every row at every shape (impls: a subset of the torch rows), failures recorded."""
-    import torch
-
     rows, failures, peak = [], [], linear.peak_matmul_tflops()
     matmul = {str(shape): linear.matmul_tflops(shape) for shape in shapes}
     for shape in shapes:
@@ -208,24 +190,30 @@ def run(shapes, frameworks=("torch", "jax"), impls=None, backend="auto") -> dict
             "matmul_TFLOPs": matmul, "rows": rows, "failures": failures}  # fmt: skip
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.tools.rl_step", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default=SHAPES, help="NxHxV[:dtype], comma-separated (bfloat16 by default)")
+def tool_main(argv, doc, shapes, parse_shapes, run, render) -> int:
+    """The command line of this tool and of bench.tools.distill_step: the rows of run(shapes, frameworks, impls) at
+    the given shapes, render(result) printed, the JSON written; 1 when a fastce row failed."""
+    prog = f"python -m {run.__module__}"
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    parser.add_argument("--shapes", default=shapes, help="comma-separated shapes, :dtype appended (default bfloat16)")
     parser.add_argument("--frameworks", default="torch,jax", help="a subset of torch,jax")
     parser.add_argument("--impls", help="comma-separated subset of the torch rows (default: all)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     jax_setup.configure()
-    import torch
-
     if not torch.cuda.is_available():
-        sys.exit("bench.tools.rl_step measures on a GPU (bench/tests/test_rl_step.py runs its code paths on a CPU)")
+        sys.exit(f"{prog} measures on a GPU (its test in bench/tests runs its code paths on a CPU)")
     impls = args.impls.split(",") if args.impls else None
-    result = run(parse_linear_shapes(args.shapes), args.frameworks.split(","), impls)
-    print(linear_table(result, RL_COLUMNS) + "\n\n" + "\n".join(rl_targets(result)))
+    result = run(parse_shapes(args.shapes), args.frameworks.split(","), impls)
+    print(render(result))
     if args.json:
         print(f"wrote {write_json(result, args.json)}")
     return 1 if any(f["impl"].startswith("fastce") and f["stage"] != "unavailable" for f in result["failures"]) else 0
+
+
+def main(argv=None):
+    render = lambda result: linear_table(result, RL_COLUMNS) + "\n\n" + "\n".join(rl_targets(result))
+    return tool_main(argv, __doc__, SHAPES, parse_linear_shapes, run, render)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@
 #   host (host time per eager call: bench.tools.overhead; ~2); transformers (training step, four modes; ~2-3);
 #   rl (the RL step's LM head, bench/tools/rl_step.py: each of its two shapes in a process of its own, torch and JAX
 #     rows, ~4 each; or rl-a / rl-b, one shape per call with more slack); JSON and logs $OUT/rl-step-{a,b}.*;
+#   distill (issue 38's distillation heads, bench/tools/distill_step.py: each of its two shapes in a process of its own,
+#     torch and JAX rows at four (beta, T), ~4 each; or distill-a / distill-b, one shape per call with more slack);
+#     JSON and logs $OUT/distill-{a,b}.*;
 #   two-gpus (the tests that need two GPUs; kind nvidia-h200-x2), two-gpus-bench (sharded_torch with its per-rank
 #     breakdown, sharded_jax; x2, ~3), two-gpus-linear-bench (sharded_linear_torch; x2, ~1-2), one-rank-breakdown
 #     (sharded_torch as a one-rank NCCL group at the two-GPU run's local shard shapes; < 2);
@@ -75,6 +78,17 @@ for stage in "$@"; do
         timeout $([ "$stage" = rl ] && echo 285 || echo 580) python3 -m bench.tools.rl_step --shapes $shape \
           --json "$OUT/rl-step-$part.json" >"$OUT/rl-step-$part.log" 2>"$OUT/rl-step-$part-progress.log"
         echo "rl-step $part: exit $?"; tail -32 "$OUT/rl-step-$part.log"; grep -E "FAILED|skipped" "$OUT/rl-step-$part-progress.log"
+      done ;;
+    distill|distill-a|distill-b)
+      # Shape a: Qwen2.5-1.5B's head taught by Qwen2.5-7B's hidden states (8192 x 1536 x 3584 x 151936); b: Llama-3.2-1B
+      # taught by Llama-3.1-8B (8192 x 2048 x 4096 x 128256). Liger's row needs the wheel in .whl/.
+      for part in a b; do
+        [ "$stage" != distill ] && [ "$stage" != "distill-$part" ] && continue
+        shape=8192x1536x3584x151936; [ $part = b ] && shape=8192x2048x4096x128256
+        timeout $([ "$stage" = distill ] && echo 290 || echo 580) python3 -m bench.tools.distill_step --shapes $shape \
+          --json "$OUT/distill-$part.json" >"$OUT/distill-$part.log" 2>"$OUT/distill-$part-progress.log"
+        echo "distill $part: exit $?"; tail -36 "$OUT/distill-$part.log"
+        grep -E "FAILED|skipped" "$OUT/distill-$part-progress.log"
       done ;;
     transformers)
       timeout 400 python3 -m bench.tools.transformers_step --json "$OUT/transformers-step.json" 2>&1 | tail -12 ;;

@@ -78,9 +78,8 @@ def main(argv=None):
             x_sharding, y_sharding = NamedSharding(mesh, x_spec), NamedSharding(mesh, y_spec)
             labels = jax.random.randint(key_y, (n,), 0, v, dtype=jnp.int32).at[::7].set(IGNORE_INDEX)
             labels = jax.device_put(labels, y_sharding)
-            make_logits = jax.jit(
-                lambda k, n=n, v=v: jax.random.normal(k, (n, v), jnp.bfloat16), out_shardings=x_sharding
-            )
+            make_logits = jax.jit(lambda k, n=n, v=v: jax.random.normal(k, (n, v), jnp.bfloat16),
+                                  out_shardings=x_sharding)  # fmt: skip
             copy = jax.jit(lambda a: a + jnp.bfloat16(1), in_shardings=x_sharding, out_shardings=x_sharding)
             x0 = make_logits(key_x)
             copy_ms = bench_ms(lambda x0=x0: copy(x0), args.batch_ms)
@@ -117,21 +116,17 @@ def main(argv=None):
                 row["loss"] = float(loss)
                 rows.append(row)
                 del state
-                print(
-                    f"N={n} V={v} {layout:5s} {name:10s} {ms:8.3f} ms  temp {row['temp_MiB']:8.1f} MiB  "
-                    f"grad {grad_spec:16s} loss {row['loss']:.5f}  floor {row['floor_3pass_ms']:.3f} ms  "
-                    f"{len(found)} collectives, largest {row['largest_collective_elements']} elements "
-                    f"(local logits {local})",
-                    flush=True,
-                )
+                print(f"N={n} V={v} {layout:5s} {name:10s} {ms:8.3f} ms  temp {row['temp_MiB']:8.1f} MiB  "
+                      f"grad {grad_spec:16s} loss {row['loss']:.5f}  floor {row['floor_3pass_ms']:.3f} ms  "
+                      f"{len(found)} collectives, largest {row['largest_collective_elements']} elements "
+                      f"(local logits {local})", flush=True)  # fmt: skip
                 for c in found:
                     print(f"      {c['op']:18s} {c['shape']}", flush=True)
     # fastce_jax vs XLA, same shape and layout.
     for r in rows:
         if r["impl"] == "fastce_jax":
-            x = next(
-                o for o in rows if o["impl"] == "xla" and (o["N"], o["V"], o["layout"]) == (r["N"], r["V"], r["layout"])
-            )
+            same = lambda o: (o["N"], o["V"], o["layout"]) == (r["N"], r["V"], r["layout"])
+            x = next(o for o in rows if o["impl"] == "xla" and same(o))
             r["speedup_vs_xla"] = x["fwdbwd_ms"] / r["fwdbwd_ms"]
             print(f"N={r['N']} V={r['V']} {r['layout']:5s}: fastce_jax {r['speedup_vs_xla']:.2f}x XLA's speed")
     if args.json:

@@ -70,15 +70,10 @@ def measure_collectives(timer, hidden, weight, warmup, reps):
     grad_hidden = torch.empty_like(hidden)
     shard = weight[: weight.shape[0] // world].contiguous()
     gathered = torch.empty_like(weight[: shard.shape[0] * world])
-    return {
-        "tp_grad_hidden_all_reduce_ms": timer.median_ms(lambda: dist.all_reduce(grad_hidden), warmup, reps),
-        "fsdp_weight_all_gather_ms": timer.median_ms(
-            lambda: dist.all_gather_into_tensor(gathered, shard), warmup, reps
-        ),
-        "fsdp_grad_reduce_scatter_ms": timer.median_ms(
-            lambda: dist.reduce_scatter_tensor(shard, gathered), warmup, reps
-        ),
-    }
+    ms = lambda fn: timer.median_ms(fn, warmup, reps)
+    return {"tp_grad_hidden_all_reduce_ms": ms(lambda: dist.all_reduce(grad_hidden)),
+            "fsdp_weight_all_gather_ms": ms(lambda: dist.all_gather_into_tensor(gathered, shard)),
+            "fsdp_grad_reduce_scatter_ms": ms(lambda: dist.reduce_scatter_tensor(shard, gathered))}  # fmt: skip
 
 
 def run_shape(n_rows, width, vocab, dtype, device, timer, mesh, backend, warmup, reps):

@@ -84,11 +84,8 @@ def implementations(mesh, backend):
         # The backward must run under loss_parallel() too: the fwdbwd closure below keeps it open.
         return F.cross_entropy(to_dtensor(logits), labels, ignore_index=IGNORE_INDEX)
 
-    return {
-        "fastce_torch": (fastce_process_group, None),
-        "fastce_torch_dtensor": (fastce_dtensor, None),
-        "torch_loss_parallel": (torch_loss_parallel, loss_parallel),
-    }
+    return {"fastce_torch": (fastce_process_group, None), "fastce_torch_dtensor": (fastce_dtensor, None),
+            "torch_loss_parallel": (torch_loss_parallel, loss_parallel)}  # fmt: skip
 
 
 def measure_collectives(timer, n_rows, device, warmup, reps):
@@ -101,10 +98,7 @@ def measure_collectives(timer, n_rows, device, warmup, reps):
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
         dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group)
 
-    return (
-        timer.median_ms(lambda: two_all_reduces(sums), warmup, reps),
-        timer.median_ms(lambda: two_all_reduces(sums_smoothing), warmup, reps),
-    )
+    return tuple(timer.median_ms(lambda s=s: two_all_reduces(s), warmup, reps) for s in (sums, sums_smoothing))
 
 
 def run_shape(n_rows, vocab, dtype, device, timer, impls, warmup, reps, bandwidth):
@@ -209,10 +203,9 @@ def main():
     def report(rows):
         print(f"{run.world} ranks, {run.device_name}" + (f", copy bandwidth {bandwidth:.2f} TB/s" if bandwidth else ""))
         for row in rows:
-            print(
-                f"N={row['N']} V={row['V']} (V_local={row['V_local']}): floor {row['floor_ms'] or 0:.3f} ms, "
-                f"collectives {row['collectives_ms']:.3f} ms ({row['collectives_smoothing_ms']:.3f} with smoothing)"
-            )
+            print(f"N={row['N']} V={row['V']} (V_local={row['V_local']}): floor {row['floor_ms'] or 0:.3f} ms, "
+                  f"collectives {row['collectives_ms']:.3f} ms ({row['collectives_smoothing_ms']:.3f} with "
+                  "smoothing)")  # fmt: skip
             for name, r in row["impls"].items():
                 peak = f"{r['peak_extra_bytes'] / 2**20:9.1f} MiB" if r["peak_extra_bytes"] is not None else ""
                 target = (row["floor_ms"] or 0) + row["collectives_ms"]

@@ -26,8 +26,7 @@ MODES = {
     "transformers": None,  # transformers' ForCausalLMLoss (float32 upcast, F.cross_entropy)
     "fastce": dict(inplace_backward=True),
     "fastce-no-inplace": dict(inplace_backward=False),
-    # lm_head + loss from the hidden states, no logits (linear_cross_entropy)
-    "fastce_fused": dict(fused_linear=True),
+    "fastce_fused": dict(fused_linear=True),  # lm_head + loss from the hidden states, no logits (linear_cross_entropy)
     # Liger-Kernel's fused linear cross-entropy on this model only (its RoPE / RMSNorm / SwiGLU kernels left off, so
     # that only the loss differs); skipped when liger_kernel does not import
     "liger_flce": "liger",
@@ -65,15 +64,9 @@ def parse_args(argv=None):
 
 def build_model(args):
     config = transformers.LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(args.seq_len, 128),
-        tie_word_embeddings=args.tie_embeddings,
-    )
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(args.seq_len, 128), tie_word_embeddings=args.tie_embeddings)  # fmt: skip
     torch.manual_seed(args.seed)  # every mode starts from the same weights
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     model = transformers.LlamaForCausalLM(config).to(device=args.device, dtype=dtype)
@@ -101,14 +94,11 @@ def run_mode(mode, args, batches):
     if MODES[mode] == "liger":  # an instance patch of the loss only: nothing global to undo
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
-        apply_liger_kernel_to_llama(
-            rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True, model=model
-        )
+        apply_liger_kernel_to_llama(rope=False, rms_norm=False, swiglu=False, cross_entropy=False,
+                                    fused_linear_cross_entropy=True, model=model)  # fmt: skip
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-    cuda = torch.device(args.device).type == "cuda"
-    autocast = torch.autocast(
-        torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.precision == "autocast"
-    )
+    device_type = torch.device(args.device).type
+    cuda, autocast = device_type == "cuda", torch.autocast(device_type, torch.bfloat16, args.precision == "autocast")
 
     def step(ids, labels):
         with autocast:
@@ -128,15 +118,9 @@ def run_mode(mode, args, batches):
         losses.append(loss.item())
         if i >= args.warmup:
             times.append(ms)
-    result = {
-        "median_ms": statistics.median(times),
-        "mean_ms": statistics.fmean(times),
-        "min_ms": min(times),
-        "times_ms": times,
-        "losses": losses,
-        "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-        "resident_bytes": resident if cuda else None,
-    }
+    result = {"median_ms": statistics.median(times), "mean_ms": statistics.fmean(times), "min_ms": min(times),
+              "times_ms": times, "losses": losses, "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+              "resident_bytes": resident if cuda else None}  # fmt: skip
     if cuda:
         result["step_working_bytes"] = result["peak_bytes"] - resident
     fastce_torch.unpatch_transformers()
@@ -148,11 +132,8 @@ def run_mode(mode, args, batches):
 
 
 def environment(args):
-    info = {
-        "device": torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
+    info = {"device": torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else "cpu",
+            "torch": torch.__version__, "transformers": transformers.__version__}  # fmt: skip
     info.update(commit=envinfo.git_commit(), versions=envinfo.versions({"transformers": transformers.__version__}))
     return info
 
@@ -171,10 +152,8 @@ def main(argv=None):
     results = {mode: run_mode(mode, args, batches) for mode in args.modes if mode not in skipped}
 
     gib = 2.0**-30
-    print(
-        f"Llama {args.layers} layers, hidden {args.hidden}, V={args.vocab}, {args.batch}x{args.seq_len} tokens, "
-        f"{args.precision}, AdamW; {args.steps} timed steps"
-    )
+    print(f"Llama {args.layers} layers, hidden {args.hidden}, V={args.vocab}, {args.batch}x{args.seq_len} tokens, "
+          f"{args.precision}, AdamW; {args.steps} timed steps")  # fmt: skip
     # Against transformers' own loss where it ran: step speed and the first step's loss (relative difference).
     base = results.get("transformers")
     rows = [("mode", "median ms", "min ms", "peak GiB", "step GiB", "first/last loss", "speed", "first loss diff")]
