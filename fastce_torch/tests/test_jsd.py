@@ -328,7 +328,14 @@ def test_no_grad_keeps_nothing(device):
 
 
 def bad(kwargs, error, name):
-    return pytest.param(kwargs, error, name, id=",".join(f"{k}={v!r:.20}" for k, v in kwargs.items()))
+    # Tensors get their shape and dtype in the id, not their random values: pytest-xdist workers must collect the
+    # same ids.
+    def describe(value):
+        if isinstance(value, torch.Tensor):
+            return f"{tuple(value.shape)}-{str(value.dtype).removeprefix('torch.')}"
+        return repr(value)
+
+    return pytest.param(kwargs, error, name, id=",".join(f"{k}={describe(v)}" for k, v in kwargs.items()))
 
 
 BAD_JSD = [
