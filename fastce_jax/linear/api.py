@@ -149,6 +149,7 @@ def linear_cross_entropy(
     temperature=1.0,
     token_weights=None,
     logits_dtype=None,
+    where=None,
 ):
     """``cross_entropy(hidden @ weight.T + bias, labels, ...)`` without the (N, V) logits.
 
@@ -208,6 +209,8 @@ def linear_cross_entropy(
       of the weight), the kernels read float32 and the workspace counts 4 bytes per logit. d logits is rounded to
       the operands' dtype for the gradient products (as an unfused head's backward); d bias sums it in float32.
       A no-op for float32 / float64 inputs.
+    where: as in ``fastce_jax.cross_entropy``: a bool array shaped like ``labels``, False tokens left out as if
+      their label were ignore_index (folded into the labels; with skip_ignored_rows their matmuls are skipped too).
 
     Returns:
       float32 loss: a scalar, or shaped like ``labels`` for reduction="none"; with any return_* True a
@@ -225,6 +228,7 @@ def linear_cross_entropy(
         temperature=temperature,
     )
     labels = contract.check_labels(labels, hidden.shape[:-1], options.ignore_index)
+    labels = contract.masked_labels(labels, where, options.ignore_index)
     token_weights = contract.check_token_weights(token_weights, labels.shape)
     check = contract.check_flag(validate_labels, "validate_labels")
     n_items = contract.check_n_items(n_items)

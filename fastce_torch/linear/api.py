@@ -89,6 +89,7 @@ def linear_cross_entropy(
     temperature=1.0,
     token_weights=None,
     logits_dtype=None,
+    where=None,
 ):
     """fastce_torch.cross_entropy(hidden @ weight.T + bias, labels, ...) without ever allocating the logits.
 
@@ -146,8 +147,11 @@ def linear_cross_entropy(
     chunks' logits are float32 (on CUDA the matmul reads the bf16/fp16 operands and writes float32; on the CPU the
     chunk's operands are cast), the workspace counts 4 bytes per logit plus, in a pass that computes gradients, the
     gradient chunk in the inputs' dtype (the products' operand, as with the default logits).
+    where: as cross_entropy's (a bool tensor shaped like labels; False tokens are left out as if their label were
+    ignore_index, folded into the labels; with skip_ignored_rows their matmuls are skipped too).
     """
     _check_tensors(hidden, weight, bias, labels)
+    labels = contract.masked_labels(labels, where, ignore_index)
     sharded = (
         process_group is not None or vocab_start is not None or any(map(sharding.is_dtensor, (hidden, weight, bias)))
     )
