@@ -1,7 +1,8 @@
 """The examples run, small, on the CPU: fastce_jax's kernels in Pallas interpret mode against the XLA loss; the GRPO
 steps (examples/grpo_torch.py, grpo_jax.py) through linear_log_probs against plain log_softmax, step by step; the
 distillation steps (examples/distill_torch.py, distill_jax.py) through linear_jsd against plain log_softmax of both
-models' logits, step by step."""
+models' logits, step by step; a Flax NNX model (examples/train_flax_nnx.py) through linear_cross_entropy on its own
+(H, V) head against optax's loss."""
 
 import importlib.util
 import json
@@ -38,6 +39,19 @@ def test_jax_training_curves_match_xla(tmp_path, dtype):
     assert set(curves) == {"xla", "fastce", "per_token", "fused"} and all(len(c) == 12 for c in curves.values())
     assert curves["fastce"][-1] < curves["fastce"][0] - 1.0  # it learns (log 1000 -> about log 64)
     assert json.loads(out.read_text())["match"]
+
+
+def test_flax_nnx_fused_head_matches_optax(tmp_path):
+    """A Flax NNX causal LM trained with optax: fastce_jax.linear_cross_entropy(..., where=mask, weight_layout="hv")
+    on model.lm_head.kernel gives optax's masked loss at every step (float32 rounding)."""
+    needs_jax()
+    pytest.importorskip("flax", reason="the example is a Flax NNX model (flax is in the test extra)")
+    args = ["--steps", "8", "--batch", "4", "--seq-len", "16", "--layers", "1", "--dim", "32", "--vocab", "1000"]
+    result = load("train_flax_nnx").main(args + ["--backend", "kernel", "--json", str(tmp_path / "flax.json")])
+    assert result["match"], result["max_relative_gap"]
+    curves = result["curves"]
+    assert set(curves) == {"optax", "fastce"} and all(len(c) == 8 for c in curves.values())
+    assert curves["fastce"][-1] < curves["fastce"][0] - 1.0  # it learns (log 1000 -> towards log 64)
 
 
 GRPO_SMALL = ["--iterations", "2", "--steps", "3", "--prompts", "2", "--completions", "4", "--length", "6"]

@@ -8,7 +8,8 @@
 
 The loss contract is CONTRACT.md. Layers: contract.py (options, checks, jnp formulas), kernels/ (the Pallas
 kernels and their launchers), ops.py (the op layer every kernel call goes through: custom_partitioning of sharded
-logits), cross_entropy.py, linear/ (the fused linear loss), jsd.py and linear/jsd.py (distillation), unsloth.py.
+logits), cross_entropy.py, linear/ (the fused linear loss), jsd.py and linear/jsd.py (distillation), unsloth.py,
+optax_losses.py (optax's integer-label loss on the kernels).
 """
 
 from .contract import CrossEntropyOutput
@@ -16,6 +17,7 @@ from .cross_entropy import cross_entropy, cross_entropy_reference
 from .jsd import jsd
 from .linear import DEFAULT_WORKSPACE_BYTES, linear_cross_entropy, linear_jsd, linear_log_probs
 from .log_probs import LogProbOutput, log_probs
+from .optax_losses import softmax_cross_entropy_with_integer_labels
 from .unsloth import fast_cross_entropy_loss
 from .versions import warn_if_untested
 
@@ -32,6 +34,7 @@ __all__ = [
     "linear_jsd",
     "linear_log_probs",
     "log_probs",
+    "softmax_cross_entropy_with_integer_labels",
     "DEFAULT_WORKSPACE_BYTES",
 ]
 __version__ = "0.1.0"

@@ -176,6 +176,24 @@ def check_token_weights(token_weights, labels_shape: tuple):
     return _constant_weight(jnp.asarray(token_weights), "token_weights")
 
 
+def masked_labels(labels, where, ignore_index: int):
+    """optax's ``where=`` (a bool array shaped like labels; False = leave the token out) folded into the labels:
+    ignore_index where False (loss 0, gradient 0, not counted by "mean"), O(N) integers and no kernel pass. None:
+    the labels unchanged. Host labels and mask stay on the host (validate_labels reads them)."""
+    if where is None:
+        return labels
+    where = as_array(where, "where")
+    if jnp.dtype(where.dtype) != jnp.bool_:
+        raise TypeError(f"where must be a bool array shaped like labels (False leaves a token out), got {where.dtype}")
+    if tuple(where.shape) != tuple(labels.shape):
+        raise ValueError(f"where shape {tuple(where.shape)} must equal labels' shape {tuple(labels.shape)}")
+    if ignore_value(labels.dtype, ignore_index) is None:
+        raise ValueError(f"where marks left-out tokens with ignore_index ({ignore_index}), which {labels.dtype} "
+                         "labels cannot hold; pass an ignore_index in the labels' range")  # fmt: skip
+    xp = np if isinstance(labels, np.ndarray) and isinstance(where, np.ndarray) else jnp
+    return xp.where(where, labels, xp.asarray(ignore_index, labels.dtype))
+
+
 def shifted_token_weights(token_weights, shift: int):
     """token_weights aligned with contract.shifted_labels: w[..., shift:] followed by `shift` zeros (the padded
     positions are ignored rows anyway)."""

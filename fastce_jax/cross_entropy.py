@@ -239,6 +239,7 @@ def cross_entropy(
     weight=None,
     temperature=1.0,
     token_weights=None,
+    where=None,
 ):
     """Cross-entropy of ``logits`` (..., V) against integer ``labels`` (...).
 
@@ -297,6 +298,9 @@ def cross_entropy(
         the number of non-ignored tokens (or n_items), "none" returns weight * loss. With ``shift`` they are aligned
         with the labels (w[..., t] goes with labels[..., t]). The z_loss output is weighted like the loss's term;
         lse, accuracy and entropy are not. A constant: differentiating with respect to them raises ValueError.
+      where: optax's mask, a bool array shaped like ``labels``: False leaves the token out exactly as ignore_index
+        does (loss 0, gradient 0, not counted by "mean"); folded into the labels (O(N), no extra kernel pass).
+        With ``shift`` it goes with the labels (where[..., t] with labels[..., t]).
 
     Returns:
       float32 loss (scalar, or shaped like ``labels`` for reduction="none"); float64 for float64 logits.
@@ -317,6 +321,7 @@ def cross_entropy(
     if logits.ndim < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have shape (..., V) with V >= 1, got {tuple(logits.shape)}")
     labels = contract.check_labels(labels, logits.shape[:-1], options.ignore_index)
+    labels = contract.masked_labels(labels, where, options.ignore_index)
     inplace_backward = contract.check_flag(inplace_backward, "inplace_backward")
     check = contract.check_flag(validate_labels, "validate_labels")
     n_items = contract.check_n_items(n_items)

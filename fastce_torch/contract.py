@@ -299,6 +299,32 @@ def check_token_weights(token_weights, labels):
     return token_weights
 
 
+def masked_labels(labels, where, ignore_index):
+    """optax's `where=` (a bool tensor shaped like labels on their device; False = leave the token out) folded into
+    the labels: ignore_index where False (loss 0, gradient 0, not counted by "mean"), O(N) integers, no kernel
+    pass. None: the labels unchanged."""
+    if where is None:
+        return labels
+    if not isinstance(where, torch.Tensor) or where.dtype != torch.bool:
+        raise TypeError(
+            "where must be a bool tensor shaped like labels (False leaves the token out), got "
+            f"{getattr(where, 'dtype', type(where))}"
+        )
+    if tuple(where.shape) != tuple(labels.shape):
+        raise ValueError(f"where must have labels' shape {tuple(labels.shape)}, got {tuple(where.shape)}")
+    if where.device != labels.device:
+        raise ValueError(f"where is on {where.device} but labels on {labels.device}")
+    if hasattr(where, "placements") != hasattr(labels, "placements"):  # one DTensor, one plain tensor
+        raise ValueError("where must be a DTensor placed like labels when labels is one, a plain tensor otherwise")
+    info = torch.iinfo(labels.dtype)
+    if not info.min <= ignore_index <= info.max:
+        raise ValueError(
+            f"where marks left-out tokens with ignore_index ({ignore_index}), which {labels.dtype} labels cannot "
+            "hold; pass int64 labels"
+        )
+    return torch.where(where, labels, ignore_index)
+
+
 def shifted_token_weights(token_weights, shift):
     """token_weights[..., shift:] followed by `shift` zeros: aligned with contract.shifted_labels' labels (w[..., t]
     goes with label[..., t]; the first `shift` weights are unused)."""

@@ -257,6 +257,7 @@ def cross_entropy(
     weight=None,
     temperature=1.0,
     token_weights=None,
+    where=None,
 ):
     """Cross-entropy of logits (..., V) against integer labels (...), fused on the GPU.
 
@@ -291,9 +292,14 @@ def cross_entropy(
 
     weight: class weights (V,) as F.cross_entropy's weight= (CONTRACT.md, "Class weights"): a floating tensor on
     the logits' device without requires_grad; "mean" is then the weighted mean. Not with process_group / DTensor.
+
+    where: optax's mask, a bool tensor shaped like labels on their device: False leaves the token out exactly as
+    ignore_index does (loss 0, gradient 0, not counted by "mean"); folded into the labels (O(N), no extra kernel
+    pass). With shift it goes with the labels (where[..., t] with labels[..., t]).
     """
     _check_logits(logits)
     contract.check_labels(labels, "logits", logits.shape, logits.device)
+    labels = contract.masked_labels(labels, where, ignore_index)
     if weight is not None and (process_group is not None or sharding.is_dtensor(logits)):
         raise NotImplementedError(
             "class weights (weight=) are not supported with vocab-parallel or DTensor logits; compute the loss "

@@ -25,20 +25,35 @@ def _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ign
     return contract.check_flag(skip_ignored_rows, "skip_ignored_rows")
 
 
-def _check_tensors(hidden, weight, bias):
+WEIGHT_LAYOUTS = ("vh", "hv")
+
+
+def check_weight_layout(weight_layout) -> bool:
+    """Whether the weight is (H, V): weight_layout "vh" (nn.Linear / lm_head: (V, H), the default) or "hv" (a Flax
+    Dense / nnx.Linear kernel as stored: (H, V))."""
+    if not isinstance(weight_layout, str) or weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
+    return weight_layout == "hv"
+
+
+def _check_tensors(hidden, weight, bias, hv=False):
     hidden = contract.check_float_array(hidden, "hidden")
     weight = contract.check_float_array(weight, "weight")
     if bias is not None:
         bias = contract.check_float_array(bias, "bias")
     if hidden.ndim < 1 or hidden.shape[-1] < 1:
         raise ValueError(f"hidden must have shape (..., H) with H >= 1, got {tuple(hidden.shape)}")
-    if weight.ndim != 2 or weight.shape[0] < 1 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"weight must have shape (V, H) = (V, {hidden.shape[-1]}) with V >= 1 (nn.Linear / lm_head layout), "
-            f"got {tuple(weight.shape)}"
+    h_axis = 0 if hv else 1
+    if weight.ndim != 2 or weight.shape[1 - h_axis] < 1 or weight.shape[h_axis] != hidden.shape[-1]:
+        layout = (
+            f'(H, V) = ({hidden.shape[-1]}, V) with V >= 1 (weight_layout="hv": a Flax Dense kernel)'
+            if hv
+            else f'(V, H) = (V, {hidden.shape[-1]}) with V >= 1 (weight_layout="vh": nn.Linear / lm_head)'
         )
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"bias must have shape (V,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
+        raise ValueError(f"weight must have shape {layout}, got {tuple(weight.shape)}")
+    vocab = weight.shape[1 - h_axis]
+    if bias is not None and tuple(bias.shape) != (vocab,):
+        raise ValueError(f"bias must have shape (V,) = ({vocab},), got {tuple(bias.shape)}")
     return hidden, weight, bias
 
 
@@ -87,10 +102,10 @@ def _reference_loss(logits, labels, options, reduction, n_items, returns, class_
 
 def _static_config(
     hidden, weight, bias, options, reduction, dtype, logits_dtype, returns, class_weight, *, workspace_bytes,
-    chunk_rows, accumulate_in_float32, skip_ignored_rows,
+    chunk_rows, accumulate_in_float32, skip_ignored_rows, hv,
 ):  # fmt: skip
-    """The kernel path's StaticConfig for checked arguments (hidden (..., H), weight (V, H))."""
-    vocab = weight.shape[0]
+    """The kernel path's StaticConfig for checked arguments (hidden (..., H), weight (V, H), or (H, V) with hv)."""
+    vocab = weight.shape[1 if hv else 0]
     n_rows = math.prod(hidden.shape[:-1])
     logits_itemsize = 4 if logits_dtype is not None else dtype.itemsize
     return StaticConfig(
@@ -109,6 +124,7 @@ def _static_config(
         # have no partitioning rule: such a call runs the loop on the whole (gathered) arrays.
         partitioned=jax.device_count() > 1 and class_weight is None,
         logits_dtype=logits_dtype,
+        weight_hv=hv,
     )
 
 
@@ -149,14 +165,16 @@ def linear_cross_entropy(
     temperature=1.0,
     token_weights=None,
     logits_dtype=None,
+    where=None,
+    weight_layout="vh",
 ):
     """``cross_entropy(hidden @ weight.T + bias, labels, ...)`` without the (N, V) logits.
 
     Args:
       hidden: float32/bfloat16/float16/float64 (..., H), e.g. the final hidden states (a float64 common dtype is
         computed in float64 by the reference, whatever ``backend`` says).
-      weight: (V, H), the LM head as ``nn.Linear`` / transformers' ``lm_head`` store it (a Flax
-        ``Dense`` kernel is (H, V): pass its ``.T``).
+      weight: (V, H), the LM head as ``nn.Linear`` / transformers' ``lm_head`` store it; with
+        ``weight_layout="hv"`` (H, V), a Flax ``nn.Dense`` / ``nnx.Linear`` kernel as stored.
       labels: int32/int64 (...), hidden's leading shape.
       bias: optional (V,).
       ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss,
@@ -208,12 +226,18 @@ def linear_cross_entropy(
       of the weight), the kernels read float32 and the workspace counts 4 bytes per logit. d logits is rounded to
       the operands' dtype for the gradient products (as an unfused head's backward); d bias sums it in float32.
       A no-op for float32 / float64 inputs.
+    where: as in ``fastce_jax.cross_entropy``: a bool array shaped like ``labels``, False tokens left out as if
+      their label were ignore_index (folded into the labels; with skip_ignored_rows their matmuls are skipped too).
+    weight_layout: "vh" (the default: weight (V, H)) or "hv" (weight (H, V), a Flax Dense / nnx.Linear kernel):
+      the matmuls contract the weight's H axis where it is (``lax.dot_general`` dimension numbers, no transposed
+      copy) and its gradient is (H, V), like the weight. Under sharding the vocabulary axis is the weight's axis 1.
 
     Returns:
       float32 loss: a scalar, or shaped like ``labels`` for reduction="none"; with any return_* True a
       ``CrossEntropyOutput(loss, z_loss, lse, accuracy, entropy)``, None for what was not asked.
     """
-    hidden, weight, bias = _check_tensors(hidden, weight, bias)
+    hv = check_weight_layout(weight_layout)
+    hidden, weight, bias = _check_tensors(hidden, weight, bias, hv)
     options = contract.check_options(
         ignore_index=ignore_index,
         reduction=reduction,
@@ -225,6 +249,7 @@ def linear_cross_entropy(
         temperature=temperature,
     )
     labels = contract.check_labels(labels, hidden.shape[:-1], options.ignore_index)
+    labels = contract.masked_labels(labels, where, options.ignore_index)
     token_weights = contract.check_token_weights(token_weights, labels.shape)
     check = contract.check_flag(validate_labels, "validate_labels")
     n_items = contract.check_n_items(n_items)
@@ -238,7 +263,7 @@ def linear_cross_entropy(
     kept = None
     if shift := contract.check_shift(shift):
         labels, kept = contract.shifted_labels(labels, shift, options.ignore_index)
-    vocab, dim = weight.shape
+    vocab, dim = weight.shape[::-1] if hv else weight.shape
     class_weight = contract.check_class_weight(class_weight, vocab, "class_weight")
     if check:
         contract.validate_labels(labels, vocab, options.ignore_index)
@@ -252,13 +277,13 @@ def linear_cross_entropy(
     token_weights = aligned_token_weights(token_weights, labels, shift, options.ignore_index)
     # No tokens: no chunk to launch; float64: the chunks compute in float32.
     if backend == "reference" or h2.shape[0] == 0 or dtype == jnp.float64:
-        logits = chunks.chunk_logits(h2, weight, bias, dtype, logits_dtype).reshape(lead + (vocab,))
+        logits = chunks.chunk_logits(h2, weight, bias, dtype, logits_dtype, hv).reshape(lead + (vocab,))
         loss = _reference_loss(logits, labels, options, reduction, n_items, returns, class_weight, token_weights)
     else:
         st = _static_config(
             hidden, weight, bias, options, reduction, dtype, logits_dtype, returns, class_weight,
             workspace_bytes=workspace_bytes, chunk_rows=chunk_rows, accumulate_in_float32=accumulate_in_float32,
-            skip_ignored_rows=skip_ignored_rows,
+            skip_ignored_rows=skip_ignored_rows, hv=hv,
         )  # fmt: skip
         flat_weights = None if token_weights is None else token_weights.reshape(-1)
         with kernels.quiet_triton(st.interpret):
@@ -295,6 +320,7 @@ def linear_log_probs(
     logits_dtype=None,
     backend="auto",
     validate_labels=False,
+    weight_layout="vh",
 ):
     """log p(token_t) under softmax(z), z = softcap(scaling * (hidden @ weight.T + bias)) / temperature, without the
     (N, V) logits: the RL policy's per-token log-probabilities (and entropies) from its hidden states.
@@ -305,7 +331,7 @@ def linear_log_probs(
     where ignored). Both are differentiable (hidden, weight, bias) through any objective: the forward keeps the
     lse per token (and the entropy) and the backward recomputes each chunk's logits (2·N·H·V of matmul work
     forward, 6·N·H·V backward), the entropy's term in the same backward kernel. A call that is not differentiated
-    saves nothing for a backward.
+    saves nothing for a backward. weight_layout="hv": weight is (H, V), as linear_cross_entropy's.
     """
     tokens = _check_tokens(tokens, hidden)
     want_entropy = contract.check_flag(return_entropy, "return_entropy")
@@ -326,5 +352,6 @@ def linear_log_probs(
         return_entropy=want_entropy,
         temperature=temperature,
         logits_dtype=logits_dtype,
+        weight_layout=weight_layout,
     )
     return negated_losses(out, want_entropy)

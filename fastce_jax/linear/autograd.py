@@ -197,5 +197,5 @@ def kernel_loss(h2, weight, bias, labels, n_items, class_weight=None, token_weig
     extra = dict(zip(extra_names(st), rest))
     return outputs.with_outputs(
         loss, lse, extra.get("accuracy"), extra.get("entropy"), labels, st.reduction, n_items, st.options, st.returns,
-        weight.shape[0], class_weight, token_weights=token_weights, entropy_grad=True,
+        weight.shape[chunks.vocab_axis(st)], class_weight, token_weights=token_weights, entropy_grad=True,
     )  # fmt: skip

@@ -92,6 +92,12 @@ class StaticConfig(NamedTuple):
     partitioned: bool = False  # the chunk loop through sharded.py's custom_partitioning (several devices)
     vocab_layout: object = None  # inside a partitioned loop: (mesh, vocabulary axes, V) of a vocabulary block
     logits_dtype: str | None = None  # logits_dtype="float32": the chunk's logits in float32 from dtype operands
+    weight_hv: bool = False  # weight_layout="hv": the weight is (H, V) (a Flax Dense kernel), its gradient too
+
+
+def vocab_axis(st: StaticConfig) -> int:
+    """The weight's vocabulary axis: 0 for (V, H), 1 for weight_layout="hv" (H, V)."""
+    return 1 if st.weight_hv else 0
 
 
 def _ce_forward(logits, labels, st: StaticConfig, class_weight=None):
@@ -188,12 +194,13 @@ def _chunk_upstream(g_tokens, start, fresh, st: StaticConfig, index=None):
     return jnp.where(fresh, _rows_of(g_tokens, start, st, index), 0.0)
 
 
-def chunk_logits(h_c, weight, bias, dtype, logits_dtype=None):
+def chunk_logits(h_c, weight, bias, dtype, logits_dtype=None, hv=False):
     """h_c @ weight.T + bias from dtype operands (float32 accumulation inside the matmul), rounded to dtype, or with
-    logits_dtype float32 kept in float32 (the bias added in float32): no float32 copy of either operand."""
+    logits_dtype float32 kept in float32 (the bias added in float32): no float32 copy of either operand. hv: weight
+    is (H, V) and the matmul contracts its axis 0 as stored (no transposed copy)."""
     dt = jnp.dtype(dtype)
     out = dt if logits_dtype is None else jnp.dtype(logits_dtype)
-    dims = (((1,), (1,)), ((), ()))
+    dims = (((1,), (0 if hv else 1,)), ((), ()))
     logits = jax.lax.dot_general(h_c.astype(dt), weight.astype(dt), dims, preferred_element_type=out)
     if bias is not None:
         logits = logits + bias.astype(out)
@@ -221,9 +228,14 @@ def _accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st: Stat
     # bf16 result keeps (measured, N=512, H=256, V=4096 against float64: rms error of d hidden and d weight relative
     # to their rms 1.69e-3 from bf16 d logits, 1.66e-3 from float32: the gradients' own rounding dominates).
     dlogits = dlogits.astype(dt)
-    dh_c = jax.lax.dot_general(dlogits, weight.astype(dt), (((1,), (0,)), ((), ())), preferred_element_type=dt)
+    # weight_layout="hv": the same products contracting the (H, V) weight's V axis, and d weight made (H, V) (h_c^T
+    # d logits rather than its transpose): no transposed copy of the weight or of its gradient.
+    v_axis = vocab_axis(st)
+    dims = (((1,), (v_axis,)), ((), ()))
+    dh_c = jax.lax.dot_general(dlogits, weight.astype(dt), dims, preferred_element_type=dt)
     acc = jnp.float32 if st.f32_weight_grad else dt
-    dw_c = jax.lax.dot_general(dlogits, h_c.astype(dt), (((0,), (0,)), ((), ())), preferred_element_type=acc)
+    pair = (h_c.astype(dt), dlogits) if st.weight_hv else (dlogits, h_c.astype(dt))
+    dw_c = jax.lax.dot_general(*pair, (((0,), (0,)), ((), ())), preferred_element_type=acc)
     out = dict(dh=_put_rows(carry["dh"], start, fresh, dh_c, index), dw=dw_c if first else carry["dw"] + dw_c)
     if st.with_bias:
         db_c = jnp.sum(d_f32.astype(jnp.float32), axis=0)
@@ -257,7 +269,7 @@ def _zero_weight_grads(weight, st: StaticConfig):
     dt = jnp.dtype(st.dtype)
     out = dict(dw=jnp.zeros(weight.shape, jnp.float32 if st.f32_weight_grad else dt))
     if st.with_bias:
-        out["db"] = jnp.zeros((weight.shape[0],), jnp.float32)
+        out["db"] = jnp.zeros((weight.shape[vocab_axis(st)],), jnp.float32)
     return out
 
 
@@ -273,7 +285,7 @@ def chunked_forward(hidden, weight, bias, labels, g_tokens, st: StaticConfig, cl
 
     def step(k, carry, first):
         start, fresh, h_c, y_c, index = _chunk_inputs(k, hidden, labels, st, order)
-        logits = chunk_logits(h_c, weight, bias, st.dtype, st.logits_dtype)
+        logits = chunk_logits(h_c, weight, bias, st.dtype, st.logits_dtype, st.weight_hv)
         loss_c, lse_c, *extra_c = _ce_forward(logits, y_c, st, class_weight)
         out = dict(
             losses=_put_rows(carry["losses"], start, fresh, loss_c, index),
@@ -319,7 +331,7 @@ def chunked_backward(
 
     def step(k, carry, first):
         start, fresh, h_c, y_c, index = _chunk_inputs(k, hidden, labels, st, order)
-        logits = chunk_logits(h_c, weight, bias, st.dtype, st.logits_dtype)
+        logits = chunk_logits(h_c, weight, bias, st.dtype, st.logits_dtype, st.weight_hv)
         lse_c = _rows_of(lse, start, st, index)
         g_c = _chunk_upstream(g_tokens, start, fresh, st, index)
         gl_c = None if g_lse is None else _chunk_upstream(g_lse, start, fresh, st, index)

@@ -43,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import kernels
-from .chunks import chunked_backward, chunked_forward, extra_names
+from .chunks import chunked_backward, chunked_forward, extra_names, vocab_axis
 
 
 def _axes(entry):
@@ -68,8 +68,9 @@ def _dim_axes(arg, mesh, dim):
     return axes
 
 
-def _plan(arg_shapes):
-    """(mesh, rows axes, vocabulary axes) from hidden's and the weight's shardings."""
+def _plan(arg_shapes, st):
+    """(mesh, rows axes, vocabulary axes) from hidden's and the weight's shardings (its vocabulary axis is 1 with
+    weight_layout="hv")."""
     hidden, weight = arg_shapes[0], arg_shapes[1]
     named = [a.sharding for a in (hidden, weight) if isinstance(a.sharding, NamedSharding)]
     if not named:
@@ -77,8 +78,9 @@ def _plan(arg_shapes):
         return Mesh(np.array(devices), ("fastce_replicated",)), (), ()
     mesh = named[0].mesh
     rows = _dim_axes(hidden, mesh, 0)
-    vocab = tuple(a for a in _dim_axes(weight, mesh, 0) if a not in rows)
-    if vocab and weight.shape[0] % math.prod(mesh.shape[a] for a in vocab) != 0:
+    v_axis = vocab_axis(st)
+    vocab = tuple(a for a in _dim_axes(weight, mesh, v_axis) if a not in rows)
+    if vocab and weight.shape[v_axis] % math.prod(mesh.shape[a] for a in vocab) != 0:
         vocab = ()
     return mesh, rows, vocab
 
@@ -126,7 +128,8 @@ def _n_extras(st):
 def _forward_local(*args, st, with_grads, mesh=None, rows=(), vocab=(), vocab_total=None):
     """(losses, lse, the per-token extra outputs st.returns asks for, then with_grads the gradients)."""
     hidden, weight, bias, labels, rest = _split(args, st)
-    local = _local_static(st, hidden.shape[0], weight.shape[0], mesh, vocab, vocab_total or weight.shape[0])
+    v_local = weight.shape[vocab_axis(st)]
+    local = _local_static(st, hidden.shape[0], v_local, mesh, vocab, vocab_total or v_local)
     g_tokens = rest[0] if with_grads else None
     losses, lse, grads, extra = chunked_forward(hidden, weight, bias, labels, g_tokens, local)
     out = (losses, lse, *extra.values())
@@ -139,7 +142,8 @@ def _backward_local(*args, st, cotangents=(False, False), mesh=None, rows=(), vo
     with_lse, with_entropy = cotangents
     g_lse = rest.pop(0) if with_lse else None
     entropy = tuple(rest) if with_entropy else None  # (g_entropy, mz): the global mz, nothing to communicate
-    local = _local_static(st, hidden.shape[0], weight.shape[0], mesh, vocab, vocab_total or weight.shape[0])
+    v_local = weight.shape[vocab_axis(st)]
+    local = _local_static(st, hidden.shape[0], v_local, mesh, vocab, vocab_total or v_local)
     grads = chunked_backward(hidden, weight, bias, labels, lse, g, local, g_lse, entropy=entropy)
     return _outputs(_reduced_grads(grads, rows, vocab), st)
 
@@ -148,7 +152,7 @@ def _shardings(mesh, rows, vocab, st, n_row_args):
     """(the operands' shardings, row-, hidden- and weight-shaped result shardings)."""
     row = NamedSharding(mesh, P(_entry(rows)))
     hid = NamedSharding(mesh, P(_entry(rows), None))
-    wgt = NamedSharding(mesh, P(_entry(vocab), None))
+    wgt = NamedSharding(mesh, P(None, _entry(vocab)) if st.weight_hv else P(_entry(vocab), None))
     vec = NamedSharding(mesh, P(_entry(vocab)))
     operands = (hid, wgt) + ((vec,) if st.with_bias else ()) + (row,) * (1 + n_row_args)
     grads = (hid, wgt) + ((vec,) if st.with_bias else ())
@@ -166,9 +170,9 @@ def _n_row_args(kind, flags):
 
 def _partition(kind, st, flags, mesh, arg_shapes, result_shape):
     del result_shape
-    mesh, rows, vocab = _plan(arg_shapes)
+    mesh, rows, vocab = _plan(arg_shapes, st)
     operands, row, grads = _shardings(mesh, rows, vocab, st, _n_row_args(kind, flags))
-    static = dict(st=st, mesh=mesh, rows=rows, vocab=vocab, vocab_total=arg_shapes[1].shape[0])
+    static = dict(st=st, mesh=mesh, rows=rows, vocab=vocab, vocab_total=arg_shapes[1].shape[vocab_axis(st)])
     if kind == "forward":
         lower = functools.partial(_forward_local, with_grads=flags, **static)
         results = (row,) * (2 + _n_extras(st)) + (grads if flags else ())
@@ -180,7 +184,7 @@ def _partition(kind, st, flags, mesh, arg_shapes, result_shape):
 
 def _infer(kind, st, flags, mesh, arg_shapes, result_shape):
     del result_shape
-    mesh, rows, vocab = _plan(arg_shapes)
+    mesh, rows, vocab = _plan(arg_shapes, st)
     _, row, grads = _shardings(mesh, rows, vocab, st, 0)
     if kind == "forward":
         return (row,) * (2 + _n_extras(st)) + (grads if flags else ())
@@ -189,7 +193,7 @@ def _infer(kind, st, flags, mesh, arg_shapes, result_shape):
 
 def _rule(kind, st, flags):
     """The Shardy rule: n the rows, v the vocabulary, h the hidden width."""
-    weights = ("v h",) + (("v",) if st.with_bias else ())
+    weights = ("h v" if st.weight_hv else "v h",) + (("v",) if st.with_bias else ())
     operands = ("n h", *weights, "n") + ("n",) * _n_row_args(kind, flags)
     if kind == "forward":
         results = ("n",) * (2 + _n_extras(st)) + (("n h", *weights) if flags else ())

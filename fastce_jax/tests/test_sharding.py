@@ -50,13 +50,15 @@ def _platform(use_gpu):
 
 
 # Every test of the suite that needs several devices, in one 4-device child: this module, and the sharded tests of
-# test_outputs.py, test_linear_cross_entropy.py, test_rl_sharding.py and test_jsd.py, which must run there, not skip.
+# test_outputs.py, test_linear_cross_entropy.py, test_rl_sharding.py, test_jsd.py and test_weight_layout.py, which
+# must run there, not skip.
 SHARDED_ELSEWHERE = (
     "fastce_jax/tests/test_outputs.py::test_sharded_layout",
     "fastce_jax/tests/test_linear_cross_entropy.py::test_skip_ignored_rows_sharded",
     "fastce_jax/tests/test_linear_cross_entropy.py::test_class_weight_rows_sharded",
     "fastce_jax/tests/test_rl_sharding.py",
     "fastce_jax/tests/test_jsd.py::test_jsd_rows_sharded",
+    "fastce_jax/tests/test_weight_layout.py::test_hv_sharded_vocabulary",
 )
 
 

@@ -47,6 +47,30 @@ def _check_tensors(hidden, weight, bias, labels):
     contract.check_labels(labels, "hidden", hidden.shape, hidden.device)
 
 
+WEIGHT_LAYOUTS = ("vh", "hv")
+
+
+def vh_weight(weight, hidden, weight_layout):
+    """The weight as (V, H): itself for weight_layout "vh" (nn.Linear / lm_head), the `.t()` view of an (H, V)
+    kernel (Flax nn.Dense / nnx.Linear's layout) for "hv": no copy, and its gradient comes back (H, V) in the
+    kernel's own memory layout (chunks.new_grads)."""
+    if not isinstance(weight_layout, str) or weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
+    if weight_layout == "vh":
+        return weight
+    if sharding.is_dtensor(weight) or sharding.is_dtensor(hidden):
+        raise NotImplementedError(
+            'weight_layout="hv" with DTensor inputs is not supported: pass the (V, H) weight (weight_layout="vh"), '
+            "or plain local tensors with process_group="
+        )
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] != hidden.shape[-1]:
+        raise ValueError(
+            f'weight_layout="hv" takes weight (H, V) with H = hidden.shape[-1] = {hidden.shape[-1]}, got '
+            f"{tuple(getattr(weight, 'shape', ()))}"
+        )
+    return weight.t()
+
+
 def prepared_token_weights(token_weights, labels, shift, ignore_index, dtype):
     """The token weights as the chunks take them: aligned with the (shifted) labels, in the loss's compute dtype,
     0 where the label is ignore_index (the loss and gradient are 0 there whatever the weight, NaN included)."""
@@ -89,6 +113,8 @@ def linear_cross_entropy(
     temperature=1.0,
     token_weights=None,
     logits_dtype=None,
+    where=None,
+    weight_layout="vh",
 ):
     """fastce_torch.cross_entropy(hidden @ weight.T + bias, labels, ...) without ever allocating the logits.
 
@@ -146,8 +172,16 @@ def linear_cross_entropy(
     chunks' logits are float32 (on CUDA the matmul reads the bf16/fp16 operands and writes float32; on the CPU the
     chunk's operands are cast), the workspace counts 4 bytes per logit plus, in a pass that computes gradients, the
     gradient chunk in the inputs' dtype (the products' operand, as with the default logits).
+    where: as cross_entropy's (a bool tensor shaped like labels; False tokens are left out as if their label were
+    ignore_index, folded into the labels; with skip_ignored_rows their matmuls are skipped too).
+    weight_layout: "vh" (the default: weight (V, H), nn.Linear's) or "hv": weight (H, V), a Flax nn.Dense /
+    nnx.Linear kernel as stored, used through its `.t()` view (the matmuls read it in place, no transposed copy;
+    its gradient is (H, V) in the same memory layout). With process_group, weight (H, V_local); not with DTensors.
     """
+    if isinstance(hidden, torch.Tensor) and hidden.dim() >= 1:
+        weight = vh_weight(weight, hidden, weight_layout)
     _check_tensors(hidden, weight, bias, labels)
+    labels = contract.masked_labels(labels, where, ignore_index)
     sharded = (
         process_group is not None or vocab_start is not None or any(map(sharding.is_dtensor, (hidden, weight, bias)))
     )
@@ -214,6 +248,7 @@ def linear_log_probs(
     validate_labels=False,
     process_group=None,
     vocab_start=None,
+    weight_layout="vh",
 ):
     """Per-token log-probabilities log p(token_t) of softmax(softcap(scale * (hidden @ weight.T + bias)) /
     temperature), shaped like tokens (with shift=k like tokens[..., k:]), float32 (float64 for float64 inputs): 0.0
@@ -222,13 +257,13 @@ def linear_log_probs(
     (hidden, weight and bias get gradients): linear_cross_entropy(reduction="none") underneath, so no (N, V) logits
     (the backward recomputes each chunk: 2NHV of matmul work forward, 6NHV backward). With gradients off
     (torch.no_grad, inference_mode, inputs not requiring grad) nothing is kept for a backward. The other keywords
-    are linear_cross_entropy's."""
+    are linear_cross_entropy's (weight_layout="hv": weight (H, V))."""
     out = linear_cross_entropy(
         hidden, weight, tokens, bias=bias, ignore_index=ignore_index, reduction="none",
         logit_softcapping=logit_softcapping, logit_scaling=logit_scaling, backend=backend,
         validate_labels=validate_labels, shift=shift, workspace_bytes=workspace_bytes, chunk_rows=chunk_rows,
         return_entropy=return_entropy, process_group=process_group, vocab_start=vocab_start, temperature=temperature,
-        logits_dtype=logits_dtype,
+        logits_dtype=logits_dtype, weight_layout=weight_layout,
     )  # fmt: skip
     loss = out.loss if return_entropy else out
     kept_tokens = tokens[..., int(shift) :] if shift else tokens

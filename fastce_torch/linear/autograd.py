@@ -16,6 +16,7 @@ from .chunks import (
     chunked_backward,
     chunked_forward,
     reduced_in_one_chunk,
+    transposed_view,
 )
 
 BACKWARD_TWICE = (
@@ -230,7 +231,7 @@ def _fake_grads(hidden, weight, bias, needs):
     need_hidden, need_weight, need_bias = needs
     return (
         hidden.new_empty(hidden.shape if need_hidden else (0,)),
-        weight.new_empty(weight.shape if need_weight else (0,)),
+        torch.empty_like(weight) if need_weight else weight.new_empty((0,)),  # in the weight's layout (new_grads)
         hidden.new_empty((weight.shape[0],) if need_bias else (0,), dtype=bias.dtype if need_bias else hidden.dtype),
     )
 
@@ -439,6 +440,9 @@ def reference_logits(hidden, weight, bias, chunking):
     """The plain-torch path's logits: F.linear in the compute dtype, or in float32 for float32 logits."""
     if chunking.float32_logits:
         hidden, weight, bias = (None if t is None else t.float() for t in (hidden, weight, bias))
+    if transposed_view(weight):  # weight_layout="hv": hidden @ (H, V) as stored, so its gradient comes back (H, V)
+        logits = torch.matmul(hidden, weight.t())
+        return logits if bias is None else logits + bias
     return torch.nn.functional.linear(hidden, weight, bias)
 
 

@@ -210,6 +210,13 @@ def kernel_context(hidden):
     return stack
 
 
+def transposed_view(weight):
+    """Whether weight (V, H) is the transpose of a contiguous (H, V) tensor (weight_layout="hv": a Flax-layout
+    kernel taken as `kernel.t()`, no copy). Its matmuls then read the (H, V) memory as it is (cuBLAS's transpose
+    flags) and its gradient is made in the same layout (new_grads)."""
+    return weight.dim() == 2 and weight.shape[0] > 1 and weight.stride(0) == 1 and weight.t().is_contiguous()
+
+
 def new_grads(hidden, weight, bias, needs, chunking, kept=None):
     need_hidden, need_weight, need_bias = needs
     # With kept rows (skip_ignored_rows) the chunks write only those rows: the ignored ones start at zero.
@@ -224,7 +231,13 @@ def new_grads(hidden, weight, bias, needs, chunking, kept=None):
     accumulate_dtype = torch.float32 if float32_accumulator else weight.dtype
     no_chunk = hidden.shape[0] == 0 if kept is None else kept.numel() == 0
     new_accumulator = torch.zeros if no_chunk else torch.empty
-    grad_weight = new_accumulator(weight.shape, dtype=accumulate_dtype, device=weight.device) if need_weight else None
+    grad_weight = None
+    if need_weight:
+        # In the weight's own layout (preserve_format keeps a dense weight's strides): a weight_layout="hv" view
+        # gets its gradient in (H, V) memory, which the .t() in front of it hands to .grad without a copy; the
+        # products write the transposed output directly (torch's addmm swaps the operands for a column-major result).
+        like = torch.zeros_like if no_chunk else torch.empty_like
+        grad_weight = like(weight, dtype=accumulate_dtype, memory_format=torch.preserve_format)
     grad_bias = new_accumulator(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
     return grad_hidden, grad_weight, grad_bias
 

@@ -81,7 +81,8 @@ def assembled(local, rows_or_slice, full_shape, group=None):
     return full
 
 
-def run_tp(case, device, backend, mode):
+def run_tp(case, device, backend, mode, hv=False):
+    """hv: the rank's slice as an (H, V_local) kernel with weight_layout="hv" (process_group only)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     case, chunks = chunked(case)
     inputs = lin.make_inputs(case, device)
@@ -98,7 +99,8 @@ def run_tp(case, device, backend, mode):
         start, stop = bounds[rank], bounds[rank + 1]
         vocab_start = start
     h = hidden.detach().clone().requires_grad_()
-    w = weight[start:stop].detach().clone().requires_grad_()
+    w = weight[start:stop].detach().clone()
+    w = (w.t().contiguous() if hv else w).requires_grad_()
     b = None if bias is None else bias[start:stop].detach().clone().requires_grad_()
     kwargs = lin.kwargs_of(case, n_items)
     if mode == "dtensor-tp":
@@ -119,13 +121,22 @@ def run_tp(case, device, backend, mode):
         assert h.grad is not None
         loss = loss.to_local()
         grad_w, grad_b = wd.grad.full_tensor(), None if bd is None else bd.grad.full_tensor()
+        try:  # an (H, V) DTensor kernel is refused, naming the keyword (nothing communicated before)
+            fastce_torch.linear_cross_entropy(hd, wd, labels, weight_layout="hv")
+        except NotImplementedError as caught:
+            assert "weight_layout" in str(caught), caught
+        else:
+            raise AssertionError('weight_layout="hv" with DTensors was not refused')
     else:
         group = dist.group.WORLD
+        if hv:
+            kwargs["weight_layout"] = "hv"
         loss = fastce_torch.linear_cross_entropy(
             h, w, labels, bias=b, backend=backend, process_group=group, vocab_start=vocab_start, **kwargs
         )
         (loss * upstream).sum().backward()
-        grad_w = assembled(w.grad, slice(start, stop), weight.shape)
+        assert w.grad.shape == w.shape and w.grad.is_contiguous()
+        grad_w = assembled(w.grad.t() if hv else w.grad, slice(start, stop), weight.shape)
         grad_b = None if b is None else assembled(b.grad, slice(start, stop), bias.shape)
     losses = [torch.empty_like(loss) for _ in range(world)]
     dist.all_gather(losses, loss.detach().contiguous())
@@ -439,6 +450,9 @@ def run_segment(args, device, rank):
         try:
             run_refusals(device, args.backend)
             print("refusals: ok", flush=True)
+            for case in selected("mean-bias,none-all-options", "small"):  # weight_layout="hv": (H, V_local)
+                run_tp(case, device, args.backend, args.mode, hv=True)
+                print(f"hv-{case.id}: ok", flush=True)
             for reduction in ("mean", "sum", "none"):
                 run_outputs(device, args.backend, reduction)
                 print(f"outputs-{reduction}: ok", flush=True)
