@@ -34,8 +34,8 @@ from .autograd import _finish_grads
 
 
 class LinearJsdConfig(NamedTuple):
-    """Hashable configuration of one call (a custom_vjp nondiff argument). chunk_rows, dtype, f32_weight_grad and
-    with_bias are the fields chunks.py's helpers read."""
+    """Hashable configuration of one call (a custom_vjp nondiff argument). chunk_rows, dtype, f32_weight_grad,
+    with_bias and weight_hv are the fields chunks.py's helpers read."""
 
     opts: JsdOptions
     interpret: bool
@@ -46,6 +46,7 @@ class LinearJsdConfig(NamedTuple):
     with_bias: bool  # the student has a bias
     config: jsd_kernels.JsdConfig
     f32_weight_grad: bool = False
+    weight_hv: bool = False  # chunks.py's layout flag: linear_jsd takes (V, H) weights only
 
 
 # --- the chunk loops -----------------------------------------------------------------------------------------------
