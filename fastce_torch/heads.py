@@ -9,12 +9,17 @@ route of patch_transformers(fused_linear=True): `hidden @ weight.T + bias` equal
   ZeRO-3 gathers A in lora_A's forward as usual); autograd of the concatenation hands the gradients to A, B and W.
   The cost: a copy of the head's weight widened by the ranks, V x (H + sum r), for the step. Merged adapters (already
   in W) and disabled ones are PEFT's forward too. A PEFT `modules_to_save` copy of the head: the active copy.
-- DeepSpeed ZeRO-3: outside their module's forward the parameters are empty partitions. The ones read here (the
-  head's weight and bias, LoRA's B) are gathered read-only (GatheredParameters, modifier_rank=None) and copied
-  through an autograd Function whose backward hands the full gradient to the partitioned parameter, where ZeRO-3's
-  gradient hooks reduce-scatter it as they do for a parameter its module used. The copy is needed: the partition is
-  released on leaving the gather, and the loss's autograd keeps its operands for the backward. It holds one head's
-  weight from the loss's forward to its backward.
+- DeepSpeed ZeRO-3: outside their module's forward the parameters are empty partitions. The fused loss runs inside
+  lm_head's forward, where ZeRO-3 has gathered the head's own parameters, and every other parameter it reads (a
+  LoRA head's base weight and lora_B) is read as a module attribute there, which ZeRO-3 answers by gathering it and
+  registering it as an external parameter of the head. The loss reaches the model's output through lm_head's output
+  (transformers.py), so ZeRO-3's hooks on the head gather all of them again before the backward reaches the loss
+  and release them after it, and each gradient accumulates into its full parameter, where ZeRO-3's hooks
+  reduce-scatter it, as for any module. (A gather around the loss call alone, deepspeed.zero.GatheredParameters,
+  is not enough: accumulating a trainable parameter's gradient needs the full parameter again in the backward.)
+  Refused with an error: a parameter still partitioned when read (what torch.compile's trace would see), and a LoRA
+  head marked a ZeRO-3 leaf module (ZeRO-3 reduces a leaf's gradients once the head's input gradient is ready,
+  which comes before lora_B's through the concatenation).
 
 Anything else on the head (other PEFT adapter types, LoRA variants such as DoRA, quantized bitsandbytes layers, a
 module with its own forward) raises a TypeError naming it before any number is computed: computing from its
@@ -51,38 +56,33 @@ def is_zero3_parameter(tensor):
     return hasattr(tensor, "ds_id") and hasattr(tensor, "ds_status")
 
 
-class _FullCopy(torch.autograd.Function):
-    """A gathered ZeRO-3 parameter's full values in a tensor of our own; the backward hands the (full-sized) gradient
-    to the parameter, whose accumulation ZeRO-3's hooks reduce-scatter into the partitions."""
-
-    @staticmethod
-    def forward(ctx, parameter):
-        return parameter.detach().clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
+def _zero3_error(head, why):
+    cls = type(head)
+    return RuntimeError(
+        f"patch_transformers(fused_linear=True) under DeepSpeed ZeRO-3: lm_head ({cls.__module__}.{cls.__qualname__}) "
+        f"{why}; patch_transformers() without fused_linear computes the loss from the model's logits"
+    )
 
 
-def full_parameters(*tensors):
-    """The tensors as the loss may read them: ZeRO-3 parameters gathered and copied (see the module docstring), the
-    rest (and None) as they are."""
-    partitioned = [t for t in tensors if t is not None and is_zero3_parameter(t)]
-    if not partitioned:
-        return tensors
-    import deepspeed
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+def check_gathered(head, *tensors, lora=False):
+    """ZeRO-3 parameters among `tensors` must be gathered now, and not a LoRA head's leaf-module parameters (see the
+    module docstring): raises RuntimeError otherwise, before the loss reads them."""
+    for tensor in tensors:
+        if tensor is None or not is_zero3_parameter(tensor):
+            continue
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    # Each parameter once (a tied or shared one may come twice); the ones a running forward already gathered (the
-    # head inside its own forward, tied embeddings) stay as they are: re-partitioning them on exit would release
-    # them under that forward.
-    to_gather = {id(t): t for t in partitioned if t.ds_status != ZeroParamStatus.AVAILABLE}
-    with deepspeed.zero.GatheredParameters(list(to_gather.values()), modifier_rank=None):
-        copies = {id(t): _FullCopy.apply(t) for t in partitioned}
-    for t in partitioned:
-        if copies[id(t)].shape != tuple(t.ds_shape):  # pragma: no cover - a gather that did not happen
-            raise RuntimeError(f"ZeRO-3 gather of a {tuple(t.ds_shape)} parameter gave {tuple(copies[id(t)].shape)}")
-    return tuple(None if t is None else copies.get(id(t), t) for t in tensors)
+        if tensor.ds_status != ZeroParamStatus.AVAILABLE:
+            raise _zero3_error(
+                head, f"reads a {tuple(tensor.ds_shape)} parameter that ZeRO-3 has not gathered (under torch.compile "
+                "its eager gathering does not run), so the loss would see an empty partition"
+            )  # fmt: skip
+        if lora and hasattr(tensor, "ds_z3_leaf_module"):
+            raise _zero3_error(
+                head, "is a LoRA layer marked a ZeRO-3 leaf module, whose gradients ZeRO-3 reduces before lora_B's "
+                "arrives from the fused loss; unmark it (deepspeed.utils.set_z3_leaf_modules(model, "
+                "[type(model.lm_head)], flag=False)): ZeRO-3 then gathers what the fused loss reads by itself"
+            )  # fmt: skip
 
 
 def _active_copy(head):
@@ -106,7 +106,8 @@ def _lora_terms(layer, hidden):
     if variants:
         _refuse(layer, f"with the LoRA variant {type(layer.lora_variant[variants[0]]).__name__} on adapter "
                 f"{variants[0]!r} (DoRA, aLoRA, ...), which is not a plain low-rank product")  # fmt: skip
-    weight, bias = full_parameters(base.weight, base.bias)
+    weight, bias = base.weight, base.bias
+    check_gathered(layer, weight, bias, lora=True)
     hiddens, weights, biases = [hidden], [weight], [] if bias is None else [bias]
     for name in active:
         lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
@@ -116,7 +117,8 @@ def _lora_terms(layer, hidden):
         x = layer._cast_input_dtype(hidden, lora_a.weight.dtype)
         # Called as modules: the dropout draws PEFT's mask, and lora_A's hooks (ZeRO-3's gather) run.
         hiddens.append((lora_a(layer.lora_dropout[name](x)) * scale).to(hidden.dtype))
-        b_weight, b_bias = full_parameters(lora_b.weight, lora_b.bias)
+        b_weight, b_bias = lora_b.weight, lora_b.bias
+        check_gathered(layer, b_weight, b_bias, lora=True)
         weights.append(b_weight.to(weight.dtype))
         if b_bias is not None:
             biases.append((b_bias * scale).to(weight.dtype))
@@ -138,5 +140,5 @@ def head_terms(head, hidden):
     if type(head).__module__.startswith("peft."):
         _refuse(head, "a PEFT adapter type other than LoRA (only LoRA's low-rank product is fused)")
     _check_plain_linear(head)
-    weight, bias = full_parameters(head.weight, head.bias)
-    return hidden, weight, bias
+    check_gathered(head, head.weight, head.bias)
+    return hidden, head.weight, head.bias

@@ -130,7 +130,9 @@ def fastce_for_causal_lm_loss(
 ):
     """transformers' ForCausalLMLoss (same signature and semantics) computed by fastce, without upcasting."""
     if logits.shape[-1] == 0 and _FUSED_CALLS and _FUSED_CALLS[-1].loss is not None:
-        return _FUSED_CALLS[-1].loss  # a fused call: lm_head already computed this loss from the hidden states
+        # A fused call: lm_head computed this loss from the hidden states; adding the (empty) stand-in's sum changes
+        # no bit and routes the gradient through lm_head's output (_FusedCall.lm_head_forward).
+        return _FUSED_CALLS[-1].loss + logits.sum()
     options = _state["options"]
 
     def compute(labels, shift, reduction, n_items):
@@ -184,9 +186,11 @@ class _FusedCall:
         self.loss = _causal_lm_loss(
             compute, self.labels, kwargs.get("num_items_in_batch"), ignore_index, kwargs.get("shift_labels")
         )
-        # Stands in for the logits: the model's own steps on them (softcapping) cost nothing, and the loss function
-        # recognises it.
-        return hidden_states.new_empty((*hidden_states.shape[:-1], 0))
+        # Stands in for the logits: empty, so the model's own steps on them (softcapping) cost nothing, and the loss
+        # function recognises it; made from the loss, so the loss the model returns (this plus the stand-in's empty
+        # sum) reaches the model's output through lm_head's output. Module backward hooks on that output (ZeRO-3
+        # gathering the head's weight again) so run before the loss's backward, and the ones on its input after.
+        return self.loss.reshape((1,) * hidden_states.dim()).expand(*hidden_states.shape[:-1], 0)
 
 
 def _dispatching_forward(head, *args, **kwargs):
