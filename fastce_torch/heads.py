@@ -114,7 +114,8 @@ def _lora_terms(layer, hidden):
         _check_plain_linear(lora_a, f"adapter {name!r} lora_A")
         _check_plain_linear(lora_b, f"adapter {name!r} lora_B")
         scale = layer.scaling[name]
-        x = layer._cast_input_dtype(hidden, lora_a.weight.dtype)
+        cast = getattr(layer, "_cast_input_dtype", None)  # PEFT's input cast (which its options can turn off)
+        x = cast(hidden, lora_a.weight.dtype) if cast is not None else hidden.to(lora_a.weight.dtype)
         # Called as modules: the dropout draws PEFT's mask, and lora_A's hooks (ZeRO-3's gather) run.
         hiddens.append((lora_a(layer.lora_dropout[name](x)) * scale).to(hidden.dtype))
         b_weight, b_bias = lora_b.weight, lora_b.bias
