@@ -17,6 +17,7 @@ from .linear import DEFAULT_WORKSPACE_BYTES, linear_cross_entropy, linear_log_pr
 from .linear.jsd import linear_jsd  # noqa: E402
 from .log_probs import LogProbOutput, log_probs  # noqa: E402
 from .transformers import fastce_for_causal_lm_loss, patch_transformers, unpatch_transformers  # noqa: E402
+from .trl import patch_trl, unpatch_trl  # noqa: E402
 from .unsloth import fast_cross_entropy_loss, patch_loss_functions  # noqa: E402
 from .versions import warn_if_untested  # noqa: E402
 
@@ -40,6 +41,8 @@ __all__ = [
     "patch_transformers",
     "unpatch_transformers",
     "fastce_for_causal_lm_loss",
+    "patch_trl",
+    "unpatch_trl",
     "fast_cross_entropy_loss",
     "patch_loss_functions",
 ]

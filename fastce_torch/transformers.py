@@ -32,12 +32,14 @@ labels, the loss comes from `fastce_torch.linear_cross_entropy(hidden_states, lm
 (tokens x vocab) logits are never computed; the model then returns `logits=None` (as Liger-Kernel does), so code
 that reads `outputs.logits` in training must not use this option. Gemma's final_logit_softcapping is fused into
 the loss. In evaluation, or without labels, the model's own forward runs unchanged. How: the class's forward is
-wrapped; during a fused call lm_head's forward (still called through nn.Module.__call__, so its hooks run: FSDP
-gathers the weight as usual) computes the loss from the hidden states it receives and returns an empty (..., 0)
-stand-in for the logits, which the model's loss_function call (this module's) recognises and answers with that loss.
-Everything else the model does after its loss (Mixtral adding the router's auxiliary loss) happens as before.
-Under torch.compile the fused route is not taken (the compiler cannot trace the swap of lm_head's forward): the model
-computes its logits and fastce's cross_entropy takes them, as without fused_linear.
+wrapped; the first fused call gives lm_head a dispatching `forward` (an instance attribute, removed again by
+unpatch_transformers) that, while a fused call of its model is in progress, computes the loss from the hidden
+states it receives and returns an empty (..., 0) stand-in for the logits, which the model's loss_function call
+(this module's) recognises and answers with that loss; otherwise it is the head's own forward. lm_head is still
+called through nn.Module.__call__, so its hooks run (FSDP and DeepSpeed gather the weight as usual). Everything
+else the model does after its loss (Mixtral adding the router's auxiliary loss) happens as before. The same route
+is traced by torch.compile (fullgraph, no logits-sized tensor in the graph). What the head computes (a PEFT LoRA
+adapter on it, DeepSpeed ZeRO-3's partitioned weight, heads that cannot be fused) is fastce_torch/heads.py's.
 
 Softcapping (Gemma 2/3, `config.final_logit_softcapping`): without fused_linear, those models apply `cap *
 tanh(logits / cap)` themselves in `forward`, before calling the loss, and return the capped logits. The loss
@@ -51,11 +53,13 @@ import functools
 import importlib
 import inspect
 import sys
+import weakref
 
 import torch
 
 from .contract import BACKENDS
 from .cross_entropy import cross_entropy
+from .heads import head_terms
 from .linear import linear_cross_entropy
 
 _LOSS_NAME = "ForCausalLMLoss"
@@ -92,9 +96,12 @@ FUSED_MODELS = (
     ("gemma3", "Gemma3ForCausalLM"),
     ("phi3", "Phi3ForCausalLM"),
 )
-# The fused calls in progress, innermost last (pushed by the wrapped forward, read by the loss function). A plain
-# list: torch.compile cannot trace a ContextVar, and the unfused path never reads this (its logits are not empty).
+# The fused calls in progress, innermost last (pushed by the wrapped forward, read by lm_head's dispatching forward
+# and the loss function). A plain list: torch.compile cannot trace a ContextVar, and the unfused path never reads
+# this (its logits are not empty).
 _FUSED_CALLS = []
+# The heads given a dispatching forward, for unpatch_transformers to take it back.
+_DISPATCHING_HEADS = weakref.WeakSet()
 
 
 def _causal_lm_loss(compute, labels, num_items_in_batch, ignore_index, shift_labels):
@@ -123,7 +130,9 @@ def fastce_for_causal_lm_loss(
 ):
     """transformers' ForCausalLMLoss (same signature and semantics) computed by fastce, without upcasting."""
     if logits.shape[-1] == 0 and _FUSED_CALLS and _FUSED_CALLS[-1].loss is not None:
-        return _FUSED_CALLS[-1].loss  # a fused call: lm_head already computed this loss from the hidden states
+        # A fused call: lm_head computed this loss from the hidden states; adding the (empty) stand-in's sum changes
+        # no bit and routes the gradient through lm_head's output (_FusedCall.lm_head_forward).
+        return _FUSED_CALLS[-1].loss + logits.sum()
     options = _state["options"]
 
     def compute(labels, shift, reduction, n_items):
@@ -144,17 +153,17 @@ def fastce_for_causal_lm_loss(
 
 
 class _FusedCall:
-    """One training forward of a fused model: the labels and loss keywords, then the loss lm_head computed."""
+    """One training forward of a fused model: its head, the labels and loss keywords, then the loss lm_head computed."""
 
     def __init__(self, model, labels, loss_kwargs):
-        self.model, self.labels, self.loss_kwargs = model, labels, loss_kwargs
+        self.model, self.head, self.labels, self.loss_kwargs = model, model.lm_head, labels, loss_kwargs
         self.loss = None
 
     def lm_head_forward(self, hidden_states):
-        lm_head = self.model.lm_head
-        # Under autocast linear_cross_entropy runs the matmuls in the autocast dtype, as lm_head's F.linear would,
-        # and accumulates a float32 weight's gradient in float32.
-        weight, bias = lm_head.weight, lm_head.bias
+        # The head's output as one product (a LoRA adapter folded in, ZeRO-3's weight gathered: heads.py); under
+        # autocast linear_cross_entropy runs the matmuls in the autocast dtype, as lm_head's F.linear would, and
+        # accumulates a float32 weight's gradient in float32.
+        hidden, weight, bias = head_terms(self.head, hidden_states)
         softcap = getattr(self.model.config, "final_logit_softcapping", None) or 0.0
         options = {k: v for k, v in _state["options"].items() if k != "inplace_backward"}
         kwargs = self.loss_kwargs
@@ -162,9 +171,9 @@ class _FusedCall:
 
         def compute(labels, shift, reduction, n_items):
             return linear_cross_entropy(
-                hidden_states.reshape(*labels.shape, hidden_states.shape[-1]),
+                hidden.reshape(*labels.shape, hidden.shape[-1]),
                 weight,
-                labels.to(hidden_states.device),
+                labels.to(hidden.device),
                 shift=shift,
                 bias=bias,
                 ignore_index=ignore_index,
@@ -177,9 +186,40 @@ class _FusedCall:
         self.loss = _causal_lm_loss(
             compute, self.labels, kwargs.get("num_items_in_batch"), ignore_index, kwargs.get("shift_labels")
         )
-        # Stands in for the logits: the model's own steps on them (softcapping) cost nothing, and the loss function
-        # recognises it.
-        return hidden_states.new_empty((*hidden_states.shape[:-1], 0))
+        # Stands in for the logits: empty, so the model's own steps on them (softcapping) cost nothing, and the loss
+        # function recognises it; made from the loss, so the loss the model returns (this plus the stand-in's empty
+        # sum) reaches the model's output through lm_head's output. Module backward hooks on that output (ZeRO-3
+        # gathering the head's weight again) so run before the loss's backward, and the ones on its input after.
+        return self.loss.reshape((1,) * hidden_states.dim()).expand(*hidden_states.shape[:-1], 0)
+
+
+def _dispatching_forward(head, *args, **kwargs):
+    """lm_head's forward once a fused call has seen it: the fused loss while its model's fused call is in progress
+    (once per call), the head's own forward otherwise (evaluation, generation, a PEFT wrapper calling it)."""
+    call = _FUSED_CALLS[-1] if _FUSED_CALLS else None
+    if call is not None and call.head is head and call.loss is None:
+        return call.lm_head_forward(*args, **kwargs)
+    return type(head).forward(head, *args, **kwargs)
+
+
+def _has_dispatching_forward(head):
+    return getattr(vars(head).get("forward"), "func", None) is _dispatching_forward
+
+
+def _give_dispatching_forward(head):
+    # Set once and kept (not swapped per call): torch.compile traces a plain read of it (and a partial, where it
+    # cannot trace a bound method's creation), and the instance attribute leaves nn.Module.__call__ and the hooks as
+    # they are.
+    if not _has_dispatching_forward(head):
+        head.forward = functools.partial(_dispatching_forward, head)
+        _DISPATCHING_HEADS.add(head)
+
+
+def _take_dispatching_forwards():
+    for head in list(_DISPATCHING_HEADS):
+        if _has_dispatching_forward(head):
+            del head.forward
+    _DISPATCHING_HEADS.clear()
 
 
 def _fused_forward(original):
@@ -190,18 +230,17 @@ def _fused_forward(original):
     def forward(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
         labels = bound.arguments.get("labels")
-        # Under torch.compile the model's own forward runs (logits and fastce's loss on them): the compiler cannot
-        # trace the temporary swap of lm_head's forward that the fused route relies on.
-        if not (self.training and labels is not None and _state["forwards"]) or torch.compiler.is_compiling():
+        if not (self.training and labels is not None and _state["forwards"]):
             return original(self, *args, **kwargs)
+        _give_dispatching_forward(self.lm_head)
         call = _FusedCall(self, labels, dict(bound.arguments.get(var_keyword) or {}))
         _FUSED_CALLS.append(call)
-        self.lm_head.forward = call.lm_head_forward  # an instance attribute: nn.Module.__call__ and hooks unchanged
         try:
             output = original(self, *args, **kwargs)
         finally:
-            del self.lm_head.forward
             _FUSED_CALLS.pop()
+        if call.loss is None:  # pragma: no cover - a forward that never called lm_head (a family changed upstream)
+            raise RuntimeError(f"{type(self).__name__}.forward did not call lm_head: fused_linear cannot fuse it")
         if isinstance(output, tuple):  # return_dict=False: (loss, logits, ...) -> (loss, ...), as to_tuple drops None
             return output[:1] + output[2:]
         return type(output)(**{key: value for key, value in output.items() if key != "logits"})
@@ -281,6 +320,7 @@ def patch_transformers(*, backend="auto", inplace_backward=True, fused_linear=Fa
 
 
 def _restore_forwards():
+    _take_dispatching_forwards()
     for cls, forward in _state["forwards"].items():
         cls.forward = forward
     _state["forwards"] = {}

@@ -210,11 +210,14 @@ def test_n_items_overrides_the_sum_denominator_in_both(n_items, device):
         tolerances.assert_loss(loss, ref, f"{package} loss")
 
 
-# Names only one framework has a use for: torch's nn.Module, the transformers patch and Unsloth's patch function.
+# Names only one framework has a use for: torch's nn.Module, the transformers and TRL patches and Unsloth's patch
+# function.
 TORCH_ONLY = {
     "CrossEntropyLoss",
     "patch_transformers",
     "unpatch_transformers",
+    "patch_trl",
+    "unpatch_trl",
     "fastce_for_causal_lm_loss",
     "patch_loss_functions",
 }

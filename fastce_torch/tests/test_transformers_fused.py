@@ -180,23 +180,53 @@ def test_lm_head_hooks_still_run(device):
     fastce_torch.patch_transformers(fused_linear=True, backend="kernel")
     model(input_ids=ids, labels=labels).loss.backward()
     assert seen == [(2, 8, 32)]
-    assert "forward" not in vars(model.lm_head)  # the instance attribute is gone after the call
+    fastce_torch.unpatch_transformers()
+    assert "forward" not in vars(model.lm_head)  # the dispatching forward goes with the patch
 
 
-def test_under_torch_compile_the_model_forward_runs(device):
-    """fullgraph compile of a fused-patched model: no graph break, the stock loss and gradients (with logits)."""
+def _graph_shapes(graphs):
+    values = [node.meta.get("val", node.meta.get("example_value")) for gm in graphs for node in gm.graph.nodes]
+    return [tuple(value.shape) for value in values if isinstance(value, torch.Tensor)]
+
+
+def test_under_torch_compile_the_fused_route_is_kept(device):
+    """fullgraph compile of a fused-patched model: no graph break, the stock loss and gradients, and no tensor with
+    the vocabulary as a dimension in the traced graphs (forward and backward) except the head's weight."""
+    from torch._dynamo.backends.common import aot_autograd
+
     model = tiny("llama", device)
     ids, labels = batch(device)
     expected, expected_grads = loss_and_grads(model, input_ids=ids, labels=labels)
     fastce_torch.patch_transformers(fused_linear=True, backend="kernel")
     torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    compiled = torch.compile(model, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
     model.zero_grad(set_to_none=True)
     got = compiled(input_ids=ids, labels=labels)
     got.loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters()}  # the compiled wrapper shares them
     torch._dynamo.reset()
-    assert got.logits is not None
+    assert "logits" not in got.keys()
     torch.testing.assert_close(got.loss, expected.loss, rtol=1e-5, atol=1e-6)
     for name, grad in expected_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    shapes = _graph_shapes(graphs)
+    assert len(graphs) == 2 and (VOCAB, 32) in shapes  # the forward and backward graphs, which hold the weight
+    assert not [shape for shape in shapes if VOCAB in shape and shape != (VOCAB, 32)], shapes
+
+
+def test_compile_check_sees_logits(device):
+    """The graph check above can fail: unpatched, the compiled model's graphs hold (2, 8, V) logits."""
+    model = tiny("llama", device)
+    ids, labels = batch(device)
+    graphs = []
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=lambda gm, inputs: graphs.append(gm) or gm)
+    compiled(input_ids=ids, labels=labels)
+    torch._dynamo.reset()
+    assert (2, 8, VOCAB) in _graph_shapes(graphs)
