@@ -104,8 +104,12 @@ def _log_mixture(ls, lt, log_one_minus_beta, log_beta):
     both are -inf it is NaN, which the callers never select (both probabilities are 0 there)."""
     a = log_one_minus_beta + ls
     b = log_beta + lt
-    hi = jnp.maximum(a, b)
-    return hi + jnp.log1p(jnp.exp(jnp.minimum(a, b) - hi))
+    # Selects, not maximum / minimum: the GPU's max and min return the other operand for a NaN, and a NaN row must
+    # stay NaN (a NaN a or b fails the comparison and lands in lo or hi either way).
+    a_higher = a >= b
+    hi = jnp.where(a_higher, a, b)
+    lo = jnp.where(a_higher, b, a)
+    return hi + jnp.log1p(jnp.exp(lo - hi))
 
 
 def _weighted(p, value):

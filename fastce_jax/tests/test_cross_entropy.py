@@ -33,6 +33,7 @@ def test_signature_is_the_contract():
         weight=None,
         temperature=1.0,
         token_weights=None,
+        where=None,
     )
     assert list(params)[:2] == ["logits", "labels"]
     assert {k: p.default for k, p in params.items() if k not in ("logits", "labels")} == expected

@@ -88,7 +88,9 @@ def _mixture_terms(u_s, u_t, lse_s, lse_t, beta, one_minus_beta):
     lt = u_t - lse_t
     p_s = tl.exp(ls)
     p_t = tl.exp(lt)
-    lm = tl.log(tl.maximum(one_minus_beta * p_s + beta * p_t, 1.1754943508222875e-38))
+    mixture = one_minus_beta * p_s + beta * p_t
+    # A select, not tl.maximum: the GPU's max returns the floor for a NaN, and a NaN row must stay NaN.
+    lm = tl.log(tl.where(mixture < 1.1754943508222875e-38, 1.1754943508222875e-38, mixture))
     return p_s, p_t, ls, lt, lm
 
 
