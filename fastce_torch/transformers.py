@@ -102,6 +102,10 @@ FUSED_MODELS = (
 _FUSED_CALLS = []
 # The heads given a dispatching forward, for unpatch_transformers to take it back.
 _DISPATCHING_HEADS = weakref.WeakSet()
+# torch.compile before 2.13 traces an nn.Linear's call with the forward the module had when tracing began, so a
+# forward given during the trace is not called (measured on torch 2.11; 2.13 and 2.14 call it): models made after
+# the patch get it in __init__, others from their first eager call.
+_COMPILE_TRACES_OLD_FORWARD = tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13)
 
 
 def _causal_lm_loss(compute, labels, num_items_in_batch, ignore_index, shift_labels):
@@ -232,6 +236,13 @@ def _fused_forward(original):
         labels = bound.arguments.get("labels")
         if not (self.training and labels is not None and _state["forwards"]):
             return original(self, *args, **kwargs)
+        if _COMPILE_TRACES_OLD_FORWARD and torch.compiler.is_compiling() and not _has_dispatching_forward(self.lm_head):
+            raise RuntimeError(
+                f"fused_linear under torch.compile on torch {torch.__version__}: lm_head is traced with the forward it "
+                "had when compiling began, which is not fastce's yet; create the model after "
+                "patch_transformers(fused_linear=True), or run one eager training forward (with labels) before "
+                "compiling (torch >= 2.13 needs neither)"
+            )
         _give_dispatching_forward(self.lm_head)
         call = _FusedCall(self, labels, dict(bound.arguments.get(var_keyword) or {}))
         _FUSED_CALLS.append(call)
@@ -247,6 +258,19 @@ def _fused_forward(original):
 
     forward.__fastce_original__ = original
     return forward
+
+
+def _init_with_dispatching_head(original):
+    """The model class's __init__, then lm_head given its dispatching forward (before any torch.compile trace)."""
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        head = getattr(self, "lm_head", None)
+        if isinstance(head, torch.nn.Module):
+            _give_dispatching_forward(head)
+
+    return __init__
 
 
 def _fused_model_classes():
@@ -313,16 +337,18 @@ def patch_transformers(*, backend="auto", inplace_backward=True, fused_linear=Fa
     if fused_linear:
         for cls in _fused_model_classes():
             if cls not in _state["forwards"]:
-                _state["forwards"][cls] = cls.forward
+                _state["forwards"][cls] = (cls.forward, cls.__init__)
                 cls.forward = _fused_forward(cls.forward)
+                cls.__init__ = _init_with_dispatching_head(cls.__init__)
     else:
         _restore_forwards()
 
 
 def _restore_forwards():
     _take_dispatching_forwards()
-    for cls, forward in _state["forwards"].items():
+    for cls, (forward, init) in _state["forwards"].items():
         cls.forward = forward
+        cls.__init__ = init
     _state["forwards"] = {}
 
 

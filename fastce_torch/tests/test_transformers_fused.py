@@ -194,10 +194,13 @@ def test_under_torch_compile_the_fused_route_is_kept(device):
     the vocabulary as a dimension in the traced graphs (forward and backward) except the head's weight."""
     from torch._dynamo.backends.common import aot_autograd
 
-    model = tiny("llama", device)
+    stock = tiny("llama", device)
     ids, labels = batch(device)
-    expected, expected_grads = loss_and_grads(model, input_ids=ids, labels=labels)
+    expected, expected_grads = loss_and_grads(stock, input_ids=ids, labels=labels)
     fastce_torch.patch_transformers(fused_linear=True, backend="kernel")
+    # Made after the patch, as users load models (before torch 2.13 compile needs that, or one eager forward first).
+    model = tiny("llama", device)
+    model.load_state_dict(stock.state_dict())
     torch._dynamo.reset()
     graphs = []
 
@@ -218,6 +221,27 @@ def test_under_torch_compile_the_fused_route_is_kept(device):
     shapes = _graph_shapes(graphs)
     assert len(graphs) == 2 and (VOCAB, 32) in shapes  # the forward and backward graphs, which hold the weight
     assert not [shape for shape in shapes if VOCAB in shape and shape != (VOCAB, 32)], shapes
+
+
+def test_compile_of_a_model_made_before_the_patch(device):
+    """A model made before patch_transformers(fused_linear=True) and compiled before any eager call: torch >= 2.13
+    keeps the fused route (the test above's path); older torch traces lm_head's stock forward, which fastce refuses
+    with what to do rather than a silently unfused loss."""
+    from fastce_torch import transformers as patch
+
+    model = tiny("llama", device)
+    ids, labels = batch(device)
+    fastce_torch.patch_transformers(fused_linear=True, backend="kernel")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    try:
+        if patch._COMPILE_TRACES_OLD_FORWARD:
+            with pytest.raises(Exception, match="create the model after"):
+                compiled(input_ids=ids, labels=labels)
+        else:
+            assert "logits" not in compiled(input_ids=ids, labels=labels).keys()
+    finally:
+        torch._dynamo.reset()
 
 
 def test_compile_check_sees_logits(device):
