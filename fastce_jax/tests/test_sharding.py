@@ -56,6 +56,8 @@ SHARDED_ELSEWHERE = (
     "fastce_jax/tests/test_linear_cross_entropy.py::test_skip_ignored_rows_sharded",
     "fastce_jax/tests/test_linear_cross_entropy.py::test_class_weight_rows_sharded",
     "fastce_jax/tests/test_rl_sharding.py",
+    "fastce_jax/tests/test_linear_rl_entropy.py::test_sharded_head_temperature_token_weights_entropy",
+    "fastce_jax/tests/test_linear_rl_entropy.py::test_sharded_head_float32_logits",
 )
 
 
