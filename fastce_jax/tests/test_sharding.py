@@ -63,7 +63,9 @@ SHARDED_ELSEWHERE = (
 
 @pytest.mark.slow
 def test_sharded_suite_on_4_cpu_devices(use_gpu):
-    out = checks.run_on_4_cpu_devices(use_gpu, ["fastce_jax/tests/test_sharding.py", *SHARDED_ELSEWHERE])
+    # The one-device tests of this module (the kernels' vocab-parallel mode) ran in this process already.
+    targets = ["fastce_jax/tests/test_sharding.py", *SHARDED_ELSEWHERE, "-k", "not test_vocab_parallel_kernel_mode"]
+    out = checks.run_on_4_cpu_devices(use_gpu, targets)
     print(out[-3000:])
     modules_elsewhere = {node.split("::")[0] for node in SHARDED_ELSEWHERE}
     skipped_elsewhere = [
