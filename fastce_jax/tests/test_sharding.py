@@ -466,8 +466,14 @@ def linear_value_and_grad(case, lin, n_items, upstream, with_bias):
     return jax.jit(jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True))
 
 
-@pytest.mark.parametrize("name", LINEAR_CASES)
-@pytest.mark.parametrize("layout", list(LINEAR_LAYOUTS))
+# Every case on the vocabulary-sharded weight (one axis and 2-D); the other layouts (rows, axes swapped, a vocabulary
+# over both axes) with a reduced case and a per-token one.
+LINEAR_LAYOUT_CASES = [(layout, name) for layout in ("vocab", "2d") for name in LINEAR_CASES] + [
+    (layout, name) for layout in ("rows", "2d-swapped", "vocab2") for name in ("mean-bias", "none-all-options")
+]
+
+
+@pytest.mark.parametrize("layout, name", LINEAR_LAYOUT_CASES)
 def test_linear_sharded_weight(devices, layout, name):
     lin, case = linear_case(name)
     mesh = linear_mesh(devices, layout)
