@@ -340,6 +340,64 @@ def entropy_grad(logits, labels, *, reduction="none", n_items=None, upstream=Non
 
 
 @dataclass
+class Differentiated:
+    """One call's loss and extra outputs with the gradient of a linear objective of them (`differentiated`)."""
+
+    loss: Result  # the loss; grad: d objective / d logits, grad_scale: its error magnitude (every term's added)
+    z_loss: np.ndarray  # the z_loss output, reduced like the loss
+    entropy: Result  # the entropy output as a Result: loss its value, loss_scale 2 M_t (z_j - lse and mz round)
+    lse: np.ndarray  # per scored token; -inf where ignored
+
+
+def differentiated(
+    logits, labels, *, reduction="mean", n_items=None, opts=Options(), weight=None, token_weights=None, shift=0,
+    upstream=(1.0, 0.0, 0.0),
+):  # fmt: skip
+    """cross_entropy's loss, z_loss and entropy outputs (`outputs`) and the gradient of
+    <g, loss> + <g_z, z_loss output> + <g_h, entropy output>, (g, g_z, g_h) = upstream: numbers for "mean" / "sum",
+    numbers or arrays shaped like the scored labels for "none"; a term whose cotangent is all zero is left out. The
+    z_loss output's gradient is the loss's with the z-loss minus the one without; the entropy's is `entropy_grad`.
+    shift=k scores position t against label t + k (token weights go with the labels); the gradient of the last k
+    positions is 0."""
+    full = np.asarray(logits, np.float64)
+    x, y = shifted(full, labels, shift)
+    u = None if token_weights is None else np.asarray(token_weights, np.float64)[..., shift:]
+    none = reduction == "none"
+    kw = dict(reduction=reduction, n_items=n_items, weight=weight, token_weights=u)
+
+    def cotangent(g):  # (the upstream argument of a "none" call, the factor of a reduced one)
+        return (np.broadcast_to(np.asarray(g, np.float64), y.shape), 1.0) if none else (None, float(g))
+
+    g_loss, g_z, g_h = (cotangent(g) for g in upstream)
+    ce = cross_entropy(x, y, upstream=g_loss[0], opts=opts, **kw)
+    grad, scale = np.zeros(x.shape), np.zeros(x.shape)
+    if np.any(np.asarray(upstream[0]) != 0):
+        grad, scale = grad + g_loss[1] * ce.grad, scale + abs(g_loss[1]) * ce.grad_scale
+    if np.any(np.asarray(upstream[1]) != 0):
+        with_z = cross_entropy(x, y, upstream=g_z[0], opts=opts, **kw)
+        without = cross_entropy(x, y, upstream=g_z[0], opts=replace(opts, z_loss=0.0), **kw)
+        grad, scale = grad + g_z[1] * (with_z.grad - without.grad), scale + abs(g_z[1]) * with_z.grad_scale
+    if np.any(np.asarray(upstream[2]) != 0):
+        h_grad, h_scale, _ = entropy_grad(x, y, reduction=reduction, n_items=n_items, upstream=g_h[0], opts=opts)
+        grad, scale = grad + g_h[1] * h_grad, scale + abs(g_h[1]) * h_scale
+    if shift:  # back to the full logits' shape: the last `shift` positions have no label
+        grad, scale = (
+            np.concatenate([a, np.zeros((*a.shape[:-2], shift, a.shape[-1]))], axis=-2) for a in (grad, scale)
+        )
+    out = outputs(x, y, opts=opts, **kw)
+    per_token = outputs(x, y, reduction="none", opts=opts).entropy.reshape(-1)
+    m = cross_entropy(x, y, reduction="none", opts=replace(opts, z_loss=0.0)).loss_scale  # M_t
+    ignored = y.reshape(-1) == opts.ignore_index
+    h_upstream = (
+        np.ones(y.size) if none else np.full(y.size, 1.0 / denominator(y, reduction, n_items, opts.ignore_index))
+    )
+    entropy = replace(
+        ce, token_loss=per_token, loss=out.entropy, upstream=h_upstream, loss_scale=np.where(ignored, 0.0, 2 * m)
+    )
+    return Differentiated(replace(ce, grad=grad, grad_scale=scale), out.z_loss, entropy, out.lse)
+
+
+@dataclass
 class LogProbResult:
     """`log_probs` in float64: the values and the gradient of sum_t (g_t logprob_t + h_t entropy_t)."""
 

@@ -535,7 +535,9 @@ def test_jax_sharded_logits_on_4_cpu_devices(use_gpu_flag):
     if use_gpu_flag:
         pytest.skip("a CPU-devices check")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    # The device count added to the caller's XLA flags (CI's among them), not in their place.
+    flags = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=4"]))
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     done = subprocess.run(
         [sys.executable, "-c", SHARDED_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=900

@@ -327,3 +327,29 @@ def test_linear_log_probs_match_torch_autograd_in_float64():
     np.testing.assert_allclose(ref.logits.logprobs, logprobs.detach().numpy(), rtol=1e-13)
     for got, leaf in zip((ref.grad_hidden, ref.grad_weight, ref.grad_bias), leaves):
         np.testing.assert_allclose(got, leaf.grad.numpy(), rtol=1e-11, atol=1e-13)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_differentiated_outputs_match_finite_differences(reduction):
+    """reference.differentiated: the gradient of <g, loss> + <g_z, z_loss> + <g_h, entropy> (class and token
+    weights, shift, n_items, every option) against central differences of its own outputs, which are `outputs`'."""
+    rng = np.random.default_rng(RNG_SEED + 20)
+    x, y = rng.standard_normal((2, 4, 6)) * 2, rng.integers(0, 6, (2, 4))
+    y[0, 2] = -100
+    opts = Options(logit_softcapping=4.0, logit_scaling=1.3, label_smoothing=0.2, z_loss=0.05, temperature=0.7)
+    keywords = dict(reduction=reduction, opts=opts, weight=rng.uniform(0.5, 2.0, 6), shift=1,
+                    token_weights=rng.standard_normal((2, 4)), n_items=5 if reduction == "sum" else None)  # fmt: skip
+    upstream = [rng.standard_normal((2, 3)) if reduction == "none" else c for c in (1.3, 0.7, -0.4)]
+
+    def scalar(logits):
+        out = reference.differentiated(logits, y, upstream=upstream, **keywords)
+        values = (out.loss.loss, out.z_loss, out.entropy.loss)
+        return float(sum(np.sum(g * v) for g, v in zip(upstream, values)))
+
+    ref = reference.differentiated(x, y, upstream=upstream, **keywords)
+    assert np.all(ref.loss.grad[:, -1] == 0)  # the shifted-out position
+    np.testing.assert_allclose(ref.loss.grad, finite_differences(scalar, x), rtol=1e-6, atol=1e-8)
+    unshifted = {k: v for k, v in keywords.items() if k not in ("shift", "token_weights")}
+    out = reference.outputs(x[:, :-1], y[:, 1:], token_weights=keywords["token_weights"][:, 1:], **unshifted)
+    np.testing.assert_array_equal(ref.z_loss, out.z_loss)
+    np.testing.assert_array_equal(ref.entropy.loss, out.entropy)

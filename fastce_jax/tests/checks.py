@@ -54,7 +54,9 @@ def run_on_4_cpu_devices(use_gpu, targets, timeout=3000):
     (the tests then run in it directly)."""
     if use_gpu or len(jax.devices("cpu")) >= 2:
         pytest.skip("this process has several devices: the tests run here")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    # The device count added to the caller's XLA flags (CI's among them), not in their place.
+    flags = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=4"]))
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-x", *targets]

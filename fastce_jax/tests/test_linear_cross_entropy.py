@@ -136,7 +136,9 @@ def check(
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("option_set", list(OPTION_SETS))
+# Each option alone (and in pairs) on the fused loss: shared_tests/test_linear_cross_entropy.py's cases (both
+# packages); here none, every option at once and an ignored index inside the vocabulary, with each reduction.
+@pytest.mark.parametrize("option_set", ["plain", "all", "ignore5"])
 def test_options_and_reductions(put, option_set):
     opts = OPTION_SETS[option_set]
     seed = list(OPTION_SETS).index(option_set)
@@ -476,29 +478,30 @@ def chunks_run(monkeypatch):
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("pattern", list(IGNORED))
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_skip_ignored_rows_runs_only_chunks_with_kept_rows(put, pattern, reduction, chunks_run):
+def test_skip_ignored_rows_runs_only_chunks_with_kept_rows(put, reduction, chunks_run):
     """40 rows in 5 chunks of 8: with the keyword only the chunks holding kept rows run (forward; "none" also in
     the backward), and the loss and gradients are the default loop's and the reference's (d hidden exactly 0 on
-    ignored rows)."""
-    hidden, weight, bias, labels = make_inputs(put, 40, 16, 50, seed=30, n_ignored=0)
-    labels[IGNORED[pattern](np.arange(40))] = -100
-    n_kept = int((labels != -100).sum())
-    cotangent = put(np.random.default_rng(30).uniform(0.5, 2.0, labels.shape), jnp.float32)
-    results = {}
-    for skip in (False, True):
-        chunks_run.clear()
-        results[skip] = check(
-            put, hidden, weight, labels, bias=bias, reduction=reduction, cotangent=cotangent, skip_ignored_rows=skip
-        )
-        passes = 2 if reduction == "none" else 1
-        assert len(chunks_run) == passes * (-(-n_kept // ROWS) if skip else 5), (skip, len(chunks_run))
-    (loss, grads), (loss0, grads0) = results[True], results[False]
-    np.testing.assert_allclose(np.asarray(loss), np.asarray(loss0), rtol=1e-6, atol=1e-7)
-    for got, want in zip(grads, grads0):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
-    assert not np.asarray(grads[0])[labels == -100].any()
+    ignored rows). Every ignored-row pattern in one test: the same programs, compiled once."""
+    hidden, weight, bias, base_labels = make_inputs(put, 40, 16, 50, seed=30, n_ignored=0)
+    cotangent = put(np.random.default_rng(30).uniform(0.5, 2.0, base_labels.shape), jnp.float32)
+    for pattern, ignored in IGNORED.items():
+        labels = base_labels.copy()
+        labels[ignored(np.arange(40))] = -100
+        n_kept = int((labels != -100).sum())
+        results = {}
+        for skip in (False, True):
+            chunks_run.clear()
+            results[skip] = check(
+                put, hidden, weight, labels, bias=bias, reduction=reduction, cotangent=cotangent, skip_ignored_rows=skip
+            )
+            passes = 2 if reduction == "none" else 1
+            assert len(chunks_run) == passes * (-(-n_kept // ROWS) if skip else 5), (pattern, skip, len(chunks_run))
+        (loss, grads), (loss0, grads0) = results[True], results[False]
+        np.testing.assert_allclose(np.asarray(loss), np.asarray(loss0), rtol=1e-6, atol=1e-7, err_msg=pattern)
+        for got, want in zip(grads, grads0):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7, err_msg=pattern)
+        assert not np.asarray(grads[0])[labels == -100].any(), pattern
 
 
 def test_skip_ignored_rows_outputs_shift_jit_and_vmap(put):

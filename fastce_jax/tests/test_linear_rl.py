@@ -27,12 +27,11 @@ def _exact_float32_matmuls():
 # temperature
 # ----------------------------------------------------------------------------
 
-OPTIONS = {
-    "plain": {},
-    "all": dict(label_smoothing=0.1, z_loss=1e-3, logit_softcapping=5.0, logit_scaling=1.3),
-}
+OPTIONS = {"all": dict(label_smoothing=0.1, z_loss=1e-3, logit_softcapping=5.0, logit_scaling=1.3)}
 
 
+# Temperature with the plain options: shared_tests' test_token_weights.py and test_entropy_grad.py linear cases
+# (both packages); here with every option, each reduction, and the jnp reference backend.
 @pytest.mark.parametrize("option_set", list(OPTIONS))
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_temperature(put, option_set, reduction):
@@ -132,17 +131,16 @@ def test_logits_dtype_is_a_no_op_for_float32_inputs(put):
 # ----------------------------------------------------------------------------
 
 WEIGHTED = {
-    "plain": {},
-    "z_loss+smoothing": dict(z_loss=1e-2, label_smoothing=0.1),
-    "n_items": dict(n_items=7),
     "class_weight": dict(class_weight=np.linspace(0.2, 2.0, 50)),
     "skip_ignored": dict(skip_ignored_rows=True),
 }
 
 
+# Plain, n_items, z-loss and smoothing with token weights: shared_tests/test_token_weights.py's linear cases (both
+# packages); here class weights and skip_ignored_rows with them (and an ignored token's NaN weight).
 @pytest.mark.parametrize(
     "case, reduction",
-    [(case, reduction) for case in WEIGHTED for reduction in ("mean", "none")] + [("plain", "sum"), ("n_items", "sum")],
+    [(case, reduction) for case in WEIGHTED for reduction in ("mean", "none")],
 )
 def test_token_weights(put, case, reduction):
     kw = dict(WEIGHTED[case])

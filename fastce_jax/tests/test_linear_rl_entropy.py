@@ -12,7 +12,6 @@ from jax.sharding import PartitionSpec as P
 
 from fastce_jax import linear_cross_entropy, linear_log_probs
 
-from . import checks
 from .linear_rl_checks import compare, dot_generals, expected, run
 from .test_linear_cross_entropy import LOSS_TOL, ROWS, assert_close, grad_tol, make_inputs
 
@@ -30,15 +29,14 @@ def _exact_float32_matmuls():
 
 ENTROPY_CASES = {
     "alone": dict(g_loss=0.0),
-    "with-loss": dict(),
-    "all-options": dict(temperature=0.7, label_smoothing=0.1, z_loss=1e-3, logit_softcapping=5.0, logit_scaling=1.3),
     "weights": dict(temperature=0.8, token_weights=True, class_weight=True),
 }
 
 
+# With the loss, every option: shared_tests/test_entropy_grad.py's linear cases (both packages); here the entropy
+# alone and with token and class weights.
 @pytest.mark.parametrize(
-    "case, reduction",
-    [(case, reduction) for case in ENTROPY_CASES for reduction in ("mean", "none")] + [("alone", "sum")],
+    "case, reduction", [(case, reduction) for case in ("alone", "weights") for reduction in ("mean", "none")]
 )
 def test_entropy_gradient(put, case, reduction):
     kw = dict(ENTROPY_CASES[case])
@@ -241,7 +239,7 @@ def test_linear_log_probs_bad_arguments(put):
 
 
 # ----------------------------------------------------------------------------
-# Sharded heads (linear/sharded.py): 4 host devices, in one child process
+# Sharded heads (linear/sharded.py): 4 host devices, in test_sharding.py's child process (SHARDED_ELSEWHERE)
 # ----------------------------------------------------------------------------
 
 SHARDED_LAYOUTS = {  # (mesh shape and axes, hidden spec, weight spec)
@@ -251,12 +249,6 @@ SHARDED_LAYOUTS = {  # (mesh shape and axes, hidden spec, weight spec)
 }
 
 
-def test_sharded_rl_on_4_cpu_devices(use_gpu):
-    """Runs this file's sharded_head tests in a child process with 4 CPU devices."""
-    out = checks.run_on_4_cpu_devices(use_gpu, ["fastce_jax/tests/test_linear_rl_entropy.py", "-k", "sharded_head"])
-    assert "skipped" not in out.splitlines()[-1], out[-2000:]
-
-
 @pytest.mark.parametrize("layout", list(SHARDED_LAYOUTS))
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_sharded_head_temperature_token_weights_entropy(layout, reduction):
@@ -264,7 +256,7 @@ def test_sharded_head_temperature_token_weights_entropy(layout, reduction):
     differentiated z_loss output) equal the float64 reference, and the gradients keep the inputs' shardings."""
     devices = jax.devices()
     if len(devices) < 4:
-        pytest.skip("needs 4 devices (run through test_sharded_rl_on_4_cpu_devices)")
+        pytest.skip("needs 4 devices (test_sharding.py's test_sharded_suite_on_4_cpu_devices runs it)")
     shape, axes, h_spec, w_spec = SHARDED_LAYOUTS[layout]
     mesh = Mesh(np.array(devices[:4]).reshape(shape), axes)
     put = lambda x, dtype: jnp.asarray(x, dtype)  # noqa: E731
@@ -305,7 +297,7 @@ def test_sharded_head_float32_logits(layout):
     float64 one, the gradients in bf16."""
     devices = jax.devices()
     if len(devices) < 4:
-        pytest.skip("needs 4 devices (run through test_sharded_rl_on_4_cpu_devices)")
+        pytest.skip("needs 4 devices (test_sharding.py's test_sharded_suite_on_4_cpu_devices runs it)")
     shape, axes, h_spec, w_spec = SHARDED_LAYOUTS[layout]
     mesh = Mesh(np.array(devices[:4]).reshape(shape), axes)
     put = lambda x, dtype: jnp.asarray(x, dtype)  # noqa: E731

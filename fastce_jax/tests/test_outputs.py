@@ -118,14 +118,17 @@ def assert_outputs(out, x, y, opts, reduction="mean", n_items=None, asked=FIELDS
 # ----------------------------------------------------------------------------------------------------------------
 
 
-# Every option with "none" and "mean"; "sum" and n_items with the plain and all-option sets (the interpreter is slow).
-CASES = [(n, r) for n in OPTION_SETS for r in ("none", "mean")] + [
-    (n, r) for n in ("plain", "all") for r in ("sum", "n_items")
+# The jnp reference backend: every option with "none" and "mean"; "sum" and n_items with the plain and all-option
+# sets. The kernels (here in several vocabulary chunks): the plain and all-option sets with each reduction; each
+# option alone in one chunk is shared_tests/test_outputs.py's (both packages).
+REDUCTIONS = ("none", "mean", "sum", "n_items")
+CASES = [(n, r, "reference") for n in OPTION_SETS for r in ("none", "mean")] + [
+    (n, r, "reference") for n in ("plain", "all") for r in ("sum", "n_items")
 ]
+CASES += [(n, r, "kernel") for n in ("plain", "all") for r in REDUCTIONS]
 
 
-@pytest.mark.parametrize("backend", ["kernel", "reference"])
-@pytest.mark.parametrize(("name", "reduction"), CASES)
+@pytest.mark.parametrize(("name", "reduction", "backend"), CASES)
 def test_outputs_match_reference(small_tiles, name, reduction, backend):
     opts = OPTION_SETS[name]
     x, y = make_inputs(seed=len(name) + len(reduction), ignore_index=opts.get("ignore_index", -100))
@@ -315,13 +318,13 @@ def float32_matmuls():
         yield
 
 
-LINEAR_CASES = [(n, "mean") for n in ("smoothing", "softcap", "scaling", "ignore5")] + [
-    (n, r) for n in ("plain", "all") for r in ("none", "mean", "sum", "n_items")
+# Each option alone on the reference backend; the kernels with the plain and all-option sets, every reduction.
+LINEAR_CASES = [(n, "mean", "reference") for n in ("smoothing", "softcap", "scaling", "ignore5")] + [
+    (n, r, backend) for n in ("plain", "all") for r in REDUCTIONS for backend in ("kernel", "reference")
 ]
 
 
-@pytest.mark.parametrize("backend", ["kernel", "reference"])
-@pytest.mark.parametrize(("name", "reduction"), LINEAR_CASES)
+@pytest.mark.parametrize(("name", "reduction", "backend"), LINEAR_CASES)
 def test_linear_outputs_match_reference(small_tiles, float32_matmuls, name, reduction, backend):
     opts = OPTION_SETS[name]
     hidden, weight, y, logits = linear_inputs(seed=20 + len(name), ignore_index=opts.get("ignore_index", -100))

@@ -135,9 +135,14 @@ def check_rl(x, y, reduction, backend, tw=None, n_items=None, **opts):
     return loss, entropy, grad
 
 
-@pytest.mark.parametrize("backend", ["kernel", "reference"])
+# The kernels with temperature alone, or with soft-capping and scaling, and every reduction: shared_tests'
+# test_token_weights.py and test_entropy_grad.py (both packages); here every option with token weights and the
+# entropy's gradient in one call, and the jnp reference backend over every case.
+BACKEND_CASES = [(case, "reference") for case in CASES] + [("all", "kernel"), ("ignore5", "kernel")]
+
+
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case, backend", BACKEND_CASES)
 def test_temperature_token_weights_entropy(case, reduction, backend):
     opts = CASES[case]
     x, y, tw = make(seed=len(case), ignore_index=opts.get("ignore_index", -100))

@@ -59,12 +59,16 @@ SHARDED_ELSEWHERE = (
     "fastce_jax/tests/test_rl_sharding.py",
     "fastce_jax/tests/test_jsd.py::test_jsd_rows_sharded",
     "fastce_jax/tests/test_weight_layout.py::test_hv_sharded_vocabulary",
+    "fastce_jax/tests/test_linear_rl_entropy.py::test_sharded_head_temperature_token_weights_entropy",
+    "fastce_jax/tests/test_linear_rl_entropy.py::test_sharded_head_float32_logits",
 )
 
 
 @pytest.mark.slow
 def test_sharded_suite_on_4_cpu_devices(use_gpu):
-    out = checks.run_on_4_cpu_devices(use_gpu, ["fastce_jax/tests/test_sharding.py", *SHARDED_ELSEWHERE])
+    # The one-device tests of this module (the kernels' vocab-parallel mode) ran in this process already.
+    targets = ["fastce_jax/tests/test_sharding.py", *SHARDED_ELSEWHERE, "-k", "not test_vocab_parallel_kernel_mode"]
+    out = checks.run_on_4_cpu_devices(use_gpu, targets)
     print(out[-3000:])
     modules_elsewhere = {node.split("::")[0] for node in SHARDED_ELSEWHERE}
     skipped_elsewhere = [
@@ -465,8 +469,14 @@ def linear_value_and_grad(case, lin, n_items, upstream, with_bias):
     return jax.jit(jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True))
 
 
-@pytest.mark.parametrize("name", LINEAR_CASES)
-@pytest.mark.parametrize("layout", list(LINEAR_LAYOUTS))
+# Every case on the vocabulary-sharded weight (one axis and 2-D); the other layouts (rows, axes swapped, a vocabulary
+# over both axes) with a reduced case and a per-token one.
+LINEAR_LAYOUT_CASES = [(layout, name) for layout in ("vocab", "2d") for name in LINEAR_CASES] + [
+    (layout, name) for layout in ("rows", "2d-swapped", "vocab2") for name in ("mean-bias", "none-all-options")
+]
+
+
+@pytest.mark.parametrize("layout, name", LINEAR_LAYOUT_CASES)
 def test_linear_sharded_weight(devices, layout, name):
     lin, case = linear_case(name)
     mesh = linear_mesh(devices, layout)

@@ -1,7 +1,7 @@
 """fastce_torch.linear_cross_entropy's RL keywords (issue 37): temperature, token_weights, the differentiable entropy
-output and logits_dtype=float32, and linear_log_probs; against a float64 autograd reference written here from the
-formulas (CONTRACT.md), on the CPU. The kernels on the `device` fixture's device (CPU: Triton's interpreter), small
-shapes."""
+output and logits_dtype=float32, and linear_log_probs; against the repository's float64 reference
+(shared_tests/reference.py: head_logits, differentiated, chain_through_head). The kernels on the `device`
+fixture's device (CPU: Triton's interpreter), small shapes."""
 
 import sys
 
@@ -10,6 +10,9 @@ import torch
 
 import fastce_torch
 from fastce_torch import linear_cross_entropy, linear_log_probs
+from shared_tests import reference as ref64
+
+from .checks import as_float64
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:divide by zero:RuntimeWarning",
@@ -33,53 +36,20 @@ def problem(device, n=18, width=20, vocab=70, dtype=torch.float32, seed=0, shape
     return (*leaves, labels.to(device), weights.to(device))
 
 
-def reference(hidden, weight, labels, bias=None, *, reduction="mean", n_items=None, logit_softcapping=0.0,
-              logit_scaling=0.0, label_smoothing=0.0, z_loss=0.0, temperature=1.0, token_weights=None,
-              class_weight=None, shift=0, **unused):  # fmt: skip
-    """(loss, z_loss output, entropy output) in float64 from the formulas, differentiable by autograd with respect
-    to the float64 copies it is given, on their device (labels and weights are moved there)."""
-    labels = labels.to(hidden.device)
-    token_weights = None if token_weights is None else token_weights.to(hidden.device)
-    class_weight = None if class_weight is None else class_weight.to(hidden.device)
-    if shift:
-        hidden, labels = hidden[..., :-shift, :], labels[..., shift:]
-        token_weights = None if token_weights is None else token_weights[..., shift:]
-    x = hidden @ weight.t() + (0.0 if bias is None else bias)
-    z = x * logit_scaling if logit_scaling else x
-    if logit_softcapping:
-        z = logit_softcapping * torch.tanh(z / logit_softcapping)
-    z = z / temperature
-    vocab = z.shape[-1]
-    ignored = labels == IGNORE
-    safe = torch.where(ignored, 0, labels)
-    lse = torch.logsumexp(z, -1)
-    p = torch.softmax(z, -1)
-    entropy = lse - (p * z).sum(-1)
-    z_label = z.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-    w_label = torch.ones_like(lse) if class_weight is None else class_weight.double()[safe]
-    cw = torch.ones(vocab, dtype=z.dtype) if class_weight is None else class_weight.double()
-    loss = (1 - label_smoothing) * w_label * (lse - z_label)
-    loss = loss + label_smoothing / vocab * (cw * (lse.unsqueeze(-1) - z)).sum(-1)
-    z_term = z_loss * w_label * lse**2
-    if token_weights is not None:
-        loss, z_term = loss * token_weights.double(), z_term * token_weights.double()
-    loss, z_term, entropy = (torch.where(ignored, 0.0, t) for t in (loss + z_term, z_term, entropy))
-    if reduction == "none":
-        return loss, z_term, entropy
-    count = (~ignored).sum().double().clamp_min(1)
-    if n_items is not None:
-        divisor = entropy_divisor = torch.as_tensor(float(n_items), dtype=torch.float64)
-    elif reduction == "sum":
-        divisor = entropy_divisor = torch.ones((), dtype=torch.float64)
-    else:
-        divisor = count if class_weight is None else torch.where(~ignored, w_label, 0.0).sum()
-        entropy_divisor = count
-    return loss.sum() / divisor, z_term.sum() / divisor, entropy.sum() / entropy_divisor
-
-
-def float64_inputs(*tensors):
-    """float64 CPU leaves for the reference."""
-    return [None if t is None else t.detach().cpu().double().requires_grad_() for t in tensors]
+def expected(hidden, weight, bias, labels, upstreams, *, reduction="mean", n_items=None, token_weights=None,
+             class_weight=None, shift=0, **options):  # fmt: skip
+    """The float64 (loss, z_loss, entropy) outputs and the gradients (hidden, weight, bias) of
+    sum_k <upstreams[k], output k> (numbers or per-token tensors; 0 leaves a term out) from the reference."""
+    f64 = lambda t: None if t is None else as_float64(t)  # noqa: E731
+    logits, _, h, w, b, lead = ref64.head_logits(f64(hidden), f64(weight), f64(bias))
+    ref = ref64.differentiated(
+        logits.reshape(*lead, -1), labels.cpu().numpy(), reduction=reduction, n_items=n_items,
+        opts=ref64.Options(**options), weight=f64(class_weight), token_weights=f64(token_weights), shift=shift,
+        upstream=tuple(f64(u) if isinstance(u, torch.Tensor) and u.dim() else float(u) for u in upstreams),
+    )  # fmt: skip
+    values = [torch.as_tensor(v) for v in (ref.loss.loss, ref.z_loss, ref.entropy.loss)]
+    grads = [None if g is None else torch.as_tensor(g) for g in ref64.chain_through_head(ref.loss.grad, h, w, b, lead)]
+    return values, [g for g in grads if g is not None]
 
 
 def gradients(outputs, upstreams, inputs):
@@ -87,9 +57,10 @@ def gradients(outputs, upstreams, inputs):
     return torch.autograd.grad(total, [t for t in inputs if t is not None])
 
 
-def upstream_like(outputs, seed=5):
+def upstreams_for(reduction, shape, seed=5):
+    """Random cotangents of the three outputs: per token for "none", numbers otherwise."""
     gen = torch.Generator().manual_seed(seed)
-    return [None if out is None else torch.randn(out.shape, generator=gen).to(out.device) for out in outputs]
+    return [torch.randn(shape if reduction == "none" else (), generator=gen) for _ in range(3)]
 
 
 def check(got, want, rtol=2e-5, atol=2e-6):
@@ -121,13 +92,11 @@ def test_temperature_and_token_weights_match_float64(case, with_weights, device,
         hidden, weight, labels, bias=bias, backend="kernel", chunk_rows=4, token_weights=token_weights,
         return_z_loss=True, return_entropy=True, **case,
     )  # fmt: skip
-    ref_inputs = float64_inputs(hidden, weight, bias)
-    want = reference(*ref_inputs[:2], labels.cpu(), ref_inputs[2], token_weights=None if token_weights is None
-                     else token_weights.cpu(), **case)  # fmt: skip
+    upstreams = upstreams_for(case.get("reduction", "mean"), labels.shape)
+    want, want_grads = expected(hidden, weight, bias, labels, upstreams, token_weights=token_weights, **case)
     got = (out.loss, out.z_loss, out.entropy)
     check(got, want)
-    upstreams = upstream_like(want)
-    check(gradients(got, upstreams, (hidden, weight, bias)), gradients(want, upstreams, ref_inputs), 1e-4, 1e-5)
+    check(gradients(got, upstreams, (hidden, weight, bias)), want_grads, 1e-4, 1e-5)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -143,12 +112,11 @@ def test_token_weights_with_class_weight_shift_and_skipped_rows(reduction, devic
         hidden, weight, labels, bias=bias, backend="kernel", chunk_rows=5, token_weights=weights,
         skip_ignored_rows=True, return_z_loss=True, return_entropy=True, **case,
     )  # fmt: skip
-    ref_inputs = float64_inputs(hidden, weight, bias)
-    want = reference(*ref_inputs[:2], labels.cpu(), ref_inputs[2], token_weights=weights.cpu(), **case)
+    upstreams = upstreams_for(reduction, labels[:, 1:].shape)
+    want, want_grads = expected(hidden, weight, bias, labels, upstreams, token_weights=weights, **case)
     got = (out.loss, out.z_loss, out.entropy)
     check(got, want)
-    upstream = upstream_like(want)
-    check(gradients(got, upstream, (hidden, weight, bias)), gradients(want, upstream, ref_inputs), 1e-4, 1e-5)
+    check(gradients(got, upstreams, (hidden, weight, bias)), want_grads, 1e-4, 1e-5)
 
 
 def test_token_weights_nan_negative_and_ignored(device):
@@ -227,12 +195,11 @@ def test_entropy_gradient_alone(reduction, device):
     case = dict(reduction=reduction, temperature=0.6, logit_softcapping=3.0)
     out = linear_cross_entropy(hidden, weight, labels, bias=bias, backend="kernel", chunk_rows=7, return_entropy=True,
                                **case)  # fmt: skip
-    ref_inputs = float64_inputs(hidden, weight, bias)
-    want = reference(*ref_inputs[:2], labels.cpu(), ref_inputs[2], **case)[2]
-    check([out.entropy], [want])
-    upstream = upstream_like([want])
-    check(gradients([out.entropy], upstream, (hidden, weight, bias)), gradients([want], upstream, ref_inputs), 1e-4,
-          1e-5)  # fmt: skip
+    upstreams = upstreams_for(reduction, labels.shape)
+    upstreams[:2] = 0.0, 0.0  # the entropy alone
+    want, want_grads = expected(hidden, weight, bias, labels, upstreams, **case)
+    check([out.entropy], want[2:])
+    check(gradients([out.entropy], upstreams[2:], (hidden, weight, bias)), want_grads, 1e-4, 1e-5)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -248,12 +215,11 @@ def test_reference_backend_and_float64_entropy_gradients(reduction, device):
         inputs = [t.detach().to(dtype).requires_grad_() for t in (hidden, weight, bias)]
         out = linear_cross_entropy(*inputs[:2], labels, bias=inputs[2], backend=backend, token_weights=weights,
                                    return_entropy=True, return_z_loss=True, **case)  # fmt: skip
-        ref_inputs = float64_inputs(*inputs)
-        want = reference(*ref_inputs[:2], labels.cpu(), ref_inputs[2], token_weights=weights.cpu(), **case)
+        upstreams = upstreams_for(reduction, labels.shape)
+        want, want_grads = expected(*inputs[:2], inputs[2], labels, upstreams, token_weights=weights, **case)
         got = (out.loss, out.z_loss, out.entropy)
         check(got, want, *tolerance)
-        upstream = upstream_like(want)
-        check(gradients(got, upstream, inputs), gradients(want, upstream, ref_inputs), *tolerance)
+        check(gradients(got, upstreams, inputs), want_grads, *tolerance)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -286,15 +252,16 @@ def test_float32_logits_with_bf16_inputs(reduction, logits_dtype, device, logits
                                logits_dtype=logits_dtype, **case)  # fmt: skip
     assert set(logits_matmuls) == {torch.float32}
     bf16 = linear_cross_entropy(hidden, weight, labels, bias=bias, backend="kernel", chunk_rows=4, **case)
-    ref_inputs = float64_inputs(hidden, weight, bias)
-    want = reference(*ref_inputs[:2], labels.cpu(), ref_inputs[2], **{**case, "token_weights": weights.cpu()})
-    check([out.loss, out.entropy], [want[0], want[2]], 1e-5, 1e-5)
-    check([bf16.loss, bf16.entropy], [want[0], want[2]], 2e-2, 2e-2)  # bf16 logits: bf16's rounding
+    upstreams = upstreams_for(reduction, labels.shape)
+    upstreams[1] = 0.0  # the z_loss output is not asked
+    keywords = {k: v for k, v in case.items() if k != "return_entropy"}
+    want, want_grads = expected(hidden, weight, bias, labels, upstreams, **keywords)
+    want = [want[0], want[2]]
+    check([out.loss, out.entropy], want, 1e-5, 1e-5)
+    check([bf16.loss, bf16.entropy], want, 2e-2, 2e-2)  # bf16 logits: bf16's rounding
     error = (out.loss.cpu().double() - want[0]).abs().max()
     assert error < (bf16.loss.cpu().double() - want[0]).abs().max()
-    upstream = upstream_like([want[0], want[2]])
-    got_grads = gradients([out.loss, out.entropy], upstream, (hidden, weight, bias))
-    want_grads = gradients([want[0], want[2]], upstream, ref_inputs)
+    got_grads = gradients([out.loss, out.entropy], [upstreams[0], upstreams[2]], (hidden, weight, bias))
     assert all(g.dtype == torch.bfloat16 for g in got_grads)
     check(got_grads, want_grads, 2e-2, 2e-2)
 
@@ -418,6 +385,7 @@ def test_fullgraph_compile_token_weights_reduced(device):
 
 @pytest.mark.parametrize("return_entropy", [False, True])
 def test_linear_log_probs_match_float64(return_entropy, device):
+    """The output type, shape and dtype with shift; +0.0 where ignored; values and a linear objective's gradients."""
     hidden, weight, bias, labels, _ = problem(device, shape=(2, 9), seed=7)
     labels[0, 4] = IGNORE
     case = dict(temperature=0.7, shift=1)
@@ -428,24 +396,15 @@ def test_linear_log_probs_match_float64(return_entropy, device):
     assert logprobs.shape == labels[:, 1:].shape and logprobs.dtype == torch.float32
     ignored = labels[:, 1:] == IGNORE
     assert ignored.any() and (logprobs[ignored] == 0).all() and not torch.signbit(logprobs[ignored]).any()
-    ref_inputs = float64_inputs(hidden, weight, bias)
-    loss, _, entropy = reference(*ref_inputs[:2], labels.cpu(), ref_inputs[2], reduction="none", **case)
-    want = [-loss] + ([entropy] if return_entropy else [])
+    # A linear objective g . logprobs + h . entropy (logprob = -loss: the loss's cotangent is -g); the nonlinear RL
+    # objective through linear_log_probs is shared_tests/test_rl_linear.py's, both packages.
+    g, _, h = upstreams_for("none", logprobs.shape)
+    h = h if return_entropy else 0.0
+    want, want_grads = expected(hidden, weight, bias, labels, (-g, 0.0, h), reduction="none", **case)
     got = [logprobs] + ([out.entropy] if return_entropy else [])
-    check(got, want)
-    # A nonlinear objective: a clipped importance ratio against an old policy, plus an entropy bonus.
-    old = (want[0].detach() + 0.1 * torch.randn(want[0].shape, generator=torch.Generator().manual_seed(2))).to(device)
-    advantages = torch.randn(want[0].shape, generator=torch.Generator().manual_seed(3)).to(device)
-
-    def objective(lp, ent):
-        ratio = torch.exp(lp - old.to(lp.device, lp.dtype))
-        advantages_here = advantages.to(lp.device)
-        value = -torch.minimum(ratio * advantages_here, ratio.clamp(0.8, 1.2) * advantages_here).sum()
-        return value if ent is None else value - 0.01 * ent.sum()
-
-    got_grads = torch.autograd.grad(objective(*got, *([] if return_entropy else [None])), (hidden, weight, bias))
-    want_grads = torch.autograd.grad(objective(*want, *([] if return_entropy else [None])), ref_inputs)
-    check(got_grads, want_grads, 1e-4, 1e-5)
+    check(got, [-want[0]] + want[2:3] * return_entropy)
+    total = (logprobs * g.to(device)).sum() + ((out.entropy * h.to(device)).sum() if return_entropy else 0.0)
+    check(torch.autograd.grad(total, (hidden, weight, bias)), want_grads, 1e-4, 1e-5)
 
 
 def test_linear_log_probs_without_gradients_save_nothing(device):

@@ -1,8 +1,9 @@
 """cross_entropy's RL keywords (temperature, token_weights, a differentiable entropy), CrossEntropyLoss's and
-log_probs, against a literal float64 reference (rl_reference.literal) with the options they interact with, on the
-kernels (on the `device` fixture's device; CPU: Triton's interpreter) and the reference backend, the reference on the
-CPU; torch.compile(fullgraph=True), second order and
-torch.func through the entropy; the bad-input errors. Issue 37, CONTRACT.md."""
+log_probs, against the repository's float64 reference (shared_tests/reference.py: reference.differentiated) with
+its tolerance model: what the shared suite (test_token_weights.py, test_entropy_grad.py, test_rl.py) does not run
+here: the torch reference backend, the in-place (non-leaf) backward with the entropy's gradient, bf16 and float64
+logits, class weights on poisoned buffers; torch.compile(fullgraph=True), second order and torch.func through the
+entropy; the bad-input errors. Issue 37, CONTRACT.md."""
 
 import pytest
 import torch
@@ -11,8 +12,9 @@ from torch._dynamo.backends.common import aot_autograd
 
 import fastce_torch
 from fastce_torch import CrossEntropyLoss, LogProbOutput, contract, cross_entropy, kernels, log_probs
+from shared_tests import reference, tolerances
 
-from .rl_reference import literal
+from .checks import as_float64, assert_grad
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning", "ignore::DeprecationWarning"
@@ -20,6 +22,7 @@ pytestmark = pytest.mark.filterwarnings(
 
 VOCAB = 300
 ALL = dict(logit_softcapping=5.0, logit_scaling=0.9, label_smoothing=0.1, z_loss=1e-3)
+OPTION_NAMES = ("ignore_index", "logit_softcapping", "logit_scaling", "label_smoothing", "z_loss", "temperature")
 
 
 def problem(device, shape=(3, 7), vocab=VOCAB, seed=0, dtype=torch.float32):
@@ -31,19 +34,23 @@ def problem(device, shape=(3, 7), vocab=VOCAB, seed=0, dtype=torch.float32):
     return logits.to(device), labels.to(device), weights.to(device)
 
 
-def on_cpu(keywords):
-    """keywords with their tensors (class weights, token weights) moved to the CPU, for the float64 reference."""
-    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in keywords.items()}
-
-
 def objective(out, fields):
-    """sum over the asked fields of coefficient * field.sum(), the same for the package's output and the literal."""
-    get = (lambda name: out[name]) if isinstance(out, dict) else (lambda name: getattr(out, name))
-    return sum(coefficient * get(name).sum() for name, coefficient in fields.items())
+    """sum over the asked fields of coefficient * field.sum()."""
+    return sum(coefficient * getattr(out, name).sum() for name, coefficient in fields.items())
 
 
-def compare(logits, labels, fields, tol=2e-5, inplace=True, **keywords):
-    """The package's fields and gradient of `objective` against the literal float64 reference's."""
+def expected(logits, labels, fields, **keywords):
+    """reference.differentiated for the call's keywords, the objective's coefficients as the cotangents."""
+    opts = reference.Options(**{k: v for k, v in keywords.items() if k in OPTION_NAMES})
+    rest = {k: v for k, v in keywords.items() if k in ("reduction", "n_items", "weight", "token_weights", "shift")}
+    rest = {k: as_float64(v) if isinstance(v, torch.Tensor) else v for k, v in rest.items()}
+    upstream = tuple(float(fields.get(name, 0.0)) for name in ("loss", "z_loss", "entropy"))
+    return reference.differentiated(as_float64(logits), labels.cpu().numpy(), opts=opts, upstream=upstream, **rest)
+
+
+def compare(logits, labels, fields, inplace=True, rtol=tolerances.RTOL, **keywords):
+    """The package's fields and the gradient of `objective` against the float64 reference (float64 logits: rtol
+    RTOL64)."""
     leaf = logits.detach().clone().requires_grad_()
     source = leaf * 1 if inplace else leaf  # a non-leaf: the in-place backward's case
     asked = {f"return_{name}": True for name in fields if name != "loss"}
@@ -51,33 +58,23 @@ def compare(logits, labels, fields, tol=2e-5, inplace=True, **keywords):
     if not asked:
         out = contract.CrossEntropyOutput(out)
     objective(out, fields).backward()
-    exact = logits.detach().cpu().double().requires_grad_()
-    reference_keywords = on_cpu({k: v for k, v in keywords.items() if k not in ("backend", "inplace_backward")})
-    expected = literal(exact, labels.cpu(), **reference_keywords)
-    objective(expected, fields).backward()
-    for name in fields:
-        assert_close(getattr(out, name), expected[name], tol, name)
-    assert_close(leaf.grad, exact.grad, tol, "grad")
+    ref = expected(logits, labels, fields, **keywords)
+    tolerances.check(as_float64(out.loss), ref.loss.loss, tolerances.loss_bound(ref.loss, rtol), "loss")
+    if "z_loss" in fields:  # the z-loss term's error is within the loss's
+        tolerances.check(as_float64(out.z_loss), ref.z_loss, tolerances.loss_bound(ref.loss, rtol), "z_loss")
+    if "entropy" in fields:
+        tolerances.check(as_float64(out.entropy), ref.entropy.loss, tolerances.loss_bound(ref.entropy, rtol), "entropy")
+    if logits.dtype == torch.float64:
+        got = as_float64(leaf.grad)
+        bound = tolerances.grad_bound(ref.loss, got, "float64", rtol=rtol)
+        tolerances.check(got, ref.loss.grad, bound, "grad")
+    else:
+        assert_grad(leaf.grad, ref.loss)
     return out, leaf.grad
-
-
-def assert_close(got, expected, tol, what):
-    expected = expected.detach()
-    scale = max(expected.abs().max().item() if expected.numel() else 0.0, 1e-30)
-    torch.testing.assert_close(got.detach().cpu().double(), expected, rtol=tol, atol=tol * scale, msg=what)
 
 
 REDUCTIONS = ["mean", "sum", "none"]
 BACKENDS = ["kernel", "reference"]
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("options", [{}, ALL], ids=["plain", "all"])
-def test_temperature(backend, reduction, options, device):
-    logits, labels, _ = problem(device)
-    fields = dict(loss=1.0, entropy=0.5, z_loss=3.0) if options else dict(loss=1.0)
-    compare(logits, labels, fields, reduction=reduction, temperature=0.7, backend=backend, **options)
 
 
 def test_temperature_one_keeps_the_options():
@@ -87,25 +84,30 @@ def test_temperature_one_keeps_the_options():
     assert folded.logit_scaling == 0.5 and folded.logit_softcapping == 15.0
 
 
-TOKEN_WEIGHT_CASES = {
-    "plain": {},
-    "all": ALL,
-    "n_items": dict(n_items=11),
-    "class_weights": dict(label_smoothing=0.1, z_loss=1e-3),
-    "shift": dict(shift=2, z_loss=1e-3),
+# The kernel path of these cases (both packages, inputs in place or not) is shared_tests/test_token_weights.py's and
+# test_entropy_grad.py's; here the torch reference backend (plain torch ops) with the same keywords.
+REFERENCE_BACKEND_CASES = {
+    "temperature": dict(temperature=0.7),
+    "all": dict(temperature=0.7, **ALL),
+    "token-weights": dict(token_weights=True),
+    "all-token-weights": dict(token_weights=True, temperature=0.7, **ALL),
+    "n_items": dict(token_weights=True, n_items=11),
+    "class_weights": dict(token_weights=True, weight=True, label_smoothing=0.1, z_loss=1e-3),
+    "shift": dict(token_weights=True, shift=2, z_loss=1e-3),
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("case", sorted(TOKEN_WEIGHT_CASES))
-def test_token_weights(backend, reduction, case, device):
+@pytest.mark.parametrize("case", sorted(REFERENCE_BACKEND_CASES))
+def test_reference_backend(case, reduction, device):
     logits, labels, weights = problem(device, seed=1)
-    keywords = dict(TOKEN_WEIGHT_CASES[case])
-    if case == "class_weights":
+    keywords = dict(REFERENCE_BACKEND_CASES[case])
+    if keywords.pop("token_weights", False):
+        keywords["token_weights"] = weights
+    if keywords.pop("weight", False):
         keywords["weight"] = (torch.rand(VOCAB, generator=torch.Generator().manual_seed(2)) + 0.5).to(device)
-    fields = dict(loss=1.0, z_loss=2.0) if keywords.get("z_loss") else dict(loss=1.0)
-    compare(logits, labels, fields, reduction=reduction, token_weights=weights, backend=backend, **keywords)
+    fields = dict(loss=1.0, entropy=0.5, z_loss=3.0) if keywords.get("z_loss") else dict(loss=1.0, entropy=0.5)
+    compare(logits, labels, fields, reduction=reduction, backend="reference", **keywords)
 
 
 def test_token_weights_nan_and_ignored(device):
@@ -121,30 +123,30 @@ def test_token_weights_nan_and_ignored(device):
 
 def test_token_weights_bf16(device):
     logits, labels, weights = problem(device, dtype=torch.bfloat16)
-    # bf16 gradients: the interpreter truncates to bf16 (2 ulps: 2**-7 relative).
-    compare(logits, labels, dict(loss=1.0, entropy=0.1), tol=1.6e-2, token_weights=weights.bfloat16(),
-            temperature=0.7, backend="kernel")  # fmt: skip
+    compare(logits, labels, dict(loss=1.0, entropy=0.1), token_weights=weights.bfloat16(), temperature=0.7,
+            backend="kernel")  # fmt: skip
 
 
-@pytest.mark.parametrize("inplace", [True, False])
+# In place (a non-leaf's buffer takes the gradient) with the entropy's gradient: the shared suite's entropy tests
+# differentiate leaves.
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("fields", ["entropy", "loss+entropy", "loss+entropy+z_loss"])
-def test_entropy_gradient(reduction, fields, inplace, device):
-    logits, labels, _ = problem(device, seed=3)
+@pytest.mark.parametrize("fields", ["entropy", "loss+entropy+z_loss"])
+def test_entropy_gradient_in_place(reduction, fields, device):
+    logits, labels, weights = problem(device, seed=3)
     logits[1, 2, ::9] = -float("inf")  # p = 0 there: a zero gradient, no NaN
     coefficients = dict(loss=1.0, entropy=-0.01, z_loss=2.0)
     asked = {name: coefficients[name] for name in fields.split("+")}
-    options = ALL if "z_loss" in asked else dict(logit_softcapping=5.0)
-    _, grad = compare(
-        logits, labels, asked, reduction=reduction, temperature=0.8, backend="kernel", inplace=inplace, **options
-    )
+    options = dict(ALL, token_weights=weights) if "z_loss" in asked else dict(logit_softcapping=5.0)
+    _, grad = compare(logits, labels, asked, reduction=reduction, temperature=0.8, backend="kernel", **options)
     assert (grad[labels == -100] == 0).all()
 
 
 def test_entropy_gradient_reference_backend_and_float64(device):
     logits, labels, _ = problem(device, seed=4)
     compare(logits, labels, dict(loss=1.0, entropy=0.3), temperature=1.3, backend="reference", **ALL)
-    compare(logits.double(), labels, dict(loss=1.0, entropy=0.3), tol=1e-10, temperature=1.3, backend="kernel")
+    compare(
+        logits.double(), labels, dict(loss=1.0, entropy=0.3), rtol=tolerances.RTOL64, temperature=1.3, backend="kernel"
+    )
 
 
 def test_entropy_gradient_with_class_weights(poisoned, device):
@@ -243,38 +245,23 @@ def test_cross_entropy_loss_module(device):
 
 
 def test_log_probs(device):
+    """The output type, dtype and shape with shift; +0.0 where ignored, NaN for a label outside [0, V) (its entropy
+    finite); the values against the float64 reference. Gradients through log_probs (non-leaf logits, a bad token's
+    NaN row, a clipped-ratio objective): shared_tests/test_rl.py, both packages."""
     logits, labels, _ = problem(device, seed=9)
     labels[2, 3] = VOCAB + 4  # outside [0, V): NaN
-    x = logits.clone().requires_grad_()
-    out = log_probs(x * 1, labels, temperature=0.7, return_entropy=True, shift=1, backend="kernel", **dict(
-        logit_softcapping=5.0))  # fmt: skip
-    assert isinstance(out, LogProbOutput) and out.logprobs.shape == labels[..., 1:].shape
-    assert out.logprobs.dtype == torch.float32
+    out = log_probs(logits * 1, labels, temperature=0.7, return_entropy=True, shift=1, backend="kernel",
+                    logit_softcapping=5.0)  # fmt: skip
+    assert isinstance(out, LogProbOutput) and out.logprobs.shape == out.entropy.shape == labels[..., 1:].shape
+    assert out.logprobs.dtype == out.entropy.dtype == torch.float32
     ignored = labels[..., 1:] == -100
     assert (out.logprobs[ignored] == 0).all() and not torch.signbit(out.logprobs[ignored]).any()
     assert torch.isnan(out.logprobs[2, 2]) and torch.isfinite(out.entropy[2, 2])
-    exact = logits.cpu().double().requires_grad_()
-    expected = literal(exact, labels.cpu(), reduction="none", temperature=0.7, shift=1, logit_softcapping=5.0)
-    good = ~torch.isnan(out.logprobs.detach().cpu())
-    assert_close(out.logprobs.cpu()[good], -expected["loss"][good], 2e-5, "logprobs")
-    assert_close(out.entropy, expected["entropy"], 2e-5, "entropy")
-    # A PPO-style clipped objective with an entropy bonus (the bad token masked out), differentiated.
-    old = out.logprobs.detach() + 0.1
-    advantages = torch.randn(out.logprobs.shape, generator=torch.Generator().manual_seed(1))
-
-    def ppo(logprobs, entropy):
-        good_here, advantages_here = good.to(logprobs.device), advantages.to(logprobs.device)
-        old_here = old.to(logprobs.device, logprobs.dtype)
-        ratio = torch.exp(torch.where(good_here, logprobs, 0.0) - torch.where(good_here, old_here, 0.0))
-        clipped = torch.minimum(ratio * advantages_here, ratio.clamp(0.8, 1.2) * advantages_here)
-        return -(clipped.sum() + 0.01 * entropy.sum())
-
-    ppo(out.logprobs, out.entropy).backward()
-    ppo(-expected["loss"], expected["entropy"]).backward()
-    # The bad token's row is NaN (the contract's out-of-range label, whatever its upstream); the rest as float64.
-    assert torch.isnan(x.grad[2, 2]).all()
-    x.grad[2, 2] = exact.grad[2, 2].float().to(device)
-    assert_close(x.grad, exact.grad, 2e-5, "grad")
+    opts = reference.Options(temperature=0.7, logit_softcapping=5.0)
+    ref = reference.log_probs(as_float64(logits), labels.cpu().numpy(), opts=opts, shift=1)
+    rtol = tolerances.RTOL
+    tolerances.check(as_float64(out.logprobs), ref.logprobs, rtol * ref.logprob_scale + tolerances.FLOOR, "logprobs")
+    tolerances.check(as_float64(out.entropy), ref.entropy, 2 * rtol * ref.logprob_scale + tolerances.FLOOR, "entropy")
 
 
 def test_log_probs_keeps_nothing_without_gradients(device):

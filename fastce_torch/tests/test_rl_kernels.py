@@ -1,13 +1,16 @@
 """The backward kernel's entropy-gradient variant (HAS_ENTROPY_GRAD, kernels.backward(grad_entropy=, mean_z=))
-against float64 autograd, alone and with the loss's gradient, with every option, -inf logits, ignored rows, and in
-vocab-parallel mode (two column slices with the global lse and mz). On the `device` fixture's device (CPU: Triton's
-interpreter); the float64 reference on the CPU."""
+against the float64 reference (shared_tests/reference.py), alone and with the loss's gradient, with every option,
+-inf logits, ignored rows, and in vocab-parallel mode (two column slices with the global lse and mz). On the
+`device` fixture's device (CPU: Triton's interpreter)."""
 
 import pytest
 import torch
 
 from fastce_torch import contract, kernels
 from fastce_torch.contract import Options
+from shared_tests import reference
+
+from .checks import as_float64
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::DeprecationWarning", "ignore:invalid value:RuntimeWarning", "ignore:divide by zero:RuntimeWarning"
@@ -33,20 +36,12 @@ def problem(n_rows, vocab, device, seed=0):
 
 
 def reference_gradient(logits, labels, grad_loss, grad_entropy, options):
-    """d(sum_t g_t loss_t + g_H,t H_t) / d logits in float64 autograd on the CPU, the entropy written out literally."""
-    logits, labels, grad_entropy = logits.cpu(), labels.cpu(), grad_entropy.cpu()
-    grad_loss = None if grad_loss is None else grad_loss.cpu()
-    x = logits.double().requires_grad_()
-    ignored = labels == options.ignore_index
-    token_losses = contract.reference_token_losses(x, labels, options)
-    z = contract.transform(x, options, labels)
-    p, mean_z, _ = contract.softmax_mean(z)
-    entropy = torch.where(ignored, 0.0, torch.logsumexp(z, -1) - mean_z.squeeze(-1))
-    objective = (grad_entropy.double() * entropy).sum()
-    if grad_loss is not None:
-        objective = objective + (grad_loss.double() * token_losses).sum()
-    objective.backward()
-    return x.grad
+    """d(sum_t g_t loss_t + g_H,t H_t) / d logits in float64 (reference.differentiated; g_t = 0 without grad_loss)."""
+    upstream = (0.0 if grad_loss is None else as_float64(grad_loss), 0.0, as_float64(grad_entropy))
+    ref = reference.differentiated(
+        as_float64(logits), labels.cpu().numpy(), reduction="none", opts=reference.Options(*options), upstream=upstream
+    )
+    return torch.as_tensor(ref.loss.grad)
 
 
 def assert_close(grad, expected):

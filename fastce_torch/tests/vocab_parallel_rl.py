@@ -1,15 +1,16 @@
 """The RL keywords on vocab-parallel logits, run on every rank by vocab_parallel_check.py's `--rl` argument set:
 temperature, token_weights and the entropy's gradient (the global mz) through process_group= (equal widths, or
-explicit vocab_start) and a DTensor sharded on the vocabulary, every reduction, against rl_reference.literal on the
-full logits in float64; temperature and token weights under torch.compile(fullgraph=True) (the traced path); and
-create_graph through the entropy refused with NotImplementedError. Returns (cases run, failure lines)."""
+explicit vocab_start) and a DTensor sharded on the vocabulary, every reduction, against the float64 reference
+(shared_tests/reference.py: reference.differentiated) of the full logits; temperature and token weights under
+torch.compile(fullgraph=True) (the traced path); and create_graph through the entropy refused with
+NotImplementedError. Returns (cases run, failure lines)."""
 
 import torch
 import torch.distributed as dist
 
 import fastce_torch
-from fastce_torch.tests.checks import gather_columns
-from fastce_torch.tests.rl_reference import literal
+from fastce_torch.tests.checks import as_float64, gather_columns
+from shared_tests import reference as ref64
 
 OPTIONS = dict(logit_softcapping=5.0, logit_scaling=0.9, label_smoothing=0.1, z_loss=1e-3)
 FIELDS = {"loss": 1.0, "entropy": -0.3, "z_loss": 2.0}
@@ -28,11 +29,15 @@ def objective(out, fields, get=getattr):
     return sum(coefficient * get(out, name).sum() for name, coefficient in fields.items())
 
 
-def expected_gradient(logits, labels, fields, **keywords):
-    exact = logits.detach().cpu().double().requires_grad_()
-    reference = literal(exact, labels.cpu(), **keywords)
-    objective(reference, fields, dict.__getitem__).backward()
-    return reference, exact.grad
+def expected_gradient(logits, labels, fields, reduction="mean", token_weights=None, **options):
+    """({loss, z_loss, entropy} and d objective / d logits) in float64, as torch tensors."""
+    upstream = tuple(fields.get(name, 0.0) for name in ("loss", "z_loss", "entropy"))
+    ref = ref64.differentiated(
+        as_float64(logits), labels.cpu().numpy(), reduction=reduction, opts=ref64.Options(**options),
+        token_weights=None if token_weights is None else as_float64(token_weights), upstream=upstream,
+    )  # fmt: skip
+    values = dict(loss=ref.loss.loss, z_loss=ref.z_loss, entropy=ref.entropy.loss)
+    return {name: torch.as_tensor(value) for name, value in values.items()}, torch.as_tensor(ref.loss.grad)
 
 
 def assert_close(got, expected, what, tol=2e-5):
