@@ -59,7 +59,8 @@ def test_hv_compiles_without_a_transposed_weight(reduction):
     # copy, transpose or fusion.
     assert not [k for k in ops if k[0] == f"f32[{V},{H}]" and k[1] != "dot"], ops
     assert not [k for k in ops if k[1] in ("copy", "transpose")], ops
-    assert (f"f32[{H},{V}]", "dot") in ops  # the chunk matmuls read the (H, V) weight itself
+    # the chunk matmuls read the (H, V) weight itself (on the GPU the d weight product may come out (V, H), bitcast)
+    assert {(f"f32[{H},{V}]", "dot"), (f"f32[{V},{H}]", "dot")} & set(ops), ops
 
 
 def test_transposing_the_kernel_instead_shows_a_transposed_weight():
