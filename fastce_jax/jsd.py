@@ -1,7 +1,7 @@
 """Distillation loss between a student's and a teacher's logits: ``jsd`` (issue 38; CONTRACT.md), TRL's generalized
 Jensen-Shannon divergence, forward KL at beta = 0 and reverse KL at beta = 1.
 
-Layers: the argument checks (contract.check_jsd_options), the jnp reference (``reference_rows``: backend="reference",
+Layers: the argument checks (jsd_contract.py), the jnp reference (``reference_rows``: backend="reference",
 float64 inputs, and the non-GPU branch of a platform-dependent trace), the custom_vjp around the kernels
 (kernels/jsd.py) and the public ``jsd``. The teacher is a constant: it enters under ``jax.lax.stop_gradient``, so
 differentiating with respect to it gives zeros, whether or not the kernels run.
@@ -23,9 +23,9 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import contract, ops
-from .contract import FORWARD_KL, MIXTURE, REVERSE_KL, JsdOptions
+from . import contract, jsd_contract, ops
 from .cross_entropy import COMPILED, INTERPRETED, _route
+from .jsd_contract import FORWARD_KL, MIXTURE, REVERSE_KL, JsdOptions
 from .kernels import jsd as jsd_kernels
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -384,7 +384,7 @@ def jsd(
     (``stop_gradient``: its gradient is zero). jit, grad and vmap work; a call that is not differentiated keeps
     nothing for a backward.
     """
-    opts, beta = contract.check_jsd_options(
+    opts, beta = jsd_contract.check_jsd_options(
         beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
         student_softcapping=student_softcapping, teacher_softcapping=teacher_softcapping, backend=backend,
     )  # fmt: skip

@@ -13,8 +13,8 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import contract
-from .contract import JsdOptions
+from . import contract, jsd_contract
+from .jsd_contract import JsdOptions
 from .kernels import jsd as jsd_kernels
 
 JSD_OPTIONS_SCHEMA = contract.op_schema(JsdOptions)
@@ -250,7 +250,7 @@ def jsd(
     check_pair(student_logits, teacher_logits, "student_logits", "teacher_logits")
     check_labels(labels, student_logits, "student_logits")
     check_vocabularies(student_logits.shape[-1], teacher_logits.shape[-1], "teacher_logits")
-    options = contract.check_jsd_options(
+    options = jsd_contract.check_jsd_options(
         beta, temperature, ignore_index, reduction, student_softcapping, teacher_softcapping, backend
     )
     leading = student_logits.shape[:-1]

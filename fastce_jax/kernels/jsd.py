@@ -1,7 +1,7 @@
 """Pallas (Triton backend) kernels of the distillation loss (``fastce_jax.jsd``, ``linear_jsd``), and their launchers.
 
 With u_s = z_s / T, u_t = z_t / T (z: the soft-capped logits; the temperature is folded into the transform's
-options, contract.JsdOptions), ls = log softmax(u_s), lt = log softmax(u_t) over the student's V columns:
+options, jsd_contract.JsdOptions), ls = log softmax(u_s), lt = log softmax(u_t) over the student's V columns:
 beta = 0 is KL(p_t || p_s), beta = 1 is KL(p_s || p_t), otherwise, with lm = log((1 - beta) p_s + beta p_t),
 beta KL(p_t || m) + (1 - beta) KL(p_s || m) (TRL's generalized JSD).
 
@@ -34,7 +34,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..contract import FORWARD_KL, MIXTURE, REVERSE_KL, JsdOptions, ignore_value, transform
+from ..contract import ignore_value, transform
+from ..jsd_contract import FORWARD_KL, MIXTURE, REVERSE_KL, JsdOptions
 from .common import cdiv, dz_dx, next_pow2
 from .launch import _launch, _same_variance, quiet_triton
 

@@ -24,9 +24,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .. import contract
-from ..contract import MIXTURE, JsdOptions
+from .. import contract, jsd_contract
 from ..jsd import check_jsd_labels, counted_rows, reduce_rows, reference_loss, reference_terms
+from ..jsd_contract import MIXTURE, JsdOptions
 from ..kernels import jsd as jsd_kernels
 from . import chunks
 from .api import _check_chunking
@@ -257,7 +257,7 @@ def linear_jsd(
     (float64 for a float64 student). Gradients reach the student's hidden, weight and bias, in their dtypes; the
     teacher's get zeros (stop_gradient). jit, grad and vmap work.
     """
-    opts, beta = contract.check_jsd_options(
+    opts, beta = jsd_contract.check_jsd_options(
         beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
         student_softcapping=student_softcapping, teacher_softcapping=teacher_softcapping, backend=backend,
     )  # fmt: skip

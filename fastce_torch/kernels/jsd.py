@@ -317,7 +317,7 @@ def _rows(tensor):
 def jsd_forward(student, teacher, labels, options, out, block=None):
     """Writes per row into out = (loss, lse_s, lse_t, kl) (four float32 (N,) tensors): the loss of student (N, V_s)
     against the first V_s columns of teacher (N, V_t >= V_s), the two logsumexps of u = softcap(x) / T and the
-    backward's row constant. labels: (N,) int tensor or None (every row counts). options: contract.JsdOptions.
+    backward's row constant. labels: (N,) int tensor or None (every row counts). options: jsd_contract.JsdOptions.
     block: the tile width (default JSD_FORWARD_BLOCK). Returns out."""
     _checked(student)
     n_rows, vocab = student.shape

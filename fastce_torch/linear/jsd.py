@@ -20,8 +20,7 @@ torch.library custom ops below replace the autograd Functions.
 import torch
 from torch.autograd.function import once_differentiable
 
-from .. import contract, kernels
-from ..contract import JsdOptions
+from .. import contract, jsd_contract, kernels
 from ..jsd import (
     JSD_OPTIONS_SCHEMA,
     check_labels,
@@ -31,6 +30,7 @@ from ..jsd import (
     reference_row_losses,
     row_divisor,
 )
+from ..jsd_contract import JsdOptions
 from ..kernels import jsd as jsd_kernels
 from .chunks import (
     Chunking,
@@ -345,7 +345,7 @@ def linear_jsd(
     check_labels(labels, student_hidden, "student_hidden")
     vocab = student_weight.shape[0]
     check_vocabularies(vocab, teacher_weight.shape[0], "teacher_weight")
-    options = contract.check_jsd_options(
+    options = jsd_contract.check_jsd_options(
         beta, temperature, ignore_index, reduction, student_softcapping, teacher_softcapping, backend
     )
     workspace_bytes = _check_chunking(workspace_bytes, None, False).workspace_bytes
