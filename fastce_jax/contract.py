@@ -75,6 +75,7 @@ TRACED = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionEr
 
 FLOAT_DTYPE_ERROR = "{name} must be float32, bfloat16, float16 or float64, got {dtype}"
 LABEL_DTYPE_ERROR = "labels must be int32 or int64, got {dtype}"
+LABEL_SHAPE_ERROR = "labels must have {name}'s leading shape {lead}, got {shape}"
 TRACED_LABELS_ERROR = (
     "validate_labels=True needs concrete labels, but labels is traced (jit/vmap/scan); validate outside the "
     "transformation or pass validate_labels=False (bad labels then give a NaN loss)."
@@ -104,15 +105,16 @@ def check_float_array(x, name: str):
     return x
 
 
-def check_labels(labels, leading_shape: tuple, ignore_index: int):
-    """labels as an int32/int64 array shaped ``leading_shape``; narrower integers widen to int32 (losslessly), and a
-    host int64 array that JAX would cut to int32 (x64 off) keeps its out-of-range labels out of range."""
+def check_labels(labels, leading_shape: tuple, ignore_index: int, name: str = "logits"):
+    """labels as an int32/int64 array shaped ``leading_shape`` (that of ``name``); narrower integers widen to int32
+    (losslessly), and a host int64 array that JAX would cut to int32 (x64 off) keeps its out-of-range labels out of
+    range."""
     labels = as_array(labels, "labels")
     dtype = jnp.dtype(labels.dtype)
     if not jnp.issubdtype(dtype, jnp.integer) or (dtype.itemsize >= 4 and not jnp.issubdtype(dtype, jnp.signedinteger)):
         raise TypeError(LABEL_DTYPE_ERROR.format(dtype=labels.dtype))  # uint32/uint64 do not fit int32
     if tuple(labels.shape) != tuple(leading_shape):
-        raise ValueError(f"labels shape {tuple(labels.shape)} must equal logits' leading shape {tuple(leading_shape)}")
+        raise ValueError(LABEL_SHAPE_ERROR.format(name=name, lead=tuple(leading_shape), shape=tuple(labels.shape)))
     if dtype.itemsize < 4:
         labels = labels.astype(jnp.int32)
     return _narrow_host_int64(labels, ignore_index)
@@ -210,7 +212,7 @@ def check_temperature(temperature) -> float:
         raise TypeError(f"temperature must be a Python float > 0, got {temperature!r}")
     value = float(temperature)
     if not np.isfinite(value) or not value > 0.0:
-        raise ValueError(f"temperature must be finite and > 0, got {value}")
+        raise ValueError(f"temperature must be > 0 and finite, got {value}")
     return value
 
 

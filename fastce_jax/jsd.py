@@ -320,31 +320,6 @@ def _kernel_loss(student, teacher, labels, beta, *, st: _Launch, mode: str, redu
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def check_logits(student_logits, teacher_logits):
-    """The two logits arrays, checked: floating, student (..., V) with V >= 1, teacher (..., V_t) with the same
-    leading shape and V_t >= V."""
-    student = contract.check_float_array(student_logits, "student_logits")
-    teacher = contract.check_float_array(teacher_logits, "teacher_logits")
-    if student.ndim < 1 or student.shape[-1] < 1:
-        raise ValueError(f"student_logits must have shape (..., V) with V >= 1, got {tuple(student.shape)}")
-    if teacher.ndim != student.ndim or teacher.shape[:-1] != student.shape[:-1]:
-        raise ValueError(
-            f"teacher_logits must have student_logits' leading shape {tuple(student.shape[:-1])}, got "
-            f"{tuple(teacher.shape)}"
-        )
-    if teacher.shape[-1] < student.shape[-1]:
-        raise ValueError(
-            f"teacher_logits has {teacher.shape[-1]} columns, fewer than the student's {student.shape[-1]} (a "
-            "larger, padded teacher vocabulary is allowed: its first V columns are compared)"
-        )
-    return student, teacher
-
-
-def check_jsd_labels(labels, lead: tuple, ignore_index: int):
-    """None (every row counts) or integer labels shaped ``lead``."""
-    return None if labels is None else contract.check_labels(labels, lead, ignore_index)
-
-
 def jsd(
     student_logits,
     teacher_logits,
@@ -388,8 +363,8 @@ def jsd(
         beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
         student_softcapping=student_softcapping, teacher_softcapping=teacher_softcapping, backend=backend,
     )  # fmt: skip
-    student, teacher = check_logits(student_logits, teacher_logits)
-    labels = check_jsd_labels(labels, student.shape[:-1], opts.ignore_index)
+    student, teacher = jsd_contract.check_logits(student_logits, teacher_logits)
+    labels = jsd_contract.check_jsd_labels(labels, student.shape[:-1], opts.ignore_index, "student_logits")
     route = _route(student, backend)
     student, teacher = jnp.asarray(student), jnp.asarray(teacher)
     labels = None if labels is None else jnp.asarray(labels)

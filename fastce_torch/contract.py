@@ -33,6 +33,7 @@ class Options(NamedTuple):
 REDUCTIONS = ("none", "mean", "sum")
 BACKENDS = ("auto", "kernel", "reference")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INPUT_DTYPES = (*KERNEL_DTYPES, torch.float64)  # float64 is computed in float64 by plain torch
 LABEL_DTYPES = (torch.int32, torch.int64)
 FLOAT32_TINY = torch.finfo(torch.float32).tiny  # 2**-126: options between 0 and this are refused
 
@@ -42,6 +43,10 @@ VMAP_UNSUPPORTED = (
     "per example), or use backend='reference'"
 )
 KERNEL_DTYPE_REQUIRED = "logits must be float32, bfloat16, float16 or float64, got {}"
+# The messages shared word for word with fastce_jax's contract.
+FLOAT_DTYPE_ERROR = "{name} must be float32, bfloat16, float16 or float64, got {dtype}"
+LABEL_DTYPE_ERROR = "labels must be int32 or int64, got {dtype}"
+LABEL_SHAPE_ERROR = "labels must have {name}'s leading shape {lead}, got {shape}"
 
 
 class CrossEntropyOutput(NamedTuple):
@@ -76,14 +81,19 @@ def _is_finite(value):
     return -math.inf < value < math.inf
 
 
+def dtype_name(tensor):
+    """A tensor's dtype as fastce_jax's messages name it ("float32", not "torch.float32"); another value's type."""
+    if isinstance(tensor, torch.Tensor):
+        return str(tensor.dtype).removeprefix("torch.")
+    return type(tensor).__name__
+
+
 def check_labels(labels, name, shape, device):
     """labels must be int32/int64 with the leading shape of `name`'s `shape` (its last dimension is V) on `device`."""
     if not isinstance(labels, torch.Tensor) or labels.dtype not in LABEL_DTYPES:
-        raise TypeError(f"labels must be an int32 or int64 tensor, got {getattr(labels, 'dtype', type(labels))}")
+        raise TypeError(LABEL_DTYPE_ERROR.format(dtype=dtype_name(labels)))
     if len(shape) < 1 or tuple(labels.shape) != tuple(shape[:-1]):
-        raise ValueError(
-            f"labels must have the leading shape of {name}: {name} {tuple(shape)}, labels {tuple(labels.shape)}"
-        )
+        raise ValueError(LABEL_SHAPE_ERROR.format(name=name, lead=tuple(shape[:-1]), shape=tuple(labels.shape)))
     if labels.device != device:
         raise ValueError(f"labels are on {labels.device} but {name} on {device}")
 
@@ -208,7 +218,7 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 def check_temperature(temperature):
     """temperature as a float: a Python int or float, > 0 and finite (bool and other types: TypeError)."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a positive number (int or float), got {temperature!r}")
+        raise TypeError(f"temperature must be a Python float > 0, got {temperature!r}")
     if not (_is_finite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
     return float(temperature)

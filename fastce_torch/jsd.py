@@ -20,43 +20,6 @@ from .kernels import jsd as jsd_kernels
 JSD_OPTIONS_SCHEMA = contract.op_schema(JsdOptions)
 
 
-# --- checks -----------------------------------------------------------------------------------------------------
-
-
-def check_floating(tensor, name):
-    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got {getattr(tensor, 'dtype', type(tensor))}")
-
-
-def check_pair(student, teacher, student_name, teacher_name):
-    """student (..., X_s) and teacher (..., X_t): floating, on one device, the same leading shape."""
-    check_floating(student, student_name)
-    check_floating(teacher, teacher_name)
-    if student.dim() < 1 or student.shape[-1] < 1:
-        raise ValueError(f"{student_name} must have a last dimension of at least 1, got {tuple(student.shape)}")
-    if teacher.device != student.device:
-        raise ValueError(f"{teacher_name} is on {teacher.device} but {student_name} on {student.device}")
-    if teacher.dim() != student.dim() or teacher.shape[:-1] != student.shape[:-1]:
-        raise ValueError(
-            f"{teacher_name} must have the leading shape of {student_name}: {student_name} "
-            f"{tuple(student.shape)}, {teacher_name} {tuple(teacher.shape)}"
-        )
-
-
-def check_labels(labels, student, name):
-    """labels: None (every row counts) or an int32/int64 tensor with the leading shape of `name`."""
-    if labels is not None:
-        contract.check_labels(labels, name, student.shape, student.device)
-
-
-def check_vocabularies(vocab_student, vocab_teacher, teacher_name):
-    if vocab_teacher < vocab_student:
-        raise ValueError(
-            f"{teacher_name} has {vocab_teacher} classes, fewer than the student's {vocab_student}: the teacher's "
-            "vocabulary must hold the student's (a larger, padded teacher head is compared on its first columns)"
-        )
-
-
 # --- the formula in plain torch -----------------------------------------------------------------------------------
 
 
@@ -247,12 +210,11 @@ def jsd(
     backend: "auto" (the Triton kernels for CUDA tensors, plain torch elsewhere), "kernel" (always the kernels; on the
     CPU Triton's interpreter), "reference" (plain torch). float64 students are computed in float64 in plain torch.
     """
-    check_pair(student_logits, teacher_logits, "student_logits", "teacher_logits")
-    check_labels(labels, student_logits, "student_logits")
-    check_vocabularies(student_logits.shape[-1], teacher_logits.shape[-1], "teacher_logits")
     options = jsd_contract.check_jsd_options(
         beta, temperature, ignore_index, reduction, student_softcapping, teacher_softcapping, backend
     )
+    jsd_contract.check_logits(student_logits, teacher_logits)
+    jsd_contract.check_jsd_labels(labels, student_logits, "student_logits")
     leading = student_logits.shape[:-1]
     n_rows = leading.numel()
     if not contract.use_kernel(student_logits, backend):

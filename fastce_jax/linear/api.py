@@ -248,7 +248,7 @@ def linear_cross_entropy(
         backend=backend,
         temperature=temperature,
     )
-    labels = contract.check_labels(labels, hidden.shape[:-1], options.ignore_index)
+    labels = contract.check_labels(labels, hidden.shape[:-1], options.ignore_index, "hidden")
     labels = contract.masked_labels(labels, where, options.ignore_index)
     token_weights = contract.check_token_weights(token_weights, labels.shape)
     check = contract.check_flag(validate_labels, "validate_labels")

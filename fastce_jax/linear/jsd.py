@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import contract, jsd_contract
-from ..jsd import check_jsd_labels, counted_rows, reduce_rows, reference_loss, reference_terms
+from ..jsd import counted_rows, reduce_rows, reference_loss, reference_terms
 from ..jsd_contract import MIXTURE, JsdOptions
 from ..kernels import jsd as jsd_kernels
 from . import chunks
@@ -203,24 +203,6 @@ def _reference_loss(h_s, w_s, b_s, h_t, w_t, b_t, labels, terms, *, opts: JsdOpt
 # --- public API -----------------------------------------------------------------------------------------------------
 
 
-def _check_head(hidden, weight, bias, side: str):
-    """One model's (hidden (..., H), weight (V, H), bias (V,) or None), each bad one naming itself."""
-    hidden = contract.check_float_array(hidden, f"{side}_hidden")
-    weight = contract.check_float_array(weight, f"{side}_weight")
-    bias = None if bias is None else contract.check_float_array(bias, f"{side}_bias")
-    if hidden.ndim < 1 or hidden.shape[-1] < 1:
-        raise ValueError(f"{side}_hidden must have shape (..., H) with H >= 1, got {tuple(hidden.shape)}")
-    if weight.ndim != 2 or weight.shape[0] < 1 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"{side}_weight must have shape (V, H) = (V, {hidden.shape[-1]}) with V >= 1 (the lm_head layout), "
-            f"got {tuple(weight.shape)}"
-        )
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"{side}_bias must have shape (V,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
-    dtype = jnp.dtype(jnp.result_type(hidden.dtype, weight.dtype, *(() if bias is None else (bias.dtype,))))
-    return (hidden, weight, bias), dtype
-
-
 def linear_jsd(
     student_hidden,
     student_weight,
@@ -261,20 +243,12 @@ def linear_jsd(
         beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
         student_softcapping=student_softcapping, teacher_softcapping=teacher_softcapping, backend=backend,
     )  # fmt: skip
-    student, dtype = _check_head(student_hidden, student_weight, student_bias, "student")
-    teacher, teacher_dtype = _check_head(teacher_hidden, teacher_weight, teacher_bias, "teacher")
+    (student, dtype), (teacher, teacher_dtype) = jsd_contract.check_heads(
+        (student_hidden, student_weight, student_bias), (teacher_hidden, teacher_weight, teacher_bias)
+    )
     lead = tuple(student[0].shape[:-1])
-    if tuple(teacher[0].shape[:-1]) != lead:
-        raise ValueError(
-            f"teacher_hidden must have student_hidden's leading shape {lead}, got {tuple(teacher[0].shape)}"
-        )
     vocab, vocab_t = student[1].shape[0], teacher[1].shape[0]
-    if vocab_t < vocab:
-        raise ValueError(
-            f"teacher_weight has {vocab_t} rows, fewer than the student's vocabulary {vocab} (a larger, padded "
-            "teacher head is allowed: its first V rows are compared)"
-        )
-    labels = check_jsd_labels(labels, lead, opts.ignore_index)
+    labels = jsd_contract.check_jsd_labels(labels, lead, opts.ignore_index, "student_hidden")
     _check_chunking(workspace_bytes, None, False)
     if backend == "auto":
         backend = "kernel" if contract.on_gpu(student[0]) else "reference"

@@ -356,7 +356,7 @@ def test_bad_arguments(put):
         linear_cross_entropy(hidden, weight, labels, bias=bias[:-1])
     with pytest.raises(TypeError, match="hidden must be float32"):
         linear_cross_entropy(hidden.astype(jnp.int32), weight, labels)
-    with pytest.raises(ValueError, match="labels shape"):
+    with pytest.raises(ValueError, match="labels must have hidden.s leading shape"):
         linear_cross_entropy(hidden, weight, labels[:-1])
     with pytest.raises(ValueError, match="reduction"):
         linear_cross_entropy(hidden, weight, labels, reduction="avg")

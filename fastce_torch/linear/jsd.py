@@ -23,9 +23,6 @@ from torch.autograd.function import once_differentiable
 from .. import contract, jsd_contract, kernels
 from ..jsd import (
     JSD_OPTIONS_SCHEMA,
-    check_labels,
-    check_pair,
-    check_vocabularies,
     reduced,
     reference_row_losses,
     row_divisor,
@@ -45,34 +42,11 @@ from .chunks import (
     rows_per_chunk,
 )
 
-LINEAR_DTYPES = (*contract.KERNEL_DTYPES, torch.float64)
 NO_GRADS = (False, False, False)
 BACKWARD_TWICE = (
     "fastce_torch.linear_jsd: backward through the same loss twice is not supported (its gradients are computed in "
     "the forward and handed over once); compute the loss again instead of retain_graph=True"
 )
-
-
-# --- checks -------------------------------------------------------------------------------------------------------
-
-
-def _check_head(hidden, weight, bias, side):
-    """weight (V, H) with H = hidden's last dimension, bias (V,) or None, all floating on hidden's device."""
-    for name, tensor in ((f"{side}_hidden", hidden), (f"{side}_weight", weight), (f"{side}_bias", bias)):
-        if tensor is None and name.endswith("bias"):
-            continue
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in LINEAR_DTYPES:
-            got = getattr(tensor, "dtype", type(tensor))
-            raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {got}")
-        if tensor.device != hidden.device:
-            raise ValueError(f"{name} is on {tensor.device} but {side}_hidden on {hidden.device}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] < 1:
-        raise ValueError(
-            f"{side}_weight must be (V, H) with H = {side}_hidden.shape[-1] (nn.Linear's layout): {side}_hidden "
-            f"{tuple(hidden.shape)}, {side}_weight {tuple(weight.shape)}"
-        )
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"{side}_bias must be None or ({weight.shape[0]},), got {tuple(bias.shape)}")
 
 
 # --- the chunk loop -------------------------------------------------------------------------------------------------
@@ -339,15 +313,14 @@ def linear_jsd(
     jsd's; workspace_bytes bounds the two chunks of logits together (None: 256 MiB). Only the student's hidden,
     weight and bias get gradients; the teacher's are constants.
     """
-    check_pair(student_hidden, teacher_hidden, "student_hidden", "teacher_hidden")
-    _check_head(student_hidden, student_weight, student_bias, "student")
-    _check_head(teacher_hidden, teacher_weight, teacher_bias, "teacher")
-    check_labels(labels, student_hidden, "student_hidden")
-    vocab = student_weight.shape[0]
-    check_vocabularies(vocab, teacher_weight.shape[0], "teacher_weight")
     options = jsd_contract.check_jsd_options(
         beta, temperature, ignore_index, reduction, student_softcapping, teacher_softcapping, backend
     )
+    jsd_contract.check_heads(
+        (student_hidden, student_weight, student_bias), (teacher_hidden, teacher_weight, teacher_bias)
+    )
+    jsd_contract.check_jsd_labels(labels, student_hidden, "student_hidden")
+    vocab = student_weight.shape[0]
     workspace_bytes = _check_chunking(workspace_bytes, None, False).workspace_bytes
     leading = student_hidden.shape[:-1]
     h_s, w_s, b_s = autocast_or_common_dtype(student_hidden, student_weight, student_bias)
