@@ -158,19 +158,10 @@ class LigerCrossEntropyFunction:
 
     @staticmethod
     def apply(
-        _input,
-        target,
-        weight=None,
-        ignore_index=-100,
-        lse_square_scale=0.0,
-        label_smoothing=0.0,
-        reduction="mean",
-        softcap=None,
-        return_z_loss=False,
-        return_token_accuracy=False,
-        return_predicted_tokens=False,
+        _input, target, weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0, reduction="mean",
+        softcap=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False,
         **fastce_options,
-    ):
+    ):  # fmt: skip
         """Returns (loss, z_loss, token_accuracy, predicted_tokens), None for what was not asked."""
         flags = dict(return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy)
         _check_liger_options(
@@ -201,26 +192,11 @@ class LigerFusedLinearCrossEntropyFunction:
 
     @staticmethod
     def apply(
-        _input,
-        weight,
-        target,
-        bias=None,
-        ce_weight=None,
-        ignore_index=-100,
-        lse_square_scale=0.0,
-        label_smoothing=0.0,
-        reduction="mean",
-        softcap=None,
-        return_z_loss=False,
-        accum_dtype=None,
-        use_token_scaling=False,
-        return_token_accuracy=False,
-        return_predicted_tokens=False,
-        ce_impl=None,
-        ce_mode=None,
-        chunk_mem_const=1,
-        **fastce_options,
-    ):
+        _input, weight, target, bias=None, ce_weight=None, ignore_index=-100, lse_square_scale=0.0,
+        label_smoothing=0.0, reduction="mean", softcap=None, return_z_loss=False, accum_dtype=None,
+        use_token_scaling=False, return_token_accuracy=False, return_predicted_tokens=False, ce_impl=None,
+        ce_mode=None, chunk_mem_const=1, **fastce_options,
+    ):  # fmt: skip
         """Returns (loss, z_loss, token_accuracy, None): fastce refuses return_predicted_tokens here."""
         flags = dict(return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy)
         checked = dict(flags, use_token_scaling=use_token_scaling, return_predicted_tokens=return_predicted_tokens)
@@ -257,61 +233,40 @@ def _target_probabilities(options):
     return torch.where(options["labels"] == options["ignore_index"], 0.0, torch.exp(-token_loss))
 
 
+def _loss_or_output(results, return_z_loss, return_token_accuracy, return_predicted_tokens):
+    """A functional entry point's result from its Function's (loss, z_loss, token_accuracy, predicted_tokens): the
+    loss alone, or CrossEntropyOutput when any return_* is on."""
+    if not (return_z_loss or return_token_accuracy or return_predicted_tokens):
+        return results[0]
+    return CrossEntropyOutput(*results)
+
+
 def liger_cross_entropy(
-    input,
-    target,
-    weight=None,
-    size_average=None,
-    ignore_index=-100,
-    reduce=None,
-    reduction="mean",
-    label_smoothing=0.0,
-    lse_square_scale=0.0,
-    softcap=None,
-    return_z_loss=False,
-    return_token_accuracy=False,
-    return_predicted_tokens=False,
-    **fastce_options,
-):
+    input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean",
+    label_smoothing=0.0, lse_square_scale=0.0, softcap=None, return_z_loss=False, return_token_accuracy=False,
+    return_predicted_tokens=False, **fastce_options,
+):  # fmt: skip
     """liger_kernel.transformers.functional.liger_cross_entropy: the loss, or CrossEntropyOutput if any return_*."""
     _refuse_legacy_reduction(size_average, reduce)
-    loss, z_loss, accuracy, predicted = LigerCrossEntropyFunction.apply(
+    results = LigerCrossEntropyFunction.apply(
         input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap, return_z_loss,
         return_token_accuracy, return_predicted_tokens, **fastce_options,
     )  # fmt: skip
-    if not (return_z_loss or return_token_accuracy or return_predicted_tokens):
-        return loss
-    return CrossEntropyOutput(loss=loss, z_loss=z_loss, token_accuracy=accuracy, predicted_tokens=predicted)
+    return _loss_or_output(results, return_z_loss, return_token_accuracy, return_predicted_tokens)
 
 
 def liger_fused_linear_cross_entropy(
-    input,
-    weight,
-    target,
-    bias=None,
-    ce_weight=None,
-    ignore_index=-100,
-    lse_square_scale=0.0,
-    label_smoothing=0.0,
-    reduction="mean",
-    softcap=None,
-    return_z_loss=False,
-    accum_dtype=None,
-    use_token_scaling=False,
-    return_token_accuracy=False,
-    return_predicted_tokens=False,
-    chunk_mem_const=1,
-    **fastce_options,
-):
+    input, weight, target, bias=None, ce_weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
+    reduction="mean", softcap=None, return_z_loss=False, accum_dtype=None, use_token_scaling=False,
+    return_token_accuracy=False, return_predicted_tokens=False, chunk_mem_const=1, **fastce_options,
+):  # fmt: skip
     """liger_kernel.transformers.functional.liger_fused_linear_cross_entropy: input (BT, H), weight (V, H)."""
-    loss, z_loss, accuracy, _ = LigerFusedLinearCrossEntropyFunction.apply(
+    results = LigerFusedLinearCrossEntropyFunction.apply(
         input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
         return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy, return_predicted_tokens, None, None,
         chunk_mem_const, **fastce_options,
     )  # fmt: skip
-    if not (return_z_loss or return_token_accuracy):
-        return loss
-    return CrossEntropyOutput(loss=loss, z_loss=z_loss, token_accuracy=accuracy)
+    return _loss_or_output(results, return_z_loss, return_token_accuracy, return_predicted_tokens)
 
 
 class LigerCrossEntropyLoss(torch.nn.Module):
@@ -319,18 +274,10 @@ class LigerCrossEntropyLoss(torch.nn.Module):
     CrossEntropyOutput if any return_*. Keyword-only extras are fastce_torch.cross_entropy keywords."""
 
     def __init__(
-        self,
-        weight=None,
-        ignore_index=-100,
-        lse_square_scale=0.0,
-        label_smoothing=0.0,
-        reduction="mean",
-        softcap=None,
-        return_z_loss=False,
-        return_token_accuracy=False,
-        return_predicted_tokens=False,
+        self, weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0, reduction="mean",
+        softcap=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False,
         **fastce_options,
-    ):
+    ):  # fmt: skip
         super().__init__()
         flags = dict(return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy)
         _check_liger_options(
@@ -361,20 +308,10 @@ class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
     Keyword-only extras are fastce_torch.linear_cross_entropy keywords (workspace_bytes, ...)."""
 
     def __init__(
-        self,
-        ce_weight=None,
-        ignore_index=-100,
-        lse_square_scale=0.0,
-        label_smoothing=0.0,
-        reduction="mean",
-        softcap=None,
-        return_z_loss=False,
-        accum_dtype=None,
-        use_token_scaling=False,
-        return_token_accuracy=False,
-        return_predicted_tokens=False,
-        **fastce_options,
-    ):
+        self, ce_weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0, reduction="mean",
+        softcap=None, return_z_loss=False, accum_dtype=None, use_token_scaling=False, return_token_accuracy=False,
+        return_predicted_tokens=False, **fastce_options,
+    ):  # fmt: skip
         super().__init__()
         flags = dict(return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy)
         checked = dict(flags, use_token_scaling=use_token_scaling, return_predicted_tokens=return_predicted_tokens)
