@@ -16,11 +16,11 @@ logits under jit. Their losses agree at every step.
 """
 
 import argparse
-import json
 import math
 import sys
 from functools import partial
 
+import comparison  # examples/comparison.py: the step-by-step check against plain log_softmax
 import jax
 import jax.numpy as jnp
 import optax
@@ -203,35 +203,17 @@ def parse_args(argv=None):
         help="fastce_jax backend; 'kernel' off a GPU runs Pallas in interpret mode",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rtol", type=float, default=1e-4, help="allowed |gap| / max(1, |plain loss|) per step")
-    parser.add_argument("--json", help="write the losses here")
+    comparison.add_arguments(parser)
     return parser.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
     losses, rewards, params = train(args)
-    gaps = [abs(a - b) / max(1.0, abs(b)) for a, b in zip(losses["fastce"], losses["plain"])]
     leaves = zip(jax.tree.leaves(params["fastce"]), jax.tree.leaves(params["plain"]))
     param_gap = max(float(jnp.max(jnp.abs(a - b))) for a, b in leaves)
-    print(f"{'step':>5} {'fastce':>12} {'plain':>12}")
-    for i, (a, b) in enumerate(zip(losses["fastce"], losses["plain"])):
-        print(f"{i:5d} {a:12.7f} {b:12.7f}")
     print(f"mean reward per round: {', '.join(f'{r:.3f}' for r in rewards)}")
-    print(f"max loss gap {max(gaps):.2e} (rtol {args.rtol:g}); max parameter difference {param_gap:.2e}")
-    result = {
-        "args": vars(args),
-        "losses": losses,
-        "mean_rewards": rewards,
-        "max_gap": max(gaps),
-        "max_param_diff": param_gap,
-        "devices": [str(d) for d in jax.devices()],
-        "match": max(gaps) <= args.rtol,
-    }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    return comparison.report(args, losses, param_gap, mean_rewards=rewards, devices=[str(d) for d in jax.devices()])
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ log_softmax + gather of float32 logits, the way RL trainers compute it today. Th
 
 import argparse
 import copy
-import json
 import sys
 
+import comparison  # examples/comparison.py: the step-by-step check against plain log_softmax
 import torch
 import torch.nn.functional as F
 
@@ -171,34 +171,17 @@ def parse_args(argv=None):
     parser.add_argument("--backend", default="auto", choices=["auto", "kernel", "reference"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rtol", type=float, default=1e-4, help="allowed |gap| / max(1, |plain loss|) per step")
-    parser.add_argument("--json", help="write the losses here")
+    comparison.add_arguments(parser)
     return parser.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
     losses, rewards, models = train(args)
-    gaps = [abs(a - b) / max(1.0, abs(b)) for a, b in zip(losses["fastce"], losses["plain"])]
     params = zip(models["fastce"].parameters(), models["plain"].parameters())
     param_gap = max(float((a - b).detach().abs().max()) for a, b in params)
-    print(f"{'step':>5} {'fastce':>12} {'plain':>12}")
-    for i, (a, b) in enumerate(zip(losses["fastce"], losses["plain"])):
-        print(f"{i:5d} {a:12.7f} {b:12.7f}")
     print(f"mean reward per round: {', '.join(f'{r:.3f}' for r in rewards)}")
-    print(f"max loss gap {max(gaps):.2e} (rtol {args.rtol:g}); max parameter difference {param_gap:.2e}")
-    result = {
-        "args": vars(args),
-        "losses": losses,
-        "mean_rewards": rewards,
-        "max_gap": max(gaps),
-        "max_param_diff": param_gap,
-        "match": max(gaps) <= args.rtol,
-    }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    return comparison.report(args, losses, param_gap, mean_rewards=rewards)
 
 
 if __name__ == "__main__":
