@@ -1,5 +1,6 @@
 """Per-token log-probabilities (and entropies) at a sampling temperature, for RL objectives: ``log_probs`` and its
-``LogProbOutput``. The fused-linear counterpart, ``linear_log_probs``, lives in linear/api.py."""
+``LogProbOutput``. The fused-linear counterpart, ``linear_log_probs``, lives in linear/api.py; both end in
+``negated_losses``."""
 
 from __future__ import annotations
 

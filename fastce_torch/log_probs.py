@@ -1,5 +1,6 @@
 """Per-token log-probabilities for RL objectives (policy gradient, PPO / GRPO importance ratios, KL to a reference):
-`log_probs` and its `LogProbOutput`, on cross_entropy(reduction="none") (log p(token) = -loss)."""
+`log_probs` and its `LogProbOutput`, on cross_entropy(reduction="none") (log p(token) = -loss). The fused-linear
+counterpart, `linear_log_probs`, lives in linear/api.py; both end in `negated_losses`."""
 
 from typing import NamedTuple
 
@@ -48,7 +49,14 @@ def log_probs(
         logit_scaling=logit_scaling, backend=backend, validate_labels=validate_labels, process_group=process_group,
         vocab_start=vocab_start, shift=shift, return_entropy=return_entropy, temperature=temperature,
     )  # fmt: skip
-    loss = result.loss if return_entropy else result
+    return negated_losses(result, tokens, shift, ignore_index, return_entropy)
+
+
+def negated_losses(out, tokens, shift, ignore_index, return_entropy):
+    """log_probs' / linear_log_probs' result from the loss's reduction="none" output (a loss, or CrossEntropyOutput
+    with the entropy): -loss where the (shifted) token is kept, 0.0 where it is ignore_index. A DTensor loss with
+    plain tokens gets the ignored mask placed like the loss."""
+    loss = out.loss if return_entropy else out
     ignored = (tokens[..., int(shift) :] if shift else tokens) == ignore_index
     if sharding.is_dtensor(loss) and not sharding.is_dtensor(ignored):  # DTensor logits, plain tokens
         from torch.distributed.tensor import DTensor
@@ -56,4 +64,4 @@ def log_probs(
         ignored = DTensor.from_local(ignored, loss.device_mesh, loss.placements, run_check=False)
     # Negated where kept, 0.0 (not -0.0) where ignored: a where, not 0 - loss, which a compiler may fold to -loss.
     logprobs = torch.where(ignored, 0.0, -loss)
-    return LogProbOutput(logprobs, result.entropy) if return_entropy else logprobs
+    return LogProbOutput(logprobs, out.entropy) if return_entropy else logprobs

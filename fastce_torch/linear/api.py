@@ -12,7 +12,7 @@ linear/sharded.py.
 import torch
 
 from .. import contract, sharding
-from ..log_probs import LogProbOutput
+from ..log_probs import negated_losses
 from .autograd import unsharded_loss, unsharded_outputs
 from .chunks import _check_chunking, check_logits_dtype
 from .sharded import sharded_linear_cross_entropy
@@ -265,16 +265,5 @@ def linear_log_probs(
         return_entropy=return_entropy, process_group=process_group, vocab_start=vocab_start, temperature=temperature,
         logits_dtype=logits_dtype, weight_layout=weight_layout,
     )  # fmt: skip
-    loss = out.loss if return_entropy else out
-    kept_tokens = tokens[..., int(shift) :] if shift else tokens
-    if sharding.is_dtensor(kept_tokens):
-        kept_tokens = kept_tokens.full_tensor()
-    # Negated where kept, 0.0 (not -0.0) where ignored: a where, not 0 - loss, which a compiler may fold to -loss.
-    if sharding.is_dtensor(loss):  # the vocab-parallel DTensor path: a Replicate DTensor, like the loss
-        from torch.distributed.tensor import DTensor
-
-        local = torch.where(kept_tokens == ignore_index, 0.0, -loss.to_local())
-        logprobs = DTensor.from_local(local, loss.device_mesh, loss.placements, run_check=False)
-    else:
-        logprobs = torch.where(kept_tokens == ignore_index, 0.0, -loss)
-    return LogProbOutput(logprobs, out.entropy) if return_entropy else logprobs
+    plain_tokens = tokens.full_tensor() if sharding.is_dtensor(tokens) else tokens
+    return negated_losses(out, plain_tokens, shift, ignore_index, return_entropy)
