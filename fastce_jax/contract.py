@@ -138,72 +138,26 @@ def check_class_weight(weight, vocab: int, name: str = "weight"):
         raise ValueError(f"{name} must have shape ({vocab},) (one weight per class), got {tuple(weight.shape)}")
     if jnp.dtype(weight.dtype) != jnp.float64:
         weight = weight.astype(jnp.float32)
-    return _constant_weight(weight, name)
+    return constant_weight(weight, name)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _constant_weight(weight, name):
+def constant_weight(weight, name):
     return weight
 
 
-def _constant_weight_fwd(weight, name):
+def constant_weight_fwd(weight, name):
     if weight.perturbed:  # jax.grad / vjp asks for the weights' gradient
         what = "token weights" if name == "token_weights" else "class weights"
         raise ValueError(WEIGHT_GRAD_UNSUPPORTED.format(name, what))
     return weight.value, None
 
 
-def _constant_weight_bwd(name, residuals, g):
+def constant_weight_bwd(name, residuals, g):
     return (None,)
 
 
-_constant_weight.defvjp(_constant_weight_fwd, _constant_weight_bwd, symbolic_zeros=True)
-
-
-def check_token_weights(token_weights, labels_shape: tuple):
-    """Per-token weights (advantages, masks): None, or a floating-point array shaped exactly like labels, returned as
-    float32 (float64 when given in float64) carrying no gradient (differentiating with respect to it raises
-    ValueError naming token_weights)."""
-    if token_weights is None:
-        return None
-    token_weights = as_array(token_weights, "token_weights")
-    if not jnp.issubdtype(jnp.dtype(token_weights.dtype), jnp.floating):
-        raise TypeError(f"token_weights must be a floating-point array, got {token_weights.dtype}")
-    if tuple(token_weights.shape) != tuple(labels_shape):
-        raise ValueError(
-            f"token_weights shape {tuple(token_weights.shape)} must equal labels' shape {tuple(labels_shape)}"
-        )
-    if jnp.dtype(token_weights.dtype) != jnp.float64:
-        token_weights = jnp.asarray(token_weights).astype(jnp.float32)
-    return _constant_weight(jnp.asarray(token_weights), "token_weights")
-
-
-def masked_labels(labels, where, ignore_index: int):
-    """optax's ``where=`` (a bool array shaped like labels; False = leave the token out) folded into the labels:
-    ignore_index where False (loss 0, gradient 0, not counted by "mean"), O(N) integers and no kernel pass. None:
-    the labels unchanged. Host labels and mask stay on the host (validate_labels reads them)."""
-    if where is None:
-        return labels
-    where = as_array(where, "where")
-    if jnp.dtype(where.dtype) != jnp.bool_:
-        raise TypeError(f"where must be a bool array shaped like labels (False leaves a token out), got {where.dtype}")
-    if tuple(where.shape) != tuple(labels.shape):
-        raise ValueError(f"where shape {tuple(where.shape)} must equal labels' shape {tuple(labels.shape)}")
-    if ignore_value(labels.dtype, ignore_index) is None:
-        raise ValueError(f"where marks left-out tokens with ignore_index ({ignore_index}), which {labels.dtype} "
-                         "labels cannot hold; pass an ignore_index in the labels' range")  # fmt: skip
-    xp = np if isinstance(labels, np.ndarray) and isinstance(where, np.ndarray) else jnp
-    return xp.where(where, labels, xp.asarray(ignore_index, labels.dtype))
-
-
-def shifted_token_weights(token_weights, shift: int):
-    """token_weights aligned with contract.shifted_labels: w[..., shift:] followed by `shift` zeros (the padded
-    positions are ignored rows anyway)."""
-    if token_weights is None or not shift:
-        return token_weights
-    kept = token_weights[..., shift:]
-    pad = jnp.zeros((*token_weights.shape[:-1], token_weights.shape[-1] - kept.shape[-1]), token_weights.dtype)
-    return jnp.concatenate((kept, pad), axis=-1)
+constant_weight.defvjp(constant_weight_fwd, constant_weight_bwd, symbolic_zeros=True)
 
 
 def check_temperature(temperature) -> float:
@@ -267,17 +221,22 @@ def check_flag(value, name: str) -> bool:
     return bool(value)
 
 
-def check_options(
-    *, ignore_index, reduction, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend, temperature=1.0
-) -> Options:
-    """The options as an Options record of Python numbers, the temperature folded into scaling and softcapping
-    (fold_temperature); reduction and backend are checked, not stored."""
+def check_index_reduction_backend(ignore_index, reduction, backend):
+    """The keywords every loss takes besides its options: ignore_index an int, reduction and backend known names."""
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def check_options(
+    *, ignore_index, reduction, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend, temperature=1.0
+) -> Options:
+    """The options as an Options record of Python numbers, the temperature folded into scaling and softcapping
+    (fold_temperature); reduction and backend are checked, not stored."""
+    check_index_reduction_backend(ignore_index, reduction, backend)
     softcap = _real(logit_softcapping, "logit_softcapping")
     if softcap < 0:
         raise ValueError(f"logit_softcapping must be >= 0, got {softcap}")
@@ -318,50 +277,10 @@ def check_n_items(n_items):
     return n_items
 
 
-def check_shift(shift) -> int:
-    """shift as an int: True is 1, False 0; position t of the sequence (labels' last axis) is then scored against
-    label t + shift."""
-    if not isinstance(shift, numbers.Integral):
-        raise TypeError(f"shift must be a non-negative int (True means 1), got {shift!r}")
-    if shift < 0:
-        raise ValueError(f"shift must be >= 0, got {shift}")
-    return int(shift)
-
-
 def ignore_value(dtype, ignore_index: int) -> int | None:
     """ignore_index, or None when no label of this dtype can equal it."""
     info = jnp.iinfo(dtype)
     return ignore_index if info.min <= ignore_index <= info.max else None
-
-
-def shifted_labels(labels, shift: int, ignore_index: int):
-    """labels[..., shift:] followed by `shift` ignore_index columns (all ignore_index when shift >= the sequence
-    length), and the length of the kept part. The kernels then run on the full, unsliced logits: their last `shift`
-    positions are ignored rows (a zero gradient), so the loss equals that of (logits[..., :-shift, :],
-    labels[..., shift:]) without slicing the logits (a logits-sized copy, and a padded gradient). O(N) integers."""
-    if labels.ndim < 1:
-        raise ValueError("shift needs labels with a sequence axis (their last), got 0-d labels")
-    if ignore_value(labels.dtype, ignore_index) is None:
-        raise ValueError(
-            f"shift pads the labels with ignore_index ({ignore_index}), which {labels.dtype} labels cannot hold; "
-            "pass an ignore_index in int32's range"
-        )
-    xp = np if isinstance(labels, np.ndarray) else jnp  # host labels stay on the host (validate_labels reads them)
-    kept = labels[..., shift:]
-    pad = xp.full((*labels.shape[:-1], labels.shape[-1] - kept.shape[-1]), ignore_index, labels.dtype)
-    return xp.concatenate((kept, pad), axis=-1), kept.shape[-1]
-
-
-def keep_positions(result, kept, reduction: str):
-    """A shifted call's result restricted to its first ``kept`` positions (labels' last axis): the loss for "none",
-    and the per-token fields of a CrossEntropyOutput (lse always, the others for "none"); unchanged when kept is
-    None."""
-    if kept is None:
-        return result
-    if not isinstance(result, CrossEntropyOutput):
-        return result[..., :kept] if reduction == "none" else result
-    fields = result._fields if reduction == "none" else ("lse",)
-    return result._replace(**{f: getattr(result, f)[..., :kept] for f in fields if getattr(result, f) is not None})
 
 
 def validate_labels(labels, vocab: int, ignore_index: int) -> None:

@@ -10,7 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import contract, kernels, ops
+from . import contract, kernels, ops, token_inputs
 from .contract import Options
 
 # Where the kernels run: compiled (GPU), interpreted (Pallas interpret=True), or, for backend="auto" under a trace
@@ -181,7 +181,7 @@ def _cross_entropy(
     token_weights=None,
 ):
     """The loss of checked arguments (labels from contract.check_labels, token_weights from
-    contract.check_token_weights, aligned with the labels); a CrossEntropyOutput when ``returns`` asks for any
+    token_inputs.check_token_weights, aligned with the labels); a CrossEntropyOutput when ``returns`` asks for any
     extra output."""
     route = _route(logits, backend)
     logits = jnp.asarray(logits)
@@ -321,7 +321,7 @@ def cross_entropy(
     if logits.ndim < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have shape (..., V) with V >= 1, got {tuple(logits.shape)}")
     labels = contract.check_labels(labels, logits.shape[:-1], options.ignore_index)
-    labels = contract.masked_labels(labels, where, options.ignore_index)
+    labels = token_inputs.masked_labels(labels, where, options.ignore_index)
     inplace_backward = contract.check_flag(inplace_backward, "inplace_backward")
     check = contract.check_flag(validate_labels, "validate_labels")
     n_items = contract.check_n_items(n_items)
@@ -331,19 +331,19 @@ def cross_entropy(
         return_accuracy=return_accuracy,
         return_entropy=return_entropy,
     )
-    shift = contract.check_shift(shift)
+    shift = token_inputs.check_shift(shift)
     weight = contract.check_class_weight(weight, logits.shape[-1])
-    token_weights = contract.check_token_weights(token_weights, labels.shape)
+    token_weights = token_inputs.check_token_weights(token_weights, labels.shape)
     kept = None
     if shift:
-        labels, kept = contract.shifted_labels(labels, shift, options.ignore_index)
-        token_weights = contract.shifted_token_weights(token_weights, shift)
+        labels, kept = token_inputs.shifted_labels(labels, shift, options.ignore_index)
+        token_weights = token_inputs.shifted_token_weights(token_weights, shift)
     if check:
         contract.validate_labels(labels, logits.shape[-1], options.ignore_index)
     loss = _cross_entropy(
         logits, labels, options, reduction, n_items, backend, inplace_backward, returns, weight, token_weights
     )
-    return contract.keep_positions(loss, kept, reduction)
+    return token_inputs.keep_positions(loss, kept, reduction)
 
 
 def cross_entropy_reference(logits, labels, **options):

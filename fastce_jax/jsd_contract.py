@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import contract
-from .contract import BACKENDS, FLOAT32_TINY, REDUCTIONS, Options, check_temperature, fold_temperature
+from .contract import FLOAT32_TINY, Options, check_temperature, fold_temperature
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -63,12 +63,7 @@ def check_jsd_options(
     beta = float(beta)
     if not 0.0 <= beta <= 1.0:  # NaN fails too
         raise ValueError(BETA_RANGE.format(beta))
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    contract.check_index_reduction_backend(ignore_index, reduction, backend)
     temperature = check_temperature(temperature)
     if not FLOAT32_TINY <= 1.0 / temperature <= FLOAT32_MAX:
         raise ValueError(INVERSE_TEMPERATURE_RANGE.format(temperature))

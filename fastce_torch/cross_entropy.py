@@ -16,7 +16,7 @@ torch.compile the custom ops give the compiler opaque per-token ops and the redu
 
 import torch
 
-from . import contract, kernels, sharding
+from . import contract, kernels, sharding, token_inputs
 from .contract import Extras, differentiated_again, under_functorch, unwrapped
 from .custom_ops import forward_op, forward_outputs_op
 
@@ -299,7 +299,7 @@ def cross_entropy(
     """
     _check_logits(logits)
     contract.check_labels(labels, "logits", logits.shape, logits.device)
-    labels = contract.masked_labels(labels, where, ignore_index)
+    labels = token_inputs.masked_labels(labels, where, ignore_index)
     if weight is not None and (process_group is not None or sharding.is_dtensor(logits)):
         raise NotImplementedError(
             "class weights (weight=) are not supported with vocab-parallel or DTensor logits; compute the loss "
@@ -310,20 +310,20 @@ def cross_entropy(
         ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
     )
     options = contract.with_temperature(options, contract.check_temperature(temperature))
-    token_weights = contract.check_token_weights(token_weights, labels)
+    token_weights = token_inputs.check_token_weights(token_weights, labels)
     if vocab_start is not None and process_group is None:
         raise ValueError("vocab_start is only meaningful with process_group (vocab-parallel logits)")
     extras = contract.check_extras(return_z_loss, return_lse, return_accuracy, return_entropy)
     kept = None
-    if shift := contract.check_shift(shift, labels):
+    if shift := token_inputs.check_shift(shift, labels):
         if sharding.is_dtensor(logits) or sharding.is_dtensor(labels):
             raise NotImplementedError(
                 "shift is not supported with DTensor inputs; shift the labels yourself (labels[..., k:] padded with "
                 "ignore_index), or pass plain tensors with process_group"
             )
-        labels, kept = contract.shifted_labels(labels, shift, ignore_index)
+        labels, kept = token_inputs.shifted_labels(labels, shift, ignore_index)
         if token_weights is not None:
-            token_weights = contract.shifted_token_weights(token_weights, shift)
+            token_weights = token_inputs.shifted_token_weights(token_weights, shift)
     if token_weights is not None and not sharding.is_dtensor(logits):
         # Per-token losses from the kernels, weighted and reduced in O(N) ops: the weights reach the backward kernel
         # as its per-row upstream. (DTensor logits weight their local rows: dtensor.py.)

@@ -4,7 +4,7 @@ output) and of the entropy. contract.py re-exports every function here."""
 
 import torch
 
-from . import contract
+from . import contract, token_inputs
 
 
 def row_extras(z):
@@ -145,7 +145,7 @@ def weighted_output(result, labels, token_weights, reduction, n_items, ignore_in
     fields = output._asdict()
     for name in ("loss", "z_loss"):
         if fields[name] is not None:
-            fields[name] = contract.apply_token_weights(fields[name], labels, token_weights, ignore_index)
+            fields[name] = token_inputs.apply_token_weights(fields[name], labels, token_weights, ignore_index)
     if reduction != "none":
         dtype = fields["loss"].dtype
         divisor = contract.loss_divisor(labels, reduction, n_items, ignore_index, dtype, weight)

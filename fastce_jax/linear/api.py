@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import contract, kernels, outputs
+from .. import contract, kernels, outputs, token_inputs
 from ..log_probs import negated_losses
 from . import chunks
 from .autograd import kernel_loss
@@ -81,7 +81,7 @@ def aligned_token_weights(weights, labels, shift: int, ignore_index: int):
     0 on ignored rows, whose weight takes no part (a NaN or inf weight there stays out of the loss)."""
     if weights is None:
         return None
-    weights = contract.shifted_token_weights(jnp.asarray(weights), shift)
+    weights = token_inputs.shifted_token_weights(jnp.asarray(weights), shift)
     ign = contract.ignore_value(labels.dtype, ignore_index)
     return weights if ign is None else jnp.where(labels == ign, jnp.zeros((), weights.dtype), weights)
 
@@ -249,8 +249,8 @@ def linear_cross_entropy(
         temperature=temperature,
     )
     labels = contract.check_labels(labels, hidden.shape[:-1], options.ignore_index, "hidden")
-    labels = contract.masked_labels(labels, where, options.ignore_index)
-    token_weights = contract.check_token_weights(token_weights, labels.shape)
+    labels = token_inputs.masked_labels(labels, where, options.ignore_index)
+    token_weights = token_inputs.check_token_weights(token_weights, labels.shape)
     check = contract.check_flag(validate_labels, "validate_labels")
     n_items = contract.check_n_items(n_items)
     returns = contract.check_extras(
@@ -261,8 +261,8 @@ def linear_cross_entropy(
     )
     skip_ignored_rows = _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows)
     kept = None
-    if shift := contract.check_shift(shift):
-        labels, kept = contract.shifted_labels(labels, shift, options.ignore_index)
+    if shift := token_inputs.check_shift(shift):
+        labels, kept = token_inputs.shifted_labels(labels, shift, options.ignore_index)
     vocab, dim = weight.shape[::-1] if hv else weight.shape
     class_weight = contract.check_class_weight(class_weight, vocab, "class_weight")
     if check:
@@ -289,7 +289,7 @@ def linear_cross_entropy(
         with kernels.quiet_triton(st.interpret):
             loss = kernel_loss(h2, weight, bias, labels.reshape(-1), n_items, class_weight, flat_weights, st=st)
         loss = _with_lead_shape(loss, lead, reduction)
-    return contract.keep_positions(loss, kept, reduction)
+    return token_inputs.keep_positions(loss, kept, reduction)
 
 
 def _check_tokens(tokens, hidden):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastce_jax import LogProbOutput, contract, cross_entropy, log_probs
+from fastce_jax import LogProbOutput, contract, cross_entropy, log_probs, token_inputs
 
 from .checks import assert_grad, assert_loss
 from .rl_checks import expected_rl
@@ -55,22 +55,22 @@ def test_bad_temperature_types(bad):
 
 
 def test_token_weights_checks():
-    assert contract.check_token_weights(None, (2, 3)) is None
-    w = contract.check_token_weights(np.ones((2, 3), np.float16), (2, 3))
+    assert token_inputs.check_token_weights(None, (2, 3)) is None
+    w = token_inputs.check_token_weights(np.ones((2, 3), np.float16), (2, 3))
     assert w.dtype == jnp.float32 and w.shape == (2, 3)
     with pytest.raises(ValueError, match="token_weights"):
-        contract.check_token_weights(np.ones((3, 2), np.float32), (2, 3))
+        token_inputs.check_token_weights(np.ones((3, 2), np.float32), (2, 3))
     with pytest.raises(ValueError, match="token_weights"):
-        contract.check_token_weights(np.ones((6,), np.float32), (2, 3))
+        token_inputs.check_token_weights(np.ones((6,), np.float32), (2, 3))
     with pytest.raises(TypeError, match="token_weights"):
-        contract.check_token_weights(np.ones((2, 3), np.int32), (2, 3))
+        token_inputs.check_token_weights(np.ones((2, 3), np.int32), (2, 3))
     with pytest.raises(TypeError, match="token_weights"):
-        contract.check_token_weights(np.ones((2, 3), bool), (2, 3))
+        token_inputs.check_token_weights(np.ones((2, 3), bool), (2, 3))
 
 
 def test_token_weights_refuse_a_gradient():
     def f(w):
-        return jnp.sum(contract.check_token_weights(w, (2, 3)))
+        return jnp.sum(token_inputs.check_token_weights(w, (2, 3)))
 
     with pytest.raises(ValueError, match="token_weights"):
         jax.grad(f)(jnp.ones((2, 3)))
@@ -79,9 +79,9 @@ def test_token_weights_refuse_a_gradient():
 
 def test_shifted_token_weights():
     w = jnp.arange(8.0).reshape(2, 4)
-    np.testing.assert_array_equal(contract.shifted_token_weights(w, 1), [[1, 2, 3, 0], [5, 6, 7, 0]])
-    np.testing.assert_array_equal(contract.shifted_token_weights(w, 9), np.zeros((2, 4)))
-    assert contract.shifted_token_weights(w, 0) is w
+    np.testing.assert_array_equal(token_inputs.shifted_token_weights(w, 1), [[1, 2, 3, 0], [5, 6, 7, 0]])
+    np.testing.assert_array_equal(token_inputs.shifted_token_weights(w, 9), np.zeros((2, 4)))
+    assert token_inputs.shifted_token_weights(w, 0) is w
 
 
 # ----------------------------------------------------------------------------------------------------------------

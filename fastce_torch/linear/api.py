@@ -5,17 +5,17 @@ hidden is cast at the entry (through autograd), weight and bias inside the compu
 weight in another dtype (a float32 master weight) has its gradient accumulated in float32 and handed back in its own
 dtype. The kernels' own code runs with autocast off.
 
-The chunk loop is linear/chunks.py, its autograd Functions and custom ops linear/autograd.py, the sharded heads
-linear/sharded.py.
+The chunk loop is linear/chunks.py, its autograd Functions and custom ops linear/autograd.py, their dispatch for an
+unsharded head linear/unsharded.py, the sharded heads linear/sharded.py.
 """
 
 import torch
 
-from .. import contract, sharding
+from .. import contract, sharding, token_inputs
 from ..log_probs import negated_losses
-from .autograd import unsharded_loss, unsharded_outputs
 from .chunks import _check_chunking, check_logits_dtype
 from .sharded import sharded_linear_cross_entropy
+from .unsharded import unsharded_loss, unsharded_outputs
 
 # float64 is accepted as in cross_entropy: computed in float64 by the plain-torch reference, whatever the backend.
 LINEAR_DTYPES = (*contract.KERNEL_DTYPES, torch.float64)
@@ -79,7 +79,7 @@ def prepared_token_weights(token_weights, labels, shift, ignore_index, dtype):
     # DTensor labels (the vocab-parallel DTensor path takes them whole): the weights go with the full labels.
     labels, token_weights = (t.full_tensor() if sharding.is_dtensor(t) else t for t in (labels, token_weights))
     if shift:
-        token_weights = contract.shifted_token_weights(token_weights, shift)
+        token_weights = token_inputs.shifted_token_weights(token_weights, shift)
     return torch.where(labels == ignore_index, 0.0, token_weights.to(contract.compute_dtype(dtype)))
 
 
@@ -181,7 +181,7 @@ def linear_cross_entropy(
     if isinstance(hidden, torch.Tensor) and hidden.dim() >= 1:
         weight = vh_weight(weight, hidden, weight_layout)
     _check_tensors(hidden, weight, bias, labels)
-    labels = contract.masked_labels(labels, where, ignore_index)
+    labels = token_inputs.masked_labels(labels, where, ignore_index)
     sharded = (
         process_group is not None or vocab_start is not None or any(map(sharding.is_dtensor, (hidden, weight, bias)))
     )
@@ -195,7 +195,7 @@ def linear_cross_entropy(
         ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
     )
     options = contract.with_temperature(options, contract.check_temperature(temperature))
-    token_weights = contract.check_token_weights(token_weights, labels)
+    token_weights = token_inputs.check_token_weights(token_weights, labels)
     dtype = hidden.dtype if bias is None else torch.promote_types(hidden.dtype, bias.dtype)
     dtype = torch.promote_types(dtype, weight.dtype)
     if torch.is_autocast_enabled(hidden.device.type) and dtype != torch.float64:
@@ -204,8 +204,8 @@ def linear_cross_entropy(
     chunking = _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows, float32_logits)
     extras = contract.check_extras(return_z_loss, return_lse, return_accuracy, return_entropy)
     kept = None
-    if shift := contract.check_shift(shift, labels):
-        labels, kept = contract.shifted_labels(labels, shift, ignore_index)
+    if shift := token_inputs.check_shift(shift, labels):
+        labels, kept = token_inputs.shifted_labels(labels, shift, ignore_index)
     token_weights = prepared_token_weights(token_weights, labels, shift, ignore_index, dtype)
     if sharded:
         loss = sharded_linear_cross_entropy(

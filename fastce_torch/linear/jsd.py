@@ -41,6 +41,7 @@ from .chunks import (
     new_grads,
     rows_per_chunk,
 )
+from .unsharded import gradients_needed
 
 NO_GRADS = (False, False, False)
 BACKWARD_TWICE = (
@@ -276,15 +277,6 @@ torch.library.register_autograd("fastce::linear_jsd_forward", _per_row_backward,
 # --- the function -------------------------------------------------------------------------------------------------
 
 
-def _needs(h_s, w_s, b_s):
-    enabled = torch.is_grad_enabled()
-    return (
-        enabled and h_s.requires_grad,
-        enabled and w_s.requires_grad,
-        enabled and b_s is not None and b_s.requires_grad,
-    )
-
-
 def linear_jsd(
     student_hidden,
     student_weight,
@@ -338,12 +330,12 @@ def linear_jsd(
     if reduction == "none":
         if torch.compiler.is_compiling():
             loss = _per_row_forward_op(*heads, *options, workspace_bytes)[0]
-        elif any(_needs(h_s, w_s, b_s)):
+        elif any(gradients_needed(h_s, w_s, b_s)):
             loss = _PerRowJsd.apply(*heads, options, workspace_bytes)
         else:  # nothing to differentiate: nothing kept
             loss = chunked_forward((h_s, w_s, b_s), (h_t, w_t, b_t), flat_labels, options, workspace_bytes)[0][0]
         return loss.view(leading)
-    needs = _needs(h_s, w_s, b_s)
+    needs = gradients_needed(h_s, w_s, b_s)
     if torch.compiler.is_compiling():
         return _reduced_op(*heads, divisor, *options, workspace_bytes, *needs)[0]
     if any(needs):

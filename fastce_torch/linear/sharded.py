@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from .. import contract, kernels, sharding
 from . import chunks
-from .autograd import BACKWARD_TWICE, gradients_needed, output_fields, row_entropy, unsharded_loss, unsharded_outputs
+from .autograd import BACKWARD_TWICE, row_entropy
 from .chunks import (
     accumulate_grads,
     autocast_or_common_dtype,
@@ -39,6 +39,7 @@ from .chunks import (
     new_grads,
     row_chunks,
 )
+from .unsharded import gradients_needed, output_fields, unsharded_loss, unsharded_outputs
 
 _VERIFIED_WIDTHS = set()  # (group, rank, width) whose rank * width layout the ranks' gathered slices confirmed
 
