@@ -417,15 +417,16 @@ def ops_in(graph_modules):
 
 def test_fullgraph_compile_matches_eager(device):
     """A step with jsd on logits ("mean") and linear_jsd ("none", then summed) compiles without a graph break;
-    the custom ops are in the graphs; loss and gradients equal eager's."""
+    the custom ops are in the graphs (linear_jsd's precision keywords travel through them); loss and gradients equal
+    eager's."""
     student, teacher, labels = case_inputs(device, (2, 3), 40, 2, torch.float32, ignored=(1,), seed=9)
     hs, ht, _ = linear_inputs(device, True, n=6, vocab=40, vocab_teacher=42)
 
     def step(logits, hidden, weight):
         a = jsd(logits * 1.0, teacher, labels, beta=0.5, temperature=0.9, backend="kernel")
         b = linear_jsd(hidden, weight, ht[0], ht[1], labels.reshape(-1), teacher_bias=ht[2], beta=0.0,
-                       reduction="none", backend="kernel").sum()  # fmt: skip
-        c = linear_jsd(hidden, weight, ht[0], ht[1], beta=1.0, backend="kernel")
+                       reduction="none", backend="kernel", logits_dtype="float32").sum()  # fmt: skip
+        c = linear_jsd(hidden, weight, ht[0], ht[1], beta=1.0, backend="kernel", accumulate_in_float32=True)
         return a + b + c
 
     def run(function):
