@@ -372,9 +372,13 @@ def test_signatures_are_the_spec():
             linear_jsd,
             ["student_hidden", "student_weight", "teacher_hidden", "teacher_weight", "labels"],
             dict(
-                student_bias=None, teacher_bias=None, workspace_bytes=None, accumulate_in_float32=False,
-                logits_dtype=None, backend="auto",
-            ),  # fmt: skip
+                student_bias=None,
+                teacher_bias=None,
+                workspace_bytes=None,
+                accumulate_in_float32=False,
+                logits_dtype=None,
+                backend="auto",
+            ),
         ),
     ]:
         params = inspect.signature(fn).parameters
