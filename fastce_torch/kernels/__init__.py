@@ -112,7 +112,8 @@ def _launchers():
     # Looked up at each call, so a launcher replaced by a test is the one forgotten.
     return (
         launch.forward_launcher, launch.backward_launcher, launch.scale_launcher, combine.maxima_launcher,
-        combine.rescale_launcher, combine.vocab_parallel_loss_launcher, jsd.forward_launcher, jsd.backward_launcher,
+        combine.rescale_launcher, combine.vocab_parallel_loss_launcher, jsd.partials_launcher, jsd.mixture_launcher,
+        jsd.finish_launcher, jsd.backward_launcher,
     )  # fmt: skip
 
 
