@@ -41,9 +41,10 @@ from .launch import Launcher, _cdiv, _checked, _guard_capture, _next_power_of_2,
 # per row left 384-row chunks at 2.0 TB/s for beta 0 on the H200, bench/NOTES.md 2026-12-04). The backward's grid
 # also splits rows into tiles (elementwise given the row statistics), 4096 columns with 8 warps. Not tuned yet.
 JSD_FORWARD_BLOCK, JSD_FORWARD_WARPS = 4096, 8
-# Programs the forward aims for: 4 waves of 132 SMs (the H200's) x 2 resident programs per SM (8 warps each, the
-# registers of pass 1's live tiles). Fewer rows than this get split into more segments (forward_segments).
-JSD_FORWARD_PROGRAMS = 4 * 132 * 2
+# Programs the forward aims for: 4 waves of 132 SMs (the H200's) x 4 resident programs per SM (8 warps of 64
+# registers each, ptxas's count for the partials and mixture kernels: 4 x 16384 fill the register file). Fewer rows
+# than this get split into more segments (forward_segments).
+JSD_FORWARD_PROGRAMS = 4 * 132 * 4
 JSD_FINISH_WARPS = 1
 JSD_BACKWARD_BLOCK, JSD_BACKWARD_WARPS = 4096, 8
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
@@ -186,7 +187,8 @@ def jsd_forward(student, teacher, labels, options, out, block=None):
     against the first V_s columns of teacher (N, V_t >= V_s), the two logsumexps of u = softcap(x) / T and the
     backward's row constant. labels: (N,) int tensor or None (every row counts). options: contract.JsdOptions.
     block: the tile width (default JSD_FORWARD_BLOCK). The segments' partials live in a scratch of
-    N * S * (5 or 6) floats (under 200 KiB from JSD_FORWARD_PROGRAMS rows on, where S = 1). Returns out."""
+    N * S * (5 or 6) floats: at most 24 bytes per row from JSD_FORWARD_PROGRAMS rows on (S = 1), under 100 KiB
+    below. Returns out."""
     _checked(student)
     n_rows, vocab = student.shape
     if n_rows == 0:

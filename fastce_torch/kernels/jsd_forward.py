@@ -29,7 +29,7 @@ PARTIAL_SLOTS = (5, 5, 6)  # per MODE
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
 FLOAT32_TINY = tl.constexpr(1.1754943508222875e-38)  # float32 smallest normal
-# The mixture's one log per element: the GPU's lg2.approx (one MUFU instruction, absolute error below 2**-22, a
+# The mixture's one log per element: the GPU's lg2.approx (one MUFU instruction, error about 2**-22, a
 # NaN stays NaN) instead of tl.log2, which is libdevice's log2f (about 25 instructions per element: pass 2 was
 # compute bound). Triton's interpreter runs no PTX: it takes tl.log2.
 PTX_LOG2 = tl.constexpr(not INTERPRETED)
