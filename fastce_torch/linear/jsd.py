@@ -4,8 +4,9 @@ teacher_hidden @ W_t.T + b_t, ...) without the (N, V) logits of either model.
 Chunks of rows (linear/chunks.py's rows_per_chunk: the workspace budget, DEFAULT_WORKSPACE_BYTES = 256 MiB by
 default, covers both chunks of logits, student's and teacher's, each in its head's dtype): per chunk the student
 logits h_s W_s^T (+ b_s) and the teacher logits h_t W_t[:V_s]^T (+ b_t[:V_s]) (the teacher weight's first V_s rows,
-a view, no copy), matmuls accumulating in float32 and rounding once to the inputs' dtype, then the forward kernel
-(kernels/jsd.py).
+a view, no copy), matmuls accumulating in float32 and rounding once to the inputs' dtype, then the forward kernels
+(kernels/jsd.py; rows split into column segments, so a chunk of a few hundred rows still fills the GPU; their
+partials, 5 or 6 floats per row and segment, under 200 KiB a chunk up to 8192 rows, are outside workspace_bytes).
 - "mean" / "sum" with a gradient to compute: the backward kernel overwrites the chunk's student logits with
   d loss / d logits (upstream 1 / divisor, a device scalar: no host synchronisation), and d h_s[chunk] = g W_s,
   d W_s += g^T h_s, d b_s += column sums follow at once; the autograd backward only scales them by the upstream
