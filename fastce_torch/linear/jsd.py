@@ -6,7 +6,9 @@ default, covers both chunks of logits, student's and teacher's, each in its head
 logits h_s W_s^T (+ b_s) and the teacher logits h_t W_t[:V_s]^T (+ b_t[:V_s]) (the teacher weight's first V_s rows,
 a view, no copy), matmuls accumulating in float32 and rounding once to the inputs' dtype (logits_dtype=float32:
 kept in float32, the student's d logits then written into a chunk of its own in the inputs' dtype), then the
-forward kernel (kernels/jsd.py). accumulate_in_float32: d W_s summed over the chunks in float32 (chunks.py).
+forward kernels (kernels/jsd.py; rows split into column segments, so a chunk of a few hundred rows still fills the
+GPU; their partials, 5 or 6 floats per row and segment, under 200 KiB a chunk up to 8192 rows, are outside
+workspace_bytes). accumulate_in_float32: d W_s summed over the chunks in float32 (chunks.py).
 - "mean" / "sum" with a gradient to compute: the backward kernel overwrites the chunk's student logits with
   d loss / d logits (upstream 1 / divisor, a device scalar: no host synchronisation), and d h_s[chunk] = g W_s,
   d W_s += g^T h_s, d b_s += column sums follow at once; the autograd backward only scales them by the upstream
