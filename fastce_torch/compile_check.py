@@ -19,11 +19,12 @@ from .kernels.forward import _forward_kernel
 from .kernels.jsd import (
     JSD_BACKWARD_BLOCK,
     JSD_BACKWARD_WARPS,
+    JSD_FINISH_WARPS,
     JSD_FORWARD_BLOCK,
     JSD_FORWARD_WARPS,
     _jsd_backward_kernel,
-    _jsd_forward_kernel,
 )
+from .kernels.jsd_forward import _jsd_finish_kernel, _jsd_mixture_kernel, _jsd_partials_kernel
 
 H200 = GPUTarget("cuda", 90, 32)
 POINTER = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16"}
@@ -143,7 +144,7 @@ def vocab_parallel_variants():
         yield loss, signature(loss, "*fp32", "i32"), constexprs, 4
 
 
-JSD_FLOAT_SCALARS = {"beta", "one_minus_beta", "inv_temperature", "s_softcap", "t_softcap"}
+JSD_FLOAT_SCALARS = {"beta", "one_minus_beta", "inv_temperature", "log2e_over_temperature", "s_softcap", "t_softcap"}
 
 
 def jsd_signature(fn, student_type, teacher_type, grad_type="*fp32", index_type="i32"):
@@ -170,8 +171,10 @@ def jsd_signature(fn, student_type, teacher_type, grad_type="*fp32", index_type=
 def jsd_variants():
     # jsd / linear_jsd: every MODE (forward KL, reverse KL, mixture) without and with both soft-cappings in bf16;
     # the mixture with one soft-capping at a time and without labels; the plain mixture for the other dtypes and a
-    # mixed pair (a float32 student against a bf16 teacher). Each with the forward and the backward kernel; 64-bit
-    # strides (huge tensors) on the mixture with both soft-cappings.
+    # mixed pair (a float32 student against a bf16 teacher). Each with the forward's pass-1 partials kernel (and its
+    # pass-2 kernel for the mixture) and the backward kernel; 64-bit strides (huge tensors) on the mixture with both
+    # soft-cappings. The finish kernel for every MODE with and without labels, at 1 segment and at 64 (V = 151936
+    # in tiles of 4096: 38 segments at most).
     bf16 = POINTER["bfloat16"]
     cases = [(mode, bf16, bf16, caps, True) for mode in range(3) for caps in ((False, False), (True, True))]
     cases += [
@@ -182,13 +185,21 @@ def jsd_variants():
     cases += [(2, POINTER[d], POINTER[d], (False, False), True) for d in ("float32", "float16")]
     cases += [(2, POINTER["float32"], bf16, (False, False), True)]
     for mode, student, teacher, (s_cap, t_cap), labels in cases:
-        flags = dict(MODE=mode, HAS_LABELS=labels, S_SOFTCAP=s_cap, T_SOFTCAP=t_cap)
+        flags = dict(HAS_LABELS=labels, S_SOFTCAP=s_cap, T_SOFTCAP=t_cap)
         index = "i64" if mode == 2 and s_cap and t_cap else "i32"
-        forward, backward = _jsd_forward_kernel, _jsd_backward_kernel
-        types = jsd_signature(forward, student, teacher, index_type=index)
-        yield forward, types, dict(BLOCK=JSD_FORWARD_BLOCK, **flags), JSD_FORWARD_WARPS
+        partials, backward = _jsd_partials_kernel, _jsd_backward_kernel
+        types = jsd_signature(partials, student, teacher, index_type=index)
+        yield partials, types, dict(BLOCK=JSD_FORWARD_BLOCK, MODE=mode, **flags), JSD_FORWARD_WARPS
+        if mode == 2:
+            mixture = _jsd_mixture_kernel
+            types = jsd_signature(mixture, student, teacher, index_type=index)
+            yield mixture, types, dict(BLOCK=JSD_FORWARD_BLOCK, SEGMENTS_BLOCK=64, **flags), JSD_FORWARD_WARPS
         types = jsd_signature(backward, student, teacher, student, index)
-        yield backward, types, dict(BLOCK=JSD_BACKWARD_BLOCK, **flags), JSD_BACKWARD_WARPS
+        yield backward, types, dict(BLOCK=JSD_BACKWARD_BLOCK, MODE=mode, **flags), JSD_BACKWARD_WARPS
+    finish = _jsd_finish_kernel
+    for mode, labels, segments_block in itertools.product(range(3), (False, True), (1, 64)):
+        constexprs = dict(SEGMENTS_BLOCK=segments_block, MODE=mode, HAS_LABELS=labels)
+        yield finish, jsd_signature(finish, bf16, bf16), constexprs, JSD_FINISH_WARPS
 
 
 def main():

@@ -1,11 +1,13 @@
 """Distillation losses between a student's and a teacher's next-token distributions (issue 38): `jsd`, TRL's
 generalized Jensen-Shannon divergence, with forward KL (beta = 0) and reverse KL (beta = 1) at its ends.
 
-Eager calls that need a gradient go through `JsdFunction` (one forward launch, the reduction in a few O(N) ops, one
-backward launch); calls without one run the forward kernel alone and keep nothing. Under torch.compile the
+Eager calls that need a gradient go through `JsdFunction` (the forward's launches, 2 or 3 for the mixture, the
+reduction in a few O(N) ops, one backward launch); calls without one run the forward kernels alone and keep
+nothing. Under torch.compile the
 torch.library custom ops below give the compiler opaque per-row ops (the reduction is plain torch). float64 students
 and backend="reference" (or "auto" off CUDA) use `reference_row_losses`, the same formula in plain torch.
-The kernels and their launchers are kernels/jsd.py; the fused linear version is linear/jsd.py.
+The kernels are kernels/jsd_forward.py and kernels/jsd.py (with the launchers); the fused linear version is
+linear/jsd.py.
 """
 
 import math
@@ -81,7 +83,7 @@ def reduced(row_losses, divisor):
 
 
 def kernel_forward(student, teacher, labels, options):
-    """Per-row (loss, lse_s, lse_t, kl) of 2-D logits from the forward kernel."""
+    """Per-row (loss, lse_s, lse_t, kl) of 2-D logits from the forward kernels."""
     out = jsd_kernels.new_stats(student.shape[0], student.device)
     return jsd_kernels.jsd_forward(student, teacher, labels, options, out)
 

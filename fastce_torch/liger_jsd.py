@@ -17,10 +17,11 @@ takes logits and normalises them (log_softmax), which leaves log-probabilities u
 The gradient with respect to log_q then differs from Liger's by a multiple of exp(log_q) per row, the direction
 that log_softmax's backward removes: the gradient on the logits before the caller's log_softmax is the same.
 Unnormalised inputs are normalised (Liger computes with them as given). The teacher gets no gradient (as in Liger).
-Refused: accum_dtype other than None unless fastce's linear_jsd takes accumulate_in_float32.
+Precision (fused linear): Liger 0.8.5 projects both models in float32, so the drop-in always passes
+logits_dtype="float32" (bf16/fp16 heads: float32 logits from the bf16/fp16 operands; a no-op for float32 heads);
+accum_dtype=torch.float32 is accumulate_in_float32=True (the student weight's gradient summed over the chunks in
+float32, rounded once to its dtype). Refused: any other accum_dtype than None, float32 or the weight's dtype.
 """
-
-import inspect
 
 import torch
 
@@ -45,12 +46,13 @@ def _fastce_options(options, allowed, entry):
 
 
 def _accumulation(accum_dtype, student_weight=None):
-    """Liger's accum_dtype as fastce's keywords: None (or the weight's dtype) is the default."""
+    """Liger's accum_dtype as fastce's keywords: None (or the weight's dtype) is the default, float32 is
+    accumulate_in_float32=True."""
     if accum_dtype is None or (student_weight is not None and accum_dtype == student_weight.dtype):
         return {}
     if not (isinstance(accum_dtype, torch.dtype) and accum_dtype.is_floating_point):
         raise TypeError(f"accum_dtype must be None or a floating torch.dtype, got {accum_dtype!r}")
-    if accum_dtype == torch.float32 and "accumulate_in_float32" in inspect.signature(fastce_linear_jsd).parameters:
+    if accum_dtype == torch.float32:
         return {"accumulate_in_float32": True}
     if student_weight is None:  # the module's check, before the weight is known
         return {}
@@ -100,6 +102,7 @@ class LigerFusedLinearJSDFunction:
             )
         options = _fastce_options(options, LINEAR_FASTCE_OPTIONS, "linear_jsd")
         options.update(_accumulation(accum_dtype, student_weight))
+        options["logits_dtype"] = "float32"  # Liger's projection is float32 (no-op for float32 heads)
         return fastce_linear_jsd(
             student_input, student_weight, teacher_input, teacher_weight, shift_labels, beta=jsd_beta,
             temperature=temperature, ignore_index=ignore_index, **options,

@@ -1,19 +1,22 @@
 """linear_jsd (issue 38) in both packages on the same inputs (DLPack), against the float64 reference
 (reference_distill.linear_jsd) and against each other: the loss and the student's hidden, weight and bias gradients,
 every beta, temperature, soft-capping, the three reductions, labels=None, a padded teacher head (V_t > V_s, its rows
-past V_s NaN: never read), the rows in several chunks (a small workspace_bytes), float32 and bfloat16. The teacher's
-hidden states, weight and bias get no gradient (torch: None although they require grad; JAX: zero cotangents).
+past V_s NaN: never read), the rows in several chunks (a small workspace_bytes), float32 and bfloat16, and bfloat16
+with logits_dtype="float32" and accumulate_in_float32=True. The teacher's hidden states, weight and bias get no
+gradient (torch: None although they require grad; JAX: zero cotangents).
 
 Tolerances follow the arithmetic (as test_linear_cross_entropy.py, with the distillation reference's magnitudes).
 The logits are products over H in the inputs' dtype with float32 accumulation: each is within d = u E of the exact
 one, E = max_j (|h| |W|^T + |b|)_tj per row, u = 32 eps32 (float32; the K = 16 of test_linear_cross_entropy.py, times
-2) or 2**-7 (bfloat16: 4 times the half-ulp of the one rounding to bf16). With G = d loss / d student logits:
+2) or 2**-7 (bfloat16: 4 times the half-ulp of the one rounding to bf16; float32's with logits_dtype="float32", the
+products' u_o staying bf16's). With G = d loss / d student logits:
   loss per row:  RTOL loss_scale + d_s |dL/dx_s|_1 + d_t |dL/dx_t|_1       (the reference's student and teacher
                  gradients of the row: how far the logits' errors move it), the reduction as tolerances.loss_bound
   G:             S = RTOL grad_scale + 2 (d_s + d_t) / T grad_terms        (p moves relatively by 2 d / T)
                  + u_g |G| (G rounded to the inputs' dtype: u_g = eps32, or 2**-8 for bf16)
   d hidden:      S @ |W_s| + u_o |G| @ |W_s|                               (u_o: the product's rounding, as u)
-  d weight:      S^T @ |h_s| + (1 + chunks) u_o |G|^T @ |h_s|              (one rounding per chunk of rows)
+  d weight:      S^T @ |h_s| + (1 + chunks) u_o |G|^T @ |h_s|              (one rounding per chunk of rows; 2 u_o
+                                                                           with accumulate_in_float32)
   d bias:        the column sums of the same
 """
 
@@ -58,6 +61,8 @@ class LinearJsdCase:
     labels: bool = True  # False: labels=None (every row counts)
     scalar_upstream: float = 1.0
     small_chunks: bool = True  # a workspace_bytes of about ROWS_PER_CHUNK rows; False: the default (256 MiB)
+    logits_dtype: str | None = None  # "float32": both models' logits in float32 (bf16 inputs)
+    accumulate: bool = False  # accumulate_in_float32
     seed: int = 0
 
     @property
@@ -76,7 +81,8 @@ class LinearJsdCase:
     def kwargs(self):
         # About ROWS_PER_CHUNK rows of both chunks of float32 logits: several chunks, the last one partial.
         workspace = ROWS_PER_CHUNK * (self.vocab * 2) * 4 if self.small_chunks else None
-        return dict(self.options(), workspace_bytes=workspace)
+        precision = dict(logits_dtype=self.logits_dtype, accumulate_in_float32=self.accumulate)
+        return dict(self.options(), workspace_bytes=workspace, **precision)
 
     def max_chunks(self):
         """An upper bound on the chunks of rows (the weight gradient's roundings): at most one a row with the small
@@ -93,6 +99,9 @@ CASES = [
     LinearJsdCase("mixture-0.3-labels-none", beta=0.3, labels=False, bias=True, teacher_vocab=136, seed=4),
     LinearJsdCase("bf16-mixture-bias", dtype="bfloat16", bias=True, temperature=1.3, **CAPS, seed=5),
     LinearJsdCase("bf16-forward-kl-none", beta=0.0, dtype="bfloat16", reduction="none", teacher_vocab=132, seed=6),
+    LinearJsdCase(
+        "bf16-float32-logits", beta=0.0, dtype="bfloat16", bias=True, logits_dtype="float32", accumulate=True, seed=7
+    ),
 ]
 GPU_CASES = [
     LinearJsdCase(
@@ -186,9 +195,10 @@ def bounds(case, inputs, exact):
     as64 = lambda t: None if t is None else t.detach().double().cpu().numpy()  # noqa: E731
     h_s, w_s, h_t, w_t, b_s, b_t = (as64(t) for t in inputs["tensors"])
     n, vocab = math.prod(case.shape), case.vocab
-    u, u_g = LOGIT_ROUNDOFF[case.dtype], GRAD_ROUNDOFF[case.dtype]
-    d_s = u * exact.student_logits_abs.max(axis=-1)  # (N,) the logits' errors
-    d_t = u * exact.teacher_logits_abs.max(axis=-1)
+    u, u_g = LOGIT_ROUNDOFF[case.dtype], GRAD_ROUNDOFF[case.dtype]  # u: the products' rounding
+    u_logits = LOGIT_ROUNDOFF["float32" if case.logits_dtype else case.dtype]
+    d_s = u_logits * exact.student_logits_abs.max(axis=-1)  # (N,) the logits' errors
+    d_t = u_logits * exact.teacher_logits_abs.max(axis=-1)
     r = exact.logits
     # Each row's own gradients (upstream 1): how far the logits' errors move its loss.
     labels = None if inputs["labels"] is None else inputs["labels"].cpu().numpy()
@@ -209,13 +219,13 @@ def bounds(case, inputs, exact):
         + 2 * ((d_s + d_t) / case.temperature)[:, None] * r.grad_terms.reshape(n, vocab)
         + u_g * grad
     )
-    chunks = case.max_chunks()
+    roundings = 2 if case.accumulate else 1 + case.max_chunks()  # of d weight: the products and the chunks' sums
     h_abs, w_abs = np.abs(h_s.reshape(n, -1)), np.abs(w_s)
     return dict(
         loss=loss_bound,
         hidden=(S @ w_abs + u * (grad @ w_abs)).reshape(h_s.shape),
-        weight=S.T @ h_abs + (1 + chunks) * u * (grad.T @ h_abs),
-        bias=S.sum(axis=0) + (1 + chunks) * u * grad.sum(axis=0),
+        weight=S.T @ h_abs + roundings * u * (grad.T @ h_abs),
+        bias=S.sum(axis=0) + (1 + case.max_chunks()) * u * grad.sum(axis=0),
     )
 
 

@@ -7,6 +7,9 @@ forward kernel gives each row's loss and statistics. The workspace budget (``wor
 covers both chunks of logits together. A teacher head wider than the student's (V_t > V, a padded vocabulary) is
 multiplied whole: JAX has no view of its first V rows, and a slice would copy the teacher's weight (V x H_t) for
 every call, so the chunk's teacher product covers its V_t - V extra columns too and the kernels read the first V.
+logits_dtype="float32" (bf16 / fp16 inputs): both chunks of logits float32 from the operands as they are
+(chunks.chunk_logits), 4 bytes a logit against the budget; accumulate_in_float32: d W_s carried in float32 over the
+chunks (chunks._accumulate_grads).
 
 Gradients (student hidden, weight, bias only; the teacher's hidden, weight and bias enter under stop_gradient):
 - "mean" / "sum": computed in the forward pass of the VJP (the backward kernel writes d logits into the student's
@@ -29,7 +32,7 @@ from ..jsd import counted_rows, reduce_rows, reference_loss, reference_terms
 from ..jsd_contract import MIXTURE, JsdOptions
 from ..kernels import jsd as jsd_kernels
 from . import chunks
-from .api import _check_chunking
+from .api import _check_chunking, check_logits_dtype
 from .autograd import _finish_grads
 
 
@@ -45,8 +48,10 @@ class LinearJsdConfig(NamedTuple):
     teacher_dtype: str
     with_bias: bool  # the student has a bias
     config: jsd_kernels.JsdConfig
-    f32_weight_grad: bool = False
+    f32_weight_grad: bool = False  # accumulate_in_float32: d W_s summed over the chunks in float32
     weight_hv: bool = False  # chunks.py's layout flag: linear_jsd takes (V, H) weights only
+    logits_dtype: str | None = None  # logits_dtype="float32" for a bf16 / fp16 student: its logits in float32
+    teacher_logits_dtype: str | None = None  # the same for the teacher
 
 
 # --- the chunk loops -----------------------------------------------------------------------------------------------
@@ -68,8 +73,8 @@ def _chunk_logits(k, student, teacher, labels, st: LinearJsdConfig):
     h_t, w_t, b_t = teacher
     start, fresh = _chunk(k, h_s.shape[0], st)
     hs_c = _rows(h_s, start, st)
-    z_s = chunks.chunk_logits(hs_c, w_s, b_s, st.dtype)
-    z_t = chunks.chunk_logits(_rows(h_t, start, st), w_t, b_t, st.teacher_dtype)
+    z_s = chunks.chunk_logits(hs_c, w_s, b_s, st.dtype, st.logits_dtype)
+    z_t = chunks.chunk_logits(_rows(h_t, start, st), w_t, b_t, st.teacher_dtype, st.teacher_logits_dtype)
     return start, fresh, hs_c, _rows(labels, start, st), z_s, z_t
 
 
@@ -193,10 +198,11 @@ def _kernel_loss(h_s, w_s, b_s, h_t, w_t, b_t, labels, beta, *, st: LinearJsdCon
 
 @functools.partial(jax.jit, static_argnames=("opts", "reduction", "dtypes"))
 def _reference_loss(h_s, w_s, b_s, h_t, w_t, b_t, labels, terms, *, opts: JsdOptions, reduction: str, dtypes):
-    """backend="reference": both models' logits materialised (plain matmuls in their dtypes), then jsd's
-    reference; jitted once per static configuration."""
-    z_s = chunks.chunk_logits(h_s, w_s, b_s, dtypes[0])
-    z_t = chunks.chunk_logits(h_t, w_t, b_t, dtypes[1])
+    """backend="reference": both models' logits materialised (plain matmuls in their dtypes, or float32 logits:
+    dtypes = (student, teacher, student logits, teacher logits)), then jsd's reference; jitted once per static
+    configuration."""
+    z_s = chunks.chunk_logits(h_s, w_s, b_s, dtypes[0], dtypes[2])
+    z_t = chunks.chunk_logits(h_t, w_t, b_t, dtypes[1], dtypes[3])
     return reference_loss(z_s, z_t, labels, terms, opts, reduction)
 
 
@@ -219,6 +225,8 @@ def linear_jsd(
     student_softcapping=0.0,
     teacher_softcapping=0.0,
     workspace_bytes=None,
+    accumulate_in_float32=False,
+    logits_dtype=None,
     backend="auto",
 ):
     """``jsd(student_hidden @ student_weight.T + student_bias, teacher_hidden @ teacher_weight.T + teacher_bias,
@@ -230,6 +238,13 @@ def linear_jsd(
       teacher_hidden: (..., H_t), the student's leading shape; teacher_weight: (V_t, H_t) with V_t >= V (a padded
         head: its first V rows are compared); teacher_bias: (V_t,) or None.
       workspace_bytes: the budget of one chunk of both models' logits (None: 256 MiB).
+      accumulate_in_float32: sum a bf16 / fp16 student weight's gradient over the chunks in float32, rounded once
+        (linear_cross_entropy's keyword; 4 V H bytes more).
+      logits_dtype: None (each model's logits in its inputs' dtype) or "float32" / jnp.float32: with bf16 / fp16
+        inputs both chunk GEMMs take the operands as they are and give float32 logits (``preferred_element_type``,
+        no float32 copy of either weight); the budget counts 4 bytes a logit. The JSD gradient p_s - p_t is a
+        difference of nearly equal numbers: logits rounded to bf16 move it by percents at a realistic logit
+        spread. d logits is rounded to the student's dtype for the products (as linear_cross_entropy's).
       backend: "auto" (the chunked kernel path for GPU arrays, "reference" elsewhere; traced, the arrays are
         assumed on the default backend, as linear_cross_entropy does), "kernel" or "reference" (the plain
         matmuls, then jsd's jnp reference: it materialises both logits). A float64 student or teacher is computed
@@ -249,7 +264,8 @@ def linear_jsd(
     lead = tuple(student[0].shape[:-1])
     vocab, vocab_t = student[1].shape[0], teacher[1].shape[0]
     labels = jsd_contract.check_jsd_labels(labels, lead, opts.ignore_index, "student_hidden")
-    _check_chunking(workspace_bytes, None, False)
+    _check_chunking(workspace_bytes, None, accumulate_in_float32)
+    logits_dtypes = (check_logits_dtype(logits_dtype, dtype), check_logits_dtype(logits_dtype, teacher_dtype))
     if backend == "auto":
         backend = "kernel" if contract.on_gpu(student[0]) else "reference"
     labels = None if labels is None else jnp.asarray(labels).reshape(-1)
@@ -265,10 +281,11 @@ def linear_jsd(
             reference_terms(beta, opts, dtype),
             opts=opts,
             reduction=reduction,
-            dtypes=(dtype.name, teacher_dtype.name),
+            dtypes=(dtype.name, teacher_dtype.name, *logits_dtypes),
         )
         return loss.reshape(lead) if reduction == "none" else loss
-    logits_bytes = vocab * dtype.itemsize + vocab_t * teacher_dtype.itemsize
+    itemsizes = [4 if f32 else d.itemsize for f32, d in zip(logits_dtypes, (dtype, teacher_dtype))]
+    logits_bytes = vocab * itemsizes[0] + vocab_t * itemsizes[1]
     st = LinearJsdConfig(
         opts=opts,
         interpret=not contract.on_gpu(h_s),
@@ -278,6 +295,9 @@ def linear_jsd(
         teacher_dtype=teacher_dtype.name,
         with_bias=student[2] is not None,
         config=jsd_kernels.jsd_config(vocab),
+        f32_weight_grad=bool(accumulate_in_float32),
+        logits_dtype=logits_dtypes[0],
+        teacher_logits_dtype=logits_dtypes[1],
     )
     beta_operand = jsd_kernels.beta_operand(beta) if opts.kind == MIXTURE else None
     with jsd_kernels.quiet_triton(st.interpret):

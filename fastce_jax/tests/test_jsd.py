@@ -371,7 +371,14 @@ def test_signatures_are_the_spec():
         (
             linear_jsd,
             ["student_hidden", "student_weight", "teacher_hidden", "teacher_weight", "labels"],
-            dict(student_bias=None, teacher_bias=None, workspace_bytes=None, backend="auto"),
+            dict(
+                student_bias=None,
+                teacher_bias=None,
+                workspace_bytes=None,
+                accumulate_in_float32=False,
+                logits_dtype=None,
+                backend="auto",
+            ),
         ),
     ]:
         params = inspect.signature(fn).parameters
@@ -431,6 +438,9 @@ BAD_LINEAR = [
     (dict(labels=Y[:2]), ValueError, "labels"),
     (dict(workspace_bytes=0), ValueError, "workspace_bytes"),
     (dict(beta=2.0), ValueError, "beta"),
+    (dict(logits_dtype=jnp.bfloat16), ValueError, "logits_dtype"),
+    (dict(logits_dtype="float64"), ValueError, "logits_dtype"),
+    (dict(accumulate_in_float32=1), TypeError, "accumulate_in_float32"),
 ]
 
 

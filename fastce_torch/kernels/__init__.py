@@ -24,7 +24,7 @@ mean_z=)`) adds g_H p_j (mz - z_j) dz/dx in the backward's one pass; the variant
 Modules: common.py (the @triton.jit helpers), forward.py and backward.py (the kernels), combine.py (the
 vocab-parallel combine kernels and their three host-side steps), launch.py (the host side: configs, capture guard,
 scratch layout, launch functions), launch_cache.py (the reproduction of Triton 3.6.0's launch path; deletable),
-jsd.py (the distillation kernels of jsd / linear_jsd, with their own launchers).
+jsd_forward.py and jsd.py (the distillation kernels of jsd / linear_jsd; jsd.py has their launchers).
 This package re-exports what the other layers call, and forgets the launchers' variants (forget_launches, and after
 a fork).
 """
@@ -112,7 +112,8 @@ def _launchers():
     # Looked up at each call, so a launcher replaced by a test is the one forgotten.
     return (
         launch.forward_launcher, launch.backward_launcher, launch.scale_launcher, combine.maxima_launcher,
-        combine.rescale_launcher, combine.vocab_parallel_loss_launcher, jsd.forward_launcher, jsd.backward_launcher,
+        combine.rescale_launcher, combine.vocab_parallel_loss_launcher, jsd.partials_launcher, jsd.mixture_launcher,
+        jsd.finish_launcher, jsd.backward_launcher,
     )  # fmt: skip
 
 

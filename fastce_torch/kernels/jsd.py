@@ -9,11 +9,10 @@ ls = log softmax(u_s), lt = log softmax(u_t) (TRL's generalized JSD, issue 38):
 Terms whose weight p is 0 contribute 0 (never 0 * inf); the tests are `p == 0`, so that a NaN p (a NaN row) stays
 NaN in the loss and in every element of the gradient.
 
-_jsd_forward_kernel  grid (N,): one program walks one row in BLOCK columns. Pass 1 keeps the online max and sum of
-                     exponentials of both rows and, for the two KL modes, the weighted sum of the log-ratio (rescaled
-                     whenever a running max moves), so the endpoints read each row once; the mixture reads it again
-                     (pass 2, both logsumexps known). Writes per row: loss, lse_s, lse_t and the gradient's row
-                     constant kl (the loss for MODE 1, sum p_s (ls - lm) for MODE 2, 0 for MODE 0).
+The forward (jsd_forward.py) splits each row into S segments of whole tiles, S from N and V (forward_segments):
+grid (N, S) pass-1 partials, for the mixture a grid (N, S) pass 2, then a grid (N,) finish that merges a row's
+partials into loss, lse_s, lse_t and the gradient's row constant kl (the loss for MODE 1, sum p_s (ls - lm) for
+MODE 2, 0 for MODE 0). The endpoints read each row once, the mixture twice.
 _jsd_backward_kernel grid (N, cdiv(V_s, BLOCK)): d(upstream * loss) / d student logits of BLOCK columns from the
                      row's statistics, into a given buffer (which may be the student logits themselves: each tile is
                      read before it is written, by the same program).
@@ -27,56 +26,28 @@ import triton
 import triton.language as tl
 
 from ..contract import FLOAT32_TINY
-from .common import _tanh
+from .jsd_forward import (
+    LOG2E,
+    PARTIAL_SLOTS,
+    _jsd_finish_kernel,
+    _jsd_mixture_kernel,
+    _jsd_partials_kernel,
+    _scaled_logits,
+)
 from .launch import Launcher, _cdiv, _checked, _guard_capture, _next_power_of_2, on_device
 
-# One program per row for the forward: 4096 columns per iteration with 8 warps (16 float32 per thread per live
-# tile; pass 1 holds about 7 such tiles). The backward's grid also splits rows into tiles (elementwise given the
-# row statistics), 4096 columns with 8 warps. Not tuned on the H200 yet (bench/NOTES.md).
+# The forward: 4096 columns per iteration with 8 warps (16 float32 per thread per live tile; pass 1 holds about 7
+# such tiles), each row split into segments so that a chunk of a few hundred rows still fills the GPU (one program
+# per row left 384-row chunks at 2.0 TB/s for beta 0 on the H200, bench/NOTES.md 2026-12-04). The backward's grid
+# also splits rows into tiles (elementwise given the row statistics), 4096 columns with 8 warps. Not tuned yet.
 JSD_FORWARD_BLOCK, JSD_FORWARD_WARPS = 4096, 8
+# Programs the forward aims for: 4 waves of 132 SMs (the H200's) x 4 resident programs per SM (8 warps of 64
+# registers each, ptxas's count for the partials and mixture kernels: 4 x 16384 fill the register file). Fewer rows
+# than this get split into more segments (forward_segments).
+JSD_FORWARD_PROGRAMS = 4 * 132 * 4
+JSD_FINISH_WARPS = 1
 JSD_BACKWARD_BLOCK, JSD_BACKWARD_WARPS = 4096, 8
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
-
-
-@triton.jit
-def _scaled_logits(row_ptr, cols, load_mask, in_row, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr):
-    """u = softcap(x) / T of a tile in float32, -inf outside the row, and tanh(x / c) (for the chain rule; x itself
-    without soft-capping)."""
-    x = tl.load(row_ptr + cols, mask=load_mask, other=-float("inf")).to(tl.float32)
-    tanh_x = x
-    if HAS_SOFTCAP:
-        tanh_x = _tanh(x / softcap)
-        x = softcap * tanh_x
-    # Soft-capping maps -inf to -softcap: masked lanes are put back to -inf.
-    return tl.where(in_row, x * inv_temperature, -float("inf")), tanh_x
-
-
-@triton.jit
-def _shift(run_max):
-    """The running max as an exponent shift: 0 while every value seen is -inf (-inf - -inf would be NaN)."""
-    return tl.where(run_max == -float("inf"), 0.0, run_max)
-
-
-@triton.jit
-def _online_stats(run_max, u):
-    """(new max, rescale factor of the old sum, new shift, exp(u - new shift)) of one tile."""
-    new_max = tl.maximum(run_max, tl.max(u, 0))
-    shift = _shift(new_max)
-    rescale = tl.exp(run_max - shift)
-    e = tl.exp(u - shift)
-    return new_max, rescale, shift, e
-
-
-@triton.jit
-def _online_kl(acc, w_sum, w_rescale, w_shift_move, o_shift_move, e_w, u_w, w_shift, u_o, o_shift):
-    """The running sum_j e^(u_w_j - w_shift) ((u_w_j - w_shift) - (u_o_j - o_shift)) over the columns seen, for the
-    weighting row w and the other row o: when the shifts move by (dw, do) every earlier term's log-ratio moves by
-    -(dw - do) and its weight is rescaled, so the old sum becomes rescale * (acc - (dw - do) * w_sum) (w_sum: the
-    old sum of e_w). Terms with e_w = 0 add 0. Divided by sum e_w at the end, it is sum p_w (log p_w - log p_o) up to
-    the two log-sums (kept relative to the row maxima, so large logit offsets cancel exactly)."""
-    acc = w_rescale * (acc - (w_shift_move - o_shift_move) * w_sum)
-    ratio = (u_w - w_shift) - (u_o - o_shift)
-    return acc + tl.sum(tl.where(e_w == 0.0, 0.0, e_w * ratio), 0)
 
 
 @triton.jit
@@ -92,122 +63,6 @@ def _mixture_terms(u_s, u_t, lse_s, lse_t, beta, one_minus_beta):
     # A select, not tl.maximum: the GPU's max returns the floor for a NaN, and a NaN row must stay NaN.
     lm = tl.log(tl.where(mixture < 1.1754943508222875e-38, 1.1754943508222875e-38, mixture))
     return p_s, p_t, ls, lt, lm
-
-
-@triton.jit
-def _row_pass1(
-    s_row, t_row, end, s_softcap, t_softcap, inv_temperature, BLOCK: tl.constexpr, MODE: tl.constexpr,
-    S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr,
-):  # fmt: skip
-    """Online (max, sum of exp) of u_s and u_t over columns [0, end), and for MODE 0 / 1 the weighted log-ratio sum
-    (_online_kl) with the teacher / the student as the weighting row."""
-    s_max = -float("inf")
-    s_sum = 0.0
-    t_max = -float("inf")
-    t_sum = 0.0
-    acc = 0.0
-    for start in tl.range(0, end, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        in_row = cols < end
-        u_s, _ = _scaled_logits(s_row, cols, in_row, in_row, s_softcap, inv_temperature, S_SOFTCAP)
-        u_t, _ = _scaled_logits(t_row, cols, in_row, in_row, t_softcap, inv_temperature, T_SOFTCAP)
-        s_new, s_rescale, s_shift, e_s = _online_stats(s_max, u_s)
-        t_new, t_rescale, t_shift, e_t = _online_stats(t_max, u_t)
-        s_move = s_shift - _shift(s_max)
-        t_move = t_shift - _shift(t_max)
-        if MODE == 0:
-            acc = _online_kl(acc, t_sum, t_rescale, t_move, s_move, e_t, u_t, t_shift, u_s, s_shift)
-        elif MODE == 1:
-            acc = _online_kl(acc, s_sum, s_rescale, s_move, t_move, e_s, u_s, s_shift, u_t, t_shift)
-        s_sum = s_sum * s_rescale + tl.sum(e_s, 0)
-        t_sum = t_sum * t_rescale + tl.sum(e_t, 0)
-        s_max = s_new
-        t_max = t_new
-    return s_max, s_sum, t_max, t_sum, acc
-
-
-@triton.jit
-def _row_pass2(
-    s_row, t_row, end, lse_s, lse_t, s_softcap, t_softcap, inv_temperature, beta, one_minus_beta,
-    BLOCK: tl.constexpr, S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr,
-):  # fmt: skip
-    """The mixture's (sum p_t (lt - lm), sum p_s (ls - lm)) over columns [0, end), both logsumexps known."""
-    kl_t = 0.0
-    kl_s = 0.0
-    for start in tl.range(0, end, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        in_row = cols < end
-        u_s, _ = _scaled_logits(s_row, cols, in_row, in_row, s_softcap, inv_temperature, S_SOFTCAP)
-        u_t, _ = _scaled_logits(t_row, cols, in_row, in_row, t_softcap, inv_temperature, T_SOFTCAP)
-        p_s, p_t, ls, lt, lm = _mixture_terms(u_s, u_t, lse_s, lse_t, beta, one_minus_beta)
-        kl_t += tl.sum(tl.where(p_t == 0.0, 0.0, p_t * (lt - lm)), 0)
-        kl_s += tl.sum(tl.where(p_s == 0.0, 0.0, p_s * (ls - lm)), 0)
-    return kl_t, kl_s
-
-
-@triton.jit
-def _jsd_forward_kernel(
-    student_ptr,
-    student_stride,
-    teacher_ptr,
-    teacher_stride,
-    labels_ptr,
-    loss_ptr,
-    lse_s_ptr,
-    lse_t_ptr,
-    kl_ptr,
-    V,
-    ignore_index,
-    beta,
-    one_minus_beta,
-    inv_temperature,
-    s_softcap,
-    t_softcap,
-    BLOCK: tl.constexpr,
-    MODE: tl.constexpr,
-    HAS_LABELS: tl.constexpr,
-    S_SOFTCAP: tl.constexpr,
-    T_SOFTCAP: tl.constexpr,
-):
-    """Program `row`: the row's loss and statistics (see the module docstring).
-
-    student_ptr, student_stride / teacher_ptr, teacher_stride: the logits' rows (unit column stride); only the first
-        V columns of either are read. labels_ptr: (n_rows,) int labels (HAS_LABELS; a row whose label is
-        ignore_index is never read). loss_ptr, lse_s_ptr, lse_t_ptr, kl_ptr: (n_rows,) float32 outputs.
-    beta, one_minus_beta: the mixture's weights (MODE 2). inv_temperature: 1 / T.
-    s_softcap, t_softcap: the soft-capping of each side (S_SOFTCAP / T_SOFTCAP switch it on).
-    """
-    row = tl.program_id(0).to(tl.int64)
-    end = V
-    if HAS_LABELS:
-        label = tl.load(labels_ptr + row)
-        end = tl.where(label == ignore_index, 0, V)  # an ignored row is never read
-    s_row = student_ptr + row * student_stride
-    t_row = teacher_ptr + row * teacher_stride
-    s_max, s_sum, t_max, t_sum, acc = _row_pass1(
-        s_row, t_row, end, s_softcap, t_softcap, inv_temperature, BLOCK, MODE, S_SOFTCAP, T_SOFTCAP
-    )
-    log_s_sum = tl.log(s_sum)
-    log_t_sum = tl.log(t_sum)
-    lse_s = _shift(s_max) + log_s_sum
-    lse_t = _shift(t_max) + log_t_sum
-    if MODE == 0:
-        loss = acc / t_sum - log_t_sum + log_s_sum
-        kl = 0.0
-    elif MODE == 1:
-        loss = acc / s_sum - log_s_sum + log_t_sum
-        kl = loss
-    else:
-        kl_t, kl = _row_pass2(
-            s_row, t_row, end, lse_s, lse_t, s_softcap, t_softcap, inv_temperature, beta, one_minus_beta,
-            BLOCK, S_SOFTCAP, T_SOFTCAP,
-        )  # fmt: skip
-        loss = beta * kl_t + one_minus_beta * kl
-    kept = end > 0
-    tl.store(loss_ptr + row, tl.where(kept, loss, 0.0))
-    tl.store(lse_s_ptr + row, tl.where(kept, lse_s, 0.0))
-    tl.store(lse_t_ptr + row, tl.where(kept, lse_t, 0.0))
-    tl.store(kl_ptr + row, tl.where(kept, kl, 0.0))
 
 
 @triton.jit
@@ -303,7 +158,9 @@ def backward_block(vocab, block=None):
     return min(JSD_BACKWARD_BLOCK if block is None else block, _next_power_of_2(max(vocab, 1)))
 
 
-forward_launcher = Launcher(_jsd_forward_kernel)
+partials_launcher = Launcher(_jsd_partials_kernel)
+mixture_launcher = Launcher(_jsd_mixture_kernel)
+finish_launcher = Launcher(_jsd_finish_kernel)
 backward_launcher = Launcher(_jsd_backward_kernel)
 
 
@@ -314,11 +171,24 @@ def _rows(tensor):
     return tensor, tensor.stride(0)
 
 
+def forward_segments(n_rows, vocab, block):
+    """(S, segment width) of the forward at N = n_rows, V = vocab, tile width block: a row's tiles are split into S
+    segments of equal whole tiles (the last one ragged) so that N * S programs reach JSD_FORWARD_PROGRAMS when N
+    alone does not (a linear_jsd chunk of a few hundred rows), never more segments than tiles; S = 1 from
+    JSD_FORWARD_PROGRAMS rows on. S depends on N: a row's float32 rounding (not its value) depends on its batch."""
+    tiles = max(_cdiv(vocab, block), 1)
+    wanted = min(max(_cdiv(JSD_FORWARD_PROGRAMS, n_rows), 1), tiles)
+    width = _cdiv(tiles, wanted) * block
+    return max(_cdiv(vocab, width), 1), width
+
+
 def jsd_forward(student, teacher, labels, options, out, block=None):
     """Writes per row into out = (loss, lse_s, lse_t, kl) (four float32 (N,) tensors): the loss of student (N, V_s)
     against the first V_s columns of teacher (N, V_t >= V_s), the two logsumexps of u = softcap(x) / T and the
     backward's row constant. labels: (N,) int tensor or None (every row counts). options: jsd_contract.JsdOptions.
-    block: the tile width (default JSD_FORWARD_BLOCK). Returns out."""
+    block: the tile width (default JSD_FORWARD_BLOCK). The segments' partials live in a scratch of
+    N * S * (5 or 6) floats: at most 24 bytes per row from JSD_FORWARD_PROGRAMS rows on (S = 1), under 100 KiB
+    below. Returns out."""
     _checked(student)
     n_rows, vocab = student.shape
     if n_rows == 0:
@@ -327,16 +197,24 @@ def jsd_forward(student, teacher, labels, options, out, block=None):
     student, s_stride = _rows(student)
     teacher, t_stride = _rows(teacher)
     block = forward_block(vocab, block)
-    loss, lse_s, lse_t, kl = out
+    segments, width = forward_segments(n_rows, vocab, block)
+    segments_block = _next_power_of_2(max(_cdiv(vocab, block), 1))  # V alone decides: one compiled variant per V
+    partials = torch.empty(n_rows, PARTIAL_SLOTS[mode], segments, dtype=torch.float32, device=student.device)
     has_labels = labels is not None
-    args = (
-        student, s_stride, teacher, t_stride, labels if has_labels else loss, loss, lse_s, lse_t, kl, vocab,
-        options.ignore_index, beta, one_minus_beta, inv_t, s_cap, t_cap,
-        block, mode, has_labels, s_cap > 0.0, t_cap > 0.0,
-    )  # fmt: skip
-    grid = (n_rows, 1, 1)
-    variant = ("jsd_forward", student.device, student.dtype, teacher.dtype, block, mode, has_labels, *args[-2:])
-    _launch(forward_launcher, grid, args, JSD_FORWARD_WARPS, variant, student)
+    labels = labels if has_labels else partials
+    flags = (has_labels, s_cap > 0.0, t_cap > 0.0)
+    rows = (student, s_stride, teacher, t_stride, labels, partials, vocab, width, options.ignore_index)
+    grid = (n_rows, segments, 1)
+    caps = (LOG2E * inv_t, s_cap, t_cap)
+    common = ("jsd", student.device, student.dtype, teacher.dtype, block, *flags)
+    _launch(partials_launcher, grid, (*rows, *caps, block, mode, *flags), JSD_FORWARD_WARPS, common + (mode,), student)
+    if mode == MIXTURE:
+        args = (*rows, beta, one_minus_beta, *caps, block, segments_block, *flags)
+        _launch(mixture_launcher, grid, args, JSD_FORWARD_WARPS, common + (segments_block,), student)
+    args = (labels, partials, *out, segments, options.ignore_index, beta, one_minus_beta, segments_block, mode,
+            has_labels)  # fmt: skip
+    variant = ("jsd_finish", student.device, segments_block, mode, has_labels)
+    _launch(finish_launcher, (n_rows, 1, 1), args, JSD_FINISH_WARPS, variant, student)
     return out
 
 

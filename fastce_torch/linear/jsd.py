@@ -4,8 +4,11 @@ teacher_hidden @ W_t.T + b_t, ...) without the (N, V) logits of either model.
 Chunks of rows (linear/chunks.py's rows_per_chunk: the workspace budget, DEFAULT_WORKSPACE_BYTES = 256 MiB by
 default, covers both chunks of logits, student's and teacher's, each in its head's dtype): per chunk the student
 logits h_s W_s^T (+ b_s) and the teacher logits h_t W_t[:V_s]^T (+ b_t[:V_s]) (the teacher weight's first V_s rows,
-a view, no copy), matmuls accumulating in float32 and rounding once to the inputs' dtype, then the forward kernel
-(kernels/jsd.py).
+a view, no copy), matmuls accumulating in float32 and rounding once to the inputs' dtype (logits_dtype=float32:
+kept in float32, the student's d logits then written into a chunk of its own in the inputs' dtype), then the
+forward kernels (kernels/jsd.py; rows split into column segments, so a chunk of a few hundred rows still fills the
+GPU; their partials, 5 or 6 floats per row and segment, under 200 KiB a chunk up to 8192 rows, are outside
+workspace_bytes). accumulate_in_float32: d W_s summed over the chunks in float32 (chunks.py).
 - "mean" / "sum" with a gradient to compute: the backward kernel overwrites the chunk's student logits with
   d loss / d logits (upstream 1 / divisor, a device scalar: no host synchronisation), and d h_s[chunk] = g W_s,
   d W_s += g^T h_s, d b_s += column sums follow at once; the autograd backward only scales them by the upstream
@@ -35,13 +38,16 @@ from .chunks import (
     _chunk_logits,
     accumulate_grads,
     autocast_or_common_dtype,
+    check_logits_dtype,
     finish_grads,
     in_compute_dtype,
     kernel_context,
+    logit_bytes,
+    logits_operands,
     new_grads,
     rows_per_chunk,
 )
-from .unsharded import gradients_needed
+from .unsharded import gradients_needed, reference_logits
 
 NO_GRADS = (False, False, False)
 BACKWARD_TWICE = (
@@ -53,21 +59,45 @@ BACKWARD_TWICE = (
 # --- the chunk loop -------------------------------------------------------------------------------------------------
 
 
-def _row_chunks(student, teacher, labels, workspace_bytes):
-    """Yields (rows, student hidden chunk, labels chunk or None, student logits, teacher logits, first) chunk by
-    chunk; the logits are views of two workspaces that the next chunk overwrites. student, teacher: (hidden, weight,
-    bias) in their compute dtypes, the teacher's weight and bias already its first V_s rows."""
+def _side(chunking, hidden):
+    """chunking for one head: float32 logits only where its compute dtype is bf16 / fp16 (float32 and float64 heads
+    already make float32 or wider logits)."""
+    half = hidden.dtype in (torch.bfloat16, torch.float16)
+    return chunking._replace(float32_logits=chunking.float32_logits and half)
+
+
+def _head_workspace(hidden, weight, bias, side_chunking, step):
+    """One head's logits workspace (step, V) and its logits operands (logits_operands: a float32 copy only on the
+    CPU, for float32 logits)."""
+    dtype = torch.float32 if side_chunking.float32_logits else hidden.dtype
+    workspace = torch.empty(step, weight.shape[0], dtype=dtype, device=hidden.device)
+    return workspace, *logits_operands(weight, bias, side_chunking)
+
+
+def _row_chunks(student, teacher, labels, chunking, with_grads):
+    """Yields (rows, student hidden chunk, labels chunk or None, student logits, d student logits, teacher logits,
+    first) chunk by chunk; the logits are views of workspaces that the next chunk overwrites. student, teacher:
+    (hidden, weight, bias) in their compute dtypes, the teacher's weight and bias already its first V_s rows. d
+    student logits: where the backward kernel writes (the student logits' own chunk, or next to float32 logits a
+    chunk in the student's dtype, the products' operand). The budget counts both chunks of logits (logit_bytes: 4
+    bytes a float32 logit, plus the student's gradient chunk in a pass with gradients)."""
     (h_s, w_s, b_s), (h_t, w_t, b_t) = student, teacher
+    student_chunking, teacher_chunking = _side(chunking, h_s), _side(chunking, h_t)
     n_rows, vocab = h_s.shape[0], w_s.shape[0]
-    step = rows_per_chunk(n_rows, vocab, h_s.element_size() + h_t.element_size(), workspace_bytes)
-    student_workspace = torch.empty(step, vocab, dtype=h_s.dtype, device=h_s.device)
-    teacher_workspace = torch.empty(step, vocab, dtype=h_t.dtype, device=h_t.device)
+    itemsize = logit_bytes(h_s, student_chunking, with_grads) + logit_bytes(h_t, teacher_chunking, False)
+    step = rows_per_chunk(n_rows, vocab, itemsize, chunking.workspace_bytes)
+    student_workspace, w_s, b_s = _head_workspace(h_s, w_s, b_s, student_chunking, step)
+    teacher_workspace, w_t, b_t = _head_workspace(h_t, w_t, b_t, teacher_chunking, step)
+    grad_workspace = student_workspace
+    if with_grads and student_workspace.dtype != h_s.dtype:
+        grad_workspace = torch.empty(step, vocab, dtype=h_s.dtype, device=h_s.device)
     for start in range(0, n_rows, step):
         rows = slice(start, min(start + step, n_rows))
         width = rows.stop - start
         student_logits = _chunk_logits(student_workspace[:width], h_s[rows], w_s, b_s)
         teacher_logits = _chunk_logits(teacher_workspace[:width], h_t[rows], w_t, b_t)
-        yield rows, h_s[rows], None if labels is None else labels[rows], student_logits, teacher_logits, start == 0
+        labels_chunk = None if labels is None else labels[rows]
+        yield rows, h_s[rows], labels_chunk, student_logits, grad_workspace[:width], teacher_logits, start == 0
 
 
 def _in_compute_dtype(student, teacher):
@@ -80,40 +110,41 @@ def _in_compute_dtype(student, teacher):
     return student, (h_t, *in_compute_dtype(h_t, w_t, b_t))
 
 
-def chunked_forward(student, teacher, labels, options, workspace_bytes, upstream=None, needs=NO_GRADS):
+def chunked_forward(student, teacher, labels, options, chunking, upstream=None, needs=NO_GRADS):
     """Per-row (loss, lse_s, lse_t, kl) (N,) float32 and, with any of `needs` (student hidden, weight, bias), the
-    gradients of sum_rows upstream * loss_row (upstream: a 0-d float32 device tensor), chunk by chunk."""
+    gradients of sum_rows upstream * loss_row (upstream: a 0-d float32 device tensor), chunk by chunk. chunking:
+    workspace_bytes, accumulate_in_float32 and float32_logits (the other fields unused)."""
     h_s, w_s, b_s = student
     with kernel_context(h_s):
         student_c, teacher_c = _in_compute_dtype(student, teacher)
         out = jsd_kernels.new_stats(h_s.shape[0], h_s.device)
-        grads = new_grads(h_s, w_s, b_s, needs, Chunking(workspace_bytes))
-        for rows, hidden_chunk, labels_chunk, s_logits, t_logits, first in _row_chunks(
-            student_c, teacher_c, labels, workspace_bytes
+        grads = new_grads(h_s, w_s, b_s, needs, chunking)
+        for rows, hidden_chunk, labels_chunk, s_logits, s_grad, t_logits, first in _row_chunks(
+            student_c, teacher_c, labels, chunking, any(needs)
         ):
             chunk_out = tuple(buffer[rows] for buffer in out)  # the kernel writes into the full buffers
             jsd_kernels.jsd_forward(s_logits, t_logits, labels_chunk, options, chunk_out)
-            if any(needs):  # d loss / d logits in place of the student logits, then the products
-                jsd_kernels.jsd_backward(upstream, s_logits, t_logits, labels_chunk, chunk_out[1:], s_logits, options)
-                accumulate_grads(s_logits, hidden_chunk, student_c[1], rows, grads, first)
+            if any(needs):  # d loss / d logits (in place of the student logits, or beside them), then the products
+                jsd_kernels.jsd_backward(upstream, s_logits, t_logits, labels_chunk, chunk_out[1:], s_grad, options)
+                accumulate_grads(s_grad, hidden_chunk, student_c[1], rows, grads, first)
         return out, finish_grads(grads, w_s, b_s)
 
 
-def chunked_backward(upstream, student, teacher, labels, stats, options, workspace_bytes, needs):
+def chunked_backward(upstream, student, teacher, labels, stats, options, chunking, needs):
     """The gradients of sum_rows upstream_row * loss_row (upstream (N,) float32, any stride) from the forward's
     per-row stats = (lse_s, lse_t, kl), recomputing both chunks' logits."""
     h_s, w_s, b_s = student
     with kernel_context(h_s):
-        grads = new_grads(h_s, w_s, b_s, needs, Chunking(workspace_bytes))
+        grads = new_grads(h_s, w_s, b_s, needs, chunking)
         if not any(needs):
             return grads
         student_c, teacher_c = _in_compute_dtype(student, teacher)
-        for rows, hidden_chunk, labels_chunk, s_logits, t_logits, first in _row_chunks(
-            student_c, teacher_c, labels, workspace_bytes
+        for rows, hidden_chunk, labels_chunk, s_logits, s_grad, t_logits, first in _row_chunks(
+            student_c, teacher_c, labels, chunking, True
         ):
             chunk_stats = tuple(s[rows] for s in stats)
-            jsd_kernels.jsd_backward(upstream[rows], s_logits, t_logits, labels_chunk, chunk_stats, s_logits, options)
-            accumulate_grads(s_logits, hidden_chunk, student_c[1], rows, grads, first)
+            jsd_kernels.jsd_backward(upstream[rows], s_logits, t_logits, labels_chunk, chunk_stats, s_grad, options)
+            accumulate_grads(s_grad, hidden_chunk, student_c[1], rows, grads, first)
         return finish_grads(grads, w_s, b_s)
 
 
@@ -125,10 +156,10 @@ class _ReducedJsd(torch.autograd.Function):
     scalar (nothing else holds them) and hands them over once."""
 
     @staticmethod
-    def forward(ctx, h_s, w_s, b_s, h_t, w_t, b_t, labels, options, divisor, workspace_bytes, needs):
+    def forward(ctx, h_s, w_s, b_s, h_t, w_t, b_t, labels, options, divisor, chunking, needs):
         upstream = divisor.reciprocal()
         (loss, *_), ctx.grads = chunked_forward(
-            (h_s, w_s, b_s), (h_t, w_t, b_t), labels, options, workspace_bytes, upstream, needs
+            (h_s, w_s, b_s), (h_t, w_t, b_t), labels, options, chunking, upstream, needs
         )
         return reduced(loss, divisor)
 
@@ -148,9 +179,9 @@ class _PerRowJsd(torch.autograd.Function):
     """ "none": the forward keeps the per-row statistics; the backward recomputes each chunk's logits."""
 
     @staticmethod
-    def forward(ctx, h_s, w_s, b_s, h_t, w_t, b_t, labels, options, workspace_bytes):
-        (loss, *stats), _ = chunked_forward((h_s, w_s, b_s), (h_t, w_t, b_t), labels, options, workspace_bytes)
-        ctx.options, ctx.workspace_bytes = options, workspace_bytes
+    def forward(ctx, h_s, w_s, b_s, h_t, w_t, b_t, labels, options, chunking):
+        (loss, *stats), _ = chunked_forward((h_s, w_s, b_s), (h_t, w_t, b_t), labels, options, chunking)
+        ctx.options, ctx.chunking = options, chunking
         ctx.save_for_backward(h_s, w_s, b_s, h_t, w_t, b_t, labels, *stats)
         return loss
 
@@ -161,7 +192,7 @@ class _PerRowJsd(torch.autograd.Function):
         needs = (*ctx.needs_input_grad[:2], b_s is not None and ctx.needs_input_grad[2])
         grads = chunked_backward(
             grad_rows.to(torch.float32), (h_s, w_s, b_s), (h_t, w_t, b_t), labels, stats, ctx.options,
-            ctx.workspace_bytes, needs,
+            ctx.chunking, needs,
         )  # fmt: skip
         return (*grads, *[None] * 6)
 
@@ -171,7 +202,21 @@ class _PerRowJsd(torch.autograd.Function):
 
 _HEADS = "Tensor h_s, Tensor w_s, Tensor? b_s, Tensor h_t, Tensor w_t, Tensor? b_t, Tensor? labels"
 _NEEDS = "bool need_hidden, bool need_weight, bool need_bias"
+_CHUNKING = "int workspace_bytes, bool accumulate_in_float32, bool float32_logits"
 _N_OPTIONS = len(JsdOptions._fields)
+_CHUNKING_FIELDS = ("workspace_bytes", "accumulate_in_float32", "float32_logits")
+
+
+def _op_chunking(chunking):
+    """The Chunking fields the custom ops take (_CHUNKING), in their order."""
+    return tuple(getattr(chunking, field) for field in _CHUNKING_FIELDS)
+
+
+def _settings(settings):
+    """A custom op's trailing arguments: (options, chunking, the rest: the needs where the op has them)."""
+    end = _N_OPTIONS + len(_CHUNKING_FIELDS)
+    chunking = Chunking(**dict(zip(_CHUNKING_FIELDS, settings[_N_OPTIONS:end])))
+    return JsdOptions(*settings[:_N_OPTIONS]), chunking, settings[end:]
 
 
 def _or_empty(tensor, like):
@@ -190,13 +235,13 @@ def _fake_grads(h_s, w_s, b_s, needs):
 @torch.library.custom_op(
     "fastce::linear_jsd_reduced",
     mutates_args=(),
-    schema=f"({_HEADS}, Tensor divisor, {JSD_OPTIONS_SCHEMA}, int workspace_bytes, {_NEEDS}) -> "
+    schema=f"({_HEADS}, Tensor divisor, {JSD_OPTIONS_SCHEMA}, {_CHUNKING}, {_NEEDS}) -> "
     "(Tensor, Tensor, Tensor, Tensor)",
 )
 def _reduced_op(h_s, w_s, b_s, h_t, w_t, b_t, labels, divisor, *settings):
-    options, workspace_bytes, needs = JsdOptions(*settings[:_N_OPTIONS]), settings[_N_OPTIONS], settings[-3:]
+    options, chunking, needs = _settings(settings)
     (loss, *_), grads = chunked_forward(
-        (h_s, w_s, b_s), (h_t, w_t, b_t), labels, options, workspace_bytes, divisor.reciprocal(), needs
+        (h_s, w_s, b_s), (h_t, w_t, b_t), labels, options, chunking, divisor.reciprocal(), needs
     )
     return (reduced(loss, divisor), *(_or_empty(grad, h_s) for grad in grads))
 
@@ -207,7 +252,7 @@ def _(h_s, w_s, b_s, h_t, w_t, b_t, labels, divisor, *settings):
 
 
 def _reduced_setup_context(ctx, inputs, output):
-    ctx.needs = inputs[-3:]
+    ctx.needs, ctx.n_inputs = inputs[-3:], len(inputs)
     ctx.save_for_backward(*output[1:])
 
 
@@ -217,7 +262,7 @@ def _reduced_backward(ctx, grad_loss, *unused):
         torch.where(g == 0, 0, g * grad_loss.to(g.dtype)) if need else None
         for g, need in zip(ctx.saved_tensors, ctx.needs)
     ]
-    return (*grads, *[None] * (5 + _N_OPTIONS + 4))
+    return (*grads, *[None] * (ctx.n_inputs - 3))
 
 
 torch.library.register_autograd("fastce::linear_jsd_reduced", _reduced_backward, setup_context=_reduced_setup_context)
@@ -226,10 +271,11 @@ torch.library.register_autograd("fastce::linear_jsd_reduced", _reduced_backward,
 @torch.library.custom_op(
     "fastce::linear_jsd_forward",
     mutates_args=(),
-    schema=f"({_HEADS}, {JSD_OPTIONS_SCHEMA}, int workspace_bytes) -> (Tensor, Tensor, Tensor, Tensor)",
+    schema=f"({_HEADS}, {JSD_OPTIONS_SCHEMA}, {_CHUNKING}) -> (Tensor, Tensor, Tensor, Tensor)",
 )
 def _per_row_forward_op(h_s, w_s, b_s, h_t, w_t, b_t, labels, *settings):
-    out, _ = chunked_forward((h_s, w_s, b_s), (h_t, w_t, b_t), labels, JsdOptions(*settings[:-1]), settings[-1])
+    options, chunking, _ = _settings(settings)
+    out, _ = chunked_forward((h_s, w_s, b_s), (h_t, w_t, b_t), labels, options, chunking)
     return tuple(t.clone() for t in out)  # each output owns its storage
 
 
@@ -242,13 +288,13 @@ def _(h_s, w_s, b_s, h_t, w_t, b_t, labels, *settings):
     "fastce::linear_jsd_backward",
     mutates_args=(),
     schema=f"(Tensor upstream, {_HEADS}, Tensor lse_s, Tensor lse_t, Tensor kl, {JSD_OPTIONS_SCHEMA}, "
-    f"int workspace_bytes, {_NEEDS}) -> (Tensor, Tensor, Tensor)",
+    f"{_CHUNKING}, {_NEEDS}) -> (Tensor, Tensor, Tensor)",
 )
 def _per_row_backward_op(upstream, h_s, w_s, b_s, h_t, w_t, b_t, labels, lse_s, lse_t, kl, *settings):
-    options, workspace_bytes, needs = JsdOptions(*settings[:_N_OPTIONS]), settings[_N_OPTIONS], settings[-3:]
+    options, chunking, needs = _settings(settings)
     grads = chunked_backward(
         upstream.to(torch.float32), (h_s, w_s, b_s), (h_t, w_t, b_t), labels, (lse_s, lse_t, kl), options,
-        workspace_bytes, needs,
+        chunking, needs,
     )  # fmt: skip
     return tuple(_or_empty(grad, h_s) for grad in grads)
 
@@ -293,6 +339,8 @@ def linear_jsd(
     student_softcapping=0.0,
     teacher_softcapping=0.0,
     workspace_bytes=None,
+    accumulate_in_float32=False,
+    logits_dtype=None,
     backend="auto",
 ):
     """fastce_torch.jsd(student_hidden @ student_weight.T + student_bias, teacher_hidden @ teacher_weight.T +
@@ -304,6 +352,15 @@ def linear_jsd(
     the autocast dtype, as F.linear); a float64 student is computed in float64 by plain torch. The other keywords are
     jsd's; workspace_bytes bounds the two chunks of logits together (None: 256 MiB). Only the student's hidden,
     weight and bias get gradients; the teacher's are constants.
+
+    Precision (linear_cross_entropy's keywords, the same meaning): logits_dtype None (each head's logits in its
+    compute dtype) or float32 ("float32" or torch.float32): with bf16/fp16 heads both models' chunk logits come
+    out of the matmul in float32 (cuBLAS reads the bf16/fp16 operands, no float32 copy of either weight) and the
+    backward kernel writes d student logits into a chunk in the student's dtype; the workspace then counts 4 bytes a
+    teacher logit and 4 + itemsize a student logit (fewer rows per chunk). The JSD gradient p_s - p_t is a
+    difference of nearly equal numbers: logits rounded to bf16 make it off by percents at a realistic logit spread.
+    accumulate_in_float32=True sums a bf16/fp16 weight's gradient over the chunks in float32 and rounds it once
+    (4 V H bytes more).
     """
     options = jsd_contract.check_jsd_options(
         beta, temperature, ignore_index, reduction, student_softcapping, teacher_softcapping, backend
@@ -313,32 +370,35 @@ def linear_jsd(
     )
     jsd_contract.check_jsd_labels(labels, student_hidden, "student_hidden")
     vocab = student_weight.shape[0]
-    workspace_bytes = _check_chunking(workspace_bytes, None, False).workspace_bytes
+    chunking = _check_chunking(workspace_bytes, None, accumulate_in_float32)
     leading = student_hidden.shape[:-1]
     h_s, w_s, b_s = autocast_or_common_dtype(student_hidden, student_weight, student_bias)
     # The teacher: constants, its weight's (and bias's) first V_s rows as views.
     teacher = (teacher_hidden, teacher_weight[:vocab], None if teacher_bias is None else teacher_bias[:vocab])
     h_t, w_t, b_t = (None if t is None else t.detach() for t in autocast_or_common_dtype(*teacher))
+    float32_logits = any([check_logits_dtype(logits_dtype, h.dtype) for h in (h_s, h_t)])
+    chunking = chunking._replace(float32_logits=float32_logits)
     divisor = row_divisor(labels, leading.numel(), reduction, ignore_index, h_s.device)
     if not contract.use_kernel(h_s, backend):
-        student_logits = torch.nn.functional.linear(h_s, w_s, b_s)
-        teacher_logits = torch.nn.functional.linear(h_t, w_t.to(h_t.dtype), None if b_t is None else b_t.to(h_t.dtype))
+        student_logits = reference_logits(h_s, w_s, b_s, _side(chunking, h_s))
+        w_t, b_t = w_t.to(h_t.dtype), None if b_t is None else b_t.to(h_t.dtype)
+        teacher_logits = reference_logits(h_t, w_t, b_t, _side(chunking, h_t))
         return reduced(reference_row_losses(student_logits, teacher_logits, labels, options), divisor)
     h_s, h_t = h_s.reshape(-1, h_s.shape[-1]), h_t.reshape(-1, h_t.shape[-1])
     flat_labels = None if labels is None else labels.reshape(-1).contiguous()
     heads = (h_s, w_s, b_s, h_t, w_t, b_t, flat_labels)
     if reduction == "none":
         if torch.compiler.is_compiling():
-            loss = _per_row_forward_op(*heads, *options, workspace_bytes)[0]
+            loss = _per_row_forward_op(*heads, *options, *_op_chunking(chunking))[0]
         elif any(gradients_needed(h_s, w_s, b_s)):
-            loss = _PerRowJsd.apply(*heads, options, workspace_bytes)
+            loss = _PerRowJsd.apply(*heads, options, chunking)
         else:  # nothing to differentiate: nothing kept
-            loss = chunked_forward((h_s, w_s, b_s), (h_t, w_t, b_t), flat_labels, options, workspace_bytes)[0][0]
+            loss = chunked_forward((h_s, w_s, b_s), (h_t, w_t, b_t), flat_labels, options, chunking)[0][0]
         return loss.view(leading)
     needs = gradients_needed(h_s, w_s, b_s)
     if torch.compiler.is_compiling():
-        return _reduced_op(*heads, divisor, *options, workspace_bytes, *needs)[0]
+        return _reduced_op(*heads, divisor, *options, *_op_chunking(chunking), *needs)[0]
     if any(needs):
-        return _ReducedJsd.apply(*heads, options, divisor, workspace_bytes, needs)
-    loss = chunked_forward((h_s, w_s, b_s), (h_t, w_t, b_t), flat_labels, options, workspace_bytes)[0][0]
+        return _ReducedJsd.apply(*heads, options, divisor, chunking, needs)
+    loss = chunked_forward((h_s, w_s, b_s), (h_t, w_t, b_t), flat_labels, options, chunking)[0][0]
     return reduced(loss, divisor)

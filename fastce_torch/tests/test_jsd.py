@@ -5,14 +5,17 @@ teacher, NaN rows; the teacher gets no gradient; bad input names its argument; t
 without gradients keeps nothing. CPU: Triton's interpreter (tiny shapes; small tiles force multi-tile rows);
 --gpu: CUDA."""
 
+import numpy as np
 import pytest
 import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 from fastce_torch import jsd, linear_jsd
+from fastce_torch.contract import JsdOptions
 from fastce_torch.kernels import jsd as jsd_kernels
 from shared_tests import tolerances
+from shared_tests.reference_distill import jsd as jsd_reference
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:divide by zero:RuntimeWarning",
@@ -206,6 +209,46 @@ def test_nan_row_stays_in_its_row(device, poisoned, beta):
     ref_grad[[1, 3]] = float("nan")
     check_loss(loss, ref_loss, magnitude, "none")
     check_grad(leaf.grad, ref_grad, magnitude)
+
+
+# --- the forward's segments ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "programs, segments, beta",
+    [(18, 3, 0.0), (18, 3, 0.3), (18, 3, 1.0), (1, 1, 0.3)],
+    ids=["fkl-3-segments", "mixture-3-segments", "rkl-3-segments", "mixture-1-segment"],
+)
+def test_forward_segments_match_float64(device, poisoned, monkeypatch, programs, segments, beta):
+    """The forward with each row split into S segments of whole 64-column tiles: V = 300 in 3 segments of 128, 128
+    and 44 columns (the last one ragged, a partial tile), and S = 1 (5 tiles; the other tests' rows are split
+    whenever they have several tiles). A NaN row stays NaN, an ignored row holding NaN
+    is never read; loss, both logsumexps and the gradient against the float64 reference (reference_distill)."""
+    monkeypatch.setattr(jsd_kernels, "JSD_FORWARD_BLOCK", 64)
+    monkeypatch.setattr(jsd_kernels, "JSD_BACKWARD_BLOCK", 64)
+    monkeypatch.setattr(jsd_kernels, "JSD_FORWARD_PROGRAMS", programs)
+    n_rows, vocab = 6, 300
+    assert jsd_kernels.forward_segments(n_rows, vocab, 64) == (segments, 64 * (5 if segments == 1 else 2))
+    student, teacher, labels = case_inputs(device, (n_rows,), vocab, 4, torch.float32, ignored=(4,), seed=11)
+    student[1, 280] = float("nan")  # in the last segment
+    student[4], teacher[4] = float("nan"), float("nan")  # ignored: never read
+    options = dict(beta=beta, temperature=0.9, student_softcapping=6.0)
+    leaf = student.clone().requires_grad_()
+    loss = jsd(leaf, teacher, labels, reduction="none", backend="kernel", **options)
+    upstream = torch.rand(n_rows, generator=generator(12)).to(device)
+    (loss * upstream).sum().backward()
+    ref = jsd_reference(
+        student.cpu().numpy(), teacher.cpu().numpy(), labels.cpu().numpy(), reduction="none",
+        upstream=upstream.cpu().numpy(), **options,
+    )  # fmt: skip
+    assert np.isnan(ref.loss[1]) and ref.loss[4] == 0.0
+    tolerances.assert_loss(loss.detach().cpu().numpy(), ref, dtype=loss.dtype)
+    tolerances.assert_grad(leaf.grad.cpu().numpy(), ref, "float32")
+    out = jsd_kernels.new_stats(n_rows, device)
+    jsd_kernels.jsd_forward(student, teacher, labels, JsdOptions(**options), out)
+    for got, want, what in ((out[1], ref.lse_s, "lse_s"), (out[2], ref.lse_t, "lse_t")):
+        bound = tolerances.RTOL * ref.loss_scale + tolerances.FLOOR
+        tolerances.check(got.double().cpu().numpy(), np.where(ref.counted, want, 0.0), bound, what)
 
 
 # --- linear_jsd against float64 -----------------------------------------------------------------------------------
@@ -417,15 +460,16 @@ def ops_in(graph_modules):
 
 def test_fullgraph_compile_matches_eager(device):
     """A step with jsd on logits ("mean") and linear_jsd ("none", then summed) compiles without a graph break;
-    the custom ops are in the graphs; loss and gradients equal eager's."""
+    the custom ops are in the graphs (linear_jsd's precision keywords travel through them); loss and gradients equal
+    eager's."""
     student, teacher, labels = case_inputs(device, (2, 3), 40, 2, torch.float32, ignored=(1,), seed=9)
     hs, ht, _ = linear_inputs(device, True, n=6, vocab=40, vocab_teacher=42)
 
     def step(logits, hidden, weight):
         a = jsd(logits * 1.0, teacher, labels, beta=0.5, temperature=0.9, backend="kernel")
         b = linear_jsd(hidden, weight, ht[0], ht[1], labels.reshape(-1), teacher_bias=ht[2], beta=0.0,
-                       reduction="none", backend="kernel").sum()  # fmt: skip
-        c = linear_jsd(hidden, weight, ht[0], ht[1], beta=1.0, backend="kernel")
+                       reduction="none", backend="kernel", logits_dtype="float32").sum()  # fmt: skip
+        c = linear_jsd(hidden, weight, ht[0], ht[1], beta=1.0, backend="kernel", accumulate_in_float32=True)
         return a + b + c
 
     def run(function):

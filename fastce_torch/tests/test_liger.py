@@ -351,7 +351,8 @@ def spec_jsd(student_logits, teacher_logits, labels=None, *, beta=0.5, temperatu
 
 
 def spec_linear_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, labels=None, *, student_bias=None,
-                    teacher_bias=None, workspace_bytes=None, **options):  # fmt: skip
+                    teacher_bias=None, workspace_bytes=None, logits_dtype=None, accumulate_in_float32=False,
+                    **options):  # fmt: skip
     student = torch.nn.functional.linear(student_hidden, student_weight, student_bias)
     teacher = torch.nn.functional.linear(teacher_hidden, teacher_weight, teacher_bias)
     return spec_jsd(student, teacher, labels, **options)
@@ -457,11 +458,27 @@ def test_jsd_refusals(jsd_entry_points):
         jsd_entry_points.LigerJSD(reduction="sum")
     with pytest.raises(TypeError, match="accum_dtype must be"):
         jsd_entry_points.LigerFusedLinearJSD(accum_dtype="float32")
-    has_float32_accumulation = "accumulate_in_float32" in inspect.signature(fastce_torch.linear_jsd).parameters
-    if not has_float32_accumulation:
-        with pytest.raises(NotImplementedError, match="accum_dtype=torch.float32.*accum_dtype=None"):
-            apply(hidden.bfloat16(), head.bfloat16(), hidden.bfloat16(), head.bfloat16(), None, 0.5, -100, 1.0,
-                  torch.float32)  # fmt: skip
+    with pytest.raises(NotImplementedError, match="accum_dtype=torch.float64.*accum_dtype=None"):
+        apply(hidden.bfloat16(), head.bfloat16(), hidden.bfloat16(), head.bfloat16(), None, 0.5, -100, 1.0,
+              torch.float64)  # fmt: skip
+
+
+def test_fused_linear_jsd_precision_keywords(jsd_entry_points, monkeypatch):
+    """Liger 0.8.5 projects in float32: logits_dtype="float32" always; accum_dtype=torch.float32 ->
+    accumulate_in_float32=True, None or the weight's dtype -> the default."""
+    module = jsd_entry_points
+    if not hasattr(module, "fastce_linear_jsd"):
+        module = sys.modules[jsd_entry_points.LigerFusedLinearJSDFunction.__module__]
+    seen = []
+    monkeypatch.setattr(module, "fastce_linear_jsd", lambda *args, **keywords: seen.append(keywords))
+    _, labels, _, hidden, head, _ = inputs(n=4, v=10, h=4)
+    hidden, head = hidden.bfloat16(), head.bfloat16()
+    for accum_dtype in (None, torch.float32, torch.bfloat16):
+        jsd_entry_points.liger_fused_linear_jsd(hidden, head, hidden, head, labels, accum_dtype=accum_dtype)
+        jsd_entry_points.LigerFusedLinearJSD(accum_dtype=accum_dtype)(hidden, head, hidden, head, labels)
+    assert all(keywords["logits_dtype"] == "float32" for keywords in seen)
+    accumulating = [keywords.get("accumulate_in_float32", False) for keywords in seen]
+    assert accumulating == [False, False, True, True, False, False]
 
 
 def test_jsd_names_follow_fastce():
