@@ -12,7 +12,7 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 from fastce_torch import jsd, linear_jsd
-from fastce_torch.contract import JsdOptions
+from fastce_torch.jsd_contract import JsdOptions
 from fastce_torch.kernels import jsd as jsd_kernels
 from shared_tests import tolerances
 from shared_tests.reference_distill import jsd as jsd_reference
