@@ -57,33 +57,34 @@ LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
 
 
 class JsdConfig(NamedTuple):
-    """Tiles of the two kernels for one vocabulary size: the forward walks a row in ``forward_block`` columns,
-    the backward gives each program ``backward_block`` columns of one row."""
+    """Tiles of the kernels for one vocabulary size: the forward walks its segments of a row in ``forward_block``
+    columns and splits rows until it has ``forward_programs`` programs (forward_segments), the backward gives each
+    program ``backward_block`` columns of one row."""
 
     forward_block: int
     forward_warps: int
     backward_block: int
     backward_warps: int
+    forward_programs: int
 
 
 def jsd_config(vocab: int) -> JsdConfig:
     """The tiles for V = vocab (V alone decides; the forward's segments depend on N too, forward_segments)."""
-    return JsdConfig(
-        min(FORWARD_BLOCK, next_pow2(vocab)), FORWARD_WARPS, min(BACKWARD_BLOCK, next_pow2(vocab)), BACKWARD_WARPS
-    )
+    block, backward_block = min(FORWARD_BLOCK, next_pow2(vocab)), min(BACKWARD_BLOCK, next_pow2(vocab))
+    return JsdConfig(block, FORWARD_WARPS, backward_block, BACKWARD_WARPS, FORWARD_PROGRAMS)
 
 
-def forward_segments(n_rows: int, vocab: int, block: int) -> tuple[int, int]:
+def forward_segments(n_rows: int, vocab: int, block: int, programs: int) -> tuple[int, int]:
     """(width, S): the forward splits each row into S segments of width columns (a multiple of block; the last
     one ragged), one program each.
 
     Why: one program per row leaves the GPU idle below a few thousand rows. linear_jsd's chunk at the default
     256 MiB workspace is ~384 rows of a 150k vocabulary, ~3 programs per SM of the H200's 132, and its forward
-    measured 2.0 TB/s there against 2.9 TB/s at 1536 rows. So S grows until N * S reaches FORWARD_PROGRAMS (at
-    most one tile per segment); from N = FORWARD_PROGRAMS rows on, S = 1. A row's values depend on S only through
-    the order of its float32 sums."""
+    measured 2.0 TB/s there against 2.9 TB/s at 1536 rows. So S grows until N * S reaches ``programs``
+    (FORWARD_PROGRAMS), at most one tile per segment; from N = programs rows on, S = 1. A row's values depend on
+    S only through the order of its float32 sums."""
     tiles = cdiv(vocab, block)
-    wanted = max(1, min(cdiv(FORWARD_PROGRAMS, max(n_rows, 1)), tiles))
+    wanted = max(1, min(cdiv(programs, max(n_rows, 1)), tiles))
     per_segment = cdiv(tiles, wanted)
     return per_segment * block, cdiv(tiles, per_segment)
 
@@ -247,8 +248,9 @@ def jsd_divergence_kernel(
         p_s, p_t = jnp.exp2(ls), jnp.exp2(lt)
         mixture = one_minus_beta * p_s + beta * p_t
         lm = jnp.log(mixture) * LOG2E  # the one log per element, shared by both terms
-        # A mixture that underflows to 0 next to a (denormal) p > 0 would give p * inf: such a term is below
-        # float32's resolution of the sum, so it counts 0 (== keeps a NaN mixture, and so a NaN row, NaN).
+        # A mixture that underflows to 0 next to a p > 0 (beta p below float32's normal range, flushed to zero)
+        # would give p * inf: such a term (p < 2^-125) is far below the sum's resolution, so it counts 0. (==, not
+        # >: a NaN mixture, and so a NaN row, stays NaN.)
         underflow = mixture == 0.0
         return (
             kl_t + jnp.sum(jnp.where((p_t == 0.0) | underflow, 0.0, p_t * (lt - lm))),
@@ -356,11 +358,12 @@ def jsd_forward(student, teacher, labels, beta, opts: JsdOptions, *, interpret: 
     labels (N,) or None (every row counts); beta: beta_operand(beta) for a mixture, else None.
 
     Launches the statistics kernel, for a mixture the divergence kernel, then the finish kernel; between them
-    float32 partials of N * S * (5 or 6) floats (S = forward_segments(...)[1]: 160 KiB at N = 8192, S = 1)."""
+    float32 partials of N * S * (5 or 6) floats: N * S < N + config.forward_programs, so at most 192 KiB at
+    N = 8192 (S = 1) and 60 KiB for linear_jsd's ~384-row chunks: outside its workspace budget."""
     n, vocab = student.shape
     config = jsd_config(vocab) if config is None else config
     block = config.forward_block
-    width, n_seg = forward_segments(n, vocab, block)
+    width, n_seg = forward_segments(n, vocab, block, config.forward_programs)
     extra, ignore = _optional_operands(labels, beta, opts)
     (student, teacher, *extra), mat = _same_variance(student, teacher, *extra)
     labels, beta = extra[: ignore is not None], extra[ignore is not None :]  # each () or a 1-tuple

@@ -271,7 +271,8 @@ def test_jsd_kernels_lower_to_triton(compiled, beta, n):
     """Forward KL, the mixture and reverse KL (with labels, temperature and both soft-cappings; the mixture without
     labels) lower to the forward's kernels (the mixture's second pass too) and the backward, whose output aliases
     the student logits; n = 8 splits each row into segments (forward_segments), n = 4096 keeps one per row."""
-    assert (kernels.jsd.forward_segments(n, 50257, kernels.jsd.FORWARD_BLOCK)[1] > 1) == (n == 8)
+    config = kernels.jsd.jsd_config(50257)
+    assert (kernels.jsd.forward_segments(n, 50257, config.forward_block, config.forward_programs)[1] > 1) == (n == 8)
     lowered = lower_jsd(n, 50257, 50304, beta, labels=beta != 0.5, **(JSD_ALL if beta != 0.5 else {}))
     expected = JSD_MIXTURE if beta == 0.5 else sorted(JSD_FORWARD + ["fastce_jsd_backward"])
     assert sorted(triton_modules(lowered)) == expected
