@@ -8,14 +8,14 @@ beta KL(p_t || m) + (1 - beta) KL(p_s || m) (TRL's generalized JSD).
 The forward splits each row's V columns into S contiguous segments (``forward_segments``: S grows until N * S
 programs fill the GPU; S = 1 for large N) and works in base 2 (u2 = u log2(e), folded into the transforms'
 constants; exp2, and lse and the KLs converted back once per row):
-* ``jsd_statistics_kernel``, grid (N, S), pass 1: one program walks one segment in BLOCK-wide tiles, keeping the
+* ``jsd_partials_kernel``, grid (N, S), pass 1: one program walks one segment in BLOCK-wide tiles, keeping the
   running max and sum of 2^(u2 - max) of both models (rescaled as the max moves, as forward.py does) and, for beta
   in {0, 1}, the running sum_j e_j (u2_a - u2_b) weighted by the exponentials of the distribution the KL is taken
   under (KL(p_t || p_s) = E_t[u_t - u_s] - lse_t + lse_s needs no second pass). It writes these per-segment float32
   partials, (N, S) each.
-* ``jsd_divergence_kernel``, grid (N, S), the mixture's pass 2 (0 < beta < 1): each program merges its row's S
+* ``jsd_mixture_kernel``, grid (N, S), the mixture's pass 2 (0 < beta < 1): each program merges its row's S
   statistics into lse_s, lse_t, then sums over its segment the terms of KL(p_t || m) and KL(p_s || m), with one
-  log per element: lm2 = log2((1 - beta) 2^ls2 + beta 2^lt2), shared by both terms.
+  log per element (the GPU's lg2.approx): lm2 = log2((1 - beta) 2^ls2 + beta 2^lt2), shared by both terms.
 * ``jsd_finish_kernel``, grid (N,): merges a row's S partials into its loss, lse_s, lse_t and kl_s (natural log
   units), the row constant of the gradient (the loss for beta = 1, KL(p_s || m) for a mixture, the loss for beta
   = 0 where it is unused). A row whose label is ignore_index reads no logits (its loss and kl_s are 0).
@@ -50,8 +50,11 @@ from .launch import _launch, _same_variance, quiet_triton
 FORWARD_BLOCK, FORWARD_WARPS = 2048, 4
 BACKWARD_BLOCK, BACKWARD_WARPS = 2048, 4
 FINISH_WARPS = 1  # the finish kernel touches a few (S,) partials per row
-# How many forward programs fill the H200 (132 SMs): about two waves of 8 resident 4-warp programs per SM.
-FORWARD_PROGRAMS = 2 * 132 * 8
+# Programs the forward aims for (forward_segments): 4 waves of the H200's 132 SMs x 4 resident programs per SM
+# (fastce_torch's JSD_FORWARD_PROGRAMS; a 4-warp program of 2048-wide tiles holds no more registers than its
+# 8-warp, 4096-wide one).
+FORWARD_PROGRAMS = 4 * 132 * 4
+FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
 
 LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
 
@@ -75,8 +78,8 @@ def jsd_config(vocab: int) -> JsdConfig:
 
 
 def forward_segments(n_rows: int, vocab: int, block: int, programs: int) -> tuple[int, int]:
-    """(width, S): the forward splits each row into S segments of width columns (a multiple of block; the last
-    one ragged), one program each.
+    """(S, width): the forward splits each row into S segments of width columns (a multiple of block; the last
+    one ragged), one program each (the name and rule of fastce_torch's forward_segments).
 
     Why: one program per row leaves the GPU idle below a few thousand rows. linear_jsd's chunk at the default
     256 MiB workspace is ~384 rows of a 150k vocabulary, ~3 programs per SM of the H200's 132, and its forward
@@ -86,7 +89,7 @@ def forward_segments(n_rows: int, vocab: int, block: int, programs: int) -> tupl
     tiles = cdiv(vocab, block)
     wanted = max(1, min(cdiv(programs, max(n_rows, 1)), tiles))
     per_segment = cdiv(tiles, wanted)
-    return per_segment * block, cdiv(tiles, per_segment)
+    return cdiv(tiles, per_segment), per_segment * block
 
 
 def beta_terms(beta: float):
@@ -139,6 +142,19 @@ def _log_mixture(ls, lt, log_one_minus_beta, log_beta):
 def _weighted(p, value):
     """sum_j p_j value_j over the lanes where p_j > 0 (p = 0 contributes 0, even where value is infinite)."""
     return jnp.sum(jnp.where(p == 0.0, 0.0, p * value))
+
+
+def _log2(x, ptx: bool):
+    """log2 x (float32). ptx: the GPU's lg2.approx.f32, one MUFU instruction (relative error about 2^-22; NaN stays
+    NaN, 0 gives -inf), where jnp.log is libdevice's logf, about 20 instructions (the mixture's pass 2 was compute
+    bound); Pallas' interpreter runs no PTX (ptx False)."""
+    if not ptx:
+        return jnp.log(x) * LOG2E
+    (y,) = plgpu.elementwise_inline_asm(
+        "lg2.approx.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
+    )  # fmt: skip
+    return y
 
 
 def _split_refs(refs, has_labels: bool, has_beta: bool):
@@ -196,7 +212,7 @@ def _sum_parts(ref, n_seg: int, rescale=None):
     return jnp.sum(parts if rescale is None else parts * rescale)
 
 
-def jsd_statistics_kernel(xs_ref, xt_ref, *refs, vocab: int, width: int, block: int, opts: JsdOptions, ignore_index):
+def jsd_partials_kernel(xs_ref, xt_ref, *refs, vocab: int, width: int, block: int, opts: JsdOptions, ignore_index):
     """Grid (N, S), pass 1: one segment of one row's partials (0-d outputs, base 2).
 
     xs_ref, xt_ref: the segment of student and teacher logits (width columns; the lanes past V are masked); refs:
@@ -224,15 +240,15 @@ def jsd_statistics_kernel(xs_ref, xt_ref, *refs, vocab: int, width: int, block: 
         plgpu.store(ref, value)
 
 
-def jsd_divergence_kernel(
-    xs_ref, xt_ref, *refs, vocab: int, width: int, n_seg: int, block: int, opts: JsdOptions, ignore_index
+def jsd_mixture_kernel(
+    xs_ref, xt_ref, *refs, vocab: int, width: int, n_seg: int, block: int, opts: JsdOptions, ignore_index, ptx: bool
 ):  # fmt: skip
     """Grid (N, S), the mixture's pass 2: one segment of one row's sums of the terms of KL(p_t || m) and
     KL(p_s || m), in base 2 (0-d outputs).
 
-    xs_ref, xt_ref: as jsd_statistics_kernel; refs: the label (0-d) when ``ignore_index`` is not None, the beta
+    xs_ref, xt_ref: as jsd_partials_kernel; refs: the label (0-d) when ``ignore_index`` is not None, the beta
     operand (4,) (beta_terms), the row's pass-1 partials m_s, s_s, m_t, s_t ((S,) each), then the outputs kl_t,
-    kl_s. n_seg: S.
+    kl_s. n_seg: S; ptx: the log as the GPU's lg2.approx (compiled kernels; _log2).
     """
     y_ref, beta_ref, (ms_ref, ss_ref, mt_ref, st_ref, kl_t_ref, kl_s_ref) = _split_refs(
         refs, ignore_index is not None, True
@@ -247,15 +263,11 @@ def jsd_divergence_kernel(
         ls, lt = u_s - lse_s, u_t - lse_t
         p_s, p_t = jnp.exp2(ls), jnp.exp2(lt)
         mixture = one_minus_beta * p_s + beta * p_t
-        lm = jnp.log(mixture) * LOG2E  # the one log per element, shared by both terms
-        # A mixture that underflows to 0 next to a p > 0 (beta p below float32's normal range, flushed to zero)
-        # would give p * inf: such a term (p < 2^-125) is far below the sum's resolution, so it counts 0. (==, not
-        # >: a NaN mixture, and so a NaN row, stays NaN.)
-        underflow = mixture == 0.0
-        return (
-            kl_t + jnp.sum(jnp.where((p_t == 0.0) | underflow, 0.0, p_t * (lt - lm))),
-            kl_s + jnp.sum(jnp.where((p_s == 0.0) | underflow, 0.0, p_s * (ls - lm))),
-        )
+        # Floored at float32's smallest normal number (a select: the GPU's max would drop a NaN, and a NaN row must
+        # stay NaN): where the mixture underflows (to 0 where flushed) both terms are below the sum's resolution,
+        # and lm stays finite (no p * inf).
+        lm = _log2(jnp.where(mixture < FLOAT32_TINY, FLOAT32_TINY, mixture), ptx)  # one log per element, both terms
+        return kl_t + _weighted(p_t, lt - lm), kl_s + _weighted(p_s, ls - lm)
 
     zero = jnp.float32(0.0)
     kl_t, kl_s = jax.lax.fori_loop(0, n_tiles, divergences, (zero, zero))
@@ -357,13 +369,13 @@ def jsd_forward(student, teacher, labels, beta, opts: JsdOptions, *, interpret: 
     """(loss, lse_s, lse_t, kl_s), float32 (N,) each, of student logits (N, V) and teacher logits (N, V_t >= V);
     labels (N,) or None (every row counts); beta: beta_operand(beta) for a mixture, else None.
 
-    Launches the statistics kernel, for a mixture the divergence kernel, then the finish kernel; between them
+    Launches the partials kernel, for a mixture the mixture kernel, then the finish kernel; between them
     float32 partials of N * S * (5 or 6) floats: N * S < N + config.forward_programs, so at most 192 KiB at
     N = 8192 (S = 1) and 60 KiB for linear_jsd's ~384-row chunks: outside its workspace budget."""
     n, vocab = student.shape
     config = jsd_config(vocab) if config is None else config
     block = config.forward_block
-    width, n_seg = forward_segments(n, vocab, block, config.forward_programs)
+    n_seg, width = forward_segments(n, vocab, block, config.forward_programs)
     extra, ignore = _optional_operands(labels, beta, opts)
     (student, teacher, *extra), mat = _same_variance(student, teacher, *extra)
     labels, beta = extra[: ignore is not None], extra[ignore is not None :]  # each () or a 1-tuple
@@ -377,25 +389,25 @@ def jsd_forward(student, teacher, labels, beta, opts: JsdOptions, *, interpret: 
     static = dict(vocab=vocab, width=width, block=block, opts=_base2(opts), ignore_index=ignore)
     params = plgpu.CompilerParams(num_warps=config.forward_warps, num_stages=1)
     n_statistics = 4 if mixture else 5  # m_s, s_s, m_t, s_t (and acc)
-    statistics = pl.pallas_call(
-        functools.partial(jsd_statistics_kernel, **static),
+    partials = pl.pallas_call(
+        functools.partial(jsd_partials_kernel, **static),
         grid=(n, n_seg),
         in_specs=[segment, segment, *per_row],
         out_specs=[per_part] * n_statistics,
         out_shape=[part] * n_statistics,
         compiler_params=params,
         interpret=interpret,
-        name="fastce_jsd_statistics",
+        name="fastce_jsd_partials",
     )
-    divergences = pl.pallas_call(
-        functools.partial(jsd_divergence_kernel, n_seg=n_seg, **static),
+    mixture_pass = pl.pallas_call(
+        functools.partial(jsd_mixture_kernel, n_seg=n_seg, ptx=not interpret, **static),
         grid=(n, n_seg),
         in_specs=[segment, segment, *per_row, pl.BlockSpec((4,), lambda i, j: (0,))] + [row_parts] * 4,
         out_specs=[per_part] * 2,
         out_shape=[part] * 2,
         compiler_params=params,
         interpret=interpret,
-        name="fastce_jsd_divergences",
+        name="fastce_jsd_mixture",
     )
     n_parts = n_statistics + 2 * mixture
     finish = pl.pallas_call(
@@ -411,9 +423,9 @@ def jsd_forward(student, teacher, labels, beta, opts: JsdOptions, *, interpret: 
         name="fastce_jsd_finish",
     )
     with quiet_triton(interpret):
-        parts = tuple(_launch(statistics, (student, teacher, *labels), mat, interpret))
+        parts = tuple(_launch(partials, (student, teacher, *labels), mat, interpret))
         if mixture:
-            parts += tuple(_launch(divergences, (student, teacher, *labels, *beta, *parts), mat, interpret))
+            parts += tuple(_launch(mixture_pass, (student, teacher, *labels, *beta, *parts), mat, interpret))
         return tuple(_launch(finish, (*parts, *labels, *beta), mat, interpret))
 
 

@@ -280,11 +280,11 @@ def test_jsd_forward_segments(monkeypatch, beta, segments):
     reference_distill in float64 with a random upstream: row 1 ignored (NaN, never read), row 2 NaN in the
     student's last segment, row 5 NaN in the teacher's first, row 3 a whole middle segment at -inf on the side
     whose divergences stay finite (that segment's partials are (-inf, 0)); for the mixture, row 6 a term whose
-    mixture underflows (it counts 0, not p * inf)."""
+    mixture underflows (floored: a negligible term, not p * inf)."""
     n, v = 8, 300
     monkeypatch.setattr(jsd_kernels, "FORWARD_BLOCK", 32)
     monkeypatch.setattr(jsd_kernels, "FORWARD_PROGRAMS", n * segments)
-    assert jsd_kernels.forward_segments(n, v, 32, n * segments) == ((128, 3) if segments == 3 else (320, 1))
+    assert jsd_kernels.forward_segments(n, v, 32, n * segments) == ((3, 128) if segments == 3 else (1, 320))
     rng = np.random.default_rng(11)
     student, teacher = rng.standard_normal((n, v)) * 2.0, rng.standard_normal((n, v + 3)) * 2.0
     student[1, 5] = teacher[1, 200] = np.nan

@@ -262,20 +262,24 @@ def lower_jsd(n, v, v_teacher, beta, labels=True, **opts):
 JSD_ALL = dict(temperature=0.7, student_softcapping=30.0, teacher_softcapping=20.0)
 
 
-JSD_FORWARD = ["fastce_jsd_finish", "fastce_jsd_statistics"]  # and fastce_jsd_divergences for a mixture
-JSD_MIXTURE = sorted(JSD_FORWARD + ["fastce_jsd_backward", "fastce_jsd_divergences"])
+JSD_FORWARD = ["fastce_jsd_finish", "fastce_jsd_partials"]  # and fastce_jsd_mixture for a mixture
+JSD_MIXTURE = sorted(JSD_FORWARD + ["fastce_jsd_backward", "fastce_jsd_mixture"])
 
 
 @pytest.mark.parametrize("beta,n", [(0.0, 8), (0.5, 8), (1.0, 8), (0.5, 4096)])
 def test_jsd_kernels_lower_to_triton(compiled, beta, n):
     """Forward KL, the mixture and reverse KL (with labels, temperature and both soft-cappings; the mixture without
-    labels) lower to the forward's kernels (the mixture's second pass too) and the backward, whose output aliases
-    the student logits; n = 8 splits each row into segments (forward_segments), n = 4096 keeps one per row."""
+    labels) lower to the forward's kernels (the mixture's second pass too, its log the GPU's lg2.approx) and the
+    backward, whose output aliases the student logits; n = 8 splits each row into segments (forward_segments),
+    n = 4096 keeps one per row."""
     config = kernels.jsd.jsd_config(50257)
-    assert (kernels.jsd.forward_segments(n, 50257, config.forward_block, config.forward_programs)[1] > 1) == (n == 8)
+    assert (kernels.jsd.forward_segments(n, 50257, config.forward_block, config.forward_programs)[0] > 1) == (n == 8)
     lowered = lower_jsd(n, 50257, 50304, beta, labels=beta != 0.5, **(JSD_ALL if beta != 0.5 else {}))
     expected = JSD_MIXTURE if beta == 0.5 else sorted(JSD_FORWARD + ["fastce_jsd_backward"])
-    assert sorted(triton_modules(lowered)) == expected
+    modules = triton_modules(lowered)
+    assert sorted(modules) == expected
+    if beta == 0.5:  # the mixture pass's one log per element is the GPU's lg2.approx, not libdevice's logf
+        assert "lg2.approx.f32" in modules["fastce_jsd_mixture"]
     calls = [line for line in lowered.as_text().splitlines() if TRITON in line]
     assert ["output_operand_aliases" in line for line in calls] == [False] * (len(expected) - 1) + [True]
 
