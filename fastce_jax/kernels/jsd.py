@@ -50,9 +50,9 @@ from .launch import _launch, _same_variance, quiet_triton
 FORWARD_BLOCK, FORWARD_WARPS = 2048, 4
 BACKWARD_BLOCK, BACKWARD_WARPS = 2048, 4
 FINISH_WARPS = 1  # the finish kernel touches a few (S,) partials per row
-# Programs the forward aims for (forward_segments): 4 waves of the H200's 132 SMs x 4 resident programs per SM
-# (fastce_torch's JSD_FORWARD_PROGRAMS; a 4-warp program of 2048-wide tiles holds no more registers than its
-# 8-warp, 4096-wide one).
+# Programs the forward aims for (forward_segments): fastce_torch's JSD_FORWARD_PROGRAMS, 4 waves of the H200's 132
+# SMs x 4 resident 8-warp programs. These programs have 4 warps with the same 16 float32 per thread per tile, so
+# about 8 are resident per SM: 2 waves. Not tuned yet.
 FORWARD_PROGRAMS = 4 * 132 * 4
 FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
 
