@@ -5,13 +5,20 @@ options, jsd_contract.JsdOptions), ls = log softmax(u_s), lt = log softmax(u_t) 
 beta = 0 is KL(p_t || p_s), beta = 1 is KL(p_s || p_t), otherwise, with lm = log((1 - beta) p_s + beta p_t),
 beta KL(p_t || m) + (1 - beta) KL(p_s || m) (TRL's generalized JSD).
 
-* ``jsd_forward_kernel``, grid (N,): one program walks one row in BLOCK-wide tiles. Pass 1 keeps the running max and
-  sum of exponentials of u_s and u_t (rescaled as the max moves, as forward.py does) and, for beta in {0, 1}, the
-  running sum sum_j e_j (u_a - u_b) weighted by the exponentials of the distribution the KL is taken under, which
-  gives the KL with no second pass: KL(p_t || p_s) = E_t[u_t - u_s] - lse_t + lse_s. A mixture (0 < beta < 1)
-  needs both lse first: pass 2 sums KL(p_t || m) and KL(p_s || m). Writes per row the loss, lse_s, lse_t and
-  kl_s, the row constant of the gradient (the loss for beta = 1, KL(p_s || m) for a mixture, the loss for beta = 0
-  where it is unused). A row whose label is ignore_index reads nothing (its loss and kl_s are 0).
+The forward splits each row's V columns into S contiguous segments (``forward_segments``: S grows until N * S
+programs fill the GPU; S = 1 for large N) and works in base 2 (u2 = u log2(e), folded into the transforms'
+constants; exp2, and lse and the KLs converted back once per row):
+* ``jsd_partials_kernel``, grid (N, S), pass 1: one program walks one segment in BLOCK-wide tiles, keeping the
+  running max and sum of 2^(u2 - max) of both models (rescaled as the max moves, as forward.py does) and, for beta
+  in {0, 1}, the running sum_j e_j (u2_a - u2_b) weighted by the exponentials of the distribution the KL is taken
+  under (KL(p_t || p_s) = E_t[u_t - u_s] - lse_t + lse_s needs no second pass). It writes these per-segment float32
+  partials, (N, S) each.
+* ``jsd_mixture_kernel``, grid (N, S), the mixture's pass 2 (0 < beta < 1): each program merges its row's S
+  statistics into lse_s, lse_t, then sums over its segment the terms of KL(p_t || m) and KL(p_s || m), with one
+  log per element (the GPU's lg2.approx): lm2 = log2((1 - beta) 2^ls2 + beta 2^lt2), shared by both terms.
+* ``jsd_finish_kernel``, grid (N,): merges a row's S partials into its loss, lse_s, lse_t and kl_s (natural log
+  units), the row constant of the gradient (the loss for beta = 1, KL(p_s || m) for a mixture, the loss for beta
+  = 0 where it is unused). A row whose label is ignore_index reads no logits (its loss and kl_s are 0).
 * ``jsd_backward_kernel``, grid (N, cdiv(V, BLOCK)): one tile of d loss / d student logits in one pass, times the
   row's upstream factor: p_s - p_t (beta = 0), p_s (ls - lt - kl_s) (beta = 1), (1 - beta) p_s (ls - lm - kl_s)
   (mixture), then d u / d x (1 / T and the soft-capping's 1 - tanh^2). The teacher gets no gradient.
@@ -34,7 +41,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..contract import ignore_value, transform
+from ..contract import fold_temperature, ignore_value, transform
 from ..jsd_contract import FORWARD_KL, MIXTURE, REVERSE_KL, JsdOptions
 from .common import cdiv, dz_dx, next_pow2
 from .launch import _launch, _same_variance, quiet_triton
@@ -43,23 +50,47 @@ from .launch import _launch, _same_variance, quiet_triton
 # sweeps them by setting these module constants.
 FORWARD_BLOCK, FORWARD_WARPS = 2048, 4
 BACKWARD_BLOCK, BACKWARD_WARPS = 2048, 4
+FINISH_WARPS = 1  # the finish kernel touches a few (S,) partials per row
+# Programs the forward aims for (forward_segments): fastce_torch's JSD_FORWARD_PROGRAMS, 4 waves of the H200's 132
+# SMs x 4 resident 8-warp programs. These programs have 4 warps with the same 16 float32 per thread per tile, so
+# about 8 are resident per SM: 2 waves. Not tuned yet.
+FORWARD_PROGRAMS = 4 * 132 * 4
+FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
+
+LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
 
 
 class JsdConfig(NamedTuple):
-    """Tiles of the two kernels for one vocabulary size: the forward walks a row in ``forward_block`` columns,
-    the backward gives each program ``backward_block`` columns of one row."""
+    """Tiles of the kernels for one vocabulary size: the forward walks its segments of a row in ``forward_block``
+    columns and splits rows until it has ``forward_programs`` programs (forward_segments), the backward gives each
+    program ``backward_block`` columns of one row."""
 
     forward_block: int
     forward_warps: int
     backward_block: int
     backward_warps: int
+    forward_programs: int
 
 
 def jsd_config(vocab: int) -> JsdConfig:
-    """The tiles for V = vocab (V alone decides: a row's result does not depend on the batch)."""
-    return JsdConfig(
-        min(FORWARD_BLOCK, next_pow2(vocab)), FORWARD_WARPS, min(BACKWARD_BLOCK, next_pow2(vocab)), BACKWARD_WARPS
-    )
+    """The tiles for V = vocab (V alone decides; the forward's segments depend on N too, forward_segments)."""
+    block, backward_block = min(FORWARD_BLOCK, next_pow2(vocab)), min(BACKWARD_BLOCK, next_pow2(vocab))
+    return JsdConfig(block, FORWARD_WARPS, backward_block, BACKWARD_WARPS, FORWARD_PROGRAMS)
+
+
+def forward_segments(n_rows: int, vocab: int, block: int, programs: int) -> tuple[int, int]:
+    """(S, width): the forward splits each row into S segments of width columns (a multiple of block; the last
+    one ragged), one program each (the name and rule of fastce_torch's forward_segments).
+
+    Why: one program per row leaves the GPU idle below a few thousand rows. linear_jsd's chunk at the default
+    256 MiB workspace is ~384 rows of a 150k vocabulary, ~3 programs per SM of the H200's 132, and its forward
+    measured 2.0 TB/s there against 2.9 TB/s at 1536 rows. So S grows until N * S reaches ``programs``
+    (FORWARD_PROGRAMS), at most one tile per segment; from N = programs rows on, S = 1. A row's values depend on
+    S only through the order of its float32 sums."""
+    tiles = cdiv(vocab, block)
+    wanted = max(1, min(cdiv(programs, max(n_rows, 1)), tiles))
+    per_segment = cdiv(tiles, wanted)
+    return cdiv(tiles, per_segment), per_segment * block
 
 
 def beta_terms(beta: float):
@@ -86,18 +117,14 @@ def _transformed_tile(ref, start, block: int, mask, options):
 
 
 def _online(m, s, u):
-    """The running max m and sum s of exp(u - m) with tile u added: (max, sum, the tile's exp(u - max), the
-    factor the earlier sums were rescaled by). A max still at -inf shifts by 0, so no -inf - -inf = NaN appears;
-    NaN and +inf stay NaN."""
+    """The running max m and sum s of 2^(u - m) (base 2: u is u2) with tile u added: (max, sum, the tile's
+    2^(u - max), the factor the earlier sums were rescaled by). A max still at -inf shifts by 0, so no -inf - -inf
+    = NaN appears; NaN and +inf stay NaN (through the sum, whatever the GPU's max does with a NaN)."""
     m_new = jnp.maximum(m, jnp.max(u))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    rescale = jnp.exp(m - m_safe)
-    e = jnp.exp(u - m_safe)
+    rescale = jnp.exp2(m - m_safe)
+    e = jnp.exp2(u - m_safe)
     return m_new, s * rescale + jnp.sum(e), e, rescale
-
-
-def _lse(m, s):
-    return jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(s)
 
 
 def _log_mixture(ls, lt, log_one_minus_beta, log_beta):
@@ -118,11 +145,24 @@ def _weighted(p, value):
     return jnp.sum(jnp.where(p == 0.0, 0.0, p * value))
 
 
-def _split_refs(refs, opts: JsdOptions, has_labels: bool):
+def _log2(x, ptx: bool):
+    """log2 x (float32). ptx: the GPU's lg2.approx.f32, one MUFU instruction (relative error about 2^-22; NaN stays
+    NaN, 0 gives -inf), where jnp.log is libdevice's logf, about 20 instructions (the mixture's pass 2 was compute
+    bound); Pallas' interpreter runs no PTX (ptx False)."""
+    if not ptx:
+        return jnp.log(x) * LOG2E
+    (y,) = plgpu.elementwise_inline_asm(
+        "lg2.approx.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
+    )  # fmt: skip
+    return y
+
+
+def _split_refs(refs, has_labels: bool, has_beta: bool):
     """(label ref or None, beta ref or None, the remaining refs) of a kernel's optional inputs."""
     refs = list(refs)
     y_ref = refs.pop(0) if has_labels else None
-    beta_ref = refs.pop(0) if opts.kind == MIXTURE else None
+    beta_ref = refs.pop(0) if has_beta else None
     return y_ref, beta_ref, refs
 
 
@@ -131,34 +171,64 @@ def _split_refs(refs, opts: JsdOptions, has_labels: bool):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def jsd_forward_kernel(xs_ref, xt_ref, *refs, vocab: int, block: int, opts: JsdOptions, ignore_index):
-    """Grid (N,): one row's loss, lse_s, lse_t and kl_s (0-d outputs).
-
-    xs_ref, xt_ref: the row's student and teacher logits (at least V columns; the lanes past V are masked); refs:
-    the row's label (0-d) when ``ignore_index`` is not None, the beta operand (4,) for a mixture (beta_terms),
-    then the four outputs. vocab: V, the student's columns; block: tile width; opts: the kind and the two
-    transforms.
-    """
-    y_ref, beta_ref, (loss_ref, lse_s_ref, lse_t_ref, kl_ref) = _split_refs(refs, opts, ignore_index is not None)
-    n_tiles = jnp.int32(cdiv(vocab, block))
-    ignored = None
+def _segment(width: int, block: int, vocab: int, y_ref, ignore_index):
+    """(first column of this program's segment, its number of tiles): the last segment may be ragged; an ignored
+    row walks none (reads nothing)."""
+    base = pl.program_id(1) * jnp.int32(width)
+    n_tiles = cdiv(jnp.minimum(vocab - base, jnp.int32(width)), jnp.int32(block))
     if y_ref is not None:
-        ignored = y_ref[...] == ignore_index
-        n_tiles = jnp.where(ignored, jnp.int32(0), n_tiles)  # an ignored row reads nothing
+        n_tiles = jnp.where(y_ref[...] == ignore_index, jnp.int32(0), n_tiles)
+    return base, n_tiles
 
-    def tile(k):
-        start = k * block
-        mask = start + jnp.arange(block, dtype=jnp.int32) < vocab
-        return _transformed_tile(xs_ref, start, block, mask, opts.student), _transformed_tile(
-            xt_ref, start, block, mask, opts.teacher
-        )
+
+def _segment_tile(xs_ref, xt_ref, base, k, block: int, vocab: int, opts: JsdOptions):
+    """(u2_s, u2_t) of tile k of a segment starting at column base (the refs hold the segment)."""
+    start = k * block
+    mask = base + start + jnp.arange(block, dtype=jnp.int32) < vocab
+    return (
+        _transformed_tile(xs_ref, start, block, mask, opts.student),
+        _transformed_tile(xt_ref, start, block, mask, opts.teacher),
+    )
+
+
+def _row_lse2(m_ref, s_ref, n_seg: int):
+    """(lse in base 2, sum of 2^(u2 - the row max), each segment's rescale factor 2^(m_j - the row max)) from one
+    model's S partials (m_ref, s_ref: (S,)). A NaN or +inf in the row reaches the sum (as NaN), whatever the GPU's
+    max does with it."""
+    pad = next_pow2(n_seg)
+    live = jnp.arange(pad, dtype=jnp.int32) < n_seg
+    m = plgpu.load(m_ref.at[pl.ds(0, pad)], mask=live, other=-jnp.inf)
+    s = plgpu.load(s_ref.at[pl.ds(0, pad)], mask=live, other=0.0)
+    top = jnp.max(m)
+    top = jnp.where(top == -jnp.inf, 0.0, top)
+    rescale = jnp.exp2(m - top)
+    total = jnp.sum(s * rescale)
+    return top + jnp.log(total) * LOG2E, total, rescale
+
+
+def _sum_parts(ref, n_seg: int, rescale=None):
+    """The sum of a row's S partials (ref: (S,)), each times its rescale factor when given."""
+    pad = next_pow2(n_seg)
+    parts = plgpu.load(ref.at[pl.ds(0, pad)], mask=jnp.arange(pad, dtype=jnp.int32) < n_seg, other=0.0)
+    return jnp.sum(parts if rescale is None else parts * rescale)
+
+
+def jsd_partials_kernel(xs_ref, xt_ref, *refs, vocab: int, width: int, block: int, opts: JsdOptions, ignore_index):
+    """Grid (N, S), pass 1: one segment of one row's partials (0-d outputs, base 2).
+
+    xs_ref, xt_ref: the segment of student and teacher logits (width columns; the lanes past V are masked); refs:
+    the row's label (0-d) when ``ignore_index`` is not None, then the outputs m_s, s_s, m_t, s_t (running max of
+    u2 and sum of 2^(u2 - max) per model) and, for beta in {0, 1}, acc (sum_j 2^(u2_a - m_a) (u2_a - u2_b) with a
+    the distribution the KL is taken under). opts: the kind and the base-2 transforms (``_base2``).
+    """
+    y_ref, _, outs = _split_refs(refs, ignore_index is not None, False)
+    base, n_tiles = _segment(width, block, vocab, y_ref, ignore_index)
 
     def statistics(k, carry):
         m_s, s_s, m_t, s_t, acc = carry
-        u_s, u_t = tile(k)
+        u_s, u_t = _segment_tile(xs_ref, xt_ref, base, k, block, vocab, opts)
         m_s, s_s, e_s, r_s = _online(m_s, s_s, u_s)
         m_t, s_t, e_t, r_t = _online(m_t, s_t, u_t)
-        # beta in {0, 1}: sum_j e_j (u_a - u_b) under the distribution the KL is taken over, rescaled with its sum.
         if opts.kind == FORWARD_KL:
             acc = acc * r_t + _weighted(e_t, u_t - u_s)
         elif opts.kind == REVERSE_KL:
@@ -166,29 +236,74 @@ def jsd_forward_kernel(xs_ref, xt_ref, *refs, vocab: int, block: int, opts: JsdO
         return m_s, s_s, m_t, s_t, acc
 
     neg_inf, zero = jnp.float32(-jnp.inf), jnp.float32(0.0)
-    m_s, s_s, m_t, s_t, acc = jax.lax.fori_loop(0, n_tiles, statistics, (neg_inf, zero, neg_inf, zero, zero))
-    lse_s, lse_t = _lse(m_s, s_s), _lse(m_t, s_t)
+    partials = jax.lax.fori_loop(0, n_tiles, statistics, (neg_inf, zero, neg_inf, zero, zero))
+    for ref, value in zip(outs, partials):  # a mixture has no acc output
+        plgpu.store(ref, value)
+
+
+def jsd_mixture_kernel(
+    xs_ref, xt_ref, *refs, vocab: int, width: int, n_seg: int, block: int, opts: JsdOptions, ignore_index, ptx: bool
+):  # fmt: skip
+    """Grid (N, S), the mixture's pass 2: one segment of one row's sums of the terms of KL(p_t || m) and
+    KL(p_s || m), in base 2 (0-d outputs).
+
+    xs_ref, xt_ref: as jsd_partials_kernel; refs: the label (0-d) when ``ignore_index`` is not None, the beta
+    operand (4,) (beta_terms), the row's pass-1 partials m_s, s_s, m_t, s_t ((S,) each), then the outputs kl_t,
+    kl_s. n_seg: S; ptx: the log as the GPU's lg2.approx (compiled kernels; _log2).
+    """
+    y_ref, beta_ref, (ms_ref, ss_ref, mt_ref, st_ref, kl_t_ref, kl_s_ref) = _split_refs(
+        refs, ignore_index is not None, True
+    )
+    base, n_tiles = _segment(width, block, vocab, y_ref, ignore_index)
+    lse_s, lse_t = _row_lse2(ms_ref, ss_ref, n_seg)[0], _row_lse2(mt_ref, st_ref, n_seg)[0]
+    beta, one_minus_beta = beta_ref[0], beta_ref[1]
+
+    def divergences(k, carry):
+        kl_t, kl_s = carry
+        u_s, u_t = _segment_tile(xs_ref, xt_ref, base, k, block, vocab, opts)
+        ls, lt = u_s - lse_s, u_t - lse_t
+        p_s, p_t = jnp.exp2(ls), jnp.exp2(lt)
+        mixture = one_minus_beta * p_s + beta * p_t
+        # Floored at float32's smallest normal number (a select: the GPU's max would drop a NaN, and a NaN row must
+        # stay NaN): where the mixture underflows (to 0 where flushed) both terms are below the sum's resolution,
+        # and lm stays finite (no p * inf).
+        lm = _log2(jnp.where(mixture < FLOAT32_TINY, FLOAT32_TINY, mixture), ptx)  # one log per element, both terms
+        return kl_t + _weighted(p_t, lt - lm), kl_s + _weighted(p_s, ls - lm)
+
+    zero = jnp.float32(0.0)
+    kl_t, kl_s = jax.lax.fori_loop(0, n_tiles, divergences, (zero, zero))
+    plgpu.store(kl_t_ref, kl_t)
+    plgpu.store(kl_s_ref, kl_s)
+
+
+def jsd_finish_kernel(ms_ref, ss_ref, mt_ref, st_ref, *refs, n_seg: int, opts: JsdOptions, ignore_index):
+    """Grid (N,): one row's S partials merged into its loss, lse_s, lse_t and kl_s (0-d outputs, natural log
+    units, as the backward reads them).
+
+    ms_ref, ss_ref, mt_ref, st_ref: the row's pass-1 statistics (S,); refs: acc (S,) for beta in {0, 1} or the
+    pass-2 sums kl_t, kl_s (S,) for a mixture, the label (0-d) when ``ignore_index`` is not None, the beta operand
+    (4,) for a mixture, then the four outputs.
+    """
+    refs = list(refs)
+    sums = [refs.pop(0) for _ in range(2 if opts.kind == MIXTURE else 1)]
+    y_ref, beta_ref, (loss_ref, lse_s_ref, lse_t_ref, kl_ref) = _split_refs(
+        refs, ignore_index is not None, opts.kind == MIXTURE
+    )
+    lse_s, total_s, rescale_s = _row_lse2(ms_ref, ss_ref, n_seg)
+    lse_t, total_t, rescale_t = _row_lse2(mt_ref, st_ref, n_seg)
     if opts.kind == FORWARD_KL:
-        loss = kl = acc / s_t + lse_s - lse_t
+        loss = kl = (_sum_parts(sums[0], n_seg, rescale_t) / total_t + lse_s - lse_t) * LN2
     elif opts.kind == REVERSE_KL:
-        loss = kl = acc / s_s - lse_s + lse_t
+        loss = kl = (_sum_parts(sums[0], n_seg, rescale_s) / total_s - lse_s + lse_t) * LN2
     else:
-        beta, one_minus_beta, log_beta, log_one_minus_beta = (beta_ref[i] for i in range(4))
-
-        def divergences(k, carry):
-            kl_t, kl_s = carry
-            u_s, u_t = tile(k)
-            ls, lt = u_s - lse_s, u_t - lse_t
-            lm = _log_mixture(ls, lt, log_one_minus_beta, log_beta)
-            return kl_t + _weighted(jnp.exp(lt), lt - lm), kl_s + _weighted(jnp.exp(ls), ls - lm)
-
-        kl_t, kl = jax.lax.fori_loop(0, n_tiles, divergences, (zero, zero))
-        loss = beta * kl_t + one_minus_beta * kl
-    if ignored is not None:
+        kl_t, kl = (_sum_parts(ref, n_seg) * LN2 for ref in sums)
+        loss = beta_ref[0] * kl_t + beta_ref[1] * kl
+    if y_ref is not None:
+        ignored = y_ref[...] == ignore_index
         loss, kl = jnp.where(ignored, 0.0, loss), jnp.where(ignored, 0.0, kl)
     plgpu.store(loss_ref, loss)
-    plgpu.store(lse_s_ref, lse_s)
-    plgpu.store(lse_t_ref, lse_t)
+    plgpu.store(lse_s_ref, lse_s * LN2)
+    plgpu.store(lse_t_ref, lse_t * LN2)
     plgpu.store(kl_ref, kl)
 
 
@@ -202,7 +317,7 @@ def jsd_backward_kernel(
     is not None, the beta operand (4,) for a mixture, then dx_ref (the output tile). An ignored row loads nothing
     and writes zeros.
     """
-    y_ref, beta_ref, (dx_ref,) = _split_refs(refs, opts, ignore_index is not None)
+    y_ref, beta_ref, (dx_ref,) = _split_refs(refs, ignore_index is not None, opts.kind == MIXTURE)
     cols = pl.program_id(1) * block + jnp.arange(block, dtype=jnp.int32)
     mask = cols < vocab
     read = mask if y_ref is None else mask & (y_ref[...] != ignore_index)
@@ -245,31 +360,74 @@ def _optional_operands(labels, beta, opts: JsdOptions):
     return operands, ignore
 
 
+def _base2(opts: JsdOptions) -> JsdOptions:
+    """opts with both transforms giving u2 = u log2(e): the exact algebra of a temperature of ln 2 (folded into
+    the scaling and soft-capping constants, contract.fold_temperature), so base 2 costs no extra multiply."""
+    return opts._replace(student=fold_temperature(opts.student, LN2), teacher=fold_temperature(opts.teacher, LN2))
+
+
 def jsd_forward(student, teacher, labels, beta, opts: JsdOptions, *, interpret: bool, config: JsdConfig | None = None):
     """(loss, lse_s, lse_t, kl_s), float32 (N,) each, of student logits (N, V) and teacher logits (N, V_t >= V);
-    labels (N,) or None (every row counts); beta: beta_operand(beta) for a mixture, else None."""
+    labels (N,) or None (every row counts); beta: beta_operand(beta) for a mixture, else None.
+
+    Launches the partials kernel, for a mixture the mixture kernel, then the finish kernel; between them
+    float32 partials of N * S * (5 or 6) floats: N * S < N + config.forward_programs, so at most 192 KiB at
+    N = 8192 (S = 1) and 60 KiB for linear_jsd's ~384-row chunks: outside its workspace budget."""
     n, vocab = student.shape
     config = jsd_config(vocab) if config is None else config
     block = config.forward_block
+    n_seg, width = forward_segments(n, vocab, block, config.forward_programs)
     extra, ignore = _optional_operands(labels, beta, opts)
-    operands, mat = _same_variance(student, teacher, *extra)
-    # The whole row as one block, padded to whole tiles (the lanes past V are masked in the kernel).
-    row = pl.BlockSpec((None, cdiv(vocab, block) * block), lambda i: (i, 0))
-    scalar = pl.BlockSpec((None,), lambda i: (i,))
-    in_specs = [row, row] + [scalar] * (ignore is not None)
-    in_specs += [pl.BlockSpec((4,), lambda i: (0,))] * (opts.kind == MIXTURE)
-    call = pl.pallas_call(
-        functools.partial(jsd_forward_kernel, vocab=vocab, block=block, opts=opts, ignore_index=ignore),
-        grid=(n,),
-        in_specs=in_specs,
-        out_specs=[scalar] * 4,
-        out_shape=[jax.ShapeDtypeStruct((n,), jnp.float32, manual_axis_type=mat)] * 4,
-        compiler_params=plgpu.CompilerParams(num_warps=config.forward_warps, num_stages=1),
+    (student, teacher, *extra), mat = _same_variance(student, teacher, *extra)
+    labels, beta = extra[: ignore is not None], extra[ignore is not None :]  # each () or a 1-tuple
+    mixture = opts.kind == MIXTURE
+    part = jax.ShapeDtypeStruct((n, n_seg), jnp.float32, manual_axis_type=mat)
+    # Each program's segment of both rows (the last block runs past V, and past V_t for a wider teacher: masked).
+    segment = pl.BlockSpec((None, width), lambda i, j: (i, j))
+    per_row = [pl.BlockSpec((None,), lambda i, j: (i,))] * len(labels)
+    per_part = pl.BlockSpec((None, None), lambda i, j: (i, j))
+    row_parts = pl.BlockSpec((None, n_seg), lambda i, j: (i, 0))
+    static = dict(vocab=vocab, width=width, block=block, opts=_base2(opts), ignore_index=ignore)
+    params = plgpu.CompilerParams(num_warps=config.forward_warps, num_stages=1)
+    n_statistics = 4 if mixture else 5  # m_s, s_s, m_t, s_t (and acc)
+    partials = pl.pallas_call(
+        functools.partial(jsd_partials_kernel, **static),
+        grid=(n, n_seg),
+        in_specs=[segment, segment, *per_row],
+        out_specs=[per_part] * n_statistics,
+        out_shape=[part] * n_statistics,
+        compiler_params=params,
         interpret=interpret,
-        name="fastce_jsd_forward",
+        name="fastce_jsd_partials",
+    )
+    mixture_pass = pl.pallas_call(
+        functools.partial(jsd_mixture_kernel, n_seg=n_seg, ptx=not interpret, **static),
+        grid=(n, n_seg),
+        in_specs=[segment, segment, *per_row, pl.BlockSpec((4,), lambda i, j: (0,))] + [row_parts] * 4,
+        out_specs=[per_part] * 2,
+        out_shape=[part] * 2,
+        compiler_params=params,
+        interpret=interpret,
+        name="fastce_jsd_mixture",
+    )
+    n_parts = n_statistics + 2 * mixture
+    finish = pl.pallas_call(
+        functools.partial(jsd_finish_kernel, n_seg=n_seg, opts=opts, ignore_index=ignore),
+        grid=(n,),
+        in_specs=[pl.BlockSpec((None, n_seg), lambda i: (i, 0))] * n_parts
+        + [pl.BlockSpec((None,), lambda i: (i,))] * len(labels)
+        + [pl.BlockSpec((4,), lambda i: (0,))] * mixture,
+        out_specs=[pl.BlockSpec((None,), lambda i: (i,))] * 4,
+        out_shape=[jax.ShapeDtypeStruct((n,), jnp.float32, manual_axis_type=mat)] * 4,
+        compiler_params=plgpu.CompilerParams(num_warps=FINISH_WARPS, num_stages=1),
+        interpret=interpret,
+        name="fastce_jsd_finish",
     )
     with quiet_triton(interpret):
-        return tuple(_launch(call, operands, mat, interpret))
+        parts = tuple(_launch(partials, (student, teacher, *labels), mat, interpret))
+        if mixture:
+            parts += tuple(_launch(mixture_pass, (student, teacher, *labels, *beta, *parts), mat, interpret))
+        return tuple(_launch(finish, (*parts, *labels, *beta), mat, interpret))
 
 
 def jsd_backward(

@@ -3,13 +3,15 @@ without either model's (N, V) logits.
 
 Chunks of rows (a ``lax.fori_loop``, chunks.py's helpers and budget): per chunk the student's logits (rows, V) and
 the teacher's (rows, V_t) come from one matmul each, in their inputs' dtypes with float32 accumulation; the jsd
-forward kernel gives each row's loss and statistics. The workspace budget (``workspace_bytes``, 256 MiB by default)
-covers both chunks of logits together. A teacher head wider than the student's (V_t > V, a padded vocabulary) is
-multiplied whole: JAX has no view of its first V rows, and a slice would copy the teacher's weight (V x H_t) for
-every call, so the chunk's teacher product covers its V_t - V extra columns too and the kernels read the first V.
-logits_dtype="float32" (bf16 / fp16 inputs): both chunks of logits float32 from the operands as they are
-(chunks.chunk_logits), 4 bytes a logit against the budget; accumulate_in_float32: d W_s carried in float32 over the
-chunks (chunks._accumulate_grads).
+forward kernels give each row's loss and statistics (the chunk's rows split into column segments, so that a chunk
+of a few hundred rows fills the GPU: kernels/jsd.py). The workspace budget (``workspace_bytes``, 256 MiB by
+default) covers both chunks of logits together; the forward's per-segment partials (at most 24 bytes a row plus
+50 KiB, 60 KiB for a 384-row chunk) are outside it. A teacher head wider than the student's (V_t > V, a padded
+vocabulary) is multiplied whole: JAX has no view of its first V rows, and a slice would copy the teacher's weight
+(V x H_t) for every call, so the chunk's teacher product covers its V_t - V extra columns too and the kernels read
+the first V. logits_dtype="float32" (bf16 / fp16 inputs): both chunks of logits float32 from the operands as they
+are (chunks.chunk_logits), 4 bytes a logit against the budget; accumulate_in_float32: d W_s carried in float32 over
+the chunks (chunks._accumulate_grads).
 
 Gradients (student hidden, weight, bias only; the teacher's hidden, weight and bias enter under stop_gradient):
 - "mean" / "sum": computed in the forward pass of the VJP (the backward kernel writes d logits into the student's

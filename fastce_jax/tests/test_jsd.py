@@ -20,6 +20,7 @@ import fastce_jax
 from fastce_jax import jsd, linear_jsd
 from fastce_jax.kernels import jsd as jsd_kernels
 from shared_tests import tolerances
+from shared_tests.reference_distill import jsd as jsd_reference
 
 from .checks import as_float64
 from .test_sharding import collectives
@@ -270,6 +271,38 @@ def test_reference_backend_in_float64(beta):
             expected = Expected(x, t, labels, beta, **TRANSFORMED)
             expected.check(losses, grad, upstream=upstream, dtype=jnp.float64, rtol=tolerances.RTOL64)
         assert float(jsd(x[:0], t[:0], labels[:0], beta=beta, backend="kernel")) == 0.0
+
+
+@pytest.mark.parametrize("beta,segments", [(0.0, 3), (0.3, 3), (1.0, 3), (0.3, 1)])
+def test_jsd_forward_segments(monkeypatch, beta, segments):
+    """The forward's rows split into S column segments (forward_segments, forced here with 32-column tiles and a
+    small program target): V = 300 in segments of 128, 128 and 44 columns (the last tile of 12), or S = 1. Against
+    reference_distill in float64 with a random upstream: row 1 ignored (NaN, never read), row 2 NaN in the
+    student's last segment, row 5 NaN in the teacher's first, row 3 a whole middle segment at -inf on the side
+    whose divergences stay finite (that segment's partials are (-inf, 0)); for the mixture, row 6 a term whose
+    mixture underflows (floored: a negligible term, not p * inf)."""
+    n, v = 8, 300
+    monkeypatch.setattr(jsd_kernels, "FORWARD_BLOCK", 32)
+    monkeypatch.setattr(jsd_kernels, "FORWARD_PROGRAMS", n * segments)
+    assert jsd_kernels.forward_segments(n, v, 32, n * segments) == ((3, 128) if segments == 3 else (1, 320))
+    rng = np.random.default_rng(11)
+    student, teacher = rng.standard_normal((n, v)) * 2.0, rng.standard_normal((n, v + 3)) * 2.0
+    student[1, 5] = teacher[1, 200] = np.nan
+    student[2, 290] = np.nan
+    teacher[5, 7] = np.nan
+    (teacher if beta < 1.0 else student)[3, 128:256] = -np.inf
+    if 0.0 < beta < 1.0:  # row 6: p_t = 2^-125.8 where p_s = 0: beta p_t is subnormal, flushed to 0
+        student[6, 10] = -np.inf
+        teacher[6, 10] = np.log(np.sum(np.exp(teacher[6, :v]))) - 125.8 * np.log(2.0)
+    labels = rng.integers(0, v, n).astype(np.int32)
+    labels[1] = -100
+    upstream = rng.uniform(-1.5, 1.5, n)
+    student, teacher = np.float32(student), np.float32(teacher)
+    losses, grad = rows_and_grad(jnp.asarray(student), jnp.asarray(teacher), labels, upstream, beta=beta)
+    ref = jsd_reference(student, teacher, labels, beta=beta, reduction="none", upstream=upstream)
+    assert np.isnan(ref.token_loss).sum() == 2
+    tolerances.check(host(losses), ref.token_loss, tolerances.loss_bound(ref), "loss")
+    tolerances.check(host(grad), ref.grad, tolerances.grad_bound(ref, host(grad), "float32"), "grad")
 
 
 # ----------------------------------------------------------------------------------------------------------------

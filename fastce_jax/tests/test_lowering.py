@@ -262,24 +262,33 @@ def lower_jsd(n, v, v_teacher, beta, labels=True, **opts):
 JSD_ALL = dict(temperature=0.7, student_softcapping=30.0, teacher_softcapping=20.0)
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
-def test_jsd_kernels_lower_to_triton(compiled, beta):
+JSD_FORWARD = ["fastce_jsd_finish", "fastce_jsd_partials"]  # and fastce_jsd_mixture for a mixture
+JSD_MIXTURE = sorted(JSD_FORWARD + ["fastce_jsd_backward", "fastce_jsd_mixture"])
+
+
+@pytest.mark.parametrize("beta,n", [(0.0, 8), (0.5, 8), (1.0, 8), (0.5, 4096)])
+def test_jsd_kernels_lower_to_triton(compiled, beta, n):
     """Forward KL, the mixture and reverse KL (with labels, temperature and both soft-cappings; the mixture without
-    labels) lower to the two jsd kernels, and the backward's output aliases the student logits."""
-    lowered = lower_jsd(8, 50257, 50304, beta, labels=beta != 0.5, **(JSD_ALL if beta != 0.5 else {}))
-    assert sorted(triton_modules(lowered)) == ["fastce_jsd_backward", "fastce_jsd_forward"]
+    labels) lower to the forward's kernels (the mixture's second pass too, its log the GPU's lg2.approx) and the
+    backward, whose output aliases the student logits; n = 8 splits each row into segments (forward_segments),
+    n = 4096 keeps one per row."""
+    config = kernels.jsd.jsd_config(50257)
+    assert (kernels.jsd.forward_segments(n, 50257, config.forward_block, config.forward_programs)[0] > 1) == (n == 8)
+    lowered = lower_jsd(n, 50257, 50304, beta, labels=beta != 0.5, **(JSD_ALL if beta != 0.5 else {}))
+    expected = JSD_MIXTURE if beta == 0.5 else sorted(JSD_FORWARD + ["fastce_jsd_backward"])
+    modules = triton_modules(lowered)
+    assert sorted(modules) == expected
+    if beta == 0.5:  # the mixture pass's one log per element is the GPU's lg2.approx, not libdevice's logf
+        assert "lg2.approx.f32" in modules["fastce_jsd_mixture"]
     calls = [line for line in lowered.as_text().splitlines() if TRITON in line]
-    assert ["output_operand_aliases" in line for line in calls] == [False, True]
+    assert ["output_operand_aliases" in line for line in calls] == [False] * (len(expected) - 1) + [True]
 
 
 def test_jsd_auto_backend_decides_when_lowered(compiled):
     """backend="auto" traced in a GPU process: the kernels when lowered for cuda, the jnp reference for the CPU."""
     shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in [(8, 1000), (8, 1000)]]
     f = jax.jit(jax.value_and_grad(lambda a, b: fastce_jax.jsd(a, b, beta=0.5, **JSD_ALL)))
-    assert sorted(triton_modules(f.trace(*shapes).lower(lowering_platforms=("cuda",)))) == [
-        "fastce_jsd_backward",
-        "fastce_jsd_forward",
-    ]
+    assert sorted(triton_modules(f.trace(*shapes).lower(lowering_platforms=("cuda",)))) == JSD_MIXTURE
     assert TRITON not in f.trace(*shapes).lower(lowering_platforms=("cpu",)).as_text()
 
 
@@ -295,7 +304,7 @@ def test_linear_jsd_lowers_to_triton(monkeypatch, reduction):
         return jnp.sum(loss)
 
     lowered = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).trace(*shapes).lower(lowering_platforms=("cuda",))
-    assert sorted(triton_modules(lowered)) == ["fastce_jsd_backward", "fastce_jsd_forward"]
+    assert sorted(triton_modules(lowered)) == JSD_MIXTURE
 
 
 def test_jsd_64bit_row_offsets(compiled):
@@ -305,6 +314,9 @@ def test_jsd_64bit_row_offsets(compiled):
         modules = triton_modules(lower_jsd(n, v, v + 5, 0.5))
     except (ImportError, AttributeError) as e:  # private jax API moved
         pytest.skip(f"cannot parse Triton IR with this jax: {e}")
+    assert sorted(modules) == JSD_MIXTURE
     for name, text in modules.items():
+        if name == "fastce_jsd_finish":  # reads no logits
+            continue
         ptrs = re.findall(r"tt\.addptr %\w+, %\w+ : (?:tensor<\d+x)?!tt\.ptr<bf16>>?, (\S+)", text)
         assert ptrs and all("i64" in p for p in ptrs), (name, ptrs)
