@@ -279,7 +279,9 @@ DISTILL_COLUMNS = (
     ("dW rel rms err", "grad_weight_rel_rms", "{:.1e}"),
 )  # fmt: skip
 DISTILL_TARGETS = (("fastce_torch", "liger_jsd", "< 1"), ("fastce_torch", "trl_eager", "< 1"),
-                   ("fastce_torch", "matmul_floor", "<= 1.2"), ("fastce_jax", "matmul_floor", "<= 1.2"))  # fmt: skip
+                   ("fastce_torch", "matmul_floor", "<= 1.2"), ("fastce_jax", "matmul_floor", "<= 1.2"),
+                   ("fastce_torch_448mib", "matmul_floor", "<= 1.2"),
+                   ("fastce_jax_448mib", "matmul_floor", "<= 1.2"))  # fmt: skip
 
 
 def distill_markdown(result, source) -> str:
@@ -292,7 +294,7 @@ def distill_markdown(result, source) -> str:
         ratios = [f"{top} / {bottom} {same[top]['fwdbwd_ms'] / same[bottom]['fwdbwd_ms']:.2f}x (target {limit}x)"
                   for top, bottom, limit in DISTILL_TARGETS if top in same and bottom in same]  # fmt: skip
         ratios += [f"{i} {same[i]['extra_beyond_grads_bytes'] / MiB:.0f} MiB beyond the gradients (target <= 512)"
-                   for i in ("fastce_torch", "fastce_jax") if i in same]  # fmt: skip
+                   for i in same if i.startswith("fastce_")]  # fmt: skip
         lines.append(f"- {'x'.join(map(str, key[:4]))}, beta {key[4]}, T {key[5]}: " + "; ".join(ratios))
     lines += dict.fromkeys(
         f"- not measured: {f['impl']} {f.get('shape', '')}: {f['error']}" for f in result["failures"]

@@ -47,7 +47,8 @@ def test_every_row_on_cpu(monkeypatch, tmp_path):
 
     assert [(f["impl"], f["stage"]) for f in result["failures"]] == [("liger_jsd", "unavailable")] * 2
     rows = {(r["impl"], r.get("beta"), r.get("temperature")): r for r in result["rows"]}
-    every = ("fastce_torch", "trl_eager", "trl_compile", "fastce_jax", "xla_jsd")
+    variants = (f"fastce_{f}_{v}" for f in ("torch", "jax") for v in ("448mib", "f32logits"))
+    every = ("fastce_torch", "trl_eager", "trl_compile", "fastce_jax", "xla_jsd", *variants)
     any_temperature = ("fastce_torch", "trl_eager", "fastce_jax")
     assert set(rows) == {("matmul_floor", None, None), *((i, 0.3, 1.0) for i in every)} | {
         (i, 1.0, 2.0) for i in any_temperature

@@ -32,6 +32,7 @@ SHAPES = "8192x1536x3584x151936,8192x2048x4096x128256"
 CONFIGS = ((0.0, 1.0), (0.5, 1.0), (1.0, 1.0), (0.5, 2.0))  # (beta, temperature)
 ANY_TEMPERATURE = ("fastce_torch", "trl_eager", "liger_jsd", "fastce_jax")  # the rows at T != 1 (no more compiles)
 ERROR_ROWS = 64
+WIDE_WORKSPACE = 448 << 20
 # H: the student's hidden size (bench.linear.measure differentiates the first two inputs, the student's).
 DistillShape = namedtuple("DistillShape", "N H Ht V dtype", defaults=("bfloat16",))
 
@@ -62,6 +63,12 @@ def implementations(framework, beta, temperature, backend):
     """name -> loader of loss(student hidden, weight, teacher hidden, weight, labels), a framework's rows."""
     fastce = partial(importlib.import_module(f"fastce_{framework}").linear_jsd, beta=beta, temperature=temperature)
     fastce = partial(fastce, backend=backend)
+    # The issue's memory allowance (512 MiB beyond the gradients) spent on the chunks: fewer, longer chunks; and
+    # float32 logits (Liger 0.8.5's precision), at the default workspace.
+    variants = {
+        "448mib": partial(fastce, workspace_bytes=WIDE_WORKSPACE),
+        "f32logits": partial(fastce, logits_dtype="float32"),
+    }
     if framework == "jax":
         import jax
 
@@ -69,7 +76,7 @@ def implementations(framework, beta, temperature, backend):
             logits = (hs @ ws.T).astype("float32"), (ht @ wt.T).astype("float32")
             return generalized_jsd(jax.numpy, jax.nn.log_softmax, *logits, y != IGNORE_INDEX, beta, temperature)
 
-        return {"fastce_jax": lambda: fastce, "xla_jsd": lambda: xla}
+        return {"fastce_jax": lambda: fastce, "xla_jsd": lambda: xla} | with_variants("fastce_jax", variants)
 
     def trl(hs, ws, ht, wt, y):
         logits = (hs @ ws.t()).float(), (ht @ wt.t()).float()
@@ -80,7 +87,12 @@ def implementations(framework, beta, temperature, backend):
         return fused(jsd_beta=beta, ignore_index=IGNORE_INDEX, temperature=temperature)
 
     compiled = lambda: torch.compile(trl, dynamic=False)
-    return {"fastce_torch": lambda: fastce, "trl_eager": lambda: trl, "trl_compile": compiled, "liger_jsd": liger}
+    rows = {"fastce_torch": lambda: fastce, "trl_eager": lambda: trl, "trl_compile": compiled, "liger_jsd": liger}
+    return rows | with_variants("fastce_torch", variants)
+
+
+def with_variants(name, variants):
+    return {f"{name}_{suffix}": (lambda loss=loss: loss) for suffix, loss in variants.items()}
 
 
 def float64_reference(hidden, weight, teacher_hidden, teacher_weight, labels, beta, temperature):
