@@ -14,12 +14,12 @@ case and exits non-zero when any failed.
 
 import argparse
 import os
-import sys
 import traceback
 
 import torch
 
 import fastce_torch
+from fastce_torch.tests import checks
 from fastce_torch.tests.checks import tiny_causal_lm
 
 VOCAB = 300
@@ -120,8 +120,7 @@ def main(argv=None):
             failed += 1
             traceback.print_exc()
             print(f"zero3 {case} {backend} rank {rank}: FAIL {type(error).__name__}: {error}", flush=True)
-    torch.distributed.destroy_process_group()
-    sys.exit(1 if failed else 0)
+    checks.exit_skipping_teardown(failed)
 
 
 if __name__ == "__main__":
