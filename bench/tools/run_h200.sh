@@ -47,6 +47,7 @@ for stage in "$@"; do
       timeout -s INT 560 $PYTEST -rfE fastce_jax >"$OUT/gpu-tests-jax.log" 2>&1; tail -8 "$OUT/gpu-tests-jax.log" ;;
     two-gpus)
       timeout -s INT 420 $PYTEST -rfE fastce_torch/tests/test_sharding.py fastce_jax/tests/test_sharding.py \
+        fastce_jax/tests/test_rl_sharding.py \
         fastce_torch/tests/test_training_loops.py fastce_torch/tests/test_linear_sharding.py \
         -k "two_gpus or second_gpu or sharding or shard_map" \
         >"$OUT/gpu-tests-two.log" 2>&1; tail -8 "$OUT/gpu-tests-two.log" ;;

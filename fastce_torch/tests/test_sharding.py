@@ -159,8 +159,10 @@ def test_two_gpus_nccl_inductor():
 
 @pytest.mark.gpu
 def test_one_gpu_nccl_one_rank():
-    # The eager path's combine kernels on a GPU where only one is lent: every case, one NCCL rank, poisoned buffers.
-    run_ranks(1, "--device=cuda", "--backend=kernel", "--size=mid", "--poisoned")
+    # The eager path's combine kernels on a GPU where only one is lent: every case, one NCCL rank, poisoned buffers;
+    # then the RL keywords (temperature, token weights, the entropy's gradient, log_probs) through the group path.
+    cuda = ["--device=cuda", "--backend=kernel", "--size=mid"]
+    run_ranks(1, *cuda, "--poisoned", "--then", *cuda, "--rl")
 
 
 @pytest.mark.gpu
@@ -174,7 +176,8 @@ def test_one_gpu_nccl_one_rank_inductor():
 def test_two_gpus_nccl():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    run_ranks(2, "--device=cuda", "--backend=kernel", "--size=mid")
+    cuda = ["--device=cuda", "--backend=kernel", "--size=mid"]
+    run_ranks(2, *cuda, "--then", *cuda, "--rl")
 
 
 @pytest.mark.gpu
