@@ -202,6 +202,14 @@ def jsd_variants():
         yield finish, jsd_signature(finish, bf16, bf16), constexprs, JSD_FINISH_WARPS
 
 
+def check_mixture_log(fn, constexprs, compiled):
+    """The mixture's backward takes its one log per element as the GPU's lg2.approx (_mixture_log2), not libdevice's
+    logf (about 25 instructions per element: the backward was compute bound)."""
+    if fn is _jsd_backward_kernel and constexprs["MODE"] == 2:
+        assert "lg2.approx.f32" in compiled.asm["ptx"], "the mixture backward lost its lg2.approx"
+        assert "__nv_log" not in compiled.asm["llir"], "the mixture backward calls libdevice's log"
+
+
 def main():
     if kernels.INTERPRETED:
         raise SystemExit("Triton is in interpreter mode: run with TRITON_INTERPRET=0 to compile for the GPU")
@@ -209,6 +217,7 @@ def main():
     for fn, signature, constexprs, num_warps in variants():
         compiled = compile_for_h200(fn, signature, constexprs, num_warps)
         assert "sm_90" in compiled.asm["ptx"] or ".target sm_90" in compiled.asm["ptx"], fn.__name__
+        check_mixture_log(fn, constexprs, compiled)
         count += 1
     print(f"compiled {count} kernel variants for sm_90")
 

@@ -21,7 +21,8 @@ constants; exp2, and lse and the KLs converted back once per row):
   = 0 where it is unused). A row whose label is ignore_index reads no logits (its loss and kl_s are 0).
 * ``jsd_backward_kernel``, grid (N, cdiv(V, BLOCK)): one tile of d loss / d student logits in one pass, times the
   row's upstream factor: p_s - p_t (beta = 0), p_s (ls - lt - kl_s) (beta = 1), (1 - beta) p_s (ls - lm - kl_s)
-  (mixture), then d u / d x (1 / T and the soft-capping's 1 - tanh^2). The teacher gets no gradient.
+  (mixture), then d u / d x (1 / T and the soft-capping's 1 - tanh^2); in base 2 as the forward, with the
+  mixture's one log per element shared with its pass 2. The teacher gets no gradient.
 
 Terms whose probability is 0 (a -inf logit, or an exponential that underflows) contribute 0: a ``where``, never
 0 * inf. NaN or +inf in a row's logits make that row's loss and gradient NaN. The teacher's logits may be wider
@@ -127,19 +128,6 @@ def _online(m, s, u):
     return m_new, s * rescale + jnp.sum(e), e, rescale
 
 
-def _log_mixture(ls, lt, log_one_minus_beta, log_beta):
-    """lm = log((1 - beta) p_s + beta p_t) from the log-probabilities (no underflow of the mixture itself). Where
-    both are -inf it is NaN, which the callers never select (both probabilities are 0 there)."""
-    a = log_one_minus_beta + ls
-    b = log_beta + lt
-    # Selects, not maximum / minimum: the GPU's max and min return the other operand for a NaN, and a NaN row must
-    # stay NaN (a NaN a or b fails the comparison and lands in lo or hi either way).
-    a_higher = a >= b
-    hi = jnp.where(a_higher, a, b)
-    lo = jnp.where(a_higher, b, a)
-    return hi + jnp.log1p(jnp.exp(lo - hi))
-
-
 def _weighted(p, value):
     """sum_j p_j value_j over the lanes where p_j > 0 (p = 0 contributes 0, even where value is infinite)."""
     return jnp.sum(jnp.where(p == 0.0, 0.0, p * value))
@@ -156,6 +144,16 @@ def _log2(x, ptx: bool):
         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
     )  # fmt: skip
     return y
+
+
+def _mixture_log2(ls, lt, beta, one_minus_beta, ptx: bool):
+    """(p_s, p_t, lm) of base-2 log-probabilities ls, lt with lm = log2((1 - beta) p_s + beta p_t): two exp2 and one
+    log per element (the mixture's pass 2 and the backward share it). The mixture is floored at float32's smallest
+    normal number (a select: the GPU's max would drop a NaN, and a NaN row must stay NaN): where it underflows (to 0
+    where flushed) both terms are below any sum's resolution, and lm stays finite (no p * inf)."""
+    p_s, p_t = jnp.exp2(ls), jnp.exp2(lt)
+    mixture = one_minus_beta * p_s + beta * p_t
+    return p_s, p_t, _log2(jnp.where(mixture < FLOAT32_TINY, FLOAT32_TINY, mixture), ptx)
 
 
 def _split_refs(refs, has_labels: bool, has_beta: bool):
@@ -262,12 +260,7 @@ def jsd_mixture_kernel(
         kl_t, kl_s = carry
         u_s, u_t = _segment_tile(xs_ref, xt_ref, base, k, block, vocab, opts)
         ls, lt = u_s - lse_s, u_t - lse_t
-        p_s, p_t = jnp.exp2(ls), jnp.exp2(lt)
-        mixture = one_minus_beta * p_s + beta * p_t
-        # Floored at float32's smallest normal number (a select: the GPU's max would drop a NaN, and a NaN row must
-        # stay NaN): where the mixture underflows (to 0 where flushed) both terms are below the sum's resolution,
-        # and lm stays finite (no p * inf).
-        lm = _log2(jnp.where(mixture < FLOAT32_TINY, FLOAT32_TINY, mixture), ptx)  # one log per element, both terms
+        p_s, p_t, lm = _mixture_log2(ls, lt, beta, one_minus_beta, ptx)  # one log per element, both terms
         return kl_t + _weighted(p_t, lt - lm), kl_s + _weighted(p_s, ls - lm)
 
     zero = jnp.float32(0.0)
@@ -308,14 +301,18 @@ def jsd_finish_kernel(ms_ref, ss_ref, mt_ref, st_ref, *refs, n_seg: int, opts: J
 
 
 def jsd_backward_kernel(
-    xs_ref, xt_ref, lse_s_ref, lse_t_ref, kl_ref, g_ref, *refs, vocab: int, block: int, opts: JsdOptions, ignore_index
-):
+    xs_ref, xt_ref, lse_s_ref, lse_t_ref, kl_ref, g_ref, *refs, vocab: int, block: int, opts: JsdOptions, ignore_index,
+    ptx: bool,
+):  # fmt: skip
     """Grid (N, cdiv(V, block)): one tile of one row's d loss / d student logits, times the row's upstream g.
 
+    In base 2 as the forward (ls2 = (u - lse) log2(e), exp2, and for a mixture one log per element: _mixture_log2;
+    ptx: the GPU's lg2.approx); the log-ratios come back to natural units (ln 2) in the row's factor. u itself stays
+    natural, so the soft-capping's derivative (dz_dx, from u) is exactly 0 where tanh saturates.
     xs_ref, xt_ref: the tile of student and teacher logits (block,); lse_s_ref, lse_t_ref, kl_ref, g_ref: the
-    row's statistics from the forward and its upstream factor (0-d); refs: the label (0-d) when ``ignore_index``
-    is not None, the beta operand (4,) for a mixture, then dx_ref (the output tile). An ignored row loads nothing
-    and writes zeros.
+    row's statistics from the forward (natural units) and its upstream factor (0-d); refs: the label (0-d) when
+    ``ignore_index`` is not None, the beta operand (4,) for a mixture, then dx_ref (the output tile). An ignored
+    row loads nothing and writes zeros.
     """
     y_ref, beta_ref, (dx_ref,) = _split_refs(refs, ignore_index is not None, opts.kind == MIXTURE)
     cols = pl.program_id(1) * block + jnp.arange(block, dtype=jnp.int32)
@@ -324,20 +321,21 @@ def jsd_backward_kernel(
     x_s = plgpu.load(xs_ref.at[pl.ds(0, block)], mask=read, other=0.0).astype(jnp.float32)
     x_t = plgpu.load(xt_ref.at[pl.ds(0, block)], mask=read, other=0.0).astype(jnp.float32)
     u_s = transform(x_s, opts.student)
-    ls = u_s - lse_s_ref[...]
-    lt = transform(x_t, opts.teacher) - lse_t_ref[...]
-    p_s = jnp.exp(ls)
+    ls = (u_s - lse_s_ref[...]) * LOG2E
+    lt = (transform(x_t, opts.teacher) - lse_t_ref[...]) * LOG2E
+    g = g_ref[...]
     if opts.kind == FORWARD_KL:
-        d = p_s - jnp.exp(lt)
+        d = jnp.exp2(ls) - jnp.exp2(lt)
     elif opts.kind == REVERSE_KL:
-        d = jnp.where(p_s == 0.0, 0.0, p_s * (ls - lt - kl_ref[...]))
+        p_s = jnp.exp2(ls)
+        d = jnp.where(p_s == 0.0, 0.0, p_s * (ls - lt - kl_ref[...] * LOG2E))
+        g = g * LN2
     else:
-        lm = _log_mixture(ls, lt, beta_ref[3], beta_ref[2])
-        d = beta_ref[1] * jnp.where(p_s == 0.0, 0.0, p_s * (ls - lm - kl_ref[...]))
-    d = d * g_ref[...]
+        p_s, _, lm = _mixture_log2(ls, lt, beta_ref[0], beta_ref[1], ptx)
+        d = jnp.where(p_s == 0.0, 0.0, p_s * (ls - lm - kl_ref[...] * LOG2E))
+        g = g * (beta_ref[1] * LN2)
     du = dz_dx(u_s, opts.student)  # 1 / T and the soft-capping's derivative, from u alone
-    if du is not None:
-        d = d * du
+    d = d * g if du is None else d * g * du
     if y_ref is not None:
         d = jnp.where(y_ref[...] == ignore_index, 0.0, d)
     plgpu.store(dx_ref.at[pl.ds(0, block)], d.astype(dx_ref.dtype), mask=mask)
@@ -448,7 +446,9 @@ def jsd_backward(
     in_specs = [tile, tile] + [scalar] * (4 + (ignore is not None))
     in_specs += [pl.BlockSpec((4,), lambda i, j: (0,))] * (opts.kind == MIXTURE)
     call = pl.pallas_call(
-        functools.partial(jsd_backward_kernel, vocab=vocab, block=block, opts=opts, ignore_index=ignore),
+        functools.partial(
+            jsd_backward_kernel, vocab=vocab, block=block, opts=opts, ignore_index=ignore, ptx=not interpret
+        ),
         grid=(n, cdiv(vocab, block)),
         in_specs=in_specs,
         out_specs=tile,

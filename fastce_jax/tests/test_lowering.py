@@ -269,17 +269,18 @@ JSD_MIXTURE = sorted(JSD_FORWARD + ["fastce_jsd_backward", "fastce_jsd_mixture"]
 @pytest.mark.parametrize("beta,n", [(0.0, 8), (0.5, 8), (1.0, 8), (0.5, 4096)])
 def test_jsd_kernels_lower_to_triton(compiled, beta, n):
     """Forward KL, the mixture and reverse KL (with labels, temperature and both soft-cappings; the mixture without
-    labels) lower to the forward's kernels (the mixture's second pass too, its log the GPU's lg2.approx) and the
-    backward, whose output aliases the student logits; n = 8 splits each row into segments (forward_segments),
-    n = 4096 keeps one per row."""
+    labels) lower to the forward's kernels (the mixture's second pass too) and the backward, whose output aliases
+    the student logits; the mixture's one log per element is the GPU's lg2.approx in both of its passes. n = 8
+    splits each row into segments (forward_segments), n = 4096 keeps one per row."""
     config = kernels.jsd.jsd_config(50257)
     assert (kernels.jsd.forward_segments(n, 50257, config.forward_block, config.forward_programs)[0] > 1) == (n == 8)
     lowered = lower_jsd(n, 50257, 50304, beta, labels=beta != 0.5, **(JSD_ALL if beta != 0.5 else {}))
     expected = JSD_MIXTURE if beta == 0.5 else sorted(JSD_FORWARD + ["fastce_jsd_backward"])
     modules = triton_modules(lowered)
     assert sorted(modules) == expected
-    if beta == 0.5:  # the mixture pass's one log per element is the GPU's lg2.approx, not libdevice's logf
-        assert "lg2.approx.f32" in modules["fastce_jsd_mixture"]
+    if beta == 0.5:  # the mixture's one log per element is the GPU's lg2.approx, not libdevice's logf
+        for name in ("fastce_jsd_mixture", "fastce_jsd_backward"):
+            assert "lg2.approx.f32" in modules[name], name
     calls = [line for line in lowered.as_text().splitlines() if TRITON in line]
     assert ["output_operand_aliases" in line for line in calls] == [False] * (len(expected) - 1) + [True]
 

@@ -27,11 +27,14 @@ import triton.language as tl
 
 from ..contract import FLOAT32_TINY
 from .jsd_forward import (
+    LN2,
     LOG2E,
+    LOG2E_IN_KERNEL,
     PARTIAL_SLOTS,
     _jsd_finish_kernel,
     _jsd_mixture_kernel,
     _jsd_partials_kernel,
+    _mixture_log2,
     _scaled_logits,
 )
 from .launch import Launcher, _cdiv, _checked, _guard_capture, _next_power_of_2, on_device
@@ -48,21 +51,6 @@ JSD_FORWARD_PROGRAMS = 4 * 132 * 4
 JSD_FINISH_WARPS = 1
 JSD_BACKWARD_BLOCK, JSD_BACKWARD_WARPS = 4096, 8
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
-
-
-@triton.jit
-def _mixture_terms(u_s, u_t, lse_s, lse_t, beta, one_minus_beta):
-    """Per column: (p_s, p_t, ls, lt, lm) with lm = log((1 - beta) p_s + beta p_t): three exponentials / logarithms
-    per element instead of four for logaddexp. The mixture is floored at float32's smallest normal number: where it
-    underflows both p are below it (their terms are negligible), and lm stays finite (no p * inf)."""
-    ls = u_s - lse_s
-    lt = u_t - lse_t
-    p_s = tl.exp(ls)
-    p_t = tl.exp(lt)
-    mixture = one_minus_beta * p_s + beta * p_t
-    # A select, not tl.maximum: the GPU's max returns the floor for a NaN, and a NaN row must stay NaN.
-    lm = tl.log(tl.where(mixture < 1.1754943508222875e-38, 1.1754943508222875e-38, mixture))
-    return p_s, p_t, ls, lt, lm
 
 
 @triton.jit
@@ -94,8 +82,10 @@ def _jsd_backward_kernel(
 ):
     """Program (row, tile): d(g_row * loss_row) / d x_s of BLOCK columns, g_row = upstream_ptr[row * upstream_stride]
     (stride 0: one scalar for every row). d/du_s is p_s - p_t (MODE 0), p_s (ls - lt - kl) (MODE 1),
-    (1 - beta) p_s (ls - lm - kl) (MODE 2), 0 where p_s = 0; then / T and through the student's soft-capping.
-    grad_ptr, grad_stride: where it goes (may be student_ptr). The other arguments are the forward's."""
+    (1 - beta) p_s (ls - lm - kl) (MODE 2), 0 where p_s = 0; then / T and through the student's soft-capping. In base 2
+    as the forward (u2 = u log2(e), exp2 and the mixture's one log per element: _mixture_log2), the log-ratios times
+    ln 2 once, in the row's factor. grad_ptr, grad_stride: where it goes (may be student_ptr). The other arguments
+    are the forward's (lse_s, lse_t, kl in natural units)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < V
@@ -105,22 +95,24 @@ def _jsd_backward_kernel(
         # `!= 0` makes the mask a bool payload in Triton's interpreter (which splats a scalar to int64); a no-op
         # compiled.
         load_mask = (in_row & kept) != 0
-    u_s, tanh_s = _scaled_logits(student_ptr + row * student_stride, cols, load_mask, in_row, s_softcap,
-                                 inv_temperature, S_SOFTCAP)  # fmt: skip
-    u_t, _ = _scaled_logits(teacher_ptr + row * teacher_stride, cols, load_mask, in_row, t_softcap, inv_temperature,
+    scale = inv_temperature * LOG2E_IN_KERNEL
+    u_s, tanh_s = _scaled_logits(student_ptr + row * student_stride, cols, load_mask, in_row, s_softcap, scale,
+                                 S_SOFTCAP)  # fmt: skip
+    u_t, _ = _scaled_logits(teacher_ptr + row * teacher_stride, cols, load_mask, in_row, t_softcap, scale,
                             T_SOFTCAP)  # fmt: skip
-    lse_s = tl.load(lse_s_ptr + row)
-    lse_t = tl.load(lse_t_ptr + row)
-    if MODE == 0:
-        du = tl.exp(u_s - lse_s) - tl.exp(u_t - lse_t)
-    elif MODE == 1:
-        ls = u_s - lse_s
-        p_s = tl.exp(ls)
-        du = tl.where(p_s == 0.0, 0.0, p_s * (ls - (u_t - lse_t) - tl.load(kl_ptr + row)))
-    else:
-        p_s, _, ls, _, lm = _mixture_terms(u_s, u_t, lse_s, lse_t, beta, one_minus_beta)
-        du = tl.where(p_s == 0.0, 0.0, one_minus_beta * p_s * (ls - lm - tl.load(kl_ptr + row)))
+    ls = u_s - tl.load(lse_s_ptr + row) * LOG2E_IN_KERNEL
+    lt = u_t - tl.load(lse_t_ptr + row) * LOG2E_IN_KERNEL
     g = tl.load(upstream_ptr + row * upstream_stride).to(tl.float32) * inv_temperature
+    if MODE == 0:
+        du = tl.exp2(ls) - tl.exp2(lt)
+    elif MODE == 1:
+        p_s = tl.exp2(ls)
+        du = tl.where(p_s == 0.0, 0.0, p_s * (ls - lt - tl.load(kl_ptr + row) * LOG2E_IN_KERNEL))
+        g = g * LN2
+    else:
+        p_s, _, lm = _mixture_log2(ls, lt, beta, one_minus_beta)
+        du = tl.where(p_s == 0.0, 0.0, p_s * (ls - lm - tl.load(kl_ptr + row) * LOG2E_IN_KERNEL))
+        g = g * (one_minus_beta * LN2)
     dx = du * g
     if S_SOFTCAP:
         dx = dx * (1.0 - tanh_s * tanh_s)

@@ -27,6 +27,7 @@ from .launch import INTERPRETED
 # sum p_s (ls2 - lm2).
 PARTIAL_SLOTS = (5, 5, 6)  # per MODE
 LOG2E = 1.4426950408889634
+LOG2E_IN_KERNEL = tl.constexpr(LOG2E)  # the kernels read only constexpr globals
 LN2 = tl.constexpr(0.6931471805599453)
 FLOAT32_TINY = tl.constexpr(1.1754943508222875e-38)  # float32 smallest normal
 # The mixture's one log per element: the GPU's lg2.approx (one MUFU instruction, error about 2**-22, a
@@ -56,6 +57,19 @@ def _fast_log2(x):
     else:
         y = tl.log2(x)
     return y
+
+
+@triton.jit
+def _mixture_log2(ls, lt, beta, one_minus_beta):
+    """(p_s, p_t, lm) of base-2 log-probabilities ls, lt with lm = log2((1 - beta) p_s + beta p_t): two exp2 and one
+    log per element (the forward's pass 2 and the backward share it). The mixture is floored at float32's smallest
+    normal number with a select (the GPU's max would turn a NaN into the floor; a NaN row must stay NaN): where it
+    underflows both p are below it and their terms are negligible, and lm stays finite (no p * inf)."""
+    p_s = tl.exp2(ls)
+    p_t = tl.exp2(lt)
+    mixture = one_minus_beta * p_s + beta * p_t
+    lm = _fast_log2(tl.where(mixture < FLOAT32_TINY, FLOAT32_TINY, mixture))
+    return p_s, p_t, lm
 
 
 @triton.jit
@@ -230,10 +244,8 @@ def _jsd_mixture_kernel(
     T_SOFTCAP: tl.constexpr,
 ):
     """Program (row, segment), the mixture's pass 2: with lm2 = log2((1 - beta) 2^ls2 + beta 2^lt2) (one log per
-    element, used by both terms), the segment's sum p_t (lt2 - lm2) and sum p_s (ls2 - lm2) into slots 4 and 5.
-    The mixture is floored at float32's smallest normal number with a select (the GPU's max would turn a NaN into
-    the floor; a NaN row must stay NaN): where it underflows both p are below it and their terms are negligible, and
-    lm2 stays finite (no p * inf). Terms whose p is 0 add 0. The other arguments are _jsd_partials_kernel's."""
+    element, used by both terms; _mixture_log2), the segment's sum p_t (lt2 - lm2) and sum p_s (ls2 - lm2) into
+    slots 4 and 5. Terms whose p is 0 add 0. The other arguments are _jsd_partials_kernel's."""
     row = tl.program_id(0).to(tl.int64)
     n_segments = tl.num_programs(1)
     row_parts = partials_ptr + row * (6 * n_segments)
@@ -251,10 +263,7 @@ def _jsd_mixture_kernel(
         u_t, _ = _scaled_logits(t_row, cols, in_row, in_row, t_softcap, log2e_over_temperature, T_SOFTCAP)
         ls = u_s - lse_s
         lt = u_t - lse_t
-        p_s = tl.exp2(ls)
-        p_t = tl.exp2(lt)
-        mixture = one_minus_beta * p_s + beta * p_t
-        lm = _fast_log2(tl.where(mixture < FLOAT32_TINY, FLOAT32_TINY, mixture))
+        p_s, p_t, lm = _mixture_log2(ls, lt, beta, one_minus_beta)
         kl_t += tl.sum(tl.where(p_t == 0.0, 0.0, p_t * (lt - lm)), 0)
         kl_s += tl.sum(tl.where(p_s == 0.0, 0.0, p_s * (ls - lm)), 0)
     parts = row_parts + tl.program_id(1)
