@@ -50,14 +50,15 @@ def test_every_row_on_cpu(monkeypatch, tmp_path):
     variants = (f"fastce_{f}_{v}" for f in ("torch", "jax") for v in ("448mib", "f32logits"))
     every = ("fastce_torch", "trl_eager", "trl_compile", "fastce_jax", "xla_jsd", *variants)
     any_temperature = ("fastce_torch", "trl_eager", "fastce_jax")
-    assert set(rows) == {("matmul_floor", None, None), *((i, 0.3, 1.0) for i in every)} | {
-        (i, 1.0, 2.0) for i in any_temperature
-    }
+    floors = {(name, None, None) for name in ("matmul_floor", "matmul_chunked", "matmul_chunked_448mib")}
+    assert set(rows) == floors | {*((i, 0.3, 1.0) for i in every)} | {(i, 1.0, 2.0) for i in any_temperature}
     assert rows["matmul_floor", None, None]["fwdbwd_ms"] == 8.0  # four products, 2.0 each (stubbed)
+    assert rows["matmul_chunked", None, None]["over_floor"] == 0.25  # one timed loop of chunks (stubbed)
+    assert rows["matmul_chunked", None, None]["chunk_rows"] == 16  # the tiny shape fits one chunk
     assert rows["fastce_torch", 0.3, 1.0]["over_floor"] == 0.25
     # float32 inputs: every row's loss and the student's gradients within float32 rounding of float64.
     for (impl, beta, t), row in rows.items():
-        if impl not in ("matmul_floor", "trl_compile"):
+        if not impl.startswith("matmul_") and impl != "trl_compile":
             assert row["loss_error"] < 1e-6 and row["grad_hidden_rel_rms"] < 1e-5, (impl, beta, t)
             assert row["grad_weight_rel_rms"] < 1e-5, (impl, beta, t)
             assert abs(row["loss"] - rows["trl_eager", beta, t]["loss"]) < 1e-5, (impl, beta, t)

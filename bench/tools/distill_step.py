@@ -11,6 +11,8 @@ and the recipe in jnp under jit(value_and_grad); the floor: the bare torch.mm ca
 (both heads' logits, the student's d hidden and d weight). Timing and memory as bench.linear.measure's and
 bench.jax_linear.measure's; errors over the first ERROR_ROWS rows (each row's code run on them) against float64 from
 the same inputs (shared_tests.reference_distill): |loss - float64|, rms relative error of d hidden and d weight.
+matmul_chunked and matmul_chunked_448mib: the same four products in linear_jsd's chunks at its default and the wide
+workspace, without the row kernels (what the chunking costs by itself).
 """
 
 import importlib
@@ -134,6 +136,39 @@ def matmul_floor(shape, inputs) -> dict:
     return {"impl": "matmul_floor", "fwdbwd_ms": sum(ms.values()), "matmul_ms": ms}
 
 
+def chunked_floor(shape, inputs, workspace_bytes=None, name="matmul_chunked") -> dict:
+    """The same four products chunk by chunk as linear_jsd runs them at workspace_bytes (its rows_per_chunk for two
+    logits chunks in the inputs' dtype; the weight gradient accumulated with addmm_), with no row kernel between
+    them: what the chunking alone costs over matmul_floor."""
+    from fastce_torch.linear.chunks import rows_per_chunk
+
+    hidden, weight, teacher_hidden, teacher_weight, _ = (t.detach() for t in inputs)
+    step = rows_per_chunk(shape.N, shape.V, 2 * hidden.element_size(), workspace_bytes)
+    student_chunk, teacher_chunk = (hidden.new_empty(step, shape.V) for _ in range(2))
+    grad_hidden, grad_weight = torch.empty_like(hidden), torch.empty_like(weight)
+
+    def products():
+        for start in range(0, shape.N, step):
+            rows = slice(start, min(start + step, shape.N))
+            logits = student_chunk[: rows.stop - start]  # stands in for the d logits written over it
+            torch.mm(hidden[rows], weight.t(), out=logits)
+            torch.mm(teacher_hidden[rows], teacher_weight.t(), out=teacher_chunk[: rows.stop - start])
+            torch.mm(logits, weight, out=grad_hidden[rows])
+            grad_weight.addmm_(logits.t(), hidden[rows], beta=0 if start == 0 else 1)
+
+    with torch.no_grad():
+        ms = torch_measure.bench_ms(products, 100, 500)
+    say(f"{name} {shape}: {ms:.2f} ms ({step} rows a chunk)")
+    return {"impl": name, "fwdbwd_ms": ms, "chunk_rows": step}
+
+
+def floor_rows(shape, inputs, impls) -> list:
+    """matmul_floor, then the chunked products at the default and the wide workspace (where impls asks for them)."""
+    chunked = {"matmul_chunked": None, "matmul_chunked_448mib": WIDE_WORKSPACE}
+    wanted = {name: size for name, size in chunked.items() if impls is None or name in impls}
+    return [matmul_floor(shape, inputs)] + [chunked_floor(shape, inputs, size, name) for name, size in wanted.items()]
+
+
 def config_rows(shape, inputs, beta, temperature, frameworks, impls, backend, failures) -> list:
     """The rows of one (beta, temperature), with their float64 errors but torch.compile's (on fewer rows it would
     compile again; its formula is trl_eager's)."""
@@ -160,7 +195,8 @@ def run(shapes, frameworks=("torch", "jax"), impls=None, backend="auto") -> dict
     rows, failures = [], []
     for shape in shapes:
         inputs = make_inputs(shape, linear.DEVICE)
-        found = [floor := matmul_floor(shape, inputs)]
+        found = floor_rows(shape, inputs, impls)
+        floor = found[0]
         for beta, temperature in CONFIGS:
             found += config_rows(shape, inputs, beta, temperature, frameworks, impls, backend, failures)
         rows += [shape._asdict() | row | {"over_floor": row["fwdbwd_ms"] / floor["fwdbwd_ms"]} for row in found]
