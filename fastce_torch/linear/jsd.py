@@ -211,9 +211,7 @@ class _PerRowJsd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_s, w_s, b_s, h_t, w_t, b_t, labels, options, chunking):
         ctx.kept = _kept(labels, options, chunking, _FIND)  # the backward's chunks are the forward's
-        (loss, *stats), _ = chunked_forward(
-            (h_s, w_s, b_s), (h_t, w_t, b_t), labels, options, chunking, kept=ctx.kept
-        )
+        (loss, *stats), _ = chunked_forward((h_s, w_s, b_s), (h_t, w_t, b_t), labels, options, chunking, kept=ctx.kept)
         ctx.options, ctx.chunking = options, chunking
         ctx.save_for_backward(h_s, w_s, b_s, h_t, w_t, b_t, labels, *stats)
         return loss

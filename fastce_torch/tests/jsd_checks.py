@@ -92,6 +92,7 @@ def linear_inputs(device, bias, n=11, h_s=16, h_t=24, vocab=70, vocab_teacher=75
 
 def bad(kwargs, error, name):
     """A parameter of the argument-check tests: keywords, the error, the argument its message names."""
+
     # Tensors get their shape and dtype in the id, not their random values: pytest-xdist workers must collect the
     # same ids.
     def describe(value):
