@@ -27,7 +27,8 @@ d hidden back, and runs each chunk under a lax.cond on whether it holds a kept r
 row compute nothing. The kept-row count stays on the device (nothing for the caller to wait on, jit-compatible),
 but XLA's GPU runtime executes a conditional outside a command buffer by copying its predicate to the host and
 waiting for it (ConditionalThunk): one wait per chunk, unless XLA_FLAGS' --xla_gpu_enable_command_buffer includes
-CONDITIONAL (a CUDA-graph conditional node); docs/fused-linear.md gives what that costs on the H200.
+CONDITIONAL (a CUDA-graph conditional node); docs/fused-linear.md gives what that costs on the H200. linear_jsd's
+loop (jsd.py) orders and skips the same way through the same helpers (row_order, chunk_span, run_chunks).
 
 Precision: each chunk's matmuls accumulate in float32 and round once to the input dtype. By default the weight
 gradient is summed across chunks in the weight's own dtype (one rounding per chunk); a float32 accumulator

@@ -31,7 +31,8 @@ skip_ignored_rows=True runs the chunks over the kept rows only (their indices by
 gathered, its rows of d hidden written back by index): 6·K·H·V flops for K kept rows, plus K·H copied. cuBLAS takes
 its shapes from the host, so the number of kept rows is read there: one synchronisation per call (eager; the
 autograd Functions hand the kept rows to the backward that recomputes the logits; under torch.compile that backward's
-custom op reads them again). Opt-in, and refused under CUDA-graph capture.
+custom op reads them again). Opt-in, and refused under CUDA-graph capture. linear_jsd's loop (jsd.py) skips the
+same way through the same helpers (_kept_rows, row_selections, take_rows, new_grads, accumulate_grads).
 
 Precision: each chunk's matmuls accumulate in float32 and round once to the input dtype. With float32 logits the
 gradient chunk is still rounded to the inputs' dtype before the products (which then run at the bf16/fp16 rate, and
