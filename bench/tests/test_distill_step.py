@@ -47,17 +47,19 @@ def test_every_row_on_cpu(monkeypatch, tmp_path):
 
     assert [(f["impl"], f["stage"]) for f in result["failures"]] == [("liger_jsd", "unavailable")] * 2
     rows = {(r["impl"], r.get("beta"), r.get("temperature")): r for r in result["rows"]}
-    variants = (f"fastce_{f}_{v}" for f in ("torch", "jax") for v in ("448mib", "f32logits"))
+    suffixes = ("448mib", "f32logits", "skip", "448mib_skip")
+    variants = (f"fastce_{f}_{v}" for f in ("torch", "jax") for v in suffixes)
     every = ("fastce_torch", "trl_eager", "trl_compile", "fastce_jax", "xla_jsd", *variants)
     any_temperature = ("fastce_torch", "trl_eager", "fastce_jax")
-    assert set(rows) == {("matmul_floor", None, None), *((i, 0.3, 1.0) for i in every)} | {
-        (i, 1.0, 2.0) for i in any_temperature
-    }
+    floors = {("matmul_floor", None, None), ("matmul_floor_kept", None, None)}
+    assert set(rows) == floors | {(i, 0.3, 1.0) for i in every} | {(i, 1.0, 2.0) for i in any_temperature}
     assert rows["matmul_floor", None, None]["fwdbwd_ms"] == 8.0  # four products, 2.0 each (stubbed)
+    assert rows["matmul_floor", None, None]["product_rows"] == 16
+    assert rows["matmul_floor_kept", None, None]["product_rows"] == 13  # rows 0, 7 and 14 ignored
     assert rows["fastce_torch", 0.3, 1.0]["over_floor"] == 0.25
     # float32 inputs: every row's loss and the student's gradients within float32 rounding of float64.
     for (impl, beta, t), row in rows.items():
-        if impl not in ("matmul_floor", "trl_compile"):
+        if impl not in ("matmul_floor", "matmul_floor_kept", "trl_compile"):
             assert row["loss_error"] < 1e-6 and row["grad_hidden_rel_rms"] < 1e-5, (impl, beta, t)
             assert row["grad_weight_rel_rms"] < 1e-5, (impl, beta, t)
             assert abs(row["loss"] - rows["trl_eager", beta, t]["loss"]) < 1e-5, (impl, beta, t)
@@ -67,4 +69,5 @@ def test_every_row_on_cpu(monkeypatch, tmp_path):
     text = report.distill_markdown(report.read_json(found), found.name)
     assert "| fastce_torch | 0.3 | 1.0 | 16 | 8 | 12 | 40 |" in text
     assert "- 16x8x12x40, beta 1.0, T 2.0: fastce_torch / trl_eager 1.00x (target < 1x)" in text
+    assert "; fastce_jax_448mib_skip / matmul_floor_kept 0.50x (target <= 1.2x);" in text  # 4.0 ms (stubbed) / 8.0
     assert text.count("- not measured: liger_jsd") == 1  # the same failure at each (beta, T), listed once
