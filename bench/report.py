@@ -281,7 +281,12 @@ DISTILL_COLUMNS = (
 DISTILL_TARGETS = (("fastce_torch", "liger_jsd", "< 1"), ("fastce_torch", "trl_eager", "< 1"),
                    ("fastce_torch", "matmul_floor", "<= 1.2"), ("fastce_jax", "matmul_floor", "<= 1.2"),
                    ("fastce_torch_448mib", "matmul_floor", "<= 1.2"),
-                   ("fastce_jax_448mib", "matmul_floor", "<= 1.2"))  # fmt: skip
+                   ("fastce_jax_448mib", "matmul_floor", "<= 1.2"),
+                   # skip_ignored_rows: against the products over the kept rows only
+                   ("fastce_torch_skip", "matmul_floor_kept", "<= 1.2"),
+                   ("fastce_jax_skip", "matmul_floor_kept", "<= 1.2"),
+                   ("fastce_torch_448mib_skip", "matmul_floor_kept", "<= 1.2"),
+                   ("fastce_jax_448mib_skip", "matmul_floor_kept", "<= 1.2"))  # fmt: skip
 
 
 def distill_markdown(result, source) -> str:
@@ -303,8 +308,9 @@ def distill_markdown(result, source) -> str:
     table = [[c[0] for c in DISTILL_COLUMNS], *([cell(r, *c[1:]) for c in DISTILL_COLUMNS] for r in rows)]
     about = (f"{result['device']}, commit {result['commit']}, {result['date']}: forward + backward into the student's "
              "hidden states and head (bench/tools/distill_step.py); / floor: over the same run's bare matmuls of the "
-             f"four products (matmul_floor); JAX's memory is XLA's temp size; errors against float64 over the first "
-             f"{result['error_rows']} rows.")  # fmt: skip
+             "four products (matmul_floor; matmul_floor_kept: over the kept tokens' rows only, the floor the target "
+             "lines compare the _skip rows with); JAX's memory is XLA's temp size; errors against float64 over the "
+             f"first {result['error_rows']} rows.")  # fmt: skip
     return "\n".join(
         [f"## Distillation through both heads (from `{source}`)", "", about, "", markdown(table), "", *lines, ""]
     )

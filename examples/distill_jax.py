@@ -11,9 +11,9 @@ ignore_index) at temperature T:
   loss = mean over completion positions of beta KL(p_t || m) + (1 - beta) KL(p_s || m),  m = (1 - beta) p_s + beta p_t
 (beta = 0: KL(p_t || p_s), forward KL; beta = 1: KL(p_s || p_t), reverse KL). Two copies of the student parameters
 take the same jitted optimizer steps: one through fastce_jax.linear_jsd on the two LM heads (no tokens x vocabulary
-logits of either model are kept), one through float32 logits and jax.nn.log_softmax. Their losses agree at every
-step. The teacher's parameters are an argument of the step like the student's, and get no gradient (linear_jsd
-treats the teacher as a constant).
+logits of either model are kept; skip_ignored_rows=True: the prompt positions' rows cost no matmul), one through
+float32 logits and jax.nn.log_softmax. Their losses agree at every step. The teacher's parameters are an argument
+of the step like the student's, and get no gradient (linear_jsd treats the teacher as a constant).
 """
 
 import argparse
@@ -91,6 +91,7 @@ def fastce_loss(student, teacher, tokens, labels, args):
         teacher_bias=teacher["lm_bias"],
         beta=args.beta,
         temperature=args.temperature,
+        skip_ignored_rows=True,  # the prompt positions are ignored: their rows cost no matmul (the kernels)
         backend=args.backend,
     )
 

@@ -12,8 +12,8 @@ ignore_index) at temperature T:
   loss = mean over completion positions of beta KL(p_t || m) + (1 - beta) KL(p_s || m),  m = (1 - beta) p_s + beta p_t
 (beta = 0: KL(p_t || p_s), forward KL; beta = 1: KL(p_s || p_t), reverse KL). Two copies of the student from the same
 initialisation take the same optimizer steps: one through fastce_torch.linear_jsd on the two LM heads (no tokens x
-vocabulary logits of either model are kept), one through float32 logits and log_softmax, the way trainers compute
-it today. Their losses agree at every step.
+vocabulary logits of either model are kept; skip_ignored_rows=True: the prompt positions' rows cost no matmul), one
+through float32 logits and log_softmax, the way trainers compute it today. Their losses agree at every step.
 """
 
 import argparse
@@ -80,6 +80,7 @@ def fastce_loss(student, teacher_hidden, teacher, tokens, labels, args):
         teacher_bias=teacher.lm_head.bias,
         beta=args.beta,
         temperature=args.temperature,
+        skip_ignored_rows=True,  # the prompt positions are ignored: their rows cost no matmul (the kernels)
         backend=args.backend,
     )
 

@@ -1,8 +1,9 @@
 """linear_jsd (issue 38) in both packages on the same inputs (DLPack), against the float64 reference
 (reference_distill.linear_jsd) and against each other: the loss and the student's hidden, weight and bias gradients,
 every beta, temperature, soft-capping, the three reductions, labels=None, a padded teacher head (V_t > V_s, its rows
-past V_s NaN: never read), the rows in several chunks (a small workspace_bytes), float32 and bfloat16, and bfloat16
-with logits_dtype="float32" and accumulate_in_float32=True. The teacher's hidden states, weight and bias get no
+past V_s NaN: never read), the rows in several chunks (a small workspace_bytes), float32 and bfloat16, bfloat16
+with logits_dtype="float32" and accumulate_in_float32=True, and skip_ignored_rows=True (the chunks over the kept rows
+only: the same bounds, the ignored rows' d hidden exactly 0). The teacher's hidden states, weight and bias get no
 gradient (torch: None although they require grad; JAX: zero cotangents).
 
 Tolerances follow the arithmetic (as test_linear_cross_entropy.py, with the distillation reference's magnitudes).
@@ -63,6 +64,8 @@ class LinearJsdCase:
     small_chunks: bool = True  # a workspace_bytes of about ROWS_PER_CHUNK rows; False: the default (256 MiB)
     logits_dtype: str | None = None  # "float32": both models' logits in float32 (bf16 inputs)
     accumulate: bool = False  # accumulate_in_float32
+    skip: bool = False  # skip_ignored_rows
+    prompt: int = 0  # the first rows (flattened) ignored too, as a prompt, beside every fourth row
     seed: int = 0
 
     @property
@@ -82,7 +85,7 @@ class LinearJsdCase:
         # About ROWS_PER_CHUNK rows of both chunks of float32 logits: several chunks, the last one partial.
         workspace = ROWS_PER_CHUNK * (self.vocab * 2) * 4 if self.small_chunks else None
         precision = dict(logits_dtype=self.logits_dtype, accumulate_in_float32=self.accumulate)
-        return dict(self.options(), workspace_bytes=workspace, **precision)
+        return dict(self.options(), workspace_bytes=workspace, skip_ignored_rows=self.skip, **precision)
 
     def max_chunks(self):
         """An upper bound on the chunks of rows (the weight gradient's roundings): at most one a row with the small
@@ -102,6 +105,20 @@ CASES = [
     LinearJsdCase(
         "bf16-float32-logits", beta=0.0, dtype="bfloat16", bias=True, logits_dtype="float32", accumulate=True, seed=7
     ),
+    # skip_ignored_rows: the chunks over the kept rows only (a prompt and every fourth row ignored)
+    LinearJsdCase("skip-mixture-bias", bias=True, temperature=1.2, teacher_vocab=136, skip=True, prompt=5, seed=8),
+    LinearJsdCase("skip-forward-kl-sum-labels-none", beta=0.0, reduction="sum", labels=False, skip=True, seed=9),
+    LinearJsdCase(
+        "skip-bf16-reverse-kl-none",
+        beta=1.0,
+        shape=(2, 7),
+        dtype="bfloat16",
+        reduction="none",
+        **CAPS,
+        skip=True,
+        prompt=3,
+        seed=10,
+    ),  # fmt: skip
 ]
 GPU_CASES = [
     LinearJsdCase(
@@ -142,6 +159,7 @@ def make_inputs(case, device):
         teacher_bias[case.vocab :] = float("nan")
     labels = torch.randint(0, case.vocab, (n,), generator=gen)
     labels[1::4] = -100
+    labels[: case.prompt] = -100
     upstream = torch.randn(case.shape, generator=gen)
     dtype = TORCH_DTYPES[case.dtype]
     move = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
@@ -248,6 +266,8 @@ def run_case(case, device):
     for name, (loss, (g_hidden, g_weight, g_bias)) in outs.items():
         assert_within(loss, np.asarray(exact.logits.loss), tol["loss"], f"{name} loss")
         assert_within(g_hidden, exact.grad_hidden, tol["hidden"], f"{name} d student_hidden")
+        if labels is not None:  # an ignored row's d hidden: exactly 0 (skipped or not)
+            assert not g_hidden[torch.from_numpy(labels == -100).to(g_hidden.device)].any(), name
         assert_within(g_weight, exact.grad_weight, tol["weight"], f"{name} d student_weight")
         if b_s is None:
             assert g_bias is None

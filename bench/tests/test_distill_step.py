@@ -47,12 +47,16 @@ def test_every_row_on_cpu(monkeypatch, tmp_path):
 
     assert [(f["impl"], f["stage"]) for f in result["failures"]] == [("liger_jsd", "unavailable")] * 2
     rows = {(r["impl"], r.get("beta"), r.get("temperature")): r for r in result["rows"]}
-    variants = (f"fastce_{f}_{v}" for f in ("torch", "jax") for v in ("448mib", "f32logits"))
+    suffixes = ("448mib", "f32logits", "skip", "448mib_skip")
+    variants = (f"fastce_{f}_{v}" for f in ("torch", "jax") for v in suffixes)
     every = ("fastce_torch", "trl_eager", "trl_compile", "fastce_jax", "xla_jsd", *variants)
     any_temperature = ("fastce_torch", "trl_eager", "fastce_jax")
-    floors = {(name, None, None) for name in ("matmul_floor", "matmul_chunked", "matmul_chunked_448mib")}
-    assert set(rows) == floors | {*((i, 0.3, 1.0) for i in every)} | {(i, 1.0, 2.0) for i in any_temperature}
+    floors = {(name, None, None) for name in ("matmul_floor", "matmul_floor_kept", "matmul_chunked")}
+    floors |= {("matmul_chunked_448mib", None, None)}
+    assert set(rows) == floors | {(i, 0.3, 1.0) for i in every} | {(i, 1.0, 2.0) for i in any_temperature}
     assert rows["matmul_floor", None, None]["fwdbwd_ms"] == 8.0  # four products, 2.0 each (stubbed)
+    assert rows["matmul_floor", None, None]["product_rows"] == 16
+    assert rows["matmul_floor_kept", None, None]["product_rows"] == 13  # rows 0, 7 and 14 ignored
     assert rows["matmul_chunked", None, None]["over_floor"] == 0.25  # one timed loop of chunks (stubbed)
     assert rows["matmul_chunked", None, None]["chunk_rows"] == 16  # the tiny shape fits one chunk
     assert rows["fastce_torch", 0.3, 1.0]["over_floor"] == 0.25
@@ -68,4 +72,5 @@ def test_every_row_on_cpu(monkeypatch, tmp_path):
     text = report.distill_markdown(report.read_json(found), found.name)
     assert "| fastce_torch | 0.3 | 1.0 | 16 | 8 | 12 | 40 |" in text
     assert "- 16x8x12x40, beta 1.0, T 2.0: fastce_torch / trl_eager 1.00x (target < 1x)" in text
+    assert "; fastce_jax_448mib_skip / matmul_floor_kept 0.50x (target <= 1.2x);" in text  # 4.0 ms (stubbed) / 8.0
     assert text.count("- not measured: liger_jsd") == 1  # the same failure at each (beta, T), listed once

@@ -4,11 +4,13 @@ both models' hidden states, forward + backward into the student's hidden states 
     python -m bench.tools.distill_step [--shapes 8192x1536x3584x151936] [--frameworks torch,jax] [--json PATH]
 
 Per shape (N x H_student x H_teacher x V, bf16, every 7th token ignored) and (beta, temperature) in CONFIGS:
-fastce_torch.linear_jsd; TRL's recipe in plain torch (both heads' logits by matmul, float32 log_softmax of both, the
+fastce_torch.linear_jsd (also with skip_ignored_rows=True: the _skip rows, the ignored tokens' matmuls skipped);
+TRL's recipe in plain torch (both heads' logits by matmul, float32 log_softmax of both, the
 generalized JSD, "batchmean" over the counted tokens) eager and under torch.compile; Liger's LigerFusedLinearJSD (its
 jsd_beta is this beta: mixture beta p_t + (1 - beta) p_s, 0 = KL(p_t || p_s), 1 = KL(p_s || p_t)); fastce_jax.linear_jsd
 and the recipe in jnp under jit(value_and_grad); the floor: the bare torch.mm calls of the four products the loss needs
-(both heads' logits, the student's d hidden and d weight). Timing and memory as bench.linear.measure's and
+(both heads' logits, the student's d hidden and d weight), and matmul_floor_kept: the same over the kept tokens' rows
+only (the _skip rows' floor). Timing and memory as bench.linear.measure's and
 bench.jax_linear.measure's; errors over the first ERROR_ROWS rows (each row's code run on them) against float64 from
 the same inputs (shared_tests.reference_distill): |loss - float64|, rms relative error of d hidden and d weight.
 matmul_chunked and matmul_chunked_448mib: the same four products in linear_jsd's chunks at its default and the wide
@@ -65,11 +67,13 @@ def implementations(framework, beta, temperature, backend):
     """name -> loader of loss(student hidden, weight, teacher hidden, weight, labels), a framework's rows."""
     fastce = partial(importlib.import_module(f"fastce_{framework}").linear_jsd, beta=beta, temperature=temperature)
     fastce = partial(fastce, backend=backend)
-    # The issue's memory allowance (512 MiB beyond the gradients) spent on the chunks: fewer, longer chunks; and
-    # float32 logits (Liger 0.8.5's precision), at the default workspace.
+    # The issue's memory allowance (512 MiB beyond the gradients) spent on the chunks: fewer, longer chunks; float32
+    # logits (Liger 0.8.5's precision), at the default workspace; the ignored tokens' rows skipped, at both workspaces.
     variants = {
         "448mib": partial(fastce, workspace_bytes=WIDE_WORKSPACE),
         "f32logits": partial(fastce, logits_dtype="float32"),
+        "skip": partial(fastce, skip_ignored_rows=True),
+        "448mib_skip": partial(fastce, workspace_bytes=WIDE_WORKSPACE, skip_ignored_rows=True),
     }
     if framework == "jax":
         import jax
@@ -124,16 +128,21 @@ def float64_errors(loss_fn, framework, inputs, reference) -> dict:
     return {"loss_error": abs(float(loss) - reference[0]), "grad_hidden_rel_rms": dh, "grad_weight_rel_rms": dw}
 
 
-def matmul_floor(shape, inputs) -> dict:
-    """The four products the loss needs, each a bare torch.mm at its shape in the inputs' dtype (do_bench medians)."""
-    hidden, weight, teacher_hidden, teacher_weight, _ = (t.detach() for t in inputs)
-    grad = torch.randn(shape.N, shape.V, device=hidden.device, dtype=hidden.dtype)  # d student logits
+def matmul_floor(shape, inputs, kept_only=False) -> dict:
+    """The four products the loss needs, each a bare torch.mm at its shape in the inputs' dtype (do_bench medians);
+    kept_only: over the rows whose label is not ignored (matmul_floor_kept, the skip_ignored_rows rows' floor)."""
+    hidden, weight, teacher_hidden, teacher_weight, labels = (t.detach() for t in inputs)
+    if kept_only:
+        kept = labels != IGNORE_INDEX
+        hidden, teacher_hidden = hidden[kept], teacher_hidden[kept]
+    grad = torch.randn(hidden.shape[0], shape.V, device=hidden.device, dtype=hidden.dtype)  # d student logits
     products = {"student_logits": (hidden, weight.t()), "teacher_logits": (teacher_hidden, teacher_weight.t()),
                 "d_hidden": (grad, weight), "d_weight": (grad.t(), hidden)}  # fmt: skip
     with torch.no_grad():
         ms = {key: torch_measure.bench_ms(partial(torch.mm, *ab), 100, 500) for key, ab in products.items()}
-    say(f"matmul_floor {shape}: {sum(ms.values()):.2f} ms ({', '.join(f'{k} {v:.2f}' for k, v in ms.items())})")
-    return {"impl": "matmul_floor", "fwdbwd_ms": sum(ms.values()), "matmul_ms": ms}
+    impl = "matmul_floor_kept" if kept_only else "matmul_floor"
+    say(f"{impl} {shape}: {sum(ms.values()):.2f} ms ({', '.join(f'{k} {v:.2f}' for k, v in ms.items())})")
+    return {"impl": impl, "fwdbwd_ms": sum(ms.values()), "matmul_ms": ms, "product_rows": hidden.shape[0]}
 
 
 def chunked_floor(shape, inputs, workspace_bytes=None, name="matmul_chunked") -> dict:
@@ -163,10 +172,12 @@ def chunked_floor(shape, inputs, workspace_bytes=None, name="matmul_chunked") ->
 
 
 def floor_rows(shape, inputs, impls) -> list:
-    """matmul_floor, then the chunked products at the default and the wide workspace (where impls asks for them)."""
+    """matmul_floor and matmul_floor_kept (always), then the chunked products at the default and the wide workspace
+    (where impls asks for them)."""
     chunked = {"matmul_chunked": None, "matmul_chunked_448mib": WIDE_WORKSPACE}
     wanted = {name: size for name, size in chunked.items() if impls is None or name in impls}
-    return [matmul_floor(shape, inputs)] + [chunked_floor(shape, inputs, size, name) for name, size in wanted.items()]
+    floors = [matmul_floor(shape, inputs), matmul_floor(shape, inputs, kept_only=True)]
+    return floors + [chunked_floor(shape, inputs, size, name) for name, size in wanted.items()]
 
 
 def config_rows(shape, inputs, beta, temperature, frameworks, impls, backend, failures) -> list:
@@ -191,7 +202,8 @@ def config_rows(shape, inputs, beta, temperature, frameworks, impls, backend, fa
 
 
 def run(shapes, frameworks=("torch", "jax"), impls=None, backend="auto") -> dict:
-    """Every row at every shape and (beta, temperature) in CONFIGS (impls: a subset of the rows), failures recorded."""
+    """Every row at every shape and (beta, temperature) in CONFIGS (impls: a subset of the rows; the two floors are
+    always measured), failures recorded."""
     rows, failures = [], []
     for shape in shapes:
         inputs = make_inputs(shape, linear.DEVICE)

@@ -197,7 +197,11 @@ def tool_main(argv, doc, shapes, parse_shapes, run, render) -> int:
     parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     parser.add_argument("--shapes", default=shapes, help="comma-separated shapes, :dtype appended (default bfloat16)")
     parser.add_argument("--frameworks", default="torch,jax", help="a subset of torch,jax")
-    parser.add_argument("--impls", help="comma-separated subset of the torch rows (default: all)")
+    parser.add_argument(
+        "--impls",
+        help="comma-separated subset of the rows (default: all; rl_step: of the torch rows, distill_step: of "
+        "both frameworks' rows, its matmul floors always measured)",
+    )
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     jax_setup.configure()

@@ -16,7 +16,9 @@
 #     rows, ~4 each; or rl-a / rl-b, one shape per call with more slack); JSON and logs $OUT/rl-step-{a,b}.*;
 #   distill (issue 38's distillation heads, bench/tools/distill_step.py: each of its two shapes in a process of its own,
 #     torch and JAX rows at four (beta, T), ~4 each; or distill-a / distill-b, one shape per call with more slack);
-#     JSON and logs $OUT/distill-{a,b}.*;
+#     JSON and logs $OUT/distill-{a,b}.*; DISTILL_IMPLS (a comma list of row names, e.g.
+#     fastce_torch_skip,fastce_jax_skip,fastce_torch_448mib_skip,fastce_jax_448mib_skip) runs those rows only (default:
+#     all; the two matmul floors always run);
 #   two-gpus (the tests that need two GPUs; kind nvidia-h200-x2), two-gpus-bench (sharded_torch with its per-rank
 #     breakdown, sharded_jax; x2, ~3), two-gpus-linear-bench (sharded_linear_torch; x2, ~1-2), one-rank-breakdown
 #     (sharded_torch as a one-rank NCCL group at the two-GPU run's local shard shapes; < 2);
@@ -87,6 +89,7 @@ for stage in "$@"; do
         [ "$stage" != distill ] && [ "$stage" != "distill-$part" ] && continue
         shape=8192x1536x3584x151936; [ $part = b ] && shape=8192x2048x4096x128256
         timeout $([ "$stage" = distill ] && echo 290 || echo 580) python3 -m bench.tools.distill_step --shapes $shape \
+          ${DISTILL_IMPLS:+--impls "$DISTILL_IMPLS"} \
           --json "$OUT/distill-$part.json" >"$OUT/distill-$part.log" 2>"$OUT/distill-$part-progress.log"
         echo "distill $part: exit $?"; tail -36 "$OUT/distill-$part.log"
         grep -E "FAILED|skipped" "$OUT/distill-$part-progress.log"

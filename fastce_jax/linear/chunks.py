@@ -27,7 +27,8 @@ d hidden back, and runs each chunk under a lax.cond on whether it holds a kept r
 row compute nothing. The kept-row count stays on the device (nothing for the caller to wait on, jit-compatible),
 but XLA's GPU runtime executes a conditional outside a command buffer by copying its predicate to the host and
 waiting for it (ConditionalThunk): one wait per chunk, unless XLA_FLAGS' --xla_gpu_enable_command_buffer includes
-CONDITIONAL (a CUDA-graph conditional node); docs/fused-linear.md gives what that costs on the H200.
+CONDITIONAL (a CUDA-graph conditional node); docs/fused-linear.md gives what that costs on the H200. linear_jsd's
+loop (jsd.py) orders and skips the same way through the same helpers (row_order, chunk_span, run_chunks).
 
 Precision: each chunk's matmuls accumulate in float32 and round once to the input dtype. By default the weight
 gradient is summed across chunks in the weight's own dtype (one rounding per chunk); a float32 accumulator
@@ -160,10 +161,13 @@ class _Order(NamedTuple):
     n_kept: jax.Array  # int32 scalar
 
 
-def _row_order(labels, st: StaticConfig):
-    """The _Order of skip_ignored_rows, or None (the rows in their order; also when no label can be ignored)."""
-    ign = contract.ignore_value(labels.dtype, st.options.ignore_index)
-    if not st.skip_ignored_rows or ign is None:
+def row_order(labels, ignore_index: int, skip_ignored_rows: bool):
+    """The _Order of skip_ignored_rows, or None (the rows in their order; also without labels or when no label can
+    be ignored)."""
+    if not skip_ignored_rows or labels is None:
+        return None
+    ign = contract.ignore_value(labels.dtype, ignore_index)
+    if ign is None:
         return None
     ignored = (labels == ign).astype(jnp.int32)
     rows = jnp.argsort(ignored, stable=True).astype(jnp.int32)
@@ -177,14 +181,20 @@ def _rows_of(array, start, st: StaticConfig, index):
     return jnp.take(array, index, axis=0, unique_indices=True, indices_are_sorted=False, mode="clip")
 
 
-def _chunk_inputs(k, hidden, labels, st: StaticConfig, order=None):
-    """Chunk k's rows: its clamped start, the mask of rows that are new in this chunk, its hidden rows and labels,
-    and the rows' indices with skip_ignored_rows (None otherwise)."""
-    n = hidden.shape[0]
+def chunk_span(k, n_rows: int, st, order=None):
+    """Chunk k of n_rows rows: its clamped start, the mask of rows that are new in this chunk, and the rows' indices
+    with skip_ignored_rows (an _Order; None otherwise). st: any config with chunk_rows (the fused linear CE's and
+    linear_jsd's)."""
     rows = st.chunk_rows
-    start = jnp.minimum(k * rows, n - rows)
+    start = jnp.minimum(k * rows, n_rows - rows)
     fresh = start + jnp.arange(rows) >= k * rows
     index = None if order is None else jax.lax.dynamic_slice_in_dim(order.rows, start, rows)
+    return start, fresh, index
+
+
+def _chunk_inputs(k, hidden, labels, st: StaticConfig, order=None):
+    """Chunk k's rows: chunk_span's start and mask, its hidden rows and labels, and the rows' indices."""
+    start, fresh, index = chunk_span(k, hidden.shape[0], st, order)
     return start, fresh, _rows_of(hidden, start, st, index), _rows_of(labels, start, st, index), index
 
 
@@ -273,6 +283,18 @@ def _zero_weight_grads(weight, st: StaticConfig):
     return out
 
 
+def run_chunks(n_rows, st, order, initial, step, weight=None):
+    """The chunk loop of ``step(k, carry, first)`` from ``initial()``'s carry (the fused linear CE's and
+    linear_jsd's): without an order chunk 0 first (first=True: it starts the weight gradients) then the others in a
+    fori_loop; with an order (skip_ignored_rows) every chunk under lax.cond, the carry then starting with zero
+    weight and bias gradients when ``weight`` is given (a pass that computes them). Returns the last carry."""
+    body = functools.partial(step, first=False)
+    if order is None:
+        return _loop(n_rows, st, lambda: step(0, initial(), first=True), body)
+    start = initial if weight is None else lambda: {**initial(), **_zero_weight_grads(weight, st)}
+    return _skipping_loop(n_rows, st, order, start, body)
+
+
 def chunked_forward(hidden, weight, bias, labels, g_tokens, st: StaticConfig, class_weight=None):
     """The chunk loop on the arrays given. Per-token losses and lse (N,) and, when g_tokens (N,) is given, the
     gradients of sum_t g_t * loss_t: (dhidden in the compute dtype, dweight in float32 or the compute dtype, dbias
@@ -281,7 +303,7 @@ def chunked_forward(hidden, weight, bias, labels, g_tokens, st: StaticConfig, cl
     n = hidden.shape[0]
     want_grads = g_tokens is not None
     extras = extra_names(st)
-    order = _row_order(labels, st)
+    order = row_order(labels, st.options.ignore_index, st.skip_ignored_rows)
 
     def step(k, carry, first):
         start, fresh, h_c, y_c, index = _chunk_inputs(k, hidden, labels, st, order)
@@ -307,14 +329,9 @@ def chunked_forward(hidden, weight, bias, labels, g_tokens, st: StaticConfig, cl
         carry.update({name: jnp.zeros((n,), jnp.float32) for name in extras})
         if want_grads:
             carry["dh"] = jnp.zeros((n, hidden.shape[1]), st.dtype)
-            if order is not None:
-                carry.update(_zero_weight_grads(weight, st))
         return carry
 
-    if order is None:
-        carry = _loop(n, st, lambda: step(0, initial(), first=True), functools.partial(step, first=False))
-    else:
-        carry = _skipping_loop(n, st, order, initial, functools.partial(step, first=False))
+    carry = run_chunks(n, st, order, initial, step, weight if want_grads else None)
     grads = (carry["dh"], carry["dw"], carry.get("db")) if want_grads else None
     return carry["losses"], carry["lse"], grads, {name: carry[name] for name in extras}
 
@@ -327,7 +344,7 @@ def chunked_backward(
     entropy's) from the saved lse: each chunk's logits are recomputed, no forward kernel; the entropy's term rides
     in the same backward kernel (no extra matmul)."""
     n = hidden.shape[0]
-    order = _row_order(labels, st)
+    order = row_order(labels, st.options.ignore_index, st.skip_ignored_rows)
 
     def step(k, carry, first):
         start, fresh, h_c, y_c, index = _chunk_inputs(k, hidden, labels, st, order)
@@ -344,10 +361,5 @@ def chunked_backward(
     def initial():
         return dict(dh=jnp.zeros((n, hidden.shape[1]), st.dtype))
 
-    if order is None:
-        carry = _loop(n, st, lambda: step(0, initial(), first=True), functools.partial(step, first=False))
-    else:
-        carry = _skipping_loop(
-            n, st, order, lambda: {**initial(), **_zero_weight_grads(weight, st)}, functools.partial(step, first=False)
-        )
+    carry = run_chunks(n, st, order, initial, step, weight)
     return carry["dh"], carry["dw"], carry.get("db")

@@ -19,6 +19,9 @@ Gradients (student hidden, weight, bias only; the teacher's hidden, weight and b
   only scales them by the upstream scalar. A call that is not differentiated computes no gradient.
 - "none": the forward keeps lse_s, lse_t and kl_s per row (3 N floats); the backward recomputes both chunks of
   logits and runs the backward kernel with the per-row upstream.
+skip_ignored_rows=True: the fused linear CE's ordering and skipping (chunks.row_order, chunk_span, run_chunks): the
+kept rows first, each chunk's rows of both hidden states gathered and d hidden scattered back, a chunk without a
+kept row skipped under lax.cond; the kept count stays on the device.
 """
 
 from __future__ import annotations
@@ -54,30 +57,31 @@ class LinearJsdConfig(NamedTuple):
     weight_hv: bool = False  # chunks.py's layout flag: linear_jsd takes (V, H) weights only
     logits_dtype: str | None = None  # logits_dtype="float32" for a bf16 / fp16 student: its logits in float32
     teacher_logits_dtype: str | None = None  # the same for the teacher
+    skip_ignored_rows: bool = False  # the kept rows first, chunks without one skipped (chunks.run_chunks)
 
 
 # --- the chunk loops -----------------------------------------------------------------------------------------------
 
 
-def _chunk(k, n_rows: int, st: LinearJsdConfig):
-    """Chunk k's clamped start and the mask of its rows that no earlier chunk covered (as chunks.py's loop)."""
-    start = jnp.minimum(k * st.chunk_rows, n_rows - st.chunk_rows)
-    return start, start + jnp.arange(st.chunk_rows) >= k * st.chunk_rows
+def _order(labels, st: LinearJsdConfig):
+    """skip_ignored_rows' row order (chunks.row_order: the kept rows first), or None (the rows in their order)."""
+    return chunks.row_order(labels, st.opts.ignore_index, st.skip_ignored_rows)
 
 
-def _rows(array, start, st: LinearJsdConfig):
-    return None if array is None else chunks._rows_of(array, start, st, None)
+def _rows(array, start, st: LinearJsdConfig, index):
+    return None if array is None else chunks._rows_of(array, start, st, index)
 
 
-def _chunk_logits(k, student, teacher, labels, st: LinearJsdConfig):
-    """(start, fresh, student hidden rows, labels rows, student logits, teacher logits) of chunk k."""
+def _chunk_logits(k, student, teacher, labels, st: LinearJsdConfig, order):
+    """(start, fresh, index, student hidden rows, labels rows, student logits, teacher logits) of chunk k
+    (chunks.chunk_span: index, the rows' indices with skip_ignored_rows, else None)."""
     h_s, w_s, b_s = student
     h_t, w_t, b_t = teacher
-    start, fresh = _chunk(k, h_s.shape[0], st)
-    hs_c = _rows(h_s, start, st)
+    start, fresh, index = chunks.chunk_span(k, h_s.shape[0], st, order)
+    hs_c = _rows(h_s, start, st, index)
     z_s = chunks.chunk_logits(hs_c, w_s, b_s, st.dtype, st.logits_dtype)
-    z_t = chunks.chunk_logits(_rows(h_t, start, st), w_t, b_t, st.teacher_dtype, st.teacher_logits_dtype)
-    return start, fresh, hs_c, _rows(labels, start, st), z_s, z_t
+    z_t = chunks.chunk_logits(_rows(h_t, start, st, index), w_t, b_t, st.teacher_dtype, st.teacher_logits_dtype)
+    return start, fresh, index, hs_c, _rows(labels, start, st, index), z_s, z_t
 
 
 def _backward_into_chunk(z_s, z_t, y_c, beta, stats, g_c, st: LinearJsdConfig):
@@ -88,23 +92,25 @@ def _backward_into_chunk(z_s, z_t, y_c, beta, stats, g_c, st: LinearJsdConfig):
 
 def chunked_forward(student, teacher, labels, beta, g_rows, st: LinearJsdConfig, keep_stats=False):
     """The chunk loop: per-row losses (N,); with g_rows (N,) the student's gradients of sum_t g_t loss_t (d hidden
-    and d weight in the compute dtype, d bias float32 or None); with keep_stats the per-row (lse_s, lse_t, kl_s)."""
+    and d weight in the compute dtype, d bias float32 or None); with keep_stats the per-row (lse_s, lse_t, kl_s).
+    skip_ignored_rows: rows no chunk covers keep the carry's zeros, what the kernels give an ignored row."""
     h_s, w_s, _ = student
     n = h_s.shape[0]
     want_grads = g_rows is not None
     names = ("lse_s", "lse_t", "kl") if keep_stats else ()
+    order = _order(labels, st)
 
     def step(k, carry, first):
-        start, fresh, hs_c, y_c, z_s, z_t = _chunk_logits(k, student, teacher, labels, st)
+        start, fresh, index, hs_c, y_c, z_s, z_t = _chunk_logits(k, student, teacher, labels, st, order)
         loss_c, *stats_c = jsd_kernels.jsd_forward(
             z_s, z_t, y_c, beta, st.opts, interpret=st.interpret, config=st.config
         )
-        out = {"losses": chunks._put_rows(carry["losses"], start, fresh, loss_c)}
-        out.update({name: chunks._put_rows(carry[name], start, fresh, v) for name, v in zip(names, stats_c)})
+        out = {"losses": chunks._put_rows(carry["losses"], start, fresh, loss_c, index)}
+        out.update({name: chunks._put_rows(carry[name], start, fresh, v, index) for name, v in zip(names, stats_c)})
         if want_grads:
-            g_c = chunks._chunk_upstream(g_rows, start, fresh, st)
+            g_c = chunks._chunk_upstream(g_rows, start, fresh, st, index)
             d_logits = _backward_into_chunk(z_s, z_t, y_c, beta, stats_c, g_c, st)
-            out.update(chunks._accumulate_grads(d_logits, hs_c, w_s, start, fresh, carry, first, st))
+            out.update(chunks._accumulate_grads(d_logits, hs_c, w_s, start, fresh, carry, first, st, index))
         return out
 
     def initial():
@@ -113,7 +119,7 @@ def chunked_forward(student, teacher, labels, beta, g_rows, st: LinearJsdConfig,
             carry["dh"] = jnp.zeros((n, h_s.shape[1]), st.dtype)
         return carry
 
-    carry = chunks._loop(n, st, lambda: step(0, initial(), first=True), functools.partial(step, first=False))
+    carry = chunks.run_chunks(n, st, order, initial, step, w_s if want_grads else None)
     grads = (carry["dh"], carry["dw"], carry.get("db")) if want_grads else None
     return carry["losses"], grads, tuple(carry[name] for name in names)
 
@@ -123,18 +129,19 @@ def chunked_backward(student, teacher, labels, beta, stats, g_rows, st: LinearJs
     recomputed, then the backward kernel alone."""
     h_s, w_s, _ = student
     n = h_s.shape[0]
+    order = _order(labels, st)
 
     def step(k, carry, first):
-        start, fresh, hs_c, y_c, z_s, z_t = _chunk_logits(k, student, teacher, labels, st)
-        stats_c = [_rows(s, start, st) for s in stats]
-        g_c = chunks._chunk_upstream(g_rows, start, fresh, st)
+        start, fresh, index, hs_c, y_c, z_s, z_t = _chunk_logits(k, student, teacher, labels, st, order)
+        stats_c = [_rows(s, start, st, index) for s in stats]
+        g_c = chunks._chunk_upstream(g_rows, start, fresh, st, index)
         d_logits = _backward_into_chunk(z_s, z_t, y_c, beta, stats_c, g_c, st)
-        return chunks._accumulate_grads(d_logits, hs_c, w_s, start, fresh, carry, first, st)
+        return chunks._accumulate_grads(d_logits, hs_c, w_s, start, fresh, carry, first, st, index)
 
     def initial():
         return {"dh": jnp.zeros((n, h_s.shape[1]), st.dtype)}
 
-    carry = chunks._loop(n, st, lambda: step(0, initial(), first=True), functools.partial(step, first=False))
+    carry = chunks.run_chunks(n, st, order, initial, step, w_s)
     return carry["dh"], carry["dw"], carry.get("db")
 
 
@@ -228,6 +235,7 @@ def linear_jsd(
     teacher_softcapping=0.0,
     workspace_bytes=None,
     accumulate_in_float32=False,
+    skip_ignored_rows=False,
     logits_dtype=None,
     backend="auto",
 ):
@@ -247,6 +255,12 @@ def linear_jsd(
         no float32 copy of either weight); the budget counts 4 bytes a logit. The JSD gradient p_s - p_t is a
         difference of nearly equal numbers: logits rounded to bf16 move it by percents at a realistic logit
         spread. d logits is rounded to the student's dtype for the products (as linear_cross_entropy's).
+      skip_ignored_rows: True (the kernel path only; linear_cross_entropy's keyword, the same meaning): the chunk
+        loop takes the rows whose label is not ignore_index first (a stable sort on the device, both heads' hidden
+        rows gathered chunk by chunk) and runs each chunk under a lax.cond on whether it holds a kept row, so the
+        chunks past the last kept row compute nothing. The same loss and gradients (0 and a zero d hidden on
+        ignored rows; "mean" divides by the same count); the kept count stays on the device (jit, grad and vmap
+        work; under vmap with batched labels the cond computes both branches). Nothing to skip without labels.
       backend: "auto" (the chunked kernel path for GPU arrays, "reference" elsewhere; traced, the arrays are
         assumed on the default backend, as linear_cross_entropy does), "kernel" or "reference" (the plain
         matmuls, then jsd's jnp reference: it materialises both logits). A float64 student or teacher is computed
@@ -266,7 +280,7 @@ def linear_jsd(
     lead = tuple(student[0].shape[:-1])
     vocab, vocab_t = student[1].shape[0], teacher[1].shape[0]
     labels = jsd_contract.check_jsd_labels(labels, lead, opts.ignore_index, "student_hidden")
-    _check_chunking(workspace_bytes, None, accumulate_in_float32)
+    skip_ignored_rows = _check_chunking(workspace_bytes, None, accumulate_in_float32, skip_ignored_rows)
     logits_dtypes = (check_logits_dtype(logits_dtype, dtype), check_logits_dtype(logits_dtype, teacher_dtype))
     if backend == "auto":
         backend = "kernel" if contract.on_gpu(student[0]) else "reference"
@@ -300,6 +314,7 @@ def linear_jsd(
         f32_weight_grad=bool(accumulate_in_float32),
         logits_dtype=logits_dtypes[0],
         teacher_logits_dtype=logits_dtypes[1],
+        skip_ignored_rows=skip_ignored_rows,
     )
     beta_operand = jsd_kernels.beta_operand(beta) if opts.kind == MIXTURE else None
     with jsd_kernels.quiet_triton(st.interpret):

@@ -5,6 +5,8 @@ interpret mode.  With --gpu (the repository conftest.py defines the flag): JAX
 GPU arrays and the compiled Triton kernels, plus the tests marked `gpu`.
 """
 
+import importlib
+
 import jax
 import numpy as np
 import pytest
@@ -53,3 +55,47 @@ def put(device):
 def _gpu_only(request, use_gpu):
     if request.node.get_closest_marker("gpu") and not use_gpu:
         pytest.skip("GPU-only test: run with --gpu on a CUDA machine")
+
+
+# --- shared by the jsd / linear_jsd and fused linear cross-entropy tests ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def jsd_sizes(request):
+    """(N, V, V_t) of the jsd and linear_jsd tests: tiny on the CPU, a real vocabulary on the GPU."""
+    return (48, 32771, 32800) if request.config.getoption("--gpu", default=False) else (12, 257, 263)
+
+
+@pytest.fixture
+def jsd_small_tiles(monkeypatch, use_gpu):
+    """On the CPU, the jsd kernels' tiles of 128 columns: V = 257 spans three, the last holding one column."""
+    if not use_gpu:
+        jsd_kernels = importlib.import_module("fastce_jax.kernels.jsd")
+        monkeypatch.setattr(jsd_kernels, "FORWARD_BLOCK", 128)
+        monkeypatch.setattr(jsd_kernels, "BACKWARD_BLOCK", 128)
+
+
+@pytest.fixture
+def float32_matmuls():
+    """Matmuls at float32 precision (a GPU may use TF32 for float32 inputs): tolerances for float32 products."""
+    with jax.default_matmul_precision("float32"):
+        yield
+
+
+@pytest.fixture
+def chunks_run(monkeypatch):
+    """How many logits matmuls the fused linear chunk loops actually ran (chunks.chunk_logits, one a chunk for the
+    cross-entropy, two for linear_jsd: a runtime callback, so a chunk skipped by lax.cond adds nothing). The jit
+    caches are cleared so that the traced chunk loops carry the callback."""
+    chunks = importlib.import_module("fastce_jax.linear.chunks")
+    calls = []
+    original = chunks.chunk_logits
+
+    def counted(*args):
+        jax.debug.callback(lambda: calls.append(1))
+        return original(*args)
+
+    monkeypatch.setattr(chunks, "chunk_logits", counted)
+    jax.clear_caches()
+    yield calls
+    jax.clear_caches()

@@ -461,23 +461,6 @@ IGNORED = {
 }
 
 
-@pytest.fixture
-def chunks_run(monkeypatch):
-    """How many chunks' logits matmuls actually ran (a runtime callback: a chunk skipped by lax.cond adds nothing).
-    The jit caches are cleared so that the traced chunk loop carries the callback."""
-    calls = []
-    original = LCE.chunk_logits
-
-    def counted(*args):
-        jax.debug.callback(lambda: calls.append(1))
-        return original(*args)
-
-    monkeypatch.setattr(LCE, "chunk_logits", counted)
-    jax.clear_caches()
-    yield calls
-    jax.clear_caches()
-
-
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_skip_ignored_rows_runs_only_chunks_with_kept_rows(put, reduction, chunks_run):
     """40 rows in 5 chunks of 8: with the keyword only the chunks holding kept rows run (forward; "none" also in

@@ -6,7 +6,7 @@ test_linear_jsd_precision.py):
   a logit std of 10, as Liger-Kernel 0.8.5's test_logits_projection_is_not_rounded_to_input_dtype). The bf16-logits
   run is asserted clearly worse, so the test fails if the keyword were ignored.
 - accumulate_in_float32=True over many chunks: the weight gradient summed in float32 and rounded once.
-The argument checks are in test_jsd.py's BAD_LINEAR. Compile time is the cost on the CPU: one beta (the mixture).
+The argument checks are in test_linear_jsd.py's BAD_LINEAR. Compile time is the cost on the CPU: one beta (the mixture).
 """
 
 import jax

@@ -31,7 +31,8 @@ skip_ignored_rows=True runs the chunks over the kept rows only (their indices by
 gathered, its rows of d hidden written back by index): 6·K·H·V flops for K kept rows, plus K·H copied. cuBLAS takes
 its shapes from the host, so the number of kept rows is read there: one synchronisation per call (eager; the
 autograd Functions hand the kept rows to the backward that recomputes the logits; under torch.compile that backward's
-custom op reads them again). Opt-in, and refused under CUDA-graph capture.
+custom op reads them again). Opt-in, and refused under CUDA-graph capture. linear_jsd's loop (jsd.py) skips the
+same way through the same helpers (_kept_rows, row_selections, take_rows, new_grads, accumulate_grads).
 
 Precision: each chunk's matmuls accumulate in float32 and round once to the input dtype. With float32 logits the
 gradient chunk is still rounded to the inputs' dtype before the products (which then run at the bf16/fp16 rate, and
@@ -229,7 +230,7 @@ def new_grads(hidden, weight, bias, needs, chunking, kept=None):
     # is more accurate than rounding every chunk to the compute dtype and casting back.
     float32_accumulator = chunking.accumulate_in_float32 or weight.dtype != hidden.dtype
     accumulate_dtype = torch.float32 if float32_accumulator else weight.dtype
-    no_chunk = hidden.shape[0] == 0 if kept is None else kept.numel() == 0
+    no_chunk = selected_count(hidden.shape[0], kept) == 0
     new_accumulator = torch.zeros if no_chunk else torch.empty
     grad_weight = None
     if need_weight:
@@ -277,7 +278,7 @@ def finish_grads(grads, weight, bias):
 
 
 SKIP_UNDER_CAPTURE = (
-    "fastce_torch.linear_cross_entropy: skip_ignored_rows=True reads the number of kept rows on the host (one "
+    "fastce_torch.{function}: skip_ignored_rows=True reads the number of kept rows on the host (one "
     "synchronisation), which CUDA-graph capture does not allow; capture the default skip_ignored_rows=False"
 )
 
@@ -285,16 +286,37 @@ SKIP_UNDER_CAPTURE = (
 _FIND = object()  # the kept rows not handed over: the pass finds them (_kept_rows)
 
 
-def _kept_rows(labels, ignore_index, chunking):
+def _kept_rows(labels, ignore_index, chunking, function="linear_cross_entropy"):
     """skip_ignored_rows: the ascending indices (int64) of the rows whose label is not ignore_index, or None when
-    every row is kept or the keyword is off (the plain loop over all rows). cuBLAS matmuls take their shapes from
-    the host, so skipping rows needs their number there: nonzero reads it, one host synchronisation."""
-    if not chunking.skip_ignored_rows:
+    every row is kept, there are no labels or the keyword is off (the plain loop over all rows). cuBLAS matmuls
+    take their shapes from the host, so skipping rows needs their number there: nonzero reads it, one host
+    synchronisation. function: the public function whose call this is, named by the capture error."""
+    if not chunking.skip_ignored_rows or labels is None:
         return None
     if labels.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(SKIP_UNDER_CAPTURE)
+        raise RuntimeError(SKIP_UNDER_CAPTURE.format(function=function))
     kept = torch.nonzero(labels != ignore_index).squeeze(1)
     return None if kept.numel() == labels.numel() else kept
+
+
+def row_selections(n_rows, step, kept=None):
+    """Yields (rows, width, first) chunk by chunk over n_rows rows in chunks of `step`: rows a slice, or with `kept`
+    (_kept_rows) a slice of those indices (an int64 tensor), so that the chunks cover only the kept rows; width its
+    number of rows, first True for the first chunk."""
+    total = selected_count(n_rows, kept)
+    for start in range(0, total, step):
+        stop = min(start + step, total)
+        yield (slice(start, stop) if kept is None else kept[start:stop]), stop - start, start == 0
+
+
+def take_rows(tensor, rows):
+    """tensor's chunk rows (row_selections): a view for a slice, a gathered copy for kept rows' indices."""
+    return tensor[rows] if isinstance(rows, slice) else tensor.index_select(0, rows)
+
+
+def selected_count(n_rows, kept):
+    """The rows the chunks cover: n_rows, or the kept ones."""
+    return n_rows if kept is None else kept.numel()
 
 
 def row_chunks(hidden, weight, bias, labels, chunking, kept=None, with_grads=True):
@@ -303,21 +325,21 @@ def row_chunks(hidden, weight, bias, labels, chunking, kept=None, with_grads=Tru
     (the logits themselves, or with float32 logits and gradients a chunk in the inputs' dtype). rows is a slice of
     the rows, or with `kept` (_kept_rows) a slice of those indices: the chunks then cover only the kept rows
     (gathered, a chunk x H copy each), so ignored rows cost no matmul."""
-    n_rows, vocab = hidden.shape[0] if kept is None else kept.numel(), weight.shape[0]
+    vocab = weight.shape[0]
     itemsize = logit_bytes(hidden, chunking, with_grads)
-    step = rows_per_chunk(n_rows, vocab, itemsize, chunking.workspace_bytes, chunking.chunk_rows)
+    step = rows_per_chunk(
+        selected_count(hidden.shape[0], kept), vocab, itemsize, chunking.workspace_bytes, chunking.chunk_rows
+    )
     logits_dtype = torch.float32 if chunking.float32_logits else hidden.dtype
     workspace = torch.empty(step, vocab, dtype=logits_dtype, device=hidden.device)
     grad_workspace = workspace
     if with_grads and logits_dtype != hidden.dtype:
         grad_workspace = torch.empty(step, vocab, dtype=hidden.dtype, device=hidden.device)
     logits_weight, logits_bias = logits_operands(weight, bias, chunking)
-    for start in range(0, n_rows, step):
-        stop = min(start + step, n_rows)
-        rows = slice(start, stop) if kept is None else kept[start:stop]
-        hidden_chunk = hidden[rows] if kept is None else hidden.index_select(0, rows)
-        logits = _chunk_logits(workspace[: stop - start], hidden_chunk, logits_weight, logits_bias)
-        yield rows, hidden_chunk, labels[rows], logits, grad_workspace[: stop - start], start == 0
+    for rows, width, first in row_selections(hidden.shape[0], step, kept):
+        hidden_chunk = take_rows(hidden, rows)
+        logits = _chunk_logits(workspace[:width], hidden_chunk, logits_weight, logits_bias)
+        yield rows, hidden_chunk, take_rows(labels, rows), logits, grad_workspace[:width], first
 
 
 def _per_row(n_rows, kept, fill, dtype, device):

@@ -15,6 +15,9 @@ workspace_bytes). accumulate_in_float32: d W_s summed over the chunks in float32
   scalar (as linear_cross_entropy does), so a second backward through the same loss raises.
 - "none": the forward keeps lse_s, lse_t and the row constant (3 N floats); the backward recomputes both chunks'
   logits and runs the backward kernel with the per-row upstream.
+skip_ignored_rows=True: the chunks run over the kept rows only (linear_cross_entropy's _kept_rows, row_selections
+and take_rows: their indices found with one host synchronisation, both heads' rows gathered, d h_s written back by
+index; the "none" Function hands its forward's kept rows to its backward).
 The teacher's hidden, weight and bias are constants (detached: no gradient, whether or not they require one).
 Gradients are computed only with grad mode on and a student input requiring one. Under torch.compile the
 torch.library custom ops below replace the autograd Functions.
@@ -33,9 +36,11 @@ from ..jsd import (
 from ..jsd_contract import JsdOptions
 from ..kernels import jsd as jsd_kernels
 from .chunks import (
+    _FIND,
     Chunking,
     _check_chunking,
     _chunk_logits,
+    _kept_rows,
     accumulate_grads,
     autocast_or_common_dtype,
     check_logits_dtype,
@@ -45,7 +50,10 @@ from .chunks import (
     logit_bytes,
     logits_operands,
     new_grads,
+    row_selections,
     rows_per_chunk,
+    selected_count,
+    take_rows,
 )
 from .unsharded import gradients_needed, reference_logits
 
@@ -74,30 +82,31 @@ def _head_workspace(hidden, weight, bias, side_chunking, step):
     return workspace, *logits_operands(weight, bias, side_chunking)
 
 
-def _row_chunks(student, teacher, labels, chunking, with_grads):
+def _row_chunks(student, teacher, labels, chunking, with_grads, kept=None):
     """Yields (rows, student hidden chunk, labels chunk or None, student logits, d student logits, teacher logits,
     first) chunk by chunk; the logits are views of workspaces that the next chunk overwrites. student, teacher:
     (hidden, weight, bias) in their compute dtypes, the teacher's weight and bias already its first V_s rows. d
     student logits: where the backward kernel writes (the student logits' own chunk, or next to float32 logits a
     chunk in the student's dtype, the products' operand). The budget counts both chunks of logits (logit_bytes: 4
-    bytes a float32 logit, plus the student's gradient chunk in a pass with gradients)."""
+    bytes a float32 logit, plus the student's gradient chunk in a pass with gradients). rows: a slice, or with
+    `kept` (skip_ignored_rows) a slice of the kept rows' indices, both heads' hidden rows gathered (chunks.py's
+    row_selections, as linear_cross_entropy's loop)."""
     (h_s, w_s, b_s), (h_t, w_t, b_t) = student, teacher
     student_chunking, teacher_chunking = _side(chunking, h_s), _side(chunking, h_t)
-    n_rows, vocab = h_s.shape[0], w_s.shape[0]
+    vocab = w_s.shape[0]
     itemsize = logit_bytes(h_s, student_chunking, with_grads) + logit_bytes(h_t, teacher_chunking, False)
-    step = rows_per_chunk(n_rows, vocab, itemsize, chunking.workspace_bytes)
+    step = rows_per_chunk(selected_count(h_s.shape[0], kept), vocab, itemsize, chunking.workspace_bytes)
     student_workspace, w_s, b_s = _head_workspace(h_s, w_s, b_s, student_chunking, step)
     teacher_workspace, w_t, b_t = _head_workspace(h_t, w_t, b_t, teacher_chunking, step)
     grad_workspace = student_workspace
     if with_grads and student_workspace.dtype != h_s.dtype:
         grad_workspace = torch.empty(step, vocab, dtype=h_s.dtype, device=h_s.device)
-    for start in range(0, n_rows, step):
-        rows = slice(start, min(start + step, n_rows))
-        width = rows.stop - start
-        student_logits = _chunk_logits(student_workspace[:width], h_s[rows], w_s, b_s)
-        teacher_logits = _chunk_logits(teacher_workspace[:width], h_t[rows], w_t, b_t)
-        labels_chunk = None if labels is None else labels[rows]
-        yield rows, h_s[rows], labels_chunk, student_logits, grad_workspace[:width], teacher_logits, start == 0
+    for rows, width, first in row_selections(h_s.shape[0], step, kept):
+        hidden_chunk = take_rows(h_s, rows)
+        student_logits = _chunk_logits(student_workspace[:width], hidden_chunk, w_s, b_s)
+        teacher_logits = _chunk_logits(teacher_workspace[:width], take_rows(h_t, rows), w_t, b_t)
+        labels_chunk = None if labels is None else take_rows(labels, rows)
+        yield rows, hidden_chunk, labels_chunk, student_logits, grad_workspace[:width], teacher_logits, first
 
 
 def _in_compute_dtype(student, teacher):
@@ -110,40 +119,61 @@ def _in_compute_dtype(student, teacher):
     return student, (h_t, *in_compute_dtype(h_t, w_t, b_t))
 
 
-def chunked_forward(student, teacher, labels, options, chunking, upstream=None, needs=NO_GRADS):
+def _kept(labels, options, chunking, kept):
+    """The kept rows of a pass: handed over (the eager "none" Function's backward gets its forward's), or found here
+    (chunks._kept_rows: one host synchronisation with skip_ignored_rows, None without)."""
+    return _kept_rows(labels, options.ignore_index, chunking, "linear_jsd") if kept is _FIND else kept
+
+
+def chunked_forward(student, teacher, labels, options, chunking, upstream=None, needs=NO_GRADS, kept=_FIND):
     """Per-row (loss, lse_s, lse_t, kl) (N,) float32 and, with any of `needs` (student hidden, weight, bias), the
     gradients of sum_rows upstream * loss_row (upstream: a 0-d float32 device tensor), chunk by chunk. chunking:
-    workspace_bytes, accumulate_in_float32 and float32_logits (the other fields unused)."""
+    workspace_bytes, accumulate_in_float32, float32_logits and skip_ignored_rows (chunk_rows unused). With kept
+    rows the chunks cover only those; the others keep what the forward kernel gives an ignored row (0 in each
+    statistic) and their rows of d hidden stay 0."""
     h_s, w_s, b_s = student
     with kernel_context(h_s):
+        kept = _kept(labels, options, chunking, kept)
         student_c, teacher_c = _in_compute_dtype(student, teacher)
-        out = jsd_kernels.new_stats(h_s.shape[0], h_s.device)
-        grads = new_grads(h_s, w_s, b_s, needs, chunking)
+        n_rows, device = h_s.shape[0], h_s.device
+        if kept is None:
+            out = jsd_kernels.new_stats(n_rows, device)
+        else:  # rows no chunk writes
+            out = torch.zeros(4, n_rows, dtype=torch.float32, device=device).unbind(0)
+        grads = new_grads(h_s, w_s, b_s, needs, chunking, kept)
         for rows, hidden_chunk, labels_chunk, s_logits, s_grad, t_logits, first in _row_chunks(
-            student_c, teacher_c, labels, chunking, any(needs)
+            student_c, teacher_c, labels, chunking, any(needs), kept
         ):
-            chunk_out = tuple(buffer[rows] for buffer in out)  # the kernel writes into the full buffers
+            # A slice: the kernel writes into the full buffers (views); kept rows' indices: into the chunk's own,
+            # scattered back.
+            gathered = not isinstance(rows, slice)
+            chunk_out = jsd_kernels.new_stats(s_logits.shape[0], device) if gathered else [b[rows] for b in out]
             jsd_kernels.jsd_forward(s_logits, t_logits, labels_chunk, options, chunk_out)
+            if gathered:
+                for whole, part in zip(out, chunk_out, strict=True):
+                    whole[rows] = part
             if any(needs):  # d loss / d logits (in place of the student logits, or beside them), then the products
                 jsd_kernels.jsd_backward(upstream, s_logits, t_logits, labels_chunk, chunk_out[1:], s_grad, options)
                 accumulate_grads(s_grad, hidden_chunk, student_c[1], rows, grads, first)
         return out, finish_grads(grads, w_s, b_s)
 
 
-def chunked_backward(upstream, student, teacher, labels, stats, options, chunking, needs):
+def chunked_backward(upstream, student, teacher, labels, stats, options, chunking, needs, kept=_FIND):
     """The gradients of sum_rows upstream_row * loss_row (upstream (N,) float32, any stride) from the forward's
-    per-row stats = (lse_s, lse_t, kl), recomputing both chunks' logits."""
+    per-row stats = (lse_s, lse_t, kl), recomputing both chunks' logits (over the kept rows only, with them)."""
     h_s, w_s, b_s = student
     with kernel_context(h_s):
-        grads = new_grads(h_s, w_s, b_s, needs, chunking)
         if not any(needs):
-            return grads
+            return new_grads(h_s, w_s, b_s, needs, chunking)
+        kept = _kept(labels, options, chunking, kept)
+        grads = new_grads(h_s, w_s, b_s, needs, chunking, kept)
         student_c, teacher_c = _in_compute_dtype(student, teacher)
         for rows, hidden_chunk, labels_chunk, s_logits, s_grad, t_logits, first in _row_chunks(
-            student_c, teacher_c, labels, chunking, True
+            student_c, teacher_c, labels, chunking, True, kept
         ):
-            chunk_stats = tuple(s[rows] for s in stats)
-            jsd_kernels.jsd_backward(upstream[rows], s_logits, t_logits, labels_chunk, chunk_stats, s_grad, options)
+            chunk_stats = tuple(take_rows(s, rows) for s in stats)
+            chunk_upstream = take_rows(upstream, rows)
+            jsd_kernels.jsd_backward(chunk_upstream, s_logits, t_logits, labels_chunk, chunk_stats, s_grad, options)
             accumulate_grads(s_grad, hidden_chunk, student_c[1], rows, grads, first)
         return finish_grads(grads, w_s, b_s)
 
@@ -180,7 +210,8 @@ class _PerRowJsd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_s, w_s, b_s, h_t, w_t, b_t, labels, options, chunking):
-        (loss, *stats), _ = chunked_forward((h_s, w_s, b_s), (h_t, w_t, b_t), labels, options, chunking)
+        ctx.kept = _kept(labels, options, chunking, _FIND)  # the backward's chunks are the forward's
+        (loss, *stats), _ = chunked_forward((h_s, w_s, b_s), (h_t, w_t, b_t), labels, options, chunking, kept=ctx.kept)
         ctx.options, ctx.chunking = options, chunking
         ctx.save_for_backward(h_s, w_s, b_s, h_t, w_t, b_t, labels, *stats)
         return loss
@@ -192,7 +223,7 @@ class _PerRowJsd(torch.autograd.Function):
         needs = (*ctx.needs_input_grad[:2], b_s is not None and ctx.needs_input_grad[2])
         grads = chunked_backward(
             grad_rows.to(torch.float32), (h_s, w_s, b_s), (h_t, w_t, b_t), labels, stats, ctx.options,
-            ctx.chunking, needs,
+            ctx.chunking, needs, ctx.kept,
         )  # fmt: skip
         return (*grads, *[None] * 6)
 
@@ -202,9 +233,9 @@ class _PerRowJsd(torch.autograd.Function):
 
 _HEADS = "Tensor h_s, Tensor w_s, Tensor? b_s, Tensor h_t, Tensor w_t, Tensor? b_t, Tensor? labels"
 _NEEDS = "bool need_hidden, bool need_weight, bool need_bias"
-_CHUNKING = "int workspace_bytes, bool accumulate_in_float32, bool float32_logits"
+_CHUNKING = "int workspace_bytes, bool accumulate_in_float32, bool float32_logits, bool skip_ignored_rows"
 _N_OPTIONS = len(JsdOptions._fields)
-_CHUNKING_FIELDS = ("workspace_bytes", "accumulate_in_float32", "float32_logits")
+_CHUNKING_FIELDS = ("workspace_bytes", "accumulate_in_float32", "float32_logits", "skip_ignored_rows")
 
 
 def _op_chunking(chunking):
@@ -292,6 +323,7 @@ def _(h_s, w_s, b_s, h_t, w_t, b_t, labels, *settings):
 )
 def _per_row_backward_op(upstream, h_s, w_s, b_s, h_t, w_t, b_t, labels, lse_s, lse_t, kl, *settings):
     options, chunking, needs = _settings(settings)
+    # skip_ignored_rows: the kept rows found again (a second synchronisation; an op hands over tensors only).
     grads = chunked_backward(
         upstream.to(torch.float32), (h_s, w_s, b_s), (h_t, w_t, b_t), labels, (lse_s, lse_t, kl), options,
         chunking, needs,
@@ -340,6 +372,7 @@ def linear_jsd(
     teacher_softcapping=0.0,
     workspace_bytes=None,
     accumulate_in_float32=False,
+    skip_ignored_rows=False,
     logits_dtype=None,
     backend="auto",
 ):
@@ -361,6 +394,13 @@ def linear_jsd(
     difference of nearly equal numbers: logits rounded to bf16 make it off by percents at a realistic logit spread.
     accumulate_in_float32=True sums a bf16/fp16 weight's gradient over the chunks in float32 and rounds it once
     (4 V H bytes more).
+
+    skip_ignored_rows=True (the kernels only; linear_cross_entropy's keyword, the same meaning): the chunks cover
+    only the rows whose label is not ignore_index (both heads' hidden rows gathered chunk by chunk), so ignored rows
+    (prompt tokens, padding) cost no matmul: 2·K·(H_s + H_t)·V + 4·K·H_s·V flops for K kept rows. The same loss and
+    gradients (0 and a zero d hidden on ignored rows; "mean" divides by the same count). It reads the number of
+    kept rows on the host, one synchronisation per call (under torch.compile the "none" backward's custom op reads
+    it again), so it raises under CUDA-graph capture. Without labels there is nothing to skip (the plain loop).
     """
     options = jsd_contract.check_jsd_options(
         beta, temperature, ignore_index, reduction, student_softcapping, teacher_softcapping, backend
@@ -370,7 +410,7 @@ def linear_jsd(
     )
     jsd_contract.check_jsd_labels(labels, student_hidden, "student_hidden")
     vocab = student_weight.shape[0]
-    chunking = _check_chunking(workspace_bytes, None, accumulate_in_float32)
+    chunking = _check_chunking(workspace_bytes, None, accumulate_in_float32, skip_ignored_rows)
     leading = student_hidden.shape[:-1]
     h_s, w_s, b_s = autocast_or_common_dtype(student_hidden, student_weight, student_bias)
     # The teacher: constants, its weight's (and bias's) first V_s rows as views.

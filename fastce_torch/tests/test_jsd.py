@@ -1,15 +1,13 @@
-"""fastce_torch.jsd / linear_jsd (issue 38) against float64: the loss from the definition of TRL's generalized JSD
-and the student's gradient by float64 torch autograd of it (independent of the kernels' closed-form gradient), for
-every beta kind (0, 0.3, 0.5, 1), temperature, both soft-cappings, every reduction and ignore pattern, a padded
-teacher, NaN rows; the teacher gets no gradient; bad input names its argument; torch.compile(fullgraph=True); a call
-without gradients keeps nothing. CPU: Triton's interpreter (tiny shapes; small tiles force multi-tile rows);
---gpu: CUDA."""
+"""fastce_torch.jsd (issue 38) against float64 (jsd_checks.py: the loss from the definition of TRL's generalized JSD
+and the student's gradient by float64 torch autograd of it), for every beta kind (0, 0.3, 0.5, 1), temperature, both
+soft-cappings, every reduction and ignore pattern, a padded teacher, NaN rows; with linear_jsd (whose own tests are
+test_linear_jsd.py): the teacher gets no gradient, a call without gradients keeps nothing, torch.compile(fullgraph=
+True) of a step with both; bad input names its argument. CPU: Triton's interpreter (tiny shapes; small tiles force
+multi-tile rows); --gpu: CUDA."""
 
 import numpy as np
 import pytest
 import torch
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
 
 from fastce_torch import jsd, linear_jsd
 from fastce_torch.jsd_contract import JsdOptions
@@ -17,82 +15,15 @@ from fastce_torch.kernels import jsd as jsd_kernels
 from shared_tests import tolerances
 from shared_tests.reference_distill import jsd as jsd_reference
 
+from .jsd_checks import bad, check_grad, check_loss, expected, generator, linear_inputs
+from .test_compile import ops_in, recording_backend
+
 pytestmark = pytest.mark.filterwarnings(
     "ignore:divide by zero:RuntimeWarning",
     "ignore:invalid value:RuntimeWarning",
     "ignore:overflow:RuntimeWarning",
     "ignore:Conversion of an array:DeprecationWarning",
 )
-
-EPS32 = 2.0**-23
-
-
-# --- the float64 expectation ----------------------------------------------------------------------------------------
-
-
-def _masked(p, a, b):
-    """p (a - b), 0 where p = 0 (a or b may be -inf there; masked first so autograd's gradient stays finite)."""
-    zero = p == 0
-    return p * (torch.where(zero, 0.0, a) - torch.where(zero, 0.0, b))
-
-
-def expected(student, teacher, labels=None, *, beta, temperature=1.0, reduction="mean", student_softcapping=0.0,
-             teacher_softcapping=0.0, upstream=None, ignore_index=-100):  # fmt: skip
-    """(loss, d loss / d student, error scale per row) in float64 on the values the kernels read: the definition
-    (KL(p_t || m) and KL(p_s || m) with m = (1 - beta) p_s + beta p_t, the KLs at the ends) and autograd."""
-    x = student.detach().double().cpu().requires_grad_()
-    t = teacher.detach().double().cpu()[..., : x.shape[-1]]
-    counted = torch.ones(x.shape[:-1], dtype=torch.bool) if labels is None else labels.cpu() != ignore_index
-    x_kept = torch.where(counted.unsqueeze(-1), x, 0.0)
-    t = torch.where(counted.unsqueeze(-1), t, 0.0)
-
-    def scaled(v, cap):
-        return (cap * torch.tanh(v / cap) if cap else v) / temperature
-
-    u_s, u_t = scaled(x_kept, student_softcapping), scaled(t, teacher_softcapping)
-    ls, lt = torch.log_softmax(u_s, -1), torch.log_softmax(u_t, -1)
-    p_s, p_t = ls.exp(), lt.exp()
-    if beta == 0:
-        rows = _masked(p_t, lt, ls).sum(-1)
-    elif beta == 1:
-        rows = _masked(p_s, ls, lt).sum(-1)
-    else:
-        lm = torch.log((1 - beta) * p_s + beta * p_t)
-        rows = beta * _masked(p_t, lt, lm).sum(-1) + (1 - beta) * _masked(p_s, ls, lm).sum(-1)
-    rows = torch.where(counted, rows, 0.0)
-    loss = rows if reduction == "none" else rows.sum() / (counted.sum().clamp_min(1) if reduction == "mean" else 1)
-    weights = torch.ones_like(loss) if upstream is None else upstream.detach().double().cpu()
-    (grad,) = torch.autograd.grad((loss * weights).sum(), x)
-    finite = torch.isfinite
-    magnitude = (
-        1 + u_s.detach().where(finite(u_s), 0).abs().amax(-1) + u_t.where(finite(u_t), 0).abs().amax(-1)
-        + (student_softcapping + teacher_softcapping) / temperature
-    )  # fmt: skip
-    return loss.detach(), grad, magnitude
-
-
-def check_loss(actual, loss, magnitude, reduction):
-    """|actual - loss| <= 16 eps32 (magnitude + |loss|) per row (summed for "mean" / "sum"): float32 inside."""
-    per_row = 16 * EPS32 * (magnitude + loss.abs() if reduction == "none" else magnitude)
-    bound = per_row if reduction == "none" else per_row.sum() + 16 * EPS32 * loss.abs() * magnitude.numel()
-    assert actual.dtype == torch.float32, actual.dtype
-    tolerances.check(actual.detach().double().cpu().numpy(), loss.numpy(), bound.numpy(), "loss")
-
-
-def check_grad(actual, grad, magnitude, what="grad"):
-    """Per element: 16 eps32 magnitude (largest |grad| of the row) plus an ulp of the gradient's dtype (1 ulp: the
-    interpreter truncates to bfloat16)."""
-    assert actual.shape == grad.shape, (actual.shape, grad.shape)
-    row_scale = grad.where(torch.isfinite(grad), 0).abs().amax(-1, keepdim=True)
-    values = actual.detach().double().cpu()
-    bound = 16 * EPS32 * magnitude.unsqueeze(-1) * row_scale + torch.from_numpy(
-        tolerances.ulp(values.abs().numpy(), actual.dtype)
-    )
-    tolerances.check(values.numpy(), grad.numpy(), bound.numpy() + tolerances.FLOOR, what)
-
-
-def generator(seed):
-    return torch.Generator().manual_seed(seed)
 
 
 @pytest.fixture
@@ -251,71 +182,6 @@ def test_forward_segments_match_float64(device, poisoned, monkeypatch, programs,
         tolerances.check(got.double().cpu().numpy(), np.where(ref.counted, want, 0.0), bound, what)
 
 
-# --- linear_jsd against float64 -----------------------------------------------------------------------------------
-
-LINEAR_CASES = [
-    # beta, reduction, temperature, softcaps, labels, bias
-    pytest.param(0.0, "mean", 1.0, (0.0, 0.0), True, True, id="fkl-mean"),
-    pytest.param(0.3, "none", 0.8, (6.0, 0.0), True, False, id="mixture-none-softcap"),
-    pytest.param(0.5, "sum", 1.3, (0.0, 4.0), False, True, id="jsd-sum-nolabels"),
-    pytest.param(1.0, "none", 1.0, (5.0, 5.0), False, True, id="rkl-none"),
-]
-
-
-def linear_inputs(device, bias, n=11, h_s=16, h_t=24, vocab=70, vocab_teacher=75, seed=5):
-    gen = generator(seed)
-    student = [torch.randn(n, h_s, generator=gen), 0.4 * torch.randn(vocab, h_s, generator=gen)]
-    teacher = [torch.randn(n, h_t, generator=gen), 0.4 * torch.randn(vocab_teacher, h_t, generator=gen)]
-    student.append(torch.randn(vocab, generator=gen) if bias else None)
-    teacher.append(torch.randn(vocab_teacher, generator=gen) if bias else None)
-    labels = torch.randint(0, vocab, (n,), generator=gen)
-    labels[[0, n // 2]] = -100
-    move = [None if t is None else t.to(device) for t in (*student, *teacher, labels)]
-    return move[:3], move[3:6], move[6]
-
-
-@pytest.mark.parametrize("beta, reduction, temperature, caps, with_labels, bias", LINEAR_CASES)
-def test_linear_jsd_matches_float64(device, poisoned, beta, reduction, temperature, caps, with_labels, bias):
-    """Chunks of 4 rows (a workspace of 4 rows of both logits: three chunks, the last one short); the teacher's
-    weight has more rows than the student's (its first V_s are used)."""
-    student, teacher, labels = linear_inputs(device, bias)
-    labels = labels if with_labels else None
-    vocab = student[1].shape[0]
-    options = dict(beta=beta, temperature=temperature, reduction=reduction, student_softcapping=caps[0],
-                   teacher_softcapping=caps[1])  # fmt: skip
-    leaves = [None if t is None else t.clone().requires_grad_() for t in student]
-    loss = linear_jsd(
-        leaves[0], leaves[1], teacher[0], teacher[1], labels, student_bias=leaves[2], teacher_bias=teacher[2],
-        workspace_bytes=4 * vocab * 8, backend="kernel", **options,
-    )  # fmt: skip
-    upstream = torch.rand(loss.shape, generator=generator(2)).to(device) if reduction == "none" else None
-    (loss * (1 if upstream is None else upstream)).sum().backward()
-
-    hidden64 = [None if t is None else t.detach().double().cpu().requires_grad_() for t in student]
-    student_logits = torch.nn.functional.linear(*hidden64)
-    t64 = [None if t is None else t.double().cpu() for t in teacher]
-    teacher_logits = torch.nn.functional.linear(t64[0], t64[1][:vocab], None if t64[2] is None else t64[2][:vocab])
-    ref_loss, d_logits, magnitude = expected(student_logits, teacher_logits, labels, upstream=upstream, **options)
-    check_loss(loss, ref_loss, magnitude, reduction)
-    present = [t for t in hidden64 if t is not None]
-    ref_grads = torch.autograd.grad(student_logits, present, d_logits)
-    scale = magnitude.max() * 4  # the products' float32 sums: a few terms of this size
-    for leaf, ref, name in zip([t for t in leaves if t is not None], ref_grads, ("hidden", "weight", "bias")):
-        bound = 16 * EPS32 * scale * ref.abs().max() + tolerances.FLOOR
-        tolerances.check(leaf.grad.double().cpu().numpy(), ref.numpy(), bound.item(), f"d {name}")
-
-
-def test_linear_jsd_all_ignored_and_backward_twice(device):
-    student, teacher, labels = linear_inputs(device, True, n=4, vocab=20, vocab_teacher=20)
-    leaves = [t.clone().requires_grad_() for t in student]
-    loss = linear_jsd(*leaves[:2], *teacher[:2], torch.full_like(labels, -100), student_bias=leaves[2],
-                      backend="kernel")  # fmt: skip
-    loss.backward(retain_graph=True)
-    assert loss.item() == 0.0 and not any(leaf.grad.any() for leaf in leaves)
-    with pytest.raises(RuntimeError, match="backward through the same loss twice"):
-        loss.backward()
-
-
 # --- the teacher, dtypes, no-grad -----------------------------------------------------------------------------------
 
 
@@ -370,17 +236,6 @@ def test_no_grad_keeps_nothing(device):
 # --- bad input ----------------------------------------------------------------------------------------------------
 
 
-def bad(kwargs, error, name):
-    # Tensors get their shape and dtype in the id, not their random values: pytest-xdist workers must collect the
-    # same ids.
-    def describe(value):
-        if isinstance(value, torch.Tensor):
-            return f"{tuple(value.shape)}-{str(value.dtype).removeprefix('torch.')}"
-        return repr(value)
-
-    return pytest.param(kwargs, error, name, id=",".join(f"{k}={describe(v)}" for k, v in kwargs.items()))
-
-
 BAD_JSD = [
     bad(dict(beta=-0.1), ValueError, "beta"),
     bad(dict(beta=1.5), ValueError, "beta"),
@@ -411,51 +266,7 @@ def test_jsd_bad_input_names_the_argument(kwargs, error, name):
         jsd(arguments.pop("student_logits"), arguments.pop("teacher_logits"), **arguments)
 
 
-BAD_LINEAR = [
-    bad(dict(student_weight=torch.randn(10, 7)), ValueError, "student_weight"),
-    bad(dict(teacher_weight=torch.randn(12, 8)), ValueError, "teacher_weight"),
-    bad(dict(teacher_weight=torch.randn(9, 6)), ValueError, "teacher_weight"),  # V_t < V_s
-    bad(dict(teacher_hidden=torch.randn(3, 6)), ValueError, "teacher_hidden"),
-    bad(dict(student_bias=torch.randn(11)), ValueError, "student_bias"),
-    bad(dict(teacher_bias=torch.randn(10, dtype=torch.float64).int()), TypeError, "teacher_bias"),
-    bad(dict(student_hidden=torch.randn(4, 5).int()), TypeError, "student_hidden"),
-    bad(dict(labels=torch.zeros(3, dtype=torch.int64)), ValueError, "labels"),
-    bad(dict(workspace_bytes=0), ValueError, "workspace_bytes"),
-    bad(dict(beta=2.0), ValueError, "beta"),
-]
-
-
-@pytest.mark.parametrize("kwargs, error, name", BAD_LINEAR)
-def test_linear_jsd_bad_input_names_the_argument(kwargs, error, name):
-    arguments = dict(
-        student_hidden=torch.randn(4, 5), student_weight=torch.randn(10, 5), teacher_hidden=torch.randn(4, 6),
-        teacher_weight=torch.randn(12, 6), labels=None, backend="kernel",
-    )  # fmt: skip
-    arguments.update(kwargs)
-    heads = [arguments.pop(key) for key in ("student_hidden", "student_weight", "teacher_hidden", "teacher_weight")]
-    with pytest.raises(error, match=name):
-        linear_jsd(*heads, **arguments)
-
-
 # --- torch.compile ------------------------------------------------------------------------------------------------
-
-
-def recording_backend():
-    """aot_eager that keeps the forward and backward FX graphs it is given."""
-    graphs = {"forward": [], "backward": []}
-
-    def keep(kind):
-        def compiler(gm, example_inputs):
-            graphs[kind].append(gm)
-            return make_boxed_func(gm.forward)
-
-        return compiler
-
-    return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward")), graphs
-
-
-def ops_in(graph_modules):
-    return {str(node.target) for gm in graph_modules for node in gm.graph.nodes if node.op == "call_function"}
 
 
 def test_fullgraph_compile_matches_eager(device):
