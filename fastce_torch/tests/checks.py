@@ -113,3 +113,17 @@ def exit_skipping_teardown(failed):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1 if failed else 0)
+
+
+def chunk_logits_rows(monkeypatch, module):
+    """The rows of every logits matmul that `module`'s chunk loop runs through its _chunk_logits, in call order (a
+    list that fills as the loop runs): the skip_ignored_rows tests count what was actually computed."""
+    rows = []
+    original = module._chunk_logits
+
+    def spy(workspace, hidden_chunk, weight, bias):
+        rows.append(hidden_chunk.shape[0])
+        return original(workspace, hidden_chunk, weight, bias)
+
+    monkeypatch.setattr(module, "_chunk_logits", spy)
+    return rows

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 import fastce_torch
 from fastce_torch import linear_cross_entropy
 
+from . import checks
+
 pytestmark = pytest.mark.filterwarnings(
     "ignore:divide by zero:RuntimeWarning",
     "ignore:invalid value:RuntimeWarning",
@@ -524,15 +526,7 @@ def test_bad_chunking_keywords_raise(keyword, value, error, device):
 def matmul_rows(monkeypatch):
     """The rows of every logits matmul the chunk loop runs (each chunk's first matmul; its two gradient matmuls
     have the same rows), in call order."""
-    rows = []
-    original = module._chunk_logits
-
-    def spy(workspace, hidden_chunk, weight, bias):
-        rows.append(hidden_chunk.shape[0])
-        return original(workspace, hidden_chunk, weight, bias)
-
-    monkeypatch.setattr(module, "_chunk_logits", spy)
-    return rows
+    return checks.chunk_logits_rows(monkeypatch, module)
 
 
 def ignored_problem(device, pattern, n=40, seed=30):

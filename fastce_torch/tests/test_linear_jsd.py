@@ -13,6 +13,7 @@ import torch
 from fastce_torch import linear_jsd
 from shared_tests import tolerances
 
+from . import checks
 from .jsd_checks import EPS32, bad, check_loss, expected, generator, linear_inputs
 from .test_compile import ops_in, recording_backend
 
@@ -101,15 +102,7 @@ def test_linear_jsd_all_ignored_and_backward_twice(device):
 def matmul_rows(monkeypatch):
     """The rows of every logits matmul the chunk loops run, two a chunk (the student's, then the teacher's), in call
     order (each chunk's gradient products have the student's rows)."""
-    rows = []
-    original = module._chunk_logits
-
-    def spy(workspace, hidden_chunk, weight, bias):
-        rows.append(hidden_chunk.shape[0])
-        return original(workspace, hidden_chunk, weight, bias)
-
-    monkeypatch.setattr(module, "_chunk_logits", spy)
-    return rows
+    return checks.chunk_logits_rows(monkeypatch, module)
 
 
 @pytest.fixture
