@@ -61,10 +61,10 @@ def python_blocks(markdown_path):
     text = markdown_path.read_text(encoding="utf-8")
     blocks = []
     for match in FENCE.finditer(text):
-        line = text.count("\n", 0, match.start(2)) + 1
-        if match.group(1) not in (None, FRAGMENT):
-            sys.exit(f"{markdown_path}:{line}: ```python {match.group(1)}: only ```python or ```python {FRAGMENT}")
-        blocks.append((line, match.group(1) == FRAGMENT, match.group(2)))
+        line, info = text.count("\n", 0, match.start(2)) + 1, match.group(1) or ""
+        if info not in ("", FRAGMENT):
+            sys.exit(f"{markdown_path}:{line}: ```python {info}: only ```python or ```python {FRAGMENT}")
+        blocks.append((line, info == FRAGMENT, match.group(2)))
     return blocks
 
 
@@ -91,8 +91,8 @@ def compile_fragment(label, code):
     """A fragment is only compiled: None, or the syntax error's text."""
     try:
         compile(code, label, "exec")
-    except SyntaxError as error:
-        return f"{type(error).__name__}: {error}"
+    except SyntaxError as error:  # IndentationError included
+        return f"{type(error).__name__}: {error.msg}, line {error.lineno} of the block"
     return None
 
 
