@@ -1,26 +1,121 @@
-"""The loss contract's per-token formulas in plain jnp, differentiable by plain autodiff: the reference backend of
-``cross_entropy`` and the jvp rules of the kernel launches (ops.py). The shared formulas (transform, row
-statistics, the loss from statistics) are contract.py's, so the kernels' finish arithmetic and these agree."""
+"""The loss contract's formulas in plain jnp (CONTRACT.md), shared by the kernels and the reference:
+
+* the per-row formulas the Pallas kernels trace in their finish arithmetic and every jnp path uses (transform,
+  row_statistics, token_loss_from_statistics, weighted_token_loss, outputs_from_statistics): one place, so the
+  kernels and the reference agree;
+* the reference itself, differentiable by plain autodiff: the reference backend of ``cross_entropy``, the non-GPU
+  branch of a platform-dependent trace and the jvp rules of the kernel launches (reference_token_losses,
+  reference_row_outputs, reference_backward).
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from .contract import (
-    NO_EXTRAS,
-    Extras,
-    Options,
-    compute_dtype,
-    ignore_value,
-    label_weights,
-    outputs_from_statistics,
-    row_statistics,
-    token_loss_from_statistics,
-    transform,
-    weighted_sum_z,
-    weighted_token_loss,
-)
+from .options import NO_EXTRAS, Extras, Options, ignore_value, label_weights
+
+# ----------------------------------------------------------------------------------------------------------------
+# The per-row formulas (also traced inside the Pallas kernels).
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def compute_dtype(dtype):
+    """The dtype the loss is computed and returned in: float64 for float64 logits, float32 for every other dtype."""
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+
+
+def transform(logits, options: Options):
+    """z(x): Cohere scaling, then Gemma-2 softcapping (a zero option removes its code)."""
+    z = logits
+    if options.logit_scaling != 0.0:
+        z = z * options.logit_scaling
+    if options.logit_softcapping > 0.0:
+        # jnp.tanh lowers to libdevice __nv_tanhf on Triton and maps -inf to -1, so -inf padding becomes -softcap
+        # with a zero derivative.
+        z = options.logit_softcapping * jnp.tanh(z * (1.0 / options.logit_softcapping))
+    return z
+
+
+def row_statistics(z, labels, options: Options, vocab_start=0):
+    """(lse, label_logit, sum_z) of transformed logits z (..., V_local) holding columns [vocab_start, vocab_start +
+    V_local): the row's logsumexp, z at the label where these columns hold it (else 0), and the sum of z (0 without
+    label smoothing)."""
+    m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+    m = jnp.where(m == -jnp.inf, 0.0, m)  # an all -inf row shifts by 0, as in the kernels; +inf gives NaN
+    lse = m[..., 0] + jnp.log(jnp.sum(jnp.exp(z - m), axis=-1))
+    column = labels - vocab_start
+    here = (column >= 0) & (column < z.shape[-1])
+    label_logit = jnp.take_along_axis(z, jnp.where(here, column, 0).astype(jnp.int32)[..., None], axis=-1)[..., 0]
+    label_logit = jnp.where(here, label_logit, 0.0)
+    sum_z = jnp.sum(z, axis=-1) if options.label_smoothing != 0.0 else jnp.zeros_like(lse)
+    return lse, label_logit, sum_z
+
+
+def token_loss_from_statistics(lse, label_logit, sum_z, labels, options: Options, vocab: int):
+    """The contract's per-token loss from a row's global statistics, the same arithmetic as the finish kernel:
+    ``(1 - eps)(lse - z_y) + eps (lse - sum_z / V) + z_loss lse**2``; NaN for a label outside [0, V), 0 where
+    ignored."""
+    smoothing = options.label_smoothing
+    loss = jnp.zeros_like(lse)
+    if smoothing != 1.0:
+        loss = loss + (1.0 - smoothing) * (lse - label_logit)
+    if smoothing != 0.0:
+        loss = loss + smoothing * (lse - sum_z * (1.0 / vocab))
+    if options.z_loss != 0.0:
+        loss = loss + options.z_loss * lse * lse
+    # Multiply (not where) so an out-of-range row's gradient is NaN too.
+    loss = loss * jnp.where((labels >= 0) & (labels < vocab), jnp.ones_like(loss), jnp.full_like(loss, jnp.nan))
+    ign = ignore_value(labels.dtype, options.ignore_index)
+    return loss if ign is None else jnp.where(labels == ign, 0.0, loss)
+
+
+def weighted_token_loss(lse, label_logit, sum_wz, w_label, w_sum, labels, options: Options, vocab: int):
+    """token_loss_from_statistics with class weights (F.cross_entropy's weight=), the finish kernel's arithmetic:
+    ``w_y (1 - eps)(lse - z_y) + (eps / V)(W lse - sum_c w_c z_c) + w_y z_loss lse**2`` from w_label = w[y],
+    w_sum = W = sum_c w_c and sum_wz = sum_c w_c z_c (a class of weight 0 left out even where z is -inf)."""
+    smoothing = options.label_smoothing
+    loss = jnp.zeros_like(lse)
+    if smoothing != 1.0:
+        loss = loss + (1.0 - smoothing) * w_label * (lse - label_logit)
+    if smoothing != 0.0:
+        loss = loss + smoothing * (1.0 / vocab) * (w_sum * lse - sum_wz)
+    if options.z_loss != 0.0:
+        loss = loss + options.z_loss * w_label * lse * lse
+    loss = loss * jnp.where((labels >= 0) & (labels < vocab), jnp.ones_like(loss), jnp.full_like(loss, jnp.nan))
+    ign = ignore_value(labels.dtype, options.ignore_index)
+    return loss if ign is None else jnp.where(labels == ign, 0.0, loss)
+
+
+def weighted_sum_z(z, weight):
+    """sum_c w_c z_c per row, a class of weight 0 adding nothing (even where its z is -inf)."""
+    return jnp.sum(jnp.where(weight == 0.0, 0.0, weight * z), axis=-1)
+
+
+def outputs_from_statistics(lse, argmax, mean_z, labels, options: Options, vocab: int):
+    """(accuracy, entropy) per token from a row's global statistics, the same arithmetic as the finish kernel;
+    argmax: the first column holding the row's largest z (None: no accuracy); mean_z: sum_j p_j z_j, -inf logits
+    contributing 0 (None: no entropy). Accuracy is 1.0 / 0.0, NaN for a label outside [0, V) or a row whose lse is
+    NaN (it holds NaN or +inf); entropy is lse - mean_z; both are 0 where ignored."""
+    ign = ignore_value(labels.dtype, options.ignore_index)
+    accuracy = entropy = None
+    if argmax is not None:
+        valid = (labels >= 0) & (labels < vocab) & (lse == lse)
+        # Typed constants: the Triton lowering cannot make an integer-typed NaN.
+        hit = (argmax == labels).astype(lse.dtype)
+        accuracy = jnp.where(valid, hit, jnp.full_like(lse, jnp.nan))
+        if ign is not None:
+            accuracy = jnp.where(labels == ign, jnp.zeros_like(lse), accuracy)
+    if mean_z is not None:
+        entropy = lse - mean_z
+        if ign is not None:
+            entropy = jnp.where(labels == ign, 0.0, entropy).astype(lse.dtype)
+    return accuracy, entropy
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The reference: per-token losses and outputs of whole logits, and their gradient.
+# ----------------------------------------------------------------------------------------------------------------
 
 
 def _transformed(logits, labels, options: Options):

@@ -31,8 +31,8 @@ import numbers
 import jax.numpy as jnp
 import numpy as np
 
-from . import contract
-from .cross_entropy import cross_entropy
+from ..core.options import as_array, check_float_array, check_labels
+from ..losses.cross_entropy.api import cross_entropy
 
 
 def _class_axes(axis, ndim: int) -> tuple:
@@ -61,7 +61,7 @@ def _classes_last(array, class_axes: tuple):
 def _checked_labels(labels, batch_shape: tuple, vocab: int):
     """labels as int32 / int64 shaped batch_shape, [-V, 0) wrapped to [0, V) as optax's gather does; labels that
     are out of range stay out of range (a NaN loss), unsigned ones included."""
-    labels = contract.as_array(labels, "labels")
+    labels = as_array(labels, "labels")
     dtype = jnp.dtype(labels.dtype)
     if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"labels must be an integer array, got {labels.dtype}")
@@ -70,12 +70,12 @@ def _checked_labels(labels, batch_shape: tuple, vocab: int):
     if not jnp.issubdtype(dtype, jnp.signedinteger):  # uint: anything >= V is out of range alike
         labels = jnp.minimum(jnp.asarray(labels), vocab).astype(jnp.int32)
     # A NumPy int64 label beyond int32 (x64 off) becomes INT32_MAX (out of range) rather than wrapping into range.
-    labels = jnp.asarray(contract.check_labels(labels, batch_shape, int(np.iinfo(np.int32).min)))
+    labels = jnp.asarray(check_labels(labels, batch_shape, int(np.iinfo(np.int32).min)))
     return jnp.where(labels < 0, labels + vocab, labels)
 
 
 def _checked_where(where, shape: tuple, what: str):
-    where = contract.as_array(where, "where")
+    where = as_array(where, "where")
     if jnp.dtype(where.dtype) != jnp.bool_:
         raise TypeError(f"where must be a bool array, got {where.dtype}")
     try:
@@ -120,7 +120,7 @@ def softmax_cross_entropy_with_integer_labels(logits, labels, axis=-1, where=Non
     Returns:
       Per-example losses shaped like labels, float32 (float64 for float64 logits).
     """
-    logits = contract.check_float_array(logits, "logits")
+    logits = check_float_array(logits, "logits")
     if logits.ndim < 1:
         raise ValueError("logits must have at least one (class) axis, got a 0-d array")
     class_axes = _class_axes(axis, logits.ndim)

@@ -6,7 +6,7 @@ Same signature and meaning as `unsloth.kernels.cross_entropy_loss.fast_cross_ent
 (CONTRACT.md) on top. There is no `patch_loss_functions` here: it patches PyTorch transformers.
 """
 
-from .cross_entropy import cross_entropy
+from ..losses.cross_entropy.api import cross_entropy
 
 
 def fast_cross_entropy_loss(logits, labels, logit_softcapping=0, logit_scaling=0, n_items=None, **options):

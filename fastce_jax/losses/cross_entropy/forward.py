@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..contract import outputs_from_statistics, token_loss_from_statistics, transform, weighted_token_loss
-from .common import INT32_MAX, cdiv, next_pow2
+from ...core.kernel_helpers import INT32_MAX, cdiv, next_pow2
+from ...core.reference import outputs_from_statistics, token_loss_from_statistics, transform, weighted_token_loss
 
 
 def forward_kernel(
