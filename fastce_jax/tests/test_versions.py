@@ -1,10 +1,10 @@
-"""The import-time check of the installed releases against the tested ranges (fastce_jax/versions.py)."""
+"""The import-time check of the installed releases against the tested ranges (fastce_jax/core/versions.py)."""
 
 import warnings
 
 import pytest
 
-from fastce_jax import versions
+from fastce_jax.core import versions
 
 
 def _outside(name):
