@@ -137,10 +137,11 @@ def finish_kernel(
     Vocab-parallel outputs (this shard's statistics): lse_ref, z_label_ref, sum_z_ref, then max_ref and
     argmax_ref (the largest z here and the first global column holding it) and mean_z_ref (sum_j p_j z_j over
     this shard's softmax) where asked for.
-    vocab: V (this shard's columns); n_chunks: C; options: Options (the loss is contract.token_loss_from_statistics,
-    the formula of the jnp paths, accuracy and entropy contract.outputs_from_statistics); vocab_parallel: which of
-    the two ref layouts; extras: (argmax, entropy) as in forward_kernel. weight_refs: (w[y] of the row, sum of
-    the weights) for the weighted loss (contract.weighted_token_loss; sz_ref then holds sum_c w_c z_c), or None.
+    vocab: V (this shard's columns); n_chunks: C; options: Options (the loss is
+    core.reference.token_loss_from_statistics, the formula of the jnp paths, accuracy and entropy
+    core.reference.outputs_from_statistics); vocab_parallel: which of the two ref layouts; extras: (argmax, entropy) as
+    in forward_kernel. weight_refs: (w[y] of the row, sum of the weights) for the weighted loss
+    (core.reference.weighted_token_loss; sz_ref then holds sum_c w_c z_c), or None.
     """
     want_argmax, want_entropy = extras
     refs = list(refs)

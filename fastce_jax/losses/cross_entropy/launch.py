@@ -106,8 +106,8 @@ def forward(
     config: the tiles (default ``forward_config(V)``).
     extras: (argmax, entropy), the extra outputs' partials to compute (the default computes none, so its kernels
     are the plain ones). Default mode then appends accuracy and / or entropy per token (float32 (N,),
-    contract.outputs_from_statistics); vocab-parallel mode appends (max_local, argmax_local) (float32, int32: this
-    shard's largest z and the first global column holding it) and / or mean_z_local (sum_j p_j z_j over this
+    core.reference.outputs_from_statistics); vocab-parallel mode appends (max_local, argmax_local) (float32, int32:
+    this shard's largest z and the first global column holding it) and / or mean_z_local (sum_j p_j z_j over this
     shard's softmax).
     weight: class weights, a float32 (V,) array, or None (the plain kernels); not in vocab-parallel mode.
     """

@@ -91,7 +91,7 @@ def _optional_operands(labels, beta, opts: JsdOptions):
 
 def _base2(opts: JsdOptions) -> JsdOptions:
     """opts with both transforms giving u2 = u log2(e): the exact algebra of a temperature of ln 2 (folded into
-    the scaling and soft-capping constants, contract.fold_temperature), so base 2 costs no extra multiply."""
+    the scaling and soft-capping constants, core.options.fold_temperature), so base 2 costs no extra multiply."""
     return opts._replace(student=fold_temperature(opts.student, LN2), teacher=fold_temperature(opts.teacher, LN2))
 
 
