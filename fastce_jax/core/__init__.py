@@ -9,3 +9,5 @@
 - kernel_helpers.py: the Pallas helpers shared by more than one loss's kernels.
 - launch.py: the loss-neutral host side of a pallas_call (quiet_triton, same_variance, launch).
 """
+
+__all__ = []

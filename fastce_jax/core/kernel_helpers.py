@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from .options import Options
 
+__all__ = ["INT32_MAX", "next_pow2", "cdiv", "dz_dx"]
+
 INT32_MAX = 2**31 - 1  # the argmax partials' filler: larger than any column
 
 

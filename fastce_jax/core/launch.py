@@ -29,6 +29,15 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+__all__ = [
+    "TRITON_DEPRECATION",
+    "quiet_triton",
+    "vary",
+    "same_variance",
+    "launch",
+    "uses_int64_offsets",
+]
+
 # jax 0.11 deprecates the Pallas Triton backend and warns each time a Triton
 # pallas_call is *lowered*.  See ``quiet_triton`` for how it is filtered.
 TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"

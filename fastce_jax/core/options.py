@@ -17,6 +17,51 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = [
+    "Options",
+    "Extras",
+    "NO_EXTRAS",
+    "lse_differentiated",
+    "REDUCTIONS",
+    "BACKENDS",
+    "KERNEL_DTYPES",
+    "INPUT_DTYPES",
+    "FLOAT32_TINY",
+    "TRACED",
+    "FLOAT_DTYPE_ERROR",
+    "LABEL_DTYPE_ERROR",
+    "LABEL_SHAPE_ERROR",
+    "TRACED_LABELS_ERROR",
+    "BAD_LABEL_ERROR",
+    "as_array",
+    "check_float_array",
+    "check_labels",
+    "WEIGHT_GRAD_UNSUPPORTED",
+    "check_class_weight",
+    "constant_weight",
+    "constant_weight_fwd",
+    "constant_weight_bwd",
+    "check_temperature",
+    "fold_temperature",
+    "label_weights",
+    "check_flag",
+    "check_index_reduction_backend",
+    "check_options",
+    "check_extras",
+    "check_n_items",
+    "ignore_value",
+    "validate_labels",
+    "loss_divisor",
+    "reduce_losses",
+    "COMPILED",
+    "INTERPRETED",
+    "COMPILED_ELSE_REFERENCE",
+    "placement",
+    "on_gpu",
+    "gpu_available",
+    "route",
+]
+
 
 class Options(NamedTuple):
     """The loss options, in the contract's order; the same record (fields and order) as fastce_torch's Options."""

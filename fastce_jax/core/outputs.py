@@ -11,6 +11,15 @@ import jax.numpy as jnp
 
 from .options import Options, ignore_value, label_weights, reduce_losses
 
+__all__ = [
+    "CrossEntropyOutput",
+    "LogProbOutput",
+    "weigh_tokens",
+    "z_loss_from_lse",
+    "reduce_outputs",
+    "with_outputs",
+]
+
 
 class CrossEntropyOutput(NamedTuple):
     """What ``cross_entropy`` / ``linear_cross_entropy`` return when any return_* keyword is True: the loss (as

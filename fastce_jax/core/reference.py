@@ -15,6 +15,20 @@ import jax.numpy as jnp
 
 from .options import NO_EXTRAS, Extras, Options, ignore_value, label_weights
 
+__all__ = [
+    "compute_dtype",
+    "transform",
+    "row_statistics",
+    "token_loss_from_statistics",
+    "weighted_token_loss",
+    "weighted_sum_z",
+    "outputs_from_statistics",
+    "softmax_mean_z",
+    "reference_row_outputs",
+    "reference_token_losses",
+    "reference_backward",
+]
+
 # ----------------------------------------------------------------------------------------------------------------
 # The per-row formulas (also traced inside the Pallas kernels).
 # ----------------------------------------------------------------------------------------------------------------

@@ -12,6 +12,15 @@ import numpy as np
 from .options import as_array, constant_weight, ignore_value
 from .outputs import CrossEntropyOutput
 
+__all__ = [
+    "check_token_weights",
+    "masked_labels",
+    "shifted_token_weights",
+    "check_shift",
+    "shifted_labels",
+    "keep_positions",
+]
+
 
 def check_token_weights(token_weights, labels_shape: tuple):
     """Per-token weights (advantages, masks): None, or a floating-point array shaped exactly like labels, returned as

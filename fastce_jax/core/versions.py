@@ -9,6 +9,16 @@ import importlib.metadata
 import re
 import warnings
 
+__all__ = [
+    "TESTED",
+    "UntestedReleaseWarning",
+    "major_minor",
+    "untested",
+    "tested_range",
+    "installed_versions",
+    "warn_if_untested",
+]
+
 # Inclusive (major, minor) bounds per distribution.
 TESTED = {"jax": ((0, 10), (0, 11)), "jaxlib": ((0, 10), (0, 11))}
 
@@ -17,7 +27,7 @@ class UntestedReleaseWarning(UserWarning):
     """An installed jax or jaxlib release lies outside the range fastce_jax is tested on."""
 
 
-_warned = False
+warned = False  # whether this process has warned already (the tests reset it)
 
 
 def major_minor(version):
@@ -55,10 +65,10 @@ def installed_versions():
 
 def warn_if_untested(installed=None):
     """Warn (once per process) when an installed release is outside the tested range."""
-    global _warned
+    global warned
     outside = untested(installed_versions() if installed is None else installed)
-    if outside and not _warned:
-        _warned = True
+    if outside and not warned:
+        warned = True
         ranges = ", ".join(tested_range(name) for name in TESTED)
         warnings.warn(
             f"fastce_jax is tested on {ranges}; installed: {', '.join(outside)}. It may work, but no test has run "

@@ -7,3 +7,5 @@
 
 jsd's launches partition by rows only (losses/jsd/autograd.py, with layout.py's helpers).
 """
+
+__all__ = []

@@ -16,6 +16,17 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+__all__ = [
+    "mesh_axes",
+    "mesh_entry",
+    "shard_index",
+    "plan",
+    "shardings",
+    "row_shardings",
+    "as_leading_batch",
+    "single_device",
+]
+
 
 def mesh_axes(entry) -> tuple[str, ...]:
     """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names), as a tuple."""

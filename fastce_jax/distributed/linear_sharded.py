@@ -47,6 +47,8 @@ from ..losses.cross_entropy.launch import backward_config, forward_config
 from ..losses.cross_entropy.linear_chunks import chunked_backward, chunked_forward, extra_names
 from .layout import mesh_axes, mesh_entry
 
+__all__ = ["fused_forward", "fused_backward"]
+
 
 def _dim_axes(arg, mesh, dim):
     """The mesh axes arg's dimension `dim` is sharded over, () if none or if they do not divide it evenly."""

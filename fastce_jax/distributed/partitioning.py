@@ -54,6 +54,8 @@ from ..core.reference import (
 from ..losses.cross_entropy import launch
 from .layout import as_leading_batch, plan, shard_index, shardings, single_device
 
+__all__ = ["local_forward", "local_backward", "forward", "backward"]
+
 # ----------------------------------------------------------------------------
 # What one device computes.
 # ----------------------------------------------------------------------------

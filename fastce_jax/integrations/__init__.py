@@ -2,3 +2,5 @@
 unsloth.py (Unsloth's fast_cross_entropy_loss by name). fastce_jax.optax_losses and fastce_jax.unsloth keep the
 import paths users have.
 """
+
+__all__ = []

@@ -34,6 +34,8 @@ import numpy as np
 from ..core.options import as_array, check_float_array, check_labels
 from ..losses.cross_entropy.api import cross_entropy
 
+__all__ = ["softmax_cross_entropy_with_integer_labels"]
+
 
 def _class_axes(axis, ndim: int) -> tuple:
     """axis (an int or a tuple of ints) as a tuple of non-negative axes of an ndim array."""

@@ -8,6 +8,8 @@ Same signature and meaning as `unsloth.kernels.cross_entropy_loss.fast_cross_ent
 
 from ..losses.cross_entropy.api import cross_entropy
 
+__all__ = ["fast_cross_entropy_loss"]
+
 
 def fast_cross_entropy_loss(logits, labels, logit_softcapping=0, logit_scaling=0, n_items=None, **options):
     """Sum of the token losses of logits (batch, seq_len, V) against labels (batch, seq_len), divided by n_items.

@@ -57,6 +57,27 @@ import numpy as np
 
 from ..core.options import check_flag, ignore_value
 
+__all__ = [
+    "DEFAULT_WORKSPACE_BYTES",
+    "ROWS_MULTIPLE",
+    "rows_per_chunk",
+    "check_chunking",
+    "LOGITS_DTYPE_ERROR",
+    "check_logits_dtype",
+    "vocab_axis",
+    "RowOrder",
+    "row_order",
+    "rows_of",
+    "chunk_span",
+    "chunk_upstream",
+    "chunk_logits",
+    "put_rows",
+    "accumulate_grads",
+    "finish_grads",
+    "zero_weight_grads",
+    "run_chunks",
+]
+
 # At 256 MiB the workspace holds 1024 rows of bf16 logits at V=128256, 512 at V=256000.
 DEFAULT_WORKSPACE_BYTES = 256 << 20
 ROWS_MULTIPLE = 128  # chunk rows are a multiple of this (whole matmul tiles) when the budget allows that many

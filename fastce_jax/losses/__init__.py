@@ -9,3 +9,5 @@ fastce_jax/linear/engine.py).
 
 No loss imports another loss's module.
 """
+
+__all__ = []

@@ -3,3 +3,5 @@ and tiles), autograd.py (the custom_vjp and the jitted kernel path), api.py (cro
 log_probs.py (log_probs), and the fused linear loss: linear_chunks.py (its per-chunk work on the LM-head engine),
 linear_autograd.py (its custom_vjps), linear_api.py (linear_cross_entropy, linear_log_probs).
 """
+
+__all__ = []

@@ -30,6 +30,8 @@ from ...core.reference import reference_row_outputs, reference_token_losses
 from . import autograd
 from .launch import backward_config, forward_config
 
+__all__ = ["cross_entropy", "cross_entropy_reference"]
+
 # ----------------------------------------------------------------------------
 # Public API.
 # ----------------------------------------------------------------------------

@@ -17,6 +17,8 @@ from ...core.outputs import reduce_outputs
 from ...core.reference import reference_backward, reference_row_outputs, reference_token_losses
 from ...distributed import partitioning
 
+__all__ = ["kernel_loss"]
+
 # ----------------------------------------------------------------------------
 # custom_vjp around the kernels.
 # ----------------------------------------------------------------------------

@@ -12,6 +12,8 @@ from jax.experimental.pallas import triton as plgpu
 from ...core.kernel_helpers import dz_dx
 from ...core.reference import transform
 
+__all__ = ["backward_kernel", "weighted_backward_kernel"]
+
 
 def backward_kernel(
     x_ref,

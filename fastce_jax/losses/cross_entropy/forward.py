@@ -20,6 +20,8 @@ from jax.experimental.pallas import triton as plgpu
 from ...core.kernel_helpers import INT32_MAX, cdiv, next_pow2
 from ...core.reference import outputs_from_statistics, token_loss_from_statistics, transform, weighted_token_loss
 
+__all__ = ["forward_kernel", "weighted_forward_kernel", "weighted_finish_kernel", "finish_kernel"]
+
 
 def forward_kernel(
     x_ref,

@@ -22,6 +22,23 @@ from ...core.options import Options, ignore_value, label_weights
 from .backward import backward_kernel, weighted_backward_kernel
 from .forward import finish_kernel, forward_kernel, weighted_finish_kernel, weighted_forward_kernel
 
+__all__ = [
+    "FORWARD_BLOCK",
+    "FORWARD_WARPS",
+    "FORWARD_STAGES",
+    "FINISH_WARPS",
+    "BACKWARD_BLOCK",
+    "BACKWARD_WARPS",
+    "BACKWARD_STAGES",
+    "CHUNK",
+    "ForwardConfig",
+    "BackwardConfig",
+    "forward_config",
+    "backward_config",
+    "forward",
+    "backward",
+]
+
 # From the H200 sweeps (bench/tools/tune.py, bench/NOTES.md): forward tiles of 4096 beat 2048 and 8192; 2 warps
 # were 3-4% faster than 4 and 8 warps 10%+ slower; 3 stages no faster than 1 (the loop has no dot). Rows are split
 # into chunks of 16384 columns whatever N is (batch invariance; vmap and the flattened call agree bitwise).

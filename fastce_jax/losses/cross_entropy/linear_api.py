@@ -36,6 +36,14 @@ from .linear_autograd import kernel_loss
 from .linear_chunks import StaticConfig
 from .log_probs import negated_losses
 
+__all__ = [
+    "WEIGHT_LAYOUTS",
+    "check_weight_layout",
+    "aligned_token_weights",
+    "linear_cross_entropy",
+    "linear_log_probs",
+]
+
 WEIGHT_LAYOUTS = ("vh", "hv")
 
 

@@ -27,6 +27,8 @@ from ...linear.engine import finish_grads, vocab_axis
 from . import linear_chunks
 from .linear_chunks import StaticConfig, extra_names
 
+__all__ = ["forward_chunks", "backward_chunks", "kernel_loss"]
+
 
 def forward_chunks(hidden, weight, bias, labels, g_tokens, st: StaticConfig, class_weight=None):
     """linear_chunks.chunked_forward, through linear_sharded.py's partitioned op when ``st.partitioned``."""

@@ -31,6 +31,8 @@ from ...distributed import partitioning
 from ...linear import engine
 from .launch import BackwardConfig, ForwardConfig
 
+__all__ = ["StaticConfig", "extra_names", "chunked_forward", "chunked_backward"]
+
 
 class StaticConfig(NamedTuple):
     """Hashable configuration of one call (a custom_vjp nondiff argument)."""

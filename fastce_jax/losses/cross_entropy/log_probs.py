@@ -7,6 +7,8 @@ from __future__ import annotations
 from ...core.outputs import LogProbOutput
 from .api import cross_entropy
 
+__all__ = ["log_probs", "negated_losses"]
+
 
 def log_probs(
     logits,

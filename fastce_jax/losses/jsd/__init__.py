@@ -4,3 +4,5 @@ launch.py (their launchers and tiles), autograd.py (the ops and the custom_vjp),
 loss: linear_chunks.py (its chunk loops on the LM-head engine), linear_autograd.py (its custom_vjps),
 linear_api.py (linear_jsd).
 """
+
+__all__ = []

@@ -17,6 +17,8 @@ from .launch import beta_operand, jsd_config
 from .options import MIXTURE, check_jsd_labels, check_jsd_options, check_logits
 from .reference import reference_loss, reference_terms
 
+__all__ = ["jsd"]
+
 
 def jsd(
     student_logits,

@@ -24,6 +24,8 @@ from .launch import JsdConfig, jsd_backward, jsd_forward
 from .options import MIXTURE, JsdOptions, reduce_rows
 from .reference import reference_backward, reference_rows
 
+__all__ = ["JsdLaunch", "kernel_loss"]
+
 # ----------------------------------------------------------------------------------------------------------------
 # The kernel launches (any leading shape; vmap puts its axis in front of the rows).
 # ----------------------------------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from ...core.reference import transform
 from .forward import LN2, LOG2E, mixture_log2, split_refs
 from .options import FORWARD_KL, MIXTURE, REVERSE_KL, JsdOptions
 
+__all__ = ["jsd_backward_kernel"]
+
 
 def jsd_backward_kernel(
     xs_ref, xt_ref, lse_s_ref, lse_t_ref, kl_ref, g_ref, *refs, vocab: int, block: int, opts: JsdOptions, ignore_index,

@@ -41,6 +41,16 @@ from ...core.options import FLOAT32_TINY
 from ...core.reference import transform
 from .options import FORWARD_KL, MIXTURE, REVERSE_KL, JsdOptions
 
+__all__ = [
+    "LOG2E",
+    "LN2",
+    "mixture_log2",
+    "split_refs",
+    "jsd_partials_kernel",
+    "jsd_mixture_kernel",
+    "jsd_finish_kernel",
+]
+
 LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
 
 

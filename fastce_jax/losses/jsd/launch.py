@@ -23,6 +23,21 @@ from .backward import jsd_backward_kernel
 from .forward import LN2, jsd_finish_kernel, jsd_mixture_kernel, jsd_partials_kernel
 from .options import MIXTURE, JsdOptions, beta_terms
 
+__all__ = [
+    "FORWARD_BLOCK",
+    "FORWARD_WARPS",
+    "BACKWARD_BLOCK",
+    "BACKWARD_WARPS",
+    "FINISH_WARPS",
+    "FORWARD_PROGRAMS",
+    "JsdConfig",
+    "jsd_config",
+    "forward_segments",
+    "beta_operand",
+    "jsd_forward",
+    "jsd_backward",
+]
+
 # Untuned first values (two logits arrays per tile, so half the CE forward's 4096-wide tile); the bench tool
 # sweeps them by setting these module constants.
 FORWARD_BLOCK, FORWARD_WARPS = 2048, 4

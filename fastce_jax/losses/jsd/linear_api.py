@@ -19,6 +19,8 @@ from .linear_chunks import LinearJsdConfig
 from .options import MIXTURE, JsdOptions, check_heads, check_jsd_labels, check_jsd_options
 from .reference import reference_loss, reference_terms
 
+__all__ = ["linear_jsd"]
+
 
 @functools.partial(jax.jit, static_argnames=("opts", "reduction", "dtypes"))
 def _reference_loss(h_s, w_s, b_s, h_t, w_t, b_t, labels, terms, *, opts: JsdOptions, reduction: str, dtypes):

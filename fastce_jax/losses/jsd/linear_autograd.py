@@ -17,6 +17,8 @@ from ...linear.engine import finish_grads
 from .linear_chunks import LinearJsdConfig, chunked_backward, chunked_forward
 from .options import counted_rows, reduce_rows
 
+__all__ = ["kernel_loss"]
+
 
 def _row_scale(labels, n_rows: int, st: LinearJsdConfig):
     """d loss / d loss_t of "mean" / "sum" per row (traced, no host synchronisation); ignored rows get whatever:

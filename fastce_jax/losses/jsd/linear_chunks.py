@@ -35,6 +35,8 @@ from ...linear import engine
 from .launch import JsdConfig, jsd_backward, jsd_forward
 from .options import JsdOptions
 
+__all__ = ["LinearJsdConfig", "chunked_forward", "chunked_backward"]
+
 
 class LinearJsdConfig(NamedTuple):
     """Hashable configuration of one call (a custom_vjp nondiff argument). chunk_rows, dtype, f32_weight_grad,

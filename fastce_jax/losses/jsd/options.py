@@ -23,6 +23,35 @@ from ...core.options import (
     ignore_value,
 )
 
+__all__ = [
+    "FLOAT32_MAX",
+    "BETA_TYPE",
+    "BETA_RANGE",
+    "INVERSE_TEMPERATURE_RANGE",
+    "SOFTCAPPING_TYPE",
+    "SOFTCAPPING_RANGE",
+    "LAST_DIMENSION",
+    "LEADING_SHAPE",
+    "TEACHER_VOCABULARY",
+    "WEIGHT_SHAPE",
+    "BIAS_SHAPE",
+    "FORWARD_KL",
+    "REVERSE_KL",
+    "MIXTURE",
+    "JsdOptions",
+    "check_softcapping",
+    "check_jsd_options",
+    "beta_terms",
+    "check_logits",
+    "check_leading_shape",
+    "check_vocabularies",
+    "check_head",
+    "check_heads",
+    "check_jsd_labels",
+    "counted_rows",
+    "reduce_rows",
+]
+
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 # The messages of bad arguments, word for word those of fastce_torch's losses/jsd/options.py.

@@ -13,6 +13,8 @@ from ...core.options import ignore_value
 from ...core.reference import compute_dtype, transform
 from .options import FORWARD_KL, MIXTURE, REVERSE_KL, JsdOptions, beta_terms, reduce_rows
 
+__all__ = ["reference_rows", "reference_backward", "reference_terms", "reference_loss"]
+
 
 def _log_softmax(u):
     """log softmax over the last axis, with the row's max stopped (an all -inf row shifts by 0)."""
