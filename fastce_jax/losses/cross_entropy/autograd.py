@@ -1,7 +1,7 @@
 """The custom_vjp of the cross-entropy around its kernels, and the jitted kernel path ``kernel_loss``.
 
 The forward and backward launches go through ``fastce_jax/distributed/partitioning.py`` (custom_partitioning of
-sharded logits, the jvp rules of higher-order autodiff); ``route_forward`` / ``route_backward`` pick the compiled,
+sharded logits, the jvp rules of higher-order autodiff); ``_route_forward`` / ``_route_backward`` pick the compiled,
 interpreted or platform-dependent path (core.options.route). The public ``cross_entropy`` is ``api.py``'s.
 """
 
