@@ -66,11 +66,11 @@ def test_jax_rows_alone_and_in_batches(device, monkeypatch):
     import jax
 
     import fastce_jax
-    from fastce_jax import kernels as jax_kernels
+    from fastce_jax.losses.cross_entropy import launch as jax_launch
 
-    monkeypatch.setattr(jax_kernels.launch, "FORWARD_BLOCK", 32)
-    monkeypatch.setattr(jax_kernels.launch, "CHUNK", 64)
-    assert jax_kernels.forward_config(VOCAB)[2] == 5
+    monkeypatch.setattr(jax_launch, "FORWARD_BLOCK", 32)
+    monkeypatch.setattr(jax_launch, "CHUNK", 64)
+    assert jax_launch.forward_config(VOCAB)[2] == 5
     jax.clear_caches()  # the chunking is read while tracing
     logits, labels = inputs()
 

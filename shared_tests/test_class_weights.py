@@ -231,16 +231,16 @@ def dataclass_with_grad(ref, grad):
 
 def small_vocab_chunks(package, monkeypatch):
     """Tiles of 16 and chunks of 32 columns: a row of V = 300 is 10 chunks, the last one partial. Patched in each
-    package's kernels/launch.py, where the launchers look them up (the kernels package only re-exports them):
-    fastce_torch's launch.forward_config (it caches per argument set), fastce_jax's tile constants (read at each
-    call, part of its jit key). Returns that launch module, whose forward_config gives the patched tiles."""
+    package's losses/cross_entropy/launch.py, where the launchers look them up: fastce_torch's launch.forward_config (it
+    caches per argument set), fastce_jax's tile constants (read at each call, part of its jit key). Returns that launch
+    module, whose forward_config gives the patched tiles."""
     if package == "torch":
         from fastce_torch.kernels import launch
 
         monkeypatch.setattr(launch, "forward_config", functools.partial(launch.forward_config, block=16, chunk=32))
     else:
         jax_or_skip()
-        from fastce_jax.kernels import launch
+        from fastce_jax.losses.cross_entropy import launch
 
         monkeypatch.setattr(launch, "FORWARD_BLOCK", 16)
         monkeypatch.setattr(launch, "CHUNK", 32)
@@ -553,9 +553,9 @@ def test_jax_platform_route_under_jit(monkeypatch, use_gpu_flag):
         pytest.skip("a CPU-lowering check")
     import jax
 
-    from fastce_jax import contract
+    from fastce_jax.core import options
 
-    monkeypatch.setattr(contract, "gpu_available", lambda: True)
+    monkeypatch.setattr(options, "gpu_available", lambda: True)
     rng = np.random.default_rng(8)
     x = (rng.standard_normal((6, 21)) * 2).astype(np.float32)
     y = rng.integers(0, 21, 6).astype(np.int32)

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::R
 fastce_torch = pytest.importorskip("fastce_torch")
 fastce_jax = pytest.importorskip("fastce_jax")
 
-from fastce_jax import kernels as jax_kernels  # noqa: E402
+from fastce_jax.losses.cross_entropy import launch as jax_launch  # noqa: E402
 from fastce_torch import kernels as torch_kernels  # noqa: E402
 
 
@@ -120,9 +120,9 @@ def several_chunks(monkeypatch, device):
     monkeypatch.setattr(
         torch_kernels, "forward_config", functools.partial(torch_kernels.forward_config, block=256, chunk=1024)
     )
-    monkeypatch.setattr(jax_kernels.launch, "CHUNK", 1024)
-    monkeypatch.setattr(jax_kernels.launch, "FORWARD_BLOCK", 256)
-    for module in (torch_kernels, jax_kernels):
+    monkeypatch.setattr(jax_launch, "CHUNK", 1024)
+    monkeypatch.setattr(jax_launch, "FORWARD_BLOCK", 256)
+    for module in (torch_kernels, jax_launch):
         assert module.forward_config(5000)[:3] == (256, 1024, 5)
     return 5000
 

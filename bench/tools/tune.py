@@ -1,7 +1,7 @@
 """`python -m bench.tools.tune`: sweep fastce's launch parameters on the GPU.
 
 fastce_torch: the forward and backward launchers timed per candidate config against the copy bandwidth (--json: every
-row). fastce_jax: each SEARCH candidate set on fastce_jax.kernels.launch's constants, re-traced and timed.
+row). fastce_jax: each SEARCH candidate set on fastce_jax.losses.cross_entropy.launch's constants, re-traced and timed.
 """
 
 import argparse
@@ -13,7 +13,7 @@ from ..progress import say
 from ..report import write_json
 from ..shapes import STANDARD_SHAPES, parse_shapes
 
-JAX_KNOBS_MODULE = "fastce_jax.kernels.launch"
+JAX_KNOBS_MODULE = "fastce_jax.losses.cross_entropy.launch"
 SEARCH = [  # (stage timed, {knob: candidates})
     ("fwd", {"FORWARD_BLOCK": (2048, 4096, 8192), "FORWARD_WARPS": (2, 4, 8), "FORWARD_STAGES": (1, 3)}),
     ("fwd", {"CHUNK": (8192, 16384, 32768, 65536)}),

@@ -70,9 +70,9 @@ def jsd_sizes(request):
 def jsd_small_tiles(monkeypatch, use_gpu):
     """On the CPU, the jsd kernels' tiles of 128 columns: V = 257 spans three, the last holding one column."""
     if not use_gpu:
-        jsd_kernels = importlib.import_module("fastce_jax.kernels.jsd")
-        monkeypatch.setattr(jsd_kernels, "FORWARD_BLOCK", 128)
-        monkeypatch.setattr(jsd_kernels, "BACKWARD_BLOCK", 128)
+        jsd_launch = importlib.import_module("fastce_jax.losses.jsd.launch")
+        monkeypatch.setattr(jsd_launch, "FORWARD_BLOCK", 128)
+        monkeypatch.setattr(jsd_launch, "BACKWARD_BLOCK", 128)
 
 
 @pytest.fixture
@@ -84,18 +84,18 @@ def float32_matmuls():
 
 @pytest.fixture
 def chunks_run(monkeypatch):
-    """How many logits matmuls the fused linear chunk loops actually ran (chunks.chunk_logits, one a chunk for the
+    """How many logits matmuls the fused linear chunk loops actually ran (engine.chunk_logits, one a chunk for the
     cross-entropy, two for linear_jsd: a runtime callback, so a chunk skipped by lax.cond adds nothing). The jit
     caches are cleared so that the traced chunk loops carry the callback."""
-    chunks = importlib.import_module("fastce_jax.linear.chunks")
+    engine = importlib.import_module("fastce_jax.linear.engine")
     calls = []
-    original = chunks.chunk_logits
+    original = engine.chunk_logits
 
     def counted(*args):
         jax.debug.callback(lambda: calls.append(1))
         return original(*args)
 
-    monkeypatch.setattr(chunks, "chunk_logits", counted)
+    monkeypatch.setattr(engine, "chunk_logits", counted)
     jax.clear_caches()
     yield calls
     jax.clear_caches()

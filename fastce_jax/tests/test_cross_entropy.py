@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 import fastce_jax
-from fastce_jax import cross_entropy, kernels, ops
+from fastce_jax import cross_entropy
+from fastce_jax.core.launch import TRITON_DEPRECATION, quiet_triton
+from fastce_jax.distributed import partitioning
 
 
 def test_signature_is_the_contract():
@@ -115,7 +117,7 @@ MESSAGE = "The Pallas Triton backend is deprecated and will be removed in a futu
 def test_triton_deprecation_filter_is_scoped():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with kernels.quiet_triton(interpret=True):
+        with quiet_triton(interpret=True):
             warnings.warn(MESSAGE, DeprecationWarning, stacklevel=1)
             warnings.warn("some other deprecation", DeprecationWarning, stacklevel=1)
         warnings.warn(MESSAGE, DeprecationWarning, stacklevel=1)
@@ -141,30 +143,30 @@ def test_process_filter_survives_a_users_catch_warnings_block():
     where only a process filter reaches)."""
 
     def installed():
-        return [f for f in warnings.filters if getattr(f[1], "pattern", None) == kernels.TRITON_DEPRECATION]
+        return [f for f in warnings.filters if getattr(f[1], "pattern", None) == TRITON_DEPRECATION]
 
     with warnings.catch_warnings():
-        with kernels.quiet_triton(interpret=False):
+        with quiet_triton(interpret=False):
             pass
         assert len(installed()) == 1
-    with kernels.quiet_triton(interpret=False):
+    with quiet_triton(interpret=False):
         pass
-    with kernels.quiet_triton(interpret=False):
+    with quiet_triton(interpret=False):
         pass
     assert len(installed()) == 1
 
 
 @pytest.fixture
 def traced(monkeypatch):
-    """One entry per trace of the kernels' launcher (ops.forward runs only while a call is traced)."""
+    """One entry per trace of the kernels' launcher (partitioning.forward runs only while a call is traced)."""
     calls = []
-    launch = ops.forward
+    launch = partitioning.forward
 
     def counting(*args, **kwargs):
         calls.append(1)
         return launch(*args, **kwargs)
 
-    monkeypatch.setattr(ops, "forward", counting)
+    monkeypatch.setattr(partitioning, "forward", counting)
     return calls
 
 

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import fastce_jax
 from fastce_jax import jsd, linear_jsd
-from fastce_jax.kernels import jsd as jsd_kernels
+from fastce_jax.losses.jsd import launch as jsd_launch
 from shared_tests import tolerances
 from shared_tests.reference_distill import jsd as jsd_reference
 
@@ -172,9 +172,9 @@ def test_jsd_forward_segments(monkeypatch, beta, segments):
     whose divergences stay finite (that segment's partials are (-inf, 0)); for the mixture, row 6 a term whose
     mixture underflows (floored: a negligible term, not p * inf)."""
     n, v = 8, 300
-    monkeypatch.setattr(jsd_kernels, "FORWARD_BLOCK", 32)
-    monkeypatch.setattr(jsd_kernels, "FORWARD_PROGRAMS", n * segments)
-    assert jsd_kernels.forward_segments(n, v, 32, n * segments) == ((3, 128) if segments == 3 else (1, 320))
+    monkeypatch.setattr(jsd_launch, "FORWARD_BLOCK", 32)
+    monkeypatch.setattr(jsd_launch, "FORWARD_PROGRAMS", n * segments)
+    assert jsd_launch.forward_segments(n, v, 32, n * segments) == ((3, 128) if segments == 3 else (1, 320))
     rng = np.random.default_rng(11)
     student, teacher = rng.standard_normal((n, v)) * 2.0, rng.standard_normal((n, v + 3)) * 2.0
     student[1, 5] = teacher[1, 200] = np.nan

@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastce_jax import contract, cross_entropy, cross_entropy_reference, kernels
+from fastce_jax import cross_entropy, cross_entropy_reference
+from fastce_jax.core.options import Options
+from fastce_jax.losses.cross_entropy import launch
 
 from .checks import OPTION_SETS, as_float64, assert_grad, assert_loss, expected
 
@@ -85,15 +87,15 @@ def test_wide_chunks(put, width):
     # Wider chunks than the default, passed to the launchers as a config: 16 tiles, 5 chunks and a 3-column last
     # chunk (65536), or 9 chunks (32768).
     v = 262147
-    config = kernels.forward_config(v)._replace(chunk=width, n_chunks=-(-v // width))
+    config = launch.forward_config(v)._replace(chunk=width, n_chunks=-(-v // width))
     x, y = make_inputs(put, 2, v, "bfloat16", seed=width, n_ignored=0)
     y[0] = v - 2
     opts = dict(label_smoothing=0.05)
-    options, labels = contract.Options(**opts), put(y, jnp.int32)
+    options, labels = Options(**opts), put(y, jnp.int32)
     interpret = all(d.platform != "gpu" for d in x.devices())
     w = np.random.default_rng(1).uniform(0.5, 2.0, y.shape)
-    loss, lse = kernels.forward(x, labels, options, interpret=interpret, config=config)
-    g = kernels.backward(x, labels, lse, put(w, jnp.float32), options, inplace=False, interpret=interpret)
+    loss, lse = launch.forward(x, labels, options, interpret=interpret, config=config)
+    g = launch.backward(x, labels, lse, put(w, jnp.float32), options, inplace=False, interpret=interpret)
     ref = expected(x, y, upstream=w, **opts)
     assert_loss(loss, ref)
     assert_grad(g, ref)

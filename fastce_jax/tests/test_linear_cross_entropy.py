@@ -23,7 +23,7 @@ from shared_tests import reference as float64_reference
 from .checks import OPTION_SETS, as_float64
 
 # The chunk loop's module (its budget and the per-chunk matmul the tests count).
-LCE = importlib.import_module("fastce_jax.linear.chunks")
+LCE = importlib.import_module("fastce_jax.linear.engine")
 
 LOSS_TOL = dict(rtol=3e-5, atol=3e-5)
 UPSTREAM = 1.7  # the tests differentiate UPSTREAM * loss, so the backward's scaling is checked too

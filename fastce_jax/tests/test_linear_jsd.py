@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fastce_jax import linear_jsd
-from fastce_jax.linear import chunks
+from fastce_jax.linear import engine
 from shared_tests import tolerances
 
 from .checks import as_float64
@@ -129,7 +129,7 @@ def workspace(student, teacher):
 def chunks_of(n_rows, student, teacher):
     """How many chunks cover n_rows rows in the chunks linear_jsd makes with that workspace (CHUNK rows at most;
     their number of rows is fixed by all the rows, kept or not)."""
-    rows = chunks.rows_per_chunk(len(student[0]), workspace(student, teacher) // CHUNK, 1, workspace(student, teacher))
+    rows = engine.rows_per_chunk(len(student[0]), workspace(student, teacher) // CHUNK, 1, workspace(student, teacher))
     return -(-n_rows // rows)
 
 

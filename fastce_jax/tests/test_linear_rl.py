@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastce_jax import contract, linear_cross_entropy
+from fastce_jax import linear_cross_entropy
+from fastce_jax.core.options import Options, fold_temperature
 from shared_tests import reference as ref64
 
 from .checks import as_float64
@@ -50,9 +51,9 @@ def test_temperature(put, option_set, reduction):
 
 
 def test_temperature_one_leaves_the_options():
-    options = contract.Options(logit_scaling=0.5, logit_softcapping=3.0)
-    assert contract.fold_temperature(options, 1.0) is options
-    folded = contract.fold_temperature(contract.Options(), 2.0)
+    options = Options(logit_scaling=0.5, logit_softcapping=3.0)
+    assert fold_temperature(options, 1.0) is options
+    folded = fold_temperature(Options(), 2.0)
     assert folded.logit_scaling == 0.5 and folded.logit_softcapping == 0.0
 
 

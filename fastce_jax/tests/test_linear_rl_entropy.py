@@ -239,7 +239,7 @@ def test_linear_log_probs_bad_arguments(put):
 
 
 # ----------------------------------------------------------------------------
-# Sharded heads (linear/sharded.py): 4 host devices, in test_sharding.py's child process (SHARDED_ELSEWHERE)
+# Sharded heads (distributed/linear_sharded.py): 4 host devices, in test_sharding.py's child process (SHARDED_ELSEWHERE)
 # ----------------------------------------------------------------------------
 
 SHARDED_LAYOUTS = {  # (mesh shape and axes, hidden spec, weight spec)

@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 
 import fastce_jax
-from fastce_jax import contract, cross_entropy, kernels
+from fastce_jax import cross_entropy
+from fastce_jax.core import options as core_options
+from fastce_jax.core.launch import uses_int64_offsets
+from fastce_jax.core.options import Options
+from fastce_jax.losses.cross_entropy import launch
+from fastce_jax.losses.jsd import launch as jsd_launch
+from fastce_jax.losses.jsd import linear_api as jsd_linear_api
 
 ALL = dict(label_smoothing=0.1, z_loss=1e-4, logit_softcapping=30.0, logit_scaling=0.5)
 TRITON = "__gpu$xla.gpu.triton"
@@ -24,7 +30,7 @@ TRITON = "__gpu$xla.gpu.triton"
 def compiled(monkeypatch):
     """Pretend this process has a GPU: traced logits then take the platform-dependent route, and lowering for cuda
     keeps the compiled kernels (the other branch is never lowered)."""
-    monkeypatch.setattr(contract, "gpu_available", lambda: True)
+    monkeypatch.setattr(core_options, "gpu_available", lambda: True)
 
 
 def lower_value_and_grad(shape, dtype, label_dtype=jnp.int32, **opts):
@@ -93,7 +99,7 @@ def test_64bit_row_offsets(compiled):
     """N*V > 2**31 elements: every logits access is an int64 offset whose row
     part is the zero-extended program id times V in int64."""
     n, v = 8192, 262147
-    assert n * v > 2**31 and kernels.uses_int64_offsets(n, v, jnp.bfloat16)
+    assert n * v > 2**31 and uses_int64_offsets(n, v, jnp.bfloat16)
     try:
         modules = triton_modules(lower_value_and_grad((n, v), jnp.bfloat16))
     except (ImportError, AttributeError) as e:  # private jax API moved
@@ -117,35 +123,35 @@ def test_small_arrays_keep_int32_offsets(compiled):
         modules = triton_modules(lower_value_and_grad((8, 1000), jnp.bfloat16))
     except (ImportError, AttributeError) as e:
         pytest.skip(f"cannot parse Triton IR with this jax: {e}")
-    assert not kernels.uses_int64_offsets(8, 1000, jnp.bfloat16)
+    assert not uses_int64_offsets(8, 1000, jnp.bfloat16)
     assert all("i64" not in text for text in modules.values())
 
 
 def test_forward_config():
     for v in [1, 1000, 32000, 262147, 256000]:
-        config = kernels.forward_config(v)
+        config = launch.forward_config(v)
         block, chunk = config.block, config.chunk
         for value in (block, chunk):
             assert value & (value - 1) == 0
-        assert block <= chunk <= kernels.launch.CHUNK and block <= 4096 and config.n_chunks == -(-v // chunk)
-        assert config.warps == kernels.launch.FORWARD_WARPS
-    config = kernels.forward_config(256000)
+        assert block <= chunk <= launch.CHUNK and block <= 4096 and config.n_chunks == -(-v // chunk)
+        assert config.warps == launch.FORWARD_WARPS
+    config = launch.forward_config(256000)
     assert (config.chunk, config.n_chunks) == (16384, 16)
-    config = kernels.backward_config(262147)
+    config = launch.backward_config(262147)
     assert config.block == 2048 and config.warps == 4
     assert np.all(
-        [kernels.backward_config(v).block & (kernels.backward_config(v).block - 1) == 0 for v in (1, 3, 1000, 50257)]
+        [launch.backward_config(v).block & (launch.backward_config(v).block - 1) == 0 for v in (1, 3, 1000, 50257)]
     )
 
 
 @pytest.mark.parametrize("opts", [{}, ALL], ids=["plain", "all"])
 def test_vocab_parallel_mode_lowers_to_triton(opts):
     """The kernels' vocab-parallel mode (a traced vocab_start read from a (1,) operand) lowers to Triton."""
-    options = contract.Options(**opts)
+    options = Options(**opts)
 
     def f(x, y, lse, g, start):
-        stats = kernels.forward(x, y, options, interpret=False, vocab_start=start, vocab_total=2 * x.shape[1])
-        dx = kernels.backward(
+        stats = launch.forward(x, y, options, interpret=False, vocab_start=start, vocab_total=2 * x.shape[1])
+        dx = launch.backward(
             x, y, lse, g, options, inplace=True, interpret=False, vocab_start=start, vocab_total=2 * x.shape[1]
         )
         return stats, dx
@@ -223,13 +229,13 @@ def test_outputs_without_partials_keep_the_default_kernels(compiled):
 @pytest.mark.parametrize("opts", [{}, ALL], ids=["plain", "all"])
 def test_vocab_parallel_outputs_lower_to_triton(opts):
     """The vocab-parallel mode's extra partials and the backward's lse cotangent lower to Triton."""
-    options = contract.Options(**opts)
+    options = Options(**opts)
 
     def f(x, y, lse, g, start):
-        stats = kernels.forward(
+        stats = launch.forward(
             x, y, options, interpret=False, vocab_start=start, vocab_total=2 * x.shape[1], extras=(True, True)
         )
-        dx = kernels.backward(
+        dx = launch.backward(
             x, y, lse, g, options, inplace=True, interpret=False, vocab_start=start, vocab_total=2 * x.shape[1], g_lse=g
         )
         return stats, dx
@@ -272,8 +278,8 @@ def test_jsd_kernels_lower_to_triton(compiled, beta, n):
     labels) lower to the forward's kernels (the mixture's second pass too) and the backward, whose output aliases
     the student logits; the mixture's one log per element is the GPU's lg2.approx in both of its passes. n = 8
     splits each row into segments (forward_segments), n = 4096 keeps one per row."""
-    config = kernels.jsd.jsd_config(50257)
-    assert (kernels.jsd.forward_segments(n, 50257, config.forward_block, config.forward_programs)[0] > 1) == (n == 8)
+    config = jsd_launch.jsd_config(50257)
+    assert (jsd_launch.forward_segments(n, 50257, config.forward_block, config.forward_programs)[0] > 1) == (n == 8)
     lowered = lower_jsd(n, 50257, 50304, beta, labels=beta != 0.5, **(JSD_ALL if beta != 0.5 else {}))
     expected = JSD_MIXTURE if beta == 0.5 else sorted(JSD_FORWARD + ["fastce_jsd_backward"])
     modules = triton_modules(lowered)
@@ -297,7 +303,7 @@ def test_jsd_auto_backend_decides_when_lowered(compiled):
 def test_linear_jsd_lowers_to_triton(monkeypatch, reduction):
     """linear_jsd's chunk loop: the forward kernel, and the backward kernel in the forward ("mean": gradients in
     the forward pass) or in the recomputing backward ("none")."""
-    monkeypatch.setattr(contract, "on_gpu", lambda x: True)  # traced hidden states taken as GPU arrays
+    monkeypatch.setattr(jsd_linear_api, "on_gpu", lambda x: True)  # traced hidden states taken as GPU arrays
     shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(64, 32), (1000, 32), (64, 48), (1024, 48)]]
 
     def f(h, w, ht, wt):

@@ -1,4 +1,4 @@
-"""fastce_jax.softmax_cross_entropy_with_integer_labels (fastce_jax/optax_losses.py) against optax.
+"""fastce_jax.softmax_cross_entropy_with_integer_labels (fastce_jax/integrations/optax_losses.py) against optax.
 
 1. optax's own test class, SoftmaxCrossEntropyWithIntegerLabelsTest (optax/losses/_classification_test.py, which
    the optax wheel ships: imported from the installed optax, nothing of it copied here; an optax without that module

@@ -2,9 +2,9 @@
 fastce_jax.cross_entropy and linear_cross_entropy against the float64 reference, shared_tests/reference.py::outputs.
 
 On CPU backend="kernel" runs the Pallas kernels in interpret mode; the forward kernel's tiles are made small
-(kernels.launch.CHUNK / FORWARD_BLOCK, read when a call is made) so that a row spans several chunks of several tiles and
-the argmax / entropy partials are combined across both. The sharded tests re-run this module in a subprocess with 4
-CPU devices, as test_sharding.py does.
+(fastce_jax.losses.cross_entropy.launch's CHUNK / FORWARD_BLOCK, read when a call is made) so that a row spans several
+chunks of several tiles and the argmax / entropy partials are combined across both. The sharded tests re-run this module
+in a subprocess with 4 CPU devices, as test_sharding.py does.
 """
 
 import jax
@@ -14,7 +14,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fastce_jax import CrossEntropyOutput, cross_entropy, kernels, linear_cross_entropy
+from fastce_jax import CrossEntropyOutput, cross_entropy, linear_cross_entropy
+from fastce_jax.losses.cross_entropy import launch
 from shared_tests import reference, tolerances
 
 from .checks import OPTION_SETS, as_float64
@@ -28,9 +29,9 @@ N_ROWS, VOCAB = 8, 300  # with the small tiles below: 3 chunks of 2 tiles, the l
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    monkeypatch.setattr(kernels.launch, "CHUNK", 128)
-    monkeypatch.setattr(kernels.launch, "FORWARD_BLOCK", 64)
-    assert kernels.forward_config(VOCAB).n_chunks == 3
+    monkeypatch.setattr(launch, "CHUNK", 128)
+    monkeypatch.setattr(launch, "FORWARD_BLOCK", 64)
+    assert launch.forward_config(VOCAB).n_chunks == 3
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastce_jax import LogProbOutput, contract, cross_entropy, log_probs, token_inputs
+from fastce_jax import LogProbOutput, cross_entropy, log_probs
+from fastce_jax.core import token_inputs
+from fastce_jax.core.options import Options, check_options
 
 from .checks import assert_grad, assert_loss
 from .rl_checks import expected_rl
@@ -22,16 +24,16 @@ def options(**kw):
         ignore_index=-100, reduction="mean", logit_softcapping=0.0, logit_scaling=0.0, label_smoothing=0.0,
         z_loss=0.0, backend="auto",
     )  # fmt: skip
-    return contract.check_options(**dict(base, **kw))
+    return check_options(**dict(base, **kw))
 
 
 def test_temperature_one_leaves_the_options():
-    assert options(temperature=1.0) == options() == contract.Options()
-    assert options(temperature=1, logit_softcapping=30.0) == contract.Options(logit_softcapping=30.0)
+    assert options(temperature=1.0) == options() == Options()
+    assert options(temperature=1, logit_softcapping=30.0) == Options(logit_softcapping=30.0)
 
 
 def test_temperature_folds_into_scaling_and_softcap():
-    assert options(temperature=0.5) == contract.Options(logit_scaling=2.0)
+    assert options(temperature=0.5) == Options(logit_scaling=2.0)
     folded = options(temperature=0.7, logit_scaling=1.3, logit_softcapping=30.0)
     assert folded.logit_scaling == 1.3 / 0.7 and folded.logit_softcapping == 30.0 / 0.7
     # The algebra: softcap_c(s x) / T == softcap_{c/T}((s/T) x).

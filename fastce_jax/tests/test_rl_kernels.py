@@ -1,4 +1,4 @@
-"""The backward kernel's entropy-gradient variant (kernels.backward(..., g_entropy=, mz=)) against float64: alone,
+"""The backward kernel's entropy-gradient variant (launch.backward(..., g_entropy=, mz=)) against float64: alone,
 with the lse cotangent (a differentiated z_loss output), with class weights, and in vocab-parallel form (global lse
 and mz, this shard's columns); and the default kernels unchanged by it. The kernels run where the inputs are (JAX's
 default device): compiled on a GPU (pytest --gpu), in interpret mode on the CPU."""
@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastce_jax import contract, kernels
+from fastce_jax.core.options import Options
+from fastce_jax.losses.cross_entropy import launch
 
 from .checks import assert_grad, expected
 from .rl_checks import mean_z, with_entropy_gradient, with_lse_gradient
@@ -53,8 +54,8 @@ def test_entropy_gradient_variant(dtype, name, with_lse):
     x, y, g, g_h = inputs(6, 300, dtype, seed=len(name) + with_lse)
     lse, mz = statistics(x, y, opts)
     g_lse = np.linspace(-1.0, 1.0, len(y)) if with_lse else None
-    dx = kernels.backward(
-        x, jnp.asarray(y), lse, jnp.asarray(g, jnp.float32), contract.Options(**opts), inplace=False,
+    dx = launch.backward(
+        x, jnp.asarray(y), lse, jnp.asarray(g, jnp.float32), Options(**opts), inplace=False,
         interpret=interpreted(x), g_entropy=jnp.asarray(g_h, jnp.float32), mz=mz,
         **({"g_lse": jnp.asarray(g_lse, jnp.float32)} if with_lse else {}),
     )  # fmt: skip
@@ -71,8 +72,8 @@ def test_entropy_gradient_with_class_weights(smoothing):
     x, y, g, g_h = inputs(5, 200, "float32", seed=7)
     w = np.random.default_rng(3).uniform(-0.5, 2.0, 200)
     lse, mz = statistics(x, y, opts)
-    dx = kernels.backward(
-        x, jnp.asarray(y), lse, jnp.asarray(g, jnp.float32), contract.Options(**opts), inplace=True,
+    dx = launch.backward(
+        x, jnp.asarray(y), lse, jnp.asarray(g, jnp.float32), Options(**opts), inplace=True,
         interpret=interpreted(x), weight=jnp.asarray(w, jnp.float32), g_entropy=jnp.asarray(g_h, jnp.float32), mz=mz,
     )  # fmt: skip
     ref = with_entropy_gradient(expected(x, y, upstream=g, weight=w, **opts), x, y, g_h, **opts)
@@ -89,12 +90,12 @@ def test_entropy_gradient_vocab_parallel(dtype):
     parts = []
     for start, stop in [(0, 128), (128, 300)]:
         parts.append(
-            kernels.backward(
+            launch.backward(
                 x[:, start:stop],
                 jnp.asarray(y),
                 lse,
                 jnp.asarray(g, jnp.float32),
-                contract.Options(**opts),
+                Options(**opts),
                 inplace=False,
                 interpret=interpreted(x),
                 vocab_start=start,
@@ -109,8 +110,8 @@ def test_entropy_gradient_vocab_parallel(dtype):
 def test_entropy_arguments_go_together():
     x, y, g, g_h = inputs(3, 50, "float32", seed=1)
     with pytest.raises(ValueError, match="g_entropy and mz"):
-        kernels.backward(
-            x, jnp.asarray(y), jnp.zeros(3), jnp.ones(3), contract.Options(), inplace=False, interpret=True,
+        launch.backward(
+            x, jnp.asarray(y), jnp.zeros(3), jnp.ones(3), Options(), inplace=False, interpret=True,
             g_entropy=jnp.ones(3),
         )  # fmt: skip
 
@@ -120,12 +121,12 @@ def test_default_backward_lowering_unchanged():
     is what it was (test_lowering.py pins the default kernels against the return_* variants)."""
     from .test_lowering import triton_modules
 
-    options = contract.Options(**OPTIONS["all"])
+    options = Options(**OPTIONS["all"])
 
     def lower(entropy):
         def f(x, y, lse, g):
             kw = {"g_entropy": g, "mz": lse} if entropy else {}
-            return kernels.backward(x, y, lse, g, options, inplace=True, interpret=False, **kw)
+            return launch.backward(x, y, lse, g, options, inplace=True, interpret=False, **kw)
 
         shapes = [((8, 50257), jnp.bfloat16), ((8,), jnp.int32), ((8,), jnp.float32), ((8,), jnp.float32)]
         traced = jax.jit(f).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes))
@@ -140,7 +141,7 @@ def test_entropy_variant_lowers_with_every_option(layout):
     smoothing, lowers to Triton (the compiled path the GPU runs)."""
     from .test_lowering import triton_modules
 
-    options = contract.Options(**OPTIONS["all"])
+    options = Options(**OPTIONS["all"])
 
     def f(x, y, lse, g, start):
         kw = dict(g_entropy=g, mz=lse, g_lse=g)
@@ -148,7 +149,7 @@ def test_entropy_variant_lowers_with_every_option(layout):
             kw.update(vocab_start=start, vocab_total=2 * x.shape[1])
         else:
             kw.update(weight=jnp.linspace(0.5, 1.5, x.shape[1]))
-        return kernels.backward(x, y, lse, g, options, inplace=True, interpret=False, **kw)
+        return launch.backward(x, y, lse, g, options, inplace=True, interpret=False, **kw)
 
     shapes = [((8, 64128), jnp.bfloat16), ((8,), jnp.int32), ((8,), jnp.float32), ((8,), jnp.float32), ((), jnp.int32)]
     traced = jax.jit(f).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes))

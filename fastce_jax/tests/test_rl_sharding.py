@@ -1,7 +1,7 @@
-"""The RL keywords with sharded logits under jit (ops.py's custom_partitioning): temperature, token_weights and the
-entropy's gradient (the backward's mz is the global lse - H, both combined in the forward), rows, vocabulary and
-both sharded, against float64. Needs several devices: on CPU these run in test_sharding.py's 4-device child
-(SHARDED_ELSEWHERE), or directly with XLA_FLAGS=--xla_force_host_platform_device_count=4."""
+"""The RL keywords with sharded logits under jit (distributed/partitioning.py's custom_partitioning): temperature,
+token_weights and the entropy's gradient (the backward's mz is the global lse - H, both combined in the forward), rows,
+vocabulary and both sharded, against float64. Needs several devices: on CPU these run in test_sharding.py's 4-device
+child (SHARDED_ELSEWHERE), or directly with XLA_FLAGS=--xla_force_host_platform_device_count=4."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""fastce_jax with sharded logits under jit (fastce_jax/ops.py) and the kernels' vocab-parallel mode.
+"""fastce_jax with sharded logits under jit (distributed/partitioning.py) and the kernels' vocab-parallel mode.
 
 Everything is compared with the float64 reference in shared_tests/reference.py.  The sharded tests need several
 devices: on CPU, ``test_sharded_suite_on_4_cpu_devices`` re-runs this module (and the sharded tests of the other
@@ -18,8 +18,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fastce_jax import cross_entropy, kernels
-from fastce_jax.contract import Options
+from fastce_jax import cross_entropy
+from fastce_jax.core.options import Options
+from fastce_jax.losses.cross_entropy import launch
 from shared_tests import reference, tolerances
 
 from . import checks
@@ -378,7 +379,7 @@ def test_vocab_parallel_kernel_mode(name, splits):
     ref = expected(x, y, opts, "none")
     starts = np.cumsum((0,) + splits)[:-1]
     stats = [
-        kernels.forward(
+        launch.forward(
             x[:, s : s + w], jnp.asarray(y), options, interpret=True, vocab_start=jnp.int32(s), vocab_total=VOCAB
         )
         for s, w in zip(starts, splits)
@@ -406,7 +407,7 @@ def test_vocab_parallel_kernel_mode(name, splits):
     g = np.random.default_rng(15).uniform(0.5, 2.0, N_ROWS).astype(np.float32)
     ref = expected(x, y, opts, "none", upstream=g)
     grads = [
-        kernels.backward(
+        launch.backward(
             x[:, s : s + w],
             jnp.asarray(y),
             jnp.asarray(ref.lse, jnp.float32),

@@ -6,15 +6,15 @@ bits).
 On CPU the kernels run in interpret mode; with --gpu the same tests run the compiled kernels, plus the `gpu` ones.
 """
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 import jax.test_util
 import numpy as np
 import pytest
 
-from fastce_jax import contract, cross_entropy, kernels
+from fastce_jax import cross_entropy
+from fastce_jax.core import options as core_options
+from fastce_jax.losses.cross_entropy import autograd, launch
 from shared_tests import reference as float64_reference
 from shared_tests import tolerances
 
@@ -218,7 +218,7 @@ def test_auto_under_jit_on_cpu_arrays_is_the_reference():
 def pretend_gpu_machine(monkeypatch):
     """A process with a GPU backend: traced logits take the platform-dependent route (as on the H200), and this
     CPU-only test then lowers it for the CPU, like committed CPU arrays under jit on a GPU machine."""
-    monkeypatch.setattr(contract, "gpu_available", lambda: True)
+    monkeypatch.setattr(core_options, "gpu_available", lambda: True)
 
 
 def test_auto_under_jit_decides_at_lowering(pretend_gpu_machine):
@@ -251,8 +251,8 @@ def test_eager_committed_cpu_arrays_take_the_reference(pretend_gpu_machine, monk
         raise AssertionError("auto picked the kernels for concrete CPU arrays")
 
     # Concrete arrays say where they are: the reference, without tracing (or reusing a trace of) any kernel.
-    monkeypatch.setattr(kernels, "forward", no_kernels)
-    monkeypatch.setattr(importlib.import_module("fastce_jax.cross_entropy"), "_kernel_loss", no_kernels)
+    monkeypatch.setattr(launch, "forward", no_kernels)
+    monkeypatch.setattr(autograd, "kernel_loss", no_kernels)
     np.testing.assert_allclose(float(cross_entropy(x, labels, z_loss=1e-4)), float(ref_loss), rtol=1e-6)
 
 
@@ -305,10 +305,10 @@ def test_cpu_arrays_under_jit_on_a_gpu_machine(device):
 @pytest.fixture
 def several_chunks(monkeypatch):
     """Five forward chunks at V=5000 (so the chunk combine is exercised) and three backward tiles."""
-    monkeypatch.setattr(kernels.launch, "CHUNK", 1024)
-    monkeypatch.setattr(kernels.launch, "FORWARD_BLOCK", 256)
-    monkeypatch.setattr(kernels.launch, "BACKWARD_BLOCK", 2048)
-    config = kernels.forward_config(5000)
+    monkeypatch.setattr(launch, "CHUNK", 1024)
+    monkeypatch.setattr(launch, "FORWARD_BLOCK", 256)
+    monkeypatch.setattr(launch, "BACKWARD_BLOCK", 2048)
+    config = launch.forward_config(5000)
     assert (config.block, config.chunk, config.n_chunks) == (256, 1024, 5)
     return 5000
 

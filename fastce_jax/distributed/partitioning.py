@@ -1,5 +1,6 @@
-"""The op layer every kernel call goes through (``forward``, ``backward``): the kernels under sharded logits, each
-device running them on its own block, with jvp rules for higher-order autodiff.
+"""The op layer every cross-entropy kernel call goes through (``forward``, ``backward``): the kernels under sharded
+logits, each device running them on its own block, with jvp rules for higher-order autodiff. The loss-neutral
+helpers (the plan of a sharding, shard_index, the vmap rule) are layout.py's.
 
 A pallas_call is opaque to XLA's partitioner, which would gather the whole
 logits onto every device around it.  So the two kernel launches (forward:
@@ -35,42 +36,29 @@ call is the same op with the batch as one more leading axis.
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from . import kernels
-from .contract import (
-    NO_EXTRAS,
-    Extras,
-    Options,
-    lse_differentiated,
+from ..core.kernel_helpers import INT32_MAX
+from ..core.options import NO_EXTRAS, Extras, Options, lse_differentiated
+from ..core.reference import (
     outputs_from_statistics,
     reference_backward,
     reference_row_outputs,
     reference_token_losses,
     token_loss_from_statistics,
 )
-from .kernels.common import INT32_MAX
+from ..losses.cross_entropy import launch
+from .layout import as_leading_batch, plan, shard_index, shardings, single_device
+
+__all__ = ["local_forward", "local_backward", "forward", "backward"]
 
 # ----------------------------------------------------------------------------
 # What one device computes.
 # ----------------------------------------------------------------------------
-
-
-def _shard_index(mesh: Mesh, axes: tuple[str, ...]):
-    """Linear index of this device's block along a dimension sharded over
-    ``axes`` (the first axis is the most significant, as in a PartitionSpec)."""
-    index = jnp.int32(0)
-    for name in axes:
-        index = index * mesh.shape[name] + jax.lax.axis_index(name)
-    return index
 
 
 def local_forward(
@@ -92,10 +80,10 @@ def local_forward(
     want_argmax, want_entropy = extras
     kw = {"extras": extras} if any(extras) else {}
     if not vocab_axes:
-        outs = kernels.forward(x2, y1, options, interpret=interpret, config=config, **kw)
+        outs = launch.forward(x2, y1, options, interpret=interpret, config=config, **kw)
     else:
-        start = _shard_index(mesh, vocab_axes) * v_local
-        lse_local, z_label, sum_z, *rest = kernels.forward(
+        start = shard_index(mesh, vocab_axes) * v_local
+        lse_local, z_label, sum_z, *rest = launch.forward(
             x2, y1, options, interpret=interpret, vocab_start=start, vocab_total=vocab_total, **kw
         )
         # lse = log sum_shards exp(lse_local), shifted by the largest (an all -inf
@@ -148,10 +136,10 @@ def local_backward(
     if g_entropy is not None:
         kw.update(g_entropy=g_entropy.reshape(-1), mz=mz.reshape(-1))
     if not vocab_axes:
-        d = kernels.backward(*flat, options, inplace=inplace, interpret=interpret, config=config, **kw)
+        d = launch.backward(*flat, options, inplace=inplace, interpret=interpret, config=config, **kw)
     else:
-        start = _shard_index(mesh, vocab_axes) * v_local
-        d = kernels.backward(
+        start = shard_index(mesh, vocab_axes) * v_local
+        d = launch.backward(
             *flat, options, inplace=inplace, interpret=interpret, vocab_start=start, vocab_total=vocab_total, **kw
         )
     return d.reshape(logits.shape)
@@ -162,47 +150,10 @@ def local_backward(
 # ----------------------------------------------------------------------------
 
 
-def _axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _plan(arg):
-    """(mesh, per-leading-dim spec entries, vocabulary axes) for logits ``arg``
-    (a ShapeDtypeStruct with the sharding XLA gave it).
-
-    A dimension whose size its mesh axes do not divide (JAX's own shardings
-    cannot say that, but XLA's propagation might) is replicated instead: uneven
-    blocks would be padded, and the statistics must not see padding.
-    """
-    sharding, shape = arg.sharding, arg.shape
-    if not isinstance(sharding, NamedSharding):
-        # No mesh to name axes with (the program's shardings were not built
-        # from a Mesh): run replicated on a one-axis mesh of the same devices.
-        devices = sorted(sharding.device_set, key=lambda d: d.id)
-        return Mesh(np.array(devices), ("fastce_replicated",)), (None,) * (len(shape) - 1), ()
-    mesh = sharding.mesh
-    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
-    entries = []
-    for size, entry in zip(shape, spec):
-        axes = _axes(entry)
-        if axes and size % math.prod(mesh.shape[a] for a in axes) != 0:
-            axes = ()
-        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-    return mesh, tuple(entries[:-1]), _axes(entries[-1])
-
-
-def _shardings(mesh, rows, vocab_axes):
-    """(logits sharding, per-row sharding) for a plan."""
-    vocab_entry = None if not vocab_axes else vocab_axes[0] if len(vocab_axes) == 1 else vocab_axes
-    return NamedSharding(mesh, P(*rows, vocab_entry)), NamedSharding(mesh, P(*rows))
-
-
 def _partition_forward(options, interpret, config, extras, mesh, arg_shapes, result_shape):
     del result_shape
-    mesh, rows, vocab_axes = _plan(arg_shapes[0])
-    logits_sharding, row_sharding = _shardings(mesh, rows, vocab_axes)
+    mesh, rows, vocab_axes = plan(arg_shapes[0])
+    logits_sharding, row_sharding = shardings(mesh, rows, vocab_axes)
     lower = functools.partial(
         local_forward,
         options=options,
@@ -218,7 +169,7 @@ def _partition_forward(options, interpret, config, extras, mesh, arg_shapes, res
 
 def _infer_forward(options, interpret, config, extras, mesh, arg_shapes, result_shape):
     del options, interpret, config, mesh, result_shape
-    _, row_sharding = _shardings(*_plan(arg_shapes[0]))
+    _, row_sharding = shardings(*plan(arg_shapes[0]))
     return (row_sharding,) * (2 + sum(extras))
 
 
@@ -232,8 +183,8 @@ def _local_backward_args(logits, labels, lse, g, *cotangents, **static):
 
 def _partition_backward(options, inplace, interpret, config, mesh, arg_shapes, result_shape):
     del result_shape
-    mesh, rows, vocab_axes = _plan(arg_shapes[0])
-    logits_sharding, row_sharding = _shardings(mesh, rows, vocab_axes)
+    mesh, rows, vocab_axes = plan(arg_shapes[0])
+    logits_sharding, row_sharding = shardings(mesh, rows, vocab_axes)
     lower = functools.partial(
         _local_backward_args,
         options=options,
@@ -249,17 +200,12 @@ def _partition_backward(options, inplace, interpret, config, mesh, arg_shapes, r
 
 def _infer_backward(options, inplace, interpret, config, mesh, arg_shapes, result_shape):
     del options, inplace, interpret, config, mesh, result_shape
-    return _shardings(*_plan(arg_shapes[0]))[0]
+    return shardings(*plan(arg_shapes[0]))[0]
 
 
 # ----------------------------------------------------------------------------
 # The ops (one per static configuration), with their vmap rules.
 # ----------------------------------------------------------------------------
-
-
-def _as_leading_batch(axis_size, in_batched, args):
-    """Every argument with the vmapped axis first (custom_vmap puts it there)."""
-    return [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape) for a, b in zip(args, in_batched)]
 
 
 @functools.cache
@@ -283,7 +229,7 @@ def _forward_op(options: Options, interpret: bool, config, extras=(False, False)
 
     @batchable.def_vmap
     def _(axis_size, in_batched, logits, labels):
-        return batchable(*_as_leading_batch(axis_size, in_batched, (logits, labels))), (True,) * n_out
+        return batchable(*as_leading_batch(axis_size, in_batched, (logits, labels))), (True,) * n_out
 
     # jit: an eager call is partitioned too (custom_partitioning's eager
     # implementation would run the whole computation unpartitioned).
@@ -310,14 +256,9 @@ def _backward_op(
 
     @batchable.def_vmap
     def _(axis_size, in_batched, *args):
-        return batchable(*_as_leading_batch(axis_size, in_batched, args)), True
+        return batchable(*as_leading_batch(axis_size, in_batched, args)), True
 
     return jax.jit(batchable)
-
-
-def _single_device() -> bool:
-    # With one device there is nothing to partition: call the kernels directly.
-    return jax.device_count() == 1
 
 
 class _Launch(NamedTuple):
@@ -325,7 +266,7 @@ class _Launch(NamedTuple):
 
     options: Options
     interpret: bool
-    config: object  # kernels.ForwardConfig / BackwardConfig, or None for the defaults
+    config: object  # launch.ForwardConfig / BackwardConfig, or None for the defaults
     partitioned: bool  # through custom_partitioning (sharded logits) or the kernels on the whole array
     inplace: bool = False
     extras: tuple = (False, False)  # forward: (accuracy, entropy) per token besides (loss, lse)
@@ -342,7 +283,7 @@ def _forward_kw(st: _Launch):
 # grad, jax.hessian, jvp of grad) gets the reference's exact derivative instead of failing inside Pallas.
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _forward(logits, labels, st: _Launch):
-    if not st.partitioned or _single_device():
+    if not st.partitioned or single_device():
         return local_forward(logits, labels, st.options, st.interpret, st.config, **_forward_kw(st))
     return _forward_op(st.options, st.interpret, st.config, *((st.extras,) if any(st.extras) else ()))(logits, labels)
 
@@ -358,7 +299,7 @@ def _backward_operands(logits, labels, lse, g, g_lse, g_entropy, mz, st: _Launch
 @functools.partial(jax.custom_jvp, nondiff_argnums=(7,))
 def _backward(logits, labels, lse, g, g_lse, g_entropy, mz, st: _Launch):
     args = _backward_operands(logits, labels, lse, g, g_lse, g_entropy, mz, st)
-    if not st.partitioned or _single_device():
+    if not st.partitioned or single_device():
         return _local_backward_args(
             *args, options=st.options, inplace=st.inplace, interpret=st.interpret, config=st.config
         )
@@ -420,7 +361,7 @@ def _backward_jvp(st: _Launch, primals, tangents):
 def _weighted_forward(logits, labels, weight, st: _Launch):
     v = logits.shape[-1]
     kw = _forward_kw(st)
-    outs = kernels.forward(
+    outs = launch.forward(
         logits.reshape(-1, v), labels.reshape(-1), st.options, interpret=st.interpret, config=st.config, weight=weight,
         **kw,
     )  # fmt: skip
@@ -434,7 +375,7 @@ def _weighted_backward(logits, labels, lse, g, g_lse, g_entropy, mz, weight, st:
     kw = {"g_lse": g_lse.reshape(-1)} if st.lse_cotangent else {}
     if st.entropy_cotangent:
         kw.update(g_entropy=g_entropy.reshape(-1), mz=mz.reshape(-1))
-    d = kernels.backward(
+    d = launch.backward(
         *flat, st.options, inplace=st.inplace, interpret=st.interpret, config=st.config, weight=weight, **kw
     )
     return d.reshape(logits.shape)
@@ -466,8 +407,8 @@ def forward(
     weight=None,
 ):
     """(loss, lse), float32 shaped like labels, of logits (..., V) however they are sharded, then accuracy and / or
-    entropy per token where ``returns`` (contract.Extras) asks for them; config: the forward kernel's tiles
-    (default ``kernels.forward_config(V)``); partitioned=False runs the kernels on the whole array
+    entropy per token where ``returns`` (core.options.Extras) asks for them; config: the forward kernel's tiles
+    (default ``launch.forward_config(V)``); partitioned=False runs the kernels on the whole array
     (linear_cross_entropy's chunks). weight: class weights (V,) or None; with them the kernels always run on the
     whole array."""
     st = _Launch(options, interpret, config, partitioned)
@@ -495,7 +436,7 @@ def backward(
     mz=None,
 ):
     """dL/dlogits (..., V), sharded like logits; g is the per-token upstream shaped like labels; config: the
-    backward kernel's tiles (default ``kernels.backward_config(V)``); g_lse: None, or the per-token cotangent of
+    backward kernel's tiles (default ``launch.backward_config(V)``); g_lse: None, or the per-token cotangent of
     lse (shaped like labels), whose gradient is added; weight: class weights (V,) or None (see ``forward``).
     g_entropy, mz: None (both), or the per-token cotangent of the entropy output H and mz = lse - H (shaped like
     labels; the global values when the vocabulary is sharded): g_entropy * p_j (mz - z_j) * dz/dx is added."""

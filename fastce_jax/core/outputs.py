@@ -1,12 +1,46 @@
-"""The call's result from per-token values (CONTRACT.md "Extra outputs"): the reduced loss, the z_loss, lse,
-accuracy and entropy outputs, and per-token weights (token_weights) applied to the loss and its z-loss term."""
+"""The output records and the call's result from per-token values (CONTRACT.md "Extra outputs"): CrossEntropyOutput
+and LogProbOutput, the reduced loss, the z_loss, lse, accuracy and entropy outputs, and per-token weights
+(token_weights) applied to the loss and its z-loss term."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from .contract import CrossEntropyOutput, Options, ignore_value, label_weights, reduce_losses
+from .options import Options, ignore_value, label_weights, reduce_losses
+
+__all__ = [
+    "CrossEntropyOutput",
+    "LogProbOutput",
+    "weigh_tokens",
+    "z_loss_from_lse",
+    "reduce_outputs",
+    "with_outputs",
+]
+
+
+class CrossEntropyOutput(NamedTuple):
+    """What ``cross_entropy`` / ``linear_cross_entropy`` return when any return_* keyword is True: the loss (as
+    without them; it still includes the z-loss term) and the outputs asked for, None for the others (CONTRACT.md
+    "Extra outputs"). ``loss``, ``z_loss`` and ``entropy`` are differentiable; lse and accuracy carry a zero
+    gradient (stop_gradient)."""
+
+    loss: jax.Array
+    z_loss: jax.Array | None = None
+    lse: jax.Array | None = None
+    accuracy: jax.Array | None = None
+    entropy: jax.Array | None = None
+
+
+class LogProbOutput(NamedTuple):
+    """What ``log_probs`` / ``linear_log_probs`` return with return_entropy=True: float32 log p(token) and the
+    entropy of softmax(z) per token, both shaped like the (shifted) tokens, 0 where the token is ignored; both
+    differentiable."""
+
+    logprobs: jax.Array
+    entropy: jax.Array
 
 
 def weigh_tokens(values, labels, token_weights, ignore_index: int):

@@ -17,8 +17,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..contract import outputs_from_statistics, token_loss_from_statistics, transform, weighted_token_loss
-from .common import INT32_MAX, cdiv, next_pow2
+from ...core.kernel_helpers import INT32_MAX, cdiv, next_pow2
+from ...core.reference import outputs_from_statistics, token_loss_from_statistics, transform, weighted_token_loss
+
+__all__ = ["forward_kernel", "weighted_forward_kernel", "weighted_finish_kernel", "finish_kernel"]
 
 
 def forward_kernel(
@@ -137,10 +139,11 @@ def finish_kernel(
     Vocab-parallel outputs (this shard's statistics): lse_ref, z_label_ref, sum_z_ref, then max_ref and
     argmax_ref (the largest z here and the first global column holding it) and mean_z_ref (sum_j p_j z_j over
     this shard's softmax) where asked for.
-    vocab: V (this shard's columns); n_chunks: C; options: Options (the loss is contract.token_loss_from_statistics,
-    the formula of the jnp paths, accuracy and entropy contract.outputs_from_statistics); vocab_parallel: which of
-    the two ref layouts; extras: (argmax, entropy) as in forward_kernel. weight_refs: (w[y] of the row, sum of
-    the weights) for the weighted loss (contract.weighted_token_loss; sz_ref then holds sum_c w_c z_c), or None.
+    vocab: V (this shard's columns); n_chunks: C; options: Options (the loss is
+    core.reference.token_loss_from_statistics, the formula of the jnp paths, accuracy and entropy
+    core.reference.outputs_from_statistics); vocab_parallel: which of the two ref layouts; extras: (argmax, entropy) as
+    in forward_kernel. weight_refs: (w[y] of the row, sum of the weights) for the weighted loss
+    (core.reference.weighted_token_loss; sz_ref then holds sum_c w_c z_c), or None.
     """
     want_argmax, want_entropy = extras
     refs = list(refs)

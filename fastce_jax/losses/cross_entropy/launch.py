@@ -1,29 +1,14 @@
-"""Host side of the Pallas kernels: tile configurations, the Triton deprecation filter, and the launchers.
+"""Host side of the cross-entropy kernels: tile configurations and the launchers ``forward`` and ``backward``.
 
 All launchers take 2-D logits (N, V) and 1-D labels (N,); reshaping, argument checks, reductions and the custom_vjp
-live in ``cross_entropy.py`` and ``ops.py`` (options and formulas in ``contract.py``); the kernels themselves are in
-``forward.py`` and ``backward.py``.
-
-64-bit offsets.  The Triton lowering (jax/_src/pallas/triton/lowering.py,
-``_compute_offsets_from_indices``) computes every load/store offset in int64
-whenever the *whole* operand is larger than 2**32 bytes, and it casts the block
-start indices (our row index from the index_map, an int32 program id) to that
-type *before* multiplying by the row stride.  So a squeezed row dim
-``(None, W)`` with index_map ``(i, j)`` gives the 64-bit product ``i * V`` for
-N*V > 2**31 elements (in bf16/f16 that is > 2**32 bytes; in f32 the switch
-already happens at 2**30 elements).  Below the threshold every offset is < 2**31
-and int32 is exact.  The in-row parts (``j * W`` from a Blocked dim, our
-``pl.ds`` starts and the label) are < V + W, far below 2**31.  Hence the logits
-are passed as a plain (N, V) array; no flat view or manual int64 product is
-needed.  ``tests/test_lowering.py`` checks the emitted Triton IR for i64
-offsets on a >2**31-element abstract input.
+live in ``autograd.py``, ``api.py`` and ``fastce_jax/distributed/partitioning.py`` (options and formulas in
+``fastce_jax/core/``); the kernels themselves are in ``forward.py`` and ``backward.py``; the loss-neutral part of a
+launch (quiet_triton, same_variance, launch, 64-bit offsets) in ``fastce_jax/core/launch.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import warnings
 from typing import NamedTuple
 
 import jax
@@ -31,15 +16,28 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..contract import Options, ignore_value, label_weights
+from ...core.kernel_helpers import cdiv, next_pow2
+from ...core.launch import launch, quiet_triton, same_variance
+from ...core.options import Options, ignore_value, label_weights
 from .backward import backward_kernel, weighted_backward_kernel
-from .common import cdiv, next_pow2
 from .forward import finish_kernel, forward_kernel, weighted_finish_kernel, weighted_forward_kernel
 
-# jax 0.11 deprecates the Pallas Triton backend and warns each time a Triton
-# pallas_call is *lowered*.  See ``quiet_triton`` for how it is filtered.
-TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
-
+__all__ = [
+    "FORWARD_BLOCK",
+    "FORWARD_WARPS",
+    "FORWARD_STAGES",
+    "FINISH_WARPS",
+    "BACKWARD_BLOCK",
+    "BACKWARD_WARPS",
+    "BACKWARD_STAGES",
+    "CHUNK",
+    "ForwardConfig",
+    "BackwardConfig",
+    "forward_config",
+    "backward_config",
+    "forward",
+    "backward",
+]
 
 # From the H200 sweeps (bench/tools/tune.py, bench/NOTES.md): forward tiles of 4096 beat 2048 and 8192; 2 warps
 # were 3-4% faster than 4 and 8 warps 10%+ slower; 3 stages no faster than 1 (the loop has no dot). Rows are split
@@ -50,42 +48,10 @@ BACKWARD_BLOCK, BACKWARD_WARPS, BACKWARD_STAGES = 2048, 4, 1  # one tile per pro
 CHUNK = 16384
 
 
-def _ignore_triton_deprecation_globally() -> None:
-    # The deprecation is raised while the *enclosing* jit lowers, which happens
-    # after our launcher has returned, with no fastce_jax frame on the stack: a
-    # catch_warnings around the pallas_call cannot see it.  So every compiled
-    # (non-interpret) launch makes sure a process filter for exactly this
-    # message and category is installed (again, when a user's catch_warnings
-    # block that was open at the first launch dropped it on exit).  Interpret
-    # mode (CPU) never lowers to Triton and never installs it.
-    for action, message, category, _, _ in warnings.filters:
-        if (
-            action == "ignore"
-            and category is DeprecationWarning
-            and getattr(message, "pattern", None) == TRITON_DEPRECATION
-        ):
-            return
-    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
-
-
-@contextlib.contextmanager
-def quiet_triton(interpret: bool):
-    """Silences the Triton deprecation around our own pallas_call sites and around
-    the entry points' eager calls of their jitted kernel paths (which lower on the
-    call, after tracing returned: the block must span the call); under an outer
-    jit see ``_ignore_triton_deprecation_globally``.
-    """
-    if not interpret:
-        _ignore_triton_deprecation_globally()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
-        yield
-
-
 # ----------------------------------------------------------------------------
 # Tile settings.  forward_config / backward_config read the module constants
 # above when called (bench/tools/tune.py sweeps them; set them on this module,
-# fastce_jax.kernels.launch: the package does not re-export them); the
+# fastce_jax.losses.cross_entropy.launch: nothing re-exports them); the
 # launchers take a config= to override them.
 # ----------------------------------------------------------------------------
 
@@ -128,41 +94,6 @@ def backward_config(vocab: int) -> BackwardConfig:
 # ----------------------------------------------------------------------------
 
 
-def _vary(x, axes: frozenset):
-    """x, made varying over the manual mesh axes ``axes`` it does not vary over yet."""
-    missing = tuple(sorted(axes - jax.typeof(x).manual_axis_type.varying))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _same_variance(*arrays):
-    """The arrays, each made varying over every manual mesh axis any of them varies
-    over, and that common ManualAxisType for the outputs' ShapeDtypeStruct.
-
-    Inside a ``jax.shard_map`` with check_vma=True a pallas_call's out_shape must
-    say over which manual axes its outputs vary; the outputs depend on every
-    input, so they vary like their union.  Outside shard_map the type is empty
-    and ignored.
-    """
-    varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in arrays))
-    return tuple(_vary(a, varying) for a in arrays), jax.sharding.ManualAxisType(varying=varying)
-
-
-def _launch(call, operands, mat, interpret: bool):
-    """call(*operands), a pallas_call whose outputs vary like ``mat``."""
-    if interpret and mat.varying:
-        # Pallas' interpreter evaluates the kernel body with shard_map's
-        # varying-axes checks on, although the body was traced with them off,
-        # so the first comparison of a loaded block with a constant fails
-        # ("eq requires varying manual axes to match"); the compiled kernels
-        # do not go through it.
-        raise NotImplementedError(
-            "fastce_jax's kernels in Pallas interpret mode (no GPU) cannot run inside jax.shard_map with "
-            "check_vma=True (a limitation of Pallas' interpreter); on CPU use backend='auto' or 'reference', "
-            "or check_vma=False.  On a GPU the compiled kernels work with check_vma=True."
-        )
-    return call(*operands)
-
-
 def _vocab_start_operand(vocab_start):
     """vocab_start (a Python int or a traced scalar such as axis_index * V_local)
     as a (1,) int32 operand: the kernels read it at run time."""
@@ -192,8 +123,8 @@ def forward(
     config: the tiles (default ``forward_config(V)``).
     extras: (argmax, entropy), the extra outputs' partials to compute (the default computes none, so its kernels
     are the plain ones). Default mode then appends accuracy and / or entropy per token (float32 (N,),
-    contract.outputs_from_statistics); vocab-parallel mode appends (max_local, argmax_local) (float32, int32: this
-    shard's largest z and the first global column holding it) and / or mean_z_local (sum_j p_j z_j over this
+    core.reference.outputs_from_statistics); vocab-parallel mode appends (max_local, argmax_local) (float32, int32:
+    this shard's largest z and the first global column holding it) and / or mean_z_local (sum_j p_j z_j over this
     shard's softmax).
     weight: class weights, a float32 (V,) array, or None (the plain kernels); not in vocab-parallel mode.
     """
@@ -209,7 +140,7 @@ def forward(
     want_argmax, want_entropy = extras = tuple(bool(e) for e in extras)
     f32 = jnp.float32
     operands = (logits, labels) + ((_vocab_start_operand(vocab_start),) if vocab_parallel else ())
-    operands, mat = _same_variance(*operands)
+    operands, mat = same_variance(*operands)
     logits, labels = operands[:2]
     part = jax.ShapeDtypeStruct((n, n_chunks), f32, manual_axis_type=mat)
     extra_parts = ([jax.ShapeDtypeStruct((n, n_chunks), jnp.int32, manual_axis_type=mat)] if want_argmax else []) + (
@@ -224,7 +155,7 @@ def forward(
     if weighted_sum:
         # Padded to whole chunks, so the last chunk's block lies inside the array (its extra lanes are masked).
         padded = jnp.pad(weight.astype(jnp.float32), (0, n_chunks * config.chunk - vocab))
-        fwd_inputs += (_same_variance(padded, logits)[0][0],)
+        fwd_inputs += (same_variance(padded, logits)[0][0],)
         fwd_specs.append(pl.BlockSpec((config.chunk,), lambda i, j: (j,)))
     fwd = pl.pallas_call(
         functools.partial(
@@ -257,7 +188,7 @@ def forward(
     if weight is not None:
         weight_specs = [row_spec, pl.BlockSpec((1,), lambda i: (0,))]
         w_label = label_weights(labels, weight.astype(jnp.float32), vocab)
-        weight_inputs = _same_variance(w_label, jnp.sum(weight.astype(jnp.float32)).reshape(1), logits)[0][:2]
+        weight_inputs = same_variance(w_label, jnp.sum(weight.astype(jnp.float32)).reshape(1), logits)[0][:2]
     finish = pl.pallas_call(
         functools.partial(
             weighted_finish_kernel if weight is not None else finish_kernel,
@@ -280,9 +211,9 @@ def forward(
         name="fastce_finish",
     )
     with quiet_triton(interpret):
-        m, s, sz, *partials = _launch(fwd, fwd_inputs, mat, interpret)
+        m, s, sz, *partials = launch(fwd, fwd_inputs, mat, interpret)
         finish_inputs = (m, s, sz, labels, logits, *weight_inputs, *operands[2:], *partials)
-        return tuple(_launch(finish, finish_inputs, mat, interpret))
+        return tuple(launch(finish, finish_inputs, mat, interpret))
 
 
 def backward(
@@ -342,7 +273,7 @@ def backward(
     operands += (g_lse.astype(jnp.float32),) if g_lse is not None else ()
     with_entropy = g_entropy is not None
     operands += (g_entropy.astype(jnp.float32), mz.astype(jnp.float32)) if with_entropy else ()
-    operands, mat = _same_variance(*operands)
+    operands, mat = same_variance(*operands)
     bwd = pl.pallas_call(
         functools.partial(
             backward_kernel if weight is None else functools.partial(weighted_backward_kernel, smoothing=smoothing),
@@ -371,10 +302,4 @@ def backward(
         name="fastce_backward",
     )
     with quiet_triton(interpret):
-        return _launch(bwd, operands, mat, interpret)
-
-
-def uses_int64_offsets(n_rows: int, vocab: int, dtype) -> bool:
-    """Whether Pallas-Triton emits 64-bit offsets for an (n_rows, vocab) operand
-    (mirrors the lowering's rule; documented for the 64-bit-offset test)."""
-    return n_rows * vocab * jnp.dtype(dtype).itemsize > 2**32
+        return launch(bwd, operands, mat, interpret)

@@ -1,6 +1,6 @@
 """The per-token inputs beside the logits and labels, in JAX terms: token_weights (w_t scaling token t's loss),
 where= (a mask folded into the labels) and shift (position t scored against label t + shift), their checks and how
-each is folded into the labels or results; the same module and names as fastce_torch's token_inputs."""
+each is folded into the labels or results; the same module and names as fastce_torch's core/token_inputs.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,17 @@ import numbers
 import jax.numpy as jnp
 import numpy as np
 
-from .contract import CrossEntropyOutput, as_array, constant_weight, ignore_value
+from .options import as_array, constant_weight, ignore_value
+from .outputs import CrossEntropyOutput
+
+__all__ = [
+    "check_token_weights",
+    "masked_labels",
+    "shifted_token_weights",
+    "check_shift",
+    "shifted_labels",
+    "keep_positions",
+]
 
 
 def check_token_weights(token_weights, labels_shape: tuple):

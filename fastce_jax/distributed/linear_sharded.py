@@ -1,8 +1,8 @@
-"""Sharded heads of the fused linear cross-entropy: the chunked kernel path under sharded inputs, each device running
-the chunk loop on its block.
+"""Sharded heads of the fused linear cross-entropy: the chunked kernel path (losses/cross_entropy/linear_chunks.py)
+under sharded inputs, each device running the chunk loop on its block.
 
 The chunk loop (a fori_loop around matmuls and pallas_calls) is opaque to XLA's partitioner, which would gather the
-weight and the rows onto every device around it. So, as ops.py does for cross_entropy, the loop's two entry
+weight and the rows onto every device around it. So, as partitioning.py does for cross_entropy, the loop's two entry
 points (the forward, with the gradients for "mean"/"sum", and the backward of "none") are each wrapped in
 ``jax.experimental.custom_partitioning``; the partition callback reads the shardings that propagation gave hidden
 (its rows, over some mesh axes) and the weight (its vocabulary rows, over others) and answers with the per-device
@@ -12,8 +12,8 @@ computation:
   summed over the rows' axes (the data-parallel gradient reduction, one all-reduce of the device's weight block).
 * vocabulary sharded: the device's weight rows, the vocabulary offset its index along the vocabulary axes. Per
   chunk the kernels' vocab-parallel statistics, then one ``pmax`` of the chunk's rows and one ``psum`` of 3x them
-  (ops.local_forward) give every device the chunk's global lse and loss; the kernels' vocab-parallel
-  backward then gives the chunk's d logits of the device's columns (ops.local_backward), folded into the
+  (partitioning.local_forward) give every device the chunk's global lse and loss; the kernels' vocab-parallel
+  backward then gives the chunk's d logits of the device's columns (partitioning.local_backward), folded into the
   device's d weight (no communication) and its share of d hidden, summed over the vocabulary axes once at the
   end (an all-reduce of the device's rows x H).
 * both at once (rows over 'data', vocabulary over 'model').
@@ -23,7 +23,7 @@ a weight or hidden sharded along H is gathered along it first (by XLA, to the sh
 Rows or vocabulary that their mesh axes do not divide are replicated instead. Each device's chunk is at most the
 call's chunk rows (computed for the whole vocabulary), so a vocabulary-sharded device materialises less.
 
-The return_* outputs' statistics ride on the same combine (ops.local_forward with extras); a differentiated
+The return_* outputs' statistics ride on the same combine (partitioning.local_forward with extras); a differentiated
 z_loss output's backward is the backward op with the lse cotangent, a differentiated entropy output's the backward
 op with its cotangent and mz = lse - H per row (both global already: no communication beyond d hidden's).
 Temperature is folded into the options and token weights into the per-row upstream factors: both ride along.
@@ -42,18 +42,12 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .. import kernels
-from .chunks import chunked_backward, chunked_forward, extra_names, vocab_axis
+from ..linear.engine import vocab_axis
+from ..losses.cross_entropy.launch import backward_config, forward_config
+from ..losses.cross_entropy.linear_chunks import chunked_backward, chunked_forward, extra_names
+from .layout import mesh_axes, mesh_entry
 
-
-def _axes(entry):
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _entry(axes):
-    return None if not axes else axes[0] if len(axes) == 1 else axes
+__all__ = ["fused_forward", "fused_backward"]
 
 
 def _dim_axes(arg, mesh, dim):
@@ -62,7 +56,7 @@ def _dim_axes(arg, mesh, dim):
     if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
         return ()
     spec = tuple(sharding.spec) + (None,) * (len(arg.shape) - len(sharding.spec))
-    axes = _axes(spec[dim])
+    axes = mesh_axes(spec[dim])
     if axes and arg.shape[dim] % math.prod(mesh.shape[a] for a in axes) != 0:
         return ()
     return axes
@@ -91,8 +85,8 @@ def _local_static(st, n_local, v_local, mesh, vocab_axes, vocab_total):
         chunk_rows=min(st.chunk_rows, n_local),
         partitioned=False,
         vocab_layout=layout,
-        forward_config=kernels.forward_config(v_local),
-        backward_config=kernels.backward_config(v_local),
+        forward_config=forward_config(v_local),
+        backward_config=backward_config(v_local),
     )
 
 
@@ -150,10 +144,10 @@ def _backward_local(*args, st, cotangents=(False, False), mesh=None, rows=(), vo
 
 def _shardings(mesh, rows, vocab, st, n_row_args):
     """(the operands' shardings, row-, hidden- and weight-shaped result shardings)."""
-    row = NamedSharding(mesh, P(_entry(rows)))
-    hid = NamedSharding(mesh, P(_entry(rows), None))
-    wgt = NamedSharding(mesh, P(None, _entry(vocab)) if st.weight_hv else P(_entry(vocab), None))
-    vec = NamedSharding(mesh, P(_entry(vocab)))
+    row = NamedSharding(mesh, P(mesh_entry(rows)))
+    hid = NamedSharding(mesh, P(mesh_entry(rows), None))
+    wgt = NamedSharding(mesh, P(None, mesh_entry(vocab)) if st.weight_hv else P(mesh_entry(vocab), None))
+    vec = NamedSharding(mesh, P(mesh_entry(vocab)))
     operands = (hid, wgt) + ((vec,) if st.with_bias else ()) + (row,) * (1 + n_row_args)
     grads = (hid, wgt) + ((vec,) if st.with_bias else ())
     return operands, row, grads
@@ -236,7 +230,7 @@ def _op(kind, st, flags=False):
 
 
 def fused_forward(hidden, weight, bias, labels, g_tokens, st):
-    """chunks.chunked_forward, partitioned."""
+    """linear_chunks.chunked_forward, partitioned."""
     with_grads = g_tokens is not None
     args = (hidden, weight) + (() if bias is None else (bias,)) + (labels,) + ((g_tokens,) if with_grads else ())
     out = _op("forward", st, with_grads)(*args)
@@ -250,7 +244,7 @@ def fused_forward(hidden, weight, bias, labels, g_tokens, st):
 
 
 def fused_backward(hidden, weight, bias, labels, lse, g_tokens, st, g_lse=None, entropy=None):
-    """chunks.chunked_backward, partitioned; entropy: (g_entropy, mz) per row or None."""
+    """linear_chunks.chunked_backward, partitioned; entropy: (g_entropy, mz) per row or None."""
     flags = (g_lse is not None, entropy is not None)
     args = (hidden, weight) + (() if bias is None else (bias,)) + (labels, lse, g_tokens)
     args += ((g_lse,) if g_lse is not None else ()) + (tuple(entropy) if entropy is not None else ())

@@ -1,8 +1,12 @@
-"""Helpers shared by the Pallas kernels (forward.py, backward.py) and their launchers (launch.py)."""
+"""Helpers shared by the Pallas kernels of every loss (losses/*/forward.py, backward.py) and their launchers
+(losses/*/launch.py): cdiv and next_pow2 for grids and padded loads, dz_dx (the transform's derivative written with z
+only), INT32_MAX (the argmax partials' filler). The transform itself is core/reference.py's, traced as it is."""
 
 from __future__ import annotations
 
-from .. import contract
+from .options import Options
+
+__all__ = ["INT32_MAX", "next_pow2", "cdiv", "dz_dx"]
 
 INT32_MAX = 2**31 - 1  # the argmax partials' filler: larger than any column
 
@@ -17,7 +21,7 @@ def cdiv(a, b):
     return (a + b - 1) // b
 
 
-def dz_dx(z, options: contract.Options):
+def dz_dx(z, options: Options):
     """dz/dx written with z only, so the backward needs no second tanh (None when z = x)."""
     d = None
     if options.logit_softcapping > 0.0:

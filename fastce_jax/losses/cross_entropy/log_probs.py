@@ -1,23 +1,13 @@
 """Per-token log-probabilities (and entropies) at a sampling temperature, for RL objectives: ``log_probs`` and its
-``LogProbOutput``. The fused-linear counterpart, ``linear_log_probs``, lives in linear/api.py; both end in
-``negated_losses``."""
+``negated_losses`` (the record LogProbOutput is core/outputs.py's). The fused-linear counterpart,
+``linear_log_probs``, lives in linear_api.py; both end in ``negated_losses``."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from ...core.outputs import LogProbOutput
+from .api import cross_entropy
 
-import jax
-
-from .cross_entropy import cross_entropy
-
-
-class LogProbOutput(NamedTuple):
-    """What ``log_probs`` / ``linear_log_probs`` return with return_entropy=True: float32 log p(token) and the
-    entropy of softmax(z) per token, both shaped like the (shifted) tokens, 0 where the token is ignored; both
-    differentiable."""
-
-    logprobs: jax.Array
-    entropy: jax.Array
+__all__ = ["log_probs", "negated_losses"]
 
 
 def log_probs(

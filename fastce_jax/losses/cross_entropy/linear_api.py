@@ -1,5 +1,6 @@
-"""The public ``linear_cross_entropy`` and ``linear_log_probs`` and their argument checks. The chunk loop is in
-chunks.py, the custom_vjps in autograd.py, the custom partitioning of sharded heads in sharded.py.
+"""The public ``linear_cross_entropy`` and ``linear_log_probs`` and their argument checks. The chunk loop is the
+engine's (fastce_jax/linear/engine.py) with this loss's per-chunk work in linear_chunks.py, the custom_vjps are in
+linear_autograd.py, the custom partitioning of sharded heads in fastce_jax/distributed/linear_sharded.py.
 """
 
 from __future__ import annotations
@@ -8,22 +9,40 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from .. import contract, kernels, outputs, token_inputs
-from ..log_probs import negated_losses
-from . import chunks
-from .autograd import kernel_loss
-from .chunks import StaticConfig, rows_per_chunk
+from ...core import token_inputs
+from ...core.launch import quiet_triton
+from ...core.options import (
+    as_array,
+    check_class_weight,
+    check_extras,
+    check_flag,
+    check_float_array,
+    check_labels,
+    check_n_items,
+    check_options,
+    ignore_value,
+    on_gpu,
+    reduce_losses,
+)
+from ...core.options import (
+    validate_labels as check_label_values,
+)
+from ...core.outputs import CrossEntropyOutput, reduce_outputs, weigh_tokens
+from ...core.reference import reference_row_outputs, reference_token_losses
+from ...linear import engine
+from .launch import backward_config, forward_config
+from .linear_autograd import kernel_loss
+from .linear_chunks import StaticConfig
+from .log_probs import negated_losses
 
-
-def _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows=False):
-    for name, value in (("workspace_bytes", workspace_bytes), ("chunk_rows", chunk_rows)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-    contract.check_flag(accumulate_in_float32, "accumulate_in_float32")
-    return contract.check_flag(skip_ignored_rows, "skip_ignored_rows")
-
+__all__ = [
+    "WEIGHT_LAYOUTS",
+    "check_weight_layout",
+    "aligned_token_weights",
+    "linear_cross_entropy",
+    "linear_log_probs",
+]
 
 WEIGHT_LAYOUTS = ("vh", "hv")
 
@@ -37,10 +56,10 @@ def check_weight_layout(weight_layout) -> bool:
 
 
 def _check_tensors(hidden, weight, bias, hv=False):
-    hidden = contract.check_float_array(hidden, "hidden")
-    weight = contract.check_float_array(weight, "weight")
+    hidden = check_float_array(hidden, "hidden")
+    weight = check_float_array(weight, "weight")
     if bias is not None:
-        bias = contract.check_float_array(bias, "bias")
+        bias = check_float_array(bias, "bias")
     if hidden.ndim < 1 or hidden.shape[-1] < 1:
         raise ValueError(f"hidden must have shape (..., H) with H >= 1, got {tuple(hidden.shape)}")
     h_axis = 0 if hv else 1
@@ -57,32 +76,13 @@ def _check_tensors(hidden, weight, bias, hv=False):
     return hidden, weight, bias
 
 
-LOGITS_DTYPE_ERROR = 'logits_dtype must be None, "float32" or jnp.float32, got {!r}'
-
-
-def check_logits_dtype(logits_dtype, dtype):
-    """The chunks' logits dtype: None (the operands' dtype, as today) or float32; a no-op (None) when the operands
-    are float32 or float64 already."""
-    if logits_dtype is None:
-        return None
-    f32 = (
-        (isinstance(logits_dtype, str) and logits_dtype == "float32")
-        or logits_dtype is jnp.float32
-        or logits_dtype is np.float32
-        or (isinstance(logits_dtype, np.dtype) and logits_dtype == np.float32)
-    )
-    if not f32:
-        raise ValueError(LOGITS_DTYPE_ERROR.format(logits_dtype))
-    return None if dtype.itemsize >= 4 else "float32"
-
-
 def aligned_token_weights(weights, labels, shift: int, ignore_index: int):
     """The weights aligned with the (shifted) labels: weights[..., shift:] then zeros, as the labels are shifted;
     0 on ignored rows, whose weight takes no part (a NaN or inf weight there stays out of the loss)."""
     if weights is None:
         return None
     weights = token_inputs.shifted_token_weights(jnp.asarray(weights), shift)
-    ign = contract.ignore_value(labels.dtype, ignore_index)
+    ign = ignore_value(labels.dtype, ignore_index)
     return weights if ign is None else jnp.where(labels == ign, jnp.zeros((), weights.dtype), weights)
 
 
@@ -90,11 +90,11 @@ def _reference_loss(logits, labels, options, reduction, n_items, returns, class_
     """backend="reference": the jnp loss of the materialised logits (..., V), with the extra outputs asked for
     (the entropy differentiable by plain autodiff)."""
     if not returns:
-        losses = contract.reference_token_losses(logits, labels, options, class_weight)
-        losses = outputs.weigh_tokens(losses, labels, token_weights, options.ignore_index)
-        return contract.reduce_losses(losses, labels, reduction, n_items, options.ignore_index, class_weight)
-    losses, lse, accuracy, entropy = contract.reference_row_outputs(logits, labels, options, returns, class_weight)
-    return outputs.reduce_outputs(
+        losses = reference_token_losses(logits, labels, options, class_weight)
+        losses = weigh_tokens(losses, labels, token_weights, options.ignore_index)
+        return reduce_losses(losses, labels, reduction, n_items, options.ignore_index, class_weight)
+    losses, lse, accuracy, entropy = reference_row_outputs(logits, labels, options, returns, class_weight)
+    return reduce_outputs(
         losses, lse, accuracy, entropy, labels, reduction, n_items, options, returns, logits.shape[-1], class_weight,
         token_weights=token_weights, entropy_grad=True,
     )  # fmt: skip
@@ -110,18 +110,18 @@ def _static_config(
     logits_itemsize = 4 if logits_dtype is not None else dtype.itemsize
     return StaticConfig(
         options=options,
-        interpret=not contract.on_gpu(hidden),
+        interpret=not on_gpu(hidden),
         reduction=reduction,
-        chunk_rows=rows_per_chunk(n_rows, vocab, logits_itemsize, workspace_bytes, chunk_rows),
+        chunk_rows=engine.rows_per_chunk(n_rows, vocab, logits_itemsize, workspace_bytes, chunk_rows),
         dtype=dtype.name,
         f32_weight_grad=bool(accumulate_in_float32),
         with_bias=bias is not None,
-        forward_config=kernels.forward_config(vocab),
-        backward_config=kernels.backward_config(vocab),
+        forward_config=forward_config(vocab),
+        backward_config=backward_config(vocab),
         returns=returns,
         skip_ignored_rows=skip_ignored_rows,
-        # Several devices: the loop runs on each device's block of rows and vocabulary (sharded.py); class weights
-        # have no partitioning rule: such a call runs the loop on the whole (gathered) arrays.
+        # Several devices: the loop runs on each device's block of rows and vocabulary (linear_sharded.py); class
+        # weights have no partitioning rule: such a call runs the loop on the whole (gathered) arrays.
         partitioned=jax.device_count() > 1 and class_weight is None,
         logits_dtype=logits_dtype,
         weight_hv=hv,
@@ -131,7 +131,7 @@ def _static_config(
 def _with_lead_shape(result, lead, reduction):
     """The kernel path's flat per-token results shaped like the labels: the loss ("none"), every per-token field
     of a CrossEntropyOutput (lse always, the others for "none")."""
-    if not isinstance(result, contract.CrossEntropyOutput):
+    if not isinstance(result, CrossEntropyOutput):
         return result.reshape(lead) if reduction == "none" else result
     per_token = result._fields if reduction == "none" else ("lse",)
     return result._replace(**{f: getattr(result, f).reshape(lead) for f in per_token if getattr(result, f) is not None})
@@ -190,7 +190,7 @@ def linear_cross_entropy(
     The logits are computed in the inputs' common dtype (with float32 accumulation inside the matmul, as XLA's
     GPU matmuls do); the loss is float32 (float64 for a float64 common dtype). Gradients flow to hidden, weight
     and bias, in their dtypes. The extra memory is the gradients plus one chunk of logits (at most
-    ``workspace_bytes``; see chunks.py).
+    ``workspace_bytes``; see fastce_jax/linear/engine.py).
 
     Chunking (the kernel path only; neither changes the loss beyond rounding): ``workspace_bytes`` bounds the chunk
     of logits materialised at a time (None: DEFAULT_WORKSPACE_BYTES = 256 MiB), ``chunk_rows`` (an int) forces the
@@ -204,7 +204,7 @@ def linear_cross_entropy(
     row. jit, grad, second order and vmap work (under vmap with batched labels the cond becomes a select: both
     branches run, nothing is saved). The same loss and gradients (d hidden exactly 0 on ignored rows), every
     output in the original order. Nothing is read on the host by fastce, but on a GPU XLA runs each chunk's
-    conditional by reading its predicate on the host (a wait per chunk; see chunks.py).
+    conditional by reading its predicate on the host (a wait per chunk; see fastce_jax/linear/engine.py).
 
     return_z_loss, return_lse, return_accuracy, return_entropy: as in ``fastce_jax.cross_entropy``, collected chunk
     by chunk from the same forward kernels (no logits kept). Differentiating the returned z_loss (with z_loss != 0)
@@ -238,7 +238,7 @@ def linear_cross_entropy(
     """
     hv = check_weight_layout(weight_layout)
     hidden, weight, bias = _check_tensors(hidden, weight, bias, hv)
-    options = contract.check_options(
+    options = check_options(
         ignore_index=ignore_index,
         reduction=reduction,
         logit_softcapping=logit_softcapping,
@@ -248,36 +248,36 @@ def linear_cross_entropy(
         backend=backend,
         temperature=temperature,
     )
-    labels = contract.check_labels(labels, hidden.shape[:-1], options.ignore_index, "hidden")
+    labels = check_labels(labels, hidden.shape[:-1], options.ignore_index, "hidden")
     labels = token_inputs.masked_labels(labels, where, options.ignore_index)
     token_weights = token_inputs.check_token_weights(token_weights, labels.shape)
-    check = contract.check_flag(validate_labels, "validate_labels")
-    n_items = contract.check_n_items(n_items)
-    returns = contract.check_extras(
+    check = check_flag(validate_labels, "validate_labels")
+    n_items = check_n_items(n_items)
+    returns = check_extras(
         return_z_loss=return_z_loss,
         return_lse=return_lse,
         return_accuracy=return_accuracy,
         return_entropy=return_entropy,
     )
-    skip_ignored_rows = _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows)
+    skip_ignored_rows = engine.check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows)
     kept = None
     if shift := token_inputs.check_shift(shift):
         labels, kept = token_inputs.shifted_labels(labels, shift, options.ignore_index)
     vocab, dim = weight.shape[::-1] if hv else weight.shape
-    class_weight = contract.check_class_weight(class_weight, vocab, "class_weight")
+    class_weight = check_class_weight(class_weight, vocab, "class_weight")
     if check:
-        contract.validate_labels(labels, vocab, options.ignore_index)
+        check_label_values(labels, vocab, options.ignore_index)
     dtype = jnp.dtype(jnp.result_type(hidden.dtype, weight.dtype, *(() if bias is None else (bias.dtype,))))
-    logits_dtype = check_logits_dtype(logits_dtype, dtype)
+    logits_dtype = engine.check_logits_dtype(logits_dtype, dtype)
     if backend == "auto":
-        backend = "kernel" if contract.on_gpu(hidden) else "reference"
+        backend = "kernel" if on_gpu(hidden) else "reference"
     lead = tuple(hidden.shape[:-1])
     h2 = hidden.reshape(-1, dim)
     labels = jnp.asarray(labels)
     token_weights = aligned_token_weights(token_weights, labels, shift, options.ignore_index)
     # No tokens: no chunk to launch; float64: the chunks compute in float32.
     if backend == "reference" or h2.shape[0] == 0 or dtype == jnp.float64:
-        logits = chunks.chunk_logits(h2, weight, bias, dtype, logits_dtype, hv).reshape(lead + (vocab,))
+        logits = engine.chunk_logits(h2, weight, bias, dtype, logits_dtype, hv).reshape(lead + (vocab,))
         loss = _reference_loss(logits, labels, options, reduction, n_items, returns, class_weight, token_weights)
     else:
         st = _static_config(
@@ -286,7 +286,7 @@ def linear_cross_entropy(
             skip_ignored_rows=skip_ignored_rows, hv=hv,
         )  # fmt: skip
         flat_weights = None if token_weights is None else token_weights.reshape(-1)
-        with kernels.quiet_triton(st.interpret):
+        with quiet_triton(st.interpret):
             loss = kernel_loss(h2, weight, bias, labels.reshape(-1), n_items, class_weight, flat_weights, st=st)
         loss = _with_lead_shape(loss, lead, reduction)
     return token_inputs.keep_positions(loss, kept, reduction)
@@ -294,7 +294,7 @@ def linear_cross_entropy(
 
 def _check_tokens(tokens, hidden):
     """tokens named as such (linear_cross_entropy's checks name them labels): integers shaped like hidden's lead."""
-    tokens = contract.as_array(tokens, "tokens")
+    tokens = as_array(tokens, "tokens")
     if not jnp.issubdtype(jnp.dtype(tokens.dtype), jnp.integer):
         raise TypeError(f"tokens must be int32 or int64, got {tokens.dtype}")
     lead = tuple(jnp.shape(hidden)[:-1])
@@ -334,7 +334,7 @@ def linear_log_probs(
     saves nothing for a backward. weight_layout="hv": weight is (H, V), as linear_cross_entropy's.
     """
     tokens = _check_tokens(tokens, hidden)
-    want_entropy = contract.check_flag(return_entropy, "return_entropy")
+    want_entropy = check_flag(return_entropy, "return_entropy")
     out = linear_cross_entropy(
         hidden,
         weight,

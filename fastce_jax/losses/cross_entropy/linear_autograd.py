@@ -1,4 +1,5 @@
-"""The custom_vjps of the fused linear cross-entropy around the chunk loop (chunks.py), and the jitted kernel path.
+"""The custom_vjps of the fused linear cross-entropy around its chunk loops (linear_chunks.py on the engine,
+fastce_jax/linear/engine.py), and the jitted kernel path ``kernel_loss``.
 
 Reductions (jax.custom_vjp).
 - "mean" / "sum": the gradients are computed in the forward pass of the VJP and are its residuals (the reduction's
@@ -7,7 +8,8 @@ Reductions (jax.custom_vjp).
 - "none": the per-token upstream gradients exist only in the backward, so the forward keeps the log-sum-exp (N
   floats) and the backward recomputes each chunk's logits: 8·N·H·V flops.
 
-A call with ``partitioned`` set (several devices) runs the loop through sharded.py's custom_partitioning ops.
+A call with ``partitioned`` set (several devices) runs the loop through fastce_jax/distributed/linear_sharded.py's
+custom_partitioning ops.
 """
 
 from __future__ import annotations
@@ -18,39 +20,30 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from .. import contract, outputs
-from . import chunks, sharded
-from .chunks import StaticConfig, extra_names
+from ...core.options import loss_divisor, lse_differentiated, reduce_losses
+from ...core.outputs import with_outputs
+from ...distributed import linear_sharded
+from ...linear.engine import finish_grads, vocab_axis
+from . import linear_chunks
+from .linear_chunks import StaticConfig, extra_names
+
+__all__ = ["forward_chunks", "backward_chunks", "kernel_loss"]
 
 
 def forward_chunks(hidden, weight, bias, labels, g_tokens, st: StaticConfig, class_weight=None):
-    """chunks.chunked_forward, through sharded.py's partitioned op when ``st.partitioned``."""
+    """linear_chunks.chunked_forward, through linear_sharded.py's partitioned op when ``st.partitioned``."""
     if st.partitioned:
-        return sharded.fused_forward(hidden, weight, bias, labels, g_tokens, st)
-    return chunks.chunked_forward(hidden, weight, bias, labels, g_tokens, st, class_weight)
+        return linear_sharded.fused_forward(hidden, weight, bias, labels, g_tokens, st)
+    return linear_chunks.chunked_forward(hidden, weight, bias, labels, g_tokens, st, class_weight)
 
 
 def backward_chunks(
     hidden, weight, bias, labels, lse, g_tokens, st: StaticConfig, g_lse=None, class_weight=None, entropy=None
 ):
-    """chunks.chunked_backward, through sharded.py's partitioned op when ``st.partitioned``."""
+    """linear_chunks.chunked_backward, through linear_sharded.py's partitioned op when ``st.partitioned``."""
     if st.partitioned:
-        return sharded.fused_backward(hidden, weight, bias, labels, lse, g_tokens, st, g_lse, entropy)
-    return chunks.chunked_backward(hidden, weight, bias, labels, lse, g_tokens, st, g_lse, class_weight, entropy)
-
-
-def _finish_grads(grads, hidden, weight, bias, scale=None, extra=None):
-    """Scale (by the upstream, when given) and cast each gradient to its input's dtype: one fused pass each; extra:
-    gradients to add before the cast (the returned z_loss's), or None."""
-    dh, dw, db = grads
-    extra = (None, None, None) if extra is None else extra
-
-    def fin(g, like, more):
-        # A bf16 gradient times the float32 scale is computed in float32 and rounded once.
-        g = g if scale is None else g * scale
-        return (g if more is None else g + more).astype(like.dtype)
-
-    return fin(dh, hidden, extra[0]), fin(dw, weight, extra[1]), None if bias is None else fin(db, bias, extra[2])
+        return linear_sharded.fused_backward(hidden, weight, bias, labels, lse, g_tokens, st, g_lse, entropy)
+    return linear_chunks.chunked_backward(hidden, weight, bias, labels, lse, g_tokens, st, g_lse, class_weight, entropy)
 
 
 def _with_extras(loss, lse, extra: dict, st: StaticConfig):
@@ -62,9 +55,9 @@ def _with_extras(loss, lse, extra: dict, st: StaticConfig):
 
 
 def _token_scale(labels, n_items, st: StaticConfig, class_weight=None, token_weights=None):
-    """d loss / d loss_t of the reduction: 1 / contract.loss_divisor (traced; no host synchronisation), times the
+    """d loss / d loss_t of the reduction: 1 / core.options.loss_divisor (traced; no host synchronisation), times the
     token's weight when there are token weights."""
-    divisor = contract.loss_divisor(labels, st.reduction, n_items, st.options.ignore_index, weight=class_weight)
+    divisor = loss_divisor(labels, st.reduction, n_items, st.options.ignore_index, weight=class_weight)
     if token_weights is not None:
         return token_weights.astype(jnp.float32) / divisor
     return jnp.broadcast_to(1.0 / divisor, labels.shape)
@@ -73,7 +66,7 @@ def _token_scale(labels, n_items, st: StaticConfig, class_weight=None, token_wei
 def _weighted_reduce(losses, labels, n_items, st: StaticConfig, class_weight, token_weights):
     if token_weights is not None:
         losses = losses * token_weights.astype(losses.dtype)
-    return contract.reduce_losses(losses, labels, st.reduction, n_items, st.options.ignore_index, class_weight)
+    return reduce_losses(losses, labels, st.reduction, n_items, st.options.ignore_index, class_weight)
 
 
 def _values(*primals):
@@ -92,7 +85,7 @@ def _output_cotangents(g, st: StaticConfig):
     if not st.returns:
         return _used(g), None, None
     g_loss, g_lse, *g_rest = g
-    g_lse = _used(g_lse) if contract.lse_differentiated(st.options, st.returns) else None
+    g_lse = _used(g_lse) if lse_differentiated(st.options, st.returns) else None
     g_entropy = dict(zip(extra_names(st), g_rest)).get("entropy")
     return _used(g_loss), g_lse, None if g_entropy is None else _used(g_entropy)
 
@@ -115,7 +108,7 @@ def _reduced_fwd(*primals):
     likes = (jnp.zeros((0,), hidden.dtype), jnp.zeros((0,), weight.dtype), None if bias is None else bias[:0])
     # A returned z_loss or entropy: its gradient is only known in the backward, which recomputes the chunks.
     inputs = None
-    if contract.lse_differentiated(st.options, st.returns) or st.returns.entropy:
+    if lse_differentiated(st.options, st.returns) or st.returns.entropy:
         inputs = (hidden, weight, bias, labels, lse, extra.get("entropy"))
     return _with_extras(loss, lse, extra, st), (grads, likes, inputs, class_weight, token_weights)
 
@@ -141,7 +134,7 @@ def _reduced_bwd(st: StaticConfig, residuals, g):
         nonzero = [jnp.any(c != 0) for c in (g_lse, g_entropy) if c is not None]
         extra = jax.lax.cond(functools.reduce(jnp.logical_or, nonzero), outputs_part, nothing)
     scale = jnp.zeros((), jnp.float32) if g is None else g
-    dh, dw, db = _finish_grads(grads, h_like, w_like, b_like, scale=scale, extra=extra)
+    dh, dw, db = finish_grads(grads, h_like, w_like, b_like, scale=scale, extra=extra)
     return dh, dw, db, None, None, _zero_like(class_weight), _zero_like(token_weights)
 
 
@@ -174,7 +167,7 @@ def _per_token_bwd(st: StaticConfig, residuals, g):
     # A differentiated entropy output adds its term to the same recomputing pass (no extra matmul).
     ent = None if g_entropy is None else (g_entropy, lse - entropy)
     grads = backward_chunks(hidden, weight, bias, labels, lse, g, st, g_lse, class_weight, ent)
-    dh, dw, db = _finish_grads(grads, hidden, weight, bias)
+    dh, dw, db = finish_grads(grads, hidden, weight, bias)
     return dh, dw, db, None, _zero_like(class_weight)
 
 
@@ -195,7 +188,7 @@ def kernel_loss(h2, weight, bias, labels, n_items, class_weight=None, token_weig
         return outs
     loss, lse, *rest = outs
     extra = dict(zip(extra_names(st), rest))
-    return outputs.with_outputs(
+    return with_outputs(
         loss, lse, extra.get("accuracy"), extra.get("entropy"), labels, st.reduction, n_items, st.options, st.returns,
-        weight.shape[chunks.vocab_axis(st)], class_weight, token_weights=token_weights, entropy_grad=True,
+        weight.shape[vocab_axis(st)], class_weight, token_weights=token_weights, entropy_grad=True,
     )  # fmt: skip

@@ -9,8 +9,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..contract import transform
-from .common import dz_dx
+from ...core.kernel_helpers import dz_dx
+from ...core.reference import transform
+
+__all__ = ["backward_kernel", "weighted_backward_kernel"]
 
 
 def backward_kernel(

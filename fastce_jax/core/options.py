@@ -1,8 +1,10 @@
-"""The loss contract (CONTRACT.md) in JAX terms: the options record and its checks on plain values, the reduction's
-divisor, and the per-token loss formula in jnp (the reference, the sharded paths and linear's plain path use it).
+"""The options record of every loss and its checks, in JAX terms (CONTRACT.md): Options and Extras (static: part of
+the jit and kernel cache keys), the constants (REDUCTIONS, BACKENDS, the dtypes, FLOAT32_TINY), every check of a
+plain argument (at trace time: shapes, dtypes and Python values only), the class and token weights as constants,
+the reduction's divisor, and where the arrays are: the "auto" backend's rule (placement, on_gpu, route).
 
-Imports no sibling module at its top (outputs.py and reference.py, which build on it, are re-exported at its
-end); every other module of the package may import from here.
+The jnp formulas of the contract are core/reference.py's, the output records core/outputs.py's; this module imports
+no other module of the package, and every other module may import it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,51 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = [
+    "Options",
+    "Extras",
+    "NO_EXTRAS",
+    "lse_differentiated",
+    "REDUCTIONS",
+    "BACKENDS",
+    "KERNEL_DTYPES",
+    "INPUT_DTYPES",
+    "FLOAT32_TINY",
+    "TRACED",
+    "FLOAT_DTYPE_ERROR",
+    "LABEL_DTYPE_ERROR",
+    "LABEL_SHAPE_ERROR",
+    "TRACED_LABELS_ERROR",
+    "BAD_LABEL_ERROR",
+    "as_array",
+    "check_float_array",
+    "check_labels",
+    "WEIGHT_GRAD_UNSUPPORTED",
+    "check_class_weight",
+    "constant_weight",
+    "constant_weight_fwd",
+    "constant_weight_bwd",
+    "check_temperature",
+    "fold_temperature",
+    "label_weights",
+    "check_flag",
+    "check_index_reduction_backend",
+    "check_options",
+    "check_extras",
+    "check_n_items",
+    "ignore_value",
+    "validate_labels",
+    "loss_divisor",
+    "reduce_losses",
+    "COMPILED",
+    "INTERPRETED",
+    "COMPILED_ELSE_REFERENCE",
+    "placement",
+    "on_gpu",
+    "gpu_available",
+    "route",
+]
+
 
 class Options(NamedTuple):
     """The loss options, in the contract's order; the same record (fields and order) as fastce_torch's Options."""
@@ -24,19 +71,6 @@ class Options(NamedTuple):
     logit_scaling: float = 0.0
     label_smoothing: float = 0.0
     z_loss: float = 0.0
-
-
-class CrossEntropyOutput(NamedTuple):
-    """What ``cross_entropy`` / ``linear_cross_entropy`` return when any return_* keyword is True: the loss (as
-    without them; it still includes the z-loss term) and the outputs asked for, None for the others (CONTRACT.md
-    "Extra outputs"). ``loss``, ``z_loss`` and ``entropy`` are differentiable; lse and accuracy carry a zero
-    gradient (stop_gradient)."""
-
-    loss: jax.Array
-    z_loss: jax.Array | None = None
-    lse: jax.Array | None = None
-    accuracy: jax.Array | None = None
-    entropy: jax.Array | None = None
 
 
 class Extras(NamedTuple):
@@ -330,106 +364,13 @@ def reduce_losses(token_losses, labels, reduction: str, n_items, ignore_index: i
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The loss formula in jnp (also traced inside the Pallas kernels: transform).
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def compute_dtype(dtype):
-    """The dtype the loss is computed and returned in: float64 for float64 logits, float32 for every other dtype."""
-    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
-
-
-def transform(logits, options: Options):
-    """z(x): Cohere scaling, then Gemma-2 softcapping (a zero option removes its code)."""
-    z = logits
-    if options.logit_scaling != 0.0:
-        z = z * options.logit_scaling
-    if options.logit_softcapping > 0.0:
-        # jnp.tanh lowers to libdevice __nv_tanhf on Triton and maps -inf to -1, so -inf padding becomes -softcap
-        # with a zero derivative.
-        z = options.logit_softcapping * jnp.tanh(z * (1.0 / options.logit_softcapping))
-    return z
-
-
-def row_statistics(z, labels, options: Options, vocab_start=0):
-    """(lse, label_logit, sum_z) of transformed logits z (..., V_local) holding columns [vocab_start, vocab_start +
-    V_local): the row's logsumexp, z at the label where these columns hold it (else 0), and the sum of z (0 without
-    label smoothing)."""
-    m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
-    m = jnp.where(m == -jnp.inf, 0.0, m)  # an all -inf row shifts by 0, as in the kernels; +inf gives NaN
-    lse = m[..., 0] + jnp.log(jnp.sum(jnp.exp(z - m), axis=-1))
-    column = labels - vocab_start
-    here = (column >= 0) & (column < z.shape[-1])
-    label_logit = jnp.take_along_axis(z, jnp.where(here, column, 0).astype(jnp.int32)[..., None], axis=-1)[..., 0]
-    label_logit = jnp.where(here, label_logit, 0.0)
-    sum_z = jnp.sum(z, axis=-1) if options.label_smoothing != 0.0 else jnp.zeros_like(lse)
-    return lse, label_logit, sum_z
-
-
-def token_loss_from_statistics(lse, label_logit, sum_z, labels, options: Options, vocab: int):
-    """The contract's per-token loss from a row's global statistics, the same arithmetic as the finish kernel:
-    ``(1 - eps)(lse - z_y) + eps (lse - sum_z / V) + z_loss lse**2``; NaN for a label outside [0, V), 0 where
-    ignored."""
-    smoothing = options.label_smoothing
-    loss = jnp.zeros_like(lse)
-    if smoothing != 1.0:
-        loss = loss + (1.0 - smoothing) * (lse - label_logit)
-    if smoothing != 0.0:
-        loss = loss + smoothing * (lse - sum_z * (1.0 / vocab))
-    if options.z_loss != 0.0:
-        loss = loss + options.z_loss * lse * lse
-    # Multiply (not where) so an out-of-range row's gradient is NaN too.
-    loss = loss * jnp.where((labels >= 0) & (labels < vocab), jnp.ones_like(loss), jnp.full_like(loss, jnp.nan))
-    ign = ignore_value(labels.dtype, options.ignore_index)
-    return loss if ign is None else jnp.where(labels == ign, 0.0, loss)
-
-
-def weighted_token_loss(lse, label_logit, sum_wz, w_label, w_sum, labels, options: Options, vocab: int):
-    """token_loss_from_statistics with class weights (F.cross_entropy's weight=), the finish kernel's arithmetic:
-    ``w_y (1 - eps)(lse - z_y) + (eps / V)(W lse - sum_c w_c z_c) + w_y z_loss lse**2`` from w_label = w[y],
-    w_sum = W = sum_c w_c and sum_wz = sum_c w_c z_c (a class of weight 0 left out even where z is -inf)."""
-    smoothing = options.label_smoothing
-    loss = jnp.zeros_like(lse)
-    if smoothing != 1.0:
-        loss = loss + (1.0 - smoothing) * w_label * (lse - label_logit)
-    if smoothing != 0.0:
-        loss = loss + smoothing * (1.0 / vocab) * (w_sum * lse - sum_wz)
-    if options.z_loss != 0.0:
-        loss = loss + options.z_loss * w_label * lse * lse
-    loss = loss * jnp.where((labels >= 0) & (labels < vocab), jnp.ones_like(loss), jnp.full_like(loss, jnp.nan))
-    ign = ignore_value(labels.dtype, options.ignore_index)
-    return loss if ign is None else jnp.where(labels == ign, 0.0, loss)
-
-
-def weighted_sum_z(z, weight):
-    """sum_c w_c z_c per row, a class of weight 0 adding nothing (even where its z is -inf)."""
-    return jnp.sum(jnp.where(weight == 0.0, 0.0, weight * z), axis=-1)
-
-
-def outputs_from_statistics(lse, argmax, mean_z, labels, options: Options, vocab: int):
-    """(accuracy, entropy) per token from a row's global statistics, the same arithmetic as the finish kernel;
-    argmax: the first column holding the row's largest z (None: no accuracy); mean_z: sum_j p_j z_j, -inf logits
-    contributing 0 (None: no entropy). Accuracy is 1.0 / 0.0, NaN for a label outside [0, V) or a row whose lse is
-    NaN (it holds NaN or +inf); entropy is lse - mean_z; both are 0 where ignored."""
-    ign = ignore_value(labels.dtype, options.ignore_index)
-    accuracy = entropy = None
-    if argmax is not None:
-        valid = (labels >= 0) & (labels < vocab) & (lse == lse)
-        # Typed constants: the Triton lowering cannot make an integer-typed NaN.
-        hit = (argmax == labels).astype(lse.dtype)
-        accuracy = jnp.where(valid, hit, jnp.full_like(lse, jnp.nan))
-        if ign is not None:
-            accuracy = jnp.where(labels == ign, jnp.zeros_like(lse), accuracy)
-    if mean_z is not None:
-        entropy = lse - mean_z
-        if ign is not None:
-            entropy = jnp.where(labels == ign, 0.0, entropy).astype(lse.dtype)
-    return accuracy, entropy
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Where the arrays are (the "auto" backend's rule).
 # ----------------------------------------------------------------------------------------------------------------
+
+# Where the kernels run: compiled (GPU), interpreted (Pallas interpret=True), or, for backend="auto" under a trace
+# in a process with a GPU backend, decided when the computation is lowered (jax.lax.platform_dependent: the compiled
+# kernels on cuda/rocm, the reference elsewhere).
+COMPILED, INTERPRETED, COMPILED_ELSE_REFERENCE = "compiled", "interpreted", "compiled_else_reference"
 
 
 def placement(x) -> bool | None:
@@ -457,15 +398,16 @@ def gpu_available() -> bool:
         return False
 
 
-# The extra outputs' reduction lives in outputs.py and the jnp reference formulas in reference.py (both import
-# this module); the names stay reachable here for the layers that call contract.with_outputs, contract.reference_*.
-# Importing the package always imports this module first, so these imports find it complete.
-from . import outputs as _outputs  # noqa: E402
-from . import reference as _reference  # noqa: E402
-
-reduce_outputs = _outputs.reduce_outputs
-with_outputs = _outputs.with_outputs
-z_loss_from_lse = _outputs.z_loss_from_lse
-reference_backward = _reference.reference_backward
-reference_row_outputs = _reference.reference_row_outputs
-reference_token_losses = _reference.reference_token_losses
+def route(x, backend: str) -> str:
+    """The path for logits x: "reference" or one of the kernel modes above (COMPILED, INTERPRETED,
+    COMPILED_ELSE_REFERENCE)."""
+    if backend == "reference":
+        return "reference"
+    where = placement(x)
+    if where is None and not gpu_available():
+        where = False  # traced on a machine without GPUs: it can only run on the CPU (or another non-GPU device)
+    if backend == "auto":
+        return {True: COMPILED, False: "reference", None: COMPILED_ELSE_REFERENCE}[where]
+    # backend="kernel" asks for the kernels: traced in a GPU process, the compiled ones (staging out interpret
+    # mode as well would fail where it cannot be traced, e.g. inside shard_map with check_vma=True).
+    return INTERPRETED if where is False else COMPILED

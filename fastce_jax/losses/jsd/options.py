@@ -1,21 +1,60 @@
-"""jsd / linear_jsd's contract in JAX terms: the distillation options record (JsdOptions, static: part of the jit
-and kernel cache keys) and the checks of every argument; the same module, names and messages as fastce_torch's
-jsd_contract (shared_tests/test_jsd.py compares the two packages' messages)."""
+"""jsd / linear_jsd's options in JAX terms: the distillation options record (JsdOptions, static: part of the jit
+and kernel cache keys), the checks of every argument, beta's kind and its constants (beta_terms) and the reduction
+over the counted rows (counted_rows, reduce_rows); the same module, names and messages as fastce_torch's
+losses/jsd/options.py (shared_tests/test_jsd.py compares the two packages' messages)."""
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 
-from . import contract
-from .contract import FLOAT32_TINY, Options, check_temperature, fold_temperature
+from ...core.options import (
+    FLOAT32_TINY,
+    Options,
+    check_float_array,
+    check_index_reduction_backend,
+    check_labels,
+    check_temperature,
+    fold_temperature,
+    ignore_value,
+)
+
+__all__ = [
+    "FLOAT32_MAX",
+    "BETA_TYPE",
+    "BETA_RANGE",
+    "INVERSE_TEMPERATURE_RANGE",
+    "SOFTCAPPING_TYPE",
+    "SOFTCAPPING_RANGE",
+    "LAST_DIMENSION",
+    "LEADING_SHAPE",
+    "TEACHER_VOCABULARY",
+    "WEIGHT_SHAPE",
+    "BIAS_SHAPE",
+    "FORWARD_KL",
+    "REVERSE_KL",
+    "MIXTURE",
+    "JsdOptions",
+    "check_softcapping",
+    "check_jsd_options",
+    "beta_terms",
+    "check_logits",
+    "check_leading_shape",
+    "check_vocabularies",
+    "check_head",
+    "check_heads",
+    "check_jsd_labels",
+    "counted_rows",
+    "reduce_rows",
+]
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
-# The messages of bad arguments, word for word those of fastce_torch's jsd_contract.
+# The messages of bad arguments, word for word those of fastce_torch's losses/jsd/options.py.
 BETA_TYPE = "beta must be a Python float in [0, 1], got {!r}"
 BETA_RANGE = "beta must be in [0, 1], got {}"
 INVERSE_TEMPERATURE_RANGE = "temperature={} puts 1 / temperature outside float32's normal range"
@@ -63,7 +102,7 @@ def check_jsd_options(
     beta = float(beta)
     if not 0.0 <= beta <= 1.0:  # NaN fails too
         raise ValueError(BETA_RANGE.format(beta))
-    contract.check_index_reduction_backend(ignore_index, reduction, backend)
+    check_index_reduction_backend(ignore_index, reduction, backend)
     temperature = check_temperature(temperature)
     if not FLOAT32_TINY <= 1.0 / temperature <= FLOAT32_MAX:
         raise ValueError(INVERSE_TEMPERATURE_RANGE.format(temperature))
@@ -74,14 +113,20 @@ def check_jsd_options(
     return JsdOptions(kind, int(ignore_index), *sides), beta
 
 
+def beta_terms(beta: float):
+    """(beta, 1 - beta, log beta, log(1 - beta)), float64 on the host: the mixture's constants, which the kernels
+    read at run time (as float32) and the jnp reference uses as they are."""
+    return (beta, 1.0 - beta, math.log(beta), math.log1p(-beta))
+
+
 # --- the arrays -----------------------------------------------------------------------------------------------------
 
 
 def check_logits(student_logits, teacher_logits):
     """The two logits arrays, checked: floating, student (..., V) with V >= 1, teacher (..., V_t) with the same
     leading shape and V_t >= V."""
-    student = contract.check_float_array(student_logits, "student_logits")
-    teacher = contract.check_float_array(teacher_logits, "teacher_logits")
+    student = check_float_array(student_logits, "student_logits")
+    teacher = check_float_array(teacher_logits, "teacher_logits")
     if student.ndim < 1 or student.shape[-1] < 1:
         raise ValueError(LAST_DIMENSION.format(name="student_logits", dim="V", shape=tuple(student.shape)))
     check_leading_shape(student, teacher, "student_logits", "teacher_logits")
@@ -105,9 +150,9 @@ def check_vocabularies(vocab_student: int, vocab_teacher: int, teacher_name: str
 def check_head(hidden, weight, bias, side: str):
     """One model's (hidden (..., H), weight (V, H), bias (V,) or None) as arrays, and their promoted dtype; each bad
     one raises naming itself."""
-    hidden = contract.check_float_array(hidden, f"{side}_hidden")
-    weight = contract.check_float_array(weight, f"{side}_weight")
-    bias = None if bias is None else contract.check_float_array(bias, f"{side}_bias")
+    hidden = check_float_array(hidden, f"{side}_hidden")
+    weight = check_float_array(weight, f"{side}_weight")
+    bias = None if bias is None else check_float_array(bias, f"{side}_bias")
     if hidden.ndim < 1 or hidden.shape[-1] < 1:
         raise ValueError(LAST_DIMENSION.format(name=f"{side}_hidden", dim="H", shape=tuple(hidden.shape)))
     if weight.ndim != 2 or weight.shape[0] < 1 or weight.shape[1] != hidden.shape[-1]:
@@ -130,4 +175,25 @@ def check_heads(student, teacher):
 
 def check_jsd_labels(labels, lead: tuple, ignore_index: int, name: str):
     """None (every row counts) or integer labels shaped ``lead``, the leading shape of ``name``."""
-    return None if labels is None else contract.check_labels(labels, lead, ignore_index, name)
+    return None if labels is None else check_labels(labels, lead, ignore_index, name)
+
+
+# --- the reduction ------------------------------------------------------------------------------------------------
+
+
+def counted_rows(labels, n_rows: int, ignore_index: int, dtype=jnp.float32):
+    """The "mean" divisor: the number of rows whose label is not ignore_index (labels None: n_rows), at least 1
+    (all ignored gives a mean of 0). Traced: no host synchronisation."""
+    ign = None if labels is None else ignore_value(labels.dtype, ignore_index)
+    count = n_rows if ign is None else jnp.sum(labels != ign)
+    return jnp.maximum(count, 1).astype(dtype)
+
+
+def reduce_rows(losses, labels, reduction: str, ignore_index: int):
+    """The per-row losses reduced: "none" as they are, "sum", or "mean" over the counted rows (counted_rows)."""
+    if reduction == "none":
+        return losses
+    total = jnp.sum(losses)
+    if reduction == "sum":
+        return total
+    return total / counted_rows(labels, losses.size, ignore_index, total.dtype)
