@@ -1,8 +1,19 @@
 """Autograd guards shared by the autograd Functions (cross_entropy, linear_cross_entropy, the vocab-parallel path):
 whether logits may be overwritten by an in-place backward, the error when consumed logits are needed again, and
-which torch.func transforms a backward runs under. Imports no sibling module (contract.py re-exports these)."""
+which torch.func transforms a backward runs under."""
 
 import torch
+
+__all__ = [
+    "LOGITS_REUSED",
+    "differentiated_again",
+    "functorch_transforms",
+    "gradient_buffer",
+    "is_intermediate",
+    "saved_logits",
+    "under_functorch",
+    "unwrapped",
+]
 
 LOGITS_REUSED = (
     "fastce_torch.cross_entropy wrote its gradient into the logits' buffer (inplace_backward=True), and these "

@@ -1,134 +1,159 @@
-"""Triton kernels for the fused cross-entropy (see CONTRACT.md for the math), their launchers (`forward`,
-`backward`) and launch configuration (`forward_config`, `backward_config`), with the tuned constants.
-
-Two kernels, each reading the logits once (and _scale_unless_one_kernel, for linear_cross_entropy's gradients):
-  _forward_kernel   (forward.py) grid (N, C): one program walks one chunk of one row, one exp per element, keeping
-                    the running max, sum of exp and sum of z; the row's last chunk combines the chunks' partials and
-                    writes the per-token loss and logsumexp, and for "mean"/"sum" the batch is reduced in-kernel.
-  _backward_kernel  (backward.py) grid (N, cdiv(V, BLOCK)): recomputes z, writes the gradient in one pass, in place
-                    when the caller passes the logits buffer as the gradient buffer.
-Rows whose label is ignore_index are never read: their partials are empty and their gradient is written as zeros.
-Row offsets are 64-bit, so N*V beyond 2**31 elements is fine.
-Vocab-parallel mode (VOCAB_PARALLEL, a constexpr: the single-device path compiles without it): the logits are one
-rank's columns [vocab_start, vocab_start + V) of a vocabulary of vocab_total; the forward writes per row the local
-logsumexp, the transformed label logit (0 unless this slice holds the label) and the local sum of z, for the caller
-to combine across ranks (combine.py); the backward takes the global logsumexp and places the label at column
-label - vocab_start.
-Extra outputs (OUTPUTS, a constexpr: the default variants compile without it, bench/tools/same_ptx.py checks that
-their instructions are unchanged): the forward also keeps per chunk the first column of the largest z and
-sum_j e^(z_j - max) z_j, combines them like the other partials and writes per row the argmax and the mean of z
-(accuracy and entropy in cross_entropy's CrossEntropyOutput); `lse_backward` is the z_loss output's gradient.
-The entropy output's gradient (HAS_ENTROPY_GRAD, a constexpr of the backward kernel; `backward(..., grad_entropy=,
-mean_z=)`) adds g_H p_j (mz - z_j) dz/dx in the backward's one pass; the variants without it are unchanged.
-
-Modules: common.py (the @triton.jit helpers), forward.py and backward.py (the kernels), combine.py (the
-vocab-parallel combine kernels and their three host-side steps), launch.py (the host side: configs, capture guard,
-scratch layout, launch functions), launch_cache.py (the reproduction of Triton 3.6.0's launch path; deletable),
-jsd_forward.py and jsd.py (the distillation kernels of jsd / linear_jsd; jsd.py has their launchers).
-This package re-exports what the other layers call, and forgets the launchers' variants (forget_launches, and after
-a fork).
+"""The host side of a kernel launch that every kernel shares, whatever its loss: the launchers (launch_cache.Launcher:
+Triton's generic `kernel[grid](...)` the first time a variant runs, then that compiled variant's own launcher
+directly, FASTCE_TORCH_LAUNCH_CACHE=0 at import turning this off; or GenericLauncher, Triton's own path every time,
+where launch_cache.py is absent), the capture guard (a variant's first launch, which compiles it, refused inside a
+CUDA graph capture with an error naming the cause), the device a launch runs on, the check that the kernels can run
+(CUDA tensors, or Triton's interpreter: INTERPRETED), and forget_launches: every launcher registered here
+(register_launchers) forgets its variants on request and in a forked child.
 """
 
+import contextlib
 import os
+import sys
 
-from . import combine, jsd, launch
-from .combine import (
-    VOCAB_PARALLEL_BLOCK,
-    VocabParallelStatistics,
-    vocab_parallel_loss,
-    vocab_parallel_rescale,
-    vocab_parallel_statistics,
-)
-from .launch import (
-    BACKWARD_BLOCK,
-    BACKWARD_WARPS,
-    CHUNK,
-    FIRST_LAUNCH_IN_CAPTURE,
-    FORWARD_BLOCK,
-    FORWARD_STAGES,
-    FORWARD_WARPS,
-    GROUPS_BLOCK,
-    INTERPRETED,
-    LAUNCH_CACHE_VARIABLE,
-    ROWS_PER_GROUP,
-    SCALE_BLOCK,
-    BackwardConfig,
-    ForwardConfig,
-    Options,
-    backward,
-    backward_config,
-    class_weight_operands,
-    denominator_operands,
-    forward,
-    forward_config,
-    launch_cache,
-    launch_cache_enabled,
-    lse_backward,
-    on_device,
-    row_layout,
-    rows_overlap,
-    scale_unless_one,
-)
+import torch
+from triton import knobs
 
 __all__ = [
-    "BACKWARD_BLOCK",
-    "BACKWARD_WARPS",
-    "CHUNK",
     "FIRST_LAUNCH_IN_CAPTURE",
-    "FORWARD_BLOCK",
-    "FORWARD_STAGES",
-    "FORWARD_WARPS",
-    "GROUPS_BLOCK",
     "INTERPRETED",
     "LAUNCH_CACHE_VARIABLE",
-    "ROWS_PER_GROUP",
-    "SCALE_BLOCK",
-    "VOCAB_PARALLEL_BLOCK",
-    "BackwardConfig",
-    "ForwardConfig",
-    "Options",
-    "VocabParallelStatistics",
-    "backward",
-    "backward_config",
-    "class_weight_operands",
-    "denominator_operands",
+    "GenericLauncher",
+    "Launcher",
+    "checked",
+    "current_device",
     "forget_launches",
-    "forward",
-    "forward_config",
+    "guard_capture",
     "launch_cache",
     "launch_cache_enabled",
-    "lse_backward",
+    "launch_guarded",
+    "launchers",
     "on_device",
-    "row_layout",
-    "rows_overlap",
-    "scale_unless_one",
-    "vocab_parallel_loss",
-    "vocab_parallel_rescale",
-    "vocab_parallel_statistics",
+    "register_launchers",
 ]
 
+INTERPRETED = bool(knobs.runtime.interpret)
 
-def _launchers():
-    # Looked up at each call, so a launcher replaced by a test is the one forgotten.
-    return (
-        launch.forward_launcher, launch.backward_launcher, launch.scale_launcher, combine.maxima_launcher,
-        combine.rescale_launcher, combine.vocab_parallel_loss_launcher, jsd.partials_launcher, jsd.mixture_launcher,
-        jsd.finish_launcher, jsd.backward_launcher,
-    )  # fmt: skip
+
+class GenericLauncher:
+    """Triton's own launch path, every time: what every launcher is without launch_cache.py. The same interface as
+    launch_cache.Launcher (`cached` never launches, `launch` is `kernel[grid](*args)`)."""
+
+    hits = 0
+    failure = None
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def cached(self, grid, args, num_warps=None, num_stages=None):
+        return False
+
+    def launch(self, grid, args, num_warps=None, num_stages=None):
+        options = {} if num_warps is None else {"num_warps": num_warps}
+        if num_stages is not None:
+            options["num_stages"] = num_stages
+        return self.kernel[grid](*args, **options)
+
+    def forget(self):
+        pass
+
+
+try:  # the one link to launch_cache.py: deleting that module leaves Triton's own launch path
+    from .launch_cache import LAUNCH_CACHE_VARIABLE, Launcher, launch_cache, launch_cache_enabled
+except ImportError:
+    Launcher = GenericLauncher
+    LAUNCH_CACHE_VARIABLE = "FASTCE_TORCH_LAUNCH_CACHE"
+
+    def launch_cache_enabled():
+        return False
+
+    @contextlib.contextmanager
+    def launch_cache(enabled):
+        if enabled:
+            raise RuntimeError("the launch cache is off in this process: fastce_torch.core.launch_cache is absent")
+        yield
+
+
+# The current device as torch's C getter reads it (as Triton's driver and the launch cache read it).
+current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+
+
+def checked(tensor):
+    """Raise unless the kernels can run on `tensor`: a CUDA tensor, or any tensor under Triton's interpreter."""
+    if not tensor.is_cuda and not INTERPRETED:
+        raise RuntimeError(
+            "the Triton kernels need CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 before "
+            "triton is first imported, or use backend='reference'"
+        )
+
+
+_SAME_DEVICE = contextlib.nullcontext()  # stateless: one instance serves every call
+
+
+def on_device(tensor):
+    """Triton launches on the current device's current stream: make the tensor's device current for the launch
+    (logits on cuda:1 while cuda:0 is current). A no-op (one shared nullcontext) when it already is; the current
+    device comes from torch's C getter, as the launch cache reads it (a CUDA tensor means CUDA is initialised)."""
+    if tensor.is_cuda and tensor.get_device() != current_device():
+        return torch.cuda.device(tensor.device)
+    return _SAME_DEVICE
+
+
+FIRST_LAUNCH_IN_CAPTURE = (
+    "fastce_torch: this kernel variant (options, reduction, dtype, device) has not run yet in this process, and its "
+    "first launch cannot be captured in a CUDA graph: Triton compiles and loads a kernel on its first launch, which "
+    "stream capture forbids. Run the same step once outside the capture first (torch.cuda.graph's documented "
+    "warm-up on a side stream does it), then capture."
+)
+# Kernel variants that have been launched in this process (so Triton has compiled and loaded their modules).
+_launched = set()
+
+
+def guard_capture(variant, tensor):
+    """Raise FIRST_LAUNCH_IN_CAPTURE instead of letting a first launch invalidate a CUDA graph capture (whose own
+    error, "operation failed due to a previous error during capture", names no cause)."""
+    if variant not in _launched:
+        if tensor.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(FIRST_LAUNCH_IN_CAPTURE)
+        _launched.add(variant)
+
+
+def launch_guarded(launcher, grid, args, variant, tensor, warps=None):
+    """A launch through the cache, or Triton's generic path guarded against a first launch inside a capture
+    (guard_capture; `variant` keys what Triton compiles for it)."""
+    with on_device(tensor):
+        if not launcher.cached(grid, args, warps):
+            guard_capture(variant, tensor)
+            launcher.launch(grid, args, warps)
+
+
+# Every kernel's launcher, as (module name, attribute): looked up at each call, so a launcher replaced by a test is the
+# one forgotten.
+_REGISTERED = []
+
+
+def register_launchers(module_name, *attributes):
+    """Record the launchers that the module `module_name` keeps as these attributes, for forget_launches."""
+    _REGISTERED.extend((module_name, attribute) for attribute in attributes)
+
+
+def launchers():
+    """Every registered launcher, as its module holds it now."""
+    return [getattr(sys.modules[module], attribute) for module, attribute in _REGISTERED]
 
 
 def forget_launches():
     """Forget which kernel variants have run (the capture guard's record and the launch cache): the next launch of
     each variant takes Triton's generic path again, as in a fresh process."""
-    launch._launched.clear()
-    for launcher in _launchers():
+    _launched.clear()
+    for launcher in launchers():
         launcher.forget()
 
 
 def _forget_variants_after_fork():
     # A forked child cannot use its parent's CUDA context: its first launch must take Triton's generic path (and
     # torch.cuda's checks), not a cached launcher whose device getter skips them.
-    for launcher in _launchers():
+    for launcher in launchers():
         launcher.forget()
 
 

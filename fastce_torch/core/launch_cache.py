@@ -1,7 +1,7 @@
 """The launch cache: a reproduction of Triton 3.6.0's launch path (JITFunction.run) that, after Triton has compiled
 and launched a kernel variant once, calls that variant's compiled launcher directly.
 
-This module is self-contained: kernels/launch.py imports it under one guard, and without it (deleted, or another
+This module is self-contained: core/launch.py imports it under one guard, and without it (deleted, or another
 Triton) every launch takes Triton's own `kernel[grid](...)`.
 
 Triton's `kernel[grid](*args)` costs ~26 us of host time per launch on the H200 machine (bench/NOTES.md): it reads
@@ -22,6 +22,21 @@ import os
 import torch
 import triton
 from triton import knobs
+
+__all__ = [
+    "LAUNCH_CACHE_TRITON",
+    "LAUNCH_CACHE_VARIABLE",
+    "ArgumentLayout",
+    "LaunchCacheSetting",
+    "Launcher",
+    "binder_key",
+    "current_device",
+    "current_stream",
+    "launch_cache",
+    "launch_cache_enabled",
+    "launch_cache_refusal",
+    "launch_cache_setting",
+]
 
 LAUNCH_CACHE_VARIABLE = "FASTCE_TORCH_LAUNCH_CACHE"
 LAUNCH_CACHE_TRITON = "3.6.0"  # the Triton release whose launch path Launcher reproduces
@@ -73,7 +88,7 @@ _MISSING = object()
 # torch.cuda.current_device, get_current_stream torch._C._cuda_getCurrentRawStream), as the C getters themselves: a
 # cached launch skips torch.cuda.current_device's lazy-initialisation check, which cannot matter there, since a
 # variant is only known after a generic launch initialised CUDA in this process, and a forked child forgets every
-# variant (the fork hook in kernels/__init__.py). CPU builds of torch have neither getter; nothing is cached there.
+# variant (the fork hook in core/launch.py). CPU builds of torch have neither getter; nothing is cached there.
 current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda device: torch.cuda.current_stream(device).cuda_stream

@@ -1,23 +1,46 @@
-"""The contract of fastce_torch in plain torch, shared by every entry point (cross_entropy, linear_cross_entropy,
-the vocab-parallel path in sharding.py): the options record and its checks, the reduction's divisor, the per-token
-loss and its gradient in framework ops (the reference, the vocab-parallel statistics and linear's plain path all
-use the same formulas), the error messages; the autograd guards live in guards.py (re-exported here)."""
+"""The options every loss shares and every check of an argument, in plain torch: the Options record (and Extras, the
+return_* keywords), the constants (BACKENDS, REDUCTIONS, the dtypes, FLOAT32_TINY / FLOAT32_MAX), the error
+messages shared word for word with fastce_jax, the reduction's divisor (loss_divisor) and the routing helpers
+(use_kernel, compute_dtype, is_dtensor). The contract's formulas are reference.py; the output records outputs.py."""
 
 import math
+import sys
 from typing import NamedTuple
 
 import torch
 
-from .guards import (  # noqa: F401  (re-exported: the other layers reach them as contract.*)
-    LOGITS_REUSED,
-    differentiated_again,
-    functorch_transforms,
-    gradient_buffer,
-    is_intermediate,
-    saved_logits,
-    under_functorch,
-    unwrapped,
-)
+__all__ = [
+    "BACKENDS",
+    "FLOAT32_MAX",
+    "FLOAT32_TINY",
+    "FLOAT_DTYPE_ERROR",
+    "INPUT_DTYPES",
+    "KERNEL_DTYPES",
+    "KERNEL_DTYPE_REQUIRED",
+    "LABEL_DTYPES",
+    "LABEL_DTYPE_ERROR",
+    "LABEL_SHAPE_ERROR",
+    "REDUCTIONS",
+    "VMAP_UNSUPPORTED",
+    "WEIGHT_GRAD_UNSUPPORTED",
+    "Extras",
+    "Options",
+    "check_class_weight",
+    "check_extras",
+    "check_labels",
+    "check_n_items",
+    "check_options",
+    "check_temperature",
+    "checked_options",
+    "compute_dtype",
+    "dtype_name",
+    "is_dtensor",
+    "label_weights",
+    "loss_divisor",
+    "use_kernel",
+    "validate_labels",
+    "with_temperature",
+]
 
 
 class Options(NamedTuple):
@@ -36,6 +59,7 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INPUT_DTYPES = (*KERNEL_DTYPES, torch.float64)  # float64 is computed in float64 by plain torch
 LABEL_DTYPES = (torch.int32, torch.int64)
 FLOAT32_TINY = torch.finfo(torch.float32).tiny  # 2**-126: options between 0 and this are refused
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 VMAP_UNSUPPORTED = (
     "fastce_torch.cross_entropy's kernels have no torch.func.vmap rule: a vmapped batch is only more rows, so "
@@ -47,20 +71,6 @@ KERNEL_DTYPE_REQUIRED = "logits must be float32, bfloat16, float16 or float64, g
 FLOAT_DTYPE_ERROR = "{name} must be float32, bfloat16, float16 or float64, got {dtype}"
 LABEL_DTYPE_ERROR = "labels must be int32 or int64, got {dtype}"
 LABEL_SHAPE_ERROR = "labels must have {name}'s leading shape {lead}, got {shape}"
-
-
-class CrossEntropyOutput(NamedTuple):
-    """What cross_entropy / linear_cross_entropy return when any return_* keyword is True (None where not asked):
-    loss as without them (z-loss term included); z_loss the z-loss term reduced like the loss (differentiable);
-    lse the per-token logsumexp of the transformed logits (-inf where ignored); accuracy per token ("none") or the
-    fraction of non-ignored rows whose argmax is the label; entropy of softmax(transformed logits) reduced like the
-    loss. lse, accuracy and entropy carry no gradient. CONTRACT.md, "Extra outputs"."""
-
-    loss: torch.Tensor
-    z_loss: torch.Tensor | None = None
-    lse: torch.Tensor | None = None
-    accuracy: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
 
 
 class Extras(NamedTuple):
@@ -212,9 +222,6 @@ def label_weights(labels, weight, vocab):
     return torch.where(has_class, weight[torch.where(has_class, labels, 0).long()], 0.0)
 
 
-FLOAT32_MAX = torch.finfo(torch.float32).max
-
-
 def check_temperature(temperature):
     """temperature as a float: a Python int or float, > 0 and finite (bool and other types: TypeError)."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
@@ -253,6 +260,9 @@ def validate_labels(labels, vocab, ignore_index):
         )
 
 
+# --- routing -------------------------------------------------------------------------------------------------------
+
+
 def use_kernel(tensor, backend):
     """Whether the kernels compute this call. float64 never reaches them (they compute in float32): whatever
     `backend` says, it goes to the plain-torch formulas below, which compute in float64."""
@@ -261,14 +271,17 @@ def use_kernel(tensor, backend):
     return backend == "kernel" or (backend == "auto" and tensor.is_cuda)
 
 
-def op_schema(record):
-    """A NamedTuple's fields as torch.library schema arguments ("int ignore_index, float logit_softcapping, ..."),
-    so that a custom op takes a record's fields in the one order the record defines."""
-    types = {int: "int", float: "float", bool: "bool", int | None: "int?"}
-    return ", ".join(f"{types[record.__annotations__[name]]} {name}" for name in record._fields)
+def compute_dtype(dtype):
+    """The dtype the loss is computed and returned in: float64 for float64 logits, float32 for every other dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-# --- the reduction -----------------------------------------------------------------------------------------------
+def is_dtensor(tensor):
+    """Whether `tensor` is a DTensor (the vocab-parallel DTensor paths in distributed/ take it)."""
+    # A DTensor can only exist once torch.distributed.tensor was imported; checking sys.modules first keeps the
+    # common path free of that import.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def loss_divisor(labels, reduction, n_items, ignore_index, dtype=torch.float32, weight=None):
@@ -288,164 +301,3 @@ def loss_divisor(labels, reduction, n_items, ignore_index, dtype=torch.float32, 
             return torch.where(total == 0.0, 1.0, total).to(dtype)
         return (labels != ignore_index).sum().clamp_min(1).to(dtype)
     return torch.ones((), dtype=dtype, device=labels.device)
-
-
-def reduce_losses(token_losses, labels, reduction, n_items, ignore_index, weight=None):
-    """The reduction in plain torch (the reference and torch.compile paths; the eager kernels reduce in-kernel)."""
-    divisor = loss_divisor(labels, reduction, n_items, ignore_index, token_losses.dtype, weight)
-    return token_losses if divisor is None else token_losses.sum() / divisor
-
-
-# --- the per-token loss and its gradient in framework ops ----------------------------------------------------------
-
-
-def compute_dtype(dtype):
-    """The dtype the loss is computed and returned in: float64 for float64 logits, float32 for every other dtype."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def transform(logits, options, labels=None):
-    """z: the logits in the compute dtype, scaled, then soft-capped. With labels, ignored rows are zeroed first, so
-    that NaN there cannot leak into any arithmetic (or their zero gradient)."""
-    if labels is not None:
-        logits = torch.where((labels == options.ignore_index).unsqueeze(-1), 0.0, logits)
-    z = logits.to(compute_dtype(logits.dtype))
-    if options.logit_scaling != 0.0:
-        z = z * options.logit_scaling
-    if options.logit_softcapping > 0.0:
-        z = options.logit_softcapping * torch.tanh(z / options.logit_softcapping)
-    return z
-
-
-def label_columns(labels, vocab_start, width, ignore_index):
-    """(the column of each label in a slice [vocab_start, vocab_start + width), clamped into it; whether the slice
-    holds the label)."""
-    column = labels.long() - vocab_start
-    owned = (column >= 0) & (column < width) & (labels != ignore_index)
-    return column.clamp(0, max(width - 1, 0)), owned
-
-
-def row_statistics(z, labels, options, vocab_start=0):
-    """Per row of z (..., width), the columns [vocab_start, vocab_start + width) of the vocabulary: (logsumexp,
-    the label's z where the slice holds the label else 0, sum of z (zeros without label smoothing)). Ignored rows
-    give finite values that the loss ignores."""
-    lse = torch.logsumexp(z, dim=-1)
-    column, owned = label_columns(labels, vocab_start, z.shape[-1], options.ignore_index)
-    label_logit = torch.where(owned, z.gather(-1, column.unsqueeze(-1)).squeeze(-1), 0.0)
-    sum_z = z.sum(dim=-1) if options.label_smoothing > 0.0 else torch.zeros_like(lse)
-    return lse, label_logit, sum_z
-
-
-def row_shift(maxima, n_rows):
-    """The shift of each row's combined logsumexp: the reduced maximum, 0 where it is -inf (rows that are -inf on
-    every rank, ignored or all -inf logits: -inf - -inf would be NaN)."""
-    row_max = maxima[:n_rows]
-    return torch.where(row_max == float("-inf"), 0.0, row_max)
-
-
-def global_statistics(maxima, sums, n_rows, shift=None):
-    """Vocab-parallel: (lse, z_label, sum_z or None) per row from the two all-reduced tensors of
-    sharding.reduced_statistics (maxima holds 2 more entries, the widths, when they are checked; sums a third row,
-    sum_z, with label smoothing) and its shift (derived again from maxima when None)."""
-    shift = row_shift(maxima, n_rows) if shift is None else shift
-    lse = shift + torch.log(sums[0])
-    if maxima.shape[0] > n_rows:
-        lse = torch.where(maxima[n_rows] == -maxima[n_rows + 1], lse, float("nan"))
-    return lse, sums[1], (sums[2] if sums.shape[0] > 2 else None)
-
-
-def token_loss_from_statistics(lse, label_logit, sum_z, labels, options, vocab):
-    """The contract's per-token loss from a row's (logsumexp, label z, sum of z) over the whole vocabulary."""
-    _, _, _, label_smoothing, z_loss = options
-    loss = lse - label_logit
-    if label_smoothing > 0.0:
-        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - sum_z / vocab)
-    if z_loss != 0.0:
-        loss = loss + z_loss * lse * lse
-    ignored = labels == options.ignore_index
-    # Multiply (not where) so that an out-of-range row's gradient is NaN too, as the kernels give it.
-    loss = loss * torch.where(((labels >= 0) & (labels < vocab)) | ignored, 1.0, float("nan")).to(loss.dtype)
-    return torch.where(ignored, 0.0, loss)
-
-
-def reference_token_losses(logits, labels, options, weight=None):
-    """Per-token losses of the contract in plain torch (differentiable by autograd; backend='reference'): float32
-    math and losses, float64 for float64 logits. weight: class weights (V,) or None."""
-    z = transform(logits, options, labels)
-    if weight is not None:
-        return weighted_token_losses(z, labels, options, weight)
-    return token_loss_from_statistics(*row_statistics(z, labels, options), labels, options, logits.shape[-1])
-
-
-def weighted_token_losses(z, labels, options, weight):
-    """F.cross_entropy's weighted per-token loss of transformed logits z (..., V): w[y] (1 - eps)(lse - z_y)
-    + (eps / V) sum_c w_c (lse - z_c) + w[y] z_loss lse^2 (a class of weight 0 takes no part, even at z = -inf);
-    NaN for a label outside [0, V), 0 where ignored."""
-    _, _, _, label_smoothing, z_loss = options
-    vocab = z.shape[-1]
-    weight = weight.to(z.dtype)
-    lse, label_logit, _ = row_statistics(z, labels, options._replace(label_smoothing=0.0))
-    w_label = label_weights(labels, weight, vocab)
-    loss = w_label * (lse - label_logit)
-    if label_smoothing > 0.0:
-        spread = torch.where(weight == 0.0, 0.0, weight * (lse.unsqueeze(-1) - z)).sum(-1)
-        loss = (1.0 - label_smoothing) * loss + label_smoothing / vocab * spread
-    if z_loss != 0.0:
-        loss = loss + w_label * z_loss * lse * lse
-    ignored = labels == options.ignore_index
-    loss = loss * torch.where(((labels >= 0) & (labels < vocab)) | ignored, 1.0, float("nan")).to(loss.dtype)
-    return torch.where(ignored, 0.0, loss)
-
-
-def logits_gradient(grad_rows, logits, labels, lse, options, vocab_start=0, vocab_total=None, weight=None):
-    """d loss / d logits of the columns [vocab_start, vocab_start + V) (float32; float64 for float64 logits) in
-    plain torch ops, so that autograd and torch.func can differentiate it again: grad_rows (N,) the per-token
-    upstream, lse (N,) the logsumexp over the whole vocabulary of vocab_total (default V), or None for that of these
-    logits themselves. weight: class weights (V,) or None (not with a slice of the vocabulary)."""
-    ignore_index, logit_softcapping, logit_scaling, label_smoothing, z_loss = options
-    vocab_total = logits.shape[-1] if vocab_total is None else vocab_total
-    ignored = labels == ignore_index
-    z = transform(logits, options, labels)
-    if lse is None:
-        lse = torch.logsumexp(z, dim=-1)
-    dz = torch.exp(z - lse.unsqueeze(-1))
-    column, owned = label_columns(labels, vocab_start, logits.shape[-1], ignore_index)
-    if weight is not None:
-        # w[y] ((1 - eps)(p - onehot) + 2 z_loss lse p) + (eps / V)(W p - w)
-        weight = weight.to(dz.dtype)
-        w_label = label_weights(labels, weight, vocab_total).unsqueeze(-1)
-        coefficient = w_label * (1.0 - label_smoothing + 2.0 * z_loss * lse.unsqueeze(-1))
-        dz = dz * (coefficient + label_smoothing / vocab_total * weight.sum())
-        label_mass = owned.to(dz.dtype) * (1.0 - label_smoothing) * w_label.squeeze(-1)
-        dz = dz.scatter_add(-1, column.unsqueeze(-1), -label_mass.unsqueeze(-1))
-        if label_smoothing > 0.0:
-            dz = dz - label_smoothing / vocab_total * weight
-    else:
-        if z_loss != 0.0:
-            dz = dz * (1.0 + 2.0 * z_loss * lse.unsqueeze(-1))
-        label_mass = owned.to(dz.dtype) * (1.0 - label_smoothing)
-        dz = dz.scatter_add(-1, column.unsqueeze(-1), -label_mass.unsqueeze(-1))
-        if label_smoothing > 0.0:
-            dz = dz - label_smoothing / vocab_total
-    if logit_softcapping > 0.0:
-        tanh_z = z / logit_softcapping
-        dz = dz * (1.0 - tanh_z * tanh_z)
-    if logit_scaling != 0.0:
-        dz = dz * logit_scaling
-    in_range = (labels >= 0) & (labels < vocab_total)
-    scale = torch.where(in_range, grad_rows.to(dz.dtype), float("nan"))  # a bad label's whole row is NaN
-    return torch.where(ignored.unsqueeze(-1), 0.0, dz * scale.unsqueeze(-1))
-
-
-# The extra outputs' formulas (CrossEntropyOutput from per-token statistics, their gradients) live in outputs.py,
-# which builds on the functions above; re-exported so every layer reaches them as contract.*.
-from .outputs import (  # noqa: E402, F401
-    entropy_gradient,
-    extra_outputs,
-    lse_gradient,
-    reference_outputs,
-    row_extras,
-    softmax_mean,
-    unshifted,
-    weighted_output,
-)

@@ -1,19 +1,47 @@
-"""The extra outputs of the contract in plain torch (CONTRACT.md, "Extra outputs"): CrossEntropyOutput from
-per-token statistics (the kernels' and the reference's), and the differentiable gradients of the lse (the z_loss
-output) and of the entropy. contract.py re-exports every function here."""
+"""The output records and the extra outputs of the contract in plain torch (CONTRACT.md, "Extra outputs"):
+CrossEntropyOutput (what the return_* keywords return) and LogProbOutput (log_probs' with the entropy), the
+CrossEntropyOutput of per-token statistics (the kernels' and the reference's), its cut to the kept positions of a
+shift, and the token-weighted reduction of a call made with reduction="none"."""
+
+from typing import NamedTuple
 
 import torch
 
-from . import contract, token_inputs
+from .options import label_weights, loss_divisor
+from .reference import row_extras, softmax_mean, transform
+from .token_inputs import apply_token_weights
+
+__all__ = [
+    "CrossEntropyOutput",
+    "LogProbOutput",
+    "extra_outputs",
+    "reference_outputs",
+    "unshifted",
+    "weighted_output",
+]
 
 
-def row_extras(z):
-    """Per row of transformed logits z (..., V): (argmax, first index on ties, as int64; the mean of z under
-    softmax(z), with -inf logits contributing 0). Plain torch, for the reference paths."""
-    lse = torch.logsumexp(z, dim=-1, keepdim=True)
-    p = torch.exp(z - lse)
-    mean_z = torch.where(p > 0, p * z, 0.0).sum(-1)
-    return z.argmax(-1), mean_z
+class CrossEntropyOutput(NamedTuple):
+    """What cross_entropy / linear_cross_entropy return when any return_* keyword is True (None where not asked):
+    loss as without them (z-loss term included); z_loss the z-loss term reduced like the loss (differentiable);
+    lse the per-token logsumexp of the transformed logits (-inf where ignored); accuracy per token ("none") or the
+    fraction of non-ignored rows whose argmax is the label; entropy of softmax(transformed logits) reduced like the
+    loss. lse, accuracy and entropy carry no gradient. CONTRACT.md, "Extra outputs"."""
+
+    loss: torch.Tensor
+    z_loss: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    accuracy: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+class LogProbOutput(NamedTuple):
+    """What log_probs / linear_log_probs return with return_entropy=True: float32 log-probabilities of the tokens
+    at the temperature (0.0 where the token is ignore_index, NaN outside [0, V)) and the entropy of each position's
+    distribution (0 where ignored), both shaped like the tokens (after a shift) and both differentiable."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
 
 
 def extra_outputs(
@@ -35,7 +63,7 @@ def extra_outputs(
     bad_row = torch.isnan(lse.detach())
     live_lse = lse if entropy_grad else lse.detach()
     out = dict(loss=loss)
-    divisor = contract.loss_divisor(labels, reduction, n_items, ignore_index, lse.dtype)
+    divisor = loss_divisor(labels, reduction, n_items, ignore_index, lse.dtype)
 
     def reduced(values):
         return values if divisor is None else values.sum() / divisor
@@ -46,8 +74,8 @@ def extra_outputs(
             lse.dtype
         )
         if weight is not None:
-            z_term = z_term * contract.label_weights(labels, weight.to(z_term.dtype), vocab)
-            z_divisor = contract.loss_divisor(labels, reduction, n_items, ignore_index, lse.dtype, weight)
+            z_term = z_term * label_weights(labels, weight.to(z_term.dtype), vocab)
+            z_divisor = loss_divisor(labels, reduction, n_items, ignore_index, lse.dtype, weight)
             out["z_loss"] = z_term if z_divisor is None else z_term.sum() / z_divisor
         else:
             out["z_loss"] = reduced(z_term)
@@ -65,7 +93,7 @@ def extra_outputs(
         live_mean_z = mean_z if entropy_grad else mean_z.detach()
         entropy = torch.where(bad_row, float("nan"), live_lse - live_mean_z.view(shape))
         out["entropy"] = reduced(torch.where(ignored, 0.0, entropy))
-    return contract.CrossEntropyOutput(**out)
+    return CrossEntropyOutput(**out)
 
 
 def unshifted(output, kept, reduction):
@@ -76,12 +104,12 @@ def unshifted(output, kept, reduction):
     for name, value in fields.items():
         if value is not None and (name == "lse" or reduction == "none"):
             fields[name] = value[..., :kept]
-    return contract.CrossEntropyOutput(**fields)
+    return CrossEntropyOutput(**fields)
 
 
 def reference_outputs(logits, labels, options, extras, reduction, n_items, loss, weight=None):
     """CrossEntropyOutput of the plain-torch path (the loss already computed by it)."""
-    z = contract.transform(logits, options, labels)
+    z = transform(logits, options, labels)
     lse = torch.logsumexp(z, dim=-1)
     with torch.no_grad():
         argmax, mean_z = row_extras(z.detach())
@@ -93,67 +121,24 @@ def reference_outputs(logits, labels, options, extras, reduction, n_items, loss,
     )  # fmt: skip
 
 
-def lse_gradient(grad_lse, logits, labels, options):
-    """d(sum_t grad_lse_t * lse_t) / d logits (..., V) in differentiable plain torch (float32; float64 for
-    float64 logits): the z_loss output's gradient, as kernels.lse_backward computes it."""
-    vocab = logits.shape[-1]
-    options = options._replace(label_smoothing=0.0, z_loss=0.0)
-    rows, flat = logits.reshape(-1, vocab), labels.reshape(-1)
-    grad = contract.logits_gradient(
-        grad_lse.reshape(-1), rows, flat, None, options, vocab_start=vocab, vocab_total=vocab
-    )
-    return grad.to(logits.dtype).reshape(logits.shape)
-
-
-def softmax_mean(z):
-    """(p = softmax(z), mz = sum_j p_j z_j per row, keepdim, and z with 0 where p_j = 0) in differentiable plain torch:
-    -inf logits contribute 0 to mz and to its gradient (no 0 * inf, in the forward or the backward)."""
-    p = torch.exp(z - torch.logsumexp(z, dim=-1, keepdim=True))
-    z_kept = torch.where(p > 0, z, 0.0)
-    return p, (p * z_kept).sum(-1, keepdim=True), z_kept
-
-
-def entropy_gradient(grad_entropy, logits, labels, options, lse=None, mean_z=None):
-    """d(sum_t grad_entropy_t * H_t) / d logits (..., V) in differentiable plain torch (float32; float64 for float64
-    logits), H the entropy of softmax(z): dH/dz_j = p_j (mz - z_j), mz = sum_j p_j z_j, then dz/dx; 0 on ignored
-    rows. What kernels.backward(grad_entropy=, mean_z=) adds. lse, mean_z: per row (N,), given for a slice of the
-    vocabulary (vocab-parallel: the global ones); None: those of these logits."""
-    shape, labels = logits.shape, labels.reshape(-1)
-    logits = logits.reshape(-1, shape[-1])
-    z = contract.transform(logits, options, labels)
-    if lse is None:
-        p, mean_z, z_kept = softmax_mean(z)
-    else:
-        p = torch.exp(z - lse.to(z.dtype).unsqueeze(-1))
-        z_kept, mean_z = torch.where(p > 0, z, 0.0), mean_z.to(z.dtype).unsqueeze(-1)
-    dz = p * (mean_z - z_kept) * grad_entropy.reshape(labels.shape).to(z.dtype).unsqueeze(-1)
-    if options.logit_softcapping > 0.0:
-        tanh_z = z / options.logit_softcapping
-        dz = dz * (1.0 - tanh_z * tanh_z)
-    if options.logit_scaling != 0.0:
-        dz = dz * options.logit_scaling
-    dz = torch.where((labels == options.ignore_index).unsqueeze(-1), 0.0, dz)
-    return dz.to(logits.dtype).reshape(shape)
-
-
 def weighted_output(result, labels, token_weights, reduction, n_items, ignore_index, weight=None):
     """The loss (or CrossEntropyOutput) of a call made with reduction="none", token-weighted and then reduced as
     `reduction` asks (CONTRACT.md, token_weights): loss and z_loss per token times w_t (ignored tokens 0), then
     divided like the loss (n_items, the kept count or the class weights' divisor; never the weights' sum); lse,
     accuracy and entropy unweighted, reduced as extra_outputs reduces them. O(N) framework ops."""
-    output = result if isinstance(result, contract.CrossEntropyOutput) else contract.CrossEntropyOutput(result)
+    output = result if isinstance(result, CrossEntropyOutput) else CrossEntropyOutput(result)
     fields = output._asdict()
     for name in ("loss", "z_loss"):
         if fields[name] is not None:
-            fields[name] = token_inputs.apply_token_weights(fields[name], labels, token_weights, ignore_index)
+            fields[name] = apply_token_weights(fields[name], labels, token_weights, ignore_index)
     if reduction != "none":
         dtype = fields["loss"].dtype
-        divisor = contract.loss_divisor(labels, reduction, n_items, ignore_index, dtype, weight)
-        plain_divisor = contract.loss_divisor(labels, reduction, n_items, ignore_index, dtype)
+        divisor = loss_divisor(labels, reduction, n_items, ignore_index, dtype, weight)
+        plain_divisor = loss_divisor(labels, reduction, n_items, ignore_index, dtype)
         kept = (labels != ignore_index).sum().clamp_min(1).to(dtype)
         for name, by in (("loss", divisor), ("z_loss", divisor), ("accuracy", kept), ("entropy", plain_divisor)):
             if fields[name] is not None:
                 fields[name] = fields[name].sum() / by
-    if isinstance(result, contract.CrossEntropyOutput):
-        return contract.CrossEntropyOutput(**fields)
+    if isinstance(result, CrossEntropyOutput):
+        return CrossEntropyOutput(**fields)
     return fields["loss"]

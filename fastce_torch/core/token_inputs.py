@@ -4,6 +4,16 @@ each is folded into the labels or losses; the same module and names as fastce_ja
 
 import torch
 
+__all__ = [
+    "TOKEN_WEIGHTS_GRAD_UNSUPPORTED",
+    "apply_token_weights",
+    "check_shift",
+    "check_token_weights",
+    "masked_labels",
+    "shifted_labels",
+    "shifted_token_weights",
+]
+
 TOKEN_WEIGHTS_GRAD_UNSUPPORTED = (
     "token_weights requires grad: fastce computes no gradient for the token weights (advantages, masks); pass "
     "token_weights.detach()"

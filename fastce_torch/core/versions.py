@@ -9,6 +9,16 @@ import importlib.metadata
 import re
 import warnings
 
+__all__ = [
+    "TESTED",
+    "UntestedReleaseWarning",
+    "installed_versions",
+    "major_minor",
+    "tested_range",
+    "untested",
+    "warn_if_untested",
+]
+
 # Inclusive (major, minor) bounds per distribution.
 TESTED = {"torch": ((2, 11), (2, 14)), "triton": ((3, 6), (3, 9))}
 

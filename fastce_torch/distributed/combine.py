@@ -1,6 +1,7 @@
 """Vocab-parallel mode: the kernels that combine the ranks' per-row statistics around the two all-reduces, and the
 three host-side steps that launch them (`vocab_parallel_statistics`, `vocab_parallel_rescale`,
-`vocab_parallel_loss`; the launches go through launch.py's launchers and capture guard)."""
+`vocab_parallel_loss`; the launches go through core/launch.py's launchers and capture guard, the statistics come from
+the cross-entropy forward kernel's vocab-parallel mode)."""
 
 from typing import NamedTuple
 
@@ -8,8 +9,24 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _token_loss
-from .launch import Launcher, _cdiv, _flags, denominator_operands, forward, launch_guarded
+from ..core.kernel_helpers import cdiv
+from ..core.launch import Launcher, launch_guarded, register_launchers
+from ..losses.cross_entropy.forward import token_loss
+from ..losses.cross_entropy.launch import denominator_operands, forward, option_flags
+
+__all__ = [
+    "VOCAB_PARALLEL_BLOCK",
+    "VocabParallelStatistics",
+    "maxima_launcher",
+    "rescale_launcher",
+    "vocab_parallel_loss",
+    "vocab_parallel_loss_kernel",
+    "vocab_parallel_loss_launcher",
+    "vocab_parallel_maxima_kernel",
+    "vocab_parallel_rescale",
+    "vocab_parallel_rescale_kernel",
+    "vocab_parallel_statistics",
+]
 
 # The forward kernel writes a rank's per-row statistics into rows 1-3 of one float32 buffer of 4 rows
 # (`vocab_parallel_statistics`); these three kernels take it through the two all-reduces in place, so that the
@@ -20,7 +37,7 @@ from .launch import Launcher, _cdiv, _flags, denominator_operands, forward, laun
 
 
 @triton.jit
-def _vocab_parallel_maxima_kernel(
+def vocab_parallel_maxima_kernel(
     statistics_ptr, stride, n_rows, width, CHECK_WIDTHS: tl.constexpr, BLOCK: tl.constexpr
 ):
     """Row 0 := row 1 (the local lse), and with CHECK_WIDTHS the local width and -width after it: the MAX all-reduce
@@ -41,7 +58,7 @@ def _row_shift(row_max):
 
 
 @triton.jit
-def _vocab_parallel_rescale_kernel(statistics_ptr, stride, n_rows, BLOCK: tl.constexpr):
+def vocab_parallel_rescale_kernel(statistics_ptr, stride, n_rows, BLOCK: tl.constexpr):
     """Row 1 := exp(lse_local - shift), shift the reduced maximum of row 0: each rank's share of the row's sum."""
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_rows = offsets < n_rows
@@ -51,7 +68,7 @@ def _vocab_parallel_rescale_kernel(statistics_ptr, stride, n_rows, BLOCK: tl.con
 
 
 @triton.jit
-def _vocab_parallel_loss_kernel(
+def vocab_parallel_loss_kernel(
     statistics_ptr,  # (4, stride) after both all-reduces; row 1 receives the global lse, row 0 [n_rows + 2] the divisor
     stride,
     labels_ptr,
@@ -96,7 +113,7 @@ def _vocab_parallel_loss_kernel(
         if HAS_SMOOTHING:
             sum_z = tl.load(statistics_ptr + 3 * stride + offsets, mask=in_rows, other=0.0)
         labels = tl.load(labels_ptr + offsets, mask=in_rows, other=ignore_index)
-        loss = _token_loss(z_label, labels, lse, sum_z, vocab_total, ignore_index, label_smoothing, z_loss,
+        loss = token_loss(z_label, labels, lse, sum_z, vocab_total, ignore_index, label_smoothing, z_loss,
                            HAS_SMOOTHING, HAS_Z_LOSS)  # fmt: skip
         tl.store(statistics_ptr + stride + offsets, lse, mask=in_rows)
         if REDUCE:
@@ -117,9 +134,10 @@ def _vocab_parallel_loss_kernel(
 
 # --- the host side -------------------------------------------------------------------------------------------------
 
-maxima_launcher = Launcher(_vocab_parallel_maxima_kernel)
-rescale_launcher = Launcher(_vocab_parallel_rescale_kernel)
-vocab_parallel_loss_launcher = Launcher(_vocab_parallel_loss_kernel)
+maxima_launcher = Launcher(vocab_parallel_maxima_kernel)
+rescale_launcher = Launcher(vocab_parallel_rescale_kernel)
+vocab_parallel_loss_launcher = Launcher(vocab_parallel_loss_kernel)
+register_launchers(__name__, "maxima_launcher", "rescale_launcher", "vocab_parallel_loss_launcher")
 
 VOCAB_PARALLEL_BLOCK = 1024  # rows per program of the three combine kernels
 
@@ -149,7 +167,7 @@ def vocab_parallel_statistics(logits, labels, options, vocab_start, vocab_total,
         buffer, buffer[0, : n_rows + 2 * check_widths], buffer[1 : 1 + n_sums].view(-1), n_rows, check_widths
     )
     args = (buffer, stride, n_rows, float(logits.shape[-1]), check_widths, VOCAB_PARALLEL_BLOCK)
-    grid = (max(_cdiv(n_rows, VOCAB_PARALLEL_BLOCK), 1), 1, 1)
+    grid = (max(cdiv(n_rows, VOCAB_PARALLEL_BLOCK), 1), 1, 1)
     launch_guarded(maxima_launcher, grid, args, ("vocab-parallel maxima", buffer.device, check_widths), buffer)
     return statistics
 
@@ -158,7 +176,7 @@ def vocab_parallel_rescale(statistics):
     """After the MAX all-reduce: each rank's exp(lse_local - max) into the SUM operand (row 1)."""
     buffer, n_rows = statistics.buffer, statistics.n_rows
     args = (buffer, buffer.shape[1], n_rows, VOCAB_PARALLEL_BLOCK)
-    grid = (max(_cdiv(n_rows, VOCAB_PARALLEL_BLOCK), 1), 1, 1)
+    grid = (max(cdiv(n_rows, VOCAB_PARALLEL_BLOCK), 1), 1, 1)
     launch_guarded(rescale_launcher, grid, args, ("vocab-parallel rescale", buffer.device), buffer)
 
 
@@ -170,13 +188,13 @@ def vocab_parallel_loss(statistics, labels, options, reduction, n_items, vocab_t
     reduce = reduction != "none"
     loss = torch.empty(() if reduce else (n_rows,), dtype=torch.float32, device=buffer.device)
     denominator_mode, denominator_value, n_items_ptr = denominator_operands(reduction, n_items, buffer)
-    flags = _flags(options)
+    flags = option_flags(options)
     args = (
         buffer, buffer.shape[1], labels, loss, loss, n_items_ptr, n_rows, vocab_total, options.ignore_index,
         options.label_smoothing, options.z_loss, denominator_value, statistics.check_widths, flags[2], flags[3],
         reduce, denominator_mode if reduce else 0, VOCAB_PARALLEL_BLOCK,
     )  # fmt: skip
-    grid = (1 if reduce else max(_cdiv(n_rows, VOCAB_PARALLEL_BLOCK), 1), 1, 1)
+    grid = (1 if reduce else max(cdiv(n_rows, VOCAB_PARALLEL_BLOCK), 1), 1, 1)
     variant = ("vocab-parallel loss", buffer.device, labels.dtype, *args[12:17])
     launch_guarded(vocab_parallel_loss_launcher, grid, args, variant, buffer)
     lse = buffer[1, :n_rows]

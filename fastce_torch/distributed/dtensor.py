@@ -1,13 +1,18 @@
 """DTensor logits sharded on their last dimension (Shard(-1)) for cross_entropy: this rank's columns are taken
-out (with a backward that hands the gradient back in the logits' own placements), run through sharding.py's
-vocab-parallel path, and the results placed as loss_parallel places them. sharding.py re-exports both names."""
+out (with a backward that hands the gradient back in the logits' own placements), run through the vocab-parallel path
+(vocab_parallel.py eagerly, vocab_parallel_traced.py under torch.compile), and the results placed as loss_parallel
+places them. LocalShard serves linear_sharded.py's DTensor weights too."""
 
 import torch
 
-from . import contract, sharding
+from ..core.outputs import CrossEntropyOutput, weighted_output
+from .vocab_parallel import vocab_parallel_cross_entropy
+from .vocab_parallel_traced import traced_vocab_parallel_cross_entropy
+
+__all__ = ["LocalShard", "dtensor_cross_entropy"]
 
 
-class _LocalShard(torch.autograd.Function):
+class LocalShard(torch.autograd.Function):
     """dtensor.to_local(), with a backward that hands the gradient back as a DTensor of the input's own placements,
     global shape and strides. to_local's own backward derives the global strides from the local gradient; with
     uneven shards (V not a multiple of the mesh size) those differ from the input's (13 local columns of V = 37 on
@@ -38,7 +43,7 @@ def dtensor_cross_entropy(
     logits' placements (the DTensor's storage is never overwritten). With extras: a CrossEntropyOutput of DTensors,
     per-token fields placed like the labels, reduced ones like the loss (a reduced accuracy, a fraction of this
     shard's rows, needs rows that are not sharded). token_weights: placed like the labels (a DTensor, or a plain
-    tensor where the labels may be one): each rank weights its own rows' losses (contract.weighted_output)."""
+    tensor where the labels may be one): each rank weights its own rows' losses (weighted_output)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     if process_group is not None or vocab_start is not None:
@@ -91,7 +96,7 @@ def dtensor_cross_entropy(
     vocab_total, n_ranks, rank = logits.shape[-1], mesh.size(tp_dim), mesh.get_local_rank(tp_dim)
     chunk = -(-vocab_total // n_ranks)
     start = min(rank * chunk, vocab_total)
-    local = _LocalShard.apply(logits)
+    local = LocalShard.apply(logits)
     if local.shape[-1] != min(chunk, vocab_total - start):
         raise NotImplementedError(
             f"this rank holds {local.shape[-1]} columns where Shard's chunking gives "
@@ -104,15 +109,15 @@ def dtensor_cross_entropy(
     # shards, as the unweighted loss).
     inner_reduction, inner_n_items = (reduction, n_items) if token_weights is None else ("none", None)
     if torch.compiler.is_compiling() and extras is None:
-        loss = sharding.traced_vocab_parallel_cross_entropy(
+        loss = traced_vocab_parallel_cross_entropy(
             local, local_labels, inner_reduction, inner_n_items, options, layout, use_kernel
         )
     else:
-        loss = sharding.vocab_parallel_cross_entropy(
+        loss = vocab_parallel_cross_entropy(
             local, local_labels, inner_reduction, inner_n_items, False, options, layout, use_kernel, extras
         )
     if token_weights is not None:
-        loss = contract.weighted_output(loss, local_labels, local_weights, reduction, n_items, options.ignore_index)
+        loss = weighted_output(loss, local_labels, local_weights, reduction, n_items, options.ignore_index)
     if reduction == "none":
         out_placements = label_placements
     else:
@@ -130,4 +135,4 @@ def dtensor_cross_entropy(
                 placed = tuple(Replicate() for _ in placements)  # rows not sharded (checked above)
             value = DTensor.from_local(value, mesh, placed, run_check=False)
         fields[name] = value
-    return contract.CrossEntropyOutput(**fields)
+    return CrossEntropyOutput(**fields)

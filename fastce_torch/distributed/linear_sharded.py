@@ -4,14 +4,14 @@
 Vocab-parallel (`process_group=`, or hidden a Replicate DTensor with the weight sharded on its rows): each rank
 holds the weight rows (and bias entries) of a contiguous slice of the vocabulary, hidden and labels (global ids)
 are the same on every rank. The rows are chunked as in linear_cross_entropy; per chunk each rank computes its
-logits slice (one matmul), the kernels' vocab-parallel statistics (sharding.shard_statistics), and the two O(rows)
-all-reduces of sharding.combine_statistics give every rank the chunk's global logsumexp and loss. For "mean"/"sum"
+logits slice (one matmul), the kernels' vocab-parallel statistics (vocab_parallel.shard_statistics), and the two O(rows)
+all-reduces of vocab_parallel.combine_statistics give every rank the chunk's global logsumexp and loss. For "mean"/"sum"
 the chunk's d logits follow at once (the kernels' vocab-parallel backward, in place) and fold into d weight (local,
 no communication) and d hidden (this rank's columns' share), as the unsharded loop does; "none" keeps the global
 lse (N floats) and recomputes each chunk in the backward. d hidden is then summed over the ranks: one all-reduce of
 N x H (inherent to a column-parallel layer, as its input gradient). Nothing weight- or logits-sized is communicated.
 Every rank uses the same rows per chunk (from the widest slice), so every rank runs the same collectives. The
-return_* outputs' statistics ride on the same combine (sharding.combine_statistics with extras).
+return_* outputs' statistics ride on the same combine (vocab_parallel.combine_statistics with extras).
 
 DTensor weight with a plain hidden: the data-parallel case of FSDP2 (each rank's hidden and labels are its own
 batch): when the LM head is a module of its own under fully_shard and the loss reads `lm_head.weight` without
@@ -27,19 +27,19 @@ data-parallel batch is not, so that reading is reserved for hidden passed as a R
 import torch
 import torch.distributed as dist
 
-from .. import contract, kernels, sharding
-from . import chunks
-from .autograd import BACKWARD_TWICE, row_entropy
-from .chunks import (
-    accumulate_grads,
-    autocast_or_common_dtype,
-    finish_grads,
-    in_compute_dtype,
-    kernel_context,
-    new_grads,
-    row_chunks,
-)
-from .unsharded import gradients_needed, output_fields, unsharded_loss, unsharded_outputs
+from ..core.options import compute_dtype, is_dtensor, loss_divisor, use_kernel
+from ..core.options import validate_labels as validate_label_values
+from ..core.outputs import CrossEntropyOutput
+from ..core.reference import logits_gradient, token_loss_from_statistics, transform
+from ..linear import engine
+from ..linear.scale import scale_unless_one
+from ..losses.cross_entropy import launch
+from ..losses.cross_entropy.linear_autograd import BACKWARD_TWICE, row_entropy
+from ..losses.cross_entropy.linear_dispatch import output_fields, unsharded_loss, unsharded_outputs
+from .dtensor import LocalShard
+from .vocab_parallel import combine_statistics, gathered_slices, shard_gradient, shard_statistics
+
+__all__ = ["sharded_linear_cross_entropy", "vocab_parallel_linear_cross_entropy"]
 
 _VERIFIED_WIDTHS = set()  # (group, rank, width) whose rank * width layout the ranks' gathered slices confirmed
 
@@ -56,7 +56,7 @@ def _layout(group, vocab_start, width, device):
         key = (id(group), rank, width)
         if key not in _VERIFIED_WIDTHS:
             try:  # rank * width tiles [0, V) exactly when every width is the same
-                sharding.gathered_slices(group, rank * width, width, device)
+                gathered_slices(group, rank * width, width, device)
             except ValueError as error:
                 raise ValueError(
                     "linear_cross_entropy with process_group: without vocab_start every rank must hold the same "
@@ -66,7 +66,7 @@ def _layout(group, vocab_start, width, device):
         return group, rank * width, world * width, width
     if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
         raise ValueError(f"vocab_start must be a non-negative int, got {vocab_start!r}")
-    slices = sharding.gathered_slices(group, vocab_start, width, device)
+    slices = gathered_slices(group, vocab_start, width, device)
     return group, vocab_start, slices[-1][0], max(w for _, w in slices[:-1])
 
 
@@ -79,7 +79,7 @@ def _slice_entropy_gradient(grad_entropy, logits, labels, lse, mean_z, options):
     """d(sum_t g_t H_t) / d logits of a vocabulary slice in plain torch (float32; float64 for float64 logits), from
     the global lse and mz = E_p[z]: p_j (mz - z_j) dz/dx, 0 on ignored rows (the kernels' entropy variant)."""
     ignored = (labels == options.ignore_index).unsqueeze(-1)
-    z = contract.transform(logits, options, labels)
+    z = transform(logits, options, labels)
     lse, mean_z = (torch.where(ignored, 0.0, t.to(z.dtype).unsqueeze(-1)) for t in (lse, mean_z))
     grad = torch.exp(z - lse) * (mean_z - z)
     if options.logit_softcapping > 0.0:
@@ -103,7 +103,7 @@ def _chunk_gradient(logits, dlogits, labels, lse, options, layout, use_kernel, u
         zero = torch.zeros((), **float32)
         denominator = None if denominator is None else denominator.reshape(1)
         passes.append(
-            lambda out: kernels.backward(
+            lambda out: launch.backward(
                 zero if grad_rows is None else grad_rows,
                 logits,
                 labels,
@@ -119,7 +119,7 @@ def _chunk_gradient(logits, dlogits, labels, lse, options, layout, use_kernel, u
         )
     elif grad_rows is not None:
         passes.append(
-            lambda out: sharding.shard_gradient(
+            lambda out: shard_gradient(
                 grad_rows, denominator, logits, labels, lse, out, options, vocab_start, vocab_total, use_kernel
             )
         )
@@ -130,15 +130,13 @@ def _chunk_gradient(logits, dlogits, labels, lse, options, layout, use_kernel, u
     if grad_lse is not None:
         if use_kernel:
             passes.append(
-                lambda out: kernels.lse_backward(grad_lse, logits, labels, lse, out, options, vocab_total=vocab_total)
+                lambda out: launch.lse_backward(grad_lse, logits, labels, lse, out, options, vocab_total=vocab_total)
             )
         else:
             lse_options = options._replace(label_smoothing=0.0, z_loss=0.0)
             passes.append(
                 lambda out: out.copy_(
-                    contract.logits_gradient(
-                        grad_lse.to(lse.dtype), logits, labels, lse, lse_options, vocab_total, vocab_total
-                    )
+                    logits_gradient(grad_lse.to(lse.dtype), logits, labels, lse, lse_options, vocab_total, vocab_total)
                 )
             )
     if len(passes) == 1:
@@ -157,19 +155,19 @@ def _chunk_gradient(logits, dlogits, labels, lse, options, layout, use_kernel, u
 def _recomputed_grads(hidden, weight, bias, labels, lse, upstream, needs, ctx):
     """The gradients of sum_t (g_t loss_t + g_lse_t lse_t + g_H_t H_t) (upstream as _chunk_gradient's, per row),
     each chunk's logits recomputed; d hidden summed over the ranks."""
-    with kernel_context(hidden):
-        grads = new_grads(hidden, weight, bias, needs, ctx.chunking)
+    with engine.kernel_context(hidden):
+        grads = engine.new_grads(hidden, weight, bias, needs, ctx.chunking)
         if any(needs):
-            weight_c, bias_c = in_compute_dtype(hidden, weight, bias)
-            for rows, hidden_chunk, labels_chunk, logits, dlogits, first in row_chunks(
+            weight_c, bias_c = engine.in_compute_dtype(hidden, weight, bias)
+            for rows, hidden_chunk, labels_chunk, logits, dlogits, first in engine.row_chunks(
                 hidden, weight_c, bias_c, labels, ctx.chunking
             ):
                 rows_upstream = tuple(None if part is None else part[rows] for part in upstream)
                 _chunk_gradient(
                     logits, dlogits, labels_chunk, lse[rows], ctx.options, ctx.layout, ctx.use_kernel, rows_upstream
                 )
-                accumulate_grads(dlogits, hidden_chunk, weight_c, rows, grads, first)
-        grads = finish_grads(grads, weight, bias)
+                engine.accumulate_grads(dlogits, hidden_chunk, weight_c, rows, grads, first)
+        grads = engine.finish_grads(grads, weight, bias)
         if grads[0] is not None:
             _sum_over_ranks(grads[0], ctx.layout[0])
     return grads
@@ -195,32 +193,32 @@ class _VocabParallelLinearFunction(torch.autograd.Function):
         grad_now = needs if reduced else (False, False, False)
         outputs = extras is not None
         n_rows = hidden.shape[0]
-        dtype = contract.compute_dtype(hidden.dtype)
+        dtype = compute_dtype(hidden.dtype)
         with_sum_z = options.label_smoothing > 0.0
         # The same rows per chunk on every rank (from the widest slice): the ranks' collectives pair up.
-        itemsize = chunks.logit_bytes(hidden, chunking, True)  # the backward's passes compute gradients
-        step = chunks.rows_per_chunk(n_rows, widest, itemsize, chunking.workspace_bytes, chunking.chunk_rows)
+        itemsize = engine.logit_bytes(hidden, chunking, True)  # the backward's passes compute gradients
+        step = engine.rows_per_chunk(n_rows, widest, itemsize, chunking.workspace_bytes, chunking.chunk_rows)
         chunking = chunking._replace(chunk_rows=step)
-        with kernel_context(hidden):
-            weight_c, bias_c = in_compute_dtype(hidden, weight, bias)
+        with engine.kernel_context(hidden):
+            weight_c, bias_c = engine.in_compute_dtype(hidden, weight, bias)
             token_losses = torch.zeros(n_rows, dtype=dtype, device=hidden.device)
             lse = torch.full((n_rows,), float("-inf"), dtype=dtype, device=hidden.device)
             if outputs:
                 argmax = torch.zeros(n_rows, dtype=torch.int64, device=hidden.device)
                 mean_z = torch.zeros(n_rows, dtype=dtype, device=hidden.device)
-            grads = new_grads(hidden, weight, bias, grad_now, chunking)
+            grads = engine.new_grads(hidden, weight, bias, grad_now, chunking)
             one = torch.ones((), dtype=torch.float32, device=hidden.device)
-            for rows, hidden_chunk, labels_chunk, logits, dlogits, first in row_chunks(
+            for rows, hidden_chunk, labels_chunk, logits, dlogits, first in engine.row_chunks(
                 hidden, weight_c, bias_c, labels, chunking, with_grads=any(grad_now)
             ):
-                lse_local, z_label, sum_z, *local_extras = sharding.shard_statistics(
+                lse_local, z_label, sum_z, *local_extras = shard_statistics(
                     logits, labels_chunk, options, vocab_start, vocab_total, use_kernel, outputs
                 )
-                chunk_lse, z_label, sum_z, *chunk_extras = sharding.combine_statistics(
+                chunk_lse, z_label, sum_z, *chunk_extras = combine_statistics(
                     lse_local, z_label, sum_z, group, logits.shape[-1], False, with_sum_z,
                     local_extras if outputs else None, vocab_total,
                 )  # fmt: skip
-                token_losses[rows] = contract.token_loss_from_statistics(
+                token_losses[rows] = token_loss_from_statistics(
                     chunk_lse, z_label, sum_z, labels_chunk, options, vocab_total
                 )
                 lse[rows] = chunk_lse
@@ -232,8 +230,8 @@ class _VocabParallelLinearFunction(torch.autograd.Function):
                         logits, dlogits, labels_chunk, chunk_lse, options, layout, use_kernel,
                         (factor, None, None, None), denominator,
                     )  # fmt: skip
-                    accumulate_grads(dlogits, hidden_chunk, weight_c, rows, grads, first)
-            grads = finish_grads(grads, weight, bias)
+                    engine.accumulate_grads(dlogits, hidden_chunk, weight_c, rows, grads, first)
+            grads = engine.finish_grads(grads, weight, bias)
             if grads[0] is not None:
                 _sum_over_ranks(grads[0], group)
         ctx.options, ctx.chunking, ctx.layout, ctx.use_kernel = options, chunking, layout, use_kernel
@@ -272,7 +270,7 @@ class _VocabParallelLinearFunction(torch.autograd.Function):
                 for grad in grads:
                     if grad is not None:
                         if ctx.use_kernel:
-                            kernels.scale_unless_one(grad, factor)
+                            scale_unless_one(grad, factor)
                         else:
                             grad.mul_(factor.to(grad.dtype))
             else:
@@ -300,18 +298,18 @@ def vocab_parallel_linear_cross_entropy(
     token_weights=None,
 ):  # fmt: skip
     """hidden (..., H) and labels (...) the same on every rank, weight (V_local, H) and bias (V_local,) this rank's
-    rows; the loss of the full head on every rank (with extras, a contract.Extras asking for some:
-    CrossEntropyOutput). token_weights: shaped like labels, 0 where ignored (api.py prepares them), or None."""
-    hidden, weight, bias = autocast_or_common_dtype(hidden, weight, bias)
-    use_kernel = contract.use_kernel(hidden, backend)
+    rows; the loss of the full head on every rank (with extras, a Extras asking for some:
+    CrossEntropyOutput). token_weights: shaped like labels, 0 where ignored (linear_api.py prepares them), or None."""
+    hidden, weight, bias = engine.autocast_or_common_dtype(hidden, weight, bias)
+    kernel = use_kernel(hidden, backend)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     labels_1d = labels.reshape(-1).contiguous()
-    needs = gradients_needed(hidden, weight, bias)
+    needs = engine.gradients_needed(hidden, weight, bias)
     # Labels are the same on every rank, so the local kept-token count is the global one.
-    denominator = contract.loss_divisor(labels_1d, reduction, n_items, options.ignore_index)
+    denominator = loss_divisor(labels_1d, reduction, n_items, options.ignore_index)
     weights_1d = None if token_weights is None else token_weights.reshape(-1).contiguous()
     out = _VocabParallelLinearFunction.apply(
-        hidden_2d, weight, bias, labels_1d, denominator, options, chunking, needs, layout, use_kernel, extras,
+        hidden_2d, weight, bias, labels_1d, denominator, options, chunking, needs, layout, kernel, extras,
         weights_1d,
     )  # fmt: skip
     loss, *statistics = (out,) if extras is None else out
@@ -390,23 +388,23 @@ def _dtensor_vocab_parallel(
     if bias is not None:
         tensors.append(("bias", bias, Shard(0)))
     for name, tensor, placement in tensors:
-        if not sharding.is_dtensor(tensor) or tensor.device_mesh != mesh or tuple(tensor.placements) != (placement,):
+        if not is_dtensor(tensor) or tensor.device_mesh != mesh or tuple(tensor.placements) != (placement,):
             raise NotImplementedError(
                 "vocab-parallel linear_cross_entropy over DTensors takes hidden Replicate and weight (and bias) "
                 f"Shard(0) on one 1-D mesh; {name} is {getattr(tensor, 'placements', 'a plain tensor')}"
             )
-    if sharding.is_dtensor(labels):
+    if is_dtensor(labels):
         labels = labels.full_tensor()
     vocab_total, n_ranks, rank = weight.shape[0], mesh.size(), mesh.get_local_rank()
     # Shard's chunking (torch.chunk): ceil(V / n) rows per rank, the last ranks fewer.
     chunk = -(-vocab_total // n_ranks)
     start = min(rank * chunk, vocab_total)
-    local_weight = sharding._LocalShard.apply(weight)
-    local_bias = None if bias is None else sharding._LocalShard.apply(bias)
+    local_weight = LocalShard.apply(weight)
+    local_bias = None if bias is None else LocalShard.apply(bias)
     if local_weight.shape[0] == 0:
         raise NotImplementedError("a rank holds no weight rows (V < mesh size); not supported")
     layout = (mesh.get_group(), start, vocab_total, chunk)
-    if sharding.is_dtensor(token_weights):
+    if is_dtensor(token_weights):
         token_weights = token_weights.full_tensor()
     loss = vocab_parallel_linear_cross_entropy(
         _ReplicatedLocal.apply(hidden), local_weight, local_bias, labels, options, reduction, n_items, backend,
@@ -418,7 +416,7 @@ def _dtensor_vocab_parallel(
         name: None if value is None else DTensor.from_local(value, mesh, [Replicate()], run_check=False)
         for name, value in loss._asdict().items()
     }
-    return contract.CrossEntropyOutput(**fields)
+    return CrossEntropyOutput(**fields)
 
 
 @torch.compiler.disable
@@ -428,7 +426,7 @@ def sharded_linear_cross_entropy(
 ):  # fmt: skip
     """linear_cross_entropy's entry for process_group= / vocab_start= or DTensor inputs (eager: the collectives
     run in an autograd.Function; under torch.compile a graph break)."""
-    dtensors = [sharding.is_dtensor(t) for t in (hidden, weight, bias)]
+    dtensors = [is_dtensor(t) for t in (hidden, weight, bias)]
     if any(dtensors):
         if process_group is not None or vocab_start is not None:
             raise ValueError(
@@ -436,21 +434,21 @@ def sharded_linear_cross_entropy(
             )
         if dtensors[0]:
             if validate_labels:
-                full = labels.full_tensor() if sharding.is_dtensor(labels) else labels
-                contract.validate_labels(full, weight.shape[0], options.ignore_index)
+                full = labels.full_tensor() if is_dtensor(labels) else labels
+                validate_label_values(full, weight.shape[0], options.ignore_index)
             return _dtensor_vocab_parallel(
                 hidden, weight, bias, labels, options, reduction, n_items, backend, chunking,
                 extras if any(extras) else None, token_weights,
             )  # fmt: skip
         for name, tensor in (("weight", weight), ("bias", bias)):
-            if sharding.is_dtensor(tensor):
+            if is_dtensor(tensor):
                 _check_dtensor_weight(tensor, name)
-        if sharding.is_dtensor(labels):
+        if is_dtensor(labels):
             raise ValueError("with a plain hidden (this rank's rows) labels must be a plain tensor too")
         full_weight = _Gathered.apply(weight) if dtensors[1] else weight
         full_bias = _Gathered.apply(bias) if dtensors[2] else bias
         if validate_labels:
-            contract.validate_labels(labels, full_weight.shape[0], options.ignore_index)
+            validate_label_values(labels, full_weight.shape[0], options.ignore_index)
         if any(extras):
             return unsharded_outputs(
                 hidden, full_weight, full_bias, labels, options, reduction, n_items, backend, chunking, extras,
@@ -463,7 +461,7 @@ def sharded_linear_cross_entropy(
         raise ValueError("vocab_start is only meaningful with process_group (a vocab-parallel weight)")
     layout = _layout(process_group, vocab_start, weight.shape[0], hidden.device)
     if validate_labels:
-        contract.validate_labels(labels, layout[2], options.ignore_index)
+        validate_label_values(labels, layout[2], options.ignore_index)
     return vocab_parallel_linear_cross_entropy(
         hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, layout,
         extras if any(extras) else None, token_weights,

@@ -9,17 +9,41 @@ is computed from the combined per-row numbers; the backward needs no communicati
 columns depend only on its own logits, the global logsumexp and the label.
 
 `cross_entropy(..., process_group=group)` and a DTensor sharded on its last dimension (`Shard(-1)`) come here.
-Eager calls run `_VocabParallelFunction` (in-place collectives, the kernels launched directly); under torch.compile
-the same statistics and gradient are custom ops around functional collectives (traced_vocab_parallel_cross_entropy),
-so that the compiler traces the whole call.
+Eager calls run `_VocabParallelFunction` (in-place collectives, the kernels launched directly, the combine kernels of
+combine.py between the two all-reduces); under torch.compile the same statistics and gradient are custom ops around
+functional collectives (vocab_parallel_traced.py), so that the compiler traces the whole call. DTensor logits come
+here through dtensor.py.
 """
-
-import sys
 
 import torch
 import torch.distributed as dist
 
-from . import contract, kernels
+from ..core.guards import gradient_buffer, saved_logits
+from ..core.launch import on_device
+from ..core.options import loss_divisor
+from ..core.outputs import extra_outputs
+from ..core.reference import (
+    entropy_gradient,
+    global_statistics,
+    logits_gradient,
+    row_extras,
+    row_shift,
+    row_statistics,
+    token_loss_from_statistics,
+    transform,
+)
+from ..losses.cross_entropy import launch
+from .combine import vocab_parallel_loss, vocab_parallel_rescale, vocab_parallel_statistics
+
+__all__ = [
+    "combine_statistics",
+    "gathered_slices",
+    "layout_of",
+    "reduced_statistics",
+    "shard_gradient",
+    "shard_statistics",
+    "vocab_parallel_cross_entropy",
+]
 
 # --- per-shard statistics and gradient: the only calls into the kernels ------------------------------------------
 
@@ -30,14 +54,14 @@ def shard_statistics(logits, labels, options, vocab_start, vocab_total, use_kern
     kernels give them lse -inf, label logit 0, sum 0). With outputs (the extra outputs), then also the local argmax
     as a global column, the mean of z under the slice's softmax and the slice's largest z."""
     if use_kernel:
-        return kernels.forward(
+        return launch.forward(
             logits, labels, options, vocab_start=vocab_start, vocab_total=vocab_total, outputs=outputs
         )
-    z = contract.transform(logits, options, labels)
-    statistics = contract.row_statistics(z, labels, options, vocab_start)
+    z = transform(logits, options, labels)
+    statistics = row_statistics(z, labels, options, vocab_start)
     if not outputs:
         return statistics
-    argmax, mean_z = contract.row_extras(z)
+    argmax, mean_z = row_extras(z)
     return (*statistics, argmax + vocab_start, mean_z, z.max(-1).values)
 
 
@@ -48,21 +72,21 @@ def shard_gradient(
     """Writes the local columns of d loss / d logits into `grad` (which may be `logits` itself); grad_output is the
     per-token upstream gradient or one scalar, divided by denominator (0-d) unless None; lse the global
     logsumexp. grad_entropy, mean_z (per row, mean_z the global mz = lse - H): the entropy output's gradient too,
-    in the same pass (kernels.backward's HAS_ENTROPY_GRAD variant)."""
+    in the same pass (launch.backward's HAS_ENTROPY_GRAD variant)."""
     entropy = {} if grad_entropy is None else dict(grad_entropy=grad_entropy, mean_z=mean_z)
     if use_kernel:
         denominator = None if denominator is None else denominator.reshape(1)
-        return kernels.backward(
+        return launch.backward(
             grad_output, logits, labels, lse, grad, options, denominator, vocab_start=vocab_start,
             vocab_total=vocab_total, **entropy,
         )  # fmt: skip
     grad_rows = grad_output.to(lse.dtype)
     if denominator is not None:
         grad_rows = (grad_rows / denominator).expand(labels.shape)
-    gradient = contract.logits_gradient(grad_rows.expand(labels.shape), logits, labels, lse, options, vocab_start,
+    gradient = logits_gradient(grad_rows.expand(labels.shape), logits, labels, lse, options, vocab_start,
                                         vocab_total)  # fmt: skip
     if grad_entropy is not None:
-        gradient = gradient + contract.entropy_gradient(grad_entropy, logits, labels, options, lse, mean_z)
+        gradient = gradient + entropy_gradient(grad_entropy, logits, labels, options, lse, mean_z)
     return grad.copy_(gradient)
 
 
@@ -72,14 +96,6 @@ def shard_gradient(
 def _all_reduce_in_place(tensor, op, group):
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
     return tensor
-
-
-def _functional_all_reduce(tensor, op, group):
-    # Functional collectives are ops dynamo traces into the graph (an in-place dist.all_reduce is a graph break);
-    # wait_tensor makes the result an ordinary tensor, so the eager fallback of a graph break computes the same.
-    from torch.distributed import _functional_collectives as funcol
-
-    return funcol.wait_tensor(funcol.all_reduce(tensor, op, group))
 
 
 def combine_statistics(
@@ -94,7 +110,7 @@ def combine_statistics(
     maxima, sums, shift = reduced_statistics(
         lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z, _all_reduce_in_place
     )
-    return contract.global_statistics(maxima, sums, lse_local.shape[0], shift)
+    return global_statistics(maxima, sums, lse_local.shape[0], shift)
 
 
 def reduced_statistics(lse_local, z_label, sum_z, group, local_width, check_equal_widths, with_sum_z, all_reduce):
@@ -113,7 +129,7 @@ def reduced_statistics(lse_local, z_label, sum_z, group, local_width, check_equa
         maxima[n_rows].fill_(local_width)
         maxima[n_rows + 1].fill_(-local_width)
     maxima = all_reduce(maxima, "max", group)
-    shift = contract.row_shift(maxima, n_rows)
+    shift = row_shift(maxima, n_rows)
     parts = [torch.exp(lse_local - shift), z_label] + ([sum_z] if with_sum_z else [])
     sums = all_reduce(torch.stack(parts), "sum", group)
     return maxima, sums, shift
@@ -168,15 +184,13 @@ def _combined_by_kernels(logits, labels, reduction, n_items, options, layout):
     all-reduces in place on one buffer and the combine kernels between and after them, 4 launches in all (the
     torch-ops path, for the plain-torch backend and the extra outputs, is combine_statistics)."""
     group, vocab_start, vocab_total, check_equal_widths = layout
-    with kernels.on_device(logits):
-        statistics = kernels.vocab_parallel_statistics(
-            logits, labels, options, vocab_start, vocab_total, check_equal_widths
-        )
+    with on_device(logits):
+        statistics = vocab_parallel_statistics(logits, labels, options, vocab_start, vocab_total, check_equal_widths)
         dist.all_reduce(statistics.maxima, op=dist.ReduceOp.MAX, group=group)
-        kernels.vocab_parallel_rescale(statistics)
+        vocab_parallel_rescale(statistics)
         dist.all_reduce(statistics.sums, op=dist.ReduceOp.SUM, group=group)
         # Labels are the same on every rank, so the local kept-token count is the global one.
-        return kernels.vocab_parallel_loss(statistics, labels, options, reduction, n_items, vocab_total)
+        return vocab_parallel_loss(statistics, labels, options, reduction, n_items, vocab_total)
 
 
 class _VocabParallelFunction(torch.autograd.Function):
@@ -189,7 +203,7 @@ class _VocabParallelFunction(torch.autograd.Function):
         if use_kernel and not outputs:
             loss, lse, denominator = _combined_by_kernels(logits, labels, reduction, n_items, options, layout)
         else:
-            with kernels.on_device(logits):
+            with on_device(logits):
                 lse_local, z_label, sum_z, *local_extras = shard_statistics(
                     logits, labels, options, vocab_start, vocab_total, use_kernel, outputs
                 )
@@ -198,9 +212,9 @@ class _VocabParallelFunction(torch.autograd.Function):
                 lse_local, z_label, sum_z, group, logits.shape[-1], check_equal_widths, with_sum_z,
                 local_extras if outputs else None, vocab_total,
             )  # fmt: skip
-            losses = contract.token_loss_from_statistics(lse, z_label, sum_z, labels, options, vocab_total)
+            losses = token_loss_from_statistics(lse, z_label, sum_z, labels, options, vocab_total)
             # Labels are the same on every rank, so the local kept-token count is the global one.
-            denominator = contract.loss_divisor(labels, reduction, n_items, options.ignore_index)
+            denominator = loss_divisor(labels, reduction, n_items, options.ignore_index)
             loss = losses if denominator is None else losses.sum() / denominator
         entropy_grad = outputs and extras.entropy  # lse_out and mean_z then carry their true derivatives
         ctx.save_for_backward(logits, labels, lse, denominator, *(global_extras[1:] if entropy_grad else ()))
@@ -218,7 +232,7 @@ class _VocabParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output, *grad_extras):
-        logits, labels, lse, denominator, *mean_z = contract.saved_logits(ctx)
+        logits, labels, lse, denominator, *mean_z = saved_logits(ctx)
         grad_lse = grad_extras[0] if grad_extras and ctx.extras.z_loss else None
         # The entropy (lse - mz): mz's upstream b is -g_H, and the lse part's upstream a + b (cross_entropy.py).
         grad_mean_z = grad_extras[2] if mean_z else None
@@ -236,8 +250,8 @@ class _VocabParallelFunction(torch.autograd.Function):
             # one differentiable all-reduce) on the intact logits, before anything is written in place.
             grad = _differentiable_shard_gradient(grad_output, denominator, logits, labels, lse, ctx)
             return grad, None, None, None, None, None, None, None
-        grad = contract.gradient_buffer(ctx, logits)
-        with kernels.on_device(logits):
+        grad = gradient_buffer(ctx, logits)
+        with on_device(logits):
             shard_gradient(
                 grad_output, denominator, logits, labels, lse, grad, ctx.options, ctx.vocab_start, ctx.vocab_total,
                 ctx.use_kernel,
@@ -259,8 +273,8 @@ class _VocabParallelFunction(torch.autograd.Function):
             grad_output, denominator = torch.zeros((), dtype=torch.float32, device=logits.device), None
         entropy = dict(grad_entropy=grad_entropy, mean_z=mean_z)
         if grad_lse is None:  # the loss's and the entropy's parts in one pass, in place when allowed
-            grad = contract.gradient_buffer(ctx, logits)
-            with kernels.on_device(logits):
+            grad = gradient_buffer(ctx, logits)
+            with on_device(logits):
                 shard_gradient(
                     grad_output, denominator, logits, labels, lse, grad, ctx.options, ctx.vocab_start,
                     ctx.vocab_total, ctx.use_kernel, **entropy,
@@ -268,13 +282,13 @@ class _VocabParallelFunction(torch.autograd.Function):
             return grad, *(None,) * 8
         # Both parts in float32, rounded to the logits' dtype once.
         grad = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-        with kernels.on_device(logits):
+        with on_device(logits):
             if ctx.use_kernel:
-                kernels.lse_backward(grad_lse, logits, labels, lse, grad, ctx.options, vocab_total=ctx.vocab_total)
+                launch.lse_backward(grad_lse, logits, labels, lse, grad, ctx.options, vocab_total=ctx.vocab_total)
             else:
                 lse_options = ctx.options._replace(label_smoothing=0.0, z_loss=0.0)
                 grad.copy_(
-                    contract.logits_gradient(
+                    logits_gradient(
                         grad_lse.to(lse.dtype), logits, labels, lse, lse_options, ctx.vocab_total, ctx.vocab_total
                     )
                 )
@@ -311,7 +325,7 @@ def _differentiable_shard_gradient(grad_output, denominator, logits, labels, lse
     the same all-reduce on every rank: each rank must differentiate (all ranks call backward together, as they do
     for the loss). The rank's result is the gradient of the sum over the ranks of each rank's objective (for a
     Hessian-vector product, sum over ranks of <v_rank, grad_rank>, each rank gets its columns of H v)."""
-    z = contract.transform(logits, ctx.options, labels)
+    z = transform(logits, ctx.options, labels)
     shift = torch.where(torch.isfinite(lse), lse, 0.0).detach()
     local = torch.exp(torch.logsumexp(z, dim=-1) - shift)
     global_lse = shift + torch.log(_SumOverRanks.apply(local, ctx.group))
@@ -320,128 +334,8 @@ def _differentiable_shard_gradient(grad_output, denominator, logits, labels, lse
     if denominator is not None:
         grad_rows = grad_rows / denominator
     grad_rows = grad_rows.expand(labels.shape)
-    grad = contract.logits_gradient(
-        grad_rows, logits, labels, global_lse, ctx.options, ctx.vocab_start, ctx.vocab_total
-    )
+    grad = logits_gradient(grad_rows, logits, labels, global_lse, ctx.options, ctx.vocab_start, ctx.vocab_total)
     return grad.to(logits.dtype)
-
-
-# --- under torch.compile: functional collectives around custom ops, no graph break -------------------------------
-#
-# The compiler sees the local statistics kernel and the loss as opaque ops and the two all-reduces as functional
-# collectives between them. The collectives carry no gradient: the loss op's backward gives each rank's columns of
-# d loss / d logits from the global logsumexp directly (the eager backward's kernel, no communication), which is the
-# derivative through the combined statistics.
-
-# SymInt: under dynamic shapes the offsets are symbolic (rank * V_local).
-_LAYOUT_SCHEMA = f"{contract.op_schema(contract.Options)}, SymInt vocab_start, SymInt vocab_total"
-
-
-@torch.library.custom_op(
-    "fastce::vocab_parallel_statistics",
-    mutates_args=(),
-    schema=f"(Tensor logits, Tensor labels, {_LAYOUT_SCHEMA}) -> (Tensor, Tensor, Tensor)",
-)
-def _statistics_op(logits, labels, *options_and_layout):
-    *options, vocab_start, vocab_total = options_and_layout
-    lse, z_label, sum_z = kernels.forward(
-        logits, labels, contract.Options(*options), vocab_start=vocab_start, vocab_total=vocab_total
-    )
-    return lse.clone(), z_label, sum_z  # lse is a view of the launch's scratch buffer; an op's output owns its storage
-
-
-@_statistics_op.register_fake
-def _(logits, labels, *options_and_layout):
-    n_rows = labels.shape[0]
-    return tuple(logits.new_empty(n_rows, dtype=torch.float32) for _ in range(3))
-
-
-@torch.library.custom_op(
-    "fastce::vocab_parallel_loss",
-    mutates_args=(),
-    schema=f"(Tensor logits, Tensor labels, Tensor maxima, Tensor sums, {_LAYOUT_SCHEMA}, bool use_kernel) -> Tensor",
-)
-def _loss_op(logits, labels, maxima, sums, *options_and_layout):
-    """The per-token loss from reduced_statistics' reduced tensors; `logits` is only there for the backward. The
-    op takes the all-reduces' outputs themselves (not the lse derived from them) and its backward derives the lse
-    again: were anything computed from the logits before the all-reduces saved for the backward, a partitioner
-    could recompute it there, collectives included (torch never eliminates a collective as dead code)."""
-    *options, _, vocab_total, _ = options_and_layout
-    lse, z_label, sum_z = contract.global_statistics(maxima, sums, labels.shape[0])
-    return contract.token_loss_from_statistics(lse, z_label, sum_z, labels, contract.Options(*options), vocab_total)
-
-
-@_loss_op.register_fake
-def _(logits, labels, maxima, sums, *options_and_layout):
-    return sums.new_empty(labels.shape)
-
-
-@torch.library.custom_op(
-    "fastce::vocab_parallel_backward",
-    mutates_args=(),
-    schema=f"(Tensor grad_loss, Tensor logits, Tensor labels, Tensor lse, {_LAYOUT_SCHEMA}) -> Tensor",
-)
-def _backward_op(grad_loss, logits, labels, lse, *options_and_layout):
-    *options, vocab_start, vocab_total = options_and_layout
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    return kernels.backward(
-        grad_loss, logits, labels, lse, grad, contract.Options(*options), vocab_start=vocab_start,
-        vocab_total=vocab_total,
-    )  # fmt: skip
-
-
-@_backward_op.register_fake
-def _(grad_loss, logits, labels, lse, *options_and_layout):
-    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-
-
-def _loss_setup_context(ctx, inputs, output):
-    logits, labels, maxima, sums, *options_and_layout = inputs
-    ctx.save_for_backward(logits, labels, maxima, sums)
-    *ctx.options_and_layout, ctx.use_kernel = options_and_layout
-
-
-def _loss_backward(ctx, grad_loss):
-    logits, labels, maxima, sums = ctx.saved_tensors
-    lse = contract.global_statistics(maxima, sums, labels.shape[0])[0]
-    if ctx.use_kernel:
-        grad = _backward_op(grad_loss, logits, labels, lse, *ctx.options_and_layout)
-    else:
-        *options, vocab_start, vocab_total = ctx.options_and_layout
-        grad = contract.logits_gradient(
-            grad_loss, logits, labels, lse, contract.Options(*options), vocab_start, vocab_total
-        ).to(logits.dtype)
-    return grad, *[None] * (3 + len(ctx.options_and_layout) + 1)
-
-
-torch.library.register_autograd("fastce::vocab_parallel_loss", _loss_backward, setup_context=_loss_setup_context)
-
-
-def traced_vocab_parallel_cross_entropy(logits, labels, reduction, n_items, options, layout, use_kernel):
-    """vocab_parallel_cross_entropy as torch.compile traces it (no graph break, no host synchronisation): the
-    statistics op, two functional all-reduces of O(N) floats, the loss op, the reduction in plain torch. The compiler
-    plans the gradient's memory itself (inplace_backward does not apply), and a second backward through the compiled
-    graph is refused by torch.compile."""
-    group, vocab_start, vocab_total, check_equal_widths = layout
-    local_width = logits.shape[-1]
-    logits_2d = logits.reshape(-1, local_width)
-    if logits_2d.stride(-1) != 1 and local_width > 1:
-        logits_2d = logits_2d.contiguous()
-    labels_1d = labels.reshape(-1).contiguous()
-    # The statistics carry no gradient (the loss op's backward accounts for them).
-    with torch.no_grad():
-        if use_kernel:
-            statistics = _statistics_op(logits_2d, labels_1d, *options, vocab_start, vocab_total)
-        else:
-            z = contract.transform(logits_2d, options, labels_1d)
-            statistics = contract.row_statistics(z, labels_1d, options, vocab_start)
-    with_sum_z = options.label_smoothing > 0.0
-    maxima, sums, _ = reduced_statistics(
-        *statistics, group, local_width, check_equal_widths, with_sum_z, _functional_all_reduce
-    )
-    losses = _loss_op(logits_2d, labels_1d, maxima, sums, *options, vocab_start, vocab_total, use_kernel)
-    loss = contract.reduce_losses(losses, labels_1d, reduction, n_items, options.ignore_index)
-    return loss.view(labels.shape) if reduction == "none" else loss
 
 
 # --- layouts: where this rank's columns sit in the global vocabulary ------------------------------------------
@@ -482,24 +376,17 @@ def layout_of(group, vocab_start, local_width, device):
     return group, vocab_start, _explicit_layout(group, vocab_start, local_width, device), False
 
 
-def is_dtensor(tensor):
-    # A DTensor can only exist once torch.distributed.tensor was imported; checking sys.modules first keeps the
-    # common path free of that import.
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(tensor, module.DTensor)
-
-
 def vocab_parallel_cross_entropy(
     logits, labels, reduction, n_items, inplace_backward, options, layout, use_kernel, extras=None
 ):
     """logits (..., V_local) this rank's columns, labels (...) global ids; returns the loss of the contract (with
-    extras, a contract.Extras asking for some: CrossEntropyOutput)."""
+    extras, a Extras asking for some: CrossEntropyOutput)."""
     local_width = logits.shape[-1]
     logits_2d = logits.reshape(-1, local_width)
     if logits_2d.stride(-1) != 1 and local_width > 1:
         logits_2d = logits_2d.contiguous()
     # In place only where no two rows share memory (expanded logits).
-    inplace_backward = inplace_backward and not kernels.rows_overlap(logits_2d)
+    inplace_backward = inplace_backward and not launch.rows_overlap(logits_2d)
     labels_1d = labels.reshape(-1).contiguous()
     if extras is not None:
         loss, lse, argmax, mean_z = _VocabParallelFunction.apply(
@@ -507,15 +394,10 @@ def vocab_parallel_cross_entropy(
         )
         loss = loss.view(labels.shape) if reduction == "none" else loss
         vocab_total = layout[2]
-        return contract.extra_outputs(
+        return extra_outputs(
             loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab_total, None, extras.entropy
         )
     loss = _VocabParallelFunction.apply(
         logits_2d, labels_1d, reduction, n_items, inplace_backward, options, layout, use_kernel
     )
     return loss.view(labels.shape) if reduction == "none" else loss
-
-
-# DTensor logits (Shard(-1)) are unwrapped to this rank's columns in dtensor.py, which builds on the functions above;
-# re-exported so every layer reaches them as sharding.*.
-from .dtensor import _LocalShard, dtensor_cross_entropy  # noqa: E402, F401

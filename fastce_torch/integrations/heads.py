@@ -28,6 +28,8 @@ module with its own forward) raises a TypeError naming it before any number is c
 
 import torch
 
+__all__ = ["check_gathered", "head_terms", "is_zero3_parameter"]
+
 _PEFT_LORA_LINEAR = ("peft.tuners.lora.layer", "Linear")
 _PEFT_MODULES_TO_SAVE = ("peft.utils.other", "ModulesToSaveWrapper")
 

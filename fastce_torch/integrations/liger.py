@@ -5,8 +5,9 @@
 
 Here too: liger_cross_entropy, liger_fused_linear_cross_entropy and the CrossEntropyOutput record they return
 (Liger's liger_kernel.transformers.functional), and LigerCrossEntropyFunction / LigerFusedLinearCrossEntropyFunction
-whose `apply` takes liger_kernel.ops' positional arguments and returns its 4-tuple. When fastce_torch has `jsd` and
-`linear_jsd`, also LigerJSD, LigerFusedLinearJSD, liger_jsd, liger_fused_linear_jsd (see liger_jsd.py).
+whose `apply` takes liger_kernel.ops' positional arguments and returns its 4-tuple. The distillation losses' names
+(LigerJSD, LigerFusedLinearJSD, liger_jsd, liger_fused_linear_jsd) are liger_jsd.py's; fastce_torch.liger hands on
+both modules' names.
 
 Liger's arguments, as fastce computes them (docs/integrations.md, "Coming from Liger-Kernel"):
 - ignore_index, label_smoothing, reduction: the same keywords. lse_square_scale: z_loss (scale * lse^2 per token).
@@ -36,8 +37,19 @@ import dataclasses
 
 import torch
 
-from .cross_entropy import cross_entropy
-from .linear import linear_cross_entropy
+from ..losses.cross_entropy.api import cross_entropy
+from ..losses.cross_entropy.linear_api import linear_cross_entropy
+
+__all__ = [
+    "FASTCE_OPTIONS",
+    "CrossEntropyOutput",
+    "LigerCrossEntropyFunction",
+    "LigerCrossEntropyLoss",
+    "LigerFusedLinearCrossEntropyFunction",
+    "LigerFusedLinearCrossEntropyLoss",
+    "liger_cross_entropy",
+    "liger_fused_linear_cross_entropy",
+]
 
 
 @dataclasses.dataclass
@@ -338,20 +350,3 @@ class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
             self.use_token_scaling, self.return_token_accuracy, self.return_predicted_tokens,
             **self.fastce_options,
         )  # fmt: skip
-
-
-def _fastce_has_jsd():
-    import fastce_torch
-
-    return callable(getattr(fastce_torch, "jsd", None)) and callable(getattr(fastce_torch, "linear_jsd", None))
-
-
-if _fastce_has_jsd():  # the JSD entry points exist only beside fastce's jsd / linear_jsd
-    from .liger_jsd import (  # noqa: F401
-        LigerFusedLinearJSD,
-        LigerFusedLinearJSDFunction,
-        LigerJSD,
-        LigerJSDFunction,
-        liger_fused_linear_jsd,
-        liger_jsd,
-    )

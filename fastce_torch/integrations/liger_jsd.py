@@ -1,6 +1,6 @@
 """Liger-Kernel's distillation losses (liger-kernel 0.8.5) by name, computed by fastce_torch.jsd / linear_jsd.
 
-Import them from fastce_torch.liger (they are there when fastce_torch has jsd and linear_jsd):
+Import them from fastce_torch.liger:
 
     # from liger_kernel.transformers import LigerJSD, LigerFusedLinearJSD
     from fastce_torch.liger import LigerJSD, LigerFusedLinearJSD
@@ -25,11 +25,17 @@ float32, rounded once to its dtype). Refused: any other accum_dtype than None, f
 
 import torch
 
-from . import jsd as fastce_jsd
-from . import linear_jsd as fastce_linear_jsd
+from ..losses.jsd.api import jsd as fastce_jsd
+from ..losses.jsd.linear_api import linear_jsd as fastce_linear_jsd
 
-if not (callable(fastce_jsd) and callable(fastce_linear_jsd)):
-    raise ImportError("fastce_torch.liger_jsd needs fastce_torch.jsd and fastce_torch.linear_jsd")
+__all__ = [
+    "LigerFusedLinearJSD",
+    "LigerFusedLinearJSDFunction",
+    "LigerJSD",
+    "LigerJSDFunction",
+    "liger_fused_linear_jsd",
+    "liger_jsd",
+]
 
 FASTCE_OPTIONS = {"backend", "student_softcapping", "teacher_softcapping"}
 LINEAR_FASTCE_OPTIONS = FASTCE_OPTIONS | {"workspace_bytes", "student_bias", "teacher_bias"}

@@ -57,10 +57,18 @@ import weakref
 
 import torch
 
-from .contract import BACKENDS
-from .cross_entropy import cross_entropy
+from ..core.options import BACKENDS
+from ..losses.cross_entropy.api import cross_entropy
+from ..losses.cross_entropy.linear_api import linear_cross_entropy
 from .heads import head_terms
-from .linear import linear_cross_entropy
+
+__all__ = [
+    "COMPUTE_THEIR_OWN_LOSS",
+    "FUSED_MODELS",
+    "fastce_for_causal_lm_loss",
+    "patch_transformers",
+    "unpatch_transformers",
+]
 
 _LOSS_NAME = "ForCausalLMLoss"
 # *ForCausalLM classes of transformers 5.x whose forward computes torch.nn.CrossEntropyLoss itself: not patched.
@@ -105,7 +113,7 @@ _DISPATCHING_HEADS = weakref.WeakSet()
 # torch.compile before 2.13 traces an nn.Linear's call with the forward the module had when tracing began, so a
 # forward given during the trace is not called (measured on torch 2.11; 2.13 and 2.14 call it): models made after
 # the patch get it in __init__, others from their first eager call.
-_COMPILE_TRACES_OLD_FORWARD = tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13)
+COMPILE_TRACES_OLD_FORWARD = tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13)
 
 
 def _causal_lm_loss(compute, labels, num_items_in_batch, ignore_index, shift_labels):
@@ -236,7 +244,7 @@ def _fused_forward(original):
         labels = bound.arguments.get("labels")
         if not (self.training and labels is not None and _state["forwards"]):
             return original(self, *args, **kwargs)
-        if _COMPILE_TRACES_OLD_FORWARD and torch.compiler.is_compiling() and not _has_dispatching_forward(self.lm_head):
+        if COMPILE_TRACES_OLD_FORWARD and torch.compiler.is_compiling() and not _has_dispatching_forward(self.lm_head):
             raise RuntimeError(
                 f"fused_linear under torch.compile on torch {torch.__version__}: lm_head is traced with the forward it "
                 "had when compiling began, which is not fastce's yet; create the model after "
@@ -273,7 +281,7 @@ def _init_with_dispatching_head(original):
     return __init__
 
 
-def _fused_model_classes():
+def fused_model_classes():
     for module_name, class_name in FUSED_MODELS:
         try:
             module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
@@ -335,7 +343,7 @@ def patch_transformers(*, backend="auto", inplace_backward=True, fused_linear=Fa
     for module in _modules_holding(original):
         setattr(module, _LOSS_NAME, fastce_for_causal_lm_loss)
     if fused_linear:
-        for cls in _fused_model_classes():
+        for cls in fused_model_classes():
             if cls not in _state["forwards"]:
                 _state["forwards"][cls] = (cls.forward, cls.__init__)
                 cls.forward = _fused_forward(cls.forward)

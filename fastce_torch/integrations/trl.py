@@ -26,13 +26,15 @@ head.
 
 import inspect
 
-from .contract import BACKENDS
+from ..core.options import BACKENDS
+from ..losses.cross_entropy.linear_api import linear_cross_entropy
 from .heads import is_zero3_parameter
-from .linear import linear_cross_entropy
+
+__all__ = ["FastceLogProbs", "patch_trl", "unpatch_trl"]
 
 _NAME = "_ChunkedLogProbFunction"
 _FASTCE_OUTPUTS = {"log_probs", "entropy", "is_top1"}
-_state = {"original": None, "options": {"backend": "auto"}}
+state = {"original": None, "options": {"backend": "auto"}}  # TRL's own function while patched, and the options
 
 
 def _answerable(weight, logit_scale, outputs):
@@ -46,7 +48,7 @@ class FastceLogProbs:
     @staticmethod
     def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None, logit_scale=1.0,
               outputs=("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")):  # fmt: skip
-        original = _state["original"]
+        original = state["original"]
         if original is None or not _answerable(weight, logit_scale, outputs):
             fallback = original or _trl_utils().__dict__[_NAME]
             return fallback.apply(
@@ -56,7 +58,7 @@ class FastceLogProbs:
             hidden, weight, targets, bias=bias, reduction="none", temperature=float(temperature),
             logit_softcapping=float(final_logit_softcapping or 0.0),
             logit_scaling=0.0 if logit_scale == 1.0 else float(logit_scale),
-            return_entropy="entropy" in outputs, return_accuracy="is_top1" in outputs, **_state["options"],
+            return_entropy="entropy" in outputs, return_accuracy="is_top1" in outputs, **state["options"],
         )  # fmt: skip
         # TRL's targets are never ignored (it drops or clamps the ignored positions first): log p = -loss everywhere.
         log_probs = -result.loss
@@ -84,20 +86,20 @@ def patch_trl(*, backend="auto"):
             f"patch_trl(): this TRL ({getattr(__import__('trl'), '__version__', '?')}) has no "
             f"trl.trainer.utils.{_NAME}, the fused LM head fastce replaces (TRL 1.x has it)"
         )
-    if _state["original"] is None:
+    if state["original"] is None:
         if current is FastceLogProbs:  # pragma: no cover - our state was lost (module reloaded)
             raise RuntimeError("TRL is patched by an earlier copy of fastce_torch.trl")
         if "outputs" not in inspect.signature(current.forward).parameters:
             raise RuntimeError(f"patch_trl(): TRL's {_NAME} does not have the signature fastce_torch.trl knows")
-        _state["original"] = current
-    _state["options"] = {"backend": backend}
+        state["original"] = current
+    state["options"] = {"backend": backend}
     trl_utils._ChunkedLogProbFunction = FastceLogProbs
 
 
 def unpatch_trl():
     """Put TRL's own fused-head function back (a no-op when not patched)."""
-    if _state["original"] is None:
+    if state["original"] is None:
         return
-    _trl_utils()._ChunkedLogProbFunction = _state["original"]
-    _state["original"] = None
-    _state["options"] = {"backend": "auto"}
+    _trl_utils()._ChunkedLogProbFunction = state["original"]
+    state["original"] = None
+    state["options"] = {"backend": "auto"}

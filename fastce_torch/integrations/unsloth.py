@@ -5,8 +5,10 @@
 Same signature and meaning as `unsloth.kernels.cross_entropy_loss`; fastce's guarantees (CONTRACT.md) on top.
 """
 
-from .cross_entropy import cross_entropy
+from ..losses.cross_entropy.api import cross_entropy
 from .transformers import patch_transformers
+
+__all__ = ["fast_cross_entropy_loss", "patch_loss_functions"]
 
 
 def fast_cross_entropy_loss(logits, labels, logit_softcapping=0, logit_scaling=0, n_items=None, **options):

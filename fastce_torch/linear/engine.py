@@ -1,38 +1,37 @@
-"""The chunk loop of the fused linear cross-entropy (linear_cross_entropy without the (N, V) logits).
+"""The LM-head engine: the chunk loop over rows that every linear loss runs on (linear_cross_entropy and
+linear_log_probs, linear_jsd) without materialising the (N, V) logits. Loss-neutral: it imports core/ only, and each
+loss plugs its row kernels into it (losses/*/linear_chunks.py).
 
 Chunks. The rows are processed in chunks of `rows_per_chunk(n_rows, vocab, itemsize, workspace_bytes, chunk_rows)`
 rows: the workspace budget (the `workspace_bytes` keyword, by default `DEFAULT_WORKSPACE_BYTES` = 256 MiB of
 logits) split evenly over as few chunks as it allows, rounded up to a multiple of `ROWS_MULTIPLE` (whole matmul
-tiles); the `chunk_rows` keyword, when given, overrides it. Per chunk: the logits come from one
-matmul into the workspace, fastce's forward kernel gives each row's loss and log-sum-exp (`_ce_forward`), the
-backward kernel overwrites the same fresh logits with d loss / d logits (`chunk_gradient`), and two matmuls
-fold that into the chunk's rows of d hidden and into d weight (a column sum into d bias). The last chunk is
-shorter (a slice of the workspace). logits_dtype=float32 with bf16/fp16 inputs: the workspace holds float32 logits
-(4 bytes each) and, in a pass that computes gradients, the backward kernel writes d logits into a second chunk in the
-inputs' dtype (the products' operand, as with the default logits), so such a pass counts 4 + itemsize bytes per
-logit against workspace_bytes.
-
-Reductions.
-- "mean" / "sum": the gradients are complete after the forward (the denominator is counted on the device first, no
-  host synchronisation); the backward only multiplies them by the upstream scalar, and skips even that on the device
-  when the scalar is exactly 1. 6·N·H·V flops in all. Token weights keep this: w_t / denominator is the backward
-  kernel's per-row upstream. A differentiated z_loss or entropy output is the exception: its upstream exists only in
-  the backward, which then recomputes each chunk's logits for that part. Gradients are computed only when grad mode
-  is on and an input requires one (2·N·H·V flops otherwise).
-- "none": the per-token upstream gradients exist only in the backward, so the forward keeps the log-sum-exp (N
-  floats) and the backward recomputes each chunk's logits: 8·N·H·V flops. A differentiated entropy output adds its
-  term in the same backward kernel pass (the kernel's entropy variant, from the forward's per-row entropy).
+tiles); the `chunk_rows` keyword, when given, overrides it. `row_chunks` yields the chunks, each chunk's logits from
+one matmul into the workspace (`chunk_logits`); the loss's row kernels give its per-row results and overwrite the
+same fresh logits with d loss / d logits, and `accumulate_grads` folds that into the chunk's rows of d hidden and
+into d weight (a column sum into d bias), in the buffers of `new_grads`, which `finish_grads` hands back in the
+inputs' dtypes. The last chunk is shorter (a slice of the workspace). logits_dtype=float32 with bf16/fp16 inputs
+(`check_logits_dtype`, `logits_operands`): the workspace holds float32 logits (4 bytes each) and, in a pass that
+computes gradients, the backward kernel writes d logits into a second chunk in the inputs' dtype (the products'
+operand, as with the default logits), so such a pass counts 4 + itemsize bytes per logit against workspace_bytes
+(`logit_bytes`). The settings travel as `Chunking` (checked by `check_chunking`), the record the custom ops take.
 
 Memory beyond the inputs: the gradients (hidden's, weight's, bias's, in their dtypes), the workspace (chunk rows x V
 in the inputs' dtype, at most workspace_bytes) and O(N + V) floats.
 
 Ignored rows: by default every row costs its matmuls (an ignored row's logits are computed, then never read).
-skip_ignored_rows=True runs the chunks over the kept rows only (their indices by nonzero, each chunk's rows of hidden
-gathered, its rows of d hidden written back by index): 6·K·H·V flops for K kept rows, plus K·H copied. cuBLAS takes
-its shapes from the host, so the number of kept rows is read there: one synchronisation per call (eager; the
-autograd Functions hand the kept rows to the backward that recomputes the logits; under torch.compile that backward's
-custom op reads them again). Opt-in, and refused under CUDA-graph capture. linear_jsd's loop (jsd.py) skips the
-same way through the same helpers (_kept_rows, row_selections, take_rows, new_grads, accumulate_grads).
+skip_ignored_rows=True runs the chunks over the kept rows only (`kept_rows`: their indices by nonzero;
+`row_selections` and `take_rows`: each chunk's rows of hidden gathered, its rows of d hidden written back by index;
+`selected_count`; `per_row` buffers holding an ignored row's values): 6·K·H·V flops for K kept rows, plus K·H
+copied. cuBLAS takes its shapes from the host, so the number of kept rows is read there: one synchronisation per call
+(eager; the autograd Functions hand the kept rows to the backward that recomputes the logits, and `FIND` marks a pass
+that finds them itself; under torch.compile that backward's custom op reads them again). Opt-in, and refused under
+CUDA-graph capture (`SKIP_UNDER_CAPTURE`).
+
+Dtypes: `autocast_or_common_dtype` (under torch.autocast the matmuls run in the autocast dtype, as F.linear's; else
+mixed dtypes compute in their promoted dtype), `in_compute_dtype` (the weight and bias in the matmuls' dtype) and
+`kernel_context` (the loop's own code runs without grad mode and autocast). `transposed_view`: a weight_layout="hv"
+weight, whose gradient comes back in its own layout. `reference_logits`: the plain-torch path's logits;
+`gradients_needed`: which of (hidden, weight, bias) are owed a gradient.
 
 Precision: each chunk's matmuls accumulate in float32 and round once to the input dtype. With float32 logits the
 gradient chunk is still rounded to the inputs' dtype before the products (which then run at the bf16/fp16 rate, and
@@ -52,7 +51,37 @@ from typing import NamedTuple
 
 import torch
 
-from .. import contract, kernels
+from ..core.launch import on_device
+
+__all__ = [
+    "DEFAULT_WORKSPACE_BYTES",
+    "FIND",
+    "LOGITS_DTYPES",
+    "ROWS_MULTIPLE",
+    "SKIP_UNDER_CAPTURE",
+    "Chunking",
+    "accumulate_grads",
+    "autocast_or_common_dtype",
+    "check_chunking",
+    "check_logits_dtype",
+    "chunk_logits",
+    "finish_grads",
+    "gradients_needed",
+    "in_compute_dtype",
+    "kept_rows",
+    "kernel_context",
+    "logit_bytes",
+    "logits_operands",
+    "new_grads",
+    "per_row",
+    "reference_logits",
+    "row_chunks",
+    "row_selections",
+    "rows_per_chunk",
+    "selected_count",
+    "take_rows",
+    "transposed_view",
+]
 
 # At 256 MiB the workspace holds 1024 rows of bf16 logits at V=128256, 512 at V=256000.
 DEFAULT_WORKSPACE_BYTES = 256 << 20
@@ -60,7 +89,8 @@ ROWS_MULTIPLE = 128  # chunk rows are a multiple of this (whole matmul tiles) wh
 
 
 class Chunking(NamedTuple):
-    """linear_cross_entropy's settings keywords, as the custom ops take them (contract.op_schema)."""
+    """The chunk loops' settings (linear_cross_entropy's and linear_jsd's keywords), as the custom ops take them
+    (core/custom_ops.op_schema)."""
 
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES
     chunk_rows: int | None = None
@@ -80,7 +110,7 @@ def check_logits_dtype(logits_dtype, dtype):
     return logits_dtype is not None and dtype in (torch.bfloat16, torch.float16)
 
 
-def _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows=False, float32_logits=False):
+def check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows=False, float32_logits=False):
     workspace_bytes = DEFAULT_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
     for name, value in (("workspace_bytes", workspace_bytes), ("chunk_rows", chunk_rows)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -89,48 +119,6 @@ def _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ign
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {value!r}")
     return Chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows, float32_logits)
-
-
-# --- the one place that calls fastce's launchers ----------------------------------------------------------------
-
-
-def _ce_forward(logits, labels, options, outputs=False, class_weight=None):
-    """Per-token float32 (loss, lse) of a 2-D logits chunk; with outputs, also (argmax, mean of z) per row.
-    class_weight: class weights (V,) or None, for every launcher call here."""
-    loss, lse, _, *statistics = kernels.forward(logits, labels, options, outputs=outputs, weight=class_weight)
-    return loss, lse, *statistics
-
-
-def chunk_gradient(logits, dlogits, labels, lse, options, upstream, denominator=None, class_weight=None):
-    """Writes into `dlogits` (the logits' own buffer, or the chunk in the inputs' dtype next to float32 logits) the
-    gradient of sum_t (g_loss_t loss_t / denominator + g_lse_t lse_t + g_entropy_t H_t) with upstream = (g_loss,
-    g_lse, g_entropy, entropy) of the chunk's rows, each None for none of that part: g_loss per row or 0-d (with a
-    denominator, a per-row g_loss is the token weights' factor w_t / denominator); g_lse (the z_loss output's)
-    already holds any class weights' factor (the lse part is unweighted); entropy (the rows' H) gives mz = lse - H."""
-    grad_loss, grad_lse, grad_entropy, entropy = upstream
-    # The entropy's part rides in the loss's pass (the kernel's entropy variant; a zero upstream for the loss when
-    # only the entropy is differentiated).
-    entropy_keywords = {}
-    if grad_entropy is not None:
-        entropy_keywords = dict(grad_entropy=grad_entropy, mean_z=lse - entropy)
-        if grad_loss is None:
-            grad_loss = torch.zeros((), dtype=torch.float32, device=logits.device)
-    if grad_lse is None:
-        return kernels.backward(
-            grad_loss, logits, labels, lse, dlogits, options, denominator, weight=class_weight, **entropy_keywords
-        )
-    if grad_loss is None:
-        return kernels.lse_backward(grad_lse, logits, labels, lse, dlogits, options)
-    # Both parts in float32, rounded to the gradient's dtype once.
-    total = kernels.lse_backward(grad_lse, logits, labels, lse, torch.empty_like(logits, dtype=torch.float32), options)
-    part = torch.empty_like(logits, dtype=torch.float32)
-    total += kernels.backward(
-        grad_loss, logits, labels, lse, part, options, denominator, weight=class_weight, **entropy_keywords
-    )
-    return dlogits.copy_(total)
-
-
-# --- the chunked computation ------------------------------------------------------------------------------------
 
 
 def rows_per_chunk(n_rows, vocab, itemsize, workspace_bytes=None, chunk_rows=None):
@@ -149,7 +137,7 @@ def rows_per_chunk(n_rows, vocab, itemsize, workspace_bytes=None, chunk_rows=Non
     return max(1, min(rows, n_rows))
 
 
-def _chunk_logits(workspace, hidden_chunk, weight, bias):
+def chunk_logits(workspace, hidden_chunk, weight, bias):
     """The chunk's logits into the workspace. A float32 workspace with bf16/fp16 operands (logits_dtype=float32):
     cuBLAS takes the operands as they are and writes float32 (no float32 copy of the weight); the CPU has no
     mixed-dtype matmul, so there `weight` and `bias` are already float32 (logits_operands) and the chunk is cast."""
@@ -198,7 +186,7 @@ def kernel_context(hidden):
     dtype linear_cross_entropy chose (autocast was already applied at its entry). Each context is entered only when
     it changes something (an autograd.Function's forward already runs without grad mode; torch.autocast's context
     alone costs tens of microseconds of host time per call)."""
-    device = kernels.on_device(hidden)
+    device = on_device(hidden)
     grad_enabled, autocast = torch.is_grad_enabled(), torch.is_autocast_enabled(hidden.device.type)
     if not grad_enabled and not autocast:
         return device  # the usual case inside an autograd.Function: one shared no-op context
@@ -283,10 +271,10 @@ SKIP_UNDER_CAPTURE = (
 )
 
 
-_FIND = object()  # the kept rows not handed over: the pass finds them (_kept_rows)
+FIND = object()  # the kept rows not handed over: the pass finds them (kept_rows)
 
 
-def _kept_rows(labels, ignore_index, chunking, function="linear_cross_entropy"):
+def kept_rows(labels, ignore_index, chunking, function="linear_cross_entropy"):
     """skip_ignored_rows: the ascending indices (int64) of the rows whose label is not ignore_index, or None when
     every row is kept, there are no labels or the keyword is off (the plain loop over all rows). cuBLAS matmuls
     take their shapes from the host, so skipping rows needs their number there: nonzero reads it, one host
@@ -301,7 +289,7 @@ def _kept_rows(labels, ignore_index, chunking, function="linear_cross_entropy"):
 
 def row_selections(n_rows, step, kept=None):
     """Yields (rows, width, first) chunk by chunk over n_rows rows in chunks of `step`: rows a slice, or with `kept`
-    (_kept_rows) a slice of those indices (an int64 tensor), so that the chunks cover only the kept rows; width its
+    (kept_rows) a slice of those indices (an int64 tensor), so that the chunks cover only the kept rows; width its
     number of rows, first True for the first chunk."""
     total = selected_count(n_rows, kept)
     for start in range(0, total, step):
@@ -323,7 +311,7 @@ def row_chunks(hidden, weight, bias, labels, chunking, kept=None, with_grads=Tru
     """Yields (rows, hidden_chunk, labels_chunk, logits, dlogits, first) chunk by chunk, first True for the first
     chunk; logits is a view of one workspace that the next chunk overwrites, dlogits where the chunk's gradient goes
     (the logits themselves, or with float32 logits and gradients a chunk in the inputs' dtype). rows is a slice of
-    the rows, or with `kept` (_kept_rows) a slice of those indices: the chunks then cover only the kept rows
+    the rows, or with `kept` (kept_rows) a slice of those indices: the chunks then cover only the kept rows
     (gathered, a chunk x H copy each), so ignored rows cost no matmul."""
     vocab = weight.shape[0]
     itemsize = logit_bytes(hidden, chunking, with_grads)
@@ -338,140 +326,16 @@ def row_chunks(hidden, weight, bias, labels, chunking, kept=None, with_grads=Tru
     logits_weight, logits_bias = logits_operands(weight, bias, chunking)
     for rows, width, first in row_selections(hidden.shape[0], step, kept):
         hidden_chunk = take_rows(hidden, rows)
-        logits = _chunk_logits(workspace[:width], hidden_chunk, logits_weight, logits_bias)
+        logits = chunk_logits(workspace[:width], hidden_chunk, logits_weight, logits_bias)
         yield rows, hidden_chunk, take_rows(labels, rows), logits, grad_workspace[:width], first
 
 
-def _per_row(n_rows, kept, fill, dtype, device):
+def per_row(n_rows, kept, fill, dtype, device):
     """A per-row result buffer: every row is written by the chunks, or with kept rows the others hold `fill`, the
     value the forward kernel gives an ignored row (loss 0, lse -inf, argmax 0, mean of z NaN)."""
     if kept is None:
         return torch.empty(n_rows, dtype=dtype, device=device)
     return torch.full((n_rows,), fill, dtype=dtype, device=device)
-
-
-def chunked_forward(
-    hidden,
-    weight,
-    bias,
-    labels,
-    options,
-    chunking,
-    denominator=None,
-    needs=(False, False, False),
-    outputs=False,
-    kept=_FIND,
-    class_weight=None,
-    token_weights=None,
-):
-    """Token losses (N,) and lse (N,) of 2-D hidden; with any of `needs` (hidden, weight, bias) also the gradients of
-    sum_t w_t loss_t / denominator (a 1-element float32 device tensor; w_t the float32 token_weights (N,), or 1)
-    computed chunk by chunk. The token losses are not multiplied by the weights. Returns
-    (token_losses, lse, (grad_hidden, grad_weight, grad_bias)), None for gradients not needed; with outputs, then
-    also the per-row argmax (int32) and mean of z (the extra outputs' statistics, collected chunk by chunk)."""
-    n_rows, device = hidden.shape[0], hidden.device
-    with kernel_context(hidden):
-        kept = _kept_rows(labels, options.ignore_index, chunking) if kept is _FIND else kept
-        weight_c, bias_c = in_compute_dtype(hidden, weight, bias)
-        # One chunk over every row (every small call) keeps the kernel's own per-row outputs (no allocation, no
-        # copy); otherwise the chunks gather theirs into (token losses, lse[, argmax, mean of z]).
-        per_row = None
-        step = rows_per_chunk(n_rows, weight.shape[0], logit_bytes(hidden, chunking, any(needs)), *chunking[:2])
-        if kept is not None or step < n_rows or n_rows == 0:
-            fills = (0.0, -float("inf")) + ((0, float("nan")) if outputs else ())
-            kinds = (torch.float32, torch.float32) + ((torch.int32, torch.float32) if outputs else ())
-            per_row = [_per_row(n_rows, kept, fill, kind, device) for fill, kind in zip(fills, kinds, strict=True)]
-        grads = new_grads(hidden, weight, bias, needs, chunking, kept)
-        one = torch.ones((), dtype=torch.float32, device=device) if any(needs) and token_weights is None else None
-        for rows, hidden_chunk, labels_chunk, logits, dlogits, first in row_chunks(
-            hidden, weight_c, bias_c, labels, chunking, kept, any(needs)
-        ):
-            chunk_outputs = _ce_forward(logits, labels_chunk, options, outputs, class_weight)
-            if per_row is None:
-                per_row = list(chunk_outputs)
-            else:
-                for whole, part in zip(per_row, chunk_outputs, strict=True):
-                    whole[rows] = part
-            if any(needs):
-                factor = one if token_weights is None else token_weights[rows]
-                upstream = (factor, None, None, None)
-                chunk_gradient(
-                    logits, dlogits, labels_chunk, chunk_outputs[1], options, upstream, denominator, class_weight
-                )
-                accumulate_grads(dlogits, hidden_chunk, weight_c, rows, grads, first)
-        token_losses, lse, *statistics = per_row
-        result = token_losses, lse, finish_grads(grads, weight, bias)
-        return (*result, *statistics) if outputs else result
-
-
-def reduced_in_one_chunk(hidden, weight, bias, labels, options, chunking, needs, reduction, n_items):
-    """The reduced loss when one chunk holds every row (every small call): the forward kernel also sums the losses
-    and counts their divisor, where chunked_forward's caller needs loss_divisor's and the sum's framework ops
-    (more host time than a small call's kernels). Returns (loss (0-d), denominator (1,), gradients)."""
-    with kernel_context(hidden):
-        weight_c, bias_c = in_compute_dtype(hidden, weight, bias)
-        grads = new_grads(hidden, weight, bias, needs, chunking)
-        workspace = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype, device=hidden.device)
-        logits = _chunk_logits(workspace, hidden, weight_c, bias_c)
-        loss, lse, denominator = kernels.forward(logits, labels, options, reduction, n_items)
-        if any(needs):
-            one = torch.ones((), dtype=torch.float32, device=hidden.device)
-            chunk_gradient(logits, logits, labels, lse, options, (one, None, None, None), denominator)
-            accumulate_grads(logits, hidden, weight_c, slice(None), grads, True)
-        return loss, denominator, finish_grads(grads, weight, bias)
-
-
-def chunked_backward(
-    upstream, hidden, weight, bias, labels, lse, options, chunking, needs, kept=_FIND, class_weight=None
-):
-    """Gradients of sum_t (g_loss_t loss_t + g_lse_t lse_t + g_entropy_t H_t) with upstream = (g_loss, g_lse,
-    g_entropy, entropy) per row (N,) (chunk_gradient; None for a part not there), recomputing each chunk's logits
-    from hidden and weight."""
-    # no_grad: under create_graph=True autograd runs backward with grad mode on, and these are kernels and out= ops.
-    with kernel_context(hidden):
-        if not any(needs):
-            return new_grads(hidden, weight, bias, needs, chunking)
-        # The forward's kept rows: handed over by the eager Functions, found again (a second synchronisation) by
-        # the custom ops' backward.
-        kept = _kept_rows(labels, options.ignore_index, chunking) if kept is _FIND else kept
-        grads = new_grads(hidden, weight, bias, needs, chunking, kept)
-        weight_c, bias_c = in_compute_dtype(hidden, weight, bias)
-        for rows, hidden_chunk, labels_chunk, logits, dlogits, first in row_chunks(
-            hidden, weight_c, bias_c, labels, chunking, kept
-        ):
-            rows_upstream = tuple(None if part is None else part[rows] for part in upstream)
-            chunk_gradient(logits, dlogits, labels_chunk, lse[rows], options, rows_upstream, class_weight=class_weight)
-            accumulate_grads(dlogits, hidden_chunk, weight_c, rows, grads, first)
-        return finish_grads(grads, weight, bias)
-
-
-def _differentiable_grads(
-    grad_rows, hidden, weight, bias, labels, options, needs, grad_lse=None, class_weight=None, grad_entropy=None
-):
-    """The gradients of sum_t (grad_rows_t loss_t + grad_lse_t lse_t + grad_entropy_t H_t) (each None for none of
-    it) in plain torch (F.linear, then the contract's d / d logits and the two products), so that autograd can
-    differentiate them again (create_graph=True: gradient penalties, Hessian-vector products). It materialises the
-    (N, V) logits; only a second-order computation comes here."""
-    # Under autocast a float32 master weight meets bf16 hidden here: compute in hidden's dtype, as the kernels did.
-    weight = weight.to(hidden.dtype)
-    bias = None if bias is None else bias.to(hidden.dtype)
-    logits = torch.nn.functional.linear(hidden, weight, bias)
-    parts = []
-    if grad_rows is not None:
-        parts.append(contract.logits_gradient(grad_rows, logits, labels, None, options, weight=class_weight))
-    if grad_lse is not None:
-        parts.append(contract.lse_gradient(grad_lse, logits, labels, options))
-    if grad_entropy is not None:
-        parts.append(contract.entropy_gradient(grad_entropy, logits, labels, options))
-    dlogits = parts[0].to(logits.dtype)
-    for part in parts[1:]:
-        dlogits = dlogits + part.to(logits.dtype)
-    need_hidden, need_weight, need_bias = needs
-    return (
-        dlogits @ weight if need_hidden else None,
-        dlogits.t() @ hidden if need_weight else None,
-        dlogits.sum(0, dtype=torch.float32).to(bias.dtype) if need_bias else None,
-    )
 
 
 def _common_dtype(hidden, weight, bias):
@@ -493,3 +357,23 @@ def autocast_or_common_dtype(hidden, weight, bias):
     if not torch.is_autocast_enabled(device_type) or any(t.dtype == torch.float64 for t in tensors):
         return _common_dtype(hidden, weight, bias)
     return hidden.to(torch.get_autocast_dtype(device_type)), weight, bias
+
+
+def gradients_needed(hidden, weight, bias):
+    """Which of (hidden, weight, bias) the computation owes a gradient."""
+    grad_enabled = torch.is_grad_enabled()
+    return (
+        grad_enabled and hidden.requires_grad,
+        grad_enabled and weight.requires_grad,
+        grad_enabled and bias is not None and bias.requires_grad,
+    )
+
+
+def reference_logits(hidden, weight, bias, chunking):
+    """The plain-torch path's logits: F.linear in the compute dtype, or in float32 for float32 logits."""
+    if chunking.float32_logits:
+        hidden, weight, bias = (None if t is None else t.float() for t in (hidden, weight, bias))
+    if transposed_view(weight):  # weight_layout="hv": hidden @ (H, V) as stored, so its gradient comes back (H, V)
+        logits = torch.matmul(hidden, weight.t())
+        return logits if bias is None else logits + bias
+    return torch.nn.functional.linear(hidden, weight, bias)

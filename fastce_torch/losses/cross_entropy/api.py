@@ -1,10 +1,11 @@
 """Fused cross-entropy for PyTorch: the functional `cross_entropy`, the `CrossEntropyLoss` module, and
-`cross_entropy_reference` (the same contract in plain torch). The eager autograd.Function is in autograd.py, the
-torch.library custom ops used under torch.compile in custom_ops.py, the checks and plain-torch formulas in
-contract.py (and outputs.py), the kernels and their launchers in kernels/, the vocab-parallel path in sharding.py.
+`cross_entropy_reference` (the same contract in plain torch). The eager autograd.Function and the torch.library
+custom ops used under torch.compile are autograd.py, the kernels forward.py and backward.py with their launchers in
+launch.py; the checks are core/options.py, the plain-torch formulas core/reference.py and core/outputs.py, the
+vocab-parallel and DTensor paths distributed/vocab_parallel.py and distributed/dtensor.py.
 
-temperature is folded into the options on the host (contract.with_temperature); token_weights turn the call into
-per-token losses that are weighted and reduced in O(N) torch ops (contract.weighted_output), so that the weights
+temperature is folded into the options on the host (with_temperature); token_weights turn the call into
+per-token losses that are weighted and reduced in O(N) torch ops (weighted_output), so that the weights
 reach the kernel backward as its per-row upstream; a differentiated entropy output adds its gradient in the
 backward kernel's pass (HAS_ENTROPY_GRAD).
 
@@ -16,10 +17,30 @@ torch.compile the custom ops give the compiler opaque per-token ops and the redu
 
 import torch
 
-from . import contract, kernels, sharding, token_inputs
-from .autograd import CrossEntropyFunction, apply_function
-from .contract import Extras, under_functorch
-from .custom_ops import forward_op, forward_outputs_op
+from ...core.guards import is_intermediate, under_functorch
+from ...core.options import (
+    KERNEL_DTYPE_REQUIRED,
+    KERNEL_DTYPES,
+    Extras,
+    check_class_weight,
+    check_extras,
+    check_labels,
+    check_temperature,
+    checked_options,
+    is_dtensor,
+    use_kernel,
+    with_temperature,
+)
+from ...core.options import validate_labels as validate_label_values
+from ...core.outputs import CrossEntropyOutput, extra_outputs, reference_outputs, unshifted, weighted_output
+from ...core.reference import reduce_losses, reference_token_losses
+from ...core.token_inputs import check_shift, check_token_weights, masked_labels, shifted_labels, shifted_token_weights
+from ...distributed import vocab_parallel
+from ...distributed.dtensor import dtensor_cross_entropy
+from . import launch
+from .autograd import CrossEntropyFunction, apply_function, forward_op, forward_outputs_op
+
+__all__ = ["CrossEntropyLoss", "cross_entropy", "cross_entropy_reference"]
 
 # --- the functions -------------------------------------------------------------------------------------------
 
@@ -71,7 +92,7 @@ def cross_entropy(
     slice of the vocabulary and labels (...) global class ids, the same on every rank; the loss (the same on every
     rank) is that of the full logits, each rank's gradient its own columns. The slice starts at `vocab_start`, or,
     when None, at rank * V_local: every rank must then hold the same width (if not, the loss is NaN). A DTensor
-    sharded on its last dimension (Shard(-1)) is handled the same way and gives a DTensor (see sharding.py).
+    sharded on its last dimension (Shard(-1)) is handled the same way and gives a DTensor (see distributed/dtensor.py).
 
     shift=k (True = 1): position t is scored against label t + k along labels' last (the sequence) dimension, the
     loss of `cross_entropy(logits[..., :-k, :], labels[..., k:])` ("none": shaped like labels[..., k:]) without that
@@ -98,47 +119,47 @@ def cross_entropy(
     pass). With shift it goes with the labels (where[..., t] with labels[..., t]).
     """
     _check_logits(logits)
-    contract.check_labels(labels, "logits", logits.shape, logits.device)
-    labels = token_inputs.masked_labels(labels, where, ignore_index)
-    if weight is not None and (process_group is not None or sharding.is_dtensor(logits)):
+    check_labels(labels, "logits", logits.shape, logits.device)
+    labels = masked_labels(labels, where, ignore_index)
+    if weight is not None and (process_group is not None or is_dtensor(logits)):
         raise NotImplementedError(
             "class weights (weight=) are not supported with vocab-parallel or DTensor logits; compute the loss "
             "with reduction='none' and weight it yourself"
         )
-    weight = contract.check_class_weight(weight, logits.shape[-1] if logits.dim() else 0, logits.device)
-    options = contract.checked_options(
+    weight = check_class_weight(weight, logits.shape[-1] if logits.dim() else 0, logits.device)
+    options = checked_options(
         ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
     )
-    options = contract.with_temperature(options, contract.check_temperature(temperature))
-    token_weights = token_inputs.check_token_weights(token_weights, labels)
+    options = with_temperature(options, check_temperature(temperature))
+    token_weights = check_token_weights(token_weights, labels)
     if vocab_start is not None and process_group is None:
         raise ValueError("vocab_start is only meaningful with process_group (vocab-parallel logits)")
-    extras = contract.check_extras(return_z_loss, return_lse, return_accuracy, return_entropy)
+    extras = check_extras(return_z_loss, return_lse, return_accuracy, return_entropy)
     kept = None
-    if shift := token_inputs.check_shift(shift, labels):
-        if sharding.is_dtensor(logits) or sharding.is_dtensor(labels):
+    if shift := check_shift(shift, labels):
+        if is_dtensor(logits) or is_dtensor(labels):
             raise NotImplementedError(
                 "shift is not supported with DTensor inputs; shift the labels yourself (labels[..., k:] padded with "
                 "ignore_index), or pass plain tensors with process_group"
             )
-        labels, kept = token_inputs.shifted_labels(labels, shift, ignore_index)
+        labels, kept = shifted_labels(labels, shift, ignore_index)
         if token_weights is not None:
-            token_weights = token_inputs.shifted_token_weights(token_weights, shift)
-    if token_weights is not None and not sharding.is_dtensor(logits):
+            token_weights = shifted_token_weights(token_weights, shift)
+    if token_weights is not None and not is_dtensor(logits):
         # Per-token losses from the kernels, weighted and reduced in O(N) ops: the weights reach the backward kernel
         # as its per-row upstream. (DTensor logits weight their local rows: dtensor.py.)
         loss = _cross_entropy(
             logits, labels, options, "none", None, backend, inplace_backward, validate_labels, process_group,
             vocab_start, extras, weight,
         )  # fmt: skip
-        loss = contract.weighted_output(loss, labels, token_weights, reduction, n_items, ignore_index, weight)
+        loss = weighted_output(loss, labels, token_weights, reduction, n_items, ignore_index, weight)
     else:
         loss = _cross_entropy(
             logits, labels, options, reduction, n_items, backend, inplace_backward, validate_labels, process_group,
             vocab_start, extras, weight, token_weights,
         )  # fmt: skip
-    if isinstance(loss, contract.CrossEntropyOutput):
-        return contract.unshifted(loss, kept, reduction)
+    if isinstance(loss, CrossEntropyOutput):
+        return unshifted(loss, kept, reduction)
     return loss[..., :kept] if kept is not None and reduction == "none" else loss
 
 
@@ -148,46 +169,46 @@ def _cross_entropy(
 ):  # fmt: skip
     # token_weights: only for DTensor logits (cross_entropy weights every other call itself).
     ignore_index = options.ignore_index
-    if process_group is not None or sharding.is_dtensor(logits):
+    if process_group is not None or is_dtensor(logits):
         return _vocab_parallel(
             logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group,
             vocab_start, extras if any(extras) else None, token_weights,
         )  # fmt: skip
     if validate_labels:
-        contract.validate_labels(labels, logits.shape[-1], ignore_index)
-    if not contract.use_kernel(logits, backend):
-        token_losses = contract.reference_token_losses(logits, labels, options, weight)
-        loss = contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index, weight)
+        validate_label_values(labels, logits.shape[-1], ignore_index)
+    if not use_kernel(logits, backend):
+        token_losses = reference_token_losses(logits, labels, options, weight)
+        loss = reduce_losses(token_losses, labels, reduction, n_items, ignore_index, weight)
         if any(extras):
-            return contract.reference_outputs(logits, labels, options, extras, reduction, n_items, loss, weight)
+            return reference_outputs(logits, labels, options, extras, reduction, n_items, loss, weight)
         return loss
     logits = _in_kernel_dtype(logits)
     # Logits whose rows form one or two strided dimensions (any contiguous tensor, logits[:, :-1]) go to the kernels
     # as they are; anything else is copied once.
-    kernel_logits, layout = logits, kernels.row_layout(logits)
+    kernel_logits, layout = logits, launch.row_layout(logits)
     if layout is None:
         kernel_logits = logits.contiguous()
-        layout = kernels.row_layout(kernel_logits)
+        layout = launch.row_layout(kernel_logits)
     # Flat contiguous labels as they are: reshape(-1) would make a view object (~0.5 us) of the same memory.
     labels_1d = labels if labels.dim() == 1 and labels.is_contiguous() else labels.reshape(-1).contiguous()
     if torch.compiler.is_compiling() and any(extras):
         token_losses, lse, argmax, mean_z = forward_outputs_op(
             kernel_logits, labels_1d, *options, extras.z_loss, weight, extras.entropy
         )
-        loss = contract.reduce_losses(token_losses.view(labels.shape), labels, reduction, n_items, ignore_index, weight)
+        loss = reduce_losses(token_losses.view(labels.shape), labels, reduction, n_items, ignore_index, weight)
         vocab = logits.shape[-1]
-        return contract.extra_outputs(
+        return extra_outputs(
             loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab, weight, extras.entropy
         )
     if torch.compiler.is_compiling():
         token_losses = forward_op(kernel_logits, labels_1d, *options, weight)[0].view(labels.shape)
-        return contract.reduce_losses(token_losses, labels, reduction, n_items, ignore_index, weight)
+        return reduce_losses(token_losses, labels, reduction, n_items, ignore_index, weight)
     # In place only into memory the graph alone owns, and only where no two rows share memory.
     # Never under torch.func: its wrappers hide who else holds the memory.
     inplace = (
         bool(inplace_backward)
-        and contract.is_intermediate(logits)
-        and not kernels.rows_overlap(kernel_logits)
+        and is_intermediate(logits)
+        and not launch.rows_overlap(kernel_logits)
         and not under_functorch()
     )
     if any(extras):
@@ -197,7 +218,7 @@ def _cross_entropy(
         )  # fmt: skip
         loss = loss.view(labels.shape) if reduction == "none" else loss
         vocab = logits.shape[-1]
-        return contract.extra_outputs(
+        return extra_outputs(
             loss, lse, argmax, mean_z, labels, options, extras, reduction, n_items, vocab, weight, extras.entropy
         )
     if weight is not None:
@@ -211,8 +232,8 @@ def _cross_entropy(
 
 
 def _in_kernel_dtype(logits):
-    if logits.dtype not in contract.KERNEL_DTYPES:
-        raise TypeError(contract.KERNEL_DTYPE_REQUIRED.format(logits.dtype))
+    if logits.dtype not in KERNEL_DTYPES:
+        raise TypeError(KERNEL_DTYPE_REQUIRED.format(logits.dtype))
     return logits
 
 
@@ -225,17 +246,17 @@ def _vocab_parallel(
     layout check synchronises), validate_labels and the return_* outputs run the eager path there (a graph
     break)."""
     if torch.compiler.is_compiling() and vocab_start is None and not validate_labels and extras is None:
-        use_kernel = contract.use_kernel(logits, backend)
-        if use_kernel:
+        kernel = use_kernel(logits, backend)
+        if kernel:
             logits = _in_kernel_dtype(logits)
-        if sharding.is_dtensor(logits):  # traces sharding's compiled path too
-            return sharding.dtensor_cross_entropy(
-                logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start, None,
+        if is_dtensor(logits):  # traces the vocab-parallel compiled path too
+            return dtensor_cross_entropy(
+                logits, labels, reduction, n_items, options, kernel, process_group, vocab_start, None,
                 token_weights,
             )  # fmt: skip
-        layout = sharding.layout_of(process_group, None, logits.shape[-1], logits.device)
-        return sharding.traced_vocab_parallel_cross_entropy(
-            logits, labels, reduction, n_items, options, layout, use_kernel
+        layout = vocab_parallel.layout_of(process_group, None, logits.shape[-1], logits.device)
+        return vocab_parallel.traced_vocab_parallel_cross_entropy(
+            logits, labels, reduction, n_items, options, layout, kernel
         )
     return _eager_vocab_parallel(
         logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group,
@@ -260,22 +281,22 @@ def _eager_vocab_parallel(
     extras=None, token_weights=None,
 ):  # fmt: skip
     """Eager even under torch.compile (a graph break): the collectives run in the autograd.Function's forward."""
-    use_kernel = contract.use_kernel(logits, backend)
-    if use_kernel:
+    kernel = use_kernel(logits, backend)
+    if kernel:
         logits = _in_kernel_dtype(logits)
-    if sharding.is_dtensor(logits):
+    if is_dtensor(logits):
         if validate_labels:
-            full_labels = labels.full_tensor() if sharding.is_dtensor(labels) else labels
-            contract.validate_labels(full_labels, logits.shape[-1], options.ignore_index)
-        return sharding.dtensor_cross_entropy(
-            logits, labels, reduction, n_items, options, use_kernel, process_group, vocab_start, extras, token_weights
+            full_labels = labels.full_tensor() if is_dtensor(labels) else labels
+            validate_label_values(full_labels, logits.shape[-1], options.ignore_index)
+        return dtensor_cross_entropy(
+            logits, labels, reduction, n_items, options, kernel, process_group, vocab_start, extras, token_weights
         )
-    layout = sharding.layout_of(process_group, vocab_start, logits.shape[-1], logits.device)
+    layout = vocab_parallel.layout_of(process_group, vocab_start, logits.shape[-1], logits.device)
     if validate_labels:
-        contract.validate_labels(labels, layout[2], options.ignore_index)
-    inplace = bool(inplace_backward) and contract.is_intermediate(logits)
-    return sharding.vocab_parallel_cross_entropy(
-        logits, labels, reduction, n_items, inplace, options, layout, use_kernel, extras
+        validate_label_values(labels, layout[2], options.ignore_index)
+    inplace = bool(inplace_backward) and is_intermediate(logits)
+    return vocab_parallel.vocab_parallel_cross_entropy(
+        logits, labels, reduction, n_items, inplace, options, layout, kernel, extras
     )
 
 
@@ -336,7 +357,7 @@ class CrossEntropyLoss(torch.nn.Module):
         )
         self.options.update({name: value for name, value in returns.items() if value is not False})
         if temperature != 1.0:
-            self.options["temperature"] = contract.check_temperature(temperature)
+            self.options["temperature"] = check_temperature(temperature)
 
     def forward(self, input, target, n_items=None, token_weights=None):
         """token_weights: per-token weights shaped like target (see cross_entropy), per call."""

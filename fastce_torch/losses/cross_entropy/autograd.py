@@ -1,11 +1,27 @@
-"""The eager autograd layer of fastce_torch.cross_entropy: `CrossEntropyFunction` (one forward launch that also
-reduces "mean"/"sum" in-kernel, one backward launch; its gradient differentiable again in plain torch) and
-`apply_function`, its apply without torch.autograd.Function.apply's per-call host overhead."""
+"""The cross-entropy's autograd layer: the eager `CrossEntropyFunction` (one forward launch that also reduces
+"mean"/"sum" in-kernel, one backward launch; its gradient differentiable again in plain torch) with `apply_function`,
+its apply without torch.autograd.Function.apply's per-call host overhead; and the torch.library custom ops that
+torch.compile traces instead (opaque to the compiler, with fake implementations for tracing and autograd formulas, so
+a compiled graph has no break): the forward op gives per-token losses and lse (the reduction is plain torch the
+compiler fuses), the outputs op the extra outputs' statistics too; the backward op is the kernel backward (with the
+entropy's gradient in the same pass when asked)."""
 
 import torch
 
-from . import contract, kernels
-from .contract import differentiated_again, under_functorch, unwrapped
+from ...core.custom_ops import op_schema, records_of
+from ...core.guards import differentiated_again, gradient_buffer, saved_logits, under_functorch, unwrapped
+from ...core.options import VMAP_UNSUPPORTED, Options
+from ...core.reference import entropy_gradient, logits_gradient, lse_gradient
+from . import launch
+
+__all__ = [
+    "OPTIONS_SCHEMA",
+    "CrossEntropyFunction",
+    "apply_function",
+    "backward_op",
+    "forward_op",
+    "forward_outputs_op",
+]
 
 
 def _differentiable_gradient(grad_output, logits, labels, denominator, options, weight=None):
@@ -16,7 +32,7 @@ def _differentiable_gradient(grad_output, logits, labels, denominator, options, 
         upstream = upstream / denominator.reshape(())
     vocab = logits.shape[-1]
     rows = logits.reshape(-1, vocab)
-    grad = contract.logits_gradient(upstream.expand(labels.shape), rows, labels, None, options, weight=weight)
+    grad = logits_gradient(upstream.expand(labels.shape), rows, labels, None, options, weight=weight)
     return grad.to(logits.dtype).reshape(logits.shape)
 
 
@@ -37,16 +53,16 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(logits, labels, reduction, n_items, inplace_backward, options, layout=None, extras=None, weight=None):
-        # layout: kernels.row_layout(logits), found by the caller while deciding whether to copy the logits.
+        # layout: launch.row_layout(logits), found by the caller while deciding whether to copy the logits.
         # weight: class weights (V,) or None.
         if extras is None:
-            loss, lse, denominator = kernels.forward(
+            loss, lse, denominator = launch.forward(
                 logits, labels, options, reduction, n_items, layout=layout, weight=weight
             )
             return loss, lse, (lse[:0] if denominator is None else denominator)
         # The extra outputs: argmax and the mean of z per row as well; lse is differentiable when the z_loss
         # output is asked (its gradient is that of z_loss * lse^2).
-        loss, lse, denominator, argmax, mean_z = kernels.forward(
+        loss, lse, denominator, argmax, mean_z = launch.forward(
             logits, labels, options, reduction, n_items, layout=layout, outputs=True, weight=weight
         )
         if extras.entropy:  # differentiable lse and mean_z of their own: not two views of one scratch buffer
@@ -74,7 +90,7 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output, grad_lse, _grad_denominator=None, _grad_argmax=None, grad_mean_z=None):
-        saved = contract.saved_logits(ctx)
+        saved = saved_logits(ctx)
         saved, mean_z = saved[:4], (saved[4] if len(saved) > 4 else None)
         # The entropy H = lse - mz hands lse an upstream a and mz an upstream b = -g_H: d(a lse + b mz)/dz_j =
         # (a + b) p_j - b p_j (mz - z_j), the lse part with upstream a + b (0 unless the z_loss output is
@@ -97,14 +113,14 @@ class CrossEntropyFunction(torch.autograd.Function):
                 grad_output, denominator = torch.zeros((), dtype=torch.float32, device=logits.device), None
             entropy = {} if grad_entropy is None else dict(grad_entropy=grad_entropy, mean_z=mean_z)
             if grad_lse is None:  # the loss's and the entropy's parts in one pass, in place when allowed
-                grad = contract.gradient_buffer(ctx, logits)
-                return kernels.backward(
+                grad = gradient_buffer(ctx, logits)
+                return launch.backward(
                     grad_output, logits, labels, lse, grad, ctx.options, denominator, weight=ctx.weight, **entropy
                 ), *_NO_GRADS
             # With the z_loss output's part: each part in float32, rounded to the logits' dtype once.
-            grad = kernels.lse_backward(grad_lse, logits, labels, lse, _float32_like(logits), ctx.options)
+            grad = launch.lse_backward(grad_lse, logits, labels, lse, _float32_like(logits), ctx.options)
             if loss_or_entropy:
-                grad += kernels.backward(
+                grad += launch.backward(
                     grad_output, logits, labels, lse, _float32_like(logits), ctx.options, denominator,
                     weight=ctx.weight, **entropy,
                 )  # fmt: skip
@@ -113,9 +129,9 @@ class CrossEntropyFunction(torch.autograd.Function):
         # write in place.
         grad = 0
         if grad_lse is not None:
-            grad = contract.lse_gradient(grad_lse, logits, labels, ctx.options)
+            grad = lse_gradient(grad_lse, logits, labels, ctx.options)
         if grad_entropy is not None:
-            grad = grad + contract.entropy_gradient(grad_entropy, logits, labels, ctx.options)
+            grad = grad + entropy_gradient(grad_entropy, logits, labels, ctx.options)
         if grad_output is None:
             return grad, *_NO_GRADS
         return CrossEntropyFunction._loss_backward(ctx, grad_output, saved)[0] + grad, *_NO_GRADS
@@ -155,9 +171,9 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def _gradient(ctx, grad_output, logits, labels, lse, denominator):
-        grad = contract.gradient_buffer(ctx, logits)
+        grad = gradient_buffer(ctx, logits)
         denominator = denominator if denominator.numel() else None
-        return kernels.backward(
+        return launch.backward(
             grad_output, logits, labels, lse, grad, ctx.options, denominator=denominator, weight=ctx.weight
         )
 
@@ -180,14 +196,14 @@ class CrossEntropyFunction(torch.autograd.Function):
             return (grad.float() * logits_tangent.float()).reshape(labels.shape[0], -1).sum(-1)
 
         if ctx.z_grad or ctx.entropy_grad:
-            lse_tangent = tangent(contract.lse_gradient(ones, logits, labels, ctx.options))
+            lse_tangent = tangent(lse_gradient(ones, logits, labels, ctx.options))
         if ctx.entropy_grad:  # mz = lse - H
-            mean_z_tangent = lse_tangent - tangent(contract.entropy_gradient(ones, logits, labels, ctx.options))
+            mean_z_tangent = lse_tangent - tangent(entropy_gradient(ones, logits, labels, ctx.options))
         return loss_tangent, lse_tangent, None, None, mean_z_tangent
 
     @staticmethod
     def vmap(info, in_dims, *args):
-        raise RuntimeError(contract.VMAP_UNSUPPORTED)
+        raise RuntimeError(VMAP_UNSUPPORTED)
 
 
 def apply_function(function, logits, labels, reduction, n_items, *rest):
@@ -206,3 +222,129 @@ def apply_function(function, logits, labels, reduction, n_items, *rest):
 
 
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+# --- the custom ops torch.compile traces ----------------------------------------------------------------------------
+
+# Each op takes the Options fields, in their order, after its tensors (op_schema spells them out once).
+OPTIONS_SCHEMA = op_schema(Options)
+
+
+@torch.library.custom_op(
+    "fastce::cross_entropy_forward",
+    mutates_args=(),
+    schema=f"(Tensor logits, Tensor labels, {OPTIONS_SCHEMA}, Tensor? weight=None) -> (Tensor, Tensor)",
+)
+def forward_op(logits, labels, *settings):
+    # settings: the Options fields, then the class weights (omitted or None without them).
+    options, weight = _options_and_weight(settings)
+    loss, lse, _ = launch.forward(logits, labels, options, weight=weight)
+    return loss, lse.clone()  # lse is a view of the launch's scratch buffer; an op's output owns its storage
+
+
+def _options_and_weight(settings):
+    """(Options, class weights or None) of a custom op's trailing arguments: the Options fields, then weight (a
+    caller may leave it out: the op schema's default)."""
+    options, rest = records_of(settings, Options)
+    return options, (rest[0] if rest else None)
+
+
+@forward_op.register_fake
+def _(logits, labels, *options):
+    n_rows = labels.shape[0]
+    return logits.new_empty(n_rows, dtype=torch.float32), logits.new_empty(n_rows, dtype=torch.float32)
+
+
+@torch.library.custom_op(
+    "fastce::cross_entropy_backward",
+    mutates_args=(),
+    schema=f"(Tensor grad_loss, Tensor logits, Tensor labels, Tensor lse, {OPTIONS_SCHEMA}, Tensor? weight=None, "
+    "Tensor? grad_entropy=None, Tensor? mean_z=None) -> Tensor",
+)
+def backward_op(grad_loss, logits, labels, lse, *settings):
+    # settings: the Options fields, then the class weights, the entropy's upstream and mz per row (each may be
+    # omitted or None).
+    options, weight = _options_and_weight(settings[: len(Options._fields) + 1])
+    grad_entropy, mean_z = (tuple(settings[len(Options._fields) + 1 :]) + (None, None))[:2]
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    return launch.backward(
+        grad_loss, logits, labels, lse, grad, options, weight=weight, grad_entropy=grad_entropy, mean_z=mean_z
+    )
+
+
+@backward_op.register_fake
+def _(grad_loss, logits, labels, lse, *options):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+def _forward_op_setup_context(ctx, inputs, output):
+    logits, labels, *settings = inputs
+    ctx.save_for_backward(logits, labels, output[1])
+    ctx.options = settings  # the Options fields and the class weights
+
+
+def _forward_op_backward(ctx, grad_loss, grad_lse):
+    # Under the compiler the gradient is a fresh tensor; the compiler plans that memory itself.
+    logits, labels, lse = ctx.saved_tensors
+    return backward_op(grad_loss, logits, labels, lse, *ctx.options), None, *[None] * (len(Options._fields) + 1)
+
+
+torch.library.register_autograd(
+    "fastce::cross_entropy_forward", _forward_op_backward, setup_context=_forward_op_setup_context
+)
+
+
+@torch.library.custom_op(
+    "fastce::cross_entropy_forward_outputs",
+    mutates_args=(),
+    schema=f"(Tensor logits, Tensor labels, {OPTIONS_SCHEMA}, bool z_grad, Tensor? weight=None, "
+    "bool entropy_grad=False) -> (Tensor, Tensor, Tensor, Tensor)",
+)
+def forward_outputs_op(logits, labels, *settings):
+    """The forward with the extra outputs' statistics: (losses, lse, argmax, mean of z) per row. z_grad: lse is
+    differentiated (the z_loss output asked). weight: class weights or None. entropy_grad: the entropy output is
+    asked, so mean_z carries its gradient (the entropy is lse - mean_z)."""
+    count = len(Options._fields)
+    weight = settings[count + 1] if len(settings) > count + 1 else None
+    loss, lse, _, argmax, mean_z = launch.forward(
+        logits, labels, Options(*settings[:count]), outputs=True, weight=weight
+    )
+    return loss, lse.clone(), argmax.clone(), mean_z.clone()  # views of the launch's scratch buffer
+
+
+@forward_outputs_op.register_fake
+def _(logits, labels, *settings):
+    n_rows = labels.shape[0]
+    floats = [logits.new_empty(n_rows, dtype=torch.float32) for _ in range(3)]
+    return floats[0], floats[1], logits.new_empty(n_rows, dtype=torch.int32), floats[2]
+
+
+def _outputs_setup_context(ctx, inputs, output):
+    logits, labels, *settings = inputs
+    count = len(Options._fields)
+    ctx.options, ctx.z_grad = settings[:count], settings[count]
+    ctx.weight = settings[count + 1] if len(settings) > count + 1 else None
+    ctx.entropy_grad = bool(settings[count + 2]) if len(settings) > count + 2 else False
+    ctx.mark_non_differentiable(output[2], *(() if ctx.entropy_grad else (output[3],)))
+    ctx.save_for_backward(logits, labels, output[1], *output[3:] * ctx.entropy_grad)
+    ctx.set_materialize_grads(False)  # an entropy returned but not differentiated costs nothing in the backward
+
+
+def _outputs_backward(ctx, grad_loss, grad_lse, _grad_argmax=None, grad_mean_z=None):
+    logits, labels, lse, *mean_z = ctx.saved_tensors
+    # As CrossEntropyFunction.backward: mz's upstream b is -g_H, and the lse part's upstream is a + b.
+    grad_entropy = None if grad_mean_z is None or not ctx.entropy_grad else -grad_mean_z
+    if grad_lse is not None and grad_mean_z is not None:
+        grad_lse = grad_lse + grad_mean_z
+    if grad_loss is None:
+        grad_loss = torch.zeros((), dtype=torch.float32, device=logits.device)
+    entropy = () if grad_entropy is None else (grad_entropy, mean_z[0])
+    grad = backward_op(grad_loss, logits, labels, lse, *ctx.options, ctx.weight, *entropy)
+    if ctx.z_grad and grad_lse is not None:  # the z_loss output's part, in plain torch for the compiler to fuse
+        grad = grad + lse_gradient(grad_lse, logits, labels, Options(*ctx.options))
+    return grad, None, *[None] * (len(Options._fields) + 3)
+
+
+torch.library.register_autograd(
+    "fastce::cross_entropy_forward_outputs", _outputs_backward, setup_context=_outputs_setup_context
+)

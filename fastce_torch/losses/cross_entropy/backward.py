@@ -1,15 +1,49 @@
 """The backward kernel (grid (N, cdiv(V, BLOCK)): recomputes z and writes the gradient in one pass, in place when the
-caller passes the logits buffer as the gradient buffer) and _scale_unless_one_kernel, linear_cross_entropy's gradient
-scaling."""
+caller passes the logits buffer as the gradient buffer)."""
 
 import triton
 import triton.language as tl
 
-from .common import _dloss_dlogits, _row_offset, _tanh
+from ...core.kernel_helpers import row_offset, tanh
+
+__all__ = ["backward_kernel"]
 
 
 @triton.jit
-def _backward_kernel(
+def _dloss_dlogits(
+    p,
+    tanh_z,
+    cols,
+    label,
+    lse,
+    V,
+    scaling,
+    label_smoothing,
+    z_loss,
+    HAS_SCALING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+):
+    """d loss / d x for a tile, from p = softmax(z) and (with soft-capping) tanh of the capped argument:
+    dL/dz_j = p_j (1 + 2 z_loss lse) - (1 - eps) [j == y] - eps / V, then the chain rule back to x."""
+    if HAS_Z_LOSS:
+        dz = p * (1.0 + 2.0 * z_loss * lse)
+    else:
+        dz = p
+    if HAS_SMOOTHING:
+        dz = tl.where(cols == label, dz - (1.0 - label_smoothing), dz) - label_smoothing / V
+    else:
+        dz = tl.where(cols == label, dz - 1.0, dz)
+    if HAS_SOFTCAP:
+        dz = dz * (1.0 - tanh_z * tanh_z)
+    if HAS_SCALING:
+        dz = dz * scaling
+    return dz
+
+
+@triton.jit
+def backward_kernel(
     logits_ptr,
     logits_batch_stride,
     logits_row_stride,
@@ -85,7 +119,7 @@ def _backward_kernel(
         if not HAS_SMOOTHING:  # the weight of the label is a per-row factor of the unweighted gradient
             grad_loss = grad_loss * w_label
 
-    logits_row = logits_ptr + _row_offset(row, logits_batch_stride, logits_row_stride, rows_per_batch)
+    logits_row = logits_ptr + row_offset(row, logits_batch_stride, logits_row_stride, rows_per_batch)
     # `!= 0` is a no-op compiled (the compare of an int1 with false folds away: same PTX) but makes the mask a bool
     # payload in Triton's interpreter, which splats the scalar `~ignored` to int64; Triton 3.9's interpreted masked
     # load rejects a non-bool mask ("mask has unsupported dtype").
@@ -94,7 +128,7 @@ def _backward_kernel(
         x = x * scaling
     tanh_z = x  # unused without soft-capping
     if HAS_SOFTCAP:
-        tanh_z = _tanh(x / softcap)
+        tanh_z = tanh(x / softcap)
         x = softcap * tanh_z
     if HAS_WEIGHT and HAS_SMOOTHING:
         p = tl.exp(x - lse)
@@ -133,19 +167,5 @@ def _backward_kernel(
         if HAS_SCALING:
             dh = dh * scaling
         dx = tl.where(ignored, 0.0, dx + dh)
-    grad_row = grad_ptr + _row_offset(row, grad_batch_stride, grad_row_stride, rows_per_batch)
+    grad_row = grad_ptr + row_offset(row, grad_batch_stride, grad_row_stride, rows_per_batch)
     tl.store(grad_row + cols, dx.to(grad_ptr.dtype.element_ty), mask=in_row)
-
-
-@triton.jit
-def _scale_unless_one_kernel(tensor_ptr, n_elements, factor_ptr, BLOCK: tl.constexpr):
-    """tensor_ptr[:n_elements] *= *factor_ptr, and no memory traffic at all when the factor is exactly 1 (the usual
-    upstream gradient of a loss), which the host cannot know without a synchronisation. Exact zeros stay zero
-    whatever the factor (NaN, inf): an ignored token's gradient is 0, as the backward kernel writes it."""
-    factor = tl.load(factor_ptr).to(tl.float32)
-    if factor != 1.0:
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        in_range = offsets < n_elements
-        x = tl.load(tensor_ptr + offsets, mask=in_range)
-        scaled = tl.where(x == 0, 0.0, x.to(tl.float32) * factor)
-        tl.store(tensor_ptr + offsets, scaled.to(tensor_ptr.dtype.element_ty), mask=in_range)

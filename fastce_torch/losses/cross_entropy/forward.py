@@ -12,7 +12,73 @@ checks that the instructions are those of the one-function kernel they were spli
 import triton
 import triton.language as tl
 
-from .common import _combine_partials, _row_offset, _token_loss, _transform, _weighted_token_loss
+from ...core.kernel_helpers import row_offset, transform
+
+__all__ = ["forward_kernel", "token_loss"]
+
+
+@triton.jit
+def _combine_partials(part_max, part_sum):
+    """logsumexp of a row from its chunks' (max, sum of exp(z - max)) pairs."""
+    row_max = tl.max(part_max, 0)
+    shift = tl.where(row_max == -float("inf"), 0.0, row_max)
+    return shift + tl.log(tl.sum(part_sum * tl.exp(part_max - shift), 0))
+
+
+@triton.jit
+def token_loss(
+    z_label,
+    label,
+    lse,
+    sum_z,
+    V,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+):
+    """The per-token loss of a row from its label's z (z_label), its label, logsumexp (lse) and sum of z (sum_z)
+    over V columns: NaN for a label outside [0, V), 0 for ignore_index (core/reference.token_loss_from_statistics)."""
+    ignored = label == ignore_index
+    in_range = (label >= 0) & (label < V)
+    loss = lse - z_label
+    if HAS_SMOOTHING:
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - sum_z / V)
+    if HAS_Z_LOSS:
+        loss += z_loss * lse * lse
+    loss = tl.where(in_range, loss, float("nan"))  # a bad label shows as NaN, never as a plausible number
+    return tl.where(ignored, 0.0, loss)
+
+
+@triton.jit
+def _weighted_token_loss(
+    z_label,
+    label,
+    lse,
+    sum_wz,
+    w_label,
+    w_sum,
+    V,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+):
+    """_token_loss with class weights w (F.cross_entropy's weight=): w[y] (1 - eps)(lse - z_y)
+    + (eps / V)(W lse - sum_c w_c z_c) + w[y] z_loss lse^2, from w_label = w[y], w_sum = W = sum_c w_c and
+    sum_wz = sum_c w_c z_c."""
+    ignored = label == ignore_index
+    in_range = (label >= 0) & (label < V)
+    if HAS_SMOOTHING:
+        loss = (1.0 - label_smoothing) * w_label * (lse - z_label) + label_smoothing / V * (w_sum * lse - sum_wz)
+    else:
+        loss = w_label * (lse - z_label)
+    if HAS_Z_LOSS:
+        loss += w_label * z_loss * lse * lse
+    loss = tl.where(in_range, loss, float("nan"))
+    return tl.where(ignored, 0.0, loss)
 
 
 @triton.jit
@@ -42,7 +108,7 @@ def _chunk_pass(
         cols = tile_start + tl.arange(0, BLOCK)
         in_row = cols < end
         x = tl.load(row_ptr + cols, mask=in_row, other=-float("inf"))
-        z = _transform(x, scaling, softcap, HAS_SCALING, HAS_SOFTCAP)
+        z = transform(x, scaling, softcap, HAS_SCALING, HAS_SOFTCAP)
         z = tl.where(in_row, z, -float("inf"))  # soft-capping maps -inf to -softcap; masked lanes stay -inf
         new_max = tl.maximum(run_max, tl.max(z, 0))
         # While everything seen is -inf, shift by 0 instead (-inf - -inf would be NaN).
@@ -118,7 +184,7 @@ def _slice_statistics(
     caller's, after the ranks combine these."""
     local_label = label - vocab_start
     owned = (local_label >= 0) & (local_label < V) & (label != ignore_index)
-    z_label = _transform(
+    z_label = transform(
         tl.load(row_ptr + local_label, mask=owned, other=0.0), scaling, softcap, HAS_SCALING, HAS_SOFTCAP
     )
     tl.store(loss_ptr + row, tl.where(owned, z_label, 0.0))
@@ -135,7 +201,7 @@ def _label_loss(
     """The row's per-token loss from its lse, its sum of z and its label's logit (class-weighted with HAS_WEIGHT)."""
     # The only data-dependent address: loaded only for a label inside [0, V).
     load_label = (label >= 0) & (label < V) & (label != ignore_index)
-    z_label = _transform(
+    z_label = transform(
         tl.load(row_ptr + label, mask=load_label, other=0.0), scaling, softcap, HAS_SCALING, HAS_SOFTCAP
     )
     if HAS_WEIGHT:
@@ -157,7 +223,7 @@ def _label_loss(
             HAS_Z_LOSS,
         )
     else:
-        loss = _token_loss(
+        loss = token_loss(
             z_label, label, lse, sum_z, V, ignore_index, label_smoothing, z_loss, HAS_SMOOTHING, HAS_Z_LOSS
         )
     return loss
@@ -209,7 +275,7 @@ def _reduce_in_groups(
 
 
 @triton.jit
-def _forward_kernel(
+def forward_kernel(
     logits_ptr,
     logits_batch_stride,
     logits_row_stride,
@@ -300,7 +366,7 @@ def _forward_kernel(
         mean_z_out_ptr = scratch_ptr + outputs_offset + rows_padded
         z_max_out_ptr = mean_z_out_ptr + rows_padded
     group_partials_ptr = scratch_ptr + groups_offset
-    row_ptr = logits_ptr + _row_offset(row, logits_batch_stride, logits_row_stride, rows_per_batch)
+    row_ptr = logits_ptr + row_offset(row, logits_batch_stride, logits_row_stride, rows_per_batch)
     label = tl.load(labels_ptr + row).to(tl.int64)
     start = chunk * chunk_width
     end = tl.minimum(start + chunk_width, V)

@@ -1,27 +1,47 @@
-"""The kernels' host side: the tuned constants and launch configurations (`forward_config`, `backward_config`), the
-capture guard, the scratch layout, and the launch functions the other layers call (`forward`, `backward`,
-`lse_backward`, `scale_unless_one`, the vocab-parallel combine's three steps).
+"""The cross-entropy kernels' host side: the tuned constants and launch configurations (`forward_config`,
+`backward_config`), the scratch layout, and the launch functions the other layers call (`forward`, `backward`,
+`lse_backward`; the vocab-parallel combine's steps in distributed/combine.py build on `forward`).
 
 Rows are addressed as (batch, row) with two strides, so 2-D logits and strided 3-D logits (logits[:, :-1]) reach the
 kernels without a copy. The decomposition of a row (chunk width, tile width, warps) depends on V alone, never on N: a
-row's loss and gradient are bitwise the same whatever batch it is computed in.
-Launches go through a launcher per kernel: launch_cache.Launcher (Triton's generic `kernel[grid](...)` the first time
-a variant runs, then that compiled variant's own launcher directly; FASTCE_TORCH_LAUNCH_CACHE=0 at import turns this
-off), or GenericLauncher, Triton's own path every time, where launch_cache.py is absent.
+row's loss and gradient are bitwise the same whatever batch it is computed in. Launches go through core/launch.py's
+launchers and capture guard.
 """
 
-import contextlib
 import functools
 from typing import NamedTuple
 
 import torch
-from triton import knobs
 
-from ..contract import Options  # noqa: F401  (the launchers' `options` argument; bench tools build it from here)
-from .backward import _backward_kernel, _scale_unless_one_kernel
-from .forward import _forward_kernel
+from ...core.kernel_helpers import cdiv, next_power_of_2
+from ...core.launch import Launcher, checked, guard_capture, on_device, register_launchers
+from .backward import backward_kernel
+from .forward import forward_kernel
 
-INTERPRETED = bool(knobs.runtime.interpret)
+__all__ = [
+    "BACKWARD_BLOCK",
+    "BACKWARD_WARPS",
+    "CHUNK",
+    "FORWARD_BLOCK",
+    "FORWARD_STAGES",
+    "FORWARD_WARPS",
+    "GROUPS_BLOCK",
+    "ROWS_PER_GROUP",
+    "BackwardConfig",
+    "ForwardConfig",
+    "backward",
+    "backward_config",
+    "backward_launcher",
+    "class_weight_operands",
+    "denominator_operands",
+    "forward",
+    "forward_config",
+    "forward_launcher",
+    "lse_backward",
+    "option_flags",
+    "row_layout",
+    "rows_overlap",
+]
 
 
 # Tiles and warps from bench/tools/tune.py on the H200 (2026-11-30, bench/NOTES.md): forward tiles of 4096
@@ -34,59 +54,6 @@ BACKWARD_BLOCK, BACKWARD_WARPS = 2048, 4
 CHUNK = 16384
 ROWS_PER_GROUP = 64  # rows counted per group before the batch-level count (in-kernel "mean"/"sum")
 GROUPS_BLOCK = 1024  # groups summed per step by the batch's last group
-SCALE_BLOCK = 4096  # elements per program of _scale_unless_one_kernel
-
-
-class GenericLauncher:
-    """Triton's own launch path, every time: what every launcher is without launch_cache.py. The same interface as
-    launch_cache.Launcher (`cached` never launches, `launch` is `kernel[grid](*args)`)."""
-
-    hits = 0
-    failure = None
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-
-    def cached(self, grid, args, num_warps=None, num_stages=None):
-        return False
-
-    def launch(self, grid, args, num_warps=None, num_stages=None):
-        options = {} if num_warps is None else {"num_warps": num_warps}
-        if num_stages is not None:
-            options["num_stages"] = num_stages
-        return self.kernel[grid](*args, **options)
-
-    def forget(self):
-        pass
-
-
-try:  # the one link to launch_cache.py: deleting that module leaves Triton's own launch path
-    from .launch_cache import LAUNCH_CACHE_VARIABLE, Launcher, launch_cache, launch_cache_enabled
-except ImportError:
-    Launcher = GenericLauncher
-    LAUNCH_CACHE_VARIABLE = "FASTCE_TORCH_LAUNCH_CACHE"
-
-    def launch_cache_enabled():
-        return False
-
-    @contextlib.contextmanager
-    def launch_cache(enabled):
-        if enabled:
-            raise RuntimeError("the launch cache is off in this process: fastce_torch.kernels.launch_cache is absent")
-        yield
-
-
-# The current device as torch's C getter reads it (as Triton's driver and the launch cache read it).
-current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
-
-
-# Plain integer helpers: triton.cdiv / next_power_of_2 go through Triton's jit dispatch (~10 us each on the host).
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def _next_power_of_2(n):
-    return 1 << max(n - 1, 0).bit_length()
 
 
 class ForwardConfig(NamedTuple):
@@ -113,22 +80,22 @@ def forward_config(vocab, block=None, chunk=None, warps=None, stages=None):
     rounded up to a power of 2. Cached per argument set (the launchers ask on every call): the constants are read
     once per vocab, so a sweep over other settings passes them here or builds its own ForwardConfig and gives it to
     `forward(config=...)` rather than changing the constants."""
-    width = _next_power_of_2(vocab)
+    width = next_power_of_2(vocab)
     block = min(FORWARD_BLOCK if block is None else block, width)
     chunk = max(block, min(CHUNK if chunk is None else chunk, width))
     warps = FORWARD_WARPS if warps is None else warps
-    return ForwardConfig(block, chunk, _cdiv(vocab, chunk), warps, FORWARD_STAGES if stages is None else stages)
+    return ForwardConfig(block, chunk, cdiv(vocab, chunk), warps, FORWARD_STAGES if stages is None else stages)
 
 
 @functools.lru_cache(maxsize=1024)
 def backward_config(vocab, block=None, warps=None):
     """The backward's BackwardConfig at V = vocab (None: BACKWARD_BLOCK, BACKWARD_WARPS); cached as forward_config."""
-    block = min(BACKWARD_BLOCK if block is None else block, _next_power_of_2(vocab))
+    block = min(BACKWARD_BLOCK if block is None else block, next_power_of_2(vocab))
     return BackwardConfig(block, BACKWARD_WARPS if warps is None else warps)
 
 
 @functools.lru_cache(maxsize=256)
-def _flags(options):
+def option_flags(options):
     """The kernels' option constexprs, in their order: HAS_SCALING, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS (cached
     per Options: a pure function of its values, and equal Options give equal flags)."""
     return (
@@ -139,48 +106,9 @@ def _flags(options):
     )
 
 
-def _checked(tensor):
-    if not tensor.is_cuda and not INTERPRETED:
-        raise RuntimeError(
-            "the Triton kernels need CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 before "
-            "triton is first imported, or use backend='reference'"
-        )
-
-
-_SAME_DEVICE = contextlib.nullcontext()  # stateless: one instance serves every call
-
-
-def on_device(tensor):
-    """Triton launches on the current device's current stream: make the tensor's device current for the launch
-    (logits on cuda:1 while cuda:0 is current). A no-op (one shared nullcontext) when it already is; the current
-    device comes from torch's C getter, as the launch cache reads it (a CUDA tensor means CUDA is initialised)."""
-    if tensor.is_cuda and tensor.get_device() != current_device():
-        return torch.cuda.device(tensor.device)
-    return _SAME_DEVICE
-
-
-FIRST_LAUNCH_IN_CAPTURE = (
-    "fastce_torch: this kernel variant (options, reduction, dtype, device) has not run yet in this process, and its "
-    "first launch cannot be captured in a CUDA graph: Triton compiles and loads a kernel on its first launch, which "
-    "stream capture forbids. Run the same step once outside the capture first (torch.cuda.graph's documented "
-    "warm-up on a side stream does it), then capture."
-)
-# Kernel variants that have been launched in this process (so Triton has compiled and loaded their modules).
-_launched = set()
-
-
-def _guard_capture(variant, tensor):
-    """Raise FIRST_LAUNCH_IN_CAPTURE instead of letting a first launch invalidate a CUDA graph capture (whose own
-    error, "operation failed due to a previous error during capture", names no cause)."""
-    if variant not in _launched:
-        if tensor.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(FIRST_LAUNCH_IN_CAPTURE)
-        _launched.add(variant)
-
-
-forward_launcher = Launcher(_forward_kernel)
-backward_launcher = Launcher(_backward_kernel)
-scale_launcher = Launcher(_scale_unless_one_kernel)
+forward_launcher = Launcher(forward_kernel)
+backward_launcher = Launcher(backward_kernel)
+register_launchers(__name__, "forward_launcher", "backward_launcher")
 
 
 def row_layout(logits):
@@ -229,7 +157,7 @@ def rows_overlap(logits):
 def _scratch_offsets(n_rows, n_chunks, reduce):
     """The forward scratch buffer's layout (see forward): the element offsets of lse, the per-token losses, the
     denominator, the row groups' partials and the chunk partials, the partials' stride and the buffer's size."""
-    n_groups = _cdiv(n_rows, ROWS_PER_GROUP) if reduce else 0
+    n_groups = cdiv(n_rows, ROWS_PER_GROUP) if reduce else 0
     n_counters = n_rows + 1 + n_groups if n_chunks > 1 or reduce else 1
     rows_padded = -(-n_rows // 16) * 16
     lse_offset = -(-n_counters // 16) * 16
@@ -276,7 +204,7 @@ def forward(
         raise NotImplementedError("class weights are not supported in vocab-parallel mode")
     if vocab_parallel and reduction != "none":
         raise ValueError("the vocab-parallel forward returns per-row statistics: reduction must be 'none'")
-    _checked(logits)
+    checked(logits)
     vocab = logits.shape[-1]
     n_rows = labels.shape[0]
     # The caller copies logits that have no row layout.
@@ -333,7 +261,7 @@ def forward(
             denominator.fill_(1.0)
         return (loss, lse, (denominator if reduce else None)) + ((argmax, mean_z) if outputs else ())
     denominator_mode, denominator_value, n_items_ptr = denominator_operands(reduction, n_items, denominator)
-    flags = _flags(options)
+    flags = option_flags(options)
     weight, weight_sum = class_weight_operands(weight, options, lse)
     args = (
         logits,
@@ -366,7 +294,7 @@ def forward(
         weight,
         weight_sum,
         block,  # the constexprs, in the kernel's order: BLOCK, CHUNKS_BLOCK, the four flags, REDUCE, ...
-        _next_power_of_2(n_chunks),
+        next_power_of_2(n_chunks),
         *flags,
         reduce,
         denominator_mode,
@@ -379,7 +307,7 @@ def forward(
     grid = (n_rows, n_chunks, 1)
     with on_device(logits):
         if not forward_launcher.cached(grid, args, warps, stages):
-            _guard_capture(
+            guard_capture(
                 ("forward", device, logits.dtype, labels.dtype, block, n_chunks > 1, reduce, denominator_mode, *flags)
                 + (warps, stages, outputs, weight is not lse),
                 logits,
@@ -419,7 +347,7 @@ def backward(
         raise ValueError("the entropy gradient needs both grad_entropy and mean_z (per row)")
     if weight is not None and vocab_total is not None:
         raise NotImplementedError("class weights are not supported in vocab-parallel mode")
-    _checked(logits)
+    checked(logits)
     vocab = logits.shape[-1]
     n_rows = labels.shape[0]
     if n_rows == 0:
@@ -438,7 +366,7 @@ def backward(
         else:
             raise ValueError("grad and logits split their rows into batches differently")
     block, warps = backward_config(vocab) if config is None else config
-    flags = _flags(options)
+    flags = option_flags(options)
     weight, weight_sum = class_weight_operands(weight, options, lse)
     entropy_grad = grad_entropy is not None
     if entropy_grad:  # per-row float32, contiguous: the kernel reads element `row` of each
@@ -480,10 +408,10 @@ def backward(
         weight is not lse,
         entropy_grad,
     )
-    grid = (n_rows, _cdiv(vocab, block), 1)
+    grid = (n_rows, cdiv(vocab, block), 1)
     with on_device(logits):
         if not backward_launcher.cached(grid, args, warps):
-            _guard_capture(
+            guard_capture(
                 (
                     "backward",
                     logits.device,
@@ -537,24 +465,3 @@ def lse_backward(grad_lse, logits, labels, lse, grad, options, vocab_total=None,
     options = options._replace(label_smoothing=0.0, z_loss=0.0)
     grad_lse = grad_lse.float().contiguous()
     return backward(grad_lse, logits, labels, lse, grad, options, vocab_start=vocab, vocab_total=vocab, config=config)
-
-
-def scale_unless_one(tensor, factor):
-    """tensor *= factor (a 0-d float32 device tensor) in place, without a host synchronisation; a factor of
-    exactly 1 costs one launch and no memory traffic. tensor must be contiguous."""
-    _checked(tensor)
-    if tensor.numel():
-        args = (tensor, tensor.numel(), factor, SCALE_BLOCK)
-        grid = (_cdiv(tensor.numel(), SCALE_BLOCK), 1, 1)
-        with on_device(tensor):
-            if not scale_launcher.cached(grid, args):
-                scale_launcher.launch(grid, args)
-    return tensor
-
-
-def launch_guarded(launcher, grid, args, variant, tensor):
-    """A launch through the cache, or Triton's generic path guarded against a first launch inside a capture."""
-    with on_device(tensor):
-        if not launcher.cached(grid, args):
-            _guard_capture(variant, tensor)
-            launcher.launch(grid, args)

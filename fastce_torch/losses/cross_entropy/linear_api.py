@@ -5,20 +5,43 @@ hidden is cast at the entry (through autograd), weight and bias inside the compu
 weight in another dtype (a float32 master weight) has its gradient accumulated in float32 and handed back in its own
 dtype. The kernels' own code runs with autocast off.
 
-The chunk loop is linear/chunks.py, its autograd Functions and custom ops linear/autograd.py, their dispatch for an
-unsharded head linear/unsharded.py, the sharded heads linear/sharded.py.
+The chunk loop is the engine (linear/engine.py) with this loss's per-chunk work (linear_chunks.py), its autograd
+Functions and custom ops linear_autograd.py, their dispatch for an unsharded head linear_dispatch.py, the sharded
+heads distributed/linear_sharded.py.
 """
 
 import torch
 
-from .. import contract, sharding, token_inputs
-from ..log_probs import negated_losses
-from .chunks import _check_chunking, check_logits_dtype
-from .sharded import sharded_linear_cross_entropy
-from .unsharded import unsharded_loss, unsharded_outputs
+from ...core.options import (
+    KERNEL_DTYPES,
+    check_class_weight,
+    check_extras,
+    check_labels,
+    check_options,
+    check_temperature,
+    compute_dtype,
+    is_dtensor,
+    with_temperature,
+)
+from ...core.options import validate_labels as validate_label_values
+from ...core.outputs import CrossEntropyOutput, unshifted
+from ...core.token_inputs import check_shift, check_token_weights, masked_labels, shifted_labels, shifted_token_weights
+from ...distributed.linear_sharded import sharded_linear_cross_entropy
+from ...linear.engine import check_chunking, check_logits_dtype
+from .linear_dispatch import unsharded_loss, unsharded_outputs
+from .log_probs import negated_losses
+
+__all__ = [
+    "LINEAR_DTYPES",
+    "WEIGHT_LAYOUTS",
+    "linear_cross_entropy",
+    "linear_log_probs",
+    "prepared_token_weights",
+    "vh_weight",
+]
 
 # float64 is accepted as in cross_entropy: computed in float64 by the plain-torch reference, whatever the backend.
-LINEAR_DTYPES = (*contract.KERNEL_DTYPES, torch.float64)
+LINEAR_DTYPES = (*KERNEL_DTYPES, torch.float64)
 
 
 def _check_tensors(hidden, weight, bias, labels):
@@ -44,7 +67,7 @@ def _check_tensors(hidden, weight, bias, labels):
             raise TypeError(f"bias must be float32, bfloat16, float16 or float64, got {bias.dtype}")
         if bias.device != hidden.device:
             raise ValueError(f"bias is on {bias.device} but hidden on {hidden.device}")
-    contract.check_labels(labels, "hidden", hidden.shape, hidden.device)
+    check_labels(labels, "hidden", hidden.shape, hidden.device)
 
 
 WEIGHT_LAYOUTS = ("vh", "hv")
@@ -53,12 +76,12 @@ WEIGHT_LAYOUTS = ("vh", "hv")
 def vh_weight(weight, hidden, weight_layout):
     """The weight as (V, H): itself for weight_layout "vh" (nn.Linear / lm_head), the `.t()` view of an (H, V)
     kernel (Flax nn.Dense / nnx.Linear's layout) for "hv": no copy, and its gradient comes back (H, V) in the
-    kernel's own memory layout (chunks.new_grads)."""
+    kernel's own memory layout (linear/engine.new_grads)."""
     if not isinstance(weight_layout, str) or weight_layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
     if weight_layout == "vh":
         return weight
-    if sharding.is_dtensor(weight) or sharding.is_dtensor(hidden):
+    if is_dtensor(weight) or is_dtensor(hidden):
         raise NotImplementedError(
             'weight_layout="hv" with DTensor inputs is not supported: pass the (V, H) weight (weight_layout="vh"), '
             "or plain local tensors with process_group="
@@ -77,10 +100,10 @@ def prepared_token_weights(token_weights, labels, shift, ignore_index, dtype):
     if token_weights is None:
         return None
     # DTensor labels (the vocab-parallel DTensor path takes them whole): the weights go with the full labels.
-    labels, token_weights = (t.full_tensor() if sharding.is_dtensor(t) else t for t in (labels, token_weights))
+    labels, token_weights = (t.full_tensor() if is_dtensor(t) else t for t in (labels, token_weights))
     if shift:
-        token_weights = token_inputs.shifted_token_weights(token_weights, shift)
-    return torch.where(labels == ignore_index, 0.0, token_weights.to(contract.compute_dtype(dtype)))
+        token_weights = shifted_token_weights(token_weights, shift)
+    return torch.where(labels == ignore_index, 0.0, token_weights.to(compute_dtype(dtype)))
 
 
 def linear_cross_entropy(
@@ -128,7 +151,7 @@ def linear_cross_entropy(
     plain torch.
 
     For "mean"/"sum" with gradients enabled the gradients are computed during the forward (see
-    linear/chunks.py), so a second backward through the same loss (retain_graph=True) raises.
+    linear_chunks.py), so a second backward through the same loss (retain_graph=True) raises.
 
     shift=k (True = 1): cross_entropy's, along hidden's second-to-last (the sequence) dimension: the loss of
     `linear_cross_entropy(hidden[..., :-k, :], weight, labels[..., k:])` without slicing (or copying) hidden.
@@ -151,8 +174,8 @@ def linear_cross_entropy(
     in the backward. Under torch.compile any of them sends "mean"/"sum" through the per-token ops (the backward
     recomputes the logits: 8·N·H·V flops instead of 6).
 
-    Sharded heads (linear/sharded.py): with `process_group`, weight (V_local, H) and bias (V_local,) are this
-    rank's rows of a column-parallel head, a contiguous slice of the vocabulary starting at `vocab_start` (None:
+    Sharded heads (distributed/linear_sharded.py): with `process_group`, weight (V_local, H) and bias (V_local,) are
+    this rank's rows of a column-parallel head, a contiguous slice of the vocabulary starting at `vocab_start` (None:
     rank * V_local, every rank the same width), hidden and labels (global ids) the same on every rank; O(N)
     communication per call plus the all-reduce of d hidden. A DTensor weight (FSDP2's fully_shard) with a plain
     hidden: this rank's rows against the gathered weight, the weight's gradient reduce-scattered (averaged) back to
@@ -181,48 +204,46 @@ def linear_cross_entropy(
     if isinstance(hidden, torch.Tensor) and hidden.dim() >= 1:
         weight = vh_weight(weight, hidden, weight_layout)
     _check_tensors(hidden, weight, bias, labels)
-    labels = token_inputs.masked_labels(labels, where, ignore_index)
-    sharded = (
-        process_group is not None or vocab_start is not None or any(map(sharding.is_dtensor, (hidden, weight, bias)))
-    )
+    labels = masked_labels(labels, where, ignore_index)
+    sharded = process_group is not None or vocab_start is not None or any(map(is_dtensor, (hidden, weight, bias)))
     if sharded and class_weight is not None:
         raise NotImplementedError(
             "fastce_torch.linear_cross_entropy: class_weight with a sharded head (process_group=, vocab_start= or a "
             "DTensor weight) is not supported; call it without class_weight, or gather the head and call it unsharded"
         )
-    class_weight = contract.check_class_weight(class_weight, weight.shape[0], hidden.device, "class_weight")
-    options = contract.check_options(
+    class_weight = check_class_weight(class_weight, weight.shape[0], hidden.device, "class_weight")
+    options = check_options(
         ignore_index, reduction, n_items, logit_softcapping, logit_scaling, label_smoothing, z_loss, backend
     )
-    options = contract.with_temperature(options, contract.check_temperature(temperature))
-    token_weights = token_inputs.check_token_weights(token_weights, labels)
+    options = with_temperature(options, check_temperature(temperature))
+    token_weights = check_token_weights(token_weights, labels)
     dtype = hidden.dtype if bias is None else torch.promote_types(hidden.dtype, bias.dtype)
     dtype = torch.promote_types(dtype, weight.dtype)
     if torch.is_autocast_enabled(hidden.device.type) and dtype != torch.float64:
         dtype = torch.get_autocast_dtype(hidden.device.type)
     float32_logits = check_logits_dtype(logits_dtype, dtype)
-    chunking = _check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows, float32_logits)
-    extras = contract.check_extras(return_z_loss, return_lse, return_accuracy, return_entropy)
+    chunking = check_chunking(workspace_bytes, chunk_rows, accumulate_in_float32, skip_ignored_rows, float32_logits)
+    extras = check_extras(return_z_loss, return_lse, return_accuracy, return_entropy)
     kept = None
-    if shift := token_inputs.check_shift(shift, labels):
-        labels, kept = token_inputs.shifted_labels(labels, shift, ignore_index)
+    if shift := check_shift(shift, labels):
+        labels, kept = shifted_labels(labels, shift, ignore_index)
     token_weights = prepared_token_weights(token_weights, labels, shift, ignore_index, dtype)
     if sharded:
         loss = sharded_linear_cross_entropy(
             hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras, validate_labels,
             process_group, vocab_start, token_weights,
         )  # fmt: skip
-        if isinstance(loss, contract.CrossEntropyOutput):
-            return contract.unshifted(loss, kept, reduction)
+        if isinstance(loss, CrossEntropyOutput):
+            return unshifted(loss, kept, reduction)
         return loss[..., :kept] if kept is not None and reduction == "none" else loss
     if validate_labels:
-        contract.validate_labels(labels, weight.shape[0], ignore_index)
+        validate_label_values(labels, weight.shape[0], ignore_index)
     if any(extras):
         output = unsharded_outputs(
             hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, extras, class_weight,
             token_weights,
         )  # fmt: skip
-        return contract.unshifted(output, kept, reduction)
+        return unshifted(output, kept, reduction)
     loss = unsharded_loss(
         hidden, weight, bias, labels, options, reduction, n_items, backend, chunking, class_weight, token_weights
     )
@@ -265,5 +286,5 @@ def linear_log_probs(
         return_entropy=return_entropy, process_group=process_group, vocab_start=vocab_start, temperature=temperature,
         logits_dtype=logits_dtype, weight_layout=weight_layout,
     )  # fmt: skip
-    plain_tokens = tokens.full_tensor() if sharding.is_dtensor(tokens) else tokens
+    plain_tokens = tokens.full_tensor() if is_dtensor(tokens) else tokens
     return negated_losses(out, plain_tokens, shift, ignore_index, return_entropy)

@@ -1,21 +1,28 @@
 """The fused linear cross-entropy's autograd layer: two autograd Functions for eager calls ("mean"/"sum" with the
 gradients computed in the forward; "none", which recomputes each chunk in the backward) and the torch.library custom
-ops that torch.compile traces instead. The dispatch between them for an unsharded head is unsharded.py."""
-
-from typing import NamedTuple
+ops that torch.compile traces instead (their plumbing is core/custom_ops.py). The dispatch between them for an
+unsharded head is linear_dispatch.py; the chunk loops they run are linear_chunks.py."""
 
 import torch
 
-from .. import contract, kernels
-from ..contract import Options
-from . import chunks
-from .chunks import (
-    Chunking,
-    _differentiable_grads,
-    chunked_backward,
-    chunked_forward,
-    reduced_in_one_chunk,
-)
+from ...core.custom_ops import Needs, fake_grads, op_schema, or_empty, records_of, scaled_grads, split_tensors
+from ...core.options import Options
+from ...linear import engine
+from ...linear.engine import Chunking
+from ...linear.scale import scale_grads
+from .linear_chunks import chunked_backward, chunked_forward, differentiable_grads, reduced_in_one_chunk
+
+__all__ = [
+    "BACKWARD_TWICE",
+    "PerTokenFunction",
+    "ReducedFunction",
+    "outputs_forward_op",
+    "per_token_backward_op",
+    "per_token_forward_op",
+    "reduced_op",
+    "row_entropy",
+    "weighted",
+]
 
 BACKWARD_TWICE = (
     "fastce_torch.linear_cross_entropy: backward through the same loss twice is not supported (its gradients are "
@@ -32,7 +39,7 @@ def _sum_grads(first, second):
     return [a if b is None else (b if a is None else a + b) for a, b in zip(first, second)]
 
 
-class _ReducedFunction(torch.autograd.Function):
+class ReducedFunction(torch.autograd.Function):
     """ "mean"/"sum": the gradients are computed in the forward; backward scales them in place by the upstream
     scalar (nothing else holds them, so the caller's .grad takes them over without a copy). token_weights: the
     float32 per-row factors (0 on ignored rows), in the loss and as the backward kernel's per-row upstream."""
@@ -46,7 +53,7 @@ class _ReducedFunction(torch.autograd.Function):
         row (reduced_in_one_chunk: the kernel computes it)."""
         ctx.options, ctx.needs, ctx.extras, ctx.class_weight = options, needs, extras, class_weight
         if extras is not None:
-            return _ReducedFunction._forward_outputs(
+            return ReducedFunction._forward_outputs(
                 ctx, hidden, weight, bias, labels, denominator, chunking, token_weights
             )
         if denominator is None:
@@ -58,7 +65,7 @@ class _ReducedFunction(torch.autograd.Function):
                 hidden, weight, bias, labels, options, chunking, denominator, needs, class_weight=class_weight,
                 token_weights=token_weights,
             )  # fmt: skip
-            loss = _weighted(token_losses, token_weights).sum() / denominator[0]
+            loss = weighted(token_losses, token_weights).sum() / denominator[0]
         # References, no copies: read only by a backward that must be differentiable again.
         ctx.save_for_backward(hidden, weight, bias, labels, denominator, token_weights)
         return loss
@@ -67,7 +74,7 @@ class _ReducedFunction(torch.autograd.Function):
     def _forward_outputs(ctx, hidden, weight, bias, labels, denominator, chunking, token_weights):
         """With the extra outputs: (loss, lse, argmax, entropy per row); lse is differentiable for the z_loss output,
         the entropy for the entropy output."""
-        ctx.kept = chunks._kept_rows(labels, ctx.options.ignore_index, chunking)  # for a backward recomputing logits
+        ctx.kept = engine.kept_rows(labels, ctx.options.ignore_index, chunking)  # for a backward recomputing logits
         token_losses, lse, grads, argmax, mean_z = chunked_forward(
             hidden, weight, bias, labels, ctx.options, chunking, denominator, ctx.needs, outputs=True, kept=ctx.kept,
             class_weight=ctx.class_weight, token_weights=token_weights,
@@ -79,14 +86,14 @@ class _ReducedFunction(torch.autograd.Function):
             argmax, *(() if ctx.extras.z_loss else (lse,)), *(() if ctx.extras.entropy else (entropy,))
         )
         ctx.set_materialize_grads(False)
-        return _weighted(token_losses, token_weights).sum() / denominator[0], lse, argmax, entropy
+        return weighted(token_losses, token_weights).sum() / denominator[0], lse, argmax, entropy
 
     @staticmethod
     def backward(ctx, grad_loss, *grad_outputs):
         nones = (None,) * 9
         if ctx.extras is not None:
-            return (*_ReducedFunction._backward_outputs(ctx, grad_loss, grad_outputs[0], grad_outputs[2]), *nones)
-        return (*_ReducedFunction._loss_grads(ctx, grad_loss, ctx.saved_tensors[:6]), *nones)
+            return (*ReducedFunction._backward_outputs(ctx, grad_loss, grad_outputs[0], grad_outputs[2]), *nones)
+        return (*ReducedFunction._loss_grads(ctx, grad_loss, ctx.saved_tensors[:6]), *nones)
 
     @staticmethod
     def _loss_grads(ctx, grad_loss, saved):
@@ -94,8 +101,8 @@ class _ReducedFunction(torch.autograd.Function):
             # create_graph=True: the gradients computed in the forward are constants to autograd; these are not.
             hidden, weight, bias, labels, denominator, token_weights = saved
             grad_rows = (grad_loss.float() / denominator[0]).expand(labels.shape)
-            return _differentiable_grads(
-                _weighted(grad_rows, token_weights), hidden, weight, bias, labels, ctx.options, ctx.needs,
+            return differentiable_grads(
+                weighted(grad_rows, token_weights), hidden, weight, bias, labels, ctx.options, ctx.needs,
                 class_weight=ctx.class_weight,
             )  # fmt: skip
         grads, ctx.grads = ctx.grads, None
@@ -103,10 +110,7 @@ class _ReducedFunction(torch.autograd.Function):
             raise RuntimeError(BACKWARD_TWICE)
         if grad_loss.dtype != torch.float32:
             grad_loss = grad_loss.to(torch.float32)
-        for grad in grads:
-            if grad is not None:
-                kernels.scale_unless_one(grad, grad_loss)
-        return grads
+        return scale_grads(grads, grad_loss)
 
     @staticmethod
     def _backward_outputs(ctx, grad_loss, grad_lse, grad_entropy):
@@ -118,11 +122,11 @@ class _ReducedFunction(torch.autograd.Function):
         if grad_lse is None and grad_entropy is None:
             if grad_loss is None:
                 return (None,) * 3
-            return _ReducedFunction._loss_grads(ctx, grad_loss, ctx.saved_tensors[:6])
+            return ReducedFunction._loss_grads(ctx, grad_loss, ctx.saved_tensors[:6])
         if torch.is_grad_enabled():
             grad_rows = None if grad_loss is None else (grad_loss.float() / denominator[0]).expand(labels.shape)
-            return _differentiable_grads(
-                _weighted(grad_rows, token_weights), hidden, weight, bias, labels, ctx.options, ctx.needs, grad_lse,
+            return differentiable_grads(
+                weighted(grad_rows, token_weights), hidden, weight, bias, labels, ctx.options, ctx.needs, grad_lse,
                 ctx.class_weight, grad_entropy,
             )  # fmt: skip
         upstream = (None, _detached(grad_lse), _detached(grad_entropy), entropy)
@@ -133,10 +137,10 @@ class _ReducedFunction(torch.autograd.Function):
         if grad_loss is None:
             ctx.grads = None
             return extra_grads
-        return _sum_grads(_ReducedFunction._loss_grads(ctx, grad_loss, ctx.saved_tensors[:6]), extra_grads)
+        return _sum_grads(ReducedFunction._loss_grads(ctx, grad_loss, ctx.saved_tensors[:6]), extra_grads)
 
 
-def _weighted(values, token_weights):
+def weighted(values, token_weights):
     """values * token_weights (per row), or values without token weights."""
     return values if token_weights is None or values is None else values * token_weights
 
@@ -145,14 +149,14 @@ def _detached(tensor):
     return None if tensor is None else tensor.detach().float().contiguous()
 
 
-class _PerTokenFunction(torch.autograd.Function):
+class PerTokenFunction(torch.autograd.Function):
     """ "none": the forward keeps lse; the backward recomputes the logits chunk by chunk (the entropy output's
     gradient, when differentiated, in the same pass). Token weights multiply the losses outside (plain torch)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, options, chunking, extras=None, class_weight=None):
         ctx.options, ctx.chunking, ctx.extras, ctx.class_weight = options, chunking, extras, class_weight
-        ctx.kept = chunks._kept_rows(labels, options.ignore_index, chunking)  # the backward's chunks are the forward's
+        ctx.kept = engine.kept_rows(labels, options.ignore_index, chunking)  # the backward's chunks are the forward's
         if extras is None:
             token_losses, lse, _ = chunked_forward(
                 hidden, weight, bias, labels, options, chunking, kept=ctx.kept, class_weight=class_weight
@@ -182,7 +186,7 @@ class _PerTokenFunction(torch.autograd.Function):
             return (None,) * 3 + nones
         if torch.is_grad_enabled():  # create_graph=True: a gradient that autograd can differentiate again
             grad_rows = None if grad_losses is None else grad_losses.float()
-            grads = _differentiable_grads(
+            grads = differentiable_grads(
                 grad_rows, hidden, weight, bias, labels, ctx.options, needs, grad_lse, ctx.class_weight, grad_entropy
             )
             return (*grads, *nones)
@@ -195,43 +199,15 @@ class _PerTokenFunction(torch.autograd.Function):
 
 # --- custom ops for torch.compile -----------------------------------------------------------------------------
 # A custom op cannot return None: gradients that are not needed come back as empty tensors. Each op takes, after its
-# tensors, the fields of Options, of Chunking and of _Needs, spelled out once by contract.op_schema.
+# tensors, the fields of Options, of Chunking and of Needs, spelled out once by core/custom_ops.op_schema.
 
-
-class _Needs(NamedTuple):
-    need_hidden: bool
-    need_weight: bool
-    need_bias: bool
-
-
-_SETTINGS = ", ".join(contract.op_schema(record) for record in (Options, Chunking, _Needs))
-_N_SETTINGS = len(Options._fields) + len(Chunking._fields) + len(_Needs._fields)
+_SETTINGS = op_schema(Options, Chunking, Needs)
+_N_SETTINGS = len(Options._fields) + len(Chunking._fields) + len(Needs._fields)
 
 
 def _settings(settings):
     """(Options, Chunking, needs) from an op's trailing scalars."""
-    n_options, n_chunking = len(Options._fields), len(Chunking._fields)
-    chunking = Chunking(*settings[n_options : n_options + n_chunking])
-    return Options(*settings[:n_options]), chunking, tuple(settings[n_options + n_chunking :])
-
-
-def _split_tensors(settings, count):
-    """(the op's trailing scalars, its last `count` arguments: the optional tensors, passed explicitly)."""
-    return tuple(settings[:-count]), tuple(settings[-count:])
-
-
-def _or_empty(tensor, like):
-    return like.new_empty(0) if tensor is None else tensor
-
-
-def _fake_grads(hidden, weight, bias, needs):
-    """The gradients' shapes and dtypes for the compiler (an empty stand-in where one is not needed)."""
-    need_hidden, need_weight, need_bias = needs
-    return (
-        hidden.new_empty(hidden.shape if need_hidden else (0,)),
-        torch.empty_like(weight) if need_weight else weight.new_empty((0,)),  # in the weight's layout (new_grads)
-        hidden.new_empty((weight.shape[0],) if need_bias else (0,), dtype=bias.dtype if need_bias else hidden.dtype),
-    )
+    return records_of(settings, Options, Chunking)
 
 
 @torch.library.custom_op(
@@ -240,35 +216,30 @@ def _fake_grads(hidden, weight, bias, needs):
     schema="(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, Tensor denominator, "
     f"{_SETTINGS}, Tensor? class_weight, Tensor? token_weights) -> (Tensor, Tensor, Tensor, Tensor)",
 )
-def _reduced_op(hidden, weight, bias, labels, denominator, *settings):
-    settings, (class_weight, token_weights) = _split_tensors(settings, 2)
+def reduced_op(hidden, weight, bias, labels, denominator, *settings):
+    settings, (class_weight, token_weights) = split_tensors(settings, 2)
     options, chunking, needs = _settings(settings)
     token_losses, _, grads = chunked_forward(
         hidden, weight, bias, labels, options, chunking, denominator, needs, class_weight=class_weight,
         token_weights=token_weights,
     )  # fmt: skip
-    loss = _weighted(token_losses, token_weights).sum() / denominator[0]
-    return (loss, *(_or_empty(grad, hidden) for grad in grads))
+    loss = weighted(token_losses, token_weights).sum() / denominator[0]
+    return (loss, *(or_empty(grad, hidden) for grad in grads))
 
 
-@_reduced_op.register_fake
+@reduced_op.register_fake
 def _(hidden, weight, bias, labels, denominator, *settings):
-    needs = _settings(_split_tensors(settings, 2)[0])[2]
-    return (hidden.new_empty((), dtype=torch.float32), *_fake_grads(hidden, weight, bias, needs))
+    needs = _settings(split_tensors(settings, 2)[0])[2]
+    return (hidden.new_empty((), dtype=torch.float32), *fake_grads(hidden, weight, bias, needs))
 
 
 def _reduced_setup_context(ctx, inputs, output):
-    ctx.needs = _settings(_split_tensors(inputs[5:], 2)[0])[2]
+    ctx.needs = _settings(split_tensors(inputs[5:], 2)[0])[2]
     ctx.save_for_backward(*output[1:])
 
 
 def _reduced_backward(ctx, grad_loss, *unused_grads_of_grads):
-    # Out of place under the compiler (it plans that memory itself); eager scales in place.
-    # Exact zeros stay zero whatever the factor, as the eager scale kernel keeps them.
-    grads = [
-        torch.where(g == 0, 0, g * grad_loss.to(g.dtype)) if need else None
-        for g, need in zip(ctx.saved_tensors, ctx.needs)
-    ]
+    grads = scaled_grads(ctx.saved_tensors, ctx.needs, grad_loss)
     return (*grads, None, None, *[None] * (_N_SETTINGS + 2))
 
 
@@ -281,16 +252,16 @@ torch.library.register_autograd(
     "fastce::linear_cross_entropy_forward",
     mutates_args=(),
     schema="(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, "
-    f"{contract.op_schema(Options)}, {contract.op_schema(Chunking)}, Tensor? class_weight) -> (Tensor, Tensor)",
+    f"{op_schema(Options, Chunking)}, Tensor? class_weight) -> (Tensor, Tensor)",
 )
-def _per_token_forward_op(hidden, weight, bias, labels, *settings):
-    settings, (class_weight,) = _split_tensors(settings, 1)
+def per_token_forward_op(hidden, weight, bias, labels, *settings):
+    settings, (class_weight,) = split_tensors(settings, 1)
     options, chunking, _ = _settings(settings)
     token_losses, lse, _ = chunked_forward(hidden, weight, bias, labels, options, chunking, class_weight=class_weight)
     return token_losses, lse
 
 
-@_per_token_forward_op.register_fake
+@per_token_forward_op.register_fake
 def _(hidden, weight, bias, labels, *settings):
     n_rows = hidden.shape[0]
     return hidden.new_empty(n_rows, dtype=torch.float32), hidden.new_empty(n_rows, dtype=torch.float32)
@@ -303,10 +274,10 @@ def _(hidden, weight, bias, labels, *settings):
     f"Tensor labels, Tensor lse, Tensor entropy, {_SETTINGS}, bool z_grad, bool h_grad, Tensor? class_weight) -> "
     "(Tensor, Tensor, Tensor)",
 )
-def _per_token_backward_op(grad_losses, grad_lse, grad_entropy, hidden, weight, bias, labels, lse, entropy, *settings):
+def per_token_backward_op(grad_losses, grad_lse, grad_entropy, hidden, weight, bias, labels, lse, entropy, *settings):
     """The gradients of the per-token losses (and, with z_grad, of lse; with h_grad, of the entropy), recomputing
     each chunk's logits; every upstream is a tensor (zeros where not differentiated)."""
-    settings, (class_weight,) = _split_tensors(settings, 1)
+    settings, (class_weight,) = split_tensors(settings, 1)
     *settings, z_grad, h_grad = settings
     options, chunking, needs = _settings(settings)
     upstream = (
@@ -318,17 +289,17 @@ def _per_token_backward_op(grad_losses, grad_lse, grad_entropy, hidden, weight, 
     grads = chunked_backward(
         upstream, hidden, weight, bias, labels, lse, options, chunking, needs, class_weight=class_weight
     )
-    return tuple(_or_empty(grad, hidden) for grad in grads)
+    return tuple(or_empty(grad, hidden) for grad in grads)
 
 
-@_per_token_backward_op.register_fake
+@per_token_backward_op.register_fake
 def _(grad_losses, grad_lse, grad_entropy, hidden, weight, bias, labels, lse, entropy, *settings):
-    return _fake_grads(hidden, weight, bias, _settings(_split_tensors(settings, 1)[0][:-2])[2])
+    return fake_grads(hidden, weight, bias, _settings(split_tensors(settings, 1)[0][:-2])[2])
 
 
 def _per_token_setup_context(ctx, inputs, output):
     hidden, weight, bias, labels, *settings = inputs
-    ctx.settings, (ctx.class_weight,) = _split_tensors(settings, 1)
+    ctx.settings, (ctx.class_weight,) = split_tensors(settings, 1)
     ctx.has_bias = bias is not None
     ctx.save_for_backward(hidden, weight, bias, labels, output[1])
 
@@ -336,7 +307,7 @@ def _per_token_setup_context(ctx, inputs, output):
 def _per_token_backward(ctx, grad_losses, unused_grad_lse):
     hidden, weight, bias, labels, lse = ctx.saved_tensors
     needs = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
-    grads = _per_token_backward_op(
+    grads = per_token_backward_op(
         grad_losses, lse, lse, hidden, weight, bias, labels, lse, lse, *ctx.settings, *needs, False, False,
         ctx.class_weight,
     )  # fmt: skip
@@ -356,12 +327,12 @@ torch.library.register_autograd(
     "fastce::linear_cross_entropy_forward_outputs",
     mutates_args=(),
     schema="(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, "
-    f"{contract.op_schema(Options)}, {contract.op_schema(Chunking)}, bool z_grad, bool h_grad, "
+    f"{op_schema(Options, Chunking)}, bool z_grad, bool h_grad, "
     "Tensor? class_weight) -> (Tensor, Tensor, Tensor, Tensor)",
 )
-def _outputs_forward_op(hidden, weight, bias, labels, *settings):
+def outputs_forward_op(hidden, weight, bias, labels, *settings):
     """(token losses, lse, argmax, entropy) per row."""
-    settings, (class_weight,) = _split_tensors(settings, 1)
+    settings, (class_weight,) = split_tensors(settings, 1)
     options, chunking, _ = _settings(settings[:-2])
     token_losses, lse, _, argmax, mean_z = chunked_forward(
         hidden, weight, bias, labels, options, chunking, outputs=True, class_weight=class_weight
@@ -369,7 +340,7 @@ def _outputs_forward_op(hidden, weight, bias, labels, *settings):
     return token_losses, lse, argmax, row_entropy(lse, mean_z, labels, options.ignore_index)
 
 
-@_outputs_forward_op.register_fake
+@outputs_forward_op.register_fake
 def _(hidden, weight, bias, labels, *settings):
     n_rows = hidden.shape[0]
     floats = [hidden.new_empty(n_rows, dtype=torch.float32) for _ in range(3)]
@@ -378,7 +349,7 @@ def _(hidden, weight, bias, labels, *settings):
 
 def _outputs_setup_context(ctx, inputs, output):
     hidden, weight, bias, labels, *settings = inputs
-    ctx.settings, (ctx.class_weight,) = _split_tensors(settings, 1)
+    ctx.settings, (ctx.class_weight,) = split_tensors(settings, 1)
     ctx.has_bias = bias is not None
     ctx.save_for_backward(hidden, weight, bias, labels, output[1], output[3])
     z_grad, h_grad = ctx.settings[-2:]
@@ -391,7 +362,7 @@ def _outputs_backward(ctx, grad_losses, grad_lse, unused_grad_argmax, grad_entro
     *settings, z_grad, h_grad = ctx.settings
     grad_losses = torch.zeros_like(lse) if grad_losses is None else grad_losses
     z_grad, h_grad = z_grad and grad_lse is not None, h_grad and grad_entropy is not None
-    grads = _per_token_backward_op(
+    grads = per_token_backward_op(
         grad_losses, grad_lse if z_grad else lse, grad_entropy if h_grad else lse, hidden, weight, bias, labels, lse,
         entropy, *settings, *needs, z_grad, h_grad, ctx.class_weight,
     )  # fmt: skip

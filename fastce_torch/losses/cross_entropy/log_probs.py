@@ -1,22 +1,14 @@
 """Per-token log-probabilities for RL objectives (policy gradient, PPO / GRPO importance ratios, KL to a reference):
-`log_probs` and its `LogProbOutput`, on cross_entropy(reduction="none") (log p(token) = -loss). The fused-linear
-counterpart, `linear_log_probs`, lives in linear/api.py; both end in `negated_losses`."""
-
-from typing import NamedTuple
+`log_probs` (its LogProbOutput is core/outputs.py), on cross_entropy(reduction="none") (log p(token) = -loss). The
+fused-linear counterpart, `linear_log_probs`, lives in linear_api.py; both end in `negated_losses`."""
 
 import torch
 
-from . import sharding
-from .cross_entropy import cross_entropy
+from ...core.options import is_dtensor
+from ...core.outputs import LogProbOutput
+from .api import cross_entropy
 
-
-class LogProbOutput(NamedTuple):
-    """What log_probs / linear_log_probs return with return_entropy=True: float32 log-probabilities of the tokens
-    at the temperature (0.0 where the token is ignore_index, NaN outside [0, V)) and the entropy of each position's
-    distribution (0 where ignored), both shaped like the tokens (after a shift) and both differentiable."""
-
-    logprobs: torch.Tensor
-    entropy: torch.Tensor
+__all__ = ["log_probs", "negated_losses"]
 
 
 def log_probs(
@@ -58,7 +50,7 @@ def negated_losses(out, tokens, shift, ignore_index, return_entropy):
     plain tokens gets the ignored mask placed like the loss."""
     loss = out.loss if return_entropy else out
     ignored = (tokens[..., int(shift) :] if shift else tokens) == ignore_index
-    if sharding.is_dtensor(loss) and not sharding.is_dtensor(ignored):  # DTensor logits, plain tokens
+    if is_dtensor(loss) and not is_dtensor(ignored):  # DTensor logits, plain tokens
         from torch.distributed.tensor import DTensor
 
         ignored = DTensor.from_local(ignored, loss.device_mesh, loss.placements, run_check=False)

@@ -1,16 +1,16 @@
-"""The forward kernels of `jsd` / `linear_jsd` (issue 38); the backward kernel and the launchers are jsd.py.
+"""The forward kernels of `jsd` / `linear_jsd`; the backward kernel is backward.py, the launchers launch.py.
 
 Each row's V_s columns are split into S contiguous segments (the launcher picks S from N and V so that N * S
-programs fill the GPU; jsd.forward_segments) and each program (row, segment) walks its segment in BLOCK columns.
+programs fill the GPU; launch.forward_segments) and each program (row, segment) walks its segment in BLOCK columns.
 Everything here is in base 2: u2 = softcap(x) * log2(e) / T (one multiply, the temperature's), exp2 / log2 per
 element (one MUFU instruction each), and the row's results are converted back to natural units once (* ln 2).
 
-_jsd_partials_kernel  grid (N, S), pass 1: the segment's online max and sum of exponentials of u2_s and u2_t and,
+jsd_partials_kernel  grid (N, S), pass 1: the segment's online max and sum of exponentials of u2_s and u2_t and,
                       for the two KL modes, the weighted sum of the log-ratio (rescaled whenever a running max moves),
                       into the row's partials (float32 (N, K, S), K slots per segment; see PARTIAL_SLOTS).
-_jsd_mixture_kernel   grid (N, S), the mixture's pass 2: merges the row's pass-1 partials into both logsumexps (every
+jsd_mixture_kernel   grid (N, S), the mixture's pass 2: merges the row's pass-1 partials into both logsumexps (every
                       program of the row the same way), then the segment's sums of the two KL-to-mixture terms.
-_jsd_finish_kernel    grid (N,): merges the S partials of each row into loss, lse_s, lse_t and the backward's row
+jsd_finish_kernel    grid (N,): merges the S partials of each row into loss, lse_s, lse_t and the backward's row
                       constant kl (the loss for beta = 1, KLs for the mixture, 0 for beta = 0).
 So the endpoints read each row once (2 launches) and the mixture twice (3 launches). Rows whose label is
 ignore_index are never read: their segments are empty and the finish writes 0.
@@ -19,8 +19,20 @@ ignore_index are never read: their segments are empty and the finish writes 0.
 import triton
 import triton.language as tl
 
-from .common import _tanh
-from .launch import INTERPRETED
+from ...core.kernel_helpers import tanh
+from ...core.launch import INTERPRETED
+
+__all__ = [
+    "LN2",
+    "LOG2E",
+    "LOG2E_IN_KERNEL",
+    "PARTIAL_SLOTS",
+    "jsd_finish_kernel",
+    "jsd_mixture_kernel",
+    "jsd_partials_kernel",
+    "mixture_log2",
+    "scaled_logits",
+]
 
 # Partial slots per segment: 0 max of u2_s, 1 sum of 2^(u2_s - shift), 2 max of u2_t, 3 sum of 2^(u2_t - shift);
 # slot 4: the KL modes' weighted log-ratio sum, or the mixture's sum p_t (lt2 - lm2); slot 5: the mixture's
@@ -37,14 +49,14 @@ PTX_LOG2 = tl.constexpr(not INTERPRETED)
 
 
 @triton.jit
-def _scaled_logits(row_ptr, cols, load_mask, in_row, softcap, scale, HAS_SOFTCAP: tl.constexpr):
+def scaled_logits(row_ptr, cols, load_mask, in_row, softcap, scale, HAS_SOFTCAP: tl.constexpr):
     """u = softcap(x) * scale of a tile in float32 (scale: 1 / T, or log2(e) / T for base 2), -inf outside the row,
     and tanh(x / c) (for the chain rule; x itself without soft-capping)."""
     x = tl.load(row_ptr + cols, mask=load_mask, other=-float("inf")).to(tl.float32)
     tanh_x = x
     u = x * scale  # masked lanes stay -inf (scale > 0)
     if HAS_SOFTCAP:
-        tanh_x = _tanh(x / softcap)
+        tanh_x = tanh(x / softcap)
         # Soft-capping maps -inf to -softcap: masked lanes are put back to -inf.
         u = tl.where(in_row, softcap * tanh_x * scale, -float("inf"))
     return u, tanh_x
@@ -60,7 +72,7 @@ def _fast_log2(x):
 
 
 @triton.jit
-def _mixture_log2(ls, lt, beta, one_minus_beta):
+def mixture_log2(ls, lt, beta, one_minus_beta):
     """(p_s, p_t, lm) of base-2 log-probabilities ls, lt with lm = log2((1 - beta) p_s + beta p_t): two exp2 and one
     log per element (the forward's pass 2 and the backward share it). The mixture is floored at float32's smallest
     normal number with a select (the GPU's max would turn a NaN into the floor; a NaN row must stay NaN): where it
@@ -125,8 +137,8 @@ def _segment_pass1(
     for first in tl.range(start, stop, BLOCK):
         cols = first + tl.arange(0, BLOCK)
         in_row = cols < stop
-        u_s, _ = _scaled_logits(s_row, cols, in_row, in_row, s_softcap, scale, S_SOFTCAP)
-        u_t, _ = _scaled_logits(t_row, cols, in_row, in_row, t_softcap, scale, T_SOFTCAP)
+        u_s, _ = scaled_logits(s_row, cols, in_row, in_row, s_softcap, scale, S_SOFTCAP)
+        u_t, _ = scaled_logits(t_row, cols, in_row, in_row, t_softcap, scale, T_SOFTCAP)
         s_new, s_rescale, s_shift, e_s = _online_stats(s_max, u_s)
         t_new, t_rescale, t_shift, e_t = _online_stats(t_max, u_t)
         s_move = s_shift - _shift(s_max)
@@ -177,7 +189,7 @@ def _log2_sum_exp2(row_parts, n_segments, slot, SEGMENTS_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _jsd_partials_kernel(
+def jsd_partials_kernel(
     student_ptr,
     student_stride,
     teacher_ptr,
@@ -222,7 +234,7 @@ def _jsd_partials_kernel(
 
 
 @triton.jit
-def _jsd_mixture_kernel(
+def jsd_mixture_kernel(
     student_ptr,
     student_stride,
     teacher_ptr,
@@ -244,8 +256,8 @@ def _jsd_mixture_kernel(
     T_SOFTCAP: tl.constexpr,
 ):
     """Program (row, segment), the mixture's pass 2: with lm2 = log2((1 - beta) 2^ls2 + beta 2^lt2) (one log per
-    element, used by both terms; _mixture_log2), the segment's sum p_t (lt2 - lm2) and sum p_s (ls2 - lm2) into
-    slots 4 and 5. Terms whose p is 0 add 0. The other arguments are _jsd_partials_kernel's."""
+    element, used by both terms; mixture_log2), the segment's sum p_t (lt2 - lm2) and sum p_s (ls2 - lm2) into
+    slots 4 and 5. Terms whose p is 0 add 0. The other arguments are jsd_partials_kernel's."""
     row = tl.program_id(0).to(tl.int64)
     n_segments = tl.num_programs(1)
     row_parts = partials_ptr + row * (6 * n_segments)
@@ -259,11 +271,11 @@ def _jsd_mixture_kernel(
     for first in tl.range(start, stop, BLOCK):
         cols = first + tl.arange(0, BLOCK)
         in_row = cols < stop
-        u_s, _ = _scaled_logits(s_row, cols, in_row, in_row, s_softcap, log2e_over_temperature, S_SOFTCAP)
-        u_t, _ = _scaled_logits(t_row, cols, in_row, in_row, t_softcap, log2e_over_temperature, T_SOFTCAP)
+        u_s, _ = scaled_logits(s_row, cols, in_row, in_row, s_softcap, log2e_over_temperature, S_SOFTCAP)
+        u_t, _ = scaled_logits(t_row, cols, in_row, in_row, t_softcap, log2e_over_temperature, T_SOFTCAP)
         ls = u_s - lse_s
         lt = u_t - lse_t
-        p_s, p_t, lm = _mixture_log2(ls, lt, beta, one_minus_beta)
+        p_s, p_t, lm = mixture_log2(ls, lt, beta, one_minus_beta)
         kl_t += tl.sum(tl.where(p_t == 0.0, 0.0, p_t * (lt - lm)), 0)
         kl_s += tl.sum(tl.where(p_s == 0.0, 0.0, p_s * (ls - lm)), 0)
     parts = row_parts + tl.program_id(1)
@@ -272,7 +284,7 @@ def _jsd_mixture_kernel(
 
 
 @triton.jit
-def _jsd_finish_kernel(
+def jsd_finish_kernel(
     labels_ptr,
     partials_ptr,
     loss_ptr,

@@ -1,7 +1,7 @@
-"""The distillation kernels of `jsd` / `linear_jsd` (issue 38) and their launchers.
+"""The host side of the distillation kernels of `jsd` / `linear_jsd`: their tuned settings and launchers.
 
 Per row, with u = softcap(x) / T for the student (its first V_s columns) and the teacher (its first V_s columns),
-ls = log softmax(u_s), lt = log softmax(u_t) (TRL's generalized JSD, issue 38):
+ls = log softmax(u_s), lt = log softmax(u_t) (TRL's generalized JSD):
   MODE 0 (beta == 0): loss = sum_j p_t (lt - ls)                      (forward KL)
   MODE 1 (beta == 1): loss = sum_j p_s (ls - lt)                      (reverse KL)
   MODE 2 (mixture):   lm = log((1 - beta) p_s + beta p_t),
@@ -9,35 +9,47 @@ ls = log softmax(u_s), lt = log softmax(u_t) (TRL's generalized JSD, issue 38):
 Terms whose weight p is 0 contribute 0 (never 0 * inf); the tests are `p == 0`, so that a NaN p (a NaN row) stays
 NaN in the loss and in every element of the gradient.
 
-The forward (jsd_forward.py) splits each row into S segments of whole tiles, S from N and V (forward_segments):
+The forward kernels (forward.py) split each row into S segments of whole tiles, S from N and V (forward_segments):
 grid (N, S) pass-1 partials, for the mixture a grid (N, S) pass 2, then a grid (N,) finish that merges a row's
 partials into loss, lse_s, lse_t and the gradient's row constant kl (the loss for MODE 1, sum p_s (ls - lm) for
 MODE 2, 0 for MODE 0). The endpoints read each row once, the mixture twice.
-_jsd_backward_kernel grid (N, cdiv(V_s, BLOCK)): d(upstream * loss) / d student logits of BLOCK columns from the
-                     row's statistics, into a given buffer (which may be the student logits themselves: each tile is
-                     read before it is written, by the same program).
+The backward kernel (backward.py), grid (N, cdiv(V_s, BLOCK)): d(upstream * loss) / d student logits of BLOCK
+columns from the row's statistics, into a given buffer (which may be the student logits themselves).
 Rows whose label is ignore_index are never read: loss and statistics 0, gradient 0. The teacher gets no gradient.
 """
 
 import functools
 
 import torch
-import triton
-import triton.language as tl
 
-from ..contract import FLOAT32_TINY
-from .jsd_forward import (
-    LN2,
-    LOG2E,
-    LOG2E_IN_KERNEL,
-    PARTIAL_SLOTS,
-    _jsd_finish_kernel,
-    _jsd_mixture_kernel,
-    _jsd_partials_kernel,
-    _mixture_log2,
-    _scaled_logits,
-)
-from .launch import Launcher, _cdiv, _checked, _guard_capture, _next_power_of_2, on_device
+from ...core.kernel_helpers import cdiv, next_power_of_2
+from ...core.launch import Launcher, checked, launch_guarded, register_launchers
+from ...core.options import FLOAT32_TINY
+from .backward import jsd_backward_kernel
+from .forward import LOG2E, PARTIAL_SLOTS, jsd_finish_kernel, jsd_mixture_kernel, jsd_partials_kernel
+
+__all__ = [
+    "FORWARD_KL",
+    "JSD_BACKWARD_BLOCK",
+    "JSD_BACKWARD_WARPS",
+    "JSD_FINISH_WARPS",
+    "JSD_FORWARD_BLOCK",
+    "JSD_FORWARD_PROGRAMS",
+    "JSD_FORWARD_WARPS",
+    "MIXTURE",
+    "REVERSE_KL",
+    "backward_block",
+    "backward_launcher",
+    "finish_launcher",
+    "forward_block",
+    "forward_segments",
+    "jsd_backward",
+    "jsd_forward",
+    "mixture_launcher",
+    "mode_of",
+    "new_stats",
+    "partials_launcher",
+]
 
 # The forward: 4096 columns per iteration with 8 warps (16 float32 per thread per live tile; pass 1 holds about 7
 # such tiles), each row split into segments so that a chunk of a few hundred rows still fills the GPU (one program
@@ -51,74 +63,6 @@ JSD_FORWARD_PROGRAMS = 4 * 132 * 4
 JSD_FINISH_WARPS = 1
 JSD_BACKWARD_BLOCK, JSD_BACKWARD_WARPS = 4096, 8
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
-
-
-@triton.jit
-def _jsd_backward_kernel(
-    student_ptr,
-    student_stride,
-    teacher_ptr,
-    teacher_stride,
-    grad_ptr,
-    grad_stride,
-    labels_ptr,
-    lse_s_ptr,
-    lse_t_ptr,
-    kl_ptr,
-    upstream_ptr,
-    upstream_stride,
-    V,
-    ignore_index,
-    beta,
-    one_minus_beta,
-    inv_temperature,
-    s_softcap,
-    t_softcap,
-    BLOCK: tl.constexpr,
-    MODE: tl.constexpr,
-    HAS_LABELS: tl.constexpr,
-    S_SOFTCAP: tl.constexpr,
-    T_SOFTCAP: tl.constexpr,
-):
-    """Program (row, tile): d(g_row * loss_row) / d x_s of BLOCK columns, g_row = upstream_ptr[row * upstream_stride]
-    (stride 0: one scalar for every row). d/du_s is p_s - p_t (MODE 0), p_s (ls - lt - kl) (MODE 1),
-    (1 - beta) p_s (ls - lm - kl) (MODE 2), 0 where p_s = 0; then / T and through the student's soft-capping. In base 2
-    as the forward (u2 = u log2(e), exp2 and the mixture's one log per element: _mixture_log2), the log-ratios times
-    ln 2 once, in the row's factor. grad_ptr, grad_stride: where it goes (may be student_ptr). The other arguments
-    are the forward's (lse_s, lse_t, kl in natural units)."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    in_row = cols < V
-    load_mask = in_row
-    if HAS_LABELS:
-        kept = tl.load(labels_ptr + row) != ignore_index
-        # `!= 0` makes the mask a bool payload in Triton's interpreter (which splats a scalar to int64); a no-op
-        # compiled.
-        load_mask = (in_row & kept) != 0
-    scale = inv_temperature * LOG2E_IN_KERNEL
-    u_s, tanh_s = _scaled_logits(student_ptr + row * student_stride, cols, load_mask, in_row, s_softcap, scale,
-                                 S_SOFTCAP)  # fmt: skip
-    u_t, _ = _scaled_logits(teacher_ptr + row * teacher_stride, cols, load_mask, in_row, t_softcap, scale,
-                            T_SOFTCAP)  # fmt: skip
-    ls = u_s - tl.load(lse_s_ptr + row) * LOG2E_IN_KERNEL
-    lt = u_t - tl.load(lse_t_ptr + row) * LOG2E_IN_KERNEL
-    g = tl.load(upstream_ptr + row * upstream_stride).to(tl.float32) * inv_temperature
-    if MODE == 0:
-        du = tl.exp2(ls) - tl.exp2(lt)
-    elif MODE == 1:
-        p_s = tl.exp2(ls)
-        du = tl.where(p_s == 0.0, 0.0, p_s * (ls - lt - tl.load(kl_ptr + row) * LOG2E_IN_KERNEL))
-        g = g * LN2
-    else:
-        p_s, _, lm = _mixture_log2(ls, lt, beta, one_minus_beta)
-        du = tl.where(p_s == 0.0, 0.0, p_s * (ls - lm - tl.load(kl_ptr + row) * LOG2E_IN_KERNEL))
-        g = g * (one_minus_beta * LN2)
-    dx = du * g
-    if S_SOFTCAP:
-        dx = dx * (1.0 - tanh_s * tanh_s)
-    if HAS_LABELS:
-        dx = tl.where(kept, dx, 0.0)
-    tl.store(grad_ptr + row * grad_stride + cols, dx.to(grad_ptr.dtype.element_ty), mask=in_row)
 
 
 # --- the host side ----------------------------------------------------------------------------------------------
@@ -143,17 +87,18 @@ def _scalars(options):
 
 def forward_block(vocab, block=None):
     """The forward's tile width at V = vocab (block, or JSD_FORWARD_BLOCK, capped at V rounded up to a power of 2)."""
-    return min(JSD_FORWARD_BLOCK if block is None else block, _next_power_of_2(max(vocab, 1)))
+    return min(JSD_FORWARD_BLOCK if block is None else block, next_power_of_2(max(vocab, 1)))
 
 
 def backward_block(vocab, block=None):
-    return min(JSD_BACKWARD_BLOCK if block is None else block, _next_power_of_2(max(vocab, 1)))
+    return min(JSD_BACKWARD_BLOCK if block is None else block, next_power_of_2(max(vocab, 1)))
 
 
-partials_launcher = Launcher(_jsd_partials_kernel)
-mixture_launcher = Launcher(_jsd_mixture_kernel)
-finish_launcher = Launcher(_jsd_finish_kernel)
-backward_launcher = Launcher(_jsd_backward_kernel)
+partials_launcher = Launcher(jsd_partials_kernel)
+mixture_launcher = Launcher(jsd_mixture_kernel)
+finish_launcher = Launcher(jsd_finish_kernel)
+backward_launcher = Launcher(jsd_backward_kernel)
+register_launchers(__name__, "partials_launcher", "mixture_launcher", "finish_launcher", "backward_launcher")
 
 
 def _rows(tensor):
@@ -168,20 +113,20 @@ def forward_segments(n_rows, vocab, block):
     segments of equal whole tiles (the last one ragged) so that N * S programs reach JSD_FORWARD_PROGRAMS when N
     alone does not (a linear_jsd chunk of a few hundred rows), never more segments than tiles; S = 1 from
     JSD_FORWARD_PROGRAMS rows on. S depends on N: a row's float32 rounding (not its value) depends on its batch."""
-    tiles = max(_cdiv(vocab, block), 1)
-    wanted = min(max(_cdiv(JSD_FORWARD_PROGRAMS, n_rows), 1), tiles)
-    width = _cdiv(tiles, wanted) * block
-    return max(_cdiv(vocab, width), 1), width
+    tiles = max(cdiv(vocab, block), 1)
+    wanted = min(max(cdiv(JSD_FORWARD_PROGRAMS, n_rows), 1), tiles)
+    width = cdiv(tiles, wanted) * block
+    return max(cdiv(vocab, width), 1), width
 
 
 def jsd_forward(student, teacher, labels, options, out, block=None):
     """Writes per row into out = (loss, lse_s, lse_t, kl) (four float32 (N,) tensors): the loss of student (N, V_s)
     against the first V_s columns of teacher (N, V_t >= V_s), the two logsumexps of u = softcap(x) / T and the
-    backward's row constant. labels: (N,) int tensor or None (every row counts). options: jsd_contract.JsdOptions.
+    backward's row constant. labels: (N,) int tensor or None (every row counts). options: JsdOptions (options.py).
     block: the tile width (default JSD_FORWARD_BLOCK). The segments' partials live in a scratch of
     N * S * (5 or 6) floats: at most 24 bytes per row from JSD_FORWARD_PROGRAMS rows on (S = 1), under 100 KiB
     below. Returns out."""
-    _checked(student)
+    checked(student)
     n_rows, vocab = student.shape
     if n_rows == 0:
         return out
@@ -190,7 +135,7 @@ def jsd_forward(student, teacher, labels, options, out, block=None):
     teacher, t_stride = _rows(teacher)
     block = forward_block(vocab, block)
     segments, width = forward_segments(n_rows, vocab, block)
-    segments_block = _next_power_of_2(max(_cdiv(vocab, block), 1))  # V alone decides: one compiled variant per V
+    segments_block = next_power_of_2(max(cdiv(vocab, block), 1))  # V alone decides: one compiled variant per V
     partials = torch.empty(n_rows, PARTIAL_SLOTS[mode], segments, dtype=torch.float32, device=student.device)
     has_labels = labels is not None
     labels = labels if has_labels else partials
@@ -199,14 +144,16 @@ def jsd_forward(student, teacher, labels, options, out, block=None):
     grid = (n_rows, segments, 1)
     caps = (LOG2E * inv_t, s_cap, t_cap)
     common = ("jsd", student.device, student.dtype, teacher.dtype, block, *flags)
-    _launch(partials_launcher, grid, (*rows, *caps, block, mode, *flags), JSD_FORWARD_WARPS, common + (mode,), student)
+    launch_guarded(
+        partials_launcher, grid, (*rows, *caps, block, mode, *flags), common + (mode,), student, JSD_FORWARD_WARPS
+    )
     if mode == MIXTURE:
         args = (*rows, beta, one_minus_beta, *caps, block, segments_block, *flags)
-        _launch(mixture_launcher, grid, args, JSD_FORWARD_WARPS, common + (segments_block,), student)
+        launch_guarded(mixture_launcher, grid, args, common + (segments_block,), student, JSD_FORWARD_WARPS)
     args = (labels, partials, *out, segments, options.ignore_index, beta, one_minus_beta, segments_block, mode,
             has_labels)  # fmt: skip
     variant = ("jsd_finish", student.device, segments_block, mode, has_labels)
-    _launch(finish_launcher, (n_rows, 1, 1), args, JSD_FINISH_WARPS, variant, student)
+    launch_guarded(finish_launcher, (n_rows, 1, 1), args, variant, student, JSD_FINISH_WARPS)
     return out
 
 
@@ -214,7 +161,7 @@ def jsd_backward(upstream, student, teacher, labels, stats, grad, options, block
     """Writes d(sum_rows g_row * loss_row) / d student into grad (N, V_s) (it may be `student` itself) from the
     forward's stats = (lse_s, lse_t, kl); upstream: float32 per row (N,) or 0-d (one g for every row). Returns
     grad."""
-    _checked(student)
+    checked(student)
     n_rows, vocab = student.shape
     if n_rows == 0 or vocab == 0:
         return grad
@@ -231,17 +178,10 @@ def jsd_backward(upstream, student, teacher, labels, stats, grad, options, block
         inv_t, s_cap, t_cap,
         block, mode, has_labels, s_cap > 0.0, t_cap > 0.0,
     )  # fmt: skip
-    grid = (n_rows, _cdiv(vocab, block), 1)
+    grid = (n_rows, cdiv(vocab, block), 1)
     variant = ("jsd_backward", student.device, student.dtype, teacher.dtype, grad.dtype, block, mode, has_labels)
-    _launch(backward_launcher, grid, args, JSD_BACKWARD_WARPS, variant + args[-2:], student)
+    launch_guarded(backward_launcher, grid, args, variant + args[-2:], student, JSD_BACKWARD_WARPS)
     return grad
-
-
-def _launch(launcher, grid, args, warps, variant, tensor):
-    with on_device(tensor):
-        if not launcher.cached(grid, args, warps):
-            _guard_capture(variant, tensor)
-            launcher.launch(grid, args, warps)
 
 
 def new_stats(n_rows, device):

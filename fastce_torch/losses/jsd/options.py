@@ -1,15 +1,48 @@
-"""jsd / linear_jsd's contract in plain torch: the distillation options record (JsdOptions, the custom ops' option
-arguments in its order) and the checks of every argument; the same module, names and messages as fastce_jax's
-jsd_contract (shared_tests/test_jsd.py compares the two packages' messages)."""
+"""jsd / linear_jsd's options in plain torch: the distillation options record (JsdOptions, the custom ops' option
+arguments in its order), the checks of every argument and the reduction's divisor (row_divisor); the same names and
+messages as fastce_jax's (shared_tests/test_jsd.py compares the two packages' messages)."""
 
 from typing import NamedTuple
 
 import torch
 
-from . import contract
-from .contract import BACKENDS, FLOAT32_MAX, FLOAT32_TINY, REDUCTIONS, check_temperature, dtype_name
+from ...core.options import (
+    BACKENDS,
+    FLOAT32_MAX,
+    FLOAT32_TINY,
+    FLOAT_DTYPE_ERROR,
+    INPUT_DTYPES,
+    REDUCTIONS,
+    check_labels,
+    check_temperature,
+    dtype_name,
+)
 
-# The messages of bad arguments, word for word those of fastce_jax's jsd_contract.
+__all__ = [
+    "BETA_RANGE",
+    "BETA_TYPE",
+    "BIAS_SHAPE",
+    "INVERSE_TEMPERATURE_RANGE",
+    "LAST_DIMENSION",
+    "LEADING_SHAPE",
+    "SOFTCAPPING_RANGE",
+    "SOFTCAPPING_TYPE",
+    "TEACHER_VOCABULARY",
+    "WEIGHT_SHAPE",
+    "JsdOptions",
+    "check_floating",
+    "check_head",
+    "check_heads",
+    "check_jsd_labels",
+    "check_jsd_options",
+    "check_leading_shape",
+    "check_logits",
+    "check_softcapping",
+    "check_vocabularies",
+    "row_divisor",
+]
+
+# The messages of bad arguments, word for word those of fastce_jax's losses/jsd/options.py.
 BETA_TYPE = "beta must be a Python float in [0, 1], got {!r}"
 BETA_RANGE = "beta must be in [0, 1], got {}"
 INVERSE_TEMPERATURE_RANGE = "temperature={} puts 1 / temperature outside float32's normal range"
@@ -75,7 +108,7 @@ def check_floating(tensor, name, dtypes=None):
     """A floating-point tensor; with `dtypes`, of one of them."""
     floating = isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
     if not floating or (dtypes is not None and tensor.dtype not in dtypes):
-        raise TypeError(contract.FLOAT_DTYPE_ERROR.format(name=name, dtype=dtype_name(tensor)))
+        raise TypeError(FLOAT_DTYPE_ERROR.format(name=name, dtype=dtype_name(tensor)))
 
 
 def check_logits(student_logits, teacher_logits):
@@ -110,7 +143,7 @@ def check_head(hidden, weight, bias, side):
     for name, tensor in ((f"{side}_hidden", hidden), (f"{side}_weight", weight), (f"{side}_bias", bias)):
         if tensor is None and name.endswith("bias"):
             continue
-        check_floating(tensor, name, contract.INPUT_DTYPES)
+        check_floating(tensor, name, INPUT_DTYPES)
         if tensor.device != hidden.device:
             raise ValueError(f"{name} is on {tensor.device} but {side}_hidden on {hidden.device}")
     if hidden.dim() < 1 or hidden.shape[-1] < 1:
@@ -135,4 +168,16 @@ def check_heads(student, teacher):
 def check_jsd_labels(labels, student, name):
     """labels: None (every row counts) or an int32/int64 tensor with the leading shape of `name` (`student`)."""
     if labels is not None:
-        contract.check_labels(labels, name, student.shape, student.device)
+        check_labels(labels, name, student.shape, student.device)
+
+
+def row_divisor(labels, n_rows, reduction, ignore_index, device):
+    """The reduction's divisor as a 0-d float32 device tensor (no host synchronisation): the counted rows, at least
+    1, for "mean"; 1 for "sum"; None for "none"."""
+    if reduction == "none":
+        return None
+    if reduction == "sum":
+        return torch.ones((), dtype=torch.float32, device=device)
+    if labels is None:
+        return torch.full((), float(max(n_rows, 1)), dtype=torch.float32, device=device)
+    return (labels != ignore_index).sum().clamp_min(1).to(torch.float32)
