@@ -23,10 +23,12 @@ __all__ = [
     "checked",
     "current_device",
     "forget_launches",
+    "forget_variants_after_fork",
     "guard_capture",
     "launch_cache",
     "launch_cache_enabled",
     "launch_guarded",
+    "launched",
     "launchers",
     "on_device",
     "register_launchers",
@@ -106,16 +108,16 @@ FIRST_LAUNCH_IN_CAPTURE = (
     "warm-up on a side stream does it), then capture."
 )
 # Kernel variants that have been launched in this process (so Triton has compiled and loaded their modules).
-_launched = set()
+launched = set()
 
 
 def guard_capture(variant, tensor):
     """Raise FIRST_LAUNCH_IN_CAPTURE instead of letting a first launch invalidate a CUDA graph capture (whose own
     error, "operation failed due to a previous error during capture", names no cause)."""
-    if variant not in _launched:
+    if variant not in launched:
         if tensor.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(FIRST_LAUNCH_IN_CAPTURE)
-        _launched.add(variant)
+        launched.add(variant)
 
 
 def launch_guarded(launcher, grid, args, variant, tensor, warps=None):
@@ -145,17 +147,18 @@ def launchers():
 def forget_launches():
     """Forget which kernel variants have run (the capture guard's record and the launch cache): the next launch of
     each variant takes Triton's generic path again, as in a fresh process."""
-    _launched.clear()
+    launched.clear()
     for launcher in launchers():
         launcher.forget()
 
 
-def _forget_variants_after_fork():
-    # A forked child cannot use its parent's CUDA context: its first launch must take Triton's generic path (and
-    # torch.cuda's checks), not a cached launcher whose device getter skips them.
+def forget_variants_after_fork():
+    """What a forked child runs (os.register_at_fork): every launcher forgets its variants. A forked child cannot use
+    its parent's CUDA context: its first launch must take Triton's generic path (and torch.cuda's checks), not a
+    cached launcher whose device getter skips them."""
     for launcher in launchers():
         launcher.forget()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_variants_after_fork)
+    os.register_at_fork(after_in_child=forget_variants_after_fork)

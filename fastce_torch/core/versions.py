@@ -17,6 +17,7 @@ __all__ = [
     "tested_range",
     "untested",
     "warn_if_untested",
+    "warned",
 ]
 
 # Inclusive (major, minor) bounds per distribution.
@@ -27,7 +28,7 @@ class UntestedReleaseWarning(UserWarning):
     """An installed torch or Triton release lies outside the range fastce_torch is tested on."""
 
 
-_warned = False
+warned = False  # set once the warning was given (once per process)
 
 
 def major_minor(version):
@@ -65,10 +66,10 @@ def installed_versions():
 
 def warn_if_untested(installed=None):
     """Warn (once per process) when an installed release is outside the tested range."""
-    global _warned
+    global warned
     outside = untested(installed_versions() if installed is None else installed)
-    if outside and not _warned:
-        _warned = True
+    if outside and not warned:
+        warned = True
         ranges = ", ".join(tested_range(name) for name in TESTED)
         warnings.warn(
             f"fastce_torch is tested on {ranges}; installed: {', '.join(outside)}. It may work, but no test has run "

@@ -39,9 +39,9 @@ from ..losses.cross_entropy.linear_dispatch import output_fields, unsharded_loss
 from .dtensor import LocalShard
 from .vocab_parallel import combine_statistics, gathered_slices, shard_gradient, shard_statistics
 
-__all__ = ["sharded_linear_cross_entropy", "vocab_parallel_linear_cross_entropy"]
+__all__ = ["VERIFIED_WIDTHS", "sharded_linear_cross_entropy", "vocab_parallel_linear_cross_entropy"]
 
-_VERIFIED_WIDTHS = set()  # (group, rank, width) whose rank * width layout the ranks' gathered slices confirmed
+VERIFIED_WIDTHS = set()  # (group, rank, width) whose rank * width layout the ranks' gathered slices confirmed
 
 
 def _layout(group, vocab_start, width, device):
@@ -54,7 +54,7 @@ def _layout(group, vocab_start, width, device):
     if vocab_start is None:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         key = (id(group), rank, width)
-        if key not in _VERIFIED_WIDTHS:
+        if key not in VERIFIED_WIDTHS:
             try:  # rank * width tiles [0, V) exactly when every width is the same
                 gathered_slices(group, rank * width, width, device)
             except ValueError as error:
@@ -62,7 +62,7 @@ def _layout(group, vocab_start, width, device):
                     "linear_cross_entropy with process_group: without vocab_start every rank must hold the same "
                     "number of weight rows (pass vocab_start= for unequal slices)"
                 ) from error
-            _VERIFIED_WIDTHS.add(key)
+            VERIFIED_WIDTHS.add(key)
         return group, rank * width, world * width, width
     if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
         raise ValueError(f"vocab_start must be a non-negative int, got {vocab_start!r}")

@@ -132,3 +132,40 @@ def test_hv_peak_memory_and_values_match_vh_on_cuda(accumulate_in_float32, devic
     assert peaks["hv"] <= peaks["vh"] + (1 << 20), peaks
     for a, b in zip(results["hv"], results["vh"]):  # cuBLAS may pick other kernels for the transposed problem
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_linear_jsd_transposed_weight_under_torch_compile(reduction, device):
+    """linear_jsd with a student weight that is the transposed view of an (H, V) kernel, under
+    torch.compile(fullgraph=True): the custom ops' fake gradients must have the layout the chunk loops give the real
+    ones (the weight's own, core/custom_ops.fake_grads), or the compiled graph's stride checks fail; the loss and
+    gradients are eager's, the weight's gradient (H, V) contiguous as with linear_cross_entropy's weight_layout="hv"."""
+    from fastce_torch.tests.test_compile import ops_in, recording_backend
+
+    hidden, kernel, labels = inputs(device)
+    teacher_hidden = torch.randn(N, H, generator=torch.Generator().manual_seed(6)).to(device)
+    teacher_weight = torch.randn(V, H, generator=torch.Generator().manual_seed(7)).to(device) * 0.3
+
+    def loss_of(h, k):
+        loss = fastce_torch.linear_jsd(
+            h, k.t(), teacher_hidden, teacher_weight, labels, reduction=reduction, backend="kernel",
+            workspace_bytes=4 * V * 8,
+        )  # fmt: skip
+        return loss.sum()
+
+    def run(fn):
+        hidden.grad = kernel.grad = None
+        loss = fn(hidden, kernel)
+        loss.backward()
+        return loss.detach(), hidden.grad, kernel.grad
+
+    expected = run(loss_of)
+    torch._dynamo.reset()
+    backend, graphs = recording_backend()
+    got = run(torch.compile(loss_of, fullgraph=True, backend=backend))
+    torch._dynamo.reset()
+    op = "reduced" if reduction == "mean" else "forward"
+    assert f"fastce.linear_jsd_{op}.default" in ops_in(graphs["forward"])
+    assert got[2].shape == (H, V) and got[2].is_contiguous()
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
