@@ -37,6 +37,7 @@ from ...core.reference import reduce_losses, reference_token_losses
 from ...core.token_inputs import check_shift, check_token_weights, masked_labels, shifted_labels, shifted_token_weights
 from ...distributed import vocab_parallel
 from ...distributed.dtensor import dtensor_cross_entropy
+from ...distributed.vocab_parallel_traced import traced_vocab_parallel_cross_entropy
 from . import launch
 from .autograd import CrossEntropyFunction, apply_function, forward_op, forward_outputs_op
 
@@ -255,7 +256,7 @@ def _vocab_parallel(
                 token_weights,
             )  # fmt: skip
         layout = vocab_parallel.layout_of(process_group, None, logits.shape[-1], logits.device)
-        return vocab_parallel.traced_vocab_parallel_cross_entropy(
+        return traced_vocab_parallel_cross_entropy(
             logits, labels, reduction, n_items, options, layout, kernel
         )
     return _eager_vocab_parallel(
