@@ -265,7 +265,7 @@ def validate_labels(labels, vocab, ignore_index):
 
 def use_kernel(tensor, backend):
     """Whether the kernels compute this call. float64 never reaches them (they compute in float32): whatever
-    `backend` says, it goes to the plain-torch formulas below, which compute in float64."""
+    `backend` says, it goes to the plain-torch formulas (reference.py), which compute in float64."""
     if tensor.dtype == torch.float64:
         return False
     return backend == "kernel" or (backend == "auto" and tensor.is_cuda)

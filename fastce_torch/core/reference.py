@@ -73,8 +73,8 @@ def row_shift(maxima, n_rows):
 
 def global_statistics(maxima, sums, n_rows, shift=None):
     """Vocab-parallel: (lse, z_label, sum_z or None) per row from the two all-reduced tensors of
-    sharding.reduced_statistics (maxima holds 2 more entries, the widths, when they are checked; sums a third row,
-    sum_z, with label smoothing) and its shift (derived again from maxima when None)."""
+    distributed/vocab_parallel.reduced_statistics (maxima holds 2 more entries, the widths, when they are checked;
+    sums a third row, sum_z, with label smoothing) and its shift (derived again from maxima when None)."""
     shift = row_shift(maxima, n_rows) if shift is None else shift
     lse = shift + torch.log(sums[0])
     if maxima.shape[0] > n_rows:
@@ -179,7 +179,7 @@ def row_extras(z):
 
 def lse_gradient(grad_lse, logits, labels, options):
     """d(sum_t grad_lse_t * lse_t) / d logits (..., V) in differentiable plain torch (float32; float64 for
-    float64 logits): the z_loss output's gradient, as kernels.lse_backward computes it."""
+    float64 logits): the z_loss output's gradient, as losses/cross_entropy/launch.lse_backward computes it."""
     vocab = logits.shape[-1]
     options = options._replace(label_smoothing=0.0, z_loss=0.0)
     rows, flat = logits.reshape(-1, vocab), labels.reshape(-1)
@@ -198,8 +198,8 @@ def softmax_mean(z):
 def entropy_gradient(grad_entropy, logits, labels, options, lse=None, mean_z=None):
     """d(sum_t grad_entropy_t * H_t) / d logits (..., V) in differentiable plain torch (float32; float64 for float64
     logits), H the entropy of softmax(z): dH/dz_j = p_j (mz - z_j), mz = sum_j p_j z_j, then dz/dx; 0 on ignored
-    rows. What kernels.backward(grad_entropy=, mean_z=) adds. lse, mean_z: per row (N,), given for a slice of the
-    vocabulary (vocab-parallel: the global ones); None: those of these logits."""
+    rows: what the cross-entropy's backward kernel adds with grad_entropy= and mean_z=. lse, mean_z: per row (N,),
+    given for a slice of the vocabulary (vocab-parallel: the global ones); None: those of these logits."""
     shape, labels = logits.shape, labels.reshape(-1)
     logits = logits.reshape(-1, shape[-1])
     z = transform(logits, options, labels)

@@ -234,7 +234,8 @@ class _VocabParallelFunction(torch.autograd.Function):
     def backward(ctx, grad_output, *grad_extras):
         logits, labels, lse, denominator, *mean_z = saved_logits(ctx)
         grad_lse = grad_extras[0] if grad_extras and ctx.extras.z_loss else None
-        # The entropy (lse - mz): mz's upstream b is -g_H, and the lse part's upstream a + b (cross_entropy.py).
+        # The entropy (lse - mz): mz's upstream b is -g_H, and the lse part's upstream a + b (as in
+        # losses/cross_entropy/autograd.py).
         grad_mean_z = grad_extras[2] if mean_z else None
         if grad_lse is not None and grad_mean_z is not None:
             grad_lse = grad_lse + grad_mean_z

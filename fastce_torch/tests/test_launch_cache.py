@@ -165,9 +165,7 @@ def run_forward(case, seed=0):
         n_items = torch.tensor(5, device=STAND_IN_DEVICE)
     options = case.get("options", Options())
     if "vocab_total" in case:
-        return launch.forward(
-            logits, labels, options, vocab_start=case["vocab_start"], vocab_total=case["vocab_total"]
-        )
+        return launch.forward(logits, labels, options, vocab_start=case["vocab_start"], vocab_total=case["vocab_total"])
     return launch.forward(logits, labels, options, case.get("reduction", "mean"), n_items)
 
 

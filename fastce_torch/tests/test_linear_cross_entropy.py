@@ -551,9 +551,7 @@ def test_skip_ignored_rows_runs_matmuls_on_kept_rows_only(pattern, reduction, de
     exactly 0 on ignored rows."""
     searches = []
     find = module.kept_rows
-    monkeypatch.setattr(
-        module, "kept_rows", lambda *args: (searches.append(args[2].skip_ignored_rows), find(*args))[1]
-    )
+    monkeypatch.setattr(module, "kept_rows", lambda *args: (searches.append(args[2].skip_ignored_rows), find(*args))[1])
     hidden, weight, bias, labels = ignored_problem(device, pattern)
     n_kept = int((labels != -100).sum())
     upstream = torch.rand(labels.shape, device=device) + 0.5 if reduction == "none" else None

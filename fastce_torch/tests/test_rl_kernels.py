@@ -71,7 +71,8 @@ def test_entropy_gradient_variant(name, with_loss, device):
 
 
 def test_entropy_gradient_vocab_parallel(device):
-    """Each slice's columns from the global lse and mz (what sharding.py gives the kernel) equal the full gradient."""
+    """Each slice's columns from the global lse and mz (what distributed/vocab_parallel.py gives the kernel) equal
+    the full gradient."""
     options = OPTION_SETS["all"]
     logits, labels, grad_loss, grad_entropy = problem(8, 2500, device, seed=1)
     _, lse, _, _, mean_z = launch.forward(logits, labels, options, outputs=True)

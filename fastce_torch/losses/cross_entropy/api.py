@@ -256,9 +256,7 @@ def _vocab_parallel(
                 token_weights,
             )  # fmt: skip
         layout = vocab_parallel.layout_of(process_group, None, logits.shape[-1], logits.device)
-        return traced_vocab_parallel_cross_entropy(
-            logits, labels, reduction, n_items, options, layout, kernel
-        )
+        return traced_vocab_parallel_cross_entropy(logits, labels, reduction, n_items, options, layout, kernel)
     return _eager_vocab_parallel(
         logits, labels, reduction, n_items, inplace_backward, validate_labels, options, backend, process_group,
         vocab_start, extras, token_weights,
