@@ -207,6 +207,9 @@ def transposed_view(weight):
 
 
 def new_grads(hidden, weight, bias, needs, chunking, kept=None):
+    """The gradients' buffers (None where `needs`, the (hidden, weight, bias) flags, says none): hidden's, the
+    weight's in its own layout (a float32 accumulator where asked or where the weight is not in the compute dtype)
+    and the bias's (float32), uninitialised where the first chunk overwrites them, zeros where no chunk will."""
     need_hidden, need_weight, need_bias = needs
     # With kept rows (skip_ignored_rows) the chunks write only those rows: the ignored ones start at zero.
     new_hidden = torch.empty if kept is None else torch.zeros
@@ -257,6 +260,7 @@ def accumulate_grads(dlogits, hidden_chunk, weight, rows, grads, first):
 
 
 def finish_grads(grads, weight, bias):
+    """The gradients in the weight's and the bias's own dtypes (the accumulators rounded once)."""
     grad_hidden, grad_weight, grad_bias = grads
     if grad_weight is not None and grad_weight.dtype != weight.dtype:
         grad_weight = grad_weight.to(weight.dtype)
