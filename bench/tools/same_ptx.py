@@ -16,8 +16,10 @@ import tempfile
 
 BODY_LINE = re.compile(r"%[a-z]+[0-9]+")
 ENTRY_NAME = re.compile(r"\.entry\s+[A-Za-z_][A-Za-z0-9_]*")
-# Kernels renamed by fastce 0.2.0's layout (made public: no leading underscore), today's
-# name -> the name before it, so each variant is compared with its own base.
+# The pointers whose dtype tells variants apart (the JSD kernels' student and teacher too: one key per dtype pair).
+TYPED_POINTERS = ("logits_ptr", "grad_ptr", "tensor_ptr", "student_ptr", "teacher_ptr")
+# Kernels renamed by fastce 0.2.0's layout (made public: no leading underscore), today's name -> the name before it,
+# so each variant is compared with its own base.
 RENAMED = {
     "forward_kernel": "_forward_kernel",
     "backward_kernel": "_backward_kernel",
@@ -49,7 +51,7 @@ def digests(root, constexpr_names=None):
 import hashlib, json, sys
 sys.path.insert(0, {root!r})
 from fastce_torch import compile_check
-from bench.tools.same_ptx import RENAMED, kernel_body
+from bench.tools.same_ptx import RENAMED, TYPED_POINTERS, kernel_body
 names = json.loads(sys.argv[1]) if len(sys.argv) > 1 else None
 out = []
 for fn, signature, constexprs, warps in compile_check.variants():
@@ -61,8 +63,7 @@ for fn, signature, constexprs, warps in compile_check.variants():
         constexprs.update({{k: False for k in mine - base}})
     key = name + " " + ",".join(f"{{k}}={{v}}" for k, v in sorted(constexprs.items() if names is None else
         ((k, v) for k, v in constexprs.items() if k in names[name]))) + f" warps={{warps}} " + ",".join(
-        f"{{k}}={{v}}" for k, v in sorted(signature.items()) if k.endswith(("logits_ptr", "grad_ptr", "tensor_ptr"))
-        or "stride" in k)
+        f"{{k}}={{v}}" for k, v in sorted(signature.items()) if k.endswith(TYPED_POINTERS) or "stride" in k)
     body = kernel_body(compile_check.compile_for_h200(fn, signature, constexprs, warps).asm["ptx"])
     out.append((key, hashlib.md5(body.encode()).hexdigest(),
                 [p.name for p in fn.params if p.is_constexpr]))
