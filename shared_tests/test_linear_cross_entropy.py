@@ -309,7 +309,7 @@ def test_skip_ignored_rows_against_float64_reference(case, package, device):
 
 
 def linear_module(package):
-    """The package's fused linear loss package: the public function, the chunking defaults and rows_per_chunk."""
+    """The package's LM-head engine package (linear/): the chunking defaults and rows_per_chunk."""
     return sys.modules[f"{package}.linear"]
 
 
@@ -321,7 +321,7 @@ def test_chunk_rows_from_the_budget(package):
     assert module.DEFAULT_WORKSPACE_BYTES == 256 << 20 and module.ROWS_MULTIPLE == 128
     for name in ("WORKSPACE_BYTES", "CHUNK_ROWS", "ACCUMULATE_WEIGHT_GRAD_IN_FLOAT32"):
         assert not hasattr(module, name), f"{name} is a keyword of linear_cross_entropy, not a module setting"
-    keywords = inspect.signature(module.linear_cross_entropy).parameters
+    keywords = inspect.signature(sys.modules[package].linear_cross_entropy).parameters
     assert [keywords[name].default for name in ("workspace_bytes", "chunk_rows", "accumulate_in_float32")] == [
         None,
         None,

@@ -3,9 +3,8 @@
     TRITON_INTERPRET=0 PYTHONPATH=. python -m bench.tools.same_ptx BASE_COMMIT
 
 Compares the kernel-body PTX of each compile_check variant (compiled for the H200 without a GPU) here and at
-BASE_COMMIT, less parameters, register numbers and debug lines and labels, and with the `.entry` line's kernel name
-normalised (a renamed kernel is the same kernel: RENAMED maps today's names to the base's); constexprs new here are
-set False. Exit status 1 when any variant differs.
+BASE_COMMIT, less parameters, register numbers, debug lines, labels and the kernel's name (a kernel whose leading
+underscore was dropped is compared with the base's _name); new constexprs set False. Exit 1 when any variant differs.
 """
 
 import os
@@ -16,22 +15,7 @@ import tempfile
 
 BODY_LINE = re.compile(r"%[a-z]+[0-9]+")
 ENTRY_NAME = re.compile(r"\.entry\s+[A-Za-z_][A-Za-z0-9_]*")
-# The pointers whose dtype tells variants apart (the JSD kernels' student and teacher too: one key per dtype pair).
-TYPED_POINTERS = ("logits_ptr", "grad_ptr", "tensor_ptr", "student_ptr", "teacher_ptr")
-# Kernels renamed by fastce 0.2.0's layout (made public: no leading underscore), today's name -> the name before it,
-# so each variant is compared with its own base.
-RENAMED = {
-    "forward_kernel": "_forward_kernel",
-    "backward_kernel": "_backward_kernel",
-    "scale_unless_one_kernel": "_scale_unless_one_kernel",
-    "vocab_parallel_maxima_kernel": "_vocab_parallel_maxima_kernel",
-    "vocab_parallel_rescale_kernel": "_vocab_parallel_rescale_kernel",
-    "vocab_parallel_loss_kernel": "_vocab_parallel_loss_kernel",
-    "jsd_partials_kernel": "_jsd_partials_kernel",
-    "jsd_mixture_kernel": "_jsd_mixture_kernel",
-    "jsd_finish_kernel": "_jsd_finish_kernel",
-    "jsd_backward_kernel": "_jsd_backward_kernel",
-}
+TYPED_POINTERS = ("logits_ptr", "grad_ptr", "tensor_ptr", "student_ptr", "teacher_ptr")  # dtypes in the key
 
 
 def kernel_body(ptx):
@@ -51,11 +35,11 @@ def digests(root, constexpr_names=None):
 import hashlib, json, sys
 sys.path.insert(0, {root!r})
 from fastce_torch import compile_check
-from bench.tools.same_ptx import RENAMED, TYPED_POINTERS, kernel_body
+from bench.tools.same_ptx import TYPED_POINTERS, kernel_body
 names = json.loads(sys.argv[1]) if len(sys.argv) > 1 else None
 out = []
 for fn, signature, constexprs, warps in compile_check.variants():
-    name = RENAMED.get(fn.__name__, fn.__name__)
+    name = fn.__name__ if names is None or fn.__name__ in names else "_" + fn.__name__
     if names is not None:
         base = set(names[name])
         mine = {{p.name for p in fn.params if p.is_constexpr}}
