@@ -50,7 +50,7 @@ def _torch_case(loss_fn, backend, shape, runs):
     """(loss, gradient as float64, the float64 reference, (fwd ms, fwd+bwd ms), the gradient tolerance's ulps)."""
     import torch
 
-    from fastce_torch import kernels
+    from fastce_torch.core.launch import INTERPRETED
 
     from . import torch_impls
 
@@ -66,7 +66,7 @@ def _torch_case(loss_fn, backend, shape, runs):
     fwd_ms = _median_ms(loss_fn, fresh, runs)
     fwdbwd_ms = _median_ms(lambda x, y: torch.autograd.grad(loss_fn(x, y), x), fresh, runs)
     # Triton's interpreter truncates to bfloat16 (tolerances.reference_ulps)
-    ulps = tolerances.reference_ulps(shape.dtype, kernels.INTERPRETED and backend == "kernel")
+    ulps = tolerances.reference_ulps(shape.dtype, INTERPRETED and backend == "kernel")
     return float(loss.detach()), grad, ref, (fwd_ms, fwdbwd_ms), ulps
 
 

@@ -1,4 +1,7 @@
-"""fastce_torch: fused cross-entropy for PyTorch (Triton kernels behind torch.library custom ops)."""
+"""fastce_torch: fused cross-entropy, log-probabilities and distillation losses for PyTorch (Triton kernels behind
+torch.autograd.Function and torch.library custom ops). The public API only: the losses (losses/*/api.py and
+linear_api.py, on the LM-head engine of linear/), the integrations' patches (integrations/) and the fused linear
+loss's default workspace budget."""
 
 import os
 import sys
@@ -10,18 +13,19 @@ import torch
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from .contract import CrossEntropyOutput  # noqa: E402
-from .cross_entropy import CrossEntropyLoss, cross_entropy, cross_entropy_reference  # noqa: E402
-from .jsd import jsd  # noqa: E402
-from .linear import DEFAULT_WORKSPACE_BYTES, linear_cross_entropy, linear_log_probs  # noqa: E402
-from .linear.jsd import linear_jsd  # noqa: E402
-from .log_probs import LogProbOutput, log_probs  # noqa: E402
-from .transformers import fastce_for_causal_lm_loss, patch_transformers, unpatch_transformers  # noqa: E402
-from .trl import patch_trl, unpatch_trl  # noqa: E402
-from .unsloth import fast_cross_entropy_loss, patch_loss_functions  # noqa: E402
-from .versions import warn_if_untested  # noqa: E402
+from .core.outputs import CrossEntropyOutput, LogProbOutput  # noqa: E402
+from .core.versions import warn_if_untested  # noqa: E402
+from .integrations.transformers import fastce_for_causal_lm_loss, patch_transformers, unpatch_transformers  # noqa: E402
+from .integrations.trl import patch_trl, unpatch_trl  # noqa: E402
+from .integrations.unsloth import fast_cross_entropy_loss, patch_loss_functions  # noqa: E402
+from .linear.engine import DEFAULT_WORKSPACE_BYTES  # noqa: E402
+from .losses.cross_entropy.api import CrossEntropyLoss, cross_entropy, cross_entropy_reference  # noqa: E402
+from .losses.cross_entropy.linear_api import linear_cross_entropy, linear_log_probs  # noqa: E402
+from .losses.cross_entropy.log_probs import log_probs  # noqa: E402
+from .losses.jsd.api import jsd  # noqa: E402
+from .losses.jsd.linear_api import linear_jsd  # noqa: E402
 
-warn_if_untested()  # once per process, on a torch or Triton release outside the tested range (versions.py)
+warn_if_untested()  # once per process, on a torch or Triton release outside the tested range (core/versions.py)
 
 # What users call: the losses (cross-entropy; the distillation losses jsd / linear_jsd), their output record, the
 # integration patches (and the loss function the transformers patch installs), and the fused linear loss's default
@@ -46,4 +50,4 @@ __all__ = [
     "fast_cross_entropy_loss",
     "patch_loss_functions",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

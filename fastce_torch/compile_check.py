@@ -11,20 +11,49 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import kernels
-from .kernels import BACKWARD_BLOCK, BACKWARD_WARPS, FORWARD_BLOCK, FORWARD_WARPS, GROUPS_BLOCK, ROWS_PER_GROUP
-from .kernels.backward import _backward_kernel, _scale_unless_one_kernel
-from .kernels.combine import _vocab_parallel_loss_kernel, _vocab_parallel_maxima_kernel, _vocab_parallel_rescale_kernel
-from .kernels.forward import _forward_kernel
-from .kernels.jsd import (
+from .core.launch import INTERPRETED
+from .distributed.combine import (
+    VOCAB_PARALLEL_BLOCK,
+    vocab_parallel_loss_kernel,
+    vocab_parallel_maxima_kernel,
+    vocab_parallel_rescale_kernel,
+)
+from .linear.scale import SCALE_BLOCK, scale_unless_one_kernel
+from .losses.cross_entropy.backward import backward_kernel
+from .losses.cross_entropy.forward import forward_kernel
+from .losses.cross_entropy.launch import (
+    BACKWARD_BLOCK,
+    BACKWARD_WARPS,
+    FORWARD_BLOCK,
+    FORWARD_WARPS,
+    GROUPS_BLOCK,
+    ROWS_PER_GROUP,
+)
+from .losses.jsd.backward import jsd_backward_kernel
+from .losses.jsd.forward import jsd_finish_kernel, jsd_mixture_kernel, jsd_partials_kernel
+from .losses.jsd.launch import (
     JSD_BACKWARD_BLOCK,
     JSD_BACKWARD_WARPS,
     JSD_FINISH_WARPS,
     JSD_FORWARD_BLOCK,
     JSD_FORWARD_WARPS,
-    _jsd_backward_kernel,
 )
-from .kernels.jsd_forward import _jsd_finish_kernel, _jsd_mixture_kernel, _jsd_partials_kernel
+
+__all__ = [
+    "FLAG_SETS",
+    "FLOAT_SCALARS",
+    "H200",
+    "JSD_FLOAT_SCALARS",
+    "POINTER",
+    "check_mixture_log",
+    "compile_for_h200",
+    "jsd_signature",
+    "jsd_variants",
+    "main",
+    "signature",
+    "variants",
+    "vocab_parallel_variants",
+]
 
 H200 = GPUTarget("cuda", 90, 32)
 POINTER = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16"}
@@ -98,7 +127,7 @@ def variants():
                     HAS_WEIGHT=weighted,
                     **flags,
                 )
-                yield _forward_kernel, signature(_forward_kernel, logits, index), constexprs, warps
+                yield forward_kernel, signature(forward_kernel, logits, index), constexprs, warps
         backward_modes = [(False, False, False), (True, False, False)] if all_options else [(False, False, False)]
         if flag_set in FLAG_SETS[:2] or flag_set == FLAG_SETS[4]:
             backward_modes.append((False, True, False))
@@ -114,26 +143,26 @@ def variants():
                 **flags,
             )
             yield (
-                _backward_kernel,
-                signature(_backward_kernel, logits, index),
+                backward_kernel,
+                signature(backward_kernel, logits, index),
                 constexprs,
                 BACKWARD_WARPS,
             )
         if flag_set == FLAG_SETS[0]:  # linear_cross_entropy's gradient scaling, once per dtype
-            scale = _scale_unless_one_kernel
-            yield scale, signature(scale, logits, index), dict(BLOCK=kernels.SCALE_BLOCK), 4
+            scale = scale_unless_one_kernel
+            yield scale, signature(scale, logits, index), dict(BLOCK=SCALE_BLOCK), 4
     yield from vocab_parallel_variants()
     yield from jsd_variants()
 
 
 def vocab_parallel_variants():
     # The vocab-parallel combine kernels: with and without the width check, every option and reduction mode.
-    block = kernels.VOCAB_PARALLEL_BLOCK
-    maxima, rescale = _vocab_parallel_maxima_kernel, _vocab_parallel_rescale_kernel
+    block = VOCAB_PARALLEL_BLOCK
+    maxima, rescale = vocab_parallel_maxima_kernel, vocab_parallel_rescale_kernel
     for check in (False, True):
         yield maxima, signature(maxima, "*fp32", "i32"), dict(CHECK_WIDTHS=check, BLOCK=block), 4
     yield rescale, signature(rescale, "*fp32", "i32"), dict(BLOCK=block), 4
-    loss = _vocab_parallel_loss_kernel
+    loss = vocab_parallel_loss_kernel
     for check, smoothing, z_loss, reduce, mode in itertools.product(
         (False, True), (False, True), (False, True), (False, True), (0, 1, 2)
     ):
@@ -187,16 +216,16 @@ def jsd_variants():
     for mode, student, teacher, (s_cap, t_cap), labels in cases:
         flags = dict(HAS_LABELS=labels, S_SOFTCAP=s_cap, T_SOFTCAP=t_cap)
         index = "i64" if mode == 2 and s_cap and t_cap else "i32"
-        partials, backward = _jsd_partials_kernel, _jsd_backward_kernel
+        partials, backward = jsd_partials_kernel, jsd_backward_kernel
         types = jsd_signature(partials, student, teacher, index_type=index)
         yield partials, types, dict(BLOCK=JSD_FORWARD_BLOCK, MODE=mode, **flags), JSD_FORWARD_WARPS
         if mode == 2:
-            mixture = _jsd_mixture_kernel
+            mixture = jsd_mixture_kernel
             types = jsd_signature(mixture, student, teacher, index_type=index)
             yield mixture, types, dict(BLOCK=JSD_FORWARD_BLOCK, SEGMENTS_BLOCK=64, **flags), JSD_FORWARD_WARPS
         types = jsd_signature(backward, student, teacher, student, index)
         yield backward, types, dict(BLOCK=JSD_BACKWARD_BLOCK, MODE=mode, **flags), JSD_BACKWARD_WARPS
-    finish = _jsd_finish_kernel
+    finish = jsd_finish_kernel
     for mode, labels, segments_block in itertools.product(range(3), (False, True), (1, 64)):
         constexprs = dict(SEGMENTS_BLOCK=segments_block, MODE=mode, HAS_LABELS=labels)
         yield finish, jsd_signature(finish, bf16, bf16), constexprs, JSD_FINISH_WARPS
@@ -205,13 +234,13 @@ def jsd_variants():
 def check_mixture_log(fn, constexprs, compiled):
     """The mixture's backward takes its one log per element as the GPU's lg2.approx (_mixture_log2), not libdevice's
     logf (about 25 instructions per element: the backward was compute bound)."""
-    if fn is _jsd_backward_kernel and constexprs["MODE"] == 2:
+    if fn is jsd_backward_kernel and constexprs["MODE"] == 2:
         assert "lg2.approx.f32" in compiled.asm["ptx"], "the mixture backward lost its lg2.approx"
         assert "__nv_log" not in compiled.asm["llir"], "the mixture backward calls libdevice's log"
 
 
 def main():
-    if kernels.INTERPRETED:
+    if INTERPRETED:
         raise SystemExit("Triton is in interpreter mode: run with TRITON_INTERPRET=0 to compile for the GPU")
     count = 0
     for fn, signature, constexprs, num_warps in variants():

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 # fastce_torch must be imported before triton: on a machine without CUDA it switches Triton's interpreter on.
 import fastce_torch  # noqa: E402,F401
-from fastce_torch import kernels as _torch_kernels  # noqa: E402
+from fastce_torch.core import launch as _torch_launch  # noqa: E402
 
 from . import summary  # noqa: E402
 
@@ -35,7 +35,7 @@ def device(request):
         if not any(d.platform == "gpu" for d in jax.devices()):
             pytest.fail("--gpu given but JAX sees no GPU (is jax[cuda] installed?)")
         return torch.device("cuda")
-    if not _torch_kernels.INTERPRETED:
+    if not _torch_launch.INTERPRETED:
         pytest.skip(
             "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before triton is imported); "
             "on a CUDA machine run with --gpu"

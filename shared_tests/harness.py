@@ -211,9 +211,9 @@ def as_f64(tensor):
 
 def torch_ulps_reference(inputs, case):
     """Triton's interpreter truncates to bfloat16 (tolerances.reference_ulps); the GPU rounds to nearest even."""
-    from fastce_torch import kernels
+    from fastce_torch.core.launch import INTERPRETED
 
-    return reference_ulps(case.dtype, truncating_bf16=kernels.INTERPRETED and not inputs.logits.is_cuda)
+    return reference_ulps(case.dtype, truncating_bf16=INTERPRETED and not inputs.logits.is_cuda)
 
 
 def compare(case, inputs, torch_out, jax_out, ref):

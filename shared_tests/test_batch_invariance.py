@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fastce_torch
-from fastce_torch import kernels as torch_kernels
+from fastce_torch.losses.cross_entropy import launch as torch_launch
 
 from .harness import optional_jax
 
@@ -35,10 +35,10 @@ def inputs(seed=8):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    # The launchers take forward_config(V) from kernels/launch.py when given no config (the kernels package only
-    # re-exports it): the fixture swaps in the tuned function with the small settings there (the module constants
-    # are read once per V and cached, so they are never changed).
-    launch = torch_kernels.launch
+    # The launchers take forward_config(V) from losses/cross_entropy/launch.py when given no config: the fixture
+    # swaps in the tuned function with the small settings there (the module constants are read once per V and
+    # cached, so they are never changed).
+    launch = torch_launch
     monkeypatch.setattr(launch, "forward_config", functools.partial(launch.forward_config, block=32, chunk=64))
     assert launch.forward_config(VOCAB).n_chunks == 5
 

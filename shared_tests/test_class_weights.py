@@ -235,7 +235,7 @@ def small_vocab_chunks(package, monkeypatch):
     caches per argument set), fastce_jax's tile constants (read at each call, part of its jit key). Returns that launch
     module, whose forward_config gives the patched tiles."""
     if package == "torch":
-        from fastce_torch.kernels import launch
+        from fastce_torch.losses.cross_entropy import launch
 
         monkeypatch.setattr(launch, "forward_config", functools.partial(launch.forward_config, block=16, chunk=32))
     else:

@@ -198,9 +198,9 @@ def run_jax(case, inputs):
 
 def compare(case, inputs, outputs, ref):
     """Each package against the reference, then the two against each other; records the differences."""
-    from fastce_torch import kernels
+    from fastce_torch.core.launch import INTERPRETED
 
-    truncating = kernels.INTERPRETED and not inputs.student.is_cuda  # Triton's interpreter truncates to bf16
+    truncating = INTERPRETED and not inputs.student.is_cuda  # Triton's interpreter truncates to bf16
     stats = {}
     for package, (loss, grad) in outputs.items():
         assert grad.dtype == inputs.student.dtype and grad.shape == inputs.student.shape, package

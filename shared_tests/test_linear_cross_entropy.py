@@ -310,12 +310,8 @@ def test_skip_ignored_rows_against_float64_reference(case, package, device):
 
 
 def linear_module(package):
-    """The package's LM-head engine (linear/engine.py): the chunking defaults and rows_per_chunk (a package still in
-    the 0.1 layout: its linear package)."""
-    try:
-        return importlib.import_module(f"{package}.linear.engine")
-    except ModuleNotFoundError:
-        return importlib.import_module(f"{package}.linear")
+    """The package's LM-head engine (linear/engine.py): the chunking defaults and rows_per_chunk."""
+    return importlib.import_module(f"{package}.linear.engine")
 
 
 @pytest.mark.parametrize("package", ["fastce_torch", "fastce_jax"])

@@ -18,7 +18,7 @@ fastce_torch = pytest.importorskip("fastce_torch")
 fastce_jax = pytest.importorskip("fastce_jax")
 
 from fastce_jax.losses.cross_entropy import launch as jax_launch  # noqa: E402
-from fastce_torch import kernels as torch_kernels  # noqa: E402
+from fastce_torch.losses.cross_entropy import launch as torch_launch  # noqa: E402
 
 
 def random_inputs(device, n, vocab, seed, *, dtype=torch.float32, shift=0.0):
@@ -118,11 +118,11 @@ def several_chunks(monkeypatch, device):
     # fastce_torch caches its tuned configuration per V: its launchers' forward_config is swapped for one with these
     # settings instead of changing the module constants.
     monkeypatch.setattr(
-        torch_kernels, "forward_config", functools.partial(torch_kernels.forward_config, block=256, chunk=1024)
+        torch_launch, "forward_config", functools.partial(torch_launch.forward_config, block=256, chunk=1024)
     )
     monkeypatch.setattr(jax_launch, "CHUNK", 1024)
     monkeypatch.setattr(jax_launch, "FORWARD_BLOCK", 256)
-    for module in (torch_kernels, jax_launch):
+    for module in (torch_launch, jax_launch):
         assert module.forward_config(5000)[:3] == (256, 1024, 5)
     return 5000
 

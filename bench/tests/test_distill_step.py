@@ -26,7 +26,7 @@ pytestmark = [
         reason="linear_jsd (issue 38) is not in both packages yet",
     ),
     pytest.mark.skipif(
-        not fastce_torch.kernels.INTERPRETED, reason="the kernels on CPU tensors need TRITON_INTERPRET=1"
+        not fastce_torch.core.launch.INTERPRETED, reason="the kernels on CPU tensors need TRITON_INTERPRET=1"
     ),
 ]
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from fastce_torch import kernels
+from fastce_torch.core.launch import INTERPRETED
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(
-    not kernels.INTERPRETED,
+    not INTERPRETED,
     reason="the tool on a CPU runs the kernels in Triton's interpreter, which needs the CPU stack (numpy < 2.4); on a "
     "GPU, run_h200.sh's host stage writes this JSON",
 )

@@ -46,7 +46,9 @@ def test_a_failed_row_is_recorded(on_cpu, monkeypatch):
     ]
 
 
-@pytest.mark.skipif(not fastce_torch.kernels.INTERPRETED, reason="the kernels on CPU tensors need TRITON_INTERPRET=1")
+@pytest.mark.skipif(
+    not fastce_torch.core.launch.INTERPRETED, reason="the kernels on CPU tensors need TRITON_INTERPRET=1"
+)
 def test_every_row_on_cpu(on_cpu, tmp_path):
     shape = LinearShape(64, 16, 96, "float32")
     # One workspace setting (the others take the same path); torch.compile's and Liger's rows are the GPU run's.

@@ -149,7 +149,7 @@ def chunked_floor(shape, inputs, workspace_bytes=None, name="matmul_chunked") ->
     """The same four products chunk by chunk as linear_jsd runs them at workspace_bytes (its rows_per_chunk for two
     logits chunks in the inputs' dtype; the weight gradient accumulated with addmm_), with no row kernel between
     them: what the chunking alone costs over matmul_floor."""
-    from fastce_torch.linear.chunks import rows_per_chunk
+    from fastce_torch.linear.engine import rows_per_chunk
 
     hidden, weight, teacher_hidden, teacher_weight, _ = (t.detach() for t in inputs)
     step = rows_per_chunk(shape.N, shape.V, 2 * hidden.element_size(), workspace_bytes)

@@ -6,7 +6,7 @@ DIR holds Liger's test tree (bench/NOTES.md says how to extract it; liger_kernel
 cross-entropy files, and its fused linear JSD file where fastce_torch has linear_jsd, with
 bench.tools.outside_liger_plugin loaded (`--baseline`: also on Liger). Needs CUDA. Liger's test_jsd.py is left out:
 it compares gradients with respect to log-probabilities taken as free inputs, which fastce's jsd normalises
-(fastce_torch/liger_jsd.py says why the loss and the logits' gradient are the same).
+(fastce_torch/integrations/liger_jsd.py says why the loss and the logits' gradient are the same).
 """
 
 import argparse

@@ -7,7 +7,6 @@ do-nothing autograd.Functions and F.cross_entropy, and the summary RESULTS.md re
 """
 
 import argparse
-import importlib
 import json
 import time
 
@@ -18,12 +17,12 @@ import triton
 import fastce_torch
 from bench import envinfo
 from bench.report import HOST_TIME_PARTS, write_json
-from fastce_torch import kernels
-from fastce_torch.kernels import launch as launch_module
+from fastce_torch.core import launch as core_launch
+from fastce_torch.core import launch_cache as cache_module
+from fastce_torch.core.options import Options
+from fastce_torch.losses.cross_entropy import launch as launch_module
 
-cache_module = importlib.import_module("fastce_torch.kernels.launch_cache")  # kernels.launch_cache is the function
-
-OPTIONS = kernels.Options()
+OPTIONS = Options()
 
 
 def _synchronize():
@@ -82,7 +81,7 @@ class _ThreeOutputs(torch.autograd.Function):
 
 
 def _forward_args(logits, labels, options):
-    """(grid, (warps, stages), args): what kernels.forward passes to its launcher, captured from one call."""
+    """(grid, (warps, stages), args): what launch_module.forward passes to its launcher, captured from one call."""
     captured = []
 
     class Capture(launch_module.Launcher):
@@ -93,7 +92,7 @@ def _forward_args(logits, labels, options):
     saved = launch_module.forward_launcher
     launch_module.forward_launcher = Capture(None)
     try:
-        kernels.forward(logits, labels, options, "mean")
+        launch_module.forward(logits, labels, options, "mean")
     finally:
         launch_module.forward_launcher = saved
     return captured[0]
@@ -106,9 +105,9 @@ def _row(rows, name, us, note=""):
 
 def _both_paths(rows, name, fn, n, repeat):
     """name's host time per call with the launch cache (when it is on) and with Triton's generic launch."""
-    with kernels.launch_cache(False):
+    with core_launch.launch_cache(False):
         generic = per_call_us(fn, n, repeat)
-    if not kernels.launch_cache_enabled():
+    if not core_launch.launch_cache_enabled():
         _row(rows, name, generic, "   (generic launch; the cache is off)")
         return generic
     cached = per_call_us(fn, n, repeat)
@@ -147,7 +146,7 @@ def host_costs(device="cuda", n=300, repeat=5):
     logits = torch.randn(64, 1000, device=device, requires_grad=True) * 1  # an intermediate, as lm_head's output is
     labels = torch.randint(0, 1000, (64,), device=device)
     raw = logits.detach()
-    kernels.forward(raw, labels, OPTIONS, reduction="mean")  # records the launch's variant
+    launch_module.forward(raw, labels, OPTIONS, reduction="mean")  # records the launch's variant
     leaf = logits.detach().requires_grad_()
     leaf_logits = raw.clone().requires_grad_()
     ones = torch.ones(labels.shape, device=device)
@@ -247,9 +246,9 @@ def main(argv=None):
     parser.add_argument("--json", help="also write the rows and the summary to this file")
     args = parser.parse_args(argv)
     device = "cpu" if args.device == "cpu" else torch.cuda.get_device_name()
-    cache = f"{'on' if kernels.launch_cache_enabled() else 'off'} {cache_module.launch_cache_setting.refusal}"
+    cache = f"{'on' if core_launch.launch_cache_enabled() else 'off'} {cache_module.launch_cache_setting.refusal}"
     print(f"launch cache: {cache}; torch {torch.__version__}, triton {triton.__version__}, {device}")  # fmt: skip
-    if device != "cpu" and not kernels.launch_cache_enabled():
+    if device != "cpu" and not core_launch.launch_cache_enabled():
         raise SystemExit("the launch cache is off in this process: nothing to compare")
     rows, breakdown = host_costs(args.device, args.calls, args.repeat)
     result = {"date": envinfo.today(), "commit": envinfo.git_commit(), "device": device, "torch": torch.__version__,

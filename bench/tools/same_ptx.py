@@ -3,8 +3,8 @@
     TRITON_INTERPRET=0 PYTHONPATH=. python -m bench.tools.same_ptx BASE_COMMIT
 
 Compares the kernel-body PTX of each compile_check variant (compiled for the H200 without a GPU) here and at
-BASE_COMMIT, less parameters, register numbers and debug lines and labels; constexprs new here are set False.
-Exit status 1 when any variant differs.
+BASE_COMMIT, less parameters, register numbers, debug lines, labels and the kernel's name (a kernel whose leading
+underscore was dropped is compared with the base's _name); new constexprs set False. Exit 1 when any variant differs.
 """
 
 import os
@@ -14,6 +14,8 @@ import sys
 import tempfile
 
 BODY_LINE = re.compile(r"%[a-z]+[0-9]+")
+ENTRY_NAME = re.compile(r"\.entry\s+[A-Za-z_][A-Za-z0-9_]*")
+TYPED_POINTERS = ("logits_ptr", "grad_ptr", "tensor_ptr", "student_ptr", "teacher_ptr")  # dtypes in the key
 
 
 def kernel_body(ptx):
@@ -23,7 +25,7 @@ def kernel_body(ptx):
     for line in ptx[start : end if end >= 0 else len(ptx)].splitlines():
         text = line.split("//")[0].strip()
         if text and "param" not in text and not text.startswith((".loc", ".file", "$L__tmp")):
-            lines.append(BODY_LINE.sub("%", text))
+            lines.append(ENTRY_NAME.sub(".entry KERNEL", BODY_LINE.sub("%", text)))
     return "\n".join(lines)
 
 
@@ -33,19 +35,19 @@ def digests(root, constexpr_names=None):
 import hashlib, json, sys
 sys.path.insert(0, {root!r})
 from fastce_torch import compile_check
-from bench.tools.same_ptx import kernel_body
+from bench.tools.same_ptx import TYPED_POINTERS, kernel_body
 names = json.loads(sys.argv[1]) if len(sys.argv) > 1 else None
 out = []
 for fn, signature, constexprs, warps in compile_check.variants():
+    name = fn.__name__ if names is None or fn.__name__ in names else "_" + fn.__name__
     if names is not None:
-        base = set(names[fn.__name__])
+        base = set(names[name])
         mine = {{p.name for p in fn.params if p.is_constexpr}}
         constexprs = {{k: v for k, v in constexprs.items() if k in base}}
         constexprs.update({{k: False for k in mine - base}})
-    key = fn.__name__ + " " + ",".join(f"{{k}}={{v}}" for k, v in sorted(constexprs.items() if names is None else
-        ((k, v) for k, v in constexprs.items() if k in names[fn.__name__]))) + f" warps={{warps}} " + ",".join(
-        f"{{k}}={{v}}" for k, v in sorted(signature.items()) if k.endswith(("logits_ptr", "grad_ptr", "tensor_ptr"))
-        or "stride" in k)
+    key = name + " " + ",".join(f"{{k}}={{v}}" for k, v in sorted(constexprs.items() if names is None else
+        ((k, v) for k, v in constexprs.items() if k in names[name]))) + f" warps={{warps}} " + ",".join(
+        f"{{k}}={{v}}" for k, v in sorted(signature.items()) if k.endswith(TYPED_POINTERS) or "stride" in k)
     body = kernel_body(compile_check.compile_for_h200(fn, signature, constexprs, warps).asm["ptx"])
     out.append((key, hashlib.md5(body.encode()).hexdigest(),
                 [p.name for p in fn.params if p.is_constexpr]))

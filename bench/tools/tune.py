@@ -83,7 +83,8 @@ def tune_fastce_torch(json_path=None):
     """Every candidate launcher config timed; the best four per shape printed, every row written to json_path."""
     import torch
 
-    from fastce_torch import kernels
+    from fastce_torch.core.options import Options
+    from fastce_torch.losses.cross_entropy import launch as ce_launch
 
     from ..torch_measure import bench_ms, copy_bandwidth_TBps  # timed with do_bench's default 25 / 100 ms
 
@@ -96,20 +97,20 @@ def tune_fastce_torch(json_path=None):
         labels[::7] = -100
         grad_loss = torch.ones((), device="cuda").expand(n_rows)
         one_pass_ms = logits.numel() * 2 / bandwidth / 1e9
-        options = kernels.Options()
+        options = Options()
         for block, warps, chunk, stages in itertools.product(
             [2048, 4096, 8192], [2, 4, 8], [8192, 16384, 65536], [1, 3]
         ):
             # Each candidate as a config of its own (the module constants are cached per V, never changed here).
-            config = kernels.forward_config(vocab, block=block, chunk=max(chunk, block), warps=warps, stages=stages)
-            ms = bench_ms(lambda: kernels.forward(logits, labels, options, config=config), 25, 100)
+            config = ce_launch.forward_config(vocab, block=block, chunk=max(chunk, block), warps=warps, stages=stages)
+            ms = bench_ms(lambda: ce_launch.forward(logits, labels, options, config=config), 25, 100)
             candidate = dict(block=block, warps=warps, chunk=chunk, stages=stages)
             rows.append(dict(kernel="forward", N=n_rows, V=vocab, **candidate, ms=ms, ratio=ms / one_pass_ms))
-        _, lse, _ = kernels.forward(logits, labels, options)
+        _, lse, _ = ce_launch.forward(logits, labels, options)
         backward_args = (grad_loss, logits, labels, lse, logits, options)
         for block, warps in itertools.product([1024, 2048, 4096, 8192], [4, 8]):
-            config = kernels.backward_config(vocab, block=block, warps=warps)
-            ms = bench_ms(lambda: kernels.backward(*backward_args, config=config), 25, 100)
+            config = ce_launch.backward_config(vocab, block=block, warps=warps)
+            ms = bench_ms(lambda: ce_launch.backward(*backward_args, config=config), 25, 100)
             candidate = dict(block=block, warps=warps, chunk=0)
             rows.append(dict(kernel="backward", N=n_rows, V=vocab, **candidate, ms=ms, ratio=ms / (2 * one_pass_ms)))
         del logits, backward_args

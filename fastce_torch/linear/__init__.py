@@ -1,8 +1,8 @@
-"""The fused linear cross-entropy: `linear_cross_entropy` (api.py) over the chunk loop (chunks.py), its autograd
-Functions and custom ops (autograd.py), their dispatch for an unsharded head (unsharded.py) and the sharded heads
-(sharded.py); the fused linear distillation loss `linear_jsd` (jsd.py) on the same chunk helpers."""
+"""The LM-head engine, loss-neutral (it imports core/ only): engine.py (the chunk loop over rows, its settings, the
+logits matmul, the gradients' buffers and products, the kept rows) and scale.py (the gradients' scaling by a reduced
+loss's upstream). Each loss plugs its row kernels into it: losses/*/linear_chunks.py. The chunking's documented names
+(the default workspace budget, the rows-per-chunk rule) are here too, at the import path users have."""
 
-from .api import linear_cross_entropy, linear_log_probs
-from .chunks import DEFAULT_WORKSPACE_BYTES, ROWS_MULTIPLE, rows_per_chunk
+from .engine import DEFAULT_WORKSPACE_BYTES, ROWS_MULTIPLE, rows_per_chunk
 
-__all__ = ["linear_cross_entropy", "linear_log_probs", "DEFAULT_WORKSPACE_BYTES", "ROWS_MULTIPLE", "rows_per_chunk"]
+__all__ = ["DEFAULT_WORKSPACE_BYTES", "ROWS_MULTIPLE", "rows_per_chunk"]

@@ -47,9 +47,9 @@ def assert_loss(loss, ref, what="loss"):
 def assert_grad(grad, ref, what="grad"):
     """The gradient against the reference, in ulps of its own dtype (Triton's interpreter truncates to bfloat16:
     tolerances.reference_ulps)."""
-    from fastce_torch import kernels
+    from fastce_torch.core.launch import INTERPRETED
 
-    ulps = tolerances.reference_ulps(grad.dtype, truncating_bf16=kernels.INTERPRETED and not grad.is_cuda)
+    ulps = tolerances.reference_ulps(grad.dtype, truncating_bf16=INTERPRETED and not grad.is_cuda)
     return tolerances.assert_grad(as_float64(grad), ref, grad.dtype, what, ulps=ulps)
 
 
@@ -116,14 +116,15 @@ def exit_skipping_teardown(failed):
 
 
 def chunk_logits_rows(monkeypatch, module):
-    """The rows of every logits matmul that `module`'s chunk loop runs through its _chunk_logits, in call order (a
-    list that fills as the loop runs): the skip_ignored_rows tests count what was actually computed."""
+    """The rows of every logits matmul that the chunk loops run through `module`'s chunk_logits (the LM-head engine's,
+    linear/engine.py), in call order (a list that fills as the loop runs): the skip_ignored_rows tests count what was
+    actually computed."""
     rows = []
-    original = module._chunk_logits
+    original = module.chunk_logits
 
     def spy(workspace, hidden_chunk, weight, bias):
         rows.append(hidden_chunk.shape[0])
         return original(workspace, hidden_chunk, weight, bias)
 
-    monkeypatch.setattr(module, "_chunk_logits", spy)
+    monkeypatch.setattr(module, "chunk_logits", spy)
     return rows

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import fastce_torch
-from fastce_torch.linear import sharded as fastce_linear_sharded
+from fastce_torch.distributed import linear_sharded as fastce_linear_sharded
 from fastce_torch.tests import checks
 from fastce_torch.tests.linear_parallel_outputs import run_outputs, run_refusals, run_rl_outputs
 from shared_tests import test_linear_cross_entropy as lin
@@ -65,7 +65,7 @@ def chunked(case):
     (tp: the rows against V / ranks columns; fsdp: N / ranks rows against V, the ranks' gradients summed)."""
     if not case.name.startswith("mid"):
         return lin.small_chunks(case)
-    from fastce_torch.linear import rows_per_chunk
+    from fastce_torch.linear.engine import rows_per_chunk
 
     world, n_rows = dist.get_world_size(), case.shape[0]
     itemsize = lin.TORCH_DTYPES[case.dtype].itemsize
@@ -228,7 +228,7 @@ def run_fully_shard(device, backend, bias):
         def forward(self, x, y, fused):
             hidden = torch.tanh(self.body(x))
             if fused:
-                assert fastce_torch.sharding.is_dtensor(self.lm_head.weight)  # what a fused loss sees here
+                assert fastce_torch.core.options.is_dtensor(self.lm_head.weight)  # what a fused loss sees here
                 return fastce_torch.linear_cross_entropy(
                     hidden, self.lm_head.weight, y, bias=self.lm_head.bias, backend=backend, label_smoothing=0.1
                 )
@@ -324,7 +324,7 @@ def main():
         # run_refusals' unequal widths would otherwise gather on the rank with the new width only, and hang).
         torch.manual_seed(initial_seed)
         torch._dynamo.reset()
-        fastce_linear_sharded._VERIFIED_WIDTHS.clear()
+        fastce_linear_sharded.VERIFIED_WIDTHS.clear()
         total = torch.tensor([run_segment(args, device, rank)], dtype=torch.float64, device=device)
         dist.all_reduce(total)
         any_failed = any_failed or total.item() != 0

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fastce_torch import jsd, linear_jsd
-from fastce_torch.jsd_contract import JsdOptions
-from fastce_torch.kernels import jsd as jsd_kernels
+from fastce_torch.losses.jsd import launch as jsd_kernels
+from fastce_torch.losses.jsd.options import JsdOptions
 from shared_tests import tolerances
 from shared_tests.reference_distill import jsd as jsd_reference
 

@@ -1,4 +1,4 @@
-"""The launch cache (kernels/launch_cache.py's Launcher): a cached launch must start exactly the compiled variant
+"""The launch cache (core/launch_cache.py's Launcher): a cached launch must start exactly the compiled variant
 Triton's generic `kernel[grid](...)` would start for the same arguments, on the current stream, and every case it
 cannot serve must take the generic path.
 
@@ -6,8 +6,8 @@ On the CPU (Triton's interpreter) the real kernels cannot be compiled, so the la
 the JIT function that reproduces what Launcher relies on from Triton 3.6's JITFunction.run: the kernel's own
 binder (Triton's specialisation of every argument, built for the CUDA backend), Triton's cache key
 (compute_cache_key) and its per-device kernel cache of CompiledKernel objects. The launcher arguments are the ones
-kernels.forward / backward / scale_unless_one really build. With --gpu, the real kernels run through both paths
-and must agree bitwise (test_cached_launches_match_generic_launches_bitwise).
+losses/cross_entropy/launch.py's forward / backward and linear/scale.py's scale_unless_one really build. With --gpu,
+the real kernels run through both paths and must agree bitwise (test_cached_launches_match_generic_launches_bitwise).
 """
 
 import os
@@ -25,24 +25,24 @@ from triton.compiler import CompiledKernel, make_backend
 from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
 
 import fastce_torch
-from fastce_torch import kernels
-from fastce_torch.kernels import Options
-from fastce_torch.kernels.backward import _backward_kernel, _scale_unless_one_kernel
-from fastce_torch.kernels.combine import (
-    _vocab_parallel_loss_kernel,
-    _vocab_parallel_maxima_kernel,
-    _vocab_parallel_rescale_kernel,
+from fastce_torch.core import launch as core_launch
+from fastce_torch.core import launch_cache as cache
+from fastce_torch.core.options import Options
+from fastce_torch.distributed import combine
+from fastce_torch.distributed.combine import (
+    vocab_parallel_loss_kernel,
+    vocab_parallel_maxima_kernel,
+    vocab_parallel_rescale_kernel,
 )
-from fastce_torch.kernels.forward import _forward_kernel
-
-# The modules themselves (the package's `launch_cache` and `forward` are the functions of those names).
-launch = sys.modules["fastce_torch.kernels.launch"]
-combine = sys.modules["fastce_torch.kernels.combine"]
-cache = sys.modules["fastce_torch.kernels.launch_cache"]
+from fastce_torch.linear import scale
+from fastce_torch.linear.scale import scale_unless_one, scale_unless_one_kernel
+from fastce_torch.losses.cross_entropy import launch
+from fastce_torch.losses.cross_entropy.backward import backward_kernel
+from fastce_torch.losses.cross_entropy.forward import forward_kernel
 
 STREAM = 1234  # the stand-in current stream
 # Nothing is launched in the stand-in tests, but the launchers take only CUDA tensors outside the interpreter.
-STAND_IN_DEVICE = "cpu" if kernels.INTERPRETED else "cuda"
+STAND_IN_DEVICE = "cpu" if core_launch.INTERPRETED else "cuda"
 
 
 class FakeSetting:
@@ -86,19 +86,19 @@ class FakeJIT:
 
 
 LAUNCHERS = {
-    "forward_launcher": _forward_kernel,
-    "backward_launcher": _backward_kernel,
-    "scale_launcher": _scale_unless_one_kernel,
-    "maxima_launcher": _vocab_parallel_maxima_kernel,
-    "rescale_launcher": _vocab_parallel_rescale_kernel,
-    "vocab_parallel_loss_launcher": _vocab_parallel_loss_kernel,
+    "forward_launcher": forward_kernel,
+    "backward_launcher": backward_kernel,
+    "scale_launcher": scale_unless_one_kernel,
+    "maxima_launcher": vocab_parallel_maxima_kernel,
+    "rescale_launcher": vocab_parallel_rescale_kernel,
+    "vocab_parallel_loss_launcher": vocab_parallel_loss_kernel,
 }
-LAUNCHER_MODULES = {name: combine if hasattr(combine, name) else launch for name in LAUNCHERS}
+LAUNCHER_MODULES = {name: next(m for m in (launch, scale, combine) if hasattr(m, name)) for name in LAUNCHERS}
 
 
 def fake_launchers(monkeypatch, setting=None):
     setting = FakeSetting() if setting is None else setting
-    monkeypatch.setattr(launch, "_launched", set())  # the capture guard's record: these variants never compiled
+    monkeypatch.setattr(core_launch, "launched", set())  # the capture guard's record: these variants never compiled
     fakes = {}
     for name, kernel in LAUNCHERS.items():
         fakes[name] = FakeJIT(kernel)
@@ -153,7 +153,7 @@ FORWARD_CASES = [
 ]
 
 
-FORWARD_OPTIONS = dict(num_warps=kernels.FORWARD_WARPS, num_stages=kernels.FORWARD_STAGES)
+FORWARD_OPTIONS = dict(num_warps=launch.FORWARD_WARPS, num_stages=launch.FORWARD_STAGES)
 
 
 def run_forward(case, seed=0):
@@ -165,10 +165,8 @@ def run_forward(case, seed=0):
         n_items = torch.tensor(5, device=STAND_IN_DEVICE)
     options = case.get("options", Options())
     if "vocab_total" in case:
-        return kernels.forward(
-            logits, labels, options, vocab_start=case["vocab_start"], vocab_total=case["vocab_total"]
-        )
-    return kernels.forward(logits, labels, options, case.get("reduction", "mean"), n_items)
+        return launch.forward(logits, labels, options, vocab_start=case["vocab_start"], vocab_total=case["vocab_total"])
+    return launch.forward(logits, labels, options, case.get("reduction", "mean"), n_items)
 
 
 def test_cached_forward_launches_are_tritons_own_choice(monkeypatch):
@@ -216,7 +214,7 @@ def test_integer_one_and_divisibility_get_their_own_variants(monkeypatch):
 @pytest.mark.parametrize("with_denominator", [True, False])
 def test_cached_backward_launches_are_tritons_own_choice(monkeypatch, grad_shape, with_denominator):
     fake = fake_launchers(monkeypatch)["backward_launcher"]
-    options = dict(num_warps=kernels.BACKWARD_WARPS)
+    options = dict(num_warps=launch.BACKWARD_WARPS)
     for n_rows, vocab, offset in ((16, 1000, 0), (17, 3000, 0), (16, 1000, 1), (1, 1000, 0)):
         for seed in (0, 1):
             logits = logits_of(n_rows, vocab, torch.bfloat16, offset, seed)
@@ -231,7 +229,7 @@ def test_cached_backward_launches_are_tritons_own_choice(monkeypatch, grad_shape
             }
             denominator = ones[:1] if with_denominator else None
             direct = len(fake.direct)
-            kernels.backward(grad_loss[grad_shape], logits, labels, lse, grad, Options(), denominator)
+            launch.backward(grad_loss[grad_shape], logits, labels, lse, grad, Options(), denominator)
             if seed:
                 assert len(fake.direct) == direct + 1
             if len(fake.direct) > direct:
@@ -241,7 +239,7 @@ def test_cached_backward_launches_are_tritons_own_choice(monkeypatch, grad_shape
 def test_cached_scale_launches_are_tritons_own_choice(monkeypatch):
     fake = fake_launchers(monkeypatch)["scale_launcher"]
     for numel in (16, 17, 1, 16, 17, 1, 8192):
-        kernels.scale_unless_one(torch.randn(numel, device=STAND_IN_DEVICE), torch.ones((), device=STAND_IN_DEVICE))
+        scale_unless_one(torch.randn(numel, device=STAND_IN_DEVICE), torch.ones((), device=STAND_IN_DEVICE))
         if fake.direct:
             check_last_direct_call(fake, tuple(fake.direct[-1][:3]), {})
     assert len(fake.generic) == len(fake.kernel_cache) == 3  # 16 and 8192 share Triton's specialisation
@@ -285,7 +283,7 @@ def test_hooks_setting_and_failures_take_the_generic_path(monkeypatch):
     assert (len(fake.generic), len(fake.direct)) == (5, 2)
     fake.used_global_vals = {}
 
-    kernels.forget_launches()
+    core_launch.forget_launches()
     assert not launch.forward_launcher.variants
     fake.returns_compiled = False  # a launch Triton skipped (jit_cache_hook): the cache gives up, the launch stays
     run_forward(case)
@@ -300,8 +298,8 @@ def test_the_setting_is_read_once_from_the_environment():
     # Compiled mode (TRITON_INTERPRET=0) in a fresh process: the cache is on unless the variable says 0. Nothing
     # is launched, so no GPU is needed.
     code = (
-        "import sys; from fastce_torch import kernels; cache = sys.modules['fastce_torch.kernels.launch_cache']; "
-        "print(kernels.launch_cache_enabled(), cache.launch_cache_setting.refusal)"
+        "from fastce_torch.core import launch, launch_cache as cache; "
+        "print(launch.launch_cache_enabled(), cache.launch_cache_setting.refusal)"
     )
     # On a Triton other than the reproduced release the cache is refused at import, naming that release: Triton's
     # own launch path then serves every launch (test_other_triton_releases_take_tritons_own_launch_path).
@@ -309,7 +307,7 @@ def test_the_setting_is_read_once_from_the_environment():
     path = os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     on = "True" if triton.__version__ == cache.LAUNCH_CACHE_TRITON else f"False {_other_release(triton.__version__)}"
     for value, expected in (("0", "False FASTCE_TORCH_LAUNCH_CACHE=0"), ("1", on)):
-        env = {**os.environ, "TRITON_INTERPRET": "0", kernels.LAUNCH_CACHE_VARIABLE: value, "PYTHONPATH": path}
+        env = {**os.environ, "TRITON_INTERPRET": "0", core_launch.LAUNCH_CACHE_VARIABLE: value, "PYTHONPATH": path}
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.strip() == expected
@@ -327,12 +325,12 @@ def test_other_triton_releases_take_tritons_own_launch_path(monkeypatch):
     with monkeypatch.context() as compiled:
         compiled.setattr(cache.triton, "__version__", version)
         compiled.setattr(knobs.runtime, "interpret", False)
-        compiled.delenv(kernels.LAUNCH_CACHE_VARIABLE, raising=False)
+        compiled.delenv(core_launch.LAUNCH_CACHE_VARIABLE, raising=False)
         setting = cache.LaunchCacheSetting()
     assert not setting.enabled and setting.refusal == _other_release(version)
-    for name, kernel in (("forward_launcher", _forward_kernel), ("backward_launcher", _backward_kernel)):
+    for name, kernel in (("forward_launcher", forward_kernel), ("backward_launcher", backward_kernel)):
         monkeypatch.setattr(launch, name, cache.Launcher(kernel, setting))
-    monkeypatch.setattr(launch, "_launched", set())
+    monkeypatch.setattr(core_launch, "launched", set())
     for _ in range(2):  # the second call is the one a cache would serve
         leaf = logits_of(12, 3000, seed=5).requires_grad_()
         labels = labels_of(12, 3000, seed=6)
@@ -348,14 +346,14 @@ def test_other_triton_releases_take_tritons_own_launch_path(monkeypatch):
 
 
 def test_the_interpreter_never_uses_the_cache():
-    if not kernels.INTERPRETED:
+    if not core_launch.INTERPRETED:
         pytest.skip("the CPU run (Triton's interpreter) only")
-    assert not kernels.launch_cache_enabled()
+    assert not core_launch.launch_cache_enabled()
     with pytest.raises(RuntimeError, match="interpreter"):
-        with kernels.launch_cache(True):
+        with core_launch.launch_cache(True):
             pass
-    with kernels.launch_cache(False):
-        assert not kernels.launch_cache_enabled()
+    with core_launch.launch_cache(False):
+        assert not core_launch.launch_cache_enabled()
 
 
 # --- the launch key against Triton's binder, over random argument sets ---------------------------------------------
@@ -414,7 +412,7 @@ def layout_outcome(argument_layout, key):
 
 
 def captured_arguments(monkeypatch):
-    """Argument tuples kernels.forward / backward / scale_unless_one really build, per launcher name."""
+    """Argument tuples launch.forward / backward / scale_unless_one really build, per launcher name."""
     fakes = fake_launchers(monkeypatch)
     for case in FORWARD_CASES:
         run_forward(case)
@@ -424,8 +422,8 @@ def captured_arguments(monkeypatch):
         lse = torch.randn(n_rows, device=STAND_IN_DEVICE)
         for grad_loss, denominator in ((ones[0], ones[:1]), (ones[::2], None)):
             grad = torch.empty(logits.shape, dtype=logits.dtype, device=STAND_IN_DEVICE)
-            kernels.backward(grad_loss, logits, labels_of(n_rows, vocab), lse, grad, Options(), denominator)
-    kernels.scale_unless_one(torch.randn(17, device=STAND_IN_DEVICE), torch.ones((), device=STAND_IN_DEVICE))
+            launch.backward(grad_loss, logits, labels_of(n_rows, vocab), lse, grad, Options(), denominator)
+    scale_unless_one(torch.randn(17, device=STAND_IN_DEVICE), torch.ones((), device=STAND_IN_DEVICE))
     for n_rows, check_widths, smoothing, reduction, n_items in (
         (16, True, 0.0, "none", None),
         (17, False, 0.1, "mean", None),
@@ -434,9 +432,9 @@ def captured_arguments(monkeypatch):
     ):
         options = Options(label_smoothing=smoothing)
         labels = labels_of(n_rows, 100)
-        statistics = kernels.vocab_parallel_statistics(logits_of(n_rows, 50), labels, options, 50, 100, check_widths)
-        kernels.vocab_parallel_rescale(statistics)
-        kernels.vocab_parallel_loss(statistics, labels, options, reduction, n_items, 100)
+        statistics = combine.vocab_parallel_statistics(logits_of(n_rows, 50), labels, options, 50, 100, check_widths)
+        combine.vocab_parallel_rescale(statistics)
+        combine.vocab_parallel_loss(statistics, labels, options, reduction, n_items, 100)
     return {name: [call[1] for call in fake.generic] for name, fake in fakes.items()}
 
 
@@ -557,7 +555,7 @@ def test_argument_types_outside_the_layout_are_keyed_by_the_binder(monkeypatch):
     fake = fake_launchers(monkeypatch)["forward_launcher"]
     for seed in (0, 1):
         logits = logits_of(16, 1000, seed=seed).as_subclass(_Subclass)
-        kernels.forward(logits, labels_of(16, 1000), Options(), "mean")
+        launch.forward(logits, labels_of(16, 1000), Options(), "mean")
     assert (len(fake.generic), len(fake.direct)) == (1, 1)
     check_last_direct_call(fake, tuple(fake.direct[-1][:3]), FORWARD_OPTIONS)
     (layout,) = launch.forward_launcher.variants[0].values()
@@ -572,7 +570,7 @@ def test_a_forked_child_forgets_the_variants(monkeypatch):
     fake_launchers(monkeypatch)
     run_forward(dict(n_rows=16, vocab=1000))
     assert launch.forward_launcher.variants
-    kernels._forget_variants_after_fork()  # what os.register_at_fork runs in the child
+    core_launch.forget_variants_after_fork()  # what os.register_at_fork runs in the child
     assert not launch.forward_launcher.variants
 
 
@@ -601,25 +599,25 @@ class RunningJIT(FakeJIT):
 
 
 def test_cached_launches_match_generic_launches_bitwise_in_the_interpreter(monkeypatch):
-    if not kernels.INTERPRETED:
+    if not core_launch.INTERPRETED:
         pytest.skip("the CPU run (Triton's interpreter) only")
     setting = FakeSetting()
     for name, kernel in (
-        ("forward_launcher", _forward_kernel),
-        ("backward_launcher", _backward_kernel),
+        ("forward_launcher", forward_kernel),
+        ("backward_launcher", backward_kernel),
     ):
         launcher = cache.Launcher(RunningJIT(kernel), setting, current_device=lambda: 0, current_stream=lambda d: 0)
         monkeypatch.setattr(launch, name, launcher)
-    monkeypatch.setattr(launch, "_launched", set())
+    monkeypatch.setattr(core_launch, "launched", set())
     for n_rows, vocab, options in ((16, 300, Options()), (5, 40000, Options(label_smoothing=0.1, z_loss=1e-4))):
         results = []
         for enabled in (False, True, True):  # generic; first cached call records; second one is cached
             setting.enabled = enabled
             logits = logits_of(n_rows, vocab, seed=3)
             labels = labels_of(n_rows, vocab, seed=4)
-            loss, lse, denominator = kernels.forward(logits, labels, options, "mean")
+            loss, lse, denominator = launch.forward(logits, labels, options, "mean")
             grad = torch.empty_like(logits)
-            kernels.backward(torch.ones(()), logits, labels, lse, grad, options, denominator)
+            launch.backward(torch.ones(()), logits, labels, lse, grad, options, denominator)
             results.append((loss, lse, grad))
         for got in results[1:]:
             for a, b in zip(got, results[0]):
@@ -663,10 +661,10 @@ def _step(case, seed, device, strided):
 @pytest.mark.gpu
 @pytest.mark.parametrize("strided", [False, True])
 def test_cached_launches_match_generic_launches_bitwise(device, strided):
-    if not kernels.launch_cache_enabled():
+    if not core_launch.launch_cache_enabled():
         pytest.skip(f"launch cache off in this process: {cache.launch_cache_setting.refusal}")
     for case in GPU_CASES:
-        with kernels.launch_cache(False):
+        with core_launch.launch_cache(False):
             expected = [_step(case, seed, device, strided) for seed in (0, 1)]
         hits = launch.forward_launcher.hits, launch.backward_launcher.hits
         # Twice: the first call of a variant may take the generic path (and records it), the second is cached.
@@ -682,7 +680,7 @@ def test_cached_launches_match_generic_launches_bitwise(device, strided):
 def test_cached_launches_are_captured_in_a_cuda_graph(device):
     """After the warm-up, the captured launches are cached ones, on the capture stream, and the replay gives the
     eager step's numbers bitwise."""
-    if not kernels.launch_cache_enabled():
+    if not core_launch.launch_cache_enabled():
         pytest.skip(f"launch cache off in this process: {cache.launch_cache_setting.refusal}")
     case = dict(shape=(48,), vocab=40000, dtype=torch.bfloat16, reduction="mean", options=dict(label_smoothing=0.1))
     generator = torch.Generator(device="cpu").manual_seed(3)
@@ -705,7 +703,7 @@ def test_cached_launches_are_captured_in_a_cuda_graph(device):
         static_loss, static_grad = step()
     assert launch.forward_launcher.hits == hits[0] + 1 and launch.backward_launcher.hits == hits[1] + 1
     graph.replay()
-    with kernels.launch_cache(False):
+    with core_launch.launch_cache(False):
         loss, grad = step()
     torch.cuda.synchronize()
     assert torch.equal(bits(static_loss), bits(loss)) and torch.equal(bits(static_grad), bits(grad))

@@ -3,7 +3,6 @@ float64 reference of Liger's meaning (shared_tests/reference.py: Liger's unweigh
 of two unweighted reference calls), every refusal's message, and the JSD entry points (against Liger's formula on
 log-space inputs) when fastce_torch has jsd / linear_jsd, else through a stand-in of the spec's jsd."""
 
-import importlib
 import inspect
 import math
 import sys
@@ -14,6 +13,7 @@ import torch
 
 import fastce_torch
 from fastce_torch import liger
+from fastce_torch.integrations import liger as integrations_liger
 from shared_tests import reference
 
 from .checks import as_float64
@@ -224,7 +224,7 @@ def test_fused_linear_arguments_reach_fastce(monkeypatch):
         seen.append(kwargs)
         return fastce_torch.linear_cross_entropy(*args, **kwargs)
 
-    monkeypatch.setattr(liger, "linear_cross_entropy", spy)
+    monkeypatch.setattr(integrations_liger, "linear_cross_entropy", spy)  # where the drop-in looks it up
     _, target, _, hidden, head, _ = inputs()
     for accum_dtype, chunk_mem_const in ((torch.float32, 1), (None, 8), (torch.float64, 4)):
         liger.liger_fused_linear_cross_entropy(
@@ -360,15 +360,8 @@ def spec_linear_jsd(student_hidden, student_weight, teacher_hidden, teacher_weig
 
 @pytest.fixture
 def jsd_entry_points(monkeypatch):
-    """fastce_torch.liger's JSD names: the real ones, or liger_jsd.py bound to the spec's stand-in (then removed)."""
-    if hasattr(liger, "LigerJSD"):
-        return liger
-    monkeypatch.setattr(fastce_torch, "jsd", spec_jsd, raising=False)
-    monkeypatch.setattr(fastce_torch, "linear_jsd", spec_linear_jsd, raising=False)
-    monkeypatch.delitem(sys.modules, "fastce_torch.liger_jsd", raising=False)
-    module = importlib.import_module("fastce_torch.liger_jsd")
-    monkeypatch.delitem(sys.modules, "fastce_torch.liger_jsd")
-    return module
+    """fastce_torch.liger's JSD names (integrations/liger_jsd.py's)."""
+    return liger
 
 
 def liger_jsd_formula(log_q, log_p, labels, beta, ignore_index=-100):

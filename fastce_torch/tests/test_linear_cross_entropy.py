@@ -19,7 +19,7 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array:DeprecationWarning",
 )
 
-module = sys.modules["fastce_torch.linear.chunks"]
+module = sys.modules["fastce_torch.linear.engine"]
 
 
 def problem(device, n=18, width=20, vocab=70, bias=True, dtype=torch.float32, seed=0, shape=None):
@@ -550,10 +550,8 @@ def test_skip_ignored_rows_runs_matmuls_on_kept_rows_only(pattern, reduction, de
     found once per call (one synchronisation); the loss and gradients are those of the default loop, d hidden
     exactly 0 on ignored rows."""
     searches = []
-    find = module._kept_rows
-    monkeypatch.setattr(
-        module, "_kept_rows", lambda *args: (searches.append(args[2].skip_ignored_rows), find(*args))[1]
-    )
+    find = module.kept_rows
+    monkeypatch.setattr(module, "kept_rows", lambda *args: (searches.append(args[2].skip_ignored_rows), find(*args))[1])
     hidden, weight, bias, labels = ignored_problem(device, pattern)
     n_kept = int((labels != -100).sum())
     upstream = torch.rand(labels.shape, device=device) + 0.5 if reduction == "none" else None

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array:DeprecationWarning",
 )
 
-module = sys.modules["fastce_torch.linear.jsd"]  # the chunk loop's module: its matmuls and kept-row search spied on
+module = sys.modules["fastce_torch.linear.engine"]  # the chunk loops' engine: its matmuls and kept-row search spied on
 VOCAB = 70  # linear_inputs' student vocabulary
 CHUNK = 4  # rows per chunk of the workspace_bytes the tests pass (two float32 chunks of logits)
 
@@ -109,14 +109,14 @@ def matmul_rows(monkeypatch):
 def searches(monkeypatch):
     """The function named by each kept-row search that skip_ignored_rows makes (one host synchronisation each)."""
     found = []
-    original = module._kept_rows
+    original = module.kept_rows
 
     def spy(labels, ignore_index, chunking, function):
         if chunking.skip_ignored_rows and labels is not None:
             found.append(function)
         return original(labels, ignore_index, chunking, function)
 
-    monkeypatch.setattr(module, "_kept_rows", spy)
+    monkeypatch.setattr(module, "kept_rows", spy)
     return found
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fastce_torch import linear_jsd
-from fastce_torch.kernels import jsd as jsd_kernels
+from fastce_torch.losses.jsd import launch as jsd_kernels
 from shared_tests.distill_precision import check_float32_accumulation, check_float32_logits
 from shared_tests.reference_distill import linear_jsd as linear_jsd_reference
 

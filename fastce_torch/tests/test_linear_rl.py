@@ -20,7 +20,8 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array:DeprecationWarning",
 )
 
-chunks_module = sys.modules["fastce_torch.linear.chunks"]
+chunks_module = sys.modules["fastce_torch.linear.engine"]  # the LM-head engine
+ce_launch = sys.modules["fastce_torch.losses.cross_entropy.launch"]
 IGNORE = -100
 
 
@@ -144,13 +145,13 @@ def test_token_weights_nan_negative_and_ignored(device):
 def logits_matmuls(monkeypatch):
     """The workspace dtype of every logits matmul the chunk loop runs, in call order."""
     calls = []
-    original = chunks_module._chunk_logits
+    original = chunks_module.chunk_logits
 
     def spy(workspace, hidden_chunk, weight, bias):
         calls.append(workspace.dtype)
         return original(workspace, hidden_chunk, weight, bias)
 
-    monkeypatch.setattr(chunks_module, "_chunk_logits", spy)
+    monkeypatch.setattr(chunks_module, "chunk_logits", spy)
     return calls
 
 
@@ -316,17 +317,17 @@ def test_bad_rl_arguments_are_named(change, error, device):
 def test_temperature_one_leaves_the_options_alone(device, monkeypatch):
     """T == 1 passes exactly today's options to the kernels (the same compiled variant)."""
     seen = []
-    original = chunks_module.kernels.forward
+    original = ce_launch.forward
 
     def spy(logits, labels, options, *args, **kwargs):
         seen.append(options)
         return original(logits, labels, options, *args, **kwargs)
 
-    monkeypatch.setattr(chunks_module.kernels, "forward", spy)
+    monkeypatch.setattr(ce_launch, "forward", spy)
     hidden, weight, _, labels, _ = problem(device)
     linear_cross_entropy(hidden, weight, labels, backend="kernel", chunk_rows=32, temperature=1, logit_scaling=1.5)
     linear_cross_entropy(hidden, weight, labels, backend="kernel", chunk_rows=32, temperature=2.0, logit_scaling=1.5)
-    assert seen[0] == fastce_torch.contract.Options(logit_scaling=1.5) and seen[1].logit_scaling == 0.75
+    assert seen[0] == fastce_torch.core.options.Options(logit_scaling=1.5) and seen[1].logit_scaling == 0.75
 
 
 # --- torch.compile --------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""linear_cross_entropy with a sharded LM head (fastce_torch/linear/sharded.py) against the float64 reference of
-shared_tests/test_linear_cross_entropy.py: each test launches `linear_parallel_check` under torch.distributed.run,
-gloo processes on the CPU, or, with --gpu, NCCL over two GPUs at mid shapes.
+"""linear_cross_entropy with a sharded LM head (fastce_torch/distributed/linear_sharded.py) against the float64
+reference of shared_tests/test_linear_cross_entropy.py: each test launches `linear_parallel_check` under
+torch.distributed.run, gloo processes on the CPU, or, with --gpu, NCCL over two GPUs at mid shapes.
 
 - tp: a column-parallel head through process_group= (2 ranks: equal slices; 3 ranks: V = 130 split 44/43/43 with
   vocab_start=).

@@ -11,7 +11,9 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 import fastce_torch
-from fastce_torch import CrossEntropyLoss, LogProbOutput, contract, cross_entropy, kernels, log_probs
+from fastce_torch import CrossEntropyLoss, CrossEntropyOutput, LogProbOutput, cross_entropy, log_probs
+from fastce_torch.core.options import Options, with_temperature
+from fastce_torch.losses.cross_entropy import launch
 from shared_tests import reference, tolerances
 
 from .checks import as_float64, assert_grad
@@ -56,7 +58,7 @@ def compare(logits, labels, fields, inplace=True, rtol=tolerances.RTOL, **keywor
     asked = {f"return_{name}": True for name in fields if name != "loss"}
     out = cross_entropy(source, labels, **asked, **keywords)
     if not asked:
-        out = contract.CrossEntropyOutput(out)
+        out = CrossEntropyOutput(out)
     objective(out, fields).backward()
     ref = expected(logits, labels, fields, **keywords)
     tolerances.check(as_float64(out.loss), ref.loss.loss, tolerances.loss_bound(ref.loss, rtol), "loss")
@@ -78,9 +80,9 @@ BACKENDS = ["kernel", "reference"]
 
 
 def test_temperature_one_keeps_the_options():
-    options = contract.Options(logit_softcapping=30.0)
-    assert contract.with_temperature(options, 1.0) is options
-    folded = contract.with_temperature(options, 2.0)
+    options = Options(logit_softcapping=30.0)
+    assert with_temperature(options, 1.0) is options
+    folded = with_temperature(options, 2.0)
     assert folded.logit_scaling == 0.5 and folded.logit_softcapping == 15.0
 
 
@@ -158,13 +160,13 @@ def test_entropy_gradient_with_class_weights(poisoned, device):
 
 def test_entropy_returned_but_not_differentiated_runs_nothing_extra(monkeypatch, device):
     calls = []
-    backward = kernels.backward
+    backward = launch.backward
 
     def recording(*args, **kwargs):
         calls.append(kwargs.get("grad_entropy") is not None)
         return backward(*args, **kwargs)
 
-    monkeypatch.setattr(kernels, "backward", recording)
+    monkeypatch.setattr(launch, "backward", recording)
     logits, labels, _ = problem(device)
     leaf = logits.clone().requires_grad_()
     out = cross_entropy(leaf * 1, labels, return_entropy=True, backend="kernel")

@@ -1,4 +1,4 @@
-"""The backward kernel's entropy-gradient variant (HAS_ENTROPY_GRAD, kernels.backward(grad_entropy=, mean_z=))
+"""The backward kernel's entropy-gradient variant (HAS_ENTROPY_GRAD, launch.backward(grad_entropy=, mean_z=))
 against the float64 reference (shared_tests/reference.py), alone and with the loss's gradient, with every option,
 -inf logits, ignored rows, and in vocab-parallel mode (two column slices with the global lse and mz). On the
 `device` fixture's device (CPU: Triton's interpreter)."""
@@ -6,8 +6,9 @@ against the float64 reference (shared_tests/reference.py), alone and with the lo
 import pytest
 import torch
 
-from fastce_torch import contract, kernels
-from fastce_torch.contract import Options
+from fastce_torch.core.options import Options, with_temperature
+from fastce_torch.core.reference import entropy_gradient
+from fastce_torch.losses.cross_entropy import launch
 from shared_tests import reference
 
 from .checks import as_float64
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.filterwarnings(
 OPTION_SETS = {
     "plain": Options(),
     "all": Options(logit_softcapping=3.0, logit_scaling=0.7, label_smoothing=0.1, z_loss=1e-3),
-    "temperature": contract.with_temperature(Options(logit_softcapping=5.0), 0.6),
+    "temperature": with_temperature(Options(logit_softcapping=5.0), 0.6),
 }
 
 
@@ -54,32 +55,33 @@ def assert_close(grad, expected):
 def test_entropy_gradient_variant(name, with_loss, device):
     options = OPTION_SETS[name]
     logits, labels, grad_loss, grad_entropy = problem(8, 2500, device)
-    _, lse, _, _, mean_z = kernels.forward(logits, labels, options, outputs=True)
+    _, lse, _, _, mean_z = launch.forward(logits, labels, options, outputs=True)
     upstream = grad_loss if with_loss else torch.zeros((), device=device)
     grad = torch.full_like(logits, float("nan"))
-    kernels.backward(upstream, logits, labels, lse, grad, options, grad_entropy=grad_entropy, mean_z=mean_z)
+    launch.backward(upstream, logits, labels, lse, grad, options, grad_entropy=grad_entropy, mean_z=mean_z)
     expected = reference_gradient(logits, labels, grad_loss if with_loss else None, grad_entropy, options)
     assert_close(grad, expected)
     assert torch.equal(grad[labels == -100], torch.zeros_like(grad[labels == -100]))
     # The plain-torch form the differentiable fallbacks use agrees too.
     assert_close(
-        contract.entropy_gradient(grad_entropy, logits, labels, options),
+        entropy_gradient(grad_entropy, logits, labels, options),
         expected
         - (reference_gradient(logits, labels, grad_loss, torch.zeros_like(grad_entropy), options) if with_loss else 0),
     )
 
 
 def test_entropy_gradient_vocab_parallel(device):
-    """Each slice's columns from the global lse and mz (what sharding.py gives the kernel) equal the full gradient."""
+    """Each slice's columns from the global lse and mz (what distributed/vocab_parallel.py gives the kernel) equal
+    the full gradient."""
     options = OPTION_SETS["all"]
     logits, labels, grad_loss, grad_entropy = problem(8, 2500, device, seed=1)
-    _, lse, _, _, mean_z = kernels.forward(logits, labels, options, outputs=True)
+    _, lse, _, _, mean_z = launch.forward(logits, labels, options, outputs=True)
     vocab, cut = logits.shape[-1], 1100
     grad = torch.full_like(logits, float("nan"))
     for start, stop in ((0, cut), (cut, vocab)):
         columns = logits[:, start:stop].contiguous()
         part = torch.full_like(columns, float("nan"))
-        kernels.backward(
+        launch.backward(
             grad_loss, columns, labels, lse, part, options, vocab_start=start, vocab_total=vocab,
             grad_entropy=grad_entropy, mean_z=mean_z,
         )  # fmt: skip
@@ -89,6 +91,6 @@ def test_entropy_gradient_vocab_parallel(device):
 
 def test_entropy_gradient_needs_both(device):
     logits, labels, grad_loss, grad_entropy = problem(4, 100, device)
-    _, lse, _ = kernels.forward(logits, labels, Options())
+    _, lse, _ = launch.forward(logits, labels, Options())
     with pytest.raises(ValueError, match="grad_entropy and mean_z"):
-        kernels.backward(grad_loss, logits, labels, lse, logits.clone(), Options(), grad_entropy=grad_entropy)
+        launch.backward(grad_loss, logits, labels, lse, logits.clone(), Options(), grad_entropy=grad_entropy)

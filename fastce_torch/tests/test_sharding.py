@@ -25,7 +25,7 @@ def segments(*argument_sets, common=()):
 
 
 def run_ranks(n_ranks, *args, timeout=900, module="fastce_torch.tests.vocab_parallel_check"):
-    from fastce_torch import kernels
+    from fastce_torch.core.launch import INTERPRETED
 
     argument_sets = [[]]
     for arg in args:
@@ -33,7 +33,7 @@ def run_ranks(n_ranks, *args, timeout=900, module="fastce_torch.tests.vocab_para
             argument_sets.append([])
         else:
             argument_sets[-1].append(arg)
-    if not kernels.INTERPRETED:  # CPU kernels need Triton's interpreter (a CUDA machine runs test_two_gpus_nccl)
+    if not INTERPRETED:  # CPU kernels need Triton's interpreter (a CUDA machine runs test_two_gpus_nccl)
         argument_sets = [s for s in argument_sets if not ("--device=cpu" in s and "--backend=kernel" in s)]
         if not argument_sets:
             pytest.skip("CPU kernels need Triton's interpreter (a CUDA machine runs test_two_gpus_nccl instead)")

@@ -8,7 +8,10 @@ import pytest
 import torch
 
 import fastce_torch
-from fastce_torch import cross_entropy, kernels
+from fastce_torch import cross_entropy
+from fastce_torch.core.launch import forget_launches
+from fastce_torch.core.options import Options
+from fastce_torch.losses.cross_entropy import launch
 
 from .checks import assert_grad, assert_loss, expected, tiny_causal_lm
 
@@ -133,7 +136,7 @@ def test_as_strided_overlapping_rows_get_the_out_of_place_gradient(device):
 def spy_on_launchers(monkeypatch):
     """Records the logits (and gradient buffer) each launcher is given."""
     seen = {"forward": [], "backward": []}
-    forward, backward = kernels.forward, kernels.backward
+    forward, backward = launch.forward, launch.backward
 
     def spy_forward(logits, *args, **kwargs):
         seen["forward"].append((logits.data_ptr(), logits.stride()))
@@ -143,8 +146,8 @@ def spy_on_launchers(monkeypatch):
         seen["backward"].append((logits.data_ptr(), grad.data_ptr()))
         return backward(grad_loss, logits, labels, lse, grad, *args, **kwargs)
 
-    monkeypatch.setattr(kernels, "forward", spy_forward)
-    monkeypatch.setattr(kernels, "backward", spy_backward)
+    monkeypatch.setattr(launch, "forward", spy_forward)
+    monkeypatch.setattr(launch, "backward", spy_backward)
     return seen
 
 
@@ -366,17 +369,17 @@ def test_torch_func_higher_order_and_forward_mode_through_the_kernel(device, red
 def test_batch_invariance_with_several_chunks(device):
     """A row's loss and gradient are bitwise the same alone and inside batches of other sizes, with the rows split
     into several chunks (small tiles and chunks passed to the launchers, so V=300 takes five chunks of 64)."""
-    forward_config = kernels.forward_config(VOCAB, block=32, chunk=64)
-    backward_config = kernels.backward_config(VOCAB, block=32)
+    forward_config = launch.forward_config(VOCAB, block=32, chunk=64)
+    backward_config = launch.backward_config(VOCAB, block=32)
     assert forward_config.n_chunks == 5
     logits, labels = problem(device, shape=(70,), seed=8)
-    options = kernels.Options(label_smoothing=0.1)
+    options = Options(label_smoothing=0.1)
 
     def run(rows):
         x, y = logits[rows].contiguous(), labels[rows].contiguous()
-        loss, lse, _ = kernels.forward(x, y, options, config=forward_config)
+        loss, lse, _ = launch.forward(x, y, options, config=forward_config)
         grad = torch.empty_like(x)
-        kernels.backward(torch.ones_like(loss), x, y, lse, grad, options, config=backward_config)
+        launch.backward(torch.ones_like(loss), x, y, lse, grad, options, config=backward_config)
         return loss, grad
 
     full_loss, full_grad = run(list(range(70)))  # more than one group of 64 rows
@@ -488,7 +491,7 @@ def test_first_launch_inside_a_capture_names_the_warm_up(device):
     """A kernel variant that never ran (here: label smoothing 0.123 with softcapping, a fresh combination of
     flags) cannot be compiled inside a capture; the error says to warm up."""
     logits, labels = problem(device, shape=(8,), vocab=1000)
-    kernels.forget_launches()
+    forget_launches()
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="warm-up"):
         with torch.cuda.graph(graph):

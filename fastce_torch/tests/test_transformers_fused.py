@@ -8,7 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import fastce_torch  # noqa: E402
-from fastce_torch import transformers as patch_module  # noqa: E402
+from fastce_torch.integrations import transformers as patch_module  # noqa: E402
 
 from .checks import tiny_causal_lm  # noqa: E402
 
@@ -157,7 +157,7 @@ def test_return_dict_false_drops_the_logits(device):
 
 
 def test_unpatch_and_repatch_restore_the_forwards():
-    classes = list(patch_module._fused_model_classes())
+    classes = list(patch_module.fused_model_classes())
     assert len(classes) == len(patch_module.FUSED_MODELS)
     originals = {cls: cls.forward for cls in classes}
     fastce_torch.patch_transformers(fused_linear=True)
@@ -227,7 +227,7 @@ def test_compile_of_a_model_made_before_the_patch(device):
     """A model made before patch_transformers(fused_linear=True) and compiled before any eager call: torch >= 2.13
     keeps the fused route (the test above's path); older torch traces lm_head's stock forward, which fastce refuses
     with what to do rather than a silently unfused loss."""
-    from fastce_torch import transformers as patch
+    from fastce_torch.integrations import transformers as patch
 
     model = tiny("llama", device)
     ids, labels = batch(device)
@@ -235,7 +235,7 @@ def test_compile_of_a_model_made_before_the_patch(device):
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     try:
-        if patch._COMPILE_TRACES_OLD_FORWARD:
+        if patch.COMPILE_TRACES_OLD_FORWARD:
             with pytest.raises(Exception, match="create the model after"):
                 compiled(input_ids=ids, labels=labels)
         else:

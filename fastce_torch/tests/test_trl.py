@@ -10,7 +10,7 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 import fastce_torch  # noqa: E402
-from fastce_torch import trl as fastce_trl  # noqa: E402
+from fastce_torch.integrations import trl as fastce_trl  # noqa: E402
 
 from .checks import tiny_causal_lm  # noqa: E402
 
@@ -114,7 +114,7 @@ def test_grpo_step_matches_trl(tokenizer, calls, device, tmp_path):
 def test_outputs_fastce_lacks_stay_trls(device):
     """mean_logits / log_sum_sq_probs (DPO, KTO) and a logit scale of 0 go to TRL's own function, exactly."""
     fastce_torch.patch_trl()
-    original = fastce_trl._state["original"]
+    original = fastce_trl.state["original"]
     gen = torch.Generator().manual_seed(5)
     hidden = torch.randn(6, 32, generator=gen).to(device)
     weight = torch.randn(VOCAB, 32, generator=gen).to(device)
@@ -133,7 +133,7 @@ def test_patch_and_unpatch(device):
     fastce_torch.patch_trl()
     fastce_torch.patch_trl(backend="reference")  # idempotent: only the options change
     assert trl.trainer.utils._ChunkedLogProbFunction is fastce_trl.FastceLogProbs
-    assert fastce_trl._state["original"] is original and fastce_trl._state["options"] == {"backend": "reference"}
+    assert fastce_trl.state["original"] is original and fastce_trl.state["options"] == {"backend": "reference"}
     fastce_torch.unpatch_trl()
     assert trl.trainer.utils._ChunkedLogProbFunction is original
     with pytest.raises(ValueError, match="backend"):

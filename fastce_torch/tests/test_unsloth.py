@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fastce_torch
-from fastce_torch import unsloth
+from fastce_torch.integrations import unsloth
 
 # `unpatched` (autouse) is imported for its effect: every test here starts and ends with transformers unpatched.
 from .test_transformers import assert_grads_close, batch, loss_and_grads, tiny_llama, transformers, unpatched  # noqa: F401

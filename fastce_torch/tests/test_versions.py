@@ -1,10 +1,10 @@
-"""The import-time check of the installed releases against the tested ranges (fastce_torch/versions.py)."""
+"""The import-time check of the installed releases against the tested ranges (fastce_torch/core/versions.py)."""
 
 import warnings
 
 import pytest
 
-from fastce_torch import versions
+from fastce_torch.core import versions
 
 
 def _outside(name):
@@ -32,7 +32,7 @@ def test_local_version_suffixes_and_unknown_versions():
 
 
 def test_an_untested_release_warns_once_naming_the_tested_range(monkeypatch):
-    monkeypatch.setattr(versions, "_warned", False)
+    monkeypatch.setattr(versions, "warned", False)
     installed = {name: _inside(name) for name in versions.TESTED}
     name = next(iter(versions.TESTED))
     installed[name] = _outside(name)
@@ -48,7 +48,7 @@ def test_an_untested_release_warns_once_naming_the_tested_range(monkeypatch):
 
 
 def test_older_releases_warn_too(monkeypatch):
-    monkeypatch.setattr(versions, "_warned", False)
+    monkeypatch.setattr(versions, "warned", False)
     name = next(iter(versions.TESTED))
     (major, minor), _ = versions.TESTED[name]
     older = f"{major}.{minor - 1}.0" if minor else f"{major - 1}.99.0"
@@ -58,7 +58,7 @@ def test_older_releases_warn_too(monkeypatch):
 
 def test_the_installed_releases_match_what_import_reported(monkeypatch):
     # What this environment has: in every CI job the installed releases are tested ones (the check stays quiet).
-    monkeypatch.setattr(versions, "_warned", False)
+    monkeypatch.setattr(versions, "warned", False)
     outside = versions.untested(versions.installed_versions())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -1,10 +1,13 @@
-"""linear_cross_entropy(..., weight_layout="hv"): an (H, V) kernel used as stored, torch's side.
+"""linear_cross_entropy(..., weight_layout="hv"): an (H, V) kernel used as stored, torch's side; and every linear
+custom op's fake gradients in the layout of the real ones (a transposed weight's gradient is transposed).
 
 The values are checked in shared_tests/test_weight_layout.py (both packages against the float64 reference); here
 what only torch shows: no weight-sized copy anywhere in the forward and backward (every op run is recorded by a
 TorchDispatchMode: the one weight-sized tensor made is the gradient, allocated in the kernel's own (H, V) layout and
 handed to .grad as it is, same data_ptr, contiguous), the positive control (a transposed copy is seen when there is
-one), and the path under torch.compile(fullgraph=True).
+one), and the path under torch.compile(fullgraph=True), for linear_cross_entropy and for linear_jsd with a transposed
+student weight; the custom ops' fake implementations (core/custom_ops.fake_grads) against their real outputs, strides
+included (torch.library.opcheck).
 """
 
 import pytest
@@ -12,6 +15,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastce_torch
+from fastce_torch.core.custom_ops import Needs
+from fastce_torch.core.options import Options
+from fastce_torch.linear.engine import Chunking
+from fastce_torch.losses.jsd.options import JsdOptions
 
 N, H, V = 10, 16, 70
 
@@ -132,3 +139,76 @@ def test_hv_peak_memory_and_values_match_vh_on_cuda(accumulate_in_float32, devic
     assert peaks["hv"] <= peaks["vh"] + (1 << 20), peaks
     for a, b in zip(results["hv"], results["vh"]):  # cuBLAS may pick other kernels for the transposed problem
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_linear_jsd_transposed_weight_under_torch_compile(reduction, device):
+    """linear_jsd with a student weight that is the transposed view of an (H, V) kernel, under
+    torch.compile(fullgraph=True): the custom ops' fake gradients must have the layout the chunk loops give the real
+    ones (the weight's own, core/custom_ops.fake_grads), or the compiled graph's stride checks fail; the loss and
+    gradients are eager's, the weight's gradient (H, V) contiguous as with linear_cross_entropy's weight_layout="hv"."""
+    from fastce_torch.tests.test_compile import ops_in, recording_backend
+
+    hidden, kernel, labels = inputs(device)
+    teacher_hidden = torch.randn(N, H, generator=torch.Generator().manual_seed(6)).to(device)
+    teacher_weight = torch.randn(V, H, generator=torch.Generator().manual_seed(7)).to(device) * 0.3
+
+    def loss_of(h, k):
+        loss = fastce_torch.linear_jsd(
+            h, k.t(), teacher_hidden, teacher_weight, labels, reduction=reduction, backend="kernel",
+            workspace_bytes=4 * V * 8,
+        )  # fmt: skip
+        return loss.sum()
+
+    def run(fn):
+        hidden.grad = kernel.grad = None
+        loss = fn(hidden, kernel)
+        loss.backward()
+        return loss.detach(), hidden.grad, kernel.grad
+
+    expected = run(loss_of)
+    torch._dynamo.reset()
+    backend, graphs = recording_backend()
+    got = run(torch.compile(loss_of, fullgraph=True, backend=backend))
+    torch._dynamo.reset()
+    op = "reduced" if reduction == "mean" else "forward"
+    assert f"fastce.linear_jsd_{op}.default" in ops_in(graphs["forward"])
+    assert got[2].shape == (H, V) and got[2].is_contiguous()
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def linear_op_calls(device):
+    """(op, arguments) of every linear custom op that returns the weight's gradient, with a transposed weight (an
+    (H, V) kernel's .t()): linear_cross_entropy's reduced forward and per-token backward, linear_jsd's reduced
+    forward and per-row backward (each op's trailing settings: its records' fields, core/custom_ops.op_schema)."""
+    hidden, kernel, labels = inputs(device)
+    hidden, weight = hidden.detach(), kernel.detach().t()
+    teacher = torch.randn(N, H, generator=torch.Generator().manual_seed(6)).to(device)
+    needs = Needs(True, True, False)
+    chunking = Chunking(workspace_bytes=4 * V * 8, chunk_rows=4)
+    ops = torch.ops.fastce
+    denominator = (labels != -100).sum().to(torch.float32).reshape(1)
+    losses, lse = ops.linear_cross_entropy_forward(hidden, weight, None, labels, *Options(), *chunking, None)
+    grad_rows = torch.rand(N, device=device)
+    stats = ops.linear_jsd_forward(hidden, weight, None, teacher, weight, None, labels, *JsdOptions(), *chunking)
+    return [
+        (ops.linear_cross_entropy_reduced, (hidden, weight, None, labels, denominator, *Options(), *chunking, *needs,
+                                            None, None)),
+        (ops.linear_cross_entropy_backward, (grad_rows, lse, lse, hidden, weight, None, labels, lse, lse, *Options(),
+                                             *chunking, *needs, False, False, None)),
+        (ops.linear_jsd_reduced, (hidden, weight, None, teacher, weight, None, labels, denominator.reshape(()),
+                                  *JsdOptions(), *chunking, *needs)),
+        (ops.linear_jsd_backward, (grad_rows, hidden, weight, None, teacher, weight, None, labels, *stats[1:],
+                                   *JsdOptions(), *chunking, *needs)),
+    ]  # fmt: skip
+
+
+def test_linear_ops_fake_gradients_have_the_real_layout(device):
+    """Each linear op's fake implementation gives the weight's gradient the strides the chunk loop gives the real one
+    (the weight's own layout), as torch.library.opcheck's fake-tensor test compares them: a compiled graph plans
+    its buffers from the fake ones."""
+    for op, args in linear_op_calls(device):
+        grad_weight = op(*args)[-2]  # (loss,) grad_hidden, grad_weight, grad_bias
+        assert grad_weight.shape == (V, H) and grad_weight.stride() == (1, V), (op, grad_weight.stride())
+        torch.library.opcheck(op.default, args, test_utils=("test_faketensor",))

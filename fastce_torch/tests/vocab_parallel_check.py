@@ -155,7 +155,7 @@ def group_loss_and_grad(case, inputs, widths, explicit, group, backend, compile_
     if compile_backend:
         loss_of, graphs = compiled(loss_of, compile_backend)
     loss = loss_of(x, inputs.labels, inputs.n_items)
-    assert not fastce_torch.sharding.is_dtensor(loss)
+    assert not fastce_torch.core.options.is_dtensor(loss)
     backward(loss, case, inputs)
     grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
     assert grad.dtype == x.dtype and grad.shape == x.shape

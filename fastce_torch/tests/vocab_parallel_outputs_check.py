@@ -120,10 +120,10 @@ def run_segment(args, device, mesh):
     rank = dist.get_rank()
     widths = [int(w) for w in args.widths.split(",")]
     assert len(widths) == dist.get_world_size(), "--widths needs one entry per rank"
-    from fastce_torch.kernels import launch
+    from fastce_torch.losses.cross_entropy import launch
 
     # Several chunks per slice: the kernel's in-launch combine, then the ranks'. The constants live in
-    # kernels/launch.py (the package only re-exports them) and forward_config caches what it read from them.
+    # losses/cross_entropy/launch.py, and forward_config caches what it read from them.
     tiles = launch.FORWARD_BLOCK, launch.CHUNK
     if args.small_chunks:
         launch.FORWARD_BLOCK, launch.CHUNK = 4, 8

@@ -85,7 +85,7 @@ def stock_step(case, device, rank):
 
 
 def check(case, device, backend, rank):
-    if case == "lora-leaf":  # refused before any number (heads.py)
+    if case == "lora-leaf":  # refused before any number (integrations/heads.py)
         try:
             step(case, device, backend, rank)
         except RuntimeError as error:
