@@ -39,7 +39,7 @@ states it receives and returns an empty (..., 0) stand-in for the logits, which 
 called through nn.Module.__call__, so its hooks run (FSDP and DeepSpeed gather the weight as usual). Everything
 else the model does after its loss (Mixtral adding the router's auxiliary loss) happens as before. The same route
 is traced by torch.compile (fullgraph, no logits-sized tensor in the graph). What the head computes (a PEFT LoRA
-adapter on it, DeepSpeed ZeRO-3's partitioned weight, heads that cannot be fused) is fastce_torch/heads.py's.
+adapter on it, DeepSpeed ZeRO-3's partitioned weight, heads that cannot be fused) is integrations/heads.py's.
 
 Softcapping (Gemma 2/3, `config.final_logit_softcapping`): without fused_linear, those models apply `cap *
 tanh(logits / cap)` themselves in `forward`, before calling the loss, and return the capped logits. The loss
