@@ -29,6 +29,7 @@ DOCUMENTS += sorted(f"examples/{p.name}" for p in (REPO / "examples").glob("*.py
 COMPATIBILITY = {
     "fastce_torch.liger": ["fastce_torch.integrations.liger", "fastce_torch.integrations.liger_jsd"],
     "fastce_torch.transformers": ["fastce_torch.integrations.transformers"],
+    "fastce_torch.liger_jsd": ["fastce_torch.integrations.liger_jsd"],
     "fastce_torch.trl": ["fastce_torch.integrations.trl"],
     "fastce_torch.unsloth": ["fastce_torch.integrations.unsloth"],
     "fastce_torch.versions": ["fastce_torch.core.versions"],
