@@ -13,7 +13,7 @@ import torch
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from .core.outputs import CrossEntropyOutput, LogProbOutput  # noqa: E402
+from .core.outputs import CrossEntropyOutput, LogProbOutput, PolicyLossOutput  # noqa: E402
 from .core.versions import warn_if_untested  # noqa: E402
 from .integrations.transformers import fastce_for_causal_lm_loss, patch_transformers, unpatch_transformers  # noqa: E402
 from .integrations.trl import patch_trl, unpatch_trl  # noqa: E402
@@ -21,6 +21,7 @@ from .integrations.unsloth import fast_cross_entropy_loss, patch_loss_functions 
 from .linear.engine import DEFAULT_WORKSPACE_BYTES  # noqa: E402
 from .losses.cross_entropy.api import CrossEntropyLoss, cross_entropy, cross_entropy_reference  # noqa: E402
 from .losses.cross_entropy.linear_api import linear_cross_entropy, linear_log_probs  # noqa: E402
+from .losses.cross_entropy.linear_policy import linear_policy_loss, linear_token_objective  # noqa: E402
 from .losses.cross_entropy.log_probs import log_probs  # noqa: E402
 from .losses.jsd.api import jsd  # noqa: E402
 from .losses.jsd.linear_api import linear_jsd  # noqa: E402
@@ -39,6 +40,9 @@ __all__ = [
     "log_probs",
     "linear_cross_entropy",
     "linear_log_probs",
+    "linear_policy_loss",
+    "linear_token_objective",
+    "PolicyLossOutput",
     "jsd",
     "linear_jsd",
     "DEFAULT_WORKSPACE_BYTES",

@@ -1,5 +1,6 @@
 """The output records and the extra outputs of the contract in plain torch (CONTRACT.md, "Extra outputs"):
-CrossEntropyOutput (what the return_* keywords return) and LogProbOutput (log_probs' with the entropy), the
+CrossEntropyOutput (what the return_* keywords return), LogProbOutput (log_probs' with the entropy) and
+PolicyLossOutput (linear_policy_loss's), the
 CrossEntropyOutput of per-token statistics (the kernels' and the reference's), its cut to the kept positions of a
 shift, and the token-weighted reduction of a call made with reduction="none"."""
 
@@ -14,6 +15,7 @@ from .token_inputs import apply_token_weights
 __all__ = [
     "CrossEntropyOutput",
     "LogProbOutput",
+    "PolicyLossOutput",
     "extra_outputs",
     "reference_outputs",
     "unshifted",
@@ -42,6 +44,20 @@ class LogProbOutput(NamedTuple):
 
     logprobs: torch.Tensor
     entropy: torch.Tensor
+
+
+class PolicyLossOutput(NamedTuple):
+    """What linear_policy_loss returns: the loss (differentiable) and TRL's logged metrics, detached float32 masked
+    means over the mask: the per-token KL to the reference policy (0.0 when beta == 0), the entropy, and the
+    fractions of tokens whose ratio is clipped below (with a negative advantage), above (with a positive one) and
+    either (cispo: low 0, high TRL's cispo_clip_ratio)."""
+
+    loss: torch.Tensor
+    kl: torch.Tensor
+    entropy: torch.Tensor
+    clip_ratio_low: torch.Tensor
+    clip_ratio_high: torch.Tensor
+    clip_ratio_region: torch.Tensor
 
 
 def extra_outputs(

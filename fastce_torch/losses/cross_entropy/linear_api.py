@@ -34,6 +34,7 @@ from .log_probs import negated_losses
 __all__ = [
     "LINEAR_DTYPES",
     "WEIGHT_LAYOUTS",
+    "check_linear_tensors",
     "linear_cross_entropy",
     "linear_log_probs",
     "prepared_token_weights",
@@ -44,7 +45,8 @@ __all__ = [
 LINEAR_DTYPES = (*KERNEL_DTYPES, torch.float64)
 
 
-def _check_tensors(hidden, weight, bias, labels):
+def check_linear_tensors(hidden, weight, bias, labels):
+    """The head's tensors (dtypes, shapes, devices) and the labels' (check_labels), with errors naming each."""
     for name, tensor in (("hidden", hidden), ("weight", weight)):
         if not isinstance(tensor, torch.Tensor) or tensor.dtype not in LINEAR_DTYPES:
             got = getattr(tensor, "dtype", type(tensor))
@@ -203,7 +205,7 @@ def linear_cross_entropy(
     """
     if isinstance(hidden, torch.Tensor) and hidden.dim() >= 1:
         weight = vh_weight(weight, hidden, weight_layout)
-    _check_tensors(hidden, weight, bias, labels)
+    check_linear_tensors(hidden, weight, bias, labels)
     labels = masked_labels(labels, where, ignore_index)
     sharded = process_group is not None or vocab_start is not None or any(map(is_dtensor, (hidden, weight, bias)))
     if sharded and class_weight is not None:
