@@ -280,7 +280,8 @@ def linear_policy_loss(
     advantages = _per_token(advantages, "advantages", tokens, dtype, allow_rows=True)
     if advantages is None:
         raise ValueError("advantages must be a tensor shaped (B,) or (B, T), got None")
-    old, ref = (_per_token(t, n, tokens, dtype) for t, n in ((old_log_probs, "old_log_probs"), (ref_log_probs, "ref_log_probs")))  # fmt: skip
+    old = _per_token(old_log_probs, "old_log_probs", tokens, dtype)
+    ref = _per_token(ref_log_probs, "ref_log_probs", tokens, dtype)
     mask = _per_token(mask, "mask", tokens, dtype)
     ignored = tokens == ignore_index
     mask = torch.where(ignored, 0.0, 1.0 if mask is None else mask).to(dtype)
