@@ -32,7 +32,7 @@ def f64(t):
     return None if t is None else t.detach().cpu().double().numpy()
 
 
-def problem(device, seed=0, ce=Options(), dtype=torch.float32):
+def problem(device, seed=0, ce=None, dtype=torch.float32):
     """Leaves (hidden, weight, bias), tokens with ignored ones, advantages of both signs and zero, a float mask, and
     old / ref log-probs placed so that the ratios are RATIOS (the float64 log-probs shifted)."""
     gen = torch.Generator().manual_seed(seed)
@@ -45,6 +45,7 @@ def problem(device, seed=0, ce=Options(), dtype=torch.float32):
     mask = torch.ones(B, T)
     mask[1, 4] = 0.0
     mask[2, 0] = 0.5
+    ce = Options() if ce is None else ce
     logp = linear_log_probs(f64(hidden), f64(weight), tokens.numpy(), bias=f64(bias), opts=ce).logits.logprobs
     ratios = np.resize(np.array(RATIOS), (B, T))
     old = torch.tensor(logp - np.log(ratios), dtype=torch.float32)
