@@ -5,6 +5,7 @@ presets' custom op. The kernels on the `device` fixture's device (CPU: Triton's 
 chunks per call (workspace_bytes)."""
 
 import math
+import sys
 import types
 
 import numpy as np
@@ -178,13 +179,6 @@ def test_gradients_are_computed_in_the_forward(device):
     assert not out.loss.requires_grad
 
 
-def _bad(change):
-    def apply(args, kwargs):
-        change(args, kwargs)
-
-    return apply
-
-
 BAD = [
     (dict(loss_type="ppo"), ValueError, "loss_type"),
     (dict(loss_type="dr_grpo"), ValueError, "max_completion_length"),
@@ -222,6 +216,33 @@ def test_bad_policy_arguments_are_named(change, error, match, device):
         target[key] = value.to(device) if isinstance(value, torch.Tensor) else value
     with pytest.raises(error, match=match):
         linear_policy_loss(args["hidden"], args["weight"], args["tokens"], args["advantages"], **kwargs)
+
+
+def test_logits_are_computed_once_per_chunk(device, monkeypatch):
+    """The gradients are complete after the forward: one logits matmul per chunk there, none in the backward."""
+    engine = sys.modules["fastce_torch.linear.engine"]
+    calls = []
+    original = engine.chunk_logits
+    monkeypatch.setattr(engine, "chunk_logits", lambda *args: calls.append(1) or original(*args))
+    hidden, weight, bias, tokens, advantages, mask, old, _ = problem(device)
+    out = linear_policy_loss(hidden, weight, tokens, advantages, bias=bias, mask=mask, old_log_probs=old,
+                             entropy_coef=0.1, backend="kernel", **CHUNK)  # fmt: skip
+    assert len(calls) == 4
+    out.loss.backward()
+    assert len(calls) == 4
+
+
+def test_bf16_inputs(device):
+    hidden, weight, bias, tokens, advantages, mask, old, ref = problem(device, dtype=torch.bfloat16)
+    kwargs = dict(mask=mask, old_log_probs=old, ref_log_probs=ref, beta=0.04, entropy_coef=0.01, temperature=0.7)
+    out, grads = run(hidden, weight, bias, tokens, advantages, backend="kernel", **CHUNK, **kwargs)
+    assert [g.dtype for g in grads] == [torch.bfloat16] * 3
+    policy = rp.PolicyOptions(beta=0.04, entropy_coef=0.01)
+    want = expected(hidden, weight, bias, tokens, advantages, policy, Options(temperature=0.7), mask=mask,
+                    old_log_probs=old, ref_log_probs=ref)  # fmt: skip
+    close(out.loss, want.policy.loss, "loss", rtol=2e-2)
+    for got, w, name in zip(grads, (want.grad_hidden, want.grad_weight, want.grad_bias), ("hidden", "weight", "bias")):
+        close(got, w, f"d {name}", rtol=3e-2)
 
 
 # --- TRL's own formula --------------------------------------------------------------------------------------------
