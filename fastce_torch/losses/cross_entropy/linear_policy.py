@@ -32,6 +32,7 @@ from .linear_autograd import row_entropy
 from .linear_chunks import chunk_gradient
 from .policy import (
     PolicyOptions,
+    check_num_items,
     check_policy_options,
     normalisation_weights,
     policy_metrics,
@@ -285,6 +286,7 @@ def linear_policy_loss(
     mask = _per_token(mask, "mask", tokens, dtype)
     ignored = tokens == ignore_index
     mask = torch.where(ignored, 0.0, 1.0 if mask is None else mask).to(dtype)
+    num_items_in_batch = check_num_items(num_items_in_batch)
     w, e = normalisation_weights(mask, loss_type, max_completion_length, num_items_in_batch, policy.entropy_coef)
     if not kernel:
         logp, entropy = _reference_values(hidden, weight, bias, tokens, options, chunking)

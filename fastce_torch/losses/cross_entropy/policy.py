@@ -26,6 +26,7 @@ import torch
 __all__ = [
     "LOSS_TYPES",
     "PolicyOptions",
+    "check_num_items",
     "check_policy_options",
     "masked_mean",
     "normalisation_weights",
@@ -85,6 +86,17 @@ def check_policy_options(loss_type, epsilon_low, epsilon_high, delta, beta, entr
     )
 
 
+def check_num_items(num_items_in_batch):
+    """The dapo / cispo normaliser: None, a Python number or a one-element tensor (TypeError naming it)."""
+    if num_items_in_batch is None or (isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() == 1):
+        return num_items_in_batch
+    if isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, (int, float)):
+        raise TypeError(
+            f"num_items_in_batch must be None, a number or a one-element tensor, got {num_items_in_batch!r:.80}"
+        )
+    return float(num_items_in_batch)
+
+
 def normalisation_weights(mask, loss_type, max_completion_length, num_items_in_batch, entropy_coef):
     """(w, e) (B, T): the weights of l_t and of H_t in the loss; mask (B, T) float, 0 at ignored tokens."""
     batch = mask.shape[0]
@@ -99,7 +111,8 @@ def normalisation_weights(mask, loss_type, max_completion_length, num_items_in_b
         if num_items_in_batch is None:
             w = mask / total
         else:
-            w = mask / torch.as_tensor(num_items_in_batch, dtype=mask.dtype, device=mask.device).clamp(min=1.0)
+            count = torch.as_tensor(num_items_in_batch, device=mask.device).to(mask.dtype).reshape(())
+            w = mask / count.clamp(min=1.0)
     return w, -entropy_coef * mask / total
 
 
