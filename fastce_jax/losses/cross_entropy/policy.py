@@ -164,8 +164,8 @@ def _masked_mean(x, mask):
 
 def policy_metrics(logp, entropy, old, adv, ref, mask, po: PolicyOptions):
     """(kl, entropy, clip_ratio_low, clip_ratio_high, clip_ratio_region): float32 scalars, detached, masked means
-    over mask as TRL logs them (kl 0 when beta == 0). cispo: high is TRL's cispo_clip_ratio ((r > eps_high) &
-    (A > 0)), low 0, region = high."""
+    over mask as TRL logs them (kl 0 when beta == 0; the clip indicators of the ratio after the delta clamp).
+    cispo: high is TRL's cispo_clip_ratio ((r > eps_high) & (A > 0)), low 0, region = high."""
     logp, entropy = jax.lax.stop_gradient(logp), jax.lax.stop_gradient(entropy)
     old = logp if old is None else old
     _, kl, ratio = token_terms(logp, old, adv, ref, po._replace(beta=1.0 if po.beta != 0.0 else 0.0))
@@ -173,7 +173,8 @@ def policy_metrics(logp, entropy, old, adv, ref, mask, po: PolicyOptions):
     if po.loss_type == "cispo":
         high = (ratio > po.epsilon_high) & (adv > 0)
         low = jnp.zeros_like(high)
-    else:
+    else:  # the ratio after the delta clamp, as TRL logs it
+        ratio = ratio if po.delta is None else jnp.minimum(ratio, po.delta)
         low = (ratio < 1.0 - po.epsilon_low) & (adv < 0)
         high = (ratio > 1.0 + po.epsilon_high) & (adv > 0)
     out = (
