@@ -94,7 +94,7 @@ def make_case(put, case: Case):
     current = refp.linear_policy_loss(h64, w64, tokens, adv, bias=b64, ce_opts=case.ce).logp
     old = ref = None
     if case.old:
-        old = current + rng.choice([-1.0, 1.0, -0.05, 0.05], (B, T))
+        old = current + rng.permutation(np.resize([-1.0, 1.0, -0.05, 0.05], B * T)).reshape(B, T)
         old = as_float64(put(old, jnp.float32))
     if case.ref:
         ref = as_float64(put(current + rng.uniform(-0.5, 0.5, (B, T)), jnp.float32))
