@@ -83,7 +83,7 @@ def _torch_side(t, case):
         ref_log_probs=t["ref"], **_kwargs(case),
     )  # fmt: skip
     out.loss.backward()
-    values = [float(out.loss)] + [float(getattr(out, m)) for m in METRICS]
+    values = [float(out.loss.detach())] + [float(getattr(out, m)) for m in METRICS]
     return values, [p.grad.detach().cpu().double().numpy() for p in params]
 
 
