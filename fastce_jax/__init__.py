@@ -15,13 +15,14 @@ versions.py are compatibility modules for the import paths users have.
 """
 
 from . import optax_losses, unsloth, versions  # noqa: F401  (compatibility modules, reachable as before)
-from .core.outputs import CrossEntropyOutput, LogProbOutput
+from .core.outputs import CrossEntropyOutput, LogProbOutput, PolicyLossOutput
 from .core.versions import warn_if_untested
 from .integrations.optax_losses import softmax_cross_entropy_with_integer_labels
 from .integrations.unsloth import fast_cross_entropy_loss
 from .linear.engine import DEFAULT_WORKSPACE_BYTES
 from .losses.cross_entropy.api import cross_entropy, cross_entropy_reference
 from .losses.cross_entropy.linear_api import linear_cross_entropy, linear_log_probs
+from .losses.cross_entropy.linear_policy import linear_policy_loss, linear_token_objective
 from .losses.cross_entropy.log_probs import log_probs
 from .losses.jsd.api import jsd
 from .losses.jsd.linear_api import linear_jsd
@@ -31,6 +32,7 @@ warn_if_untested()  # once per process, on a jax or jaxlib release outside the t
 __all__ = [
     "CrossEntropyOutput",
     "LogProbOutput",
+    "PolicyLossOutput",
     "cross_entropy",
     "cross_entropy_reference",
     "fast_cross_entropy_loss",
@@ -38,6 +40,8 @@ __all__ = [
     "linear_cross_entropy",
     "linear_jsd",
     "linear_log_probs",
+    "linear_policy_loss",
+    "linear_token_objective",
     "log_probs",
     "softmax_cross_entropy_with_integer_labels",
     "DEFAULT_WORKSPACE_BYTES",

@@ -1,6 +1,6 @@
-"""The output records and the call's result from per-token values (CONTRACT.md "Extra outputs"): CrossEntropyOutput
-and LogProbOutput, the reduced loss, the z_loss, lse, accuracy and entropy outputs, and per-token weights
-(token_weights) applied to the loss and its z-loss term."""
+"""The output records and the call's result from per-token values (CONTRACT.md "Extra outputs"): CrossEntropyOutput,
+LogProbOutput and PolicyLossOutput, the reduced loss, the z_loss, lse, accuracy and entropy outputs, and per-token
+weights (token_weights) applied to the loss and its z-loss term."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from .options import Options, ignore_value, label_weights, reduce_losses
 __all__ = [
     "CrossEntropyOutput",
     "LogProbOutput",
+    "PolicyLossOutput",
     "weigh_tokens",
     "z_loss_from_lse",
     "reduce_outputs",
@@ -41,6 +42,19 @@ class LogProbOutput(NamedTuple):
 
     logprobs: jax.Array
     entropy: jax.Array
+
+
+class PolicyLossOutput(NamedTuple):
+    """What ``linear_policy_loss`` returns: the 0-d float32 loss (differentiable) and the metrics TRL's GRPOTrainer
+    logs, detached float32 scalars, masked means over the call's mask: the KL to the reference policy (0 when
+    beta == 0), the entropy, and the fractions of tokens whose ratio was clipped low, high, or either."""
+
+    loss: jax.Array
+    kl: jax.Array
+    entropy: jax.Array
+    clip_ratio_low: jax.Array
+    clip_ratio_high: jax.Array
+    clip_ratio_region: jax.Array
 
 
 def weigh_tokens(values, labels, token_weights, ignore_index: int):

@@ -39,6 +39,9 @@ from .log_probs import negated_losses
 __all__ = [
     "WEIGHT_LAYOUTS",
     "check_weight_layout",
+    "check_head_tensors",
+    "check_tokens",
+    "static_config",
     "aligned_token_weights",
     "linear_cross_entropy",
     "linear_log_probs",
@@ -55,7 +58,7 @@ def check_weight_layout(weight_layout) -> bool:
     return weight_layout == "hv"
 
 
-def _check_tensors(hidden, weight, bias, hv=False):
+def check_head_tensors(hidden, weight, bias, hv=False):
     hidden = check_float_array(hidden, "hidden")
     weight = check_float_array(weight, "weight")
     if bias is not None:
@@ -100,7 +103,7 @@ def _reference_loss(logits, labels, options, reduction, n_items, returns, class_
     )  # fmt: skip
 
 
-def _static_config(
+def static_config(
     hidden, weight, bias, options, reduction, dtype, logits_dtype, returns, class_weight, *, workspace_bytes,
     chunk_rows, accumulate_in_float32, skip_ignored_rows, hv,
 ):  # fmt: skip
@@ -237,7 +240,7 @@ def linear_cross_entropy(
       ``CrossEntropyOutput(loss, z_loss, lse, accuracy, entropy)``, None for what was not asked.
     """
     hv = check_weight_layout(weight_layout)
-    hidden, weight, bias = _check_tensors(hidden, weight, bias, hv)
+    hidden, weight, bias = check_head_tensors(hidden, weight, bias, hv)
     options = check_options(
         ignore_index=ignore_index,
         reduction=reduction,
@@ -280,7 +283,7 @@ def linear_cross_entropy(
         logits = engine.chunk_logits(h2, weight, bias, dtype, logits_dtype, hv).reshape(lead + (vocab,))
         loss = _reference_loss(logits, labels, options, reduction, n_items, returns, class_weight, token_weights)
     else:
-        st = _static_config(
+        st = static_config(
             hidden, weight, bias, options, reduction, dtype, logits_dtype, returns, class_weight,
             workspace_bytes=workspace_bytes, chunk_rows=chunk_rows, accumulate_in_float32=accumulate_in_float32,
             skip_ignored_rows=skip_ignored_rows, hv=hv,
@@ -292,7 +295,7 @@ def linear_cross_entropy(
     return token_inputs.keep_positions(loss, kept, reduction)
 
 
-def _check_tokens(tokens, hidden):
+def check_tokens(tokens, hidden):
     """tokens named as such (linear_cross_entropy's checks name them labels): integers shaped like hidden's lead."""
     tokens = as_array(tokens, "tokens")
     if not jnp.issubdtype(jnp.dtype(tokens.dtype), jnp.integer):
@@ -333,7 +336,7 @@ def linear_log_probs(
     forward, 6·N·H·V backward), the entropy's term in the same backward kernel. A call that is not differentiated
     saves nothing for a backward. weight_layout="hv": weight is (H, V), as linear_cross_entropy's.
     """
-    tokens = _check_tokens(tokens, hidden)
+    tokens = check_tokens(tokens, hidden)
     want_entropy = check_flag(return_entropy, "return_entropy")
     out = linear_cross_entropy(
         hidden,

@@ -2,8 +2,8 @@
 ``cross_entropy(hidden @ weight.T + bias, labels)`` chunk by chunk, without the (N, V) logits.
 
 Per chunk (engine.run_chunks): the logits from one matmul (engine.chunk_logits), the forward kernels give each row's
-loss and log-sum-exp (``_ce_forward``) and the extra outputs asked for (``extra_names``), the backward kernel
-overwrites the same fresh logits with d loss / d logits (``_ce_backward_in_place``), and engine.accumulate_grads
+loss and log-sum-exp (``ce_forward``) and the extra outputs asked for (``extra_names``), the backward kernel
+overwrites the same fresh logits with d loss / d logits (``ce_backward_in_place``), and engine.accumulate_grads
 folds that into the gradients. ``chunked_forward`` (losses, lse, and with per-row upstream factors the gradients
 computed in the forward pass) and ``chunked_backward`` (the gradients from the saved lse, each chunk's logits
 recomputed) are the two loops; ``StaticConfig`` is the hashable configuration of one call.
@@ -31,7 +31,14 @@ from ...distributed import partitioning
 from ...linear import engine
 from .launch import BackwardConfig, ForwardConfig
 
-__all__ = ["StaticConfig", "extra_names", "chunked_forward", "chunked_backward"]
+__all__ = [
+    "StaticConfig",
+    "ce_forward",
+    "ce_backward_in_place",
+    "extra_names",
+    "chunked_forward",
+    "chunked_backward",
+]
 
 
 class StaticConfig(NamedTuple):
@@ -54,7 +61,8 @@ class StaticConfig(NamedTuple):
     weight_hv: bool = False  # weight_layout="hv": the weight is (H, V) (a Flax Dense kernel), its gradient too
 
 
-def _ce_forward(logits, labels, st: StaticConfig, class_weight=None):
+def ce_forward(logits, labels, st: StaticConfig, class_weight=None):
+    """The chunk's forward kernels: (loss, lse, *extras) per row (extra_names' order)."""
     if st.vocab_layout is not None:  # a device's vocabulary block: the statistics combined over the devices
         mesh, axes, vocab_total = st.vocab_layout
         return partitioning.local_forward(
@@ -71,7 +79,7 @@ def _ce_forward(logits, labels, st: StaticConfig, class_weight=None):
     )
 
 
-def _ce_backward_in_place(logits, labels, lse, g, st: StaticConfig, g_lse=None, class_weight=None, entropy=None):
+def ce_backward_in_place(logits, labels, lse, g, st: StaticConfig, g_lse=None, class_weight=None, entropy=None):
     """d logits of the chunk (in place). g_lse: the lse cotangent (a returned z_loss's) or None; entropy: (the
     entropy output's cotangent, mz = lse - entropy) per row, or None."""
     kw = {} if g_lse is None else {"g_lse": g_lse}
@@ -122,7 +130,7 @@ def chunked_forward(hidden, weight, bias, labels, g_tokens, st: StaticConfig, cl
     def step(k, carry, first):
         start, fresh, h_c, y_c, index = _chunk_inputs(k, hidden, labels, st, order)
         logits = engine.chunk_logits(h_c, weight, bias, st.dtype, st.logits_dtype, st.weight_hv)
-        loss_c, lse_c, *extra_c = _ce_forward(logits, y_c, st, class_weight)
+        loss_c, lse_c, *extra_c = ce_forward(logits, y_c, st, class_weight)
         out = dict(
             losses=engine.put_rows(carry["losses"], start, fresh, loss_c, index),
             lse=engine.put_rows(carry["lse"], start, fresh, lse_c, index),
@@ -130,7 +138,7 @@ def chunked_forward(hidden, weight, bias, labels, g_tokens, st: StaticConfig, cl
         out.update({name: engine.put_rows(carry[name], start, fresh, v, index) for name, v in zip(extras, extra_c)})
         if want_grads:
             g_c = engine.chunk_upstream(g_tokens, start, fresh, st, index)
-            dlogits = _ce_backward_in_place(logits, y_c, lse_c, g_c, st, class_weight=class_weight)
+            dlogits = ce_backward_in_place(logits, y_c, lse_c, g_c, st, class_weight=class_weight)
             out.update(engine.accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st, index))
         return out
 
@@ -172,7 +180,7 @@ def chunked_backward(
                 engine.chunk_upstream(entropy[0], start, fresh, st, index),
                 engine.rows_of(entropy[1], start, st, index),
             )
-        dlogits = _ce_backward_in_place(logits, y_c, lse_c, g_c, st, gl_c, class_weight, ent_c)
+        dlogits = ce_backward_in_place(logits, y_c, lse_c, g_c, st, gl_c, class_weight, ent_c)
         return engine.accumulate_grads(dlogits, h_c, weight, start, fresh, carry, first, st, index)
 
     def initial():
