@@ -27,7 +27,11 @@ DOCUMENTS = ["README.md", "CONTRACT.md", *sorted(f"docs/{p.name}" for p in (REPO
 DOCUMENTS += sorted(f"examples/{p.name}" for p in (REPO / "examples").glob("*.py"))
 
 COMPATIBILITY = {
-    "fastce_torch.liger": ["fastce_torch.integrations.liger", "fastce_torch.integrations.liger_jsd"],
+    "fastce_torch.liger": [
+        "fastce_torch.integrations.liger",
+        "fastce_torch.integrations.liger_jsd",
+        "fastce_torch.integrations.liger_grpo",
+    ],
     "fastce_torch.transformers": ["fastce_torch.integrations.transformers"],
     "fastce_torch.liger_jsd": ["fastce_torch.integrations.liger_jsd"],
     "fastce_torch.trl": ["fastce_torch.integrations.trl"],
@@ -43,6 +47,8 @@ USER_PATHS = [
     "fastce_torch.liger.liger_jsd",
     "fastce_torch.liger.liger_fused_linear_jsd",
     "fastce_torch.liger.FASTCE_OPTIONS",
+    "fastce_torch.liger.LigerFusedLinearGRPOLoss",
+    "fastce_torch.liger.LigerFusedLinearGRPOFunction",
     "fastce_torch.transformers.patch_transformers",
     "fastce_torch.transformers.fastce_for_causal_lm_loss",
     "fastce_torch.transformers.COMPUTE_THEIR_OWN_LOSS",
