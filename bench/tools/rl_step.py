@@ -27,21 +27,41 @@ from ..progress import measure_rows, optional
 from ..report import RL_COLUMNS, linear_table, rl_targets, write_json
 from ..shapes import IGNORE_INDEX
 
-TEMPERATURE, CLIP, ENTROPY_BONUS, ERROR_ROWS = 0.7, 0.2, 0.01, 64
+TEMPERATURE, CLIP, ENTROPY_BONUS, BETA, ERROR_ROWS = 0.7, 0.2, 0.01, 0.04, 64
 SHAPES = "8192x3584x152064,16384x4096x128256"
 WORKSPACES = {"256MiB": 256 << 20, "1GiB": 1 << 30, "4GiB": 4 << 30}
 # The torch rows whose loss is not the objective (no gradient errors against its float32 reference).
 OTHER_OBJECTIVES = ("fastce_torch_no_entropy", "fastce_torch_ce_mean", "fastce_torch_ce_token_weights", "liger_grpo")
+# The rows of linear_policy_loss's "grpo" preset (per-sequence normalisation, the KL): against grpo_reference_loss.
+PRESETS = ("fastce_torch_grpo", "fastce_jax_grpo")
+
+
+def token_losses(xp, logprobs, entropy, old, advantages, weights):
+    """The per-token objective times weights: -min(r A, clip(r) A) - 0.01 entropy with r = exp(logprobs - old) (no
+    bonus when entropy is None); xp: torch or jax.numpy. linear_token_objective's rows call it per chunk."""
+    ratio = xp.exp(logprobs - old)
+    per_token = -xp.minimum(ratio * advantages, xp.clip(ratio, 1 - CLIP, 1 + CLIP) * advantages)
+    return (per_token if entropy is None else per_token - ENTROPY_BONUS * entropy) * weights
 
 
 def objective(xp, logprobs, entropy, old, advantages, mask, kept=None):
-    """-min(r A, clip(r) A) - 0.01 entropy with r = exp(logprobs - old), summed over the kept tokens and divided by
-    their number (kept: that of the whole batch when these are some of its rows); xp: torch or jax.numpy."""
-    ratio = xp.exp(logprobs - old)
-    per_token = -xp.minimum(ratio * advantages, xp.clip(ratio, 1 - CLIP, 1 + CLIP) * advantages)
-    if entropy is not None:
-        per_token = per_token - ENTROPY_BONUS * entropy
-    return (per_token * mask).sum() / (mask.sum() if kept is None else kept)
+    """token_losses summed over the kept tokens and divided by their number (kept: that of the whole batch when these
+    are some of its rows)."""
+    return token_losses(xp, logprobs, entropy, old, advantages, mask).sum() / (mask.sum() if kept is None else kept)
+
+
+def grpo_weights(mask):
+    """TRL's "grpo" normalisation as per-token weights (w, e) of the clipped term + KL and of the entropy: the mean
+    over the sequences of each one's kept mean; the bonus over all kept tokens."""
+    per_sequence = mask.view(-1, min(SEQUENCE, len(mask)))
+    w = per_sequence / (len(per_sequence) * per_sequence.sum(-1, keepdim=True).clamp_min(1))
+    return w.reshape(-1), -ENTROPY_BONUS * mask / mask.sum().clamp_min(1)
+
+
+def grpo_reference_loss(logprobs, entropy, old, advantages, ref, w, e):
+    """linear_policy_loss(loss_type="grpo", beta=BETA, entropy_coef=ENTROPY_BONUS)'s formula (TRL's k3 KL)."""
+    kl = torch.exp(ref - logprobs) - (ref - logprobs) - 1
+    return (w * (token_losses(torch, logprobs, None, old, advantages, 1.0) + BETA * kl) + e * entropy).sum()
 
 
 def from_logits(logits, tokens):
@@ -56,17 +76,36 @@ def trl_log_probs(hidden, weight, tokens):
 
 
 def policy_inputs(hidden, weight, tokens, seed=1):
-    """(old log-probs, advantages, mask): the policy's own log-probs (TRL's recipe) plus noise of 0.1, so that both
-    sides of the clip are taken; standard normal advantages per token; 1.0 where the token is kept."""
+    """(old log-probs, advantages, mask, reference log-probs): the policy's own log-probs (TRL's recipe) plus noise of
+    0.1, so that both sides of the clip are taken; standard normal advantages per token; 1.0 where the token is kept;
+    the policy's log-probs plus another noise of 0.1 (the KL's reference)."""
     mask = (tokens != IGNORE_INDEX).float()
-    noise = torch.randn(2, len(mask), device=hidden.device, generator=torch.Generator(hidden.device).manual_seed(seed))
+    noise = torch.randn(3, len(mask), device=hidden.device, generator=torch.Generator(hidden.device).manual_seed(seed))
     with torch.no_grad():
-        return trl_log_probs(hidden, weight, tokens)[0] * mask + 0.1 * noise[0], noise[1], mask
+        logp = trl_log_probs(hidden, weight, tokens)[0] * mask
+    return logp + 0.1 * noise[0], noise[1], mask, logp + 0.1 * noise[2]
+
+
+def preset_loss(package, backend, h, w, y, old, adv, mask, ref):
+    """package.linear_policy_loss's "grpo" preset (KL to ref, entropy bonus) on (sequences, tokens) views."""
+    rows = (-1, min(SEQUENCE, h.shape[0]))
+    per_token = {"mask": mask, "old_log_probs": old, "ref_log_probs": ref}
+    return package.linear_policy_loss(h.reshape(*rows, h.shape[1]), w, y.reshape(rows), adv.reshape(rows),
+                                      loss_type="grpo", epsilon_low=CLIP, beta=BETA, entropy_coef=ENTROPY_BONUS,
+                                      temperature=TEMPERATURE, backend=backend,
+                                      **{k: v.reshape(rows) for k, v in per_token.items()}).loss  # fmt: skip
+
+
+def token_objective(package, xp, backend, h, w, y, old, adv, mask, ref=None):
+    """package.linear_token_objective with token_losses as the per-token function: the objective, the entropy's
+    bonus and the 1 / kept normalisation inside the chunk pass."""
+    return package.linear_token_objective(h, w, y, partial(token_losses, xp), (old, adv, mask / mask.sum()),
+                                          with_entropy=True, temperature=TEMPERATURE, backend=backend)  # fmt: skip
 
 
 def torch_implementations(backend):
-    """name -> loader of (loss(hidden, weight, tokens, old, advantages, mask), None or the (hidden, weight, tokens)
-    -> (log-probs, entropy or None) function whose log-probs the error column checks)."""
+    """name -> loader of (loss(hidden, weight, tokens, old, advantages, mask, ref), None or the (hidden, weight,
+    tokens) -> (log-probs, entropy or None) function whose log-probs the error column checks)."""
 
     def fastce(entropy=True, **settings):
         def log_probs(hidden, weight, tokens):
@@ -77,10 +116,10 @@ def torch_implementations(backend):
         return log_probs
 
     def policy(log_probs):
-        return lambda h, w, y, old, adv, mask: objective(torch, *log_probs(h, w, y), old, adv, mask)
+        return lambda h, w, y, old, adv, mask, ref: objective(torch, *log_probs(h, w, y), old, adv, mask)
 
     def cross_entropy(weighted=False):  # "mean", or the "sum" of the advantage-weighted token losses
-        def loss(h, w, y, old, adv, mask):
+        def loss(h, w, y, old, adv, mask, ref):
             weights = {"reduction": "sum", "token_weights": adv} if weighted else {}
             return fastce_torch.linear_cross_entropy(h, w, y, temperature=TEMPERATURE, backend=backend, **weights)
 
@@ -91,7 +130,7 @@ def torch_implementations(backend):
         grpo = grpo(beta=0.0, use_ref_model=False, loss_type="bnpo", epsilon_low=CLIP, epsilon_high=CLIP,
                     temperature=TEMPERATURE)  # fmt: skip
 
-        def loss(h, w, y, old, adv, mask):  # (sequences, tokens) with each sequence's first advantage
+        def loss(h, w, y, old, adv, mask, ref):  # (sequences, tokens) with each sequence's first advantage
             rows = (-1, min(SEQUENCE, h.shape[0]))
             out = grpo(h.view(*rows, h.shape[1]), w, y.clamp_min(0).view(rows), mask.view(rows), adv.view(rows)[:, 0],
                        old_per_token_logps=old.view(rows))  # fmt: skip
@@ -104,6 +143,8 @@ def torch_implementations(backend):
     return {f"fastce_torch{suffix}": (lambda f=f: (policy(f), f)) for suffix, f in variants.items()} | {
         "fastce_torch_ce_mean": lambda: (cross_entropy(), None),
         "fastce_torch_ce_token_weights": lambda: (cross_entropy(weighted=True), None),
+        "fastce_torch_grpo": lambda: (partial(preset_loss, fastce_torch, backend), None),
+        "fastce_torch_objective": lambda: (partial(token_objective, fastce_torch, torch, backend), None),
         "trl_eager": lambda: (policy(trl_log_probs), trl_log_probs), "liger_grpo": liger,
         "trl_compile": lambda: (torch.compile(policy(trl_log_probs), dynamic=False), None)}  # fmt: skip
 
@@ -118,29 +159,36 @@ def float64_error(log_probs, hidden, weight, tokens):
 
 
 def torch_rows(shape, inputs, impls, backend, failures):
-    """The torch rows, each with its gradients' errors against the objective's in float32 where it computes it."""
-    hidden, weight, tokens, old, advantages, mask = inputs
+    """The torch rows, each with its gradients' errors against its loss's float32 reference where it computes the
+    objective or the preset; returned with the references ({"objective": ..., "grpo": ...})."""
+    hidden, weight, tokens, old, advantages, mask, ref = inputs
+    w, e = grpo_weights(mask)
 
     def chunk_objective(logits, rows):  # a chunk's share of the objective, from float32 logits
         return objective(torch, *from_logits(logits, tokens[rows]), old[rows], advantages[rows], mask[rows], mask.sum())
 
-    reference = linear_shapes.float32_reference(hidden, weight, tokens, chunk_loss=chunk_objective)
+    def chunk_preset(logits, rows):  # the same of the "grpo" preset
+        return grpo_reference_loss(*from_logits(logits, tokens[rows]), *(x[rows] for x in (old, advantages, ref, w, e)))
+
+    references = {name: linear_shapes.float32_reference(hidden, weight, tokens, chunk_loss=chunk)
+                  for name, chunk in (("objective", chunk_objective), ("grpo", chunk_preset))}  # fmt: skip
 
     def measure(impl, loaded):
         loss_fn, log_probs = loaded
-        compared = None if impl in OTHER_OBJECTIVES else reference
-        measured = linear.measure(lambda h, w, y: loss_fn(h, w, y, old, advantages, mask), shape,
-                                  inputs=inputs[:3], reference=compared)  # fmt: skip
+        compared = None if impl in OTHER_OBJECTIVES else references["grpo" if impl in PRESETS else "objective"]
+        measured = linear.measure(lambda h, w, y: loss_fn(h, w, y, *inputs[3:]), shape, inputs=inputs[:3],
+                                  reference=compared)  # fmt: skip
         if log_probs is not None:
             measured["logprob_error"] = float64_error(log_probs, hidden, weight, tokens)
         return measured
 
     loaders = {impl: loader for impl, loader in torch_implementations(backend).items() if impl in impls}
-    return measure_rows(str(shape), loaders, measure, failures), reference
+    return measure_rows(str(shape), loaders, measure, failures), references
 
 
-def jax_rows(shape, inputs, reference, backend, failures):
-    """fastce_jax.linear_log_probs and XLA's log_softmax + gather, the same objective on the same values (DLPack)."""
+def jax_rows(shape, inputs, references, backend, failures):
+    """fastce_jax.linear_log_probs and XLA's log_softmax + gather, the same objective on the same values (DLPack);
+    fastce_jax's "mean", its "grpo" preset and linear_token_objective with the objective."""
     import jax
     import jax.numpy as jnp
 
@@ -148,7 +196,8 @@ def jax_rows(shape, inputs, reference, backend, failures):
 
     from .. import jax_linear
 
-    hidden, weight, tokens, old, advantages, mask = to_jax(*inputs)
+    hidden, weight, tokens, *policy = to_jax(*inputs)
+    old, advantages, mask = policy[:3]
 
     fastce = partial(fastce_jax.linear_log_probs, temperature=TEMPERATURE, return_entropy=True, backend=backend)
 
@@ -157,14 +206,24 @@ def jax_rows(shape, inputs, reference, backend, failures):
         picked = jnp.take_along_axis(log_p, jnp.maximum(y, 0)[:, None], axis=-1)[:, 0]
         return jnp.where(keep, picked, 0.0), jnp.where(keep, -(jnp.exp(log_p) * log_p).sum(-1), 0.0)
 
-    def measure(impl, log_probs):
-        loss_fn = lambda h, w, y: objective(jnp, *log_probs(h, w, y), old, advantages, mask)
-        row = jax_linear.measure(loss_fn, (hidden, weight, tokens), reference=reference)
-        jitted = jax.jit(log_probs)
-        row["logprob_error"] = float64_error(lambda *t: [torch.from_dlpack(jitted(*to_jax(*t))[0])], *inputs[:3])
+    def policy_loss(log_probs):
+        return lambda h, w, y: objective(jnp, *log_probs(h, w, y), old, advantages, mask)
+
+    def measure(impl, loaded):  # (loss, None or the log-probs checked against float64, the reference's name or None)
+        loss_fn, log_probs, compared = loaded
+        row = jax_linear.measure(loss_fn, (hidden, weight, tokens), reference=references.get(compared))
+        if log_probs is not None:
+            jitted = jax.jit(log_probs)
+            row["logprob_error"] = float64_error(lambda *t: [torch.from_dlpack(jitted(*to_jax(*t))[0])], *inputs[:3])
         return row
 
-    return measure_rows(str(shape), {"fastce_jax": lambda: fastce, "xla_log_softmax": lambda: xla}, measure, failures)
+    mean = partial(fastce_jax.linear_cross_entropy, temperature=TEMPERATURE, backend=backend)
+    loaders = {"fastce_jax": (policy_loss(fastce), fastce, "objective"),
+               "xla_log_softmax": (policy_loss(xla), xla, "objective"), "fastce_jax_ce_mean": (mean, None, None),
+               "fastce_jax_grpo": (lambda h, w, y: preset_loss(fastce_jax, backend, h, w, y, *policy), None, "grpo"),
+               "fastce_jax_objective": (lambda h, w, y: token_objective(fastce_jax, jnp, backend, h, w, y, *policy),
+                                        None, "objective")}  # fmt: skip
+    return measure_rows(str(shape), {impl: lambda v=v: v for impl, v in loaders.items()}, measure, failures)
 
 
 def run(shapes, frameworks=("torch", "jax"), impls=None, backend="auto") -> dict:
@@ -175,18 +234,19 @@ def run(shapes, frameworks=("torch", "jax"), impls=None, backend="auto") -> dict
         inputs = linear.make_inputs(shape)
         inputs = (*inputs, *policy_inputs(*inputs))
         torch_impls = (impls or list(torch_implementations(backend))) if "torch" in frameworks else []
-        shape_rows, reference = torch_rows(shape, inputs, torch_impls, backend, failures)
+        shape_rows, references = torch_rows(shape, inputs, torch_impls, backend, failures)
         if "jax" in frameworks:
-            shape_rows += jax_rows(shape, inputs, reference, backend, failures)
+            shape_rows += jax_rows(shape, inputs, references, backend, failures)
         shape_rows = [linear.table_row(r.pop("impl"), shape, r, matmul[str(shape)], peak) for r in shape_rows]
         mean = next((r["fwdbwd_ms"] for r in shape_rows if r["impl"] == "fastce_torch_ce_mean"), None)
         rows += [r | ({"of_ce_mean": r["fwdbwd_ms"] / mean} if mean else {}) for r in shape_rows]
-        del inputs, reference
+        del inputs, references
         torch.cuda.empty_cache()
     device = torch.cuda.get_device_name() if linear.DEVICE == "cuda" else linear.DEVICE
     return {"mode": "rl_step", "device": device, "date": envinfo.today(), "commit": envinfo.git_commit(),
             "torch": torch.__version__, "versions": envinfo.versions(), "temperature": TEMPERATURE, "clip": CLIP,
-            "entropy_bonus": ENTROPY_BONUS, "peak_matmul": {"shape": list(linear.PEAK_MATMUL), "TFLOPs": peak},
+            "entropy_bonus": ENTROPY_BONUS, "beta": BETA, "peak_matmul": {"shape": list(linear.PEAK_MATMUL),
+            "TFLOPs": peak},
             "matmul_TFLOPs": matmul, "rows": rows, "failures": failures}  # fmt: skip
 
 
