@@ -1,16 +1,18 @@
-"""The LM head of an RL step (issue 37): a clipped-ratio policy-gradient objective with per-token advantages, an entropy
-bonus and a sampling temperature, from hidden states; forward + backward into the hidden states and the weight.
+"""The LM head of an RL step (issues 37, 47): a clipped-ratio policy-gradient objective with per-token advantages, an
+entropy bonus and a sampling temperature, from hidden states; forward + backward into the hidden states and weight.
 
     python -m bench.tools.rl_step [--shapes 8192x3584x152064] [--frameworks torch,jax] [--json PATH]
 
 Per shape (bf16, every 7th token ignored), rows as in `python -m bench --linear` (bench.linear.measure: do_bench
 medians, the peak beyond the inputs and beyond the gradients, the gradients' errors against float32; TFLOP/s of the
 6 NHV of a fused step, of the forward product's rate): fastce_torch.linear_log_probs + the objective (also with
-float32 logits, without the entropy, at several workspace_bytes), linear_cross_entropy "mean" (the targets' floor)
-and "sum" with the advantages as token_weights (a linear objective), TRL's eager recipe and its torch.compile, Liger's
-fused GRPO loss (one advantage per 1024-token sequence, no entropy bonus); fastce_jax.linear_log_probs against
-log_softmax + gather under jit(value_and_grad) (host-timed, XLA's temp size). Log-prob errors: the largest |log-prob
-- float64| over the first 64 rows, float64 from the same inputs.
+float32 logits, without the entropy, at several workspace_bytes), linear_token_objective with it per token (issue
+47), linear_policy_loss's "grpo" (KL beta 0.04, the bonus; errors against its own float32 reference),
+linear_cross_entropy "mean" (the targets' floor) and "sum" with the advantages as token_weights (a linear objective),
+TRL's eager recipe and its torch.compile, Liger's fused GRPO loss (one advantage per 1024-token sequence, no entropy
+bonus, no KL); fastce_jax's linear_log_probs, token objective, "grpo" and "mean", XLA's log_softmax + gather, under
+jit(value_and_grad) (host-timed, XLA's temp size). Log-prob errors: the largest |log-prob - float64| over the first
+64 rows, float64 from the same inputs.
 """
 
 import argparse
@@ -30,38 +32,22 @@ from ..shapes import IGNORE_INDEX
 TEMPERATURE, CLIP, ENTROPY_BONUS, BETA, ERROR_ROWS = 0.7, 0.2, 0.01, 0.04, 64
 SHAPES = "8192x3584x152064,16384x4096x128256"
 WORKSPACES = {"256MiB": 256 << 20, "1GiB": 1 << 30, "4GiB": 4 << 30}
-# The torch rows whose loss is not the objective (no gradient errors against its float32 reference).
-OTHER_OBJECTIVES = ("fastce_torch_no_entropy", "fastce_torch_ce_mean", "fastce_torch_ce_token_weights", "liger_grpo")
-# The rows of linear_policy_loss's "grpo" preset (per-sequence normalisation, the KL): against grpo_reference_loss.
-PRESETS = ("fastce_torch_grpo", "fastce_jax_grpo")
+# The float32 reference of the rows whose loss is not the objective: none, or the "grpo" preset's (KL, per sequence).
+OTHER = ("fastce_torch_no_entropy", "fastce_torch_ce_mean", "fastce_torch_ce_token_weights", "liger_grpo")
+REFERENCE = dict.fromkeys((*OTHER, "fastce_jax_ce_mean")) | {"fastce_torch_grpo": "grpo", "fastce_jax_grpo": "grpo"}
 
 
 def token_losses(xp, logprobs, entropy, old, advantages, weights):
-    """The per-token objective times weights: -min(r A, clip(r) A) - 0.01 entropy with r = exp(logprobs - old) (no
-    bonus when entropy is None); xp: torch or jax.numpy. linear_token_objective's rows call it per chunk."""
+    """The objective per token times weights: -min(r A, clip(r) A) - 0.01 entropy with r = exp(logprobs - old) (no
+    bonus when entropy is None); xp: torch or jax.numpy. The linear_token_objective rows' per-chunk function."""
     ratio = xp.exp(logprobs - old)
     per_token = -xp.minimum(ratio * advantages, xp.clip(ratio, 1 - CLIP, 1 + CLIP) * advantages)
     return (per_token if entropy is None else per_token - ENTROPY_BONUS * entropy) * weights
 
 
 def objective(xp, logprobs, entropy, old, advantages, mask, kept=None):
-    """token_losses summed over the kept tokens and divided by their number (kept: that of the whole batch when these
-    are some of its rows)."""
+    """token_losses over the kept tokens / their number (kept: the whole batch's number for some of its rows)."""
     return token_losses(xp, logprobs, entropy, old, advantages, mask).sum() / (mask.sum() if kept is None else kept)
-
-
-def grpo_weights(mask):
-    """TRL's "grpo" normalisation as per-token weights (w, e) of the clipped term + KL and of the entropy: the mean
-    over the sequences of each one's kept mean; the bonus over all kept tokens."""
-    per_sequence = mask.view(-1, min(SEQUENCE, len(mask)))
-    w = per_sequence / (len(per_sequence) * per_sequence.sum(-1, keepdim=True).clamp_min(1))
-    return w.reshape(-1), -ENTROPY_BONUS * mask / mask.sum().clamp_min(1)
-
-
-def grpo_reference_loss(logprobs, entropy, old, advantages, ref, w, e):
-    """linear_policy_loss(loss_type="grpo", beta=BETA, entropy_coef=ENTROPY_BONUS)'s formula (TRL's k3 KL)."""
-    kl = torch.exp(ref - logprobs) - (ref - logprobs) - 1
-    return (w * (token_losses(torch, logprobs, None, old, advantages, 1.0) + BETA * kl) + e * entropy).sum()
 
 
 def from_logits(logits, tokens):
@@ -87,18 +73,16 @@ def policy_inputs(hidden, weight, tokens, seed=1):
 
 
 def preset_loss(package, backend, h, w, y, old, adv, mask, ref):
-    """package.linear_policy_loss's "grpo" preset (KL to ref, entropy bonus) on (sequences, tokens) views."""
-    rows = (-1, min(SEQUENCE, h.shape[0]))
-    per_token = {"mask": mask, "old_log_probs": old, "ref_log_probs": ref}
-    return package.linear_policy_loss(h.reshape(*rows, h.shape[1]), w, y.reshape(rows), adv.reshape(rows),
-                                      loss_type="grpo", epsilon_low=CLIP, beta=BETA, entropy_coef=ENTROPY_BONUS,
-                                      temperature=TEMPERATURE, backend=backend,
-                                      **{k: v.reshape(rows) for k, v in per_token.items()}).loss  # fmt: skip
+    """package.linear_policy_loss's "grpo" (KL to ref, the entropy bonus) on (sequences, tokens) views."""
+    seq = lambda x: x.reshape(-1, min(SEQUENCE, h.shape[0]), *x.shape[1:])
+    return package.linear_policy_loss(seq(h), w, seq(y), seq(adv), mask=seq(mask), old_log_probs=seq(old),
+                                      ref_log_probs=seq(ref), loss_type="grpo", epsilon_low=CLIP, beta=BETA,
+                                      entropy_coef=ENTROPY_BONUS, temperature=TEMPERATURE,
+                                      backend=backend).loss  # fmt: skip
 
 
 def token_objective(package, xp, backend, h, w, y, old, adv, mask, ref=None):
-    """package.linear_token_objective with token_losses as the per-token function: the objective, the entropy's
-    bonus and the 1 / kept normalisation inside the chunk pass."""
+    """package.linear_token_objective of token_losses: the objective, its bonus and 1 / kept inside the chunk pass."""
     return package.linear_token_objective(h, w, y, partial(token_losses, xp), (old, adv, mask / mask.sum()),
                                           with_entropy=True, temperature=TEMPERATURE, backend=backend)  # fmt: skip
 
@@ -116,7 +100,7 @@ def torch_implementations(backend):
         return log_probs
 
     def policy(log_probs):
-        return lambda h, w, y, old, adv, mask, ref: objective(torch, *log_probs(h, w, y), old, adv, mask)
+        return lambda h, w, y, *inputs: objective(torch, *log_probs(h, w, y), *inputs[:3])
 
     def cross_entropy(weighted=False):  # "mean", or the "sum" of the advantage-weighted token losses
         def loss(h, w, y, old, adv, mask, ref):
@@ -159,25 +143,29 @@ def float64_error(log_probs, hidden, weight, tokens):
 
 
 def torch_rows(shape, inputs, impls, backend, failures):
-    """The torch rows, each with its gradients' errors against its loss's float32 reference where it computes the
-    objective or the preset; returned with the references ({"objective": ..., "grpo": ...})."""
+    """The torch rows, each with its gradients' errors against its loss's float32 reference (REFERENCE); returned with
+    the references {"objective": (loss, d hidden, d weight), "grpo": ...}."""
     hidden, weight, tokens, old, advantages, mask, ref = inputs
-    w, e = grpo_weights(mask)
+    sequences = mask.view(-1, min(SEQUENCE, len(mask)))  # "grpo": the mean over sequences of their kept tokens' mean
+    w = (sequences / (len(sequences) * sequences.sum(-1, keepdim=True).clamp_min(1))).view(-1)
 
     def chunk_objective(logits, rows):  # a chunk's share of the objective, from float32 logits
         return objective(torch, *from_logits(logits, tokens[rows]), old[rows], advantages[rows], mask[rows], mask.sum())
 
-    def chunk_preset(logits, rows):  # the same of the "grpo" preset
-        return grpo_reference_loss(*from_logits(logits, tokens[rows]), *(x[rows] for x in (old, advantages, ref, w, e)))
+    def chunk_preset(logits, rows):  # the same of the "grpo" preset: + beta times TRL's k3 KL, the bonus over all kept
+        logp, entropy = from_logits(logits, tokens[rows])
+        log_ratio = torch.where(w[rows] != 0, ref[rows] - logp, 0.0)  # (no overflow at the ignored tokens)
+        per_token = token_losses(torch, logp, None, old[rows], advantages[rows], 1.0)
+        per_token = per_token + BETA * (log_ratio.expm1() - log_ratio)
+        return (w[rows] * per_token).sum() - ENTROPY_BONUS * (mask[rows] * entropy).sum() / mask.sum()
 
     references = {name: linear_shapes.float32_reference(hidden, weight, tokens, chunk_loss=chunk)
                   for name, chunk in (("objective", chunk_objective), ("grpo", chunk_preset))}  # fmt: skip
 
     def measure(impl, loaded):
         loss_fn, log_probs = loaded
-        compared = None if impl in OTHER_OBJECTIVES else references["grpo" if impl in PRESETS else "objective"]
         measured = linear.measure(lambda h, w, y: loss_fn(h, w, y, *inputs[3:]), shape, inputs=inputs[:3],
-                                  reference=compared)  # fmt: skip
+                                  reference=references.get(REFERENCE.get(impl, "objective")))  # fmt: skip
         if log_probs is not None:
             measured["logprob_error"] = float64_error(log_probs, hidden, weight, tokens)
         return measured
@@ -188,7 +176,7 @@ def torch_rows(shape, inputs, impls, backend, failures):
 
 def jax_rows(shape, inputs, references, backend, failures):
     """fastce_jax.linear_log_probs and XLA's log_softmax + gather, the same objective on the same values (DLPack);
-    fastce_jax's "mean", its "grpo" preset and linear_token_objective with the objective."""
+    fastce_jax's "mean", "grpo" preset and linear_token_objective."""
     import jax
     import jax.numpy as jnp
 
@@ -197,8 +185,6 @@ def jax_rows(shape, inputs, references, backend, failures):
     from .. import jax_linear
 
     hidden, weight, tokens, *policy = to_jax(*inputs)
-    old, advantages, mask = policy[:3]
-
     fastce = partial(fastce_jax.linear_log_probs, temperature=TEMPERATURE, return_entropy=True, backend=backend)
 
     def xla(h, w, y):
@@ -206,23 +192,19 @@ def jax_rows(shape, inputs, references, backend, failures):
         picked = jnp.take_along_axis(log_p, jnp.maximum(y, 0)[:, None], axis=-1)[:, 0]
         return jnp.where(keep, picked, 0.0), jnp.where(keep, -(jnp.exp(log_p) * log_p).sum(-1), 0.0)
 
-    def policy_loss(log_probs):
-        return lambda h, w, y: objective(jnp, *log_probs(h, w, y), old, advantages, mask)
-
-    def measure(impl, loaded):  # (loss, None or the log-probs checked against float64, the reference's name or None)
-        loss_fn, log_probs, compared = loaded
+    def measure(impl, loaded):  # loaded: (loss, None or the log-probs checked against float64)
+        loss_fn, compared = lambda h, w, y: loaded[0](h, w, y, *policy), REFERENCE.get(impl, "objective")
         row = jax_linear.measure(loss_fn, (hidden, weight, tokens), reference=references.get(compared))
-        if log_probs is not None:
-            jitted = jax.jit(log_probs)
+        if loaded[1] is not None:
+            jitted = jax.jit(loaded[1])
             row["logprob_error"] = float64_error(lambda *t: [torch.from_dlpack(jitted(*to_jax(*t))[0])], *inputs[:3])
         return row
 
-    mean = partial(fastce_jax.linear_cross_entropy, temperature=TEMPERATURE, backend=backend)
-    loaders = {"fastce_jax": (policy_loss(fastce), fastce, "objective"),
-               "xla_log_softmax": (policy_loss(xla), xla, "objective"), "fastce_jax_ce_mean": (mean, None, None),
-               "fastce_jax_grpo": (lambda h, w, y: preset_loss(fastce_jax, backend, h, w, y, *policy), None, "grpo"),
-               "fastce_jax_objective": (lambda h, w, y: token_objective(fastce_jax, jnp, backend, h, w, y, *policy),
-                                        None, "objective")}  # fmt: skip
+    policy_loss = lambda log_probs: lambda h, w, y, *inputs: objective(jnp, *log_probs(h, w, y), *inputs[:3])
+    mean = lambda h, w, y, *_: fastce_jax.linear_cross_entropy(h, w, y, temperature=TEMPERATURE, backend=backend)
+    loaders = {"fastce_jax": (policy_loss(fastce), fastce), "xla_log_softmax": (policy_loss(xla), xla),
+               "fastce_jax_ce_mean": (mean, None), "fastce_jax_grpo": (partial(preset_loss, fastce_jax, backend), None),
+               "fastce_jax_objective": (partial(token_objective, fastce_jax, jnp, backend), None)}  # fmt: skip
     return measure_rows(str(shape), {impl: lambda v=v: v for impl, v in loaders.items()}, measure, failures)
 
 
@@ -246,8 +228,7 @@ def run(shapes, frameworks=("torch", "jax"), impls=None, backend="auto") -> dict
     return {"mode": "rl_step", "device": device, "date": envinfo.today(), "commit": envinfo.git_commit(),
             "torch": torch.__version__, "versions": envinfo.versions(), "temperature": TEMPERATURE, "clip": CLIP,
             "entropy_bonus": ENTROPY_BONUS, "beta": BETA, "peak_matmul": {"shape": list(linear.PEAK_MATMUL),
-            "TFLOPs": peak},
-            "matmul_TFLOPs": matmul, "rows": rows, "failures": failures}  # fmt: skip
+            "TFLOPs": peak}, "matmul_TFLOPs": matmul, "rows": rows, "failures": failures}  # fmt: skip
 
 
 def tool_main(argv, doc, shapes, parse_shapes, run, render) -> int:
