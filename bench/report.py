@@ -179,13 +179,10 @@ HOST_TIME_PARTS = (
     ("autograd_function_us", "torch's autograd.Function with fastce's outputs and saved tensors, doing nothing"),
     ("launches_us", "the two compiled launchers' C calls"),
     ("allocations_us", "the forward's two allocations"),
-    (
-        "device_thread_excess_us",
-        "what the engine's device thread costs this call beyond the bare hand-off (threads "
-        "on minus off, less a do-nothing Function's)",
-    ),  # fmt: skip
+    ("device_thread_excess_us", "what the engine's device thread costs this call beyond the bare hand-off (threads "
+     "on minus off, less a do-nothing Function's)"),
     ("fastce_python_us", "fastce's own Python (checks, layouts, launch keys, the Function's methods)"),
-)
+)  # fmt: skip
 
 
 def host_time_markdown(run, source) -> str:
@@ -225,8 +222,7 @@ def transformers_step_markdown(step, source) -> str:
 # bench/tools/rl_step.py's columns beyond the fused linear table's (the targets on memory, <= 256 MiB beyond the
 # gradients, and on the float32 logits' log-prob error, <= 1e-4, are read from its columns).
 RL_COLUMNS = (('/ "mean"', "of_ce_mean", "{:.2f}x"), ("max log-prob err", "logprob_error", "{:.1e}"))
-# issues 37's and 47's targets as ratios in the same run: (what, the row (a prefix: the fastest such row), its divisor,
-# limit). The "grpo" preset's loss has the KL and TRL's per-sequence normalisation: its divisors compute less.
+# issues 37's and 47's targets, same-run ratios: (what, the row (a prefix*: the fastest such row), divisor, limit).
 RL_TARGETS = (
     ('nonlinear objective through linear_log_probs / "mean"', "fastce_torch", "fastce_torch_ce_mean", "<= 1.35"),
     ("the entropy bonus: with / without", "fastce_torch", "fastce_torch_no_entropy", "<= 1.05"),
@@ -306,9 +302,8 @@ def distill_markdown(result, source) -> str:
         ratios += [f"{i} {same[i]['extra_beyond_grads_bytes'] / MiB:.0f} MiB beyond the gradients (target <= 512)"
                    for i in same if i.startswith("fastce_")]  # fmt: skip
         lines.append(f"- {'x'.join(map(str, key[:4]))}, beta {key[4]}, T {key[5]}: " + "; ".join(ratios))
-    lines += dict.fromkeys(
-        f"- not measured: {f['impl']} {f.get('shape', '')}: {f['error']}" for f in result["failures"]
-    )
+    lines += dict.fromkeys(f"- not measured: {f['impl']} {f.get('shape', '')}: {f['error']}"
+                           for f in result["failures"])  # fmt: skip
     cell = lambda r, key, form: "-" if r.get(key) is None else form.format(r[key] / MiB if "bytes" in key else r[key])
     table = [[c[0] for c in DISTILL_COLUMNS], *([cell(r, *c[1:]) for c in DISTILL_COLUMNS] for r in rows)]
     about = (f"{result['device']}, commit {result['commit']}, {result['date']}: forward + backward into the student's "
@@ -316,9 +311,8 @@ def distill_markdown(result, source) -> str:
              "four products (matmul_floor; matmul_floor_kept: over the kept tokens' rows only, the floor the target "
              "lines compare the _skip rows with); JAX's memory is XLA's temp size; errors against float64 over the "
              f"first {result['error_rows']} rows.")  # fmt: skip
-    return "\n".join(
-        [f"## Distillation through both heads (from `{source}`)", "", about, "", markdown(table), "", *lines, ""]
-    )
+    heading = f"## Distillation through both heads (from `{source}`)"
+    return "\n".join([heading, "", about, "", markdown(table), "", *lines, ""])
 
 
 def _link(path, start) -> str:
