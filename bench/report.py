@@ -262,9 +262,9 @@ def rl_markdown(result, source) -> str:
     about = (f"{result['device']}, commit {result['commit']}, {result['date']}: temperature {result['temperature']}, "
              f"clip {result['clip']}, entropy bonus {result['entropy_bonus']}, per-token advantages, forward + backward"
              " into hidden and weight (bench/tools/rl_step.py). of matmul: over the 6 NHV floor; a path that recomputes"
-             " the logits does 8 NHV (at most 75%). Errors: float32 (gradients), float64 (log-probs); the \"grpo\" rows"
-             f" (TRL's per-sequence normalisation, KL beta {result.get('beta')}) against that loss's float32 reference."
-             )  # fmt: skip
+             " the logits does 8 NHV (at most 75%). Errors: float32 (gradients), float64 (log-probs)."
+             + (f" The \"grpo\" rows (KL beta {result['beta']}, TRL's per-sequence means) against that loss's float32"
+                " reference." if "beta" in result else ""))  # fmt: skip
     failed = [f"- not measured: {f['impl']} {f.get('shape', '')}: {f['error']}" for f in result.get("failures", [])]
     parts = [f"## The LM head of an RL step (from `{source}`)", "", about, "", linear_table(result, RL_COLUMNS), ""]
     return "\n".join([*parts, *rl_targets(result), *failed, ""])
