@@ -62,14 +62,9 @@ def cut_cross_entropy():
     return lambda hidden, weight, labels: linear_cross_entropy(hidden, weight, labels, ignore_index=IGNORE_INDEX)
 
 
-LOADERS = {
-    **{f"fastce_torch_linear{s}": partial(fastce_linear, kw) for s, kw in linear_shapes.FASTCE_SETTINGS.items()},
-    "matmul+fastce_torch": matmul_fastce,
-    "torch_compile": torch_compile_upcast,
-    "liger_flce": liger,
-    "cut_cross_entropy": cut_cross_entropy,
-    "torch_linear_ce": torch_linear_cross_entropy,
-}
+LOADERS = {f"fastce_torch_linear{s}": partial(fastce_linear, kw) for s, kw in linear_shapes.FASTCE_SETTINGS.items()}
+LOADERS |= {"matmul+fastce_torch": matmul_fastce, "torch_compile": torch_compile_upcast, "liger_flce": liger,
+            "cut_cross_entropy": cut_cross_entropy, "torch_linear_ce": torch_linear_cross_entropy}  # fmt: skip
 
 
 # --- measurement ----------------------------------------------------------------------------------------------

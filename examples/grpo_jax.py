@@ -1,18 +1,29 @@
-"""A GRPO-style training step in JAX + optax with fastce_jax.linear_log_probs, checked step by step against the same
-step computed with jax.nn.log_softmax.
+"""A GRPO training step in JAX + optax with fastce_jax.linear_policy_loss, checked step by step against the same step
+computed with jax.nn.log_softmax.
 
     python examples/grpo_jax.py                          # CPU: the Pallas kernels in interpret mode
+    python examples/grpo_jax.py --objective custom       # the same loss through linear_token_objective
     python examples/grpo_jax.py --vocab 32000 --dim 512 --completions 8 --length 128   # on a GPU
 
 A tiny causal LM (made here) samples a group of completions per prompt at temperature 0.7; a toy reward scores each
 completion (the share of its tokens in a "preferred" quarter of the vocabulary); the advantages are the rewards
-normalised within each prompt's group. The old policy's log-probs come from a plain call (not differentiated: the
-custom_vjp's forward rule, which keeps residuals for a backward, is not used), then a few optimizer steps minimise
-the clipped-ratio objective with an entropy bonus:
-  loss = mean over completion tokens of -min(r A, clip(r, 1 - eps, 1 + eps) A) - beta H,   r = exp(logprob - old).
-Two copies of the parameters train on the same samples: one through fastce_jax.linear_log_probs on the model's own
-LM head (no tokens x vocabulary logits are kept), one through jax.nn.log_softmax + take_along_axis of float32
-logits under jit. Their losses agree at every step.
+normalised within each prompt's group. The old policy's and the reference model's (the initial parameters) log-probs
+come once per round from plain fastce_jax.linear_log_probs calls (not differentiated: the custom_vjp's forward rule,
+which keeps residuals for a backward, is not used), then a few optimizer steps minimise TRL's GRPO loss
+(loss_type="grpo") with a KL penalty and an entropy bonus:
+  per token  l = -min(r A, clip(r, 1 - eps, 1 + eps) A) + beta (exp(ref - logp) - (ref - logp) - 1),
+  r = exp(logp - old);
+  loss = mean over completions of (mean over its tokens of l) - entropy_coef * (mean over all tokens of the entropy).
+Two copies of the parameters train on the same samples: one through fastce_jax.linear_policy_loss on the model's own
+LM head (no tokens x vocabulary logits are kept, and the gradients are formed inside the loss's one pass over the
+vocabulary), one through jax.nn.log_softmax + take_along_axis of float32 logits under jit. Their losses agree at
+every step.
+
+Any other objective that is elementwise in each token's log-prob and entropy (with per-token inputs known before the
+pass) runs the same way through fastce_jax.linear_token_objective (jax.vjp of the function inside the pass, under jit
+and grad): `--objective custom` passes the GRPO loss above as such a function (grpo_token_losses), with its
+normalisation as per-token weights. Objectives that are not per token (a sequence-level ratio, DPO's sequence sums)
+take linear_log_probs' log-probs instead.
 """
 
 import argparse
@@ -124,29 +135,68 @@ def plain_log_probs(params, sequences, targets, temperature, heads, backend=None
     return jnp.where(mask, logprobs, 0.0), jnp.where(mask, entropy, 0.0)
 
 
-def grpo_loss(logprobs, entropy, old_logprobs, advantages, mask, clip, entropy_coef):
-    ratio = jnp.exp(logprobs - old_logprobs)
-    a = advantages[:, None]
-    policy = -jnp.minimum(ratio * a, jnp.clip(ratio, 1 - clip, 1 + clip) * a)
-    return jnp.sum((policy - entropy_coef * entropy) * mask) / jnp.sum(mask)
+def grpo_weights(mask, entropy_coef):
+    """TRL's "grpo" normalisation as per-token weights: w of each token's l (its completion's mean, then the mean over
+    completions) and e of its entropy (minus the bonus over all completion tokens)."""
+    w = mask / (mask.shape[0] * jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0))
+    return w, -entropy_coef * mask / jnp.maximum(mask.sum(), 1.0)
 
 
-def make_steps(log_probs, args, optimizer):
-    def objective(params, sequences, targets, old_logprobs, advantages, mask):
-        logprobs, entropy = log_probs(params, sequences, targets, args.temperature, args.heads, args.backend)
-        return grpo_loss(logprobs, entropy, old_logprobs, advantages, mask, args.clip, args.entropy_coef)
+def token_losses(clip, beta):
+    """The GRPO loss per token as fastce_jax.linear_token_objective calls it: 1-D vectors of a chunk's tokens (its
+    log-probs and entropies, and each of `inputs` sliced alike). Any elementwise objective can be written here; made
+    once (the function is a static argument: a new one per step would compile again)."""
+
+    def grpo_token_losses(logprobs, entropy, old, ref, advantages, w, e):
+        ratio = jnp.exp(logprobs - old)
+        clipped = -jnp.minimum(ratio * advantages, jnp.clip(ratio, 1 - clip, 1 + clip) * advantages)
+        kl = jnp.exp(ref - logprobs) - (ref - logprobs) - 1
+        return w * (clipped + beta * kl) + e * entropy
+
+    return grpo_token_losses
+
+
+def make_steps(name, args, optimizer):
+    """(log-probs of the old and reference policies, one optimizer step) for the "fastce" or the "plain" copy."""
+    log_probs = {"fastce": fastce_log_probs, "plain": plain_log_probs}[name]
+    grpo_token_losses = token_losses(args.clip, args.beta)
+
+    def plain_loss(params, sequences, targets, old, ref, advantages, mask):
+        logprobs, entropy = plain_log_probs(params, sequences, targets, args.temperature, args.heads)
+        w, e = grpo_weights(mask, args.entropy_coef)
+        a = jnp.broadcast_to(advantages[:, None], logprobs.shape)
+        return grpo_token_losses(logprobs, entropy, old, ref, a, w, e).sum(), None
+
+    def fastce_loss(params, sequences, targets, old, ref, advantages, mask):
+        """From the hidden states and the LM head: position t scores targets[:, t + 1]. The preset returns TRL's
+        metrics with the loss."""
+        hidden, labels = hidden_states(params, sequences, args.heads)[:, :-1], targets[:, 1:]
+        if args.objective == "custom":
+            w, e = grpo_weights(mask, args.entropy_coef)
+            inputs = (old, ref, jnp.broadcast_to(advantages[:, None], old.shape), w, e)
+            loss = fastce_jax.linear_token_objective(hidden, params["lm_head"], labels, grpo_token_losses, inputs,
+                                                     with_entropy=True, temperature=args.temperature,
+                                                     ignore_index=IGNORE, backend=args.backend)  # fmt: skip
+            return loss, None
+        out = fastce_jax.linear_policy_loss(
+            hidden, params["lm_head"], labels, advantages, mask=mask, old_log_probs=old, ref_log_probs=ref,
+            loss_type="grpo", epsilon_low=args.clip, beta=args.beta, entropy_coef=args.entropy_coef,
+            temperature=args.temperature, ignore_index=IGNORE, backend=args.backend,
+        )  # fmt: skip
+        return out.loss, out._replace(loss=None)
 
     @jax.jit
-    def old_policy(params, sequences, targets):  # not differentiated: no residuals, no backward
+    def policy_log_probs(params, sequences, targets):  # not differentiated: no residuals, no backward
         return log_probs(params, sequences, targets, args.temperature, args.heads, args.backend)[0]
 
     @jax.jit
     def step(params, state, *batch):
-        loss, grads = jax.value_and_grad(objective)(params, *batch)
+        loss_fn = fastce_loss if name == "fastce" else plain_loss
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, *batch)
         updates, state = optimizer.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss
+        return optax.apply_updates(params, updates), state, loss, metrics
 
-    return old_policy, step
+    return policy_log_probs, step
 
 
 def train(args):
@@ -154,10 +204,10 @@ def train(args):
     key, init_key = jax.random.split(key)
     base = init_params(init_key, args.vocab, args.dim, args.layers, args.prompt_len + args.length)
     optimizer = optax.adamw(args.lr, weight_decay=0.0)
-    methods = {"fastce": fastce_log_probs, "plain": plain_log_probs}
-    params = {name: base for name in methods}
+    methods = ("fastce", "plain")
+    params = {name: base for name in methods}  # base: also the reference model's parameters
     states = {name: optimizer.init(base) for name in methods}
-    steps = {name: make_steps(fn, args, optimizer) for name, fn in methods.items()}
+    steps = {name: make_steps(name, args, optimizer) for name in methods}
     losses = {name: [] for name in methods}
     mean_rewards = []
     for _ in range(args.iterations):
@@ -171,12 +221,17 @@ def train(args):
         targets = sequences.at[:, : args.prompt_len].set(IGNORE)
         mask = (targets[:, 1:] != IGNORE).astype(jnp.float32)
         for name in methods:
-            old_policy, step = steps[name]
-            old_logprobs = old_policy(params[name], sequences, targets)
+            policy_log_probs, step = steps[name]
+            old, ref = (policy_log_probs(p, sequences, targets) for p in (params[name], base))
             for _ in range(args.steps):
-                batch = (sequences, targets, old_logprobs, advantages, mask)
-                params[name], states[name], loss = step(params[name], states[name], *batch)
+                batch = (sequences, targets, old, ref, advantages, mask)
+                params[name], states[name], loss, metrics = step(params[name], states[name], *batch)
                 losses[name].append(float(loss))
+            if metrics is not None:  # TRL's logged metrics, from the same pass as the loss
+                print(
+                    f"round {len(mean_rewards)}, last step: kl {float(metrics.kl):.5f}, entropy "
+                    f"{float(metrics.entropy):.3f}, clipped {float(metrics.clip_ratio_region):.1%} of the tokens"
+                )
     return losses, mean_rewards, params
 
 
@@ -195,6 +250,10 @@ def parse_args(argv=None):
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--clip", type=float, default=0.2)
     parser.add_argument("--entropy-coef", type=float, default=0.01)
+    parser.add_argument("--beta", type=float, default=0.04, help="the KL penalty's coefficient (0: no reference)")
+    parser.add_argument("--objective", default="preset", choices=["preset", "custom"],
+                        help="preset: linear_policy_loss(loss_type='grpo'); custom: the same loss per token through "
+                        "linear_token_objective")  # fmt: skip
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument(
         "--backend",

@@ -1,23 +1,34 @@
-"""A GRPO-style training step in PyTorch with fastce_torch.linear_log_probs, checked step by step against the same
-step computed with plain log_softmax.
+"""A GRPO training step in PyTorch with fastce_torch.linear_policy_loss, checked step by step against the same step
+computed with plain log_softmax.
 
     python examples/grpo_torch.py                        # CPU: the plain-torch path of the same contract
     python examples/grpo_torch.py --backend kernel       # CPU: the Triton kernels through Triton's interpreter (slow)
+    python examples/grpo_torch.py --objective custom     # the same loss through linear_token_objective
     python examples/grpo_torch.py --vocab 32000 --dim 512 --completions 8 --length 128   # on a GPU
 
 A tiny causal LM (made here) samples a group of completions per prompt at temperature 0.7; a toy reward scores each
 completion (the share of its tokens in a "preferred" quarter of the vocabulary); the advantages are the rewards
-normalised within each prompt's group. The old policy's log-probs are taken once under torch.no_grad (nothing is
-saved for a backward), then a few optimizer steps minimise the clipped-ratio objective with an entropy bonus:
-  loss = mean over completion tokens of -min(r A, clip(r, 1 - eps, 1 + eps) A) - beta H,   r = exp(logprob - old).
+normalised within each prompt's group. The old policy's log-probs are taken once per round under torch.no_grad with
+fastce_torch.linear_log_probs (nothing is saved for a backward), the reference model's (the frozen initial model) the
+same way; then a few optimizer steps minimise TRL's GRPO loss (loss_type="grpo") with a KL penalty and an entropy bonus:
+  per token  l = -min(r A, clip(r, 1 - eps, 1 + eps) A) + beta (exp(ref - logp) - (ref - logp) - 1),
+  r = exp(logp - old);
+  loss = mean over completions of (mean over its tokens of l) - entropy_coef * (mean over all tokens of the entropy).
 Two copies of the model from the same initialisation train on the same samples: one through
-fastce_torch.linear_log_probs on the model's own LM head (no tokens x vocabulary logits are kept), one through
-log_softmax + gather of float32 logits, the way RL trainers compute it today. Their losses agree at every step.
+fastce_torch.linear_policy_loss on the model's own LM head (no tokens x vocabulary logits are kept, and the gradients
+are formed inside the loss's one pass over the vocabulary), one through log_softmax + gather of float32 logits, the
+way RL trainers compute it today. Their losses agree at every step.
+
+Any other objective that is elementwise in each token's log-prob and entropy (with per-token inputs known before the
+pass) runs the same way through fastce_torch.linear_token_objective: `--objective custom` passes the GRPO loss above
+as such a function (grpo_token_losses), with its normalisation as per-token weights. Objectives that are not per
+token (a sequence-level ratio, DPO's sequence sums) take linear_log_probs' log-probs instead.
 """
 
 import argparse
 import copy
 import sys
+from functools import partial
 
 import comparison  # examples/comparison.py: the step-by-step check against plain log_softmax
 import torch
@@ -111,18 +122,57 @@ def plain_log_probs(model, sequences, targets, temperature, backend=None):
     return torch.where(mask, logprobs, 0.0), torch.where(mask, entropy, 0.0)
 
 
-def grpo_loss(logprobs, entropy, old_logprobs, advantages, mask, clip, entropy_coef):
-    ratio = torch.exp(logprobs - old_logprobs)
-    a = advantages[:, None]
-    policy = -torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
-    return ((policy - entropy_coef * entropy) * mask).sum() / mask.sum()
+def grpo_weights(mask, entropy_coef):
+    """TRL's "grpo" normalisation as per-token weights: w of each token's l (its completion's mean, then the mean over
+    completions) and e of its entropy (minus the bonus over all completion tokens)."""
+    w = mask / (mask.shape[0] * mask.sum(dim=1, keepdim=True).clamp(min=1))
+    return w, -entropy_coef * mask / mask.sum().clamp(min=1)
+
+
+def grpo_token_losses(logprobs, entropy, old, ref, advantages, w, e, clip=0.2, beta=0.04):
+    """The GRPO loss per token, as fastce_torch.linear_token_objective calls it: 1-D vectors of a chunk's tokens (its
+    log-probs and entropies, and each of `inputs` sliced alike); any elementwise objective can be written here."""
+    ratio = torch.exp(logprobs - old)
+    clipped = -torch.minimum(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)
+    kl = torch.exp(ref - logprobs) - (ref - logprobs) - 1
+    return w * (clipped + beta * kl) + e * entropy
+
+
+def plain_loss(model, sequences, targets, batch, args):
+    """The loss from plain log_softmax log-probs: grpo_token_losses summed (TRL's formula, per token)."""
+    logprobs, entropy = plain_log_probs(model, sequences, targets, args.temperature)
+    old, ref, advantages, mask = batch
+    w, e = grpo_weights(mask, args.entropy_coef)
+    a = advantages[:, None].expand_as(logprobs)
+    return grpo_token_losses(logprobs, entropy, old, ref, a, w, e, args.clip, args.beta).sum(), None
+
+
+def fastce_loss(model, sequences, targets, batch, args):
+    """The loss from the hidden states and the LM head's weight: position t scores targets[:, t + 1]. The preset
+    (linear_policy_loss) returns TRL's metrics with it; --objective custom: linear_token_objective."""
+    hidden, labels = model.hidden_states(sequences)[:, :-1], targets[:, 1:]
+    old, ref, advantages, mask = batch
+    if args.objective == "custom":
+        w, e = grpo_weights(mask, args.entropy_coef)
+        losses = partial(grpo_token_losses, clip=args.clip, beta=args.beta)
+        inputs = (old, ref, advantages[:, None].expand_as(old), w, e)
+        loss = fastce_torch.linear_token_objective(hidden, model.lm_head.weight, labels, losses, inputs,
+                                                   with_entropy=True, temperature=args.temperature,
+                                                   ignore_index=IGNORE, backend=args.backend)  # fmt: skip
+        return loss, None
+    out = fastce_torch.linear_policy_loss(
+        hidden, model.lm_head.weight, labels, advantages, mask=mask, old_log_probs=old, ref_log_probs=ref,
+        loss_type="grpo", epsilon_low=args.clip, beta=args.beta, entropy_coef=args.entropy_coef,
+        temperature=args.temperature, ignore_index=IGNORE, backend=args.backend,
+    )  # fmt: skip
+    return out.loss, out
 
 
 def train(args):
     torch.manual_seed(args.seed)
     max_len = args.prompt_len + args.length
-    base = TinyCausalLM(args.vocab, args.dim, args.heads, args.layers, max_len).to(args.device)
-    methods = {"fastce": fastce_log_probs, "plain": plain_log_probs}
+    base = TinyCausalLM(args.vocab, args.dim, args.heads, args.layers, max_len).to(args.device)  # the reference
+    methods = {"fastce": (fastce_log_probs, fastce_loss), "plain": (plain_log_probs, plain_loss)}
     models = {name: copy.deepcopy(base) for name in methods}
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.0) for name, m in models.items()}
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
@@ -138,17 +188,21 @@ def train(args):
         targets = sequences.clone()
         targets[:, : args.prompt_len] = IGNORE
         mask = (targets[:, 1:] != IGNORE).float()
-        for name, log_probs in methods.items():
+        for name, (log_probs, loss_fn) in methods.items():
             model, optimizer = models[name], optimizers[name]
-            with torch.no_grad():  # the old policy: no graph, nothing saved for a backward
-                old_logprobs, _ = log_probs(model, sequences, targets, args.temperature, args.backend)
+            with torch.no_grad():  # the old and the reference policy: no graph, nothing saved for a backward
+                old, ref = (log_probs(m, sequences, targets, args.temperature, args.backend)[0] for m in (model, base))
             for _ in range(args.steps):
                 optimizer.zero_grad()
-                logprobs, entropy = log_probs(model, sequences, targets, args.temperature, args.backend)
-                loss = grpo_loss(logprobs, entropy, old_logprobs, advantages, mask, args.clip, args.entropy_coef)
+                loss, metrics = loss_fn(model, sequences, targets, (old, ref, advantages, mask), args)
                 loss.backward()
                 optimizer.step()
                 losses[name].append(float(loss.detach()))
+            if metrics is not None:  # TRL's logged metrics, from the same pass as the loss
+                print(
+                    f"round {len(mean_rewards)}, last step: kl {float(metrics.kl):.5f}, entropy "
+                    f"{float(metrics.entropy):.3f}, clipped {float(metrics.clip_ratio_region):.1%} of the tokens"
+                )
     return losses, mean_rewards, models
 
 
@@ -167,6 +221,10 @@ def parse_args(argv=None):
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--clip", type=float, default=0.2)
     parser.add_argument("--entropy-coef", type=float, default=0.01)
+    parser.add_argument("--beta", type=float, default=0.04, help="the KL penalty's coefficient (0: no reference)")
+    parser.add_argument("--objective", default="preset", choices=["preset", "custom"],
+                        help="preset: linear_policy_loss(loss_type='grpo'); custom: the same loss per token through "
+                        "linear_token_objective")  # fmt: skip
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--backend", default="auto", choices=["auto", "kernel", "reference"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

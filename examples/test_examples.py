@@ -1,5 +1,7 @@
 """The examples run, small, on the CPU: fastce_jax's kernels in Pallas interpret mode against the XLA loss; the GRPO
-steps (examples/grpo_torch.py, grpo_jax.py) through linear_log_probs against plain log_softmax, step by step; the
+steps (examples/grpo_torch.py, grpo_jax.py) through linear_policy_loss's "grpo" preset with a KL penalty and an entropy
+bonus, and the same loss as a per-token function through linear_token_objective, against plain log_softmax, step by
+step; the
 distillation steps (examples/distill_torch.py, distill_jax.py) through linear_jsd against plain log_softmax of both
 models' logits, step by step; a Flax NNX model (examples/train_flax_nnx.py) through linear_cross_entropy on its own
 (H, V) head against optax's loss."""
@@ -65,20 +67,22 @@ def check_grpo(result, steps=3):
             assert losses[start + steps - 1] < losses[start], losses
 
 
-def test_grpo_torch_step_matches_log_softmax(tmp_path):
+@pytest.mark.parametrize("objective", ["preset", "custom"])
+def test_grpo_torch_step_matches_log_softmax(tmp_path, objective):
     fastce_torch = pytest.importorskip("fastce_torch")
-    if not callable(getattr(fastce_torch, "linear_log_probs", None)):
-        pytest.skip("fastce_torch has no linear_log_probs yet")
-    result = load("grpo_torch").main(GRPO_SMALL + ["--backend", "kernel", "--json", str(tmp_path / "grpo.json")])
-    check_grpo(result)
+    if not callable(getattr(fastce_torch, "linear_policy_loss", None)):
+        pytest.skip("fastce_torch has no linear_policy_loss yet")
+    args = GRPO_SMALL + ["--objective", objective, "--backend", "kernel", "--json", str(tmp_path / "grpo.json")]
+    check_grpo(load("grpo_torch").main(args))
 
 
-def test_grpo_jax_step_matches_log_softmax(tmp_path):
+@pytest.mark.parametrize("objective", ["preset", "custom"])
+def test_grpo_jax_step_matches_log_softmax(tmp_path, objective):
     needs_jax()
-    if not callable(getattr(__import__("fastce_jax"), "linear_log_probs", None)):
-        pytest.skip("fastce_jax has no linear_log_probs yet")
-    result = load("grpo_jax").main(GRPO_SMALL + ["--backend", "kernel", "--json", str(tmp_path / "grpo.json")])
-    check_grpo(result)
+    if not callable(getattr(__import__("fastce_jax"), "linear_policy_loss", None)):
+        pytest.skip("fastce_jax has no linear_policy_loss yet")
+    args = GRPO_SMALL + ["--objective", objective, "--backend", "kernel", "--json", str(tmp_path / "grpo.json")]
+    check_grpo(load("grpo_jax").main(args))
 
 
 DISTILL_SMALL = ["--steps", "3", "--batch", "2", "--seq-len", "12", "--vocab", "200", "--teacher-vocab", "208"]

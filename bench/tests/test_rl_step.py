@@ -49,23 +49,35 @@ def test_a_failed_row_is_recorded(on_cpu, monkeypatch):
 @pytest.mark.skipif(
     not fastce_torch.core.launch.INTERPRETED, reason="the kernels on CPU tensors need TRITON_INTERPRET=1"
 )
-def test_every_row_on_cpu(on_cpu, tmp_path):
+def test_every_row_on_cpu(on_cpu, tmp_path, monkeypatch):
     shape = LinearShape(64, 16, 96, "float32")
+    # The "grpo" rows' sequences: 4 of 16 tokens with 2 or 3 ignored, so that its per-sequence normalisation counts.
+    monkeypatch.setattr(rl_step, "SEQUENCE", 16)
     # One workspace setting (the others take the same path); torch.compile's and Liger's rows are the GPU run's.
     skipped = ("trl_compile", "liger_grpo", "fastce_torch_ws1GiB", "fastce_torch_ws4GiB")
     impls = [i for i in rl_step.torch_implementations("kernel") if i not in skipped]
     result = rl_step.run((shape,), impls=impls, backend="kernel")
     assert result["failures"] == []
     rows = {r["impl"]: r for r in result["rows"]}
-    assert set(rows) == {*impls, "fastce_jax", "xla_log_softmax"}
+    new_jax = [f"fastce_jax_{suffix}" for suffix in ("ce_mean", "grpo", "objective")]
+    assert set(rows) == {*impls, "fastce_jax", "xla_log_softmax", *new_jax}
     # float32 inputs: the log-probs within float32 rounding of float64, and the rows computing the objective give its
     # float32 value and gradients (the entropy bonus's gradient included).
     for impl in ("fastce_torch", "fastce_torch_f32_logits", "fastce_torch_no_entropy", "trl_eager", "fastce_jax"):
         assert rows[impl]["logprob_error"] < 1e-5, impl
-    for impl in ("fastce_torch", "fastce_torch_f32_logits", "fastce_torch_ws256MiB", "trl_eager"):
+    # Issue 47's rows: linear_token_objective with the objective per token against the objective's float32
+    # reference, linear_policy_loss's "grpo" preset (KL, per-sequence normalisation) against its own.
+    torch_rows = ("fastce_torch_f32_logits", "fastce_torch_ws256MiB", "fastce_torch_objective", "fastce_torch_grpo")
+    for impl in ("fastce_torch", "trl_eager", *torch_rows):
         assert rows[impl]["loss_rel"] < 1e-5 and rows[impl]["grad_hidden_rel_rms"] < 1e-4, impl
-    for impl in ("fastce_torch", "fastce_torch_ws256MiB", "trl_eager", "fastce_jax", "xla_log_softmax"):
+    jax_rows = ("fastce_jax", "xla_log_softmax", "fastce_jax_objective", "fastce_jax_grpo")
+    for impl in ("fastce_torch", "trl_eager", *torch_rows[1:], *jax_rows):
         assert rows[impl]["grad_weight_rel_rms"] < 1e-4 and rows[impl]["grad_hidden_rel_rms"] < 1e-4, impl
+    for impl in jax_rows:
+        assert rows[impl]["ok"], impl  # the loss within rounding of its float32 reference
+    assert abs(rows["fastce_jax_grpo"]["loss"] - rows["fastce_torch_grpo"]["loss"]) < 1e-5
+    assert abs(rows["fastce_torch_grpo"]["loss"] - rows["fastce_torch"]["loss"]) > 1e-4  # another loss
+    assert abs(rows["fastce_jax_objective"]["loss"] - rows["trl_eager"]["loss"]) < 1e-5
     assert "grad_hidden_rel_rms" not in rows["fastce_torch_no_entropy"]  # another objective
     assert rows["fastce_torch_ce_mean"]["of_ce_mean"] == 1.0
     assert abs(rows["fastce_jax"]["loss"] - rows["trl_eager"]["loss"]) < 1e-5
@@ -76,3 +88,5 @@ def test_every_row_on_cpu(on_cpu, tmp_path):
     (found,) = report.newest_runs("*-rl-step-*.json", tmp_path)
     text = report.rl_markdown(report.read_json(found), found.name)
     assert "| fastce_torch | 64 | 16 | 96 |" in text and '/ "mean": 1.000x (target <= 1.35x)' in text
+    assert 'linear_policy_loss "grpo" (KL, entropy) / "mean": 1.000x (target <= 1.05x)' in text
+    assert 'JAX "grpo" / XLA\'s full logits: 1.000x (target < 1x)' in text

@@ -69,12 +69,9 @@ def implementations(framework, beta, temperature, backend):
     fastce = partial(fastce, backend=backend)
     # The memory allowance (512 MiB beyond the gradients) spent on the chunks: fewer, longer chunks; float32
     # logits (Liger 0.8.5's precision), at the default workspace; the ignored tokens' rows skipped, at both workspaces.
-    variants = {
-        "448mib": partial(fastce, workspace_bytes=WIDE_WORKSPACE),
-        "f32logits": partial(fastce, logits_dtype="float32"),
-        "skip": partial(fastce, skip_ignored_rows=True),
-        "448mib_skip": partial(fastce, workspace_bytes=WIDE_WORKSPACE, skip_ignored_rows=True),
-    }
+    variants = {"448mib": partial(fastce, workspace_bytes=WIDE_WORKSPACE),
+                "f32logits": partial(fastce, logits_dtype="float32"), "skip": partial(fastce, skip_ignored_rows=True),
+                "448mib_skip": partial(fastce, workspace_bytes=WIDE_WORKSPACE, skip_ignored_rows=True)}  # fmt: skip
     if framework == "jax":
         import jax
 

@@ -28,9 +28,8 @@ OUTCOMES = ("passed", "skipped", "failed", "errors", "xfailed", "xpassed", "dese
 
 def parse_summary(text):
     """Counts from pytest's last summary line ('== 3 failed, 10 passed, 2 skipped in 4.1s =='); None if absent."""
-    lines = [
-        line for line in text.splitlines() if re.search(r"\b(passed|failed|skipped|error|errors|no tests ran)\b", line)
-    ]
+    summary = re.compile(r"\b(passed|failed|skipped|error|errors|no tests ran)\b")
+    lines = [line for line in text.splitlines() if summary.search(line)]
     for line in reversed(lines):
         found = re.findall(r"(\d+) (passed|skipped|failed|errors?|xfailed|xpassed|deselected|warnings?)\b", line)
         if found or "no tests ran" in line:
@@ -56,20 +55,14 @@ def run_suite(liger_tests, files, with_plugin, extra, timeout):
         command += ["-p", PLUGIN]
     command += [*extra, *files]
     try:
-        done = subprocess.run(
-            command, cwd=liger_tests, env=env, capture_output=True, text=True, timeout=timeout, check=False
-        )
+        done = subprocess.run(command, cwd=liger_tests, env=env, capture_output=True, text=True, timeout=timeout,
+                              check=False)  # fmt: skip
         text, code = done.stdout + done.stderr, done.returncode
     except subprocess.TimeoutExpired as exc:
         text = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
         text, code = text + f"\ntimed out after {timeout} s", None
-    return {
-        "implementation": "fastce" if with_plugin else "liger",
-        "returncode": code,
-        "counts": parse_summary(text),
-        "failures": failure_reasons(text),
-        "tail": text[-4000:],
-    }
+    return {"implementation": "fastce" if with_plugin else "liger", "returncode": code, "counts": parse_summary(text),
+            "failures": failure_reasons(text), "tail": text[-4000:]}  # fmt: skip
 
 
 def table(results):

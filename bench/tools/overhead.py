@@ -132,9 +132,8 @@ def _launch_and_allocation_rows(rows, device, raw, labels, n, repeat):
     n_scratch = max((a.numel() for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32), default=0)
 
     def loss_and_scratch():
-        return torch.empty((), dtype=torch.float32, device=device), torch.zeros(
-            n_scratch, dtype=torch.int32, device=device
-        )
+        empty = torch.empty((), dtype=torch.float32, device=device)
+        return empty, torch.zeros(n_scratch, dtype=torch.int32, device=device)
 
     _row(rows, "  the forward's allocations (empty loss, zeroed scratch)", per_call_us(loss_and_scratch, n, repeat))
     return cached_path

@@ -13,7 +13,8 @@
 #     ignored labels, with and without skip_ignored_rows, both packages; ~4);
 #   host (host time per eager call: bench.tools.overhead; ~2); transformers (training step, four modes; ~2-3);
 #   rl (the RL step's LM head, bench/tools/rl_step.py: each of its two shapes in a process of its own, torch and JAX
-#     rows, ~4 each; or rl-a / rl-b, one shape per call with more slack); JSON and logs $OUT/rl-step-{a,b}.*;
+#     rows, ~4 each before issue 47's five rows, not yet timed with them: prefer rl-a / rl-b, one shape per call
+#     with 580 s); JSON and logs $OUT/rl-step-{a,b}.*;
 #   distill (issue 38's distillation heads, bench/tools/distill_step.py: each of its two shapes in a process of its own,
 #     torch and JAX rows at four (beta, T), ~4 each; or distill-a / distill-b, one shape per call with more slack);
 #     JSON and logs $OUT/distill-{a,b}.*; DISTILL_IMPLS (a comma list of row names, e.g.
@@ -80,7 +81,7 @@ for stage in "$@"; do
         shape=8192x3584x152064; [ $part = b ] && shape=16384x4096x128256
         timeout $([ "$stage" = rl ] && echo 285 || echo 580) python3 -m bench.tools.rl_step --shapes $shape \
           --json "$OUT/rl-step-$part.json" >"$OUT/rl-step-$part.log" 2>"$OUT/rl-step-$part-progress.log"
-        echo "rl-step $part: exit $?"; tail -32 "$OUT/rl-step-$part.log"; grep -E "FAILED|skipped" "$OUT/rl-step-$part-progress.log"
+        echo "rl-step $part: exit $?"; tail -48 "$OUT/rl-step-$part.log"; grep -E "FAILED|skipped" "$OUT/rl-step-$part-progress.log"
       done ;;
     distill|distill-a|distill-b)
       # Shape a: Qwen2.5-1.5B's head taught by Qwen2.5-7B's hidden states (8192 x 1536 x 3584 x 151936); b: Llama-3.2-1B
