@@ -1,8 +1,8 @@
 """fastce_torch.liger.LigerFusedLinearGRPOLoss against Liger-Kernel 0.8.5's own math: its
 LigerFusedLinearGRPOFunction.ppo_loss_fn applied to float64 log-probs of materialised logits (loss, metrics, and the
 gradients of hidden, weight, bias by autograd through them) and its whole module (compiled=False: plain torch, runs
-on the CPU) when liger_kernel imports; without it, a verbatim transcription of ppo_loss_fn's lines for the loss types
-fastce computes (LIGER_PPO_LOSS_FN below; checked against the real one when liger_kernel imports). Also Liger's
+on the CPU) when liger_kernel imports; without it, its formulas as liger_ppo_loss_fn below states them (checked against
+the real one when liger_kernel imports). Also Liger's
 signatures and every refusal's message. The kernels on the `device` fixture's device (CPU: Triton's interpreter)."""
 
 import inspect
@@ -57,49 +57,37 @@ def liger_ppo_loss_fn(
     old_per_token_logps=None, epsilon_low=0.2, epsilon_high=0.2, beta=0.04, loss_type="dapo",
     max_completion_length=None, delta=None, num_items_in_batch=None, **unused,
 ):  # fmt: skip
-    """Liger 0.8.5's LigerFusedLinearGRPOFunction.ppo_loss_fn, verbatim for token level and the loss types fastce
-    computes (its clip_coef_fn, k3_loss_fn and single-process _compute_dapo_normalizer inlined)."""
-    if ref_per_token_logps is None:
-        ref_per_token_logps = per_token_logps.detach()
-    old_per_token_logps = old_per_token_logps if old_per_token_logps is not None else per_token_logps.detach()
-    coef_1 = torch.exp(per_token_logps - old_per_token_logps)
+    """Liger 0.8.5's GRPO loss and metrics on given log-probs (token level, one process), written here from its
+    documented formulas: TRL's per-token clipped ratio (cispo: the detached capped ratio times A log p), the k3 KL,
+    the loss type's normaliser, and its two metrics (the KL and the clipped fraction, the ratio taken before the
+    delta clamp) over the full mask's token count."""
+    logp, m, a = per_token_logps, attention_mask, advantages[:, None]
+    ref = logp.detach() if ref_per_token_logps is None else ref_per_token_logps
+    ratio = torch.exp(logp - (logp.detach() if old_per_token_logps is None else old_per_token_logps))
     if loss_type == "cispo":
-        coef_2 = torch.clamp(coef_1, None, epsilon_high).detach()
-        is_lower_clipped, is_upper_clipped = False, coef_1 > epsilon_high
-        per_token_loss = -coef_2 * advantages.unsqueeze(1) * per_token_logps
+        clipped = (ratio > epsilon_high) & (a > 0)
+        terms = -ratio.clamp(max=epsilon_high).detach() * a * logp
     else:
-        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
-        is_lower_clipped, is_upper_clipped = coef_1 < 1 - epsilon_low, coef_1 > 1 + epsilon_high
-        if delta is not None:
-            coef_1 = torch.clamp(coef_1, max=delta)
-        per_token_loss = -torch.min(coef_1 * advantages.unsqueeze(1), coef_2 * advantages.unsqueeze(1))
+        clipped = ((ratio < 1 - epsilon_low) & (a < 0)) | ((ratio > 1 + epsilon_high) & (a > 0))
+        capped = ratio if delta is None else ratio.clamp(max=delta)
+        terms = -torch.min(capped * a, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * a)
+    kl = torch.exp(ref - logp) - (ref - logp) - 1.0
     if beta != 0.0:
-        d = ref_per_token_logps - per_token_logps
-        kl_div = torch.exp(d) - d - 1.0
-        per_token_loss = per_token_loss + beta * kl_div
+        terms = terms + beta * kl
+    rows, tokens = full_attention_mask.shape[0], full_attention_mask.sum().clamp(min=1.0)
     if loss_type == "grpo":
-        loss = (
-            (per_token_loss * attention_mask).sum(-1) / torch.clamp(attention_mask.sum(-1), min=1.0)
-        ).sum() / full_attention_mask.shape[0]
-    elif loss_type == "bnpo":
-        loss = (per_token_loss * attention_mask).sum() / torch.clamp(full_attention_mask.sum(), min=1.0)
-    elif loss_type == "dr_grpo":
-        loss = (per_token_loss * attention_mask).sum() / (full_attention_mask.shape[0] * max_completion_length)
-    else:  # dapo, cispo
-        if num_items_in_batch is not None:
-            normalizer = torch.clamp(torch.as_tensor(float(num_items_in_batch), dtype=torch.float32), min=1.0)
-        else:
-            normalizer = torch.clamp(attention_mask.to(torch.float32).sum(), min=1.0)
-        loss = (per_token_loss * attention_mask).sum() / normalizer
-    metrics = []
-    if beta != 0.0:
-        metrics.append((kl_div * attention_mask).sum() / torch.clamp(full_attention_mask.sum(), min=1.0))
-    is_clipped = (is_lower_clipped & (advantages.unsqueeze(1) < 0)) | (is_upper_clipped & (advantages.unsqueeze(1) > 0))
-    metrics.append((is_clipped * attention_mask).sum() / torch.clamp(full_attention_mask.sum(), min=1.0))
-    return loss, metrics
+        loss = ((terms * m).sum(-1) / m.sum(-1).clamp(min=1.0)).sum() / rows
+    else:
+        divisor = {
+            "bnpo": tokens,
+            "dr_grpo": rows * (max_completion_length or 1),
+        }.get(loss_type, torch.tensor(float(num_items_in_batch if num_items_in_batch is not None else m.sum())))
+        loss = (terms * m).sum() / torch.as_tensor(divisor, dtype=torch.float32).clamp(min=1.0)
+    metrics = [(kl * m).sum() / tokens] if beta != 0.0 else []
+    return loss, [*metrics, (clipped * m).sum() / tokens]
 
 
-PPO_LOSS_FNS = [pytest.param(liger_ppo_loss_fn, id="transcribed")]
+PPO_LOSS_FNS = [pytest.param(liger_ppo_loss_fn, id="formulas")]
 PPO_LOSS_FNS.append(pytest.param(RealFunction and RealFunction.ppo_loss_fn, id="liger", marks=needs_liger))
 
 CASES = {
@@ -177,7 +165,7 @@ def test_reference_backend_and_flat_input():
 
 
 @needs_liger
-def test_transcription_is_liger_s():
+def test_formulas_are_liger_s():
     leaves, tokens, mask, advantages, old, ref = problem(seed=2)
     for case in CASES.values():
         got = liger_expected(liger_ppo_loss_fn, leaves, tokens, mask, advantages, old, ref, case)
