@@ -346,7 +346,7 @@ def test_token_objective_matches_float64_autograd(backend, with_entropy, device)
 
 def test_token_objective_gives_inputs_no_gradient(device):
     hidden, weight, bias, tokens, _, mask, _, _ = problem(device)
-    advantages = torch.randn(B, T, requires_grad=True)
+    advantages = torch.randn(B, T, device=device, requires_grad=True)
     loss = linear_token_objective(hidden, weight, tokens, objective, (advantages, mask), bias=bias, backend="kernel")
     loss.backward()
     assert advantages.grad is None and hidden.grad is not None
@@ -360,6 +360,7 @@ def test_token_objective_gives_inputs_no_gradient(device):
         (lambda lp, h: lp.tolist(), (), TypeError, "objective"),
         (lambda lp, h, x: lp * x, (torch.ones(B, T + 1),), ValueError, "inputs"),
         (lambda lp, h, x: lp * x, torch.ones(B, T), TypeError, "inputs"),
+        (lambda lp, h, x: lp * x, (torch.ones(B, T, device="meta"),), ValueError, "inputs must be on the tokens"),
         ("not callable", (), TypeError, "objective"),
     ],
 )
@@ -402,7 +403,7 @@ def test_fullgraph_compile_presets(loss_type, device):
 
 def test_token_objective_under_compile_runs_eagerly(device):
     hidden, weight, bias, tokens, _, mask, _, _ = problem(device)
-    advantages = torch.randn(B, T, generator=torch.Generator().manual_seed(4))
+    advantages = torch.randn(B, T, generator=torch.Generator().manual_seed(4)).to(device)
 
     def step(h, w, b):
         return linear_token_objective(h, w, tokens, objective, (advantages, mask), bias=b, backend="kernel") * 0.5

@@ -344,6 +344,8 @@ def _token_objective(
     for x in inputs:
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(tokens.shape):
             raise ValueError(f"inputs must be tensors shaped like tokens {tuple(tokens.shape)}, got {x!r:.80}")
+        if x.device != tokens.device:
+            raise ValueError(f"inputs must be on the tokens' device {tokens.device}, got one on {x.device}")
     chunking = check_chunking(workspace_bytes, None, False)
     inputs = tuple(x.detach() for x in inputs)
     if not use_kernel(hidden, backend):
