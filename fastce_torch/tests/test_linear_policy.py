@@ -416,3 +416,31 @@ def test_token_objective_under_compile_runs_eagerly(device):
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
     assert math.isfinite(float(want[0].sum()))
+
+
+@pytest.mark.gpu
+def test_presets_are_captured_in_a_cuda_graph(device):
+    """The GRPO preset with KL and the entropy bonus, forward and backward, captured in a CUDA graph after a warm-up on
+    a side stream: the replay gives the eager step's loss, metrics and gradients (no host synchronisation inside)."""
+    hidden, weight, bias, tokens, advantages, mask, old, ref = problem(device, seed=7)
+    static = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
+
+    def step():
+        out, grads = run(*static, tokens, advantages, mask=mask, old_log_probs=old, ref_log_probs=ref, beta=0.04,
+                         entropy_coef=0.01, temperature=0.7, backend="kernel", **CHUNK)  # fmt: skip
+        return (out.loss.detach(), out.kl, out.clip_ratio_region, *grads)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    eager = step()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
