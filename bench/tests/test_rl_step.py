@@ -50,9 +50,11 @@ def test_a_failed_row_is_recorded(on_cpu, monkeypatch):
     not fastce_torch.core.launch.INTERPRETED, reason="the kernels on CPU tensors need TRITON_INTERPRET=1"
 )
 def test_every_row_on_cpu(on_cpu, tmp_path, monkeypatch):
-    shape = LinearShape(64, 16, 96, "float32")
-    # The "grpo" rows' sequences: 4 of 16 tokens with 2 or 3 ignored, so that its per-sequence normalisation counts.
-    monkeypatch.setattr(rl_step, "SEQUENCE", 16)
+    # 16 rows: the interpreter runs one program per row, so the rows are the test's time.
+    shape = LinearShape(16, 16, 96, "float32")
+    # The "grpo" rows' sequences: 4 of 4 tokens with 0 or 1 ignored (rows 0, 7 and 14), so that its per-sequence
+    # normalisation counts.
+    monkeypatch.setattr(rl_step, "SEQUENCE", 4)
     # One workspace setting (the others take the same path); torch.compile's and Liger's rows are the GPU run's.
     skipped = ("trl_compile", "liger_grpo", "fastce_torch_ws1GiB", "fastce_torch_ws4GiB")
     impls = [i for i in rl_step.torch_implementations("kernel") if i not in skipped]
@@ -87,6 +89,6 @@ def test_every_row_on_cpu(on_cpu, tmp_path, monkeypatch):
     report.write_json(result, tmp_path / "2026-12-04-h200-rl-step-a-0000000.json")
     (found,) = report.newest_runs("*-rl-step-*.json", tmp_path)
     text = report.rl_markdown(report.read_json(found), found.name)
-    assert "| fastce_torch | 64 | 16 | 96 |" in text and '/ "mean": 1.000x (target <= 1.35x)' in text
+    assert "| fastce_torch | 16 | 16 | 96 |" in text and '/ "mean": 1.000x (target <= 1.35x)' in text
     assert 'linear_policy_loss "grpo" (KL, entropy) / "mean": 1.000x (target <= 1.05x)' in text
     assert 'JAX "grpo" / XLA\'s full logits: 1.000x (target < 1x)' in text
