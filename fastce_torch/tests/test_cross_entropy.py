@@ -145,8 +145,10 @@ def test_reductions(reduction, n_items, device, poisoned):
 
 def test_reduction_over_many_rows_and_chunks(device, poisoned):
     """The in-kernel reduction sums rows in groups of 64 (a partial last group; whole groups only), then the group
-    sums; chunked rows finish in any order."""
-    for shape, vocab, reduction in (((2, 550), 8, "mean"), ((4, 32), 1000, "mean"), ((12,), 300000, "sum")):
+    sums; chunked rows finish in any order. The smallest shapes with each property (the interpreter runs a program
+    per row and chunk): 140 rows are groups of 64, 64 and 12 (a partial last one, three group sums); 128 rows two
+    whole groups; 3 rows of 300000 columns each 19 chunks of 16384 (one row ignored)."""
+    for shape, vocab, reduction in (((2, 70), 8, "mean"), ((4, 32), 1000, "mean"), ((3,), 300000, "sum")):
         logits, labels = random_problem(shape, vocab, torch.float32, device, seed=vocab, ignore_every=3)
         loss, grad = run_kernel(logits, labels, reduction=reduction, inplace=True)
         ref = expected(logits, labels, reduction=reduction)
