@@ -82,7 +82,8 @@ REFERENCE_COMPILE_CASES = "--only=mean,sum,none,all-options,all-options-3d,n-ite
 # through the vocab-parallel loss, process group and DTensor: each rank's columns of H v against the float64
 # reference's, the cross-rank terms through a differentiable all-reduce), --compile (above). The compiled sets are
 # launches of their own: under pytest-xdist they run beside the eager ones, and the oldest-torch CI job, for which
-# torch.compile and DTensor are what changes between releases, runs only them (with the 2-D mesh).
+# torch.compile and DTensor are what changes between releases, runs the kernels' (with the 2-D mesh; .ci/run says
+# why not the plain-torch backend's).
 TWO_RANKS = {
     "kernel": (
         ["--backend=kernel", "--local-vocab=20", "--poisoned"],
