@@ -1,6 +1,8 @@
 """Repository-wide pytest options. `--gpu` runs the suites on CUDA devices (torch and JAX) instead of the CPU
 interpreters; without it, tests marked `gpu` are skipped."""
 
+import sys
+
 import pytest
 
 
@@ -26,3 +28,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    # Every test module is imported (fastce_torch among them chose Triton's interpreter before triton's import):
+    # Triton's interpreter then skips re-patching triton.language at each helper call inside a launch
+    # (shared_tests/interpreter_patching.py), a fifth of an interpreted kernel test's CPU time.
+    if "triton" in sys.modules:
+        from shared_tests import interpreter_patching
+
+        interpreter_patching.install()

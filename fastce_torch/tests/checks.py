@@ -9,7 +9,11 @@ import sys
 
 import torch
 
-from shared_tests import harness, reference, tolerances
+import fastce_torch  # noqa: F401  (before triton: chooses Triton's interpreter on a CPU machine)
+from shared_tests import harness, interpreter_patching, reference, tolerances
+
+# Here too for the rank processes (torch.distributed.run), which load no conftest.
+interpreter_patching.install()
 
 
 @contextlib.contextmanager
