@@ -6,8 +6,9 @@ again. `install()` skips that repeat: inside a launch, a helper whose language m
 launch's patch; a helper that sees another module (one the launch did not patch) is patched as Triton would. The
 launch's own patch and its restore are Triton's.
 
-Only for the interpreter of the Triton this was written against (the three names below, the launch restoring the
-scope it got); anything else leaves Triton as it is. Tests only: the package never imports this module.
+Only for the interpreter of the Triton this was written against (3.6, CI's pin: the three names below, the launch
+restoring the scope it got); any other release (the release jobs' 3.8 and 3.9) keeps Triton's own behaviour. Tests
+only: the package never imports this module.
 """
 
 import inspect
@@ -18,12 +19,15 @@ __all__ = ["install"]
 def install():
     """Make Triton's interpreter skip the repeated patch (once per process; False where it is left alone)."""
     try:
+        import triton
         import triton.language as tl
         from triton.runtime import interpreter
     except ImportError:
         return False
     if getattr(interpreter, "_fastce_patch_once", False):
         return True
+    if not triton.__version__.startswith("3.6."):
+        return False
     try:
         launch_source = inspect.getsource(interpreter.GridExecutor.__call__)
         call_source = inspect.getsource(interpreter.InterpretedFunction.__call__)
